@@ -1,0 +1,112 @@
+// flash_params.h — the plain parameter structs every flash_cuda kernel receives.
+//
+// No torch header here or in any kernel: the binding (csrc/flash_api.cpp) is the only
+// file that sees tensors. It fills these structs (pointers, strides, sizes, scale,
+// flags) and dispatches on dtype / head dim / arch. nvcc alone compiles every kernel.
+//
+// Layout convention, for every 4-d tensor X in [batch][head][row][dim] order:
+//   element (b, h, i, d) lives at X + b*x_batch_stride + h*x_head_stride + i*x_row_stride + d
+// i.e. the last dimension is always contiguous (stride 1) and every other stride is an
+// element count (int64: offsets can pass 2^31).
+#pragma once
+
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define FLASH_HOST_DEVICE __host__ __device__
+#else
+#define FLASH_HOST_DEVICE
+#endif
+
+namespace flash_cuda {
+
+enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+
+// Which kernel family runs the call.
+enum class Tier : int {
+  kAuto = 0,  // binding picks: fp32 -> kSimt, fp16/bf16 -> kMma
+  kSimt = 1,  // fp32 CUDA-core tier (true fp32 FMA arithmetic)
+  kMma = 2,   // fp16/bf16 tensor-core tier (mma.sync m16n8k16, ldmatrix, cp.async)
+};
+
+struct FwdParams {
+  // ---- inputs (element type given by `dtype`) ----
+  const void* q = nullptr;  // [b][hq][sq][d]
+  const void* k = nullptr;  // [b][hkv][sk][d]
+  const void* v = nullptr;  // [b][hkv][sk][d]
+  int64_t q_batch_stride = 0, q_head_stride = 0, q_row_stride = 0;
+  int64_t k_batch_stride = 0, k_head_stride = 0, k_row_stride = 0;
+  int64_t v_batch_stride = 0, v_head_stride = 0, v_row_stride = 0;
+
+  // ---- outputs ----
+  void* o = nullptr;  // [b][hq][sq][d], dtype of q
+  int64_t o_batch_stride = 0, o_head_stride = 0, o_row_stride = 0;
+  // Log-sum-exp of the scaled scores, natural log, float32, contiguous [b][hq][sq]:
+  // lse(b, h, i) = softmax_lse[(b*hq + h)*sq + i]. A row that sees no key gets -inf.
+  float* softmax_lse = nullptr;
+
+  // ---- sizes ----
+  int b = 0;     // batch
+  int hq = 0;    // query heads
+  int hkv = 0;   // key/value heads; hq % hkv == 0, query head h reads kv head h / (hq/hkv)
+  int sq = 0;    // query length  (>= 1 when a kernel is launched)
+  int sk = 0;    // key length    (>= 1 when a kernel is launched)
+  int d = 0;     // head dim: a multiple of 8 in [8, 256]
+
+  // ---- softmax ----
+  float scale = 0.f;       // multiplies q.k
+  float scale_log2 = 0.f;  // scale * log2(e): kernels work with exp2
+
+  // ---- masking ----
+  // Causal masking is bottom-right aligned: query i sees key j iff j <= i + (sk - sq).
+  // A query row with i + (sk - sq) < 0 sees no key: its output is 0 and its lse is -inf.
+  bool is_causal = false;
+
+  // ---- reserved for planned features (kernels reject or ignore nothing yet: the
+  //      binding keeps them at their "off" values until a kernel implements them) ----
+  const int32_t* cu_seqlens_q = nullptr;  // varlen batches: [b + 1] prefix sums (off: nullptr)
+  const int32_t* cu_seqlens_k = nullptr;
+  int window_left = -1;   // sliding window: keys j >= i + (sk - sq) - window_left (off: -1)
+  int window_right = -1;  // keys j <= i + (sk - sq) + window_right (off: -1; causal == 0)
+  float softcap = 0.f;    // tanh soft-capping of scores (off: 0)
+  int num_splits = 1;     // split-KV decode (off: 1)
+
+  // ---- dispatch facts ----
+  DType dtype = DType::kFloat16;
+  int sm_arch = 0;  // e.g. 80, 90
+  int num_sms = 0;
+};
+
+struct BwdParams : FwdParams {
+  // Upstream gradient of o, same layout rules, dtype of q.
+  const void* dout = nullptr;
+  int64_t do_batch_stride = 0, do_head_stride = 0, do_row_stride = 0;
+
+  // Optional upstream gradient of lse, float32 contiguous [b][hq][sq] (nullptr: none).
+  const float* dlse = nullptr;
+
+  // Gradients, dtype of q; dk/dv are [b][hkv][sk][d] (summed over the query heads of a group).
+  void* dq = nullptr;
+  void* dk = nullptr;
+  void* dv = nullptr;
+  int64_t dq_batch_stride = 0, dq_head_stride = 0, dq_row_stride = 0;
+  int64_t dk_batch_stride = 0, dk_head_stride = 0, dk_row_stride = 0;
+  int64_t dv_batch_stride = 0, dv_head_stride = 0, dv_row_stride = 0;
+
+  // Workspaces, allocated by the binding:
+  //   delta    : float32 contiguous [b][hq][sq]; delta = rowsum(dO * O) - dlse
+  //   dq_accum : float32 contiguous [b][hq][sq][d] (row stride d), zero-filled by the
+  //              binding; used only by kernels that accumulate dQ with atomics.
+  float* delta = nullptr;
+  float* dq_accum = nullptr;
+
+  // true: no floating-point atomics anywhere, gradients are bitwise reproducible.
+  bool deterministic = false;
+};
+
+// Row-offset helpers (64-bit on purpose).
+FLASH_HOST_DEVICE inline int64_t lse_offset(const FwdParams& p, int bi, int hi) {
+  return (static_cast<int64_t>(bi) * p.hq + hi) * p.sq;
+}
+
+}  // namespace flash_cuda

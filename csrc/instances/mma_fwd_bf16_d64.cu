@@ -1,0 +1,6 @@
+// Instance: tensor-core forward, bf16, head-dim bucket 64.
+#include "../kernels/mma_fwd.cuh"
+
+namespace flash_cuda {
+template void run_fwd_mma<static_cast<int>(DType::kBFloat16), 64>(const FwdParams&, cudaStream_t);
+}  // namespace flash_cuda

@@ -1,0 +1,6 @@
+// Instance: tensor-core forward, fp16, head-dim bucket 192.
+#include "../kernels/mma_fwd.cuh"
+
+namespace flash_cuda {
+template void run_fwd_mma<static_cast<int>(DType::kFloat16), 192>(const FwdParams&, cudaStream_t);
+}  // namespace flash_cuda

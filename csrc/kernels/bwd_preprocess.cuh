@@ -1,0 +1,64 @@
+// bwd_preprocess.cuh — the first backward step of every tier (FlashAttention-2):
+//   delta_i = sum_d dO[i, d] * O[i, d]  -  dlse_i
+// delta is the row-wise correction of dS = P * (dP - delta). Computing it once here means
+// neither the dK/dV kernel nor the dQ kernel has to read O.
+//
+// One warp per query row: each lane reads 16-byte vectors of dO and O (coalesced along
+// the row), accumulates in fp32 and the warp reduces with shuffles.
+#pragma once
+
+#include "common.cuh"
+
+namespace flash_cuda {
+
+template <typename T>
+__global__ void __launch_bounds__(256) bwd_preprocess_delta_kernel(BwdParams p) {
+  constexpr int kVec = 16 / sizeof(T);  // elements per 16-byte vector
+  const int warps_per_block = blockDim.x / 32;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * warps_per_block + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const int64_t total_rows = static_cast<int64_t>(p.b) * p.hq * p.sq;
+  if (row >= total_rows) return;
+
+  const int i = static_cast<int>(row % p.sq);
+  const int64_t bh = row / p.sq;
+  const int h = static_cast<int>(bh % p.hq);
+  const int bi = static_cast<int>(bh / p.hq);
+
+  const T* o_row = static_cast<const T*>(p.o) + bi * p.o_batch_stride + h * p.o_head_stride +
+                   i * p.o_row_stride;
+  const T* do_row = static_cast<const T*>(p.dout) + bi * p.do_batch_stride + h * p.do_head_stride +
+                    i * p.do_row_stride;
+
+  float acc = 0.f;
+  // d is a multiple of 8, so a 16-byte vector never straddles the row end for 16-bit
+  // types; fp32 uses 4-element vectors, and d % 4 == 0 as well.
+  for (int c = lane * kVec; c < p.d; c += 32 * kVec) {
+    const uint4 ov = *reinterpret_cast<const uint4*>(o_row + c);
+    const uint4 dv = *reinterpret_cast<const uint4*>(do_row + c);
+    const T* oe = reinterpret_cast<const T*>(&ov);
+    const T* de = reinterpret_cast<const T*>(&dv);
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) acc += to_float(oe[e]) * to_float(de[e]);
+  }
+  acc = group_sum<32>(acc);
+  if (lane == 0) {
+    const float dl = p.dlse != nullptr ? p.dlse[row] : 0.f;
+    // A row that saw no key has lse = -inf and O = 0; its delta is irrelevant but finite.
+    p.delta[row] = acc - dl;
+  }
+}
+
+// Launches the delta kernel. Requires 16-byte aligned rows (the binding checks pointer
+// and stride alignment, and copies inputs that are not aligned).
+template <typename T>
+inline void launch_bwd_preprocess(const BwdParams& p, cudaStream_t stream) {
+  const int64_t total_rows = static_cast<int64_t>(p.b) * p.hq * p.sq;
+  constexpr int kThreads = 256;
+  constexpr int kRowsPerBlock = kThreads / 32;
+  const int64_t blocks = (total_rows + kRowsPerBlock - 1) / kRowsPerBlock;
+  bwd_preprocess_delta_kernel<T><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(p);
+  check_launch("bwd_preprocess_delta");
+}
+
+}  // namespace flash_cuda

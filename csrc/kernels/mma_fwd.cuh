@@ -1,0 +1,427 @@
+// mma_fwd.cuh — the fp16/bf16 tensor-core forward of flash_cuda (FlashAttention-2 style).
+//
+// Work split. One CTA owns kBlockM query rows of one (batch, query head); its kNWarps
+// warps split those rows (FlashAttention-2: warps split queries, never keys, so the
+// softmax statistics of a row live in one warp and need no shared-memory exchange).
+// Each warp owns kWarpRows = 16 * kMTiles rows: with two 16-row MMA tiles per warp every
+// K/V fragment read from shared memory feeds two tensor-core instructions.
+//
+// Per K/V block (kBlockN keys) the loop runs the four steps of the online softmax:
+//   1. compute_qk_scores_and_max            S = Q K^T (mma.sync), mask, row max
+//   2. merge_block_stats                    new running max, rescale l and the O accumulator
+//   3. compute_block_softmax_and_weighted_v P = exp2(S - m), l += rowsum(P), O += P V (mma.sync)
+// and after the last block
+//   4. normalize_output                     O /= l, lse = (m + log2 l) * ln 2, store
+//
+// Data movement. Q is copied once into shared memory; K and V blocks stream through a
+// two-stage ring filled by cp.async (LDGSTS), so block j+1 is in flight while block j is
+// computed. Shared-memory rows are padded by 8 elements (16 bytes): the 8 row addresses of
+// every ldmatrix then fall into 8 different 16-byte bank groups, for any head dim.
+//
+// Scores are kept in the log2 domain: s2 = (q . k) * scale * log2(e), so each softmax
+// element costs one FMUL, one FADD and one MUFU.EX2.
+#pragma once
+
+#include "common.cuh"
+
+namespace flash_cuda {
+namespace fwd_mma {
+
+// ---------------------------------------------------------------------------------
+// Tile configuration per head-dim bucket.
+// ---------------------------------------------------------------------------------
+template <int kHeadDim>
+struct Traits;
+// kBlockM, kBlockN, kNWarps, kMinBlocksPerSM. Measured on the H200 (OPTIMIZATION.md):
+// at head dim 64, four 64-row CTAs per SM (16 warps) beat two 128-row CTAs by 15%.
+template <> struct Traits<32>  { static constexpr int kBlockM = 64,  kBlockN = 64,  kNWarps = 4, kMinBlocks = 4; };
+template <> struct Traits<64>  { static constexpr int kBlockM = 64,  kBlockN = 64,  kNWarps = 4, kMinBlocks = 4; };
+template <> struct Traits<96>  { static constexpr int kBlockM = 128, kBlockN = 64,  kNWarps = 4, kMinBlocks = 2; };
+template <> struct Traits<128> { static constexpr int kBlockM = 128, kBlockN = 64,  kNWarps = 4, kMinBlocks = 2; };
+template <> struct Traits<192> { static constexpr int kBlockM = 64,  kBlockN = 64,  kNWarps = 4, kMinBlocks = 1; };
+template <> struct Traits<256> { static constexpr int kBlockM = 64,  kBlockN = 64,  kNWarps = 4, kMinBlocks = 1; };
+
+template <typename T_, int kHeadDim_, int kBlockM_ = Traits<kHeadDim_>::kBlockM,
+          int kBlockN_ = Traits<kHeadDim_>::kBlockN, int kNWarps_ = Traits<kHeadDim_>::kNWarps,
+          int kMinBlocks_ = Traits<kHeadDim_>::kMinBlocks>
+struct Config {
+  using T = T_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = kBlockM_;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kNWarps = kNWarps_;
+  static constexpr int kMinBlocks = kMinBlocks_;
+  static constexpr int kThreads = kNWarps * 32;
+  static constexpr int kWarpRows = kBlockM / kNWarps;
+  static constexpr int kMTiles = kWarpRows / 16;  // 16-row MMA tiles per warp
+  static constexpr int kNTiles = kBlockN / 8;     // 8-key MMA tiles of S per block
+  static constexpr int kDTiles = kHeadDim / 8;    // 8-column MMA tiles of O
+  static constexpr int kStride = kHeadDim + 8;    // padded shared-memory row (elements)
+  static constexpr int kStages = 2;               // K/V ring depth
+  static constexpr size_t kSmemQ = size_t(kBlockM) * kStride * sizeof(T);
+  static constexpr size_t kSmemKV = size_t(kBlockN) * kStride * sizeof(T);  // one K or V block
+  static constexpr size_t kSmemBytes = kSmemQ + 2 * kStages * kSmemKV;
+  static_assert(kWarpRows % 16 == 0, "a warp owns whole 16-row MMA tiles");
+  static_assert(kBlockN % 16 == 0 && kHeadDim % 16 == 0, "MMA k-steps are 16 wide");
+};
+
+// ---------------------------------------------------------------------------------
+// Global -> shared tile copy: rows [0, kRows) x columns [0, kHeadDim) of a row-major
+// tensor slice, 16 bytes per cp.async. Rows >= rows_valid and columns >= d are zero-filled
+// (the padded columns then contribute 0 to every dot product).
+// ---------------------------------------------------------------------------------
+template <typename Cfg, int kRows>
+__device__ __forceinline__ void load_tile_async(typename Cfg::T* smem, const typename Cfg::T* gmem,
+                                                int64_t row_stride, int rows_valid, int d) {
+  // Each thread keeps one 16-byte column chunk and walks down the rows, so the address
+  // arithmetic is one add per copy (few live registers next to the accumulators). When
+  // the thread count is not a multiple of the chunks per row (head dims 96, 192) the
+  // last few threads sit out.
+  constexpr int kChunksPerRow = Cfg::kHeadDim / 8;
+  constexpr int kRowsPerPass = Cfg::kThreads / kChunksPerRow;
+  const int col = (threadIdx.x % kChunksPerRow) * 8;
+  int r = threadIdx.x / kChunksPerRow;
+  if (Cfg::kThreads % kChunksPerRow != 0 && r >= kRowsPerPass) return;
+  const bool col_valid = col < d;
+  const typename Cfg::T* src = gmem + r * row_stride + col;
+  typename Cfg::T* dst = smem + r * Cfg::kStride + col;
+#pragma unroll
+  for (int pass = 0; pass < ceil_div(kRows, kRowsPerPass); ++pass) {
+    if (kRows % kRowsPerPass == 0 || r < kRows) {
+      const bool valid = col_valid && r < rows_valid;
+      cp_async_16(dst, valid ? src : gmem, valid);
+    }
+    r += kRowsPerPass;
+    src += kRowsPerPass * row_stride;
+    dst += kRowsPerPass * Cfg::kStride;
+  }
+}
+
+// ---------------------------------------------------------------------------------
+// Step 1: S = Q K^T for this warp's rows and one K block, masked, scaled to the log2
+// domain; returns the block's row maxima (two rows per thread per m-tile: g and g+8).
+// ---------------------------------------------------------------------------------
+template <typename Cfg>
+__device__ __forceinline__ void compute_qk_scores_and_max(
+    float (&s)[Cfg::kMTiles][Cfg::kNTiles][4], float (&block_max)[Cfg::kMTiles][2],
+    const typename Cfg::T* sQ_warp, const typename Cfg::T* sK, bool needs_mask, int row_base,
+    int key_base, int sk, int causal_offset, bool is_causal, float scale_log2) {
+  // (block_max is returned in the log2 domain: max_j(s_j) * scale * log2(e).)
+  using T = typename Cfg::T;
+  const int lane = threadIdx.x % 32;
+#pragma unroll
+  for (int mt = 0; mt < Cfg::kMTiles; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < Cfg::kNTiles; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[mt][nt][e] = 0.f;
+
+#pragma unroll
+  for (int kk = 0; kk < Cfg::kHeadDim / 16; ++kk) {
+    // A fragments (Q rows): lane i addresses row (i % 8) + 8 * ((i / 8) % 2), column block i / 16.
+    uint32_t a[Cfg::kMTiles][4];
+#pragma unroll
+    for (int mt = 0; mt < Cfg::kMTiles; ++mt) {
+      const T* p = sQ_warp + (mt * 16 + (lane % 8) + ((lane / 8) % 2) * 8) * Cfg::kStride + kk * 16 +
+                   (lane / 16) * 8;
+      ldmatrix_x4(a[mt], p);
+    }
+    // B fragments (K rows = columns of K^T), two 8-key tiles per ldmatrix.x4:
+    // lane i addresses key (i % 8) + 8 * (i / 16), column block (i / 8) % 2.
+#pragma unroll
+    for (int nt2 = 0; nt2 < Cfg::kNTiles / 2; ++nt2) {
+      uint32_t b[4];
+      const T* p = sK + (nt2 * 16 + (lane % 8) + (lane / 16) * 8) * Cfg::kStride + kk * 16 +
+                   ((lane / 8) % 2) * 8;
+      ldmatrix_x4(b, p);
+#pragma unroll
+      for (int mt = 0; mt < Cfg::kMTiles; ++mt) {
+        mma_16816<T>(s[mt][2 * nt2], a[mt], b[0], b[1]);
+        mma_16816<T>(s[mt][2 * nt2 + 1], a[mt], b[2], b[3]);
+      }
+    }
+  }
+
+  // Mask (only blocks that straddle the causal diagonal or the end of the keys pay for
+  // it) and take the row maxima of the raw scores. The scale is positive (the binding
+  // folds a negative scale into q), so max(scale * s) = scale * max(s): the scale is
+  // applied once per row here and once per element inside the exp2's FFMA.
+  const int g = lane / 4, t = lane % 4;
+#pragma unroll
+  for (int mt = 0; mt < Cfg::kMTiles; ++mt) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int row = row_base + mt * 16 + g + half * 8;
+      float mx = -INFINITY;
+#pragma unroll
+      for (int nt = 0; nt < Cfg::kNTiles; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          if (needs_mask) {
+            const int col = key_base + nt * 8 + 2 * t + e;
+            if (!key_visible(row, col, sk, causal_offset, is_causal)) s[mt][nt][half * 2 + e] = -INFINITY;
+          }
+          mx = fmaxf(mx, s[mt][nt][half * 2 + e]);
+        }
+      }
+      block_max[mt][half] = group_max<4>(mx) * scale_log2;  // the 4 lanes of a quad share a row
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------
+// Step 2: fold the block maxima into the running statistics. The O accumulator and the
+// running sum were computed against the old max, so both are rescaled by
+// alpha = exp2(m_old - m_new). A row that has seen only masked keys keeps m = -inf and
+// alpha = 0 (its accumulator is still zero).
+// ---------------------------------------------------------------------------------
+template <typename Cfg>
+__device__ __forceinline__ void merge_block_stats(float (&row_max)[Cfg::kMTiles][2],
+                                                  float (&row_sum)[Cfg::kMTiles][2],
+                                                  float (&acc_o)[Cfg::kMTiles][Cfg::kDTiles][4],
+                                                  const float (&block_max)[Cfg::kMTiles][2]) {
+  float alpha[Cfg::kMTiles][2];
+  bool grew = false;
+#pragma unroll
+  for (int mt = 0; mt < Cfg::kMTiles; ++mt) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const float m_new = fmaxf(row_max[mt][half], block_max[mt][half]);
+      alpha[mt][half] = fast_exp2(row_max[mt][half] - safe_max(m_new));
+      grew |= m_new > row_max[mt][half];
+      row_max[mt][half] = m_new;
+      row_sum[mt][half] *= alpha[mt][half];
+    }
+  }
+  // Once the running maxima settle (after a few blocks on real data) alpha is 1 for every
+  // row of the warp; skipping the multiply saves kHeadDim/2 FMULs per row per block.
+  if (__any_sync(0xffffffffu, grew)) {
+#pragma unroll
+    for (int mt = 0; mt < Cfg::kMTiles; ++mt)
+#pragma unroll
+      for (int dt = 0; dt < Cfg::kDTiles; ++dt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc_o[mt][dt][e] *= alpha[mt][e / 2];
+  }
+}
+
+// ---------------------------------------------------------------------------------
+// Step 3: P = exp2(S - m) (masked entries are -inf -> 0), accumulate the row sums
+// (per thread; the quad reduction waits until normalize_output) and O += P V.
+// The S accumulator fragments of two neighbouring 8-key tiles are exactly the A fragment
+// of one 16-key MMA step, so P goes from registers to the tensor cores without touching
+// shared memory. V is read with ldmatrix.trans: lane i addresses key (i % 8) +
+// 8 * ((i / 8) % 2), column block i / 16.
+// ---------------------------------------------------------------------------------
+template <typename Cfg>
+__device__ __forceinline__ void compute_block_softmax_and_weighted_v(
+    float (&s)[Cfg::kMTiles][Cfg::kNTiles][4], float (&row_sum)[Cfg::kMTiles][2],
+    float (&acc_o)[Cfg::kMTiles][Cfg::kDTiles][4], const float (&row_max)[Cfg::kMTiles][2],
+    const typename Cfg::T* sV, float scale_log2) {
+  using T = typename Cfg::T;
+  const int lane = threadIdx.x % 32;
+#pragma unroll
+  for (int mt = 0; mt < Cfg::kMTiles; ++mt) {
+    const float m0 = safe_max(row_max[mt][0]);
+    const float m1 = safe_max(row_max[mt][1]);
+#pragma unroll
+    for (int nt = 0; nt < Cfg::kNTiles; ++nt) {
+      // p = 2^(s * scale * log2(e) - m): one FFMA + one MUFU.EX2 per element.
+      s[mt][nt][0] = fast_exp2(fmaf(s[mt][nt][0], scale_log2, -m0));
+      s[mt][nt][1] = fast_exp2(fmaf(s[mt][nt][1], scale_log2, -m0));
+      s[mt][nt][2] = fast_exp2(fmaf(s[mt][nt][2], scale_log2, -m1));
+      s[mt][nt][3] = fast_exp2(fmaf(s[mt][nt][3], scale_log2, -m1));
+      row_sum[mt][0] += s[mt][nt][0] + s[mt][nt][1];
+      row_sum[mt][1] += s[mt][nt][2] + s[mt][nt][3];
+    }
+  }
+
+#pragma unroll
+  for (int kk = 0; kk < Cfg::kBlockN / 16; ++kk) {
+    uint32_t a[Cfg::kMTiles][4];
+#pragma unroll
+    for (int mt = 0; mt < Cfg::kMTiles; ++mt) {
+      a[mt][0] = pack2<T>(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+      a[mt][1] = pack2<T>(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+      a[mt][2] = pack2<T>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+      a[mt][3] = pack2<T>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+    }
+#pragma unroll
+    for (int dt2 = 0; dt2 < Cfg::kDTiles / 2; ++dt2) {
+      uint32_t b[4];
+      const T* p = sV + (kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8) * Cfg::kStride + dt2 * 16 +
+                   (lane / 16) * 8;
+      ldmatrix_x4_trans(b, p);
+#pragma unroll
+      for (int mt = 0; mt < Cfg::kMTiles; ++mt) {
+        mma_16816<T>(acc_o[mt][2 * dt2], a[mt], b[0], b[1]);
+        mma_16816<T>(acc_o[mt][2 * dt2 + 1], a[mt], b[2], b[3]);
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------
+// Step 4: finish the row sums across the quad, divide, write O (through this warp's own
+// rows of the Q tile, so the global stores are 16-byte and coalesced) and the lse.
+// ---------------------------------------------------------------------------------
+template <typename Cfg>
+__device__ __forceinline__ void normalize_output(float (&acc_o)[Cfg::kMTiles][Cfg::kDTiles][4],
+                                                 float (&row_sum)[Cfg::kMTiles][2],
+                                                 const float (&row_max)[Cfg::kMTiles][2],
+                                                 typename Cfg::T* sO_warp, typename Cfg::T* o_rows,
+                                                 int64_t o_row_stride, float* lse_rows,
+                                                 int rows_valid, int d) {
+  using T = typename Cfg::T;
+  const int lane = threadIdx.x % 32;
+  const int g = lane / 4, t = lane % 4;
+  constexpr float kLn2 = 0.6931471805599453f;
+#pragma unroll
+  for (int mt = 0; mt < Cfg::kMTiles; ++mt) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const float l = group_sum<4>(row_sum[mt][half]);
+      const float inv = l > 0.f ? 1.f / l : 0.f;  // no visible key: output 0
+      const int r = mt * 16 + g + half * 8;
+#pragma unroll
+      for (int dt = 0; dt < Cfg::kDTiles; ++dt) {
+        const uint32_t packed =
+            pack2<T>(acc_o[mt][dt][half * 2] * inv, acc_o[mt][dt][half * 2 + 1] * inv);
+        *reinterpret_cast<uint32_t*>(sO_warp + r * Cfg::kStride + dt * 8 + 2 * t) = packed;
+      }
+      if (t == 0 && r < rows_valid) {
+        lse_rows[r] = l > 0.f ? (row_max[mt][half] + __log2f(l)) * kLn2 : -INFINITY;
+      }
+    }
+  }
+  __syncwarp();
+  constexpr int kChunksPerRow = Cfg::kHeadDim / 8;
+#pragma unroll
+  for (int c = lane; c < Cfg::kWarpRows * kChunksPerRow; c += 32) {
+    const int r = c / kChunksPerRow;
+    const int col = (c % kChunksPerRow) * 8;
+    if (r < rows_valid && col < d) {
+      *reinterpret_cast<uint4*>(o_rows + r * o_row_stride + col) =
+          *reinterpret_cast<const uint4*>(sO_warp + r * Cfg::kStride + col);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------
+// The kernel. Grid: (query blocks, query heads, batch).
+// ---------------------------------------------------------------------------------
+template <typename Cfg>
+__global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) fwd_mma_kernel(const FwdParams p) {
+  using T = typename Cfg::T;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* sQ = reinterpret_cast<T*>(smem_raw);
+  T* sK = sQ + Cfg::kBlockM * Cfg::kStride;                      // [kStages][kBlockN][kStride]
+  T* sV = sK + Cfg::kStages * Cfg::kBlockN * Cfg::kStride;       // [kStages][kBlockN][kStride]
+
+  // Under causal masking late query blocks see the most keys: launch them first.
+  const int m_block = p.is_causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+  const int h = blockIdx.y;
+  const int bi = blockIdx.z;
+  const int h_kv = h / (p.hq / p.hkv);
+  const int warp = threadIdx.x / 32;
+  const int causal_offset = p.sk - p.sq;
+  const int row0 = m_block * Cfg::kBlockM;
+  const int rows_valid = min(Cfg::kBlockM, p.sq - row0);
+
+  const T* q = static_cast<const T*>(p.q) + bi * p.q_batch_stride + h * p.q_head_stride +
+               static_cast<int64_t>(row0) * p.q_row_stride;
+  const T* k = static_cast<const T*>(p.k) + bi * p.k_batch_stride + h_kv * p.k_head_stride;
+  const T* v = static_cast<const T*>(p.v) + bi * p.v_batch_stride + h_kv * p.v_head_stride;
+  T* o = static_cast<T*>(p.o) + bi * p.o_batch_stride + h * p.o_head_stride +
+         static_cast<int64_t>(row0) * p.o_row_stride;
+  float* lse = p.softmax_lse + lse_offset(p, bi, h) + row0;
+
+  // Keys this block can see: all of them, or under causal masking up to the diagonal of
+  // its last row. Blocks entirely above the diagonal are never loaded.
+  int key_end = p.sk;
+  if (p.is_causal) key_end = min(p.sk, row0 + rows_valid + causal_offset);
+  const int n_blocks = key_end > 0 ? ceil_div(key_end, Cfg::kBlockN) : 0;
+
+  // Prologue: Q and the first K/V block.
+  load_tile_async<Cfg, Cfg::kBlockM>(sQ, q, p.q_row_stride, rows_valid, p.d);
+  if (n_blocks > 0) {
+    load_tile_async<Cfg, Cfg::kBlockN>(sK, k, p.k_row_stride, p.sk, p.d);
+    load_tile_async<Cfg, Cfg::kBlockN>(sV, v, p.v_row_stride, p.sk, p.d);
+  }
+  cp_async_commit();
+
+  float acc_o[Cfg::kMTiles][Cfg::kDTiles][4];
+  float row_max[Cfg::kMTiles][2], row_sum[Cfg::kMTiles][2];
+#pragma unroll
+  for (int mt = 0; mt < Cfg::kMTiles; ++mt) {
+#pragma unroll
+    for (int dt = 0; dt < Cfg::kDTiles; ++dt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc_o[mt][dt][e] = 0.f;
+    row_max[mt][0] = row_max[mt][1] = -INFINITY;
+    row_sum[mt][0] = row_sum[mt][1] = 0.f;
+  }
+
+  const T* sQ_warp = sQ + warp * Cfg::kWarpRows * Cfg::kStride;
+  const int warp_row0 = row0 + warp * Cfg::kWarpRows;
+
+  for (int nb = 0; nb < n_blocks; ++nb) {
+    // Block nb has landed for every thread, and every warp has finished reading the
+    // stage that the next copy overwrites.
+    cp_async_wait<0>();
+    __syncthreads();
+    if (nb + 1 < n_blocks) {
+      const int stage = (nb + 1) % Cfg::kStages;
+      const int64_t key0 = static_cast<int64_t>(nb + 1) * Cfg::kBlockN;
+      load_tile_async<Cfg, Cfg::kBlockN>(sK + stage * Cfg::kBlockN * Cfg::kStride,
+                                         k + key0 * p.k_row_stride, p.k_row_stride,
+                                         p.sk - static_cast<int>(key0), p.d);
+      load_tile_async<Cfg, Cfg::kBlockN>(sV + stage * Cfg::kBlockN * Cfg::kStride,
+                                         v + key0 * p.v_row_stride, p.v_row_stride,
+                                         p.sk - static_cast<int>(key0), p.d);
+    }
+    cp_async_commit();
+
+    const int stage = nb % Cfg::kStages;
+    const int key_base = nb * Cfg::kBlockN;
+    // Masking is needed only where the block crosses the end of the keys or, under
+    // causal masking, where some (row, key) pair of it lies above the diagonal.
+    const bool needs_mask = key_base + Cfg::kBlockN > p.sk ||
+                            (p.is_causal && key_base + Cfg::kBlockN - 1 > warp_row0 + causal_offset);
+
+    float s[Cfg::kMTiles][Cfg::kNTiles][4];
+    float block_max[Cfg::kMTiles][2];
+    compute_qk_scores_and_max<Cfg>(s, block_max, sQ_warp, sK + stage * Cfg::kBlockN * Cfg::kStride,
+                                   needs_mask, warp_row0, key_base, p.sk, causal_offset, p.is_causal,
+                                   p.scale_log2);
+    merge_block_stats<Cfg>(row_max, row_sum, acc_o, block_max);
+    compute_block_softmax_and_weighted_v<Cfg>(s, row_sum, acc_o, row_max,
+                                              sV + stage * Cfg::kBlockN * Cfg::kStride, p.scale_log2);
+  }
+  cp_async_wait<0>();  // nothing may stay in flight into the Q tile we reuse below
+  __syncthreads();     // (covers n_blocks == 0, where Q's copy is still the last one)
+
+  const int warp_rows_valid = min(Cfg::kWarpRows, rows_valid - warp * Cfg::kWarpRows);
+  normalize_output<Cfg>(acc_o, row_sum, row_max, sQ + warp * Cfg::kWarpRows * Cfg::kStride,
+                        o + static_cast<int64_t>(warp * Cfg::kWarpRows) * p.o_row_stride,
+                        p.o_row_stride, lse + warp * Cfg::kWarpRows, warp_rows_valid, p.d);
+}
+
+}  // namespace fwd_mma
+
+template <typename Cfg>
+void launch_fwd_mma(const FwdParams& p, cudaStream_t stream) {
+  auto kernel = fwd_mma::fwd_mma_kernel<Cfg>;
+  set_smem_limit(kernel, Cfg::kSmemBytes, "fwd_mma");
+  const dim3 grid(ceil_div(p.sq, Cfg::kBlockM), p.hq, p.b);
+  kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
+  check_launch("fwd_mma");
+}
+
+template <int kDType, int kHeadDim>
+void run_fwd_mma(const FwdParams& p, cudaStream_t stream) {
+  using T = typename ElementOf<kDType>::type;
+  launch_fwd_mma<fwd_mma::Config<T, kHeadDim>>(p, stream);
+}
+
+}  // namespace flash_cuda

@@ -1,0 +1,28 @@
+// launch.h — the host entry points of every kernel tier (no torch, no CUDA kernels here).
+//
+// The binding includes only this file and flash_params.h. Each entry point launches
+// on `stream`, never allocates, and throws std::runtime_error naming the kernel when a
+// launch fails. The templates are explicitly instantiated in csrc/instances/*.cu, one
+// (dtype, head-dim bucket) per file so that ninja builds them in parallel.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include "flash_params.h"
+
+namespace flash_cuda {
+
+// Head dims are served by buckets: a kernel built for kHeadDim handles every
+// d <= kHeadDim (multiple of 8) by zero-filling the missing columns.
+// SIMT (fp32) buckets: 32, 64, 128, 256.
+// MMA (fp16/bf16) buckets: 32, 64, 96, 128, 192, 256.
+
+// ---- fp32 SIMT tier ----
+template <int kHeadDim> void run_fwd_simt(const FwdParams& params, cudaStream_t stream);
+template <int kHeadDim> void run_bwd_simt(const BwdParams& params, cudaStream_t stream);
+
+// ---- fp16/bf16 tensor-core tier; kDType is static_cast<int>(DType) ----
+template <int kDType, int kHeadDim> void run_fwd_mma(const FwdParams& params, cudaStream_t stream);
+template <int kDType, int kHeadDim> void run_bwd_mma(const BwdParams& params, cudaStream_t stream);
+
+}  // namespace flash_cuda

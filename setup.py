@@ -1,0 +1,101 @@
+"""Build flash_cuda: `pip install --no-build-isolation .` (needs nvcc and a CUDA build of torch).
+
+GPU architectures, in order of precedence:
+  FLASH_CUDA_ARCHS="80;90a"   explicit list (90a = Hopper with wgmma/setmaxnreg; 80 = Ampere and the portable tier)
+  TORCH_CUDA_ARCH_LIST="8.0;9.0"
+  otherwise the GPUs visible at build time; with none visible, "80;90a".
+sm_90 is always built as the sm_90a target. ninja compiles the kernel instances in parallel
+(MAX_JOBS limits it).
+"""
+
+import glob
+import os
+
+from setuptools import find_packages, setup
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def _normalise(arch: str) -> str:
+    arch = arch.strip().lower().replace("sm_", "").replace("+ptx", "")
+    if "." in arch:
+        major, minor = arch.split(".", 1)
+        arch = major + minor
+    if arch in ("90", "90a"):
+        return "90a"
+    return arch
+
+
+def cuda_archs():
+    env = os.environ.get("FLASH_CUDA_ARCHS") or os.environ.get("TORCH_CUDA_ARCH_LIST")
+    if env:
+        archs = [_normalise(a) for a in env.replace(",", ";").replace(" ", ";").split(";") if a.strip()]
+    else:
+        archs = []
+        try:
+            import torch
+
+            for i in range(torch.cuda.device_count()):
+                major, minor = torch.cuda.get_device_capability(i)
+                archs.append(_normalise(f"{major}{minor}"))
+        except Exception:  # no driver at build time
+            archs = []
+        if not archs:
+            archs = ["80", "90a"]
+    archs = sorted(set(archs))
+    bad = [a for a in archs if not a.rstrip("a").isdigit() or int(a.rstrip("a")) < 80]
+    if bad:
+        raise RuntimeError(f"flash_cuda needs compute capability 8.0 or newer; cannot build for {bad}")
+    return archs
+
+
+def gencode_flags(archs):
+    flags = []
+    for a in archs:
+        flags.append(f"-gencode=arch=compute_{a},code=sm_{a}")
+    return flags
+
+
+def extensions():
+    from torch.utils.cpp_extension import CUDAExtension
+
+    sources = ["csrc/flash_api.cpp"] + sorted(glob.glob("csrc/instances/*.cu"))
+    nvcc_flags = [
+        "-O3",
+        "-std=c++17",
+        "-lineinfo",  # source lines in Nsight Compute, no runtime cost
+        "--expt-relaxed-constexpr",
+        "-U__CUDA_NO_HALF_OPERATORS__",
+        "-U__CUDA_NO_HALF_CONVERSIONS__",
+        "-U__CUDA_NO_BFLOAT16_OPERATORS__",
+        "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
+    ] + gencode_flags(cuda_archs())
+    if os.environ.get("FLASH_CUDA_PTXAS_VERBOSE"):
+        nvcc_flags.append("-Xptxas=-v")
+    return [
+        CUDAExtension(
+            name="flash_cuda._C",
+            sources=sources,
+            include_dirs=[os.path.join(ROOT, "csrc")],
+            extra_compile_args={"cxx": ["-O3", "-std=c++17"], "nvcc": nvcc_flags},
+        )
+    ]
+
+
+def cmdclass():
+    from torch.utils.cpp_extension import BuildExtension
+
+    return {"build_ext": BuildExtension.with_options(use_ninja=True)}
+
+
+setup(
+    name="flash_cuda",
+    version="0.1.0",
+    description="Hand-written CUDA FlashAttention (forward + backward) for PyTorch",
+    packages=find_packages(include=["flash_cuda", "flash_cuda.*"]),
+    ext_modules=extensions(),
+    cmdclass=cmdclass(),
+    python_requires=">=3.9",
+    install_requires=["torch>=2.4", "numpy"],
+    zip_safe=False,
+)

@@ -164,7 +164,14 @@ __device__ __forceinline__ void compute_qk_scores_and_max(
           mx = fmaxf(mx, s[mt][nt][half * 2 + e]);
         }
       }
-      block_max[mt][half] = group_max<4>(mx) * scale_log2;  // the 4 lanes of a quad share a row
+      float bm = group_max<4>(mx) * scale_log2;  // the 4 lanes of a quad share a row
+      // exp2's argument fma(s, scale_log2, -m) is rounded once from the exact s*scale_log2
+      // - m, but m itself was rounded: for the row's largest score the argument can land
+      // up to ulp(m)/2 above 0, which for huge logits (|m| > 2^25, e.g. fp16 inputs near
+      // 6e4) is exp2(+1024) = inf. Raising m by 2^-22 |m| keeps every argument <= 0; the
+      // shift cancels in O and in lse (both use the same m).
+      if (bm != -INFINITY) bm = fmaf(fabsf(bm), 0x1p-22f, bm);
+      block_max[mt][half] = bm;
     }
   }
 }
@@ -281,7 +288,9 @@ __device__ __forceinline__ void normalize_output(float (&acc_o)[Cfg::kMTiles][Cf
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const float l = group_sum<4>(row_sum[mt][half]);
-      const float inv = l > 0.f ? 1.f / l : 0.f;  // no visible key: output 0
+      // l == 0 only for a row that saw no key: output 0, lse -inf. (Testing l > 0 instead
+      // would also send a NaN row to -inf and hide the NaN from the backward.)
+      const float inv = l == 0.f ? 0.f : 1.f / l;
       const int r = mt * 16 + g + half * 8;
 #pragma unroll
       for (int dt = 0; dt < Cfg::kDTiles; ++dt) {
@@ -290,7 +299,7 @@ __device__ __forceinline__ void normalize_output(float (&acc_o)[Cfg::kMTiles][Cf
         *reinterpret_cast<uint32_t*>(sO_warp + r * Cfg::kStride + dt * 8 + 2 * t) = packed;
       }
       if (t == 0 && r < rows_valid) {
-        lse_rows[r] = l > 0.f ? (row_max[mt][half] + __log2f(l)) * kLn2 : -INFINITY;
+        lse_rows[r] = l == 0.f ? -INFINITY : (row_max[mt][half] + __log2f(l)) * kLn2;
       }
     }
   }

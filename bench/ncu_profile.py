@@ -1,0 +1,196 @@
+#!/usr/bin/env python
+"""Run one attention config a few times for Nsight Compute, each profiled iteration inside
+an NVTX push/pop range named "flash_cuda", so that ncu captures exactly the attention
+kernels (input creation, warm-up and, for --mode bwd, the forward stay outside the range):
+
+    ncu --nvtx --nvtx-include "flash_cuda/" --set full --clock-control none \\
+        -o report -f python bench/ncu_profile.py --d 128 --seqlen 4096 --mode fwd
+    python bench/ncu_summary.py report.ncu-rep
+
+  --clock-control none  keeps the GPU at its normal boost clocks (ncu locks them to base
+                        clocks by default), so durations match bench/run.py.
+  --set full            every section, including warp-state sampling and pipe utilisation.
+  -f                    overwrite report.ncu-rep.
+
+`python bench/ncu_profile.py --print-ncu-cmd [options]` prints the ncu command for the given
+options. Without ncu the script simply runs (and prints the median time of the profiled
+iterations), which is a quick way to check a config before profiling it.
+
+Shapes follow bench/run.py: B*S = 16384 tokens and H*D = 2048 unless --batch / --heads are
+given. --provider sdpa_cudnn (or sdpa, sdpa_flash, sdpa_efficient, sdpa_math) profiles a
+PyTorch backend under the same range name, for side-by-side reports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import statistics
+import sys
+from pathlib import Path
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+RANGE_NAME = "flash_cuda"
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+SDPA_BACKENDS = ["sdpa", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "sdpa_math"]
+
+
+def parse_seqlen(text: str) -> int:
+    t = str(text).strip().lower()
+    return int(float(t[:-1]) * 1024) if t.endswith("k") else int(t)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(
+        prog="python bench/ncu_profile.py",
+        description="Run one attention config under NVTX range 'flash_cuda' for ncu.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Profile with:\n  ncu --nvtx --nvtx-include \"flash_cuda/\" --set full "
+               "--clock-control none -o report -f python bench/ncu_profile.py [options]\n"
+               "then: python bench/ncu_summary.py report.ncu-rep")
+    p.add_argument("--d", type=int, default=128, help="head dim (default 128)")
+    p.add_argument("--seqlen", default="4096", help="S for q and k/v, e.g. 4096 or 4k")
+    p.add_argument("--batch", type=int, default=None, help="B (default 16384 // S)")
+    p.add_argument("--heads", type=int, default=None, help="H (default 2048 // D)")
+    p.add_argument("--causal", type=int, choices=[0, 1], default=0)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument("--mode", choices=["fwd", "bwd", "fwd_bwd"], default="fwd")
+    p.add_argument("--kernel", choices=["auto", "simt", "mma"], default="auto",
+                   help="flash_cuda tier (default auto)")
+    p.add_argument("--deterministic", action="store_true",
+                   help="flash_cuda backward without float atomics")
+    p.add_argument("--provider", choices=["flash_cuda"] + SDPA_BACKENDS, default="flash_cuda",
+                   help="what runs inside the range (default flash_cuda)")
+    p.add_argument("--warmup", type=int, default=3, help="un-profiled iterations first")
+    p.add_argument("--iters", type=int, default=3, help="profiled iterations (NVTX ranges)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--print-ncu-cmd", action="store_true",
+                   help="print the ncu command line for these options and exit")
+    p.add_argument("--report", default=None,
+                   help="report name used by --print-ncu-cmd (default derived from options)")
+    args = p.parse_args(argv)
+    args.S = parse_seqlen(args.seqlen)
+    args.B = args.batch or max(1, 16384 // args.S)
+    args.H = args.heads or max(1, 2048 // args.d)
+    return args
+
+
+def ncu_command(args, argv) -> str:
+    """The ncu command line that profiles this script with the same options."""
+    report = args.report or (f"ncu_{args.provider}_{args.mode}_d{args.d}_s{args.S}"
+                             f"_c{args.causal}_{args.dtype}")
+    script_args = [a for a in argv if a not in ("--print-ncu-cmd",)]
+    # drop "--report NAME" (only meaningful to --print-ncu-cmd)
+    cleaned, skip = [], False
+    for a in script_args:
+        if skip:
+            skip = False
+            continue
+        if a == "--report":
+            skip = True
+            continue
+        if a.startswith("--report="):
+            continue
+        cleaned.append(a)
+    script = Path(__file__).resolve()
+    try:
+        script = script.relative_to(Path.cwd())
+    except ValueError:
+        pass
+    return (f'ncu --nvtx --nvtx-include "{RANGE_NAME}/" --set full --clock-control none '
+            f"-o {shlex.quote(report)} -f python {shlex.quote(str(script))} "
+            + " ".join(shlex.quote(a) for a in cleaned)).strip()
+
+
+def make_forward(args):
+    """(q, k, v) -> out for the chosen provider."""
+    causal = bool(args.causal)
+    if args.provider == "flash_cuda":
+        import flash_cuda  # noqa: WPS433 (run-time import on purpose)
+        if hasattr(flash_cuda, "is_available") and not flash_cuda.is_available():
+            raise SystemExit("flash_cuda.is_available() is False")
+        return lambda q, k, v: flash_cuda.attention(q, k, v, is_causal=causal,
+                                                    kernel=args.kernel,
+                                                    deterministic=args.deterministic)
+    return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+
+def backend_context(provider: str):
+    import contextlib
+    if provider in ("flash_cuda", "sdpa"):
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    return sdpa_kernel({"sdpa_flash": SDPBackend.FLASH_ATTENTION,
+                        "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
+                        "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION,
+                        "sdpa_math": SDPBackend.MATH}[provider])
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    if args.print_ncu_cmd:
+        print(ncu_command(args, argv))
+        return 0
+    if not torch.cuda.is_available():
+        print("bench/ncu_profile.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    dtype = DTYPES[args.dtype]
+    B, H, S, D = args.B, args.H, args.S, args.d
+    gen = torch.Generator(device="cuda")
+    gen.manual_seed(args.seed)
+    q, k, v, dout = (torch.randn(B, H, S, D, device="cuda", dtype=dtype, generator=gen)
+                     for _ in range(4))
+    need_grad = args.mode != "fwd"
+    if need_grad:
+        for t in (q, k, v):
+            t.requires_grad_()
+    fwd = make_forward(args)
+    print(f"config: provider={args.provider} kernel={args.kernel} mode={args.mode} "
+          f"dtype={args.dtype} B={B} H={H} S={S} D={D} causal={args.causal} "
+          f"(warmup {args.warmup}, profiled {args.iters} inside NVTX range '{RANGE_NAME}')")
+
+    def clear_grads():
+        for t in (q, k, v):
+            t.grad = None
+
+    with backend_context(args.provider):
+        out = None
+        if args.mode == "fwd":
+            def step():
+                fwd(q, k, v)
+        elif args.mode == "fwd_bwd":
+            def step():
+                fwd(q, k, v).backward(dout)
+        else:
+            out = fwd(q, k, v)  # forward once, outside every profiled range
+
+            def step():
+                out.backward(dout, retain_graph=True)
+
+        for _ in range(args.warmup):
+            clear_grads()
+            step()
+        torch.cuda.synchronize()
+
+        times = []
+        for _ in range(args.iters):
+            clear_grads()
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            torch.cuda.nvtx.range_push(RANGE_NAME)
+            start.record()
+            step()
+            end.record()
+            torch.cuda.nvtx.range_pop()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+    print(f"profiled iterations: median {statistics.median(times):.3f} ms "
+          f"(under ncu this includes the profiler's replay overhead)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

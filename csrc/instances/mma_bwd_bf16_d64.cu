@@ -1,0 +1,6 @@
+// Instance: tensor-core backward, bf16, head-dim bucket 64.
+#include "../kernels/mma_bwd.cuh"
+
+namespace flash_cuda {
+template void run_bwd_mma<static_cast<int>(DType::kBFloat16), 64>(const BwdParams&, cudaStream_t);
+}  // namespace flash_cuda

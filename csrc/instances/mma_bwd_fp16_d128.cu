@@ -1,0 +1,6 @@
+// Instance: tensor-core backward, fp16, head-dim bucket 128.
+#include "../kernels/mma_bwd.cuh"
+
+namespace flash_cuda {
+template void run_bwd_mma<static_cast<int>(DType::kFloat16), 128>(const BwdParams&, cudaStream_t);
+}  // namespace flash_cuda

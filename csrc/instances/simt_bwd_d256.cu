@@ -1,0 +1,6 @@
+// fp32 SIMT backward (delta, dK/dV, dQ), head-dim bucket 256 (every d <= 256, multiple of 8).
+#include "../kernels/simt_bwd.cuh"
+
+namespace flash_cuda {
+template void run_bwd_simt<256>(const BwdParams&, cudaStream_t);
+}  // namespace flash_cuda

@@ -1,0 +1,6 @@
+// fp32 SIMT forward, head-dim bucket 64 (every d <= 64, multiple of 8).
+#include "../kernels/simt_fwd.cuh"
+
+namespace flash_cuda {
+template void run_fwd_simt<64>(const FwdParams&, cudaStream_t);
+}  // namespace flash_cuda

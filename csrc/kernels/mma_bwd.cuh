@@ -1,0 +1,691 @@
+// mma_bwd.cuh — the fp16/bf16 tensor-core backward of flash_cuda (FlashAttention-2).
+//
+// Math (per query head; scores are kept in the log2 domain, scale_log2 = scale * log2 e):
+//   P  = exp2(S * scale_log2 - lse * log2 e)      S = Q K^T, lse saved by the forward
+//   dV = P^T dO
+//   dP = dO V^T
+//   dS = P * (dP - delta)                           delta = rowsum(dO * O) - dlse
+//   dK = scale * dS^T Q
+//   dQ = scale * dS K
+//
+// Three launches (four when the dK/dV kernel is split, see kSplitDKDV):
+//   1. bwd_preprocess_delta  delta, one warp per query row (bwd_preprocess.cuh).
+//   2. bwd_dkdv              one CTA per block of keys; each warp owns 16 * kMTiles keys and
+//                            keeps their rows of dK and dV in registers while it walks over
+//                            every query block (and, for GQA, every query head of the group)
+//                            that can see them. dK/dV are written once.
+//   3. bwd_dq                one CTA per block of queries; each warp owns 16 * kMTiles query
+//                            rows and keeps their rows of dQ in registers while it walks over
+//                            the key blocks they can see. dQ is written once.
+// Nothing is accumulated with atomics, so gradients are bitwise reproducible and
+// params.deterministic holds whatever its value (params.dq_accum is not used). The price of
+// the separate dQ kernel is recomputing S and dP there: 7 matrix products per (query block,
+// key block) pair instead of the 5 of an atomic-dQ design.
+//
+// Fragment choreography (why no tile is ever transposed through shared memory).
+//   mma.sync m16n8k16 computes C[16 x 8] += A[16 x 16] B[16 x 8] (common.cuh documents which
+//   thread holds what). Two adjacent 8-column C tiles, rounded to 16 bits, are *exactly* the
+//   A fragment of a 16 x 16 operand. So a product whose rows are the warp's rows feeds the
+//   next product as its A operand straight from registers, as long as that next product
+//   reduces over the C columns. The dK/dV kernel therefore computes everything transposed,
+//   with its keys as the MMA rows:
+//     S^T  = K  Q^T    A: K rows (ldmatrix)        B: Q rows (ldmatrix; B[k=d][n=query])
+//     P^T  = exp2(S^T * scale_log2 - lse[query])  (lse indexed by column)
+//     dV  += P^T dO    A: P^T from registers       B: dO rows (ldmatrix.trans; B[k=query][n=d])
+//     dP^T = V  dO^T   A: V rows (ldmatrix)        B: dO rows (ldmatrix)
+//     dS^T = P^T * (dP^T - delta[query])
+//     dK  += dS^T Q    A: dS^T from registers      B: Q rows (ldmatrix.trans)
+//   and the dQ kernel computes the untransposed products with its queries as the rows:
+//     S = Q K^T, P, dP = dO V^T, dS, dQ += dS K    (B of the last one: K rows, ldmatrix.trans).
+//   Only two warp-level GEMM shapes occur: gemm_rows_by_rows_t (both operands are rows in
+//   shared memory, C = A B^T) and gemm_regs_by_rows (A in registers, C = A B).
+//
+// Cost model. Each B fragment read from shared memory (one ldmatrix.x4 = two 8-column tiles
+// x 16) feeds 2 * kMTiles mma.sync, so a warp owning 32 rows (kMTiles = 2) needs about half
+// the shared-memory bandwidth per MMA of a warp owning 16. With ldmatrix.x4 at 4 cycles of
+// shared-memory bandwidth and an m16n8k16 every ~1.5-2 cycles per SM, kMTiles = 1 is bound
+// by shared memory; kMTiles = 2 is used wherever its accumulators fit in 255 registers.
+//
+// Data movement. The tile a CTA owns (K and V for dK/dV, Q and dO for dQ) is copied once
+// into shared memory; the tiles it walks over (Q, dO, lse, delta, or K, V) stream through a
+// two-stage cp.async ring, so block j+1 is in flight while block j is computed, with one
+// __syncthreads per block. Shared-memory rows are padded by 8 elements (16 bytes): the 8 row
+// addresses of every ldmatrix then hit 8 different 16-byte bank groups, for every bucket.
+//
+// Masking. Rows past sq / sk load as zeros and columns d..kHeadDim-1 load as zeros (they add
+// nothing to any dot product and are never written). A block is masked element-wise only
+// when a warp's part of it straddles the causal diagonal or the end of the sequence; blocks
+// none of a warp's rows can see are skipped. A row whose lse is -inf (it saw no key) gets
+// P = 0 through lse_log2 = +inf, never exp(-inf + inf) = NaN.
+#pragma once
+
+#include "../launch.h"
+#include "bwd_preprocess.cuh"
+#include "common.cuh"
+
+namespace flash_cuda {
+namespace bwd_mma {
+
+// ---------------------------------------------------------------------------------
+// Tile configuration per head-dim bucket.
+// ---------------------------------------------------------------------------------
+// dK/dV kernel:
+//   kKVWarps, kKVMTiles  warps per CTA, 16-row MMA tiles (of keys) per warp; the CTA owns
+//                        kKVBlockN = 16 * kKVMTiles * kKVWarps keys.
+//   kKVBlockM            queries per pipeline step (the N of S^T).
+//   kSplitDKDV           run the kernel twice, computing dV only and then dK only, so a thread
+//                        never holds both accumulators: needed where kMTiles * d floats of
+//                        dK+dV plus kMTiles * kKVBlockM floats of P^T, dP^T exceed the
+//                        255-register budget (d = 192, 256). Costs one more S^T = K Q^T product
+//                        (5 instead of 4 in this kernel) and a second pass over Q, dO, lse.
+// dQ kernel:
+//   kQWarps, kQMTiles    the CTA owns kQBlockM = 16 * kQMTiles * kQWarps queries.
+//   kQBlockN             keys per pipeline step.
+// kMinBlocks are __launch_bounds__ hints. Shared memory stays within the 163 KiB an sm_80
+// CTA can opt into.
+template <int kHeadDim_, int kKVWarps_, int kKVMTiles_, int kKVBlockM_, bool kSplitDKDV_,
+          int kKVMinBlocks_, int kQWarps_, int kQMTiles_, int kQBlockN_, int kQMinBlocks_>
+struct Config {
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kPitch = kHeadDim + 8;  // padded shared-memory row, in elements
+  static constexpr int kElemBytes = 2;         // fp16 / bf16
+
+  static constexpr int kKVWarps = kKVWarps_;
+  static constexpr int kKVMTiles = kKVMTiles_;
+  static constexpr int kKVThreads = 32 * kKVWarps;
+  static constexpr int kKVBlockN = 16 * kKVMTiles * kKVWarps;
+  static constexpr int kKVBlockM = kKVBlockM_;
+  static constexpr bool kSplitDKDV = kSplitDKDV_;
+  static constexpr int kKVMinBlocks = kKVMinBlocks_;
+
+  static constexpr int kQWarps = kQWarps_;
+  static constexpr int kQMTiles = kQMTiles_;
+  static constexpr int kQThreads = 32 * kQWarps;
+  static constexpr int kQBlockM = 16 * kQMTiles * kQWarps;
+  static constexpr int kQBlockN = kQBlockN_;
+  static constexpr int kQMinBlocks = kQMinBlocks_;
+
+  static_assert(kHeadDim % 32 == 0, "buckets are multiples of 32 (conflict-free padded rows)");
+  static_assert(kKVBlockM % 16 == 0 && kQBlockN % 16 == 0, "MMA k-steps are 16 wide");
+  static_assert(kKVBlockM <= kKVThreads && kQBlockM <= kQThreads, "one thread per lse / delta entry");
+
+  // dK/dV kernel: K [kKVBlockN], V [kKVBlockN] (not in the dV-only pass), then two stages of
+  // Q [kKVBlockM], dO [kKVBlockM], then two stages of lse [kKVBlockM], delta [kKVBlockM].
+  static constexpr size_t dkdv_smem_bytes(bool with_v) {
+    return static_cast<size_t>((with_v ? 2 : 1) * kKVBlockN + 2 * 2 * kKVBlockM) * kPitch * kElemBytes +
+           2 * 2 * kKVBlockM * sizeof(float);
+  }
+  // dQ kernel: Q [kQBlockM], dO [kQBlockM], then two stages of K [kQBlockN], V [kQBlockN],
+  // then lse [kQBlockM], delta [kQBlockM].
+  static constexpr size_t dq_smem_bytes() {
+    return static_cast<size_t>(2 * kQBlockM + 2 * 2 * kQBlockN) * kPitch * kElemBytes +
+           2 * kQBlockM * sizeof(float);
+  }
+};
+
+template <int kHeadDim> struct Traits;
+// Live fp32 registers per thread: dK/dV kernel kKVMTiles * (d [dK+dV] + kKVBlockM [P^T, dP^T])
+// (halved d when split); dQ kernel kQMTiles * (d / 2 + kQBlockN). About 176 is the most
+// that leaves ptxas room for fragments and addresses without spilling.
+//                                  d    --------- dK/dV ---------    -------- dQ --------
+//                                       warps mt  M   split minB     warps mt  N  minB
+template <> struct Traits<32>  : Config<32,  4, 2, 48, false, 2,      4, 2, 64, 2> {};
+template <> struct Traits<64>  : Config<64,  4, 2, 32, false, 2,      4, 2, 64, 2> {};
+template <> struct Traits<96>  : Config<96,  8, 1, 64, false, 1,      4, 2, 32, 2> {};
+template <> struct Traits<128> : Config<128, 8, 1, 48, false, 1,      8, 1, 64, 1> {};
+template <> struct Traits<192> : Config<192, 8, 1, 32, true,  1,      8, 1, 32, 1> {};
+template <> struct Traits<256> : Config<256, 4, 1, 32, true,  1,      4, 1, 32, 1> {};
+
+// ---------------------------------------------------------------------------------
+// Global -> shared copies (cp.async).
+// ---------------------------------------------------------------------------------
+
+// Copies rows [0, kRows) x columns [0, kHeadDim) of a row-major slice into a padded
+// shared tile, 16 bytes per cp.async. Rows >= rows_valid and columns >= d are zero-filled.
+template <int kRows, int kHeadDim, int kThreads, typename T>
+__device__ __forceinline__ void load_tile_async(T* smem, const T* gmem, int64_t row_stride,
+                                                int rows_valid, int d) {
+  constexpr int kPitch = kHeadDim + 8;
+  constexpr int kChunksPerRow = kHeadDim / 8;
+  constexpr int kChunks = kRows * kChunksPerRow;
+#pragma unroll
+  for (int pass = 0; pass < ceil_div(kChunks, kThreads); ++pass) {
+    const int c = pass * kThreads + static_cast<int>(threadIdx.x);
+    if (kChunks % kThreads == 0 || c < kChunks) {
+      const int r = c / kChunksPerRow;
+      const int col = (c % kChunksPerRow) * 8;
+      const bool valid = r < rows_valid && col < d;
+      cp_async_16(smem + r * kPitch + col, valid ? gmem + r * row_stride + col : gmem, valid);
+    }
+  }
+}
+
+// 4-byte cp.async (.ca: the only variant that allows 4 bytes), zero-filling when !valid.
+// The per-row statistics lse / delta start at arbitrary offsets, so 16-byte copies would
+// not be aligned.
+__device__ __forceinline__ void cp_async_4(void* smem, const void* gmem, bool valid) {
+  const int src_size = valid ? 4 : 0;
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr(smem)), "l"(gmem),
+               "r"(src_size));
+}
+
+// Copies kN consecutive floats (entries >= n_valid become 0).
+template <int kN>
+__device__ __forceinline__ void load_row_stats_async(float* smem, const float* gmem, int n_valid) {
+  const int i = threadIdx.x;
+  if (i < kN) cp_async_4(smem + i, i < n_valid ? gmem + i : gmem, i < n_valid);
+}
+
+// lse in the log2 domain. A row that saw no key has lse = -inf; it maps to +inf so that
+// exp2(s - lse_log2) = exp2(-inf) = 0 instead of NaN.
+__device__ __forceinline__ float lse_to_log2(float lse) {
+  return lse == -INFINITY ? INFINITY : lse * 1.4426950408889634f;
+}
+
+// ---------------------------------------------------------------------------------
+// The two warp-level GEMMs. A warp's rows are kMTiles 16-row tiles; accumulators are mma C
+// fragments: acc[mt][j] is the 16 x 8 tile of rows 16mt..16mt+15, columns 8j..8j+7, and
+// thread (g = lane/4, t = lane%4) holds its rows g, g+8 and columns 2t, 2t+1.
+// ---------------------------------------------------------------------------------
+
+// acc[16 kMTiles x kN] += A[16 kMTiles x kK] * B[kN x kK]^T, where A is the warp's rows of a
+// padded shared tile starting at sA and B is kN consecutive rows starting at sB (both
+// row-major along the reduction dimension kK).
+template <typename T, int kMTiles, int kK, int kN, int kPitch>
+__device__ __forceinline__ void gemm_rows_by_rows_t(float (&acc)[kMTiles][kN / 8][4], const T* sA,
+                                                    const T* sB) {
+  const int lane = threadIdx.x % 32;
+  // A (16 x 16 per k-step), ldmatrix.x4: lanes 0-15 address rows 0-15 at column 0, lanes
+  // 16-31 the same rows at column 8; the registers come out as a[0..3] of the mma A layout.
+  const T* a_row = sA + (lane % 16) * kPitch + (lane / 16) * 8;
+  // B (two 8-column n-tiles x 16 k per ldmatrix.x4): lane i addresses B-row (n)
+  // 8 * (i / 16) + i % 8 at k-offset 8 * ((i / 8) % 2); registers {0,1} are b0, b1 of
+  // n-tile 2np and {2,3} those of n-tile 2np+1 (non-transposed: B[k][n] = sB[n][k]).
+  const T* b_row = sB + ((lane / 16) * 8 + lane % 8) * kPitch + ((lane / 8) % 2) * 8;
+#pragma unroll
+  for (int ks = 0; ks < kK / 16; ++ks) {
+    uint32_t a[kMTiles][4];
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt) ldmatrix_x4(a[mt], a_row + mt * 16 * kPitch + ks * 16);
+#pragma unroll
+    for (int np = 0; np < kN / 16; ++np) {
+      uint32_t b[4];
+      ldmatrix_x4(b, b_row + np * 16 * kPitch + ks * 16);
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt) {
+        mma_16816<T>(acc[mt][2 * np], a[mt], b[0], b[1]);
+        mma_16816<T>(acc[mt][2 * np + 1], a[mt], b[2], b[3]);
+      }
+    }
+  }
+}
+
+// acc[16 kMTiles x kN] += A[16 kMTiles x kK] * B[kK x kN], where A is held as fp32 C
+// fragments (P^T, dS^T or dS) and B is kK consecutive rows of a padded shared tile starting
+// at sB (row-major along kN).
+template <typename T, int kMTiles, int kK, int kN, int kPitch>
+__device__ __forceinline__ void gemm_regs_by_rows(float (&acc)[kMTiles][kN / 8][4],
+                                                  const float (&a_frag)[kMTiles][kK / 8][4], const T* sB) {
+  const int lane = threadIdx.x % 32;
+  // B (16 k x two 8-column n-tiles per ldmatrix.x4.trans): lanes 0-15 address k-rows 0-15
+  // at column 0, lanes 16-31 the same rows at column 8. Transposed delivery turns the
+  // row-major [k][n] tiles into b0 (k 0-7), b1 (k 8-15) of n-tile 2np (registers 0, 1) and
+  // of n-tile 2np+1 (registers 2, 3).
+  const T* b_row = sB + (lane % 16) * kPitch + (lane / 16) * 8;
+#pragma unroll
+  for (int ks = 0; ks < kK / 16; ++ks) {
+    // C tiles 2ks and 2ks+1 (columns 16ks..16ks+15) form the A fragment of k-step ks.
+    uint32_t a[kMTiles][4];
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt) {
+      a[mt][0] = pack2<T>(a_frag[mt][2 * ks][0], a_frag[mt][2 * ks][1]);          // row g,   k 2t, 2t+1
+      a[mt][1] = pack2<T>(a_frag[mt][2 * ks][2], a_frag[mt][2 * ks][3]);          // row g+8, k 2t, 2t+1
+      a[mt][2] = pack2<T>(a_frag[mt][2 * ks + 1][0], a_frag[mt][2 * ks + 1][1]);  // row g,   k 2t+8, +9
+      a[mt][3] = pack2<T>(a_frag[mt][2 * ks + 1][2], a_frag[mt][2 * ks + 1][3]);  // row g+8, k 2t+8, +9
+    }
+#pragma unroll
+    for (int np = 0; np < kN / 16; ++np) {
+      uint32_t b[4];
+      ldmatrix_x4_trans(b, b_row + ks * 16 * kPitch + np * 16);
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt) {
+        mma_16816<T>(acc[mt][2 * np], a[mt], b[0], b[1]);
+        mma_16816<T>(acc[mt][2 * np + 1], a[mt], b[2], b[3]);
+      }
+    }
+  }
+}
+
+template <int kMTiles, int kNTiles>
+__device__ __forceinline__ void zero_fill(float (&acc)[kMTiles][kNTiles][4]) {
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+    for (int j = 0; j < kNTiles; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[mt][j][e] = 0.f;
+}
+
+// ---------------------------------------------------------------------------------
+// Element-wise steps of the dK/dV kernel (transposed: rows = keys, columns = queries).
+// Element e of C tile [mt][j] sits at key row 16mt + g + 8 * (e / 2) and query column
+// 8j + 2t + e % 2.
+// ---------------------------------------------------------------------------------
+
+// P^T = exp2(S^T * scale_log2 - lse_log2[query]); then, when `needs_mask`, zero every
+// (key, query) pair that is masked: query past sq or, causally, key > query + causal_offset.
+template <int kMTiles, int kNTiles>
+__device__ __forceinline__ void compute_probs_transposed(float (&st)[kMTiles][kNTiles][4], const float* sLse,
+                                                         float scale_log2, bool needs_mask, int key0,
+                                                         int query0, int sq, int causal_offset,
+                                                         bool is_causal) {
+  const int lane = threadIdx.x % 32;
+  const int g = lane / 4, t = lane % 4;
+#pragma unroll
+  for (int j = 0; j < kNTiles; ++j) {
+    const float2 lse = *reinterpret_cast<const float2*>(sLse + 8 * j + 2 * t);
+    const float lse_log2[2] = {lse_to_log2(lse.x), lse_to_log2(lse.y)};
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        st[mt][j][e] = fast_exp2(fmaf(st[mt][j][e], scale_log2, -lse_log2[e % 2]));
+  }
+  if (needs_mask) {
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+      for (int j = 0; j < kNTiles; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int key = key0 + 16 * mt + g + 8 * (e / 2);
+          const int query = query0 + 8 * j + 2 * t + e % 2;
+          // Keys past sk need no mask here: their rows of dK/dV are never written, and a
+          // row of P^T only feeds the same row of dV / dK.
+          if (query >= sq || (is_causal && key > query + causal_offset)) st[mt][j][e] = 0.f;
+        }
+  }
+}
+
+// dS^T = P^T * (dP^T - delta[query]), in place in dpt.
+template <int kMTiles, int kNTiles>
+__device__ __forceinline__ void compute_ds_transposed(float (&dpt)[kMTiles][kNTiles][4],
+                                                      const float (&pt)[kMTiles][kNTiles][4],
+                                                      const float* sDelta) {
+  const int t = threadIdx.x % 4;
+#pragma unroll
+  for (int j = 0; j < kNTiles; ++j) {
+    const float2 delta = *reinterpret_cast<const float2*>(sDelta + 8 * j + 2 * t);
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        dpt[mt][j][e] = pt[mt][j][e] * (dpt[mt][j][e] - (e % 2 == 0 ? delta.x : delta.y));
+  }
+}
+
+// ---------------------------------------------------------------------------------
+// Element-wise steps of the dQ kernel (rows = queries, columns = keys).
+// Element e of C tile [mt][j] sits at query row 16mt + g + 8 * (e / 2) and key column
+// 8j + 2t + e % 2. sLse / sDelta hold the statistics of the warp's rows.
+// ---------------------------------------------------------------------------------
+
+// P = exp2(S * scale_log2 - lse_log2[row]); masked pairs (key past sk or, causally,
+// key > query + causal_offset) are zeroed when `needs_mask`.
+template <int kMTiles, int kNTiles>
+__device__ __forceinline__ void compute_probs(float (&s)[kMTiles][kNTiles][4], const float* sLse,
+                                              float scale_log2, bool needs_mask, int query0, int key0,
+                                              int sk, int causal_offset, bool is_causal) {
+  const int lane = threadIdx.x % 32;
+  const int g = lane / 4, t = lane % 4;
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt) {
+    const float lse_log2[2] = {lse_to_log2(sLse[16 * mt + g]), lse_to_log2(sLse[16 * mt + g + 8])};
+#pragma unroll
+    for (int j = 0; j < kNTiles; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        s[mt][j][e] = fast_exp2(fmaf(s[mt][j][e], scale_log2, -lse_log2[e / 2]));
+  }
+  if (needs_mask) {
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+      for (int j = 0; j < kNTiles; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int query = query0 + 16 * mt + g + 8 * (e / 2);
+          const int key = key0 + 8 * j + 2 * t + e % 2;
+          if (!key_visible(query, key, sk, causal_offset, is_causal)) s[mt][j][e] = 0.f;
+        }
+  }
+}
+
+// dS = P * (dP - delta[row]), in place in dp.
+template <int kMTiles, int kNTiles>
+__device__ __forceinline__ void compute_ds(float (&dp)[kMTiles][kNTiles][4], const float (&p)[kMTiles][kNTiles][4],
+                                           const float* sDelta) {
+  const int g = (threadIdx.x % 32) / 4;
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt) {
+    const float delta[2] = {sDelta[16 * mt + g], sDelta[16 * mt + g + 8]};
+#pragma unroll
+    for (int j = 0; j < kNTiles; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dp[mt][j][e] = p[mt][j][e] * (dp[mt][j][e] - delta[e / 2]);
+  }
+}
+
+// ---------------------------------------------------------------------------------
+// Writes a warp's accumulator rows (times `scale`) to rows 0.. of a row-major slice; rows
+// >= rows_valid and columns >= d are skipped. Two elements (4 bytes) per store: this runs
+// once per CTA, so it is not worth staging through shared memory.
+// ---------------------------------------------------------------------------------
+template <typename T, int kMTiles, int kHeadDim>
+__device__ __forceinline__ void store_rows(const float (&acc)[kMTiles][kHeadDim / 8][4], T* gmem,
+                                           int64_t row_stride, int rows_valid, int d, float scale) {
+  const int lane = threadIdx.x % 32;
+  const int g = lane / 4, t = lane % 4;
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+    for (int j = 0; j < kHeadDim / 8; ++j) {
+      const int col = 8 * j + 2 * t;
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int r = 16 * mt + g + 8 * half;
+        if (col < d && r < rows_valid) {
+          *reinterpret_cast<uint32_t*>(gmem + r * row_stride + col) =
+              pack2<T>(acc[mt][j][2 * half] * scale, acc[mt][j][2 * half + 1] * scale);
+        }
+      }
+    }
+}
+
+// ---------------------------------------------------------------------------------
+// dK/dV kernel. grid (ceil(sk / kKVBlockN), hkv, b). kDoDV / kDoDK select what this launch
+// accumulates (both, or one of them when Cfg::kSplitDKDV).
+// ---------------------------------------------------------------------------------
+template <typename T, typename Cfg, bool kDoDV, bool kDoDK>
+__global__ void __launch_bounds__(Cfg::kKVThreads, Cfg::kKVMinBlocks)
+    bwd_dkdv_kernel(const __grid_constant__ BwdParams p) {
+  constexpr int kD = Cfg::kHeadDim;
+  constexpr int kPitch = Cfg::kPitch;
+  constexpr int kMTiles = Cfg::kKVMTiles;
+  constexpr int kWarpKeys = 16 * kMTiles;  // keys per warp
+  constexpr int kBlockN = Cfg::kKVBlockN;  // keys of this CTA
+  constexpr int kBlockM = Cfg::kKVBlockM;  // queries per step
+  constexpr int kThreads = Cfg::kKVThreads;
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* sK = reinterpret_cast<T*>(smem_raw);       // [kBlockN][kPitch]
+  T* sV = sK + kBlockN * kPitch;                // [kBlockN][kPitch] (kDoDK only)
+  T* sQ = sV + (kDoDK ? kBlockN * kPitch : 0);  // [2][kBlockM][kPitch]
+  T* sdO = sQ + 2 * kBlockM * kPitch;           // [2][kBlockM][kPitch]
+  float* sLse = reinterpret_cast<float*>(sdO + 2 * kBlockM * kPitch);  // [2][kBlockM]
+  float* sDelta = sLse + 2 * kBlockM;                                   // [2][kBlockM]
+
+  const int warp = threadIdx.x / 32;
+  const int hkv = blockIdx.y, bi = blockIdx.z;
+  const int n0 = blockIdx.x * kBlockN;          // first key of the CTA
+  const int warp_key0 = n0 + kWarpKeys * warp;  // first key of this warp
+  const int group = p.hq / p.hkv;
+  const int causal_offset = p.sk - p.sq;
+
+  // Query blocks that can see a key of this CTA: the first one holds query n0 - causal_offset
+  // (the first query that sees key n0); with causal masking every earlier block is skipped.
+  // The CTA walks over (query head, query block) pairs, heads of the GQA group outer.
+  const int num_m_blocks = ceil_div(p.sq, kBlockM);
+  const int m_first = p.is_causal ? max(0, n0 - causal_offset) / kBlockM : 0;
+  const int h_begin = hkv * group, h_end = h_begin + group;
+
+  // Issues the copies of query block m_block of query head h into ring slot `stage`.
+  auto load_query_block = [&](int h, int m_block, int stage) {
+    const int m0 = m_block * kBlockM;
+    const T* q = static_cast<const T*>(p.q) + bi * p.q_batch_stride + h * p.q_head_stride +
+                 m0 * p.q_row_stride;
+    const T* dout = static_cast<const T*>(p.dout) + bi * p.do_batch_stride + h * p.do_head_stride +
+                    m0 * p.do_row_stride;
+    load_tile_async<kBlockM, kD, kThreads>(sQ + stage * kBlockM * kPitch, q, p.q_row_stride, p.sq - m0, p.d);
+    load_tile_async<kBlockM, kD, kThreads>(sdO + stage * kBlockM * kPitch, dout, p.do_row_stride,
+                                           p.sq - m0, p.d);
+    const int64_t row0 = lse_offset(p, bi, h) + m0;
+    load_row_stats_async<kBlockM>(sLse + stage * kBlockM, p.softmax_lse + row0, p.sq - m0);
+    if constexpr (kDoDK) load_row_stats_async<kBlockM>(sDelta + stage * kBlockM, p.delta + row0, p.sq - m0);
+  };
+
+  // The (query head, query block) pair being computed; heads of the GQA group outer.
+  int h = h_begin, m_block = m_first, stage = 0;
+  if (m_block >= num_m_blocks) h = h_end;  // no query sees these keys
+  if (h < h_end) {
+    const T* k = static_cast<const T*>(p.k) + bi * p.k_batch_stride + hkv * p.k_head_stride +
+                 n0 * p.k_row_stride;
+    load_tile_async<kBlockN, kD, kThreads>(sK, k, p.k_row_stride, p.sk - n0, p.d);
+    if constexpr (kDoDK) {
+      const T* v = static_cast<const T*>(p.v) + bi * p.v_batch_stride + hkv * p.v_head_stride +
+                   n0 * p.v_row_stride;
+      load_tile_async<kBlockN, kD, kThreads>(sV, v, p.v_row_stride, p.sk - n0, p.d);
+    }
+    load_query_block(h, m_block, 0);
+    cp_async_commit();
+  }
+
+  // This warp's rows of dV and dK (fp32 C fragments).
+  float acc_dv[kDoDV ? kMTiles : 1][kDoDV ? kD / 8 : 1][4];
+  float acc_dk[kDoDK ? kMTiles : 1][kDoDK ? kD / 8 : 1][4];
+  zero_fill(acc_dv);
+  zero_fill(acc_dk);
+
+  while (h < h_end) {
+    // This block has landed, and every warp is done with the previous one, whose ring slot
+    // the next copies overwrite.
+    cp_async_wait<0>();
+    __syncthreads();
+    int next_h = h, next_m_block = m_block + 1;
+    if (next_m_block == num_m_blocks) {
+      next_m_block = m_first;
+      ++next_h;
+    }
+    if (next_h < h_end) {
+      load_query_block(next_h, next_m_block, stage ^ 1);
+      cp_async_commit();
+    }
+
+    const int m0 = m_block * kBlockM;
+    // Skip the block when no query of it sees any of this warp's keys (or the keys are
+    // all past sk); mask element-wise only when the warp's part straddles the diagonal
+    // or the block runs past sq.
+    const bool warp_sees_block =
+        warp_key0 < p.sk && (!p.is_causal || warp_key0 <= m0 + kBlockM - 1 + causal_offset);
+    if (warp_sees_block) {
+      const bool needs_mask =
+          m0 + kBlockM > p.sq || (p.is_causal && warp_key0 + kWarpKeys - 1 > m0 + causal_offset);
+
+      const T* sQ_s = sQ + stage * kBlockM * kPitch;
+      const T* sdO_s = sdO + stage * kBlockM * kPitch;
+
+      // S^T = K Q^T, then P^T (kept in fp32: dS^T needs it at full precision).
+      float pt[kMTiles][kBlockM / 8][4];
+      zero_fill(pt);
+      gemm_rows_by_rows_t<T, kMTiles, kD, kBlockM, kPitch>(pt, sK + kWarpKeys * warp * kPitch, sQ_s);
+      compute_probs_transposed(pt, sLse + stage * kBlockM, p.scale_log2, needs_mask, warp_key0, m0, p.sq,
+                               causal_offset, p.is_causal);
+
+      // dV += P^T dO.
+      if constexpr (kDoDV) gemm_regs_by_rows<T, kMTiles, kBlockM, kD, kPitch>(acc_dv, pt, sdO_s);
+
+      if constexpr (kDoDK) {
+        // dP^T = V dO^T, dS^T = P^T (dP^T - delta), dK += dS^T Q.
+        float dst[kMTiles][kBlockM / 8][4];
+        zero_fill(dst);
+        gemm_rows_by_rows_t<T, kMTiles, kD, kBlockM, kPitch>(dst, sV + kWarpKeys * warp * kPitch, sdO_s);
+        compute_ds_transposed(dst, pt, sDelta + stage * kBlockM);
+        gemm_regs_by_rows<T, kMTiles, kBlockM, kD, kPitch>(acc_dk, dst, sQ_s);
+      }
+    }
+    h = next_h;
+    m_block = next_m_block;
+    stage ^= 1;
+  }
+
+  // Write once: dV = sum P^T dO, dK = scale * sum dS^T Q (keys no query sees get zeros).
+  const int rows_valid = p.sk - warp_key0;
+  if constexpr (kDoDV) {
+    T* dv = static_cast<T*>(p.dv) + bi * p.dv_batch_stride + hkv * p.dv_head_stride +
+            static_cast<int64_t>(warp_key0) * p.dv_row_stride;
+    store_rows<T, kMTiles, kD>(acc_dv, dv, p.dv_row_stride, rows_valid, p.d, 1.f);
+  }
+  if constexpr (kDoDK) {
+    T* dk = static_cast<T*>(p.dk) + bi * p.dk_batch_stride + hkv * p.dk_head_stride +
+            static_cast<int64_t>(warp_key0) * p.dk_row_stride;
+    store_rows<T, kMTiles, kD>(acc_dk, dk, p.dk_row_stride, rows_valid, p.d, p.scale);
+  }
+}
+
+// ---------------------------------------------------------------------------------
+// dQ kernel. grid (ceil(sq / kQBlockM), hq, b).
+// ---------------------------------------------------------------------------------
+template <typename T, typename Cfg>
+__global__ void __launch_bounds__(Cfg::kQThreads, Cfg::kQMinBlocks)
+    bwd_dq_kernel(const __grid_constant__ BwdParams p) {
+  constexpr int kD = Cfg::kHeadDim;
+  constexpr int kPitch = Cfg::kPitch;
+  constexpr int kMTiles = Cfg::kQMTiles;
+  constexpr int kWarpRows = 16 * kMTiles;  // queries per warp
+  constexpr int kBlockM = Cfg::kQBlockM;   // queries of this CTA
+  constexpr int kBlockN = Cfg::kQBlockN;   // keys per step
+  constexpr int kThreads = Cfg::kQThreads;
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* sQ = reinterpret_cast<T*>(smem_raw);  // [kBlockM][kPitch]
+  T* sdO = sQ + kBlockM * kPitch;          // [kBlockM][kPitch]
+  T* sK = sdO + kBlockM * kPitch;          // [2][kBlockN][kPitch]
+  T* sV = sK + 2 * kBlockN * kPitch;       // [2][kBlockN][kPitch]
+  float* sLse = reinterpret_cast<float*>(sV + 2 * kBlockN * kPitch);  // [kBlockM]
+  float* sDelta = sLse + kBlockM;                                      // [kBlockM]
+
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  // Under causal masking the last query blocks see the most keys: launch them first.
+  const int m_block = p.is_causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+  const int h = blockIdx.y, bi = blockIdx.z;
+  const int hkv = h / (p.hq / p.hkv);
+  const int m0 = m_block * kBlockM;          // first query of the CTA
+  const int warp_q0 = m0 + kWarpRows * warp;  // first query of this warp
+  const int causal_offset = p.sk - p.sq;
+
+  // Key blocks that some query of this CTA can see (its last valid query sees keys up to
+  // that query + causal_offset).
+  const int num_n_blocks = ceil_div(p.sk, kBlockN);
+  int n_end = num_n_blocks;
+  if (p.is_causal) {
+    const int last_key = min(m0 + kBlockM, p.sq) - 1 + causal_offset;
+    n_end = last_key < 0 ? 0 : min(num_n_blocks, last_key / kBlockN + 1);
+  }
+
+  const T* k = static_cast<const T*>(p.k) + bi * p.k_batch_stride + hkv * p.k_head_stride;
+  const T* v = static_cast<const T*>(p.v) + bi * p.v_batch_stride + hkv * p.v_head_stride;
+  auto load_key_block = [&](int n_block, int stage) {
+    const int n0 = n_block * kBlockN;
+    load_tile_async<kBlockN, kD, kThreads>(sK + stage * kBlockN * kPitch, k + n0 * p.k_row_stride,
+                                           p.k_row_stride, p.sk - n0, p.d);
+    load_tile_async<kBlockN, kD, kThreads>(sV + stage * kBlockN * kPitch, v + n0 * p.v_row_stride,
+                                           p.v_row_stride, p.sk - n0, p.d);
+  };
+
+  if (n_end > 0) {
+    const T* q = static_cast<const T*>(p.q) + bi * p.q_batch_stride + h * p.q_head_stride +
+                 m0 * p.q_row_stride;
+    const T* dout = static_cast<const T*>(p.dout) + bi * p.do_batch_stride + h * p.do_head_stride +
+                    m0 * p.do_row_stride;
+    load_tile_async<kBlockM, kD, kThreads>(sQ, q, p.q_row_stride, p.sq - m0, p.d);
+    load_tile_async<kBlockM, kD, kThreads>(sdO, dout, p.do_row_stride, p.sq - m0, p.d);
+    const int64_t row0 = lse_offset(p, bi, h) + m0;
+    load_row_stats_async<kBlockM>(sLse, p.softmax_lse + row0, p.sq - m0);
+    load_row_stats_async<kBlockM>(sDelta, p.delta + row0, p.sq - m0);
+    load_key_block(0, 0);
+    cp_async_commit();
+  }
+
+  float acc_dq[kMTiles][kD / 8][4];  // this warp's rows of dQ
+  zero_fill(acc_dq);
+
+  for (int n_block = 0; n_block < n_end; ++n_block) {
+    const int stage = n_block & 1;
+    cp_async_wait<0>();
+    __syncthreads();
+    if (n_block + 1 < n_end) {
+      load_key_block(n_block + 1, stage ^ 1);
+      cp_async_commit();
+    }
+
+    const int n0 = n_block * kBlockN;
+    const bool warp_sees_block =
+        warp_q0 < p.sq && (!p.is_causal || n0 <= warp_q0 + kWarpRows - 1 + causal_offset);
+    if (!warp_sees_block) continue;
+    const bool needs_mask =
+        n0 + kBlockN > p.sk || (p.is_causal && n0 + kBlockN - 1 > warp_q0 + causal_offset);
+
+    const T* sK_s = sK + stage * kBlockN * kPitch;
+    const T* sV_s = sV + stage * kBlockN * kPitch;
+
+    // S = Q K^T, P.
+    float s[kMTiles][kBlockN / 8][4];
+    zero_fill(s);
+    gemm_rows_by_rows_t<T, kMTiles, kD, kBlockN, kPitch>(s, sQ + kWarpRows * warp * kPitch, sK_s);
+    compute_probs(s, sLse + kWarpRows * warp, p.scale_log2, needs_mask, warp_q0, n0, p.sk, causal_offset,
+                  p.is_causal);
+
+    // dP = dO V^T, dS = P (dP - delta), dQ += dS K.
+    float ds[kMTiles][kBlockN / 8][4];
+    zero_fill(ds);
+    gemm_rows_by_rows_t<T, kMTiles, kD, kBlockN, kPitch>(ds, sdO + kWarpRows * warp * kPitch, sV_s);
+    compute_ds(ds, s, sDelta + kWarpRows * warp);
+    gemm_regs_by_rows<T, kMTiles, kBlockN, kD, kPitch>(acc_dq, ds, sK_s);
+  }
+
+  // dQ = scale * sum dS K (rows that see no key get zeros).
+  T* dq = static_cast<T*>(p.dq) + bi * p.dq_batch_stride + h * p.dq_head_stride +
+          static_cast<int64_t>(warp_q0) * p.dq_row_stride;
+  store_rows<T, kMTiles, kD>(acc_dq, dq, p.dq_row_stride, p.sq - warp_q0, p.d, p.scale);
+}
+
+// ---------------------------------------------------------------------------------
+// Host-side launchers.
+// ---------------------------------------------------------------------------------
+template <typename T, typename Cfg, bool kDoDV, bool kDoDK>
+inline void launch_bwd_dkdv(const BwdParams& p, cudaStream_t stream, const char* name) {
+  constexpr size_t kSmem = Cfg::dkdv_smem_bytes(kDoDK);
+  auto kernel = bwd_dkdv_kernel<T, Cfg, kDoDV, kDoDK>;
+  set_smem_limit(kernel, kSmem, name);
+  const dim3 grid(ceil_div(p.sk, Cfg::kKVBlockN), p.hkv, p.b);
+  kernel<<<grid, Cfg::kKVThreads, kSmem, stream>>>(p);
+  check_launch(name);
+}
+
+template <typename T, typename Cfg>
+inline void launch_bwd_dq(const BwdParams& p, cudaStream_t stream) {
+  constexpr size_t kSmem = Cfg::dq_smem_bytes();
+  auto kernel = bwd_dq_kernel<T, Cfg>;
+  set_smem_limit(kernel, kSmem, "bwd_dq_mma");
+  const dim3 grid(ceil_div(p.sq, Cfg::kQBlockM), p.hq, p.b);
+  kernel<<<grid, Cfg::kQThreads, kSmem, stream>>>(p);
+  check_launch("bwd_dq_mma");
+}
+
+}  // namespace bwd_mma
+
+template <int kDType, int kHeadDim>
+void run_bwd_mma(const BwdParams& p, cudaStream_t stream) {
+  using T = typename ElementOf<kDType>::type;
+  using Cfg = bwd_mma::Traits<kHeadDim>;
+  launch_bwd_preprocess<T>(p, stream);
+  if constexpr (Cfg::kSplitDKDV) {
+    bwd_mma::launch_bwd_dkdv<T, Cfg, true, false>(p, stream, "bwd_dv_mma");
+    bwd_mma::launch_bwd_dkdv<T, Cfg, false, true>(p, stream, "bwd_dk_mma");
+  } else {
+    bwd_mma::launch_bwd_dkdv<T, Cfg, true, true>(p, stream, "bwd_dkdv_mma");
+  }
+  bwd_mma::launch_bwd_dq<T, Cfg>(p, stream);
+}
+
+}  // namespace flash_cuda

@@ -1,0 +1,657 @@
+// simt_fwd.cuh — the fp32 tier of flash_cuda: FlashAttention forward on CUDA cores.
+//
+// Every multiply-add here is a true fp32 FFMA (no TF32, no tensor cores). The kernel is
+// organised like a register-blocked SGEMM with an online softmax between its two products:
+//
+//   for each key/value block n of the (batch, kv head) that the query block can see:
+//     S   = Q K_n^T * scale * log2(e)         compute_qk_scores_and_max   (product 1, "NT")
+//     m'  = max(m, rowmax S); O *= 2^(m-m')    merge_block_stats
+//     P   = 2^(S - m');  l += rowsum P;        compute_block_softmax_and_weighted_v
+//     O  += P V_n                                                        (product 2, "NN")
+//   O /= l;  lse = (m + log2 l) * ln 2         normalize_output
+//
+// File layout, top-down:
+//   1. TileConfig — the tile shapes and the thread grid, and SimtFwdTraits per head dim.
+//   2. Building blocks shared with the backward (simt_bwd.cuh includes this file):
+//      tile loaders (16-byte cp.async with zero fill), the two register-blocked shared-memory
+//      products gemm_nt / gemm_nn, the causal / sequence-end mask, the tile store.
+//   3. The four forward device functions.
+//   4. The kernel and its launcher run_fwd_simt<kHeadDim>.
+//
+// Thread grid (used by every fp32 kernel). A CTA owns kRows rows of one "row operand" (the
+// query block here) and streams blocks of kCols rows of the other operand (keys / values).
+// Its kThreads threads form a kRowGroups x kG grid: thread t has
+//     rg = t / kG  (row group)        cg = t % kG  (column group)
+// and owns
+//     rows            rg + kRowGroups * i        i < kTM    (of Q, S, P, O)
+//     score columns   cg + kG * j                j < kTN    (of S, P: key index in the block)
+//     output columns  4*cg + 4*kG*h + e          h < kTD/4, e < 4   (of O: float4 chunks)
+// The kG threads of a row group are kG consecutive lanes of one warp, so row reductions
+// (max, sum) are kG-wide shuffles (group_max / group_sum) and need no shared memory.
+// Worked example, D=128 forward (kRows 128, kCols 64, kTM 8, kG 16 -> kRowGroups 16,
+// kThreads 256, kTN 4, kTD 8): thread 37 has rg = 2, cg = 5 and owns query rows
+// 2, 18, 34, ..., 114 (2 + 16 i), key columns 5, 21, 37, 53 (5 + 16 j) of each 64-key block,
+// and output columns 20..23 and 84..87 (4*5 + 64 h + e). Every (row, key) and (row, column)
+// pair of the block belongs to exactly one thread: 16 x 8 rows, 16 x 4 keys, 16 x 8 columns.
+//
+// Why these index patterns (bank-conflict reasoning, 32 banks of 4 bytes):
+//   * Rows are strided by kRowGroups, so the 32/kG row groups of a warp read *consecutive*
+//     rows of Q (or P). With a row stride = 4 (mod 32) floats (Q) or = kG (mod 32) (P), those
+//     rows start in different banks, and their float4 reads at the same column do not collide.
+//   * Score columns are strided by kG, so the kG lanes of a row group read kG consecutive
+//     K rows; with K's row stride = 4 (mod 32), 8 consecutive rows cover all 32 banks: one
+//     128-byte wavefront per 8 distinct float4 addresses, the minimum possible.
+//   * Output columns are float4 chunks 4*cg: the kG lanes of a row group read one contiguous
+//     run of V (kG * 16 bytes) — conflict-free without padding, and coalesced in global memory.
+//
+// Shared-memory reads are float4 (LDS.128). Per 4-wide k step a thread issues kTM + kTN
+// LDS.128 and 4 * kTM * kTN FFMA (product 1), or kTM + kTD LDS.128 and 4 * kTM * kTD FFMA
+// (product 2): with the tile sizes below, more than 90% of the inner-loop instructions are FFMA.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include "../flash_params.h"
+#include "../launch.h"
+#include "common.cuh"
+
+namespace flash_cuda {
+namespace simt {
+
+// =================================================================================
+// 1. Tile configuration
+// =================================================================================
+
+// kHeadDim: the head-dim bucket (a multiple of 32).  kRows: rows a CTA owns.  kCols: rows of
+// the streamed operand per step (keys per block in the forward).  kTM: rows per thread.
+// kG: threads per row group (a power of two <= 32).  kMinBlocksPerSm: __launch_bounds__ hint.
+template <int kHeadDim_, int kRows_, int kCols_, int kTM_, int kG_, int kMinBlocksPerSm_>
+struct TileConfig {
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kRows = kRows_;
+  static constexpr int kCols = kCols_;
+  static constexpr int kTM = kTM_;
+  static constexpr int kG = kG_;
+  static constexpr int kMinBlocksPerSm = kMinBlocksPerSm_;
+
+  static constexpr int kRowGroups = kRows / kTM;
+  static constexpr int kThreads = kRowGroups * kG;
+  static constexpr int kTN = kCols / kG;      // score columns per thread
+  static constexpr int kTD = kHeadDim / kG;   // output columns per thread (kTD / 4 float4 chunks)
+
+  // Shared-memory row strides, in floats (all multiples of 4: every row starts 16-byte aligned).
+  //  kLdHead : tiles read along the head dim (Q, K, and in the backward Q, dO, K, V): +4 floats
+  //            so that consecutive rows start 4 banks apart.
+  //  kLdScore: score tiles (P, dS), [kRows][kCols]: padded to = kG (mod 32) floats so that
+  //            (a) the 32/kG rows a warp reads at once start in different banks and (b) the
+  //            scalar stores of a warp (32/kG rows x kG consecutive columns) hit 32 different
+  //            banks. (kCols = 64, kG = 16: 80 floats; rows r and r+1 start 16 banks apart.)
+  static constexpr int kLdHead = kHeadDim + 4;
+  static constexpr int kLdScore = kCols + (kG - kCols % 32 + 32) % 32;
+
+  static_assert(kHeadDim % 32 == 0, "head-dim buckets are multiples of 32");
+  static_assert(kG >= 1 && kG <= 32 && (kG & (kG - 1)) == 0,
+                "a row group is a power-of-two group of lanes");
+  static_assert(kRows % kTM == 0 && kCols % kG == 0, "tile must split evenly over the thread grid");
+  static_assert(kHeadDim % (4 * kG) == 0, "output columns are whole float4 chunks per thread");
+  static_assert(kCols % 16 == 0 && kCols <= kThreads, "streamed blocks of 16, 32, 48, ... rows");
+  static_assert(kThreads % 32 == 0 && kThreads <= 1024, "whole warps");
+};
+
+// Forward tiles per head-dim bucket (rows = queries, cols = keys). `Config` is tuned for
+// H100/H200 (up to 227 KB of shared memory per CTA):
+//   D=32 : 128 queries x 64 keys, 128 threads, thread tile S 8x8, O 8x4   (71 KB smem)
+//   D=64 : 128 queries x 64 keys, 128 threads, thread tile S 8x8, O 8x8   (103 KB: 2 CTAs/SM)
+//   D=128: 128 queries x 64 keys, 256 threads, thread tile S 8x4, O 8x8   (171 KB: 1 CTA/SM)
+//   D=256:  64 queries x 64 keys, 256 threads, thread tile S 4x4, O 4x16  (214 KB: 1 CTA/SM)
+// Each thread keeps S (kTM x kTN) and O (kTM x kTD) in registers: up to ~250 of them, which is
+// why the CTAs are small (8 warps per SM) and the products are register-blocked.
+// `CompactConfig` fits the 99 KB per CTA of sm_86 / sm_89 (and is what sm_80's 163 KB gets for
+// D >= 128); the launcher picks `Config` whenever the device can give it its shared memory:
+//   D=32 : same as Config;  D=64: 128 x 32 keys (72 KB);  D=128: 64 x 32 keys, 256 threads
+//   (79 KB);  D=256: 32 x 16 keys, 256 threads (69 KB).
+template <int kHeadDim> struct SimtFwdTraits;
+template <> struct SimtFwdTraits<32> {
+  using Config = TileConfig<32, 128, 64, 8, 8, 2>;
+  using CompactConfig = Config;
+};
+template <> struct SimtFwdTraits<64> {
+  using Config = TileConfig<64, 128, 64, 8, 8, 2>;
+  using CompactConfig = TileConfig<64, 128, 32, 8, 8, 2>;
+};
+template <> struct SimtFwdTraits<128> {
+  using Config = TileConfig<128, 128, 64, 8, 16, 1>;
+  using CompactConfig = TileConfig<128, 64, 32, 4, 16, 1>;
+};
+template <> struct SimtFwdTraits<256> {
+  using Config = TileConfig<256, 64, 64, 4, 16, 1>;
+  using CompactConfig = TileConfig<256, 32, 16, 2, 16, 1>;
+};
+
+// =================================================================================
+// 2. Building blocks (also used by simt_bwd.cuh)
+// =================================================================================
+
+__device__ __forceinline__ float4 lds4(const float* p) {
+  return *reinterpret_cast<const float4*>(p);
+}
+
+// Issues 16-byte cp.async copies of a kTileRows x kHeadDim fp32 tile. Global row r of the tile
+// is gmem + r * row_stride; shared row r is smem + r * kLd. Rows >= rows_valid and columns
+// >= d are zero-filled instead of read (d % 4 == 0, so a float4 chunk is either fully inside
+// or fully outside the row). Thread t copies chunk (t % kChunksPerRow) of rows
+// t / kChunksPerRow + kRowsPerPass * pass: consecutive threads take consecutive 16-byte chunks
+// of a row, so a warp reads whole contiguous rows (or 512 contiguous bytes of one row when
+// kHeadDim >= 128). The source pointer just advances by kRowsPerPass rows per pass: two 64-bit
+// values of per-thread state, whatever the number of passes.
+template <int kTileRows, int kHeadDim, int kLd, int kThreads>
+__device__ __forceinline__ void load_tile_async(float* smem, const float* gmem, int64_t row_stride,
+                                                int rows_valid, int d, int tid) {
+  constexpr int kChunksPerRow = kHeadDim / 4;
+  static_assert(kThreads % kChunksPerRow == 0, "a pass covers whole rows");
+  constexpr int kRowsPerPass = kThreads / kChunksPerRow;
+  static_assert(kTileRows % kRowsPerPass == 0, "whole passes");
+  const int row = tid / kChunksPerRow;
+  const int col = (tid % kChunksPerRow) * 4;
+  const bool col_ok = col < d;
+  const float* src = gmem + row * row_stride + col;
+  float* dst = smem + row * kLd + col;
+#pragma unroll
+  for (int pass = 0; pass < kTileRows / kRowsPerPass; ++pass) {
+    const bool valid = col_ok && row + pass * kRowsPerPass < rows_valid;
+    // When not valid, src-size 0 reads nothing: pass the (mapped) tile base.
+    cp_async_16(dst + pass * kRowsPerPass * kLd, valid ? src : gmem, valid);
+    src += kRowsPerPass * row_stride;
+  }
+}
+
+// Multiplies, in place, the chunks of a tile that this thread copied with the load_tile_async
+// call of the same shape (same chunk mapping). Valid right after cp_async_wait: a thread's own
+// copies are complete and visible to itself; a __syncthreads() then publishes the result.
+// Used to fold scale * log2(e) into the operand that is used only for S (Q in the forward).
+template <int kTileRows, int kHeadDim, int kLd, int kThreads>
+__device__ __forceinline__ void scale_own_chunks(float* smem, float factor, int tid) {
+  constexpr int kChunksPerRow = kHeadDim / 4;
+  constexpr int kRowsPerPass = kThreads / kChunksPerRow;
+  float* dst = smem + (tid / kChunksPerRow) * kLd + (tid % kChunksPerRow) * 4;
+#pragma unroll
+  for (int pass = 0; pass < kTileRows / kRowsPerPass; ++pass) {
+    float4* p4 = reinterpret_cast<float4*>(dst + pass * kRowsPerPass * kLd);
+    float4 x = *p4;
+    x.x *= factor;
+    x.y *= factor;
+    x.z *= factor;
+    x.w *= factor;
+    *p4 = x;
+  }
+}
+
+// Inner-loop unrolling of the two products below: a chunk of the reduction dimension is fully
+// unrolled (all shared-memory offsets become compile-time immediates of one base register per
+// operand) and holds about 1024 FFMA: long enough to hide shared-memory latency, short enough
+// (~17 KB of code) to stay friendly to the instruction cache. Returns the chunk length (a power
+// of two dividing `total`) for `fma_per_step` FFMA per reduction index.
+__host__ __device__ constexpr int unroll_chunk(int total, int fma_per_step) {
+  return total < 1024 / fma_per_step ? total : (1024 / fma_per_step < 8 ? 8 : 1024 / fma_per_step);
+}
+
+// Product 1, "NT": acc[i][j] += sum_k A[row i][k] * B[col j][k], both operands row-major
+// along k (Q K^T: both Q and K are stored [row][head dim]).
+//   a: this thread's first A row (sA + rg * lda); its row i is a + i * kStrideA
+//   b: this thread's first B row (sB + cg * ldb); its column j is b + j * kStrideB
+// k runs over [0, kK) in unrolled chunks, stopping after the chunk that contains k_end: the
+// columns past the real head dim d are zero in shared memory, so skipping them is exact.
+template <int kTM, int kTN, int kStrideA, int kStrideB, int kK>
+__device__ __forceinline__ void gemm_nt(float (&acc)[kTM][kTN], const float* a, const float* b,
+                                        int k_end) {
+  constexpr int kChunk = unroll_chunk(kK, kTM * kTN);
+  static_assert(kK % kChunk == 0 && kChunk % 4 == 0, "k chunking");
+#pragma unroll 1
+  for (int k0 = 0; k0 < k_end; k0 += kChunk) {
+#pragma unroll
+    for (int k = 0; k < kChunk; k += 4) {
+      float4 av[kTM], bv[kTN];
+#pragma unroll
+      for (int i = 0; i < kTM; ++i) av[i] = lds4(a + i * kStrideA + k);
+#pragma unroll
+      for (int j = 0; j < kTN; ++j) bv[j] = lds4(b + j * kStrideB + k);
+#pragma unroll
+      for (int i = 0; i < kTM; ++i) {
+#pragma unroll
+        for (int j = 0; j < kTN; ++j) {
+          float c = acc[i][j];
+          c = fmaf(av[i].x, bv[j].x, c);
+          c = fmaf(av[i].y, bv[j].y, c);
+          c = fmaf(av[i].z, bv[j].z, c);
+          c = fmaf(av[i].w, bv[j].w, c);
+          acc[i][j] = c;
+        }
+      }
+    }
+    a += kChunk;
+    b += kChunk;
+  }
+}
+
+// Product 2, "NN": acc[i][4h + e] += sum_{c < kC} A[row i][c] * B[c][col(h) + e], with A a
+// score tile [row][c] and B a tile [c][head dim] (P V, and in the backward P^T dO, dS^T Q, dS K).
+//   a: this thread's first A row (sA + rg * lda); its row i is a + i * kStrideA
+//   b: this thread's first B column (sB + 4 * cg); row c, chunk h is b + c * kLdB + h * 4 * kG
+// One float4 of A gives 4 consecutive c for one row; for each of those c the thread reads its
+// kTD / 4 float4 chunks of B's row c (all lanes of the warp read the same row c: contiguous).
+template <int kTM, int kTD, int kStrideA, int kLdB, int kChunkStrideB, int kC>
+__device__ __forceinline__ void gemm_nn(float (&acc)[kTM][kTD], const float* a, const float* b) {
+  constexpr int kChunk = unroll_chunk(kC, kTM * kTD);  // c values per unrolled chunk
+  static_assert(kC % kChunk == 0 && kChunk % 4 == 0, "c chunking");
+#pragma unroll 1
+  for (int c0 = 0; c0 < kC; c0 += kChunk) {
+#pragma unroll
+    for (int c = 0; c < kChunk; c += 4) {
+      float4 av[kTM];
+#pragma unroll
+      for (int i = 0; i < kTM; ++i) av[i] = lds4(a + i * kStrideA + c);
+#pragma unroll
+      for (int cc = 0; cc < 4; ++cc) {
+        float4 bv[kTD / 4];
+#pragma unroll
+        for (int h = 0; h < kTD / 4; ++h) bv[h] = lds4(b + (c + cc) * kLdB + h * kChunkStrideB);
+#pragma unroll
+        for (int i = 0; i < kTM; ++i) {
+          const float w = cc == 0 ? av[i].x : cc == 1 ? av[i].y : cc == 2 ? av[i].z : av[i].w;
+#pragma unroll
+          for (int h = 0; h < kTD / 4; ++h) {
+            acc[i][4 * h + 0] = fmaf(w, bv[h].x, acc[i][4 * h + 0]);
+            acc[i][4 * h + 1] = fmaf(w, bv[h].y, acc[i][4 * h + 1]);
+            acc[i][4 * h + 2] = fmaf(w, bv[h].z, acc[i][4 * h + 2]);
+            acc[i][4 * h + 3] = fmaf(w, bv[h].w, acc[i][4 * h + 3]);
+          }
+        }
+      }
+    }
+    a += kChunk;
+    b += kChunk * kLdB;
+  }
+}
+
+// Which (query, key) pairs of a score block are visible. `active` is false for blocks that are
+// entirely visible (the common case): only blocks that straddle the causal diagonal or the end
+// of the key sequence pay for the per-element test.
+struct BlockMask {
+  bool active;
+  int row0, col0;  // sequence index of this thread's score element (0, 0)
+  int sk, causal_offset;
+  bool causal;
+};
+
+// Sets masked scores to -inf. kRowsAreQueries: the score tile is [query][key] (forward, dQ)
+// or, when false, [key][query] (dK/dV kernel, which works on S^T).
+template <bool kRowsAreQueries, int kTM, int kTN, int kRowStep, int kColStep>
+__device__ __forceinline__ void apply_mask(float (&s)[kTM][kTN], const BlockMask& mask) {
+#pragma unroll
+  for (int i = 0; i < kTM; ++i) {
+#pragma unroll
+    for (int j = 0; j < kTN; ++j) {
+      const int row = mask.row0 + i * kRowStep;
+      const int col = mask.col0 + j * kColStep;
+      const int q = kRowsAreQueries ? row : col;
+      const int k = kRowsAreQueries ? col : row;
+      if (!key_visible(q, k, mask.sk, mask.causal_offset, mask.causal)) s[i][j] = -INFINITY;
+    }
+  }
+}
+
+// Writes this thread's part of a [kRows][kHeadDim] accumulator tile, row i scaled by
+// factor[i]: rows < rows_valid and columns < d only (columns >= d are never written).
+// g is the global address of the tile's row 0; float4 stores need 16-byte aligned rows.
+template <typename Cfg>
+__device__ __forceinline__ void store_row_tile(float* g, int64_t row_stride, int rows_valid, int d,
+                                               const float (&acc)[Cfg::kTM][Cfg::kTD],
+                                               const float (&factor)[Cfg::kTM], int rg, int cg) {
+#pragma unroll
+  for (int i = 0; i < Cfg::kTM; ++i) {
+    const int r = rg + i * Cfg::kRowGroups;
+    if (r < rows_valid) {
+#pragma unroll
+      for (int h = 0; h < Cfg::kTD / 4; ++h) {
+        const int col = 4 * cg + h * 4 * Cfg::kG;
+        if (col < d) {
+          const float f = factor[i];
+          *reinterpret_cast<float4*>(g + r * row_stride + col) =
+              make_float4(acc[i][4 * h] * f, acc[i][4 * h + 1] * f, acc[i][4 * h + 2] * f,
+                          acc[i][4 * h + 3] * f);
+        }
+      }
+    }
+  }
+}
+
+// Grid order shared by the kernels whose CTA owns a block of query rows (forward, dQ).
+// The grid is 1-D (batch * heads * blocks can pass 65535). Under causal masking the late query
+// blocks see the most keys: they get the low block indices so the GPU starts them first and
+// the short blocks fill the tail. Without masking every block costs the same, and the blocks
+// of one (batch, head) are kept adjacent so they share its K/V in L2.
+__device__ __forceinline__ void query_block_order(int num_m_blocks, int bh_count, bool causal,
+                                                  int& m_block, int& bh) {
+  const int idx = static_cast<int>(blockIdx.x);
+  if (causal) {
+    m_block = num_m_blocks - 1 - idx / bh_count;
+    bh = idx % bh_count;
+  } else {
+    bh = idx / num_m_blocks;
+    m_block = idx % num_m_blocks;
+  }
+}
+
+// =================================================================================
+// 3. The forward, as four device functions
+// =================================================================================
+
+// S = Q K^T * scale * log2(e) for this thread's kTM x kTN scores, masked entries -inf, and the
+// row max of the whole block (reduced over the kG threads of the row group).
+// The shared Q tile already holds Q * scale * log2(e) (scaled once, when loaded), so S comes
+// out of the product in log2 units; the max is taken on scaled scores, right for either sign
+// of the scale. sQ_row0 = sQ + rg * kLdHead, sK_col0 = sK + cg * kLdHead.
+template <typename Cfg>
+__device__ __forceinline__ void compute_qk_scores_and_max(float (&s)[Cfg::kTM][Cfg::kTN],
+                                                          float (&block_max)[Cfg::kTM],
+                                                          const float* sQ_row0,
+                                                          const float* sK_col0, int d,
+                                                          const BlockMask& mask) {
+#pragma unroll
+  for (int i = 0; i < Cfg::kTM; ++i)
+#pragma unroll
+    for (int j = 0; j < Cfg::kTN; ++j) s[i][j] = 0.f;
+
+  gemm_nt<Cfg::kTM, Cfg::kTN, Cfg::kRowGroups * Cfg::kLdHead, Cfg::kG * Cfg::kLdHead,
+          Cfg::kHeadDim>(s, sQ_row0, sK_col0, d);
+
+  if (mask.active) apply_mask<true, Cfg::kTM, Cfg::kTN, Cfg::kRowGroups, Cfg::kG>(s, mask);
+
+#pragma unroll
+  for (int i = 0; i < Cfg::kTM; ++i) {
+    float mx = s[i][0];
+#pragma unroll
+    for (int j = 1; j < Cfg::kTN; ++j) mx = fmaxf(mx, s[i][j]);
+    block_max[i] = group_max<Cfg::kG>(mx);
+  }
+}
+
+// Online-softmax bookkeeping: the running max m becomes max(m, block max); the running sum l
+// and the output accumulator o, both relative to the old max, are rescaled by
+// alpha = 2^(m_old - m_new). m is in log2 units of the scaled scores.
+// A row with no visible key so far keeps m = -inf; safe_max turns it into 0 in the exponent, so
+// alpha = 2^(-inf) = 0 (o and l are 0 anyway) and nothing becomes NaN.
+// l here is this thread's partial row sum (over its own kTN columns); the kG partials of a row
+// are added only once, in normalize_output, which is exact because alpha is the same for all.
+template <typename Cfg>
+__device__ __forceinline__ void merge_block_stats(const float (&block_max)[Cfg::kTM],
+                                                  float (&row_max)[Cfg::kTM],
+                                                  float (&row_sum)[Cfg::kTM],
+                                                  float (&o)[Cfg::kTM][Cfg::kTD]) {
+#pragma unroll
+  for (int i = 0; i < Cfg::kTM; ++i) {
+    const float m_new = fmaxf(row_max[i], block_max[i]);
+    const float alpha = fast_exp2(row_max[i] - safe_max(m_new));
+    row_max[i] = m_new;
+    row_sum[i] *= alpha;
+#pragma unroll
+    for (int c = 0; c < Cfg::kTD; ++c) o[i][c] *= alpha;
+  }
+}
+
+// P = 2^(S - m) (masked scores give 2^-inf = 0), l += row sums of P, then O += P V.
+// P goes through shared memory (sP, [kRows][kLdScore]) because product 2 needs, for each of
+// this thread's rows, the whole P row, computed by the kG threads of its row group.
+// `on_p_stored` runs right after the barrier that publishes P: it waits for V and may start
+// the next K load (every warp is then done with this block's K).
+template <typename Cfg, typename OnPStored>
+__device__ __forceinline__ void compute_block_softmax_and_weighted_v(
+    float (&s)[Cfg::kTM][Cfg::kTN], const float (&row_max)[Cfg::kTM], float (&row_sum)[Cfg::kTM],
+    float (&o)[Cfg::kTM][Cfg::kTD], float* sP, const float* sV, int rg, int cg,
+    OnPStored&& on_p_stored) {
+#pragma unroll
+  for (int i = 0; i < Cfg::kTM; ++i) {
+    const float m = safe_max(row_max[i]);
+    float sum = 0.f;
+#pragma unroll
+    for (int j = 0; j < Cfg::kTN; ++j) {
+      s[i][j] = fast_exp2(s[i][j] - m);
+      sum += s[i][j];
+    }
+    row_sum[i] += sum;
+  }
+
+  // Thread (rg, cg) stores P[rg + kRowGroups*i][cg + kG*j]: in sP the key index of the block
+  // is the column, so product 2 reads P rows in key order and V rows with the same index.
+  float* p_row0 = sP + rg * Cfg::kLdScore + cg;
+#pragma unroll
+  for (int i = 0; i < Cfg::kTM; ++i)
+#pragma unroll
+    for (int j = 0; j < Cfg::kTN; ++j)
+      p_row0[i * Cfg::kRowGroups * Cfg::kLdScore + j * Cfg::kG] = s[i][j];
+
+  on_p_stored();  // includes __syncthreads(): sP complete and V_n landed
+
+  gemm_nn<Cfg::kTM, Cfg::kTD, Cfg::kRowGroups * Cfg::kLdScore, Cfg::kHeadDim, 4 * Cfg::kG,
+          Cfg::kCols>(o, sP + rg * Cfg::kLdScore, sV + 4 * cg);
+}
+
+// O /= l and lse = ln(sum_j exp(scale * q.k_j)) = (m + log2 l) * ln 2, written for the rows
+// < sq of the block. A row that saw no key has l = 0: output 0 and lse = -inf (no NaN).
+template <typename Cfg>
+__device__ __forceinline__ void normalize_output(const float (&o)[Cfg::kTM][Cfg::kTD],
+                                                 const float (&row_max)[Cfg::kTM],
+                                                 const float (&row_sum)[Cfg::kTM], float* o_tile,
+                                                 int64_t o_row_stride, float* lse_tile,
+                                                 int rows_valid, int d, int rg, int cg) {
+  float inv_l[Cfg::kTM];
+#pragma unroll
+  for (int i = 0; i < Cfg::kTM; ++i) {
+    const float l = group_sum<Cfg::kG>(row_sum[i]);
+    inv_l[i] = l == 0.f ? 0.f : 1.f / l;  // l == 0: no key seen; a NaN l stays NaN
+    const int r = rg + i * Cfg::kRowGroups;
+    if (cg == 0 && r < rows_valid) {
+      lse_tile[r] = l == 0.f ? -INFINITY : (row_max[i] + log2f(l)) * 0.69314718055994531f;
+    }
+  }
+  store_row_tile<Cfg>(o_tile, o_row_stride, rows_valid, d, o, inv_l, rg, cg);
+}
+
+// =================================================================================
+// 4. Kernel and launcher
+// =================================================================================
+
+// One CTA = kRows query rows of one (batch, query head).
+// Shared memory: sQ [kRows][kLdHead] | sK [kCols][kLdHead] | sV [kCols][kHeadDim]
+//                | sP [kRows][kLdScore]
+// (V is read one whole row at a time, so it needs no padding.)
+//
+// Pipeline (single K and V buffers, two barriers per key block n):
+//   top:   wait K_n (n = 0: also Q, then scale it by scale * log2 e), barrier
+//              -> K_n visible; every warp finished block n-1, so V and sP are free
+//          start V_n copy                               (overlaps S = Q K_n^T)
+//          S = Q K_n^T, merge stats, P = 2^(S - m), store P
+//          wait V_n, barrier  -> P and V_n visible; every warp finished reading K_n
+//          start K_{n+1} copy                           (overlaps O += P V_n)
+//          O += P V_n
+template <typename Cfg>
+__global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSm)
+    flash_fwd_simt_kernel(const FwdParams p) {
+  constexpr int kTM = Cfg::kTM, kTN = Cfg::kTN, kTD = Cfg::kTD;
+  constexpr int kRows = Cfg::kRows, kCols = Cfg::kCols, kD = Cfg::kHeadDim;
+
+  extern __shared__ float4 smem_f4[];
+  float* sQ = reinterpret_cast<float*>(smem_f4);
+  float* sK = sQ + kRows * Cfg::kLdHead;
+  float* sV = sK + kCols * Cfg::kLdHead;
+  float* sP = sV + kCols * kD;
+
+  const int tid = static_cast<int>(threadIdx.x);
+  const int rg = tid / Cfg::kG;
+  const int cg = tid % Cfg::kG;
+
+  int m_block, bh;
+  query_block_order(ceil_div(p.sq, kRows), p.b * p.hq, p.is_causal, m_block, bh);
+  const int bi = bh / p.hq;
+  const int hi = bh - bi * p.hq;
+  const int hk = hi / (p.hq / p.hkv);  // GQA: kv head of this query head
+  const int m0 = m_block * kRows;
+  const int rows_valid = p.sq - m0;  // >= 1
+
+  const float* q = static_cast<const float*>(p.q) + bi * p.q_batch_stride + hi * p.q_head_stride +
+                   m0 * p.q_row_stride;
+  const float* k = static_cast<const float*>(p.k) + bi * p.k_batch_stride + hk * p.k_head_stride;
+  const float* v = static_cast<const float*>(p.v) + bi * p.v_batch_stride + hk * p.v_head_stride;
+
+  // Keys seen by at least one valid row of this block: [0, n_end). Causal: the last valid row
+  // i = min(m0 + kRows, sq) - 1 sees keys j <= i + causal_offset.
+  // Example: sq = 3, sk = 5 (offset 2), one block: n_end = min(5, 3 + 2) = 5, all keys; row 0
+  // sees keys 0..2 and the mask hides 3, 4. With sq = 5, sk = 3 (offset -2), rows 0 and 1 see
+  // nothing (i - 2 < 0): they end with l = 0 -> O = 0, lse = -inf.
+  const int causal_offset = p.sk - p.sq;
+  int n_end = p.sk;
+  if (p.is_causal) n_end = min(n_end, min(m0 + kRows, p.sq) + causal_offset);
+  const int num_n_blocks = n_end > 0 ? ceil_div(n_end, kCols) : 0;
+
+  float o[kTM][kTD];
+  float row_max[kTM], row_sum[kTM];
+#pragma unroll
+  for (int i = 0; i < kTM; ++i) {
+    row_max[i] = -INFINITY;
+    row_sum[i] = 0.f;
+#pragma unroll
+    for (int c = 0; c < kTD; ++c) o[i][c] = 0.f;
+  }
+
+  if (num_n_blocks > 0) {
+    load_tile_async<kRows, kD, Cfg::kLdHead, Cfg::kThreads>(sQ, q, p.q_row_stride, rows_valid, p.d,
+                                                            tid);
+    load_tile_async<kCols, kD, Cfg::kLdHead, Cfg::kThreads>(sK, k, p.k_row_stride, p.sk, p.d, tid);
+    cp_async_commit();
+
+    const float* sQ_row0 = sQ + rg * Cfg::kLdHead;
+    const float* sK_col0 = sK + cg * Cfg::kLdHead;
+
+    for (int n_block = 0; n_block < num_n_blocks; ++n_block) {
+      const int n0 = n_block * kCols;
+
+      cp_async_wait<0>();  // K_n (and Q) landed
+      if (n_block == 0) {
+        scale_own_chunks<kRows, kD, Cfg::kLdHead, Cfg::kThreads>(sQ, p.scale_log2, tid);
+      }
+      __syncthreads();
+      load_tile_async<kCols, kD, kD, Cfg::kThreads>(sV, v + n0 * p.v_row_stride, p.v_row_stride,
+                                                    p.sk - n0, p.d, tid);
+      cp_async_commit();
+
+      // Masking is needed only where the block passes the end of the keys, or (causal) where its
+      // last key is beyond the first row's diagonal m0 + causal_offset.
+      BlockMask mask;
+      mask.active = (n0 + kCols > p.sk) || (p.is_causal && n0 + kCols - 1 > m0 + causal_offset);
+      mask.row0 = m0 + rg;
+      mask.col0 = n0 + cg;
+      mask.sk = p.sk;
+      mask.causal_offset = causal_offset;
+      mask.causal = p.is_causal;
+
+      float s[kTM][kTN];
+      float block_max[kTM];
+      compute_qk_scores_and_max<Cfg>(s, block_max, sQ_row0, sK_col0, p.d, mask);
+      merge_block_stats<Cfg>(block_max, row_max, row_sum, o);
+
+      const bool has_next = n_block + 1 < num_n_blocks;
+      compute_block_softmax_and_weighted_v<Cfg>(s, row_max, row_sum, o, sP, sV, rg, cg, [&]() {
+        cp_async_wait<0>();  // V_n landed
+        __syncthreads();
+        if (has_next) {
+          load_tile_async<kCols, kD, Cfg::kLdHead, Cfg::kThreads>(
+              sK, k + (n0 + kCols) * p.k_row_stride, p.k_row_stride, p.sk - n0 - kCols, p.d, tid);
+        }
+        cp_async_commit();
+      });
+    }
+  }
+
+  float* o_tile = static_cast<float*>(p.o) + bi * p.o_batch_stride + hi * p.o_head_stride +
+                  m0 * p.o_row_stride;
+  float* lse_tile = p.softmax_lse + lse_offset(p, bi, hi) + m0;
+  normalize_output<Cfg>(o, row_max, row_sum, o_tile, p.o_row_stride, lse_tile, rows_valid, p.d, rg,
+                        cg);
+}
+
+template <typename Cfg>
+constexpr size_t fwd_smem_bytes() {
+  return sizeof(float) * (static_cast<size_t>(Cfg::kRows) * Cfg::kLdHead +
+                          static_cast<size_t>(Cfg::kCols) * Cfg::kLdHead +
+                          static_cast<size_t>(Cfg::kCols) * Cfg::kHeadDim +
+                          static_cast<size_t>(Cfg::kRows) * Cfg::kLdScore);
+}
+
+// Checks shared by the fp32 launchers.
+inline void check_simt_args(const FwdParams& p, int head_dim_bucket, const char* name) {
+  if (p.d <= 0 || p.d > head_dim_bucket || p.d % 8 != 0 || p.sq < 1 || p.sk < 1 || p.b < 1 ||
+      p.hq < 1 || p.hkv < 1 || p.hq % p.hkv != 0) {
+    throw std::runtime_error(std::string("flash_cuda: kernel ") + name +
+                             ": unsupported sizes (d=" + std::to_string(p.d) + ", bucket " +
+                             std::to_string(head_dim_bucket) + ")");
+  }
+}
+
+inline unsigned simt_grid_size(int64_t blocks, const char* name) {
+  if (blocks <= 0 || blocks > 0x7fffffffLL) {
+    throw std::runtime_error(std::string("flash_cuda: kernel ") + name + ": grid of " +
+                             std::to_string(blocks) + " blocks is out of range");
+  }
+  return static_cast<unsigned>(blocks);
+}
+
+// Largest dynamic shared memory a CTA may opt into on the current device (227 KB on sm_90,
+// 163 KB on sm_80, 99 KB on sm_86 / sm_89), cached per device.
+inline size_t device_smem_optin() {
+  static std::atomic<int> cache[64];  // zero-initialised: 0 = not queried yet
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) dev = 0;
+  const bool cacheable = dev >= 0 && dev < 64;
+  int bytes = cacheable ? cache[dev].load(std::memory_order_relaxed) : 0;
+  if (bytes == 0) {
+    if (cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) !=
+        cudaSuccess) {
+      bytes = 48 * 1024;
+    }
+    if (cacheable) cache[dev].store(bytes, std::memory_order_relaxed);
+  }
+  return static_cast<size_t>(bytes);
+}
+
+template <typename Cfg>
+void launch_fwd(const FwdParams& params, cudaStream_t stream) {
+  constexpr size_t kSmem = fwd_smem_bytes<Cfg>();
+  const int64_t blocks =
+      static_cast<int64_t>(ceil_div(params.sq, Cfg::kRows)) * params.b * params.hq;
+  const unsigned grid = simt_grid_size(blocks, "flash_fwd_simt");
+  auto kernel = flash_fwd_simt_kernel<Cfg>;
+  set_smem_limit(kernel, kSmem, "flash_fwd_simt");
+  kernel<<<grid, Cfg::kThreads, kSmem, stream>>>(params);
+  check_launch("flash_fwd_simt");
+}
+
+}  // namespace simt
+
+template <int kHeadDim>
+void run_fwd_simt(const FwdParams& params, cudaStream_t stream) {
+  using Traits = simt::SimtFwdTraits<kHeadDim>;
+  simt::check_simt_args(params, kHeadDim, "flash_fwd_simt");
+  if (simt::fwd_smem_bytes<typename Traits::Config>() <= simt::device_smem_optin()) {
+    simt::launch_fwd<typename Traits::Config>(params, stream);
+  } else {
+    simt::launch_fwd<typename Traits::CompactConfig>(params, stream);
+  }
+}
+
+}  // namespace flash_cuda

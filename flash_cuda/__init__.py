@@ -1,0 +1,28 @@
+"""flash_cuda: hand-written CUDA FlashAttention for PyTorch.
+
+    import flash_cuda
+    out = flash_cuda.attention(q, k, v, is_causal=True)          # like F.scaled_dot_product_attention
+    out, lse = flash_cuda.attention(q, k, v, return_lse=True)
+
+``import flash_cuda`` works without the compiled extension (e.g. on a CPU-only machine);
+:func:`is_available` tells whether it is loaded, and :func:`attention` raises a
+RuntimeError with build instructions when it is not. :mod:`flash_cuda.reference` holds
+the pure-PyTorch specification of the kernels (runs anywhere).
+"""
+
+from ._ext import is_available
+from .interface import KERNELS, MAX_HEAD_DIM, MIN_HEAD_DIM, SUPPORTED_DTYPES, attention
+from . import reference
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "attention",
+    "is_available",
+    "reference",
+    "KERNELS",
+    "SUPPORTED_DTYPES",
+    "MIN_HEAD_DIM",
+    "MAX_HEAD_DIM",
+    "__version__",
+]

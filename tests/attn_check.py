@@ -1,0 +1,347 @@
+"""Shared helpers of the flash_cuda test suites: input factories and the accuracy check.
+
+    from attn_check import make_inputs, check_attention
+    q, k, v = make_inputs(2, 8, 2, 113, 127, 64, torch.float16, "cuda", layout="bshd", seed=3)
+    check_attention(q, k, v, is_causal=True, scale=None, label="my case")
+
+Accuracy rule (the usual FlashAttention test rule). For every checked tensor X (out, lse,
+and with ``check_grad`` dq, dk, dv):
+
+    max|X_flash - X_ref64|  <=  2 * max|X_naive - X_ref64|  +  atol
+
+where X_ref64 is :func:`flash_cuda.reference.attention_naive` on float64 copies of the
+inputs (the same bits, upcast) and X_naive is the same naive attention computed in the
+inputs' own dtype on the same device. ``atol`` is tiny: a per-dtype base (fp32 1e-5,
+fp16 1e-3, bf16 1e-2; lse 1e-5 / 1e-4) times the magnitude max(1, max|X_ref64|). The
+floor of 1 (the scale of the standard-normal test inputs) matters only where the exact
+result is ~0 through cancellation, e.g. dq and dk when every query sees a single key.
+
+For out and the gradients, atol also holds the fp32 rounding that the algorithm cannot
+avoid and that the naive computation sometimes avoids by luck (with a single key it is
+exact): P is recomputed as exp2(s * scale * log2e - lse * log2e), an fp32 argument of
+size up to A = max|lse| (relative error ~A * 2^-24), and dS = P * (dP - delta) subtracts
+two fp32 dot products of length D (error ~sqrt(D) * 2^-24). So
+
+    atol = magnitude * (base + 2^-24 * (8 * A + 16 * sqrt(D)))
+
+where the second term is below the fp32 base unless scores are large (scale=1, D=256).
+In addition: rows whose reference lse is -inf (no visible key) must have lse exactly -inf
+and output exactly 0, every other value must be finite, and nothing may be NaN.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from typing import Dict, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+import flash_cuda
+from flash_cuda.reference import attention_naive
+
+__all__ = [
+    "LAYOUTS",
+    "DTYPES",
+    "ATOL_BASE",
+    "LSE_ATOL_BASE",
+    "make_inputs",
+    "make_tensor",
+    "check_attention",
+    "rule_error",
+    "FP32_EPS",
+    "naive_chunked",
+    "gpu_skip_reason",
+    "dtype_name",
+]
+
+# "contiguous" is an alias of "bhsd".
+LAYOUTS = ("bhsd", "bshd", "strided", "offset", "misaligned")
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+ATOL_BASE = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2, torch.float64: 1e-12}
+# flash_cuda returns lse in float32 whatever the input dtype.
+LSE_ATOL_BASE = {torch.float32: 1e-5, torch.float16: 1e-4, torch.bfloat16: 1e-4, torch.float64: 1e-5}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32",
+            torch.float64: "fp64"}.get(dtype, str(dtype))
+
+
+def gpu_skip_reason() -> Optional[str]:
+    """None when the flash_cuda GPU tests can run here, else why they cannot."""
+    if not torch.cuda.is_available():
+        return "CUDA is not available (no GPU, or a CPU-only build of torch)"
+    if not flash_cuda.is_available():
+        from flash_cuda import _ext
+
+        return f"{_ext.unavailable_message()} (flash_cuda imported from {flash_cuda.__file__})"
+    major, minor = torch.cuda.get_device_capability()
+    if (major, minor) < (8, 0):
+        return f"GPU compute capability {major}.{minor} < 8.0"
+    return None
+
+
+# ---------------------------------------------------------------------------------------
+# Inputs
+# ---------------------------------------------------------------------------------------
+
+
+def _generator(device, seed: int) -> torch.Generator:
+    dev = torch.device(device)
+    g = torch.Generator(device=dev if dev.type == "cuda" else "cpu")
+    g.manual_seed(int(seed) & 0x7FFFFFFFFFFFFFFF)
+    return g
+
+
+def _randn(shape: Sequence[int], dtype: torch.dtype, device, gen: torch.Generator) -> Tensor:
+    # Drawn in float32 then rounded: the same values for every dtype up to rounding.
+    return torch.randn(tuple(shape), generator=gen, device=device, dtype=torch.float32).to(dtype)
+
+
+def make_tensor(B: int, H: int, S: int, D: int, dtype: torch.dtype, device, layout: str = "bhsd",
+                seed: int = 0) -> Tensor:
+    """A (B, H, S, D) tensor of fresh standard-normal values with the given memory layout:
+
+    * ``"bhsd"`` / ``"contiguous"``: contiguous.
+    * ``"bshd"``: allocated (B, S, H, D) then ``.transpose(1, 2)`` (dense, not contiguous).
+    * ``"strided"``: a non-contiguous, non-dense slice of a larger buffer (padded rows,
+      every other head, a row offset), stride(-1) == 1, 16-byte aligned.
+    * ``"offset"``: contiguous view at a storage offset (a multiple of 8 elements, so the
+      data pointer stays 16-byte aligned) into a bigger buffer.
+    * ``"misaligned"``: contiguous view at an odd storage offset: the data pointer is not
+      16-byte aligned (the extension must cope, e.g. by copying).
+    """
+    if layout == "contiguous":
+        layout = "bhsd"
+    gen = _generator(device, seed)
+    n = B * H * S * D
+    if layout == "bhsd":
+        return _randn((B, H, S, D), dtype, device, gen)
+    if layout == "bshd":
+        return _randn((B, S, H, D), dtype, device, gen).transpose(1, 2)
+    if layout == "strided":
+        buf = _randn((B, S + 1, 2 * H, D + 16), dtype, device, gen)
+        return buf[:, 1:, ::2, 8:8 + D].transpose(1, 2)
+    if layout in ("offset", "misaligned"):
+        off = 8 * (1 + seed % 4) if layout == "offset" else 1 + 2 * (seed % 3)
+        buf = _randn((off + n + 8,), dtype, device, gen)
+        return buf[off:off + n].view(B, H, S, D)
+    raise ValueError(f"unknown layout {layout!r}; expected one of {LAYOUTS} or 'contiguous'")
+
+
+def make_inputs(B: int, Hq: int, Hkv: int, Sq: int, Sk: int, D: int, dtype: torch.dtype,
+                device="cuda", layout: str = "bhsd", seed: int = 0) -> Tuple[Tensor, Tensor, Tensor]:
+    """q (B, Hq, Sq, D), k and v (B, Hkv, Sk, D): independent standard-normal values (never
+    all zeros), each in ``layout`` (see :func:`make_tensor`). Deterministic in ``seed``."""
+    q = make_tensor(B, Hq, Sq, D, dtype, device, layout, seed=3 * seed + 0)
+    k = make_tensor(B, Hkv, Sk, D, dtype, device, layout, seed=3 * seed + 1)
+    v = make_tensor(B, Hkv, Sk, D, dtype, device, layout, seed=3 * seed + 2)
+    return q, k, v
+
+
+def naive_chunked(q: Tensor, k: Tensor, v: Tensor, *, is_causal: bool, scale: Optional[float],
+                  dtype: torch.dtype, chunk: int = 1024) -> Tuple[Tensor, Tensor]:
+    """attention_naive in ``dtype`` computed over chunks of query rows, so the score matrix
+    never exceeds (chunk x Sk) per head. Exactly the naive result: rows are independent.
+
+    For causal masking a chunk of rows [a, b) keeps only the keys [0, b + Sk - Sq): with
+    that truncation the bottom-right alignment of the chunk equals the global one.
+    """
+    B, Hq, Sq, D = q.shape
+    Sk = k.shape[2]
+    outs, lses = [], []
+    for a in range(0, Sq, chunk):
+        b = min(Sq, a + chunk)
+        qc = q[:, :, a:b].to(dtype)
+        if is_causal:
+            kend = b + Sk - Sq
+            if kend <= 0:  # every row of the chunk sees no key
+                outs.append(torch.zeros((B, Hq, b - a, D), dtype=dtype, device=q.device))
+                lses.append(torch.full((B, Hq, b - a), float("-inf"), dtype=dtype, device=q.device))
+                continue
+            kc, vc = k[:, :, :kend].to(dtype), v[:, :, :kend].to(dtype)
+        else:
+            kc, vc = k.to(dtype), v.to(dtype)
+        o, l = attention_naive(qc, kc, vc, is_causal=is_causal, scale=scale)
+        outs.append(o)
+        lses.append(l)
+    return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+
+
+# ---------------------------------------------------------------------------------------
+# The check
+# ---------------------------------------------------------------------------------------
+
+
+def _max_abs_err(x: Tensor, ref: Tensor, mask: Optional[Tensor] = None) -> float:
+    d = (x.detach().to(torch.float64) - ref.detach()).abs()
+    if mask is not None:
+        d = d[mask]
+    if d.numel() == 0:
+        return 0.0
+    return float(d.max())
+
+
+def _magnitude(ref: Tensor, mask: Optional[Tensor] = None) -> float:
+    r = ref.detach().abs()
+    if mask is not None:
+        r = r[mask]
+    return float(r.max()) if r.numel() else 0.0
+
+
+FP32_EPS = 2.0 ** -24
+
+
+def rule_error(name: str, x: Tensor, ref: Tensor, naive: Tensor, base_atol: float,
+               mask: Optional[Tensor] = None, min_mag: float = 1.0, score_mag: float = 0.0,
+               head_dim: int = 0):
+    """Applies the accuracy rule to one tensor.
+
+    Returns (result, problem): result = {"flash", "naive", "tol", "magnitude"} (None when
+    x has non-finite values outside ``mask``), problem = None or a description.
+    ``mask`` restricts the comparison (e.g. to the finite entries of a reference lse).
+    ``score_mag`` (max|lse|, the size of the softmax arguments) and ``head_dim`` add the
+    fp32 rounding term of the module docstring; leave them 0 for lse.
+    """
+    if mask is None and not bool(torch.isfinite(x).all()):
+        n_bad = int((~torch.isfinite(x)).sum())
+        return None, f"{name}: {n_bad} non-finite values (NaN/inf)"
+    err = _max_abs_err(x, ref, mask)
+    err_naive = _max_abs_err(naive, ref, mask)
+    mag = max(_magnitude(ref, mask), min_mag)
+    atol = (base_atol + FP32_EPS * (8 * score_mag + 16 * math.sqrt(head_dim))) * mag
+    if not math.isfinite(err_naive):  # the same-dtype naive overflowed: fall back
+        err_naive = 0.0
+        atol = 50 * atol
+    tol = 2.0 * err_naive + atol
+    res = {"flash": err, "naive": err_naive, "tol": tol, "magnitude": mag}
+    if not err <= tol:  # also catches err == NaN
+        return res, (f"{name}: max|flash - ref64| = {err:.3e} > tol {tol:.3e} (= 2 * naive err "
+                     f"{err_naive:.3e} + atol {atol:.3e}; max|ref| {mag:.3e})")
+    return res, None
+
+
+def _pick_dlse(q: Tensor, k: Tensor, label: str) -> bool:
+    """Deterministic, varied choice of the calls that also send a random dlse."""
+    key = f"{tuple(q.shape)}{tuple(k.shape)}{q.dtype}{label}".encode()
+    return zlib.crc32(key) % 3 == 0
+
+
+def check_attention(q: Tensor, k: Tensor, v: Tensor, *, is_causal: bool, scale: Optional[float],
+                    check_grad: bool = True, kernel: str = "auto", label: str = "",
+                    with_dlse: Optional[bool] = None, deterministic: bool = False,
+                    seed: int = 0) -> Dict[str, Dict[str, float]]:
+    """Runs flash_cuda.attention(return_lse=True) (and its backward with a random dout and,
+    when ``with_dlse`` — by default on about a third of the calls — a random dlse) and
+    checks every result against the float64 reference with the rule of this module.
+
+    Raises AssertionError listing every failing quantity with the case description.
+    Returns {name: {"flash": err, "naive": err, "tol": tol}} for the caller's records.
+    """
+    B, Hq, Sq, D = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    dtype = q.dtype
+    if with_dlse is None:
+        with_dlse = _pick_dlse(q, k, label)
+    with_dlse = bool(with_dlse and check_grad)
+    desc = (f"[{label}] B={B} Hq={Hq} Hkv={Hkv} Sq={Sq} Sk={Sk} D={D} dtype={dtype_name(dtype)} "
+            f"causal={is_causal} scale={scale} kernel={kernel} dlse={with_dlse} "
+            f"deterministic={deterministic} q.stride={tuple(q.stride())} "
+            f"q.offset={q.storage_offset()} k.stride={tuple(k.stride())}")
+    problems = []
+
+    # ---- flash_cuda ----
+    qf = q.detach().requires_grad_(check_grad)
+    kf = k.detach().requires_grad_(check_grad)
+    vf = v.detach().requires_grad_(check_grad)
+    out, lse = flash_cuda.attention(qf, kf, vf, is_causal=is_causal, scale=scale, return_lse=True,
+                                    kernel=kernel, deterministic=deterministic)
+    if out.shape != q.shape or out.dtype != dtype or out.device != q.device:
+        problems.append(f"out metadata: shape {tuple(out.shape)} dtype {out.dtype} device {out.device}")
+    if out.stride() != torch.empty_like(q).stride():
+        problems.append(f"out strides {out.stride()} != empty_like(q) strides "
+                        f"{torch.empty_like(q).stride()}")
+    if lse.shape != (B, Hq, Sq) or lse.dtype != torch.float32 or not lse.is_contiguous():
+        problems.append(f"lse metadata: shape {tuple(lse.shape)} dtype {lse.dtype} "
+                        f"contiguous {lse.is_contiguous()}")
+
+    gen = _generator(q.device, 7919 * seed + zlib.crc32(desc.encode()))
+    dout = dlse = None
+    grads = ()
+    if check_grad:
+        dout = _randn(out.shape, dtype, q.device, gen)
+        if with_dlse:
+            dlse = _randn(lse.shape, torch.float32, q.device, gen)
+        outputs, grad_outputs = ((out, lse), (dout, dlse)) if with_dlse else ((out,), (dout,))
+        grads = torch.autograd.grad(outputs, (qf, kf, vf), grad_outputs)
+
+    # ---- references: float64 ground truth and naive in the inputs' dtype ----
+    prev_tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        refs = {}
+        for name, rdtype in (("ref64", torch.float64), ("naive", dtype)):
+            qr = q.detach().to(rdtype).requires_grad_(check_grad)
+            kr = k.detach().to(rdtype).requires_grad_(check_grad)
+            vr = v.detach().to(rdtype).requires_grad_(check_grad)
+            o_r, l_r = attention_naive(qr, kr, vr, is_causal=is_causal, scale=scale)
+            g_r = ()
+            if check_grad:
+                outs_r = (o_r, l_r) if with_dlse else (o_r,)
+                gouts_r = ((dout.to(rdtype), dlse.to(rdtype)) if with_dlse else (dout.to(rdtype),))
+                g_r = torch.autograd.grad(outs_r, (qr, kr, vr), gouts_r)
+            refs[name] = (o_r.detach(), l_r.detach(), tuple(g.detach() for g in g_r))
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = prev_tf32
+
+    out64, lse64, grads64 = refs["ref64"]
+    outn, lsen, gradsn = refs["naive"]
+    results: Dict[str, Dict[str, float]] = {}
+
+    # ---- masked rows: exact -inf / 0, and the finiteness pattern ----
+    ref_neginf = lse64 == float("-inf")
+    if not torch.equal(lse.detach() == float("-inf"), ref_neginf):
+        bad = int(((lse.detach() == float("-inf")) != ref_neginf).sum())
+        problems.append(f"lse: -inf pattern differs from the reference at {bad} rows")
+    if torch.isnan(lse).any() or (torch.isinf(lse) & ~ref_neginf).any():
+        problems.append("lse: NaN or unexpected inf values")
+    if ref_neginf.any() and not bool((out.detach()[ref_neginf] == 0).all()):
+        problems.append("out: rows without a visible key are not exactly 0")
+
+    finite = torch.isfinite(lse64)
+    score_mag = _magnitude(lse64, finite)
+
+    def compare(name, x, ref, naive, base_atol, mask=None, min_mag=1.0, score_mag=score_mag,
+                head_dim=D):
+        res, problem = rule_error(name, x, ref, naive, base_atol, mask=mask, min_mag=min_mag,
+                                  score_mag=score_mag, head_dim=head_dim)
+        if res is not None:
+            results[name] = res
+        if problem:
+            problems.append(problem)
+
+    compare("out", out, out64, outn, ATOL_BASE[dtype])
+    compare("lse", lse, lse64, lsen, LSE_ATOL_BASE[dtype], mask=finite, min_mag=1.0, score_mag=0.0,
+            head_dim=0)
+    if check_grad:
+        # dq and dk come from dS = P * (dP - delta), a difference that cancels exactly in
+        # degenerate cases (a single visible key: dS = 0 in exact arithmetic, and the naive
+        # same-dtype gradient is then exactly 0 too). The rounding of that difference scales
+        # with the gradients' overall size, so the absolute term uses the largest of the
+        # three gradient magnitudes rather than the (possibly zero) one being checked.
+        grad_mag = max([1.0] + [_magnitude(g64) for g64 in grads64])
+        for name, g, g64, gn in zip(("dq", "dk", "dv"), grads, grads64, gradsn):
+            if g.shape != g64.shape or g.dtype != dtype:
+                problems.append(f"{name} metadata: shape {tuple(g.shape)} dtype {g.dtype}")
+                continue
+            compare(name, g, g64, gn, ATOL_BASE[dtype], min_mag=grad_mag)
+
+    if problems:
+        table = "\n".join(f"    {n}: flash {r['flash']:.3e}  naive {r['naive']:.3e}  tol {r['tol']:.3e}"
+                          f"  max|ref| {r['magnitude']:.3e}" for n, r in results.items())
+        raise AssertionError(f"flash_cuda.attention mismatch {desc}\n  " + "\n  ".join(problems)
+                             + f"\n  errors vs float64:\n{table}")
+    return results

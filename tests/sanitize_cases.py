@@ -1,0 +1,177 @@
+"""The workload that tests/sanitize.py runs under compute-sanitizer (also a test by itself).
+
+Every case runs flash_cuda.attention forward and backward and checks out, lse, dq, dk, dv
+against float64 with attn_check's rule, so a sanitized run is also an accuracy test. The
+cases cover every kernel tier (fp32 SIMT, fp16 and bf16 tensor-core), every head-dim
+bucket (D = 8, 32, 40, 72, 96, 128, 160, 192, 256), odd lengths (1, 17, 127, 1000,
+including Sq != Sk both ways and causal rows that see no key), GQA, every memory layout
+(contiguous, transposed, strided views, storage offsets, a misaligned pointer), an lse
+gradient (dlse), and deterministic=True. Sizes are small: compute-sanitizer slows
+kernels down 10-100x.
+
+Usage:
+    python tests/sanitize_cases.py            # run every case (needs a GPU)
+    python tests/sanitize_cases.py --list     # print the cases (no GPU needed)
+    python tests/sanitize_cases.py --only 0,5 # run some of them
+    python tests/sanitize_cases.py --no-check # flash_cuda only, no reference comparison
+
+Exit status: 0 when every case passed, 1 when a case failed, 2 when no GPU / extension.
+The last line is "sanitize_cases: P/N cases passed" (tests/sanitize.py reads it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import time
+import traceback
+from typing import List, Optional
+
+_TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, _TESTS_DIR)  # attn_check
+try:  # an installed flash_cuda first; else the checkout this script lives in
+    import flash_cuda  # noqa: F401
+except ImportError:
+    sys.path.append(os.path.dirname(_TESTS_DIR))
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    dtype: str  # "float32" (SIMT tier), "float16" / "bfloat16" (MMA tier)
+    B: int
+    Hq: int
+    Hkv: int
+    Sq: int
+    Sk: int
+    D: int
+    causal: bool
+    layout: str = "bhsd"
+    dlse: bool = False  # also on every Sk = 1 case: without it dq, dk are exactly 0
+    deterministic: bool = False
+
+    def describe(self) -> str:
+        flags = [f"{self.dtype:8s}", f"B={self.B} Hq={self.Hq} Hkv={self.Hkv}",
+                 f"Sq={self.Sq:4d} Sk={self.Sk:4d} D={self.D:3d}",
+                 "causal" if self.causal else "full  ", f"{self.layout:10s}"]
+        if self.dlse:
+            flags.append("dlse")
+        if self.deterministic:
+            flags.append("deterministic")
+        return " ".join(flags).rstrip()
+
+
+F32, F16, BF16 = "float32", "float16", "bfloat16"
+
+CASES: List[Case] = [
+    # ---- fp32, SIMT tier (buckets 32 / 64 / 128 / 256) ----
+    Case(F32, 1, 2, 1, 17, 17, 8, False, "bhsd"),
+    Case(F32, 1, 2, 2, 127, 1000, 40, True, "bshd"),
+    Case(F32, 1, 1, 1, 1000, 127, 128, True, "strided"),  # 873 rows see no key
+    Case(F32, 2, 4, 1, 1, 1000, 256, False, "offset"),
+    Case(F32, 1, 1, 1, 1000, 1000, 64, True, "bhsd", dlse=True, deterministic=True),
+    Case(F32, 1, 2, 1, 127, 127, 32, False, "misaligned"),
+    # ---- fp16, tensor-core tier (buckets 32 / 64 / 96 / 128 / 192 / 256) ----
+    Case(F16, 1, 1, 1, 1, 1, 8, False, "bhsd", dlse=True),
+    Case(F16, 1, 4, 2, 1000, 1000, 40, True, "bshd"),
+    Case(F16, 1, 2, 1, 17, 1000, 128, True, "strided"),
+    Case(F16, 1, 2, 2, 127, 127, 256, False, "offset", dlse=True),
+    Case(F16, 1, 2, 1, 1000, 17, 72, True, "bhsd"),  # 983 rows see no key
+    Case(F16, 1, 1, 1, 127, 1, 160, False, "misaligned", dlse=True),
+    Case(F16, 2, 2, 2, 1000, 1000, 64, False, "bhsd"),
+    # ---- bf16, tensor-core tier ----
+    Case(BF16, 1, 6, 2, 1000, 127, 8, False, "bshd"),
+    Case(BF16, 2, 1, 1, 17, 17, 40, True, "strided"),
+    Case(BF16, 1, 1, 1, 1000, 1000, 128, True, "bhsd", deterministic=True),
+    Case(BF16, 1, 4, 1, 1, 1000, 256, True, "bshd"),  # decode
+    Case(BF16, 1, 2, 1, 127, 1000, 96, False, "offset"),
+    Case(BF16, 1, 2, 2, 17, 127, 192, True, "bhsd", dlse=True),
+    Case(BF16, 1, 1, 1, 1, 1, 64, True, "bhsd", dlse=True),
+]
+
+
+def _parse_indices(raw: Optional[str]) -> List[int]:
+    if not raw:
+        return list(range(len(CASES)))
+    idx = [int(x) for x in raw.replace(" ", "").split(",") if x]
+    for i in idx:
+        if not 0 <= i < len(CASES):
+            raise SystemExit(f"--only: case {i} does not exist (0..{len(CASES) - 1})")
+    return idx
+
+
+def run_case(case: Case, index: int, check: bool) -> None:
+    import torch
+
+    import flash_cuda
+    from attn_check import check_attention, make_inputs
+
+    dtype = getattr(torch, case.dtype)
+    q, k, v = make_inputs(case.B, case.Hq, case.Hkv, case.Sq, case.Sk, case.D, dtype, "cuda",
+                          layout=case.layout, seed=1000 + index)
+    if check:
+        check_attention(q, k, v, is_causal=case.causal, scale=None, check_grad=True,
+                        with_dlse=case.dlse, deterministic=case.deterministic, seed=index,
+                        label=f"sanitize case {index}")
+        return
+    qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
+    out, lse = flash_cuda.attention(qq, kk, vv, is_causal=case.causal, return_lse=True,
+                                    deterministic=case.deterministic)
+    outputs, grads = [out], [torch.randn_like(out)]
+    if case.dlse:
+        outputs.append(lse)
+        grads.append(torch.randn_like(lse))
+    torch.autograd.grad(outputs, (qq, kk, vv), grads)
+    torch.cuda.synchronize()
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--list", action="store_true", help="print the cases and exit")
+    parser.add_argument("--only", metavar="I,J", help="run only these case indices")
+    parser.add_argument("--no-check", action="store_true",
+                        help="run flash_cuda forward + backward without the float64 comparison")
+    args = parser.parse_args(argv)
+    indices = _parse_indices(args.only)
+
+    if args.list:
+        for i in indices:
+            print(f"{i:3d}  {CASES[i].describe()}")
+        return 0
+
+    import torch
+
+    import flash_cuda
+
+    if not (torch.cuda.is_available() and flash_cuda.is_available()):
+        print("sanitize_cases: needs a CUDA GPU and the compiled flash_cuda extension "
+              f"(cuda available: {torch.cuda.is_available()}, extension: "
+              f"{flash_cuda.is_available()})", file=sys.stderr)
+        print(f"sanitize_cases: 0/{len(indices)} cases passed")
+        return 2
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    failed = []
+    for n, i in enumerate(indices):
+        case = CASES[i]
+        t0 = time.perf_counter()
+        try:
+            run_case(case, i, check=not args.no_check)
+            status = "ok"
+        except Exception as exc:  # noqa: BLE001 - every failure is reported
+            status = "FAIL"
+            failed.append((i, case, exc))
+            traceback.print_exc()
+        print(f"[{n + 1:2d}/{len(indices)}] case {i:2d} {status:4s} {case.describe()} "
+              f"({time.perf_counter() - t0:.1f} s)", flush=True)
+
+    for i, case, exc in failed:
+        print(f"FAILED case {i}: {case.describe()}\n    {type(exc).__name__}: {exc}")
+    print(f"sanitize_cases: {len(indices) - len(failed)}/{len(indices)} cases passed", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -33,9 +33,10 @@ namespace fwd_mma {
 template <int kHeadDim>
 struct Traits;
 // kBlockM, kBlockN, kNWarps, kMinBlocksPerSM. Measured on the H200 (OPTIMIZATION.md):
-// at head dim 64, four 64-row CTAs per SM (16 warps) beat two 128-row CTAs by 15%.
-template <> struct Traits<32>  { static constexpr int kBlockM = 64,  kBlockN = 64,  kNWarps = 4, kMinBlocks = 4; };
-template <> struct Traits<64>  { static constexpr int kBlockM = 64,  kBlockN = 64,  kNWarps = 4, kMinBlocks = 4; };
+// 128x64 tiles, 4 warps of 32 rows, 2 CTAs per SM, for head dims up to 128; beyond that the
+// O accumulator needs one 16-row tile per warp (64-row CTAs).
+template <> struct Traits<32>  { static constexpr int kBlockM = 128, kBlockN = 64,  kNWarps = 4, kMinBlocks = 2; };
+template <> struct Traits<64>  { static constexpr int kBlockM = 128, kBlockN = 64,  kNWarps = 4, kMinBlocks = 2; };
 template <> struct Traits<96>  { static constexpr int kBlockM = 128, kBlockN = 64,  kNWarps = 4, kMinBlocks = 2; };
 template <> struct Traits<128> { static constexpr int kBlockM = 128, kBlockN = 64,  kNWarps = 4, kMinBlocks = 2; };
 template <> struct Traits<192> { static constexpr int kBlockM = 64,  kBlockN = 64,  kNWarps = 4, kMinBlocks = 1; };
@@ -143,34 +144,35 @@ __device__ __forceinline__ void compute_qk_scores_and_max(
   }
 
   // Mask (only blocks that straddle the causal diagonal or the end of the keys pay for
-  // it) and take the row maxima of the raw scores. The scale is positive (the binding
-  // folds a negative scale into q), so max(scale * s) = scale * max(s): the scale is
-  // applied once per row here and once per element inside the exp2's FFMA.
+  // it: one warp-uniform branch around the whole pass, no per-element branches on the
+  // common path) and take the row maxima of the raw scores. The scale is positive (the
+  // binding folds a negative scale into q), so max(scale * s) = scale * max(s): the scale
+  // is applied once per row here and once per element inside the exp2's FFMA.
   const int g = lane / 4, t = lane % 4;
+  if (needs_mask) {
+#pragma unroll
+    for (int mt = 0; mt < Cfg::kMTiles; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < Cfg::kNTiles; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int row = row_base + mt * 16 + g + (e / 2) * 8;
+          const int col = key_base + nt * 8 + 2 * t + (e % 2);
+          if (!key_visible(row, col, sk, causal_offset, is_causal)) s[mt][nt][e] = -INFINITY;
+        }
+  }
 #pragma unroll
   for (int mt = 0; mt < Cfg::kMTiles; ++mt) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      const int row = row_base + mt * 16 + g + half * 8;
       float mx = -INFINITY;
 #pragma unroll
-      for (int nt = 0; nt < Cfg::kNTiles; ++nt) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          if (needs_mask) {
-            const int col = key_base + nt * 8 + 2 * t + e;
-            if (!key_visible(row, col, sk, causal_offset, is_causal)) s[mt][nt][half * 2 + e] = -INFINITY;
-          }
-          mx = fmaxf(mx, s[mt][nt][half * 2 + e]);
-        }
-      }
-      float bm = group_max<4>(mx) * scale_log2;  // the 4 lanes of a quad share a row
-      // exp2's argument fma(s, scale_log2, -m) is rounded once from the exact s*scale_log2
-      // - m, but m itself was rounded: for the row's largest score the argument can land
-      // up to ulp(m)/2 above 0, which for huge logits (|m| > 2^25, e.g. fp16 inputs near
-      // 6e4) is exp2(+1024) = inf. Raising m by 2^-22 |m| keeps every argument <= 0; the
-      // shift cancels in O and in lse (both use the same m).
-      if (bm != -INFINITY) bm = fmaf(fabsf(bm), 0x1p-22f, bm);
+      for (int nt = 0; nt < Cfg::kNTiles; ++nt)
+        mx = fmaxf(mx, fmaxf(s[mt][nt][half * 2], s[mt][nt][half * 2 + 1]));
+      // Rounding is monotonic, so bm = round(max_j s_j * scale_log2) is also the largest
+      // of the rounded per-element products round(s_j * scale_log2): the exact-max path of
+      // step 3 relies on this.
+      const float bm = group_max<4>(mx) * scale_log2;  // the 4 lanes of a quad share a row
       block_max[mt][half] = bm;
     }
   }
@@ -212,6 +214,32 @@ __device__ __forceinline__ void merge_block_stats(float (&row_max)[Cfg::kMTiles]
   }
 }
 
+// p = 2^(s * scale_log2 - m) in place, and the per-thread row sums. kExactMax: round the
+// product first and subtract m exactly (see compute_block_softmax_and_weighted_v).
+template <typename Cfg, bool kExactMax>
+__device__ __forceinline__ void exponentiate_scores(float (&s)[Cfg::kMTiles][Cfg::kNTiles][4],
+                                                    float (&row_sum)[Cfg::kMTiles][2],
+                                                    const float (&row_max)[Cfg::kMTiles][2],
+                                                    float scale_log2) {
+#pragma unroll
+  for (int mt = 0; mt < Cfg::kMTiles; ++mt) {
+    const float m0 = safe_max(row_max[mt][0]);
+    const float m1 = safe_max(row_max[mt][1]);
+#pragma unroll
+    for (int nt = 0; nt < Cfg::kNTiles; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float m = e < 2 ? m0 : m1;
+        const float x = kExactMax ? __fmul_rn(s[mt][nt][e], scale_log2) - m
+                                  : fmaf(s[mt][nt][e], scale_log2, -m);
+        s[mt][nt][e] = fast_exp2(x);
+      }
+      row_sum[mt][0] += s[mt][nt][0] + s[mt][nt][1];
+      row_sum[mt][1] += s[mt][nt][2] + s[mt][nt][3];
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------------
 // Step 3: P = exp2(S - m) (masked entries are -inf -> 0), accumulate the row sums
 // (per thread; the quad reduction waits until normalize_output) and O += P V.
@@ -227,20 +255,22 @@ __device__ __forceinline__ void compute_block_softmax_and_weighted_v(
     const typename Cfg::T* sV, float scale_log2) {
   using T = typename Cfg::T;
   const int lane = threadIdx.x % 32;
+  // p = 2^(s * scale * log2(e) - m), normally as one FFMA + one MUFU.EX2 per element.
+  // The FFMA subtracts a rounded m from the exact product, so the row's largest element
+  // gets an exponent within ulp(m)/2 of 0: harmless while |m| < 2^20 (p_max within 2^(1/16)
+  // of 1), but for huge logits (fp16 inputs near 6e4: |m| ~ 1e10) it could be 2^+-1000.
+  // Warps holding such a row round the product first (FMUL) and subtract exactly (FADD):
+  // then the largest element gets exactly 2^0.
+  bool huge = false;
 #pragma unroll
-  for (int mt = 0; mt < Cfg::kMTiles; ++mt) {
-    const float m0 = safe_max(row_max[mt][0]);
-    const float m1 = safe_max(row_max[mt][1]);
+  for (int mt = 0; mt < Cfg::kMTiles; ++mt)
 #pragma unroll
-    for (int nt = 0; nt < Cfg::kNTiles; ++nt) {
-      // p = 2^(s * scale * log2(e) - m): one FFMA + one MUFU.EX2 per element.
-      s[mt][nt][0] = fast_exp2(fmaf(s[mt][nt][0], scale_log2, -m0));
-      s[mt][nt][1] = fast_exp2(fmaf(s[mt][nt][1], scale_log2, -m0));
-      s[mt][nt][2] = fast_exp2(fmaf(s[mt][nt][2], scale_log2, -m1));
-      s[mt][nt][3] = fast_exp2(fmaf(s[mt][nt][3], scale_log2, -m1));
-      row_sum[mt][0] += s[mt][nt][0] + s[mt][nt][1];
-      row_sum[mt][1] += s[mt][nt][2] + s[mt][nt][3];
-    }
+    for (int half = 0; half < 2; ++half)
+      huge |= row_max[mt][half] != -INFINITY && fabsf(row_max[mt][half]) >= 0x1p20f;
+  if (__any_sync(0xffffffffu, huge)) {
+    exponentiate_scores<Cfg, true>(s, row_sum, row_max, scale_log2);
+  } else {
+    exponentiate_scores<Cfg, false>(s, row_sum, row_max, scale_log2);
   }
 
 #pragma unroll

@@ -1,11 +1,18 @@
 #!/usr/bin/env python
-"""Run one attention config a few times for Nsight Compute, each profiled iteration inside
-an NVTX push/pop range named "flash_cuda", so that ncu captures exactly the attention
-kernels (input creation, warm-up and, for --mode bwd, the forward stay outside the range):
+"""Run one attention config a few times for Nsight Compute. Each profiled iteration sits
+between cudaProfilerStart / cudaProfilerStop (and inside an NVTX range named "flash_cuda"),
+so that ncu captures exactly the attention kernels (input creation, warm-up and, for
+--mode bwd, the forward stay outside):
 
-    ncu --nvtx --nvtx-include "flash_cuda/" --set full --clock-control none \\
+    ncu --profile-from-start off --set full --clock-control none \\
         -o report -f python bench/ncu_profile.py --d 128 --seqlen 4096 --mode fwd
     python bench/ncu_summary.py report.ncu-rep
+
+  --profile-from-start off  profile only between cudaProfilerStart and cudaProfilerStop.
+                        These are process-wide, which matters for the backward: autograd
+                        launches it from its own device thread, outside an NVTX range
+                        pushed by this thread (`--nvtx --nvtx-include "flash_cuda/"` therefore
+                        captures the forward kernels only).
 
   --clock-control none  keeps the GPU at its normal boost clocks (ncu locks them to base
                         clocks by default), so durations match bench/run.py.
@@ -47,7 +54,7 @@ def parse_args(argv=None):
         prog="python bench/ncu_profile.py",
         description="Run one attention config under NVTX range 'flash_cuda' for ncu.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="Profile with:\n  ncu --nvtx --nvtx-include \"flash_cuda/\" --set full "
+        epilog="Profile with:\n  ncu --profile-from-start off --set full "
                "--clock-control none -o report -f python bench/ncu_profile.py [options]\n"
                "then: python bench/ncu_summary.py report.ncu-rep")
     p.add_argument("--d", type=int, default=128, help="head dim (default 128)")
@@ -99,7 +106,7 @@ def ncu_command(args, argv) -> str:
         script = script.relative_to(Path.cwd())
     except ValueError:
         pass
-    return (f'ncu --nvtx --nvtx-include "{RANGE_NAME}/" --set full --clock-control none '
+    return (f"ncu --profile-from-start off --set full --clock-control none "
             f"-o {shlex.quote(report)} -f python {shlex.quote(str(script))} "
             + " ".join(shlex.quote(a) for a in cleaned)).strip()
 
@@ -180,12 +187,14 @@ def main(argv=None) -> int:
             clear_grads()
             start = torch.cuda.Event(enable_timing=True)
             end = torch.cuda.Event(enable_timing=True)
+            torch.cuda.profiler.start()
             torch.cuda.nvtx.range_push(RANGE_NAME)
             start.record()
             step()
             end.record()
             torch.cuda.nvtx.range_pop()
-            torch.cuda.synchronize()
+            torch.cuda.synchronize()  # the backward's kernels come from autograd's thread
+            torch.cuda.profiler.stop()
             times.append(start.elapsed_time(end))
     print(f"profiled iterations: median {statistics.median(times):.3f} ms "
           f"(under ncu this includes the profiler's replay overhead)")

@@ -42,12 +42,13 @@
 //
 // Cost model. Each B fragment read from shared memory (one ldmatrix.x4 = two 8-column tiles
 // x 16) feeds 2 * kMTiles mma.sync, so a warp owning 32 rows (kMTiles = 2) needs about half
-// the shared-memory bandwidth per MMA of a warp owning 16. With ldmatrix.x4 at 4 cycles of
-// shared-memory bandwidth and an m16n8k16 every ~1.5-2 cycles per SM, kMTiles = 1 is bound
-// by shared memory; kMTiles = 2 is used wherever its accumulators fit in 255 registers.
+// the shared-memory bandwidth per MMA of a warp owning 16. An ldmatrix.x4 takes 4 cycles of an
+// SM's shared-memory bandwidth (128 B/cycle) and the SM retires an m16n8k16 about every 1.5-2
+// cycles, so with kMTiles = 1 (~0.58 ldmatrix per mma) the kernels are bound by shared memory;
+// kMTiles = 2 (~0.33-0.42) is used wherever its accumulators fit in 255 registers.
 //
-// Data movement. The tile a CTA owns (K and V for dK/dV, Q and dO for dQ) is copied once
-// into shared memory; the tiles it walks over (Q, dO, lse, delta, or K, V) stream through a
+// Data movement. The tiles a CTA owns (K and V for dK/dV; Q, dO, lse, delta for dQ) are copied
+// once into shared memory; the tiles it walks over (Q, dO, lse, delta, or K, V) stream through a
 // two-stage cp.async ring, so block j+1 is in flight while block j is computed, with one
 // __syncthreads per block. Shared-memory rows are padded by 8 elements (16 bytes): the 8 row
 // addresses of every ldmatrix then hit 8 different 16-byte bank groups, for every bucket.
@@ -121,12 +122,16 @@ struct Config {
     return static_cast<size_t>(2 * kQBlockM + 2 * 2 * kQBlockN) * kPitch * kElemBytes +
            2 * kQBlockM * sizeof(float);
   }
+  static constexpr size_t max_smem_bytes() {
+    return dkdv_smem_bytes(true) > dq_smem_bytes() ? dkdv_smem_bytes(true) : dq_smem_bytes();
+  }
 };
 
 template <int kHeadDim> struct Traits;
-// Live fp32 registers per thread: dK/dV kernel kKVMTiles * (d [dK+dV] + kKVBlockM [P^T, dP^T])
-// (halved d when split); dQ kernel kQMTiles * (d / 2 + kQBlockN). About 176 is the most
-// that leaves ptxas room for fragments and addresses without spilling.
+// Long-lived fp32 registers per thread: dK/dV kernel kKVMTiles * (d [dK + dV; d/2 when split]
+// + kKVBlockM [P^T, dP^T]); dQ kernel kQMTiles * (d/2 [dQ] + kQBlockN [P, dP]). Up to about
+// 176-192 leaves ptxas room for fragments, addresses and loop state without spilling
+// (d = 128 with kKVBlockM = 64, 192 live, spills a few bytes: hence 48).
 //                                  d    --------- dK/dV ---------    -------- dQ --------
 //                                       warps mt  M   split minB     warps mt  N  minB
 template <> struct Traits<32>  : Config<32,  4, 2, 48, false, 2,      4, 2, 64, 2> {};
@@ -135,6 +140,25 @@ template <> struct Traits<96>  : Config<96,  8, 1, 64, false, 1,      4, 2, 32, 
 template <> struct Traits<128> : Config<128, 8, 1, 48, false, 1,      8, 1, 64, 1> {};
 template <> struct Traits<192> : Config<192, 8, 1, 32, true,  1,      8, 1, 32, 1> {};
 template <> struct Traits<256> : Config<256, 4, 1, 32, true,  1,      4, 1, 32, 1> {};
+
+// Traits fit the 163 KiB of shared memory an sm_80 CTA can opt into. run_bwd_mma switches at
+// run time to Large where the device allows 227 KiB (sm_90), and to Compact where it allows
+// only 99 KiB (sm_86, sm_89). Where a tier would be the same as Traits, it is Traits.
+template <int kHeadDim> struct Large { using type = Traits<kHeadDim>; };
+template <int kHeadDim> struct Compact { using type = Traits<kHeadDim>; };
+//                                                   d    warps mt  M  split minB    warps mt  N  minB
+template <> struct Large<256>   { using type = Config<256, 8, 1, 32, true,  1,      8, 1, 32, 1>; };
+template <> struct Compact<96>  { using type = Config<96,  4, 1, 64, false, 2,      4, 2, 32, 2>; };
+template <> struct Compact<128> { using type = Config<128, 4, 1, 48, false, 2,      4, 1, 48, 2>; };
+template <> struct Compact<192> { using type = Config<192, 4, 1, 16, true,  2,      4, 1, 16, 2>; };
+template <> struct Compact<256> { using type = Config<256, 3, 1, 16, true,  2,      3, 1, 16, 2>; };
+template <int kHeadDim>
+constexpr bool kTiersFit = Compact<kHeadDim>::type::max_smem_bytes() <= 99 * 1024 &&
+                           Traits<kHeadDim>::max_smem_bytes() <= 163 * 1024 &&
+                           Large<kHeadDim>::type::max_smem_bytes() <= 227 * 1024;
+static_assert(kTiersFit<32> && kTiersFit<64> && kTiersFit<96> && kTiersFit<128> && kTiersFit<192> &&
+                  kTiersFit<256>,
+              "tiles fit the shared memory of their GPUs");
 
 // ---------------------------------------------------------------------------------
 // Global -> shared copies (cp.async).
@@ -434,7 +458,6 @@ __global__ void __launch_bounds__(Cfg::kKVThreads, Cfg::kKVMinBlocks)
 
   // Query blocks that can see a key of this CTA: the first one holds query n0 - causal_offset
   // (the first query that sees key n0); with causal masking every earlier block is skipped.
-  // The CTA walks over (query head, query block) pairs, heads of the GQA group outer.
   const int num_m_blocks = ceil_div(p.sq, kBlockM);
   const int m_first = p.is_causal ? max(0, n0 - causal_offset) / kBlockM : 0;
   const int h_begin = hkv * group, h_end = h_begin + group;
@@ -454,7 +477,8 @@ __global__ void __launch_bounds__(Cfg::kKVThreads, Cfg::kKVMinBlocks)
     if constexpr (kDoDK) load_row_stats_async<kBlockM>(sDelta + stage * kBlockM, p.delta + row0, p.sq - m0);
   };
 
-  // The (query head, query block) pair being computed; heads of the GQA group outer.
+  // The CTA walks over (query head, query block) pairs, the query heads of its GQA group
+  // outer; (h, m_block) is the pair being computed, `stage` its ring slot.
   int h = h_begin, m_block = m_first, stage = 0;
   if (m_block >= num_m_blocks) h = h_end;  // no query sees these keys
   if (h < h_end) {
@@ -564,7 +588,7 @@ __global__ void __launch_bounds__(Cfg::kQThreads, Cfg::kQMinBlocks)
   float* sLse = reinterpret_cast<float*>(sV + 2 * kBlockN * kPitch);  // [kBlockM]
   float* sDelta = sLse + kBlockM;                                      // [kBlockM]
 
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int warp = threadIdx.x / 32;
   // Under causal masking the last query blocks see the most keys: launch them first.
   const int m_block = p.is_causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
   const int h = blockIdx.y, bi = blockIdx.z;
@@ -582,14 +606,14 @@ __global__ void __launch_bounds__(Cfg::kQThreads, Cfg::kQMinBlocks)
     n_end = last_key < 0 ? 0 : min(num_n_blocks, last_key / kBlockN + 1);
   }
 
-  const T* k = static_cast<const T*>(p.k) + bi * p.k_batch_stride + hkv * p.k_head_stride;
-  const T* v = static_cast<const T*>(p.v) + bi * p.v_batch_stride + hkv * p.v_head_stride;
   auto load_key_block = [&](int n_block, int stage) {
     const int n0 = n_block * kBlockN;
-    load_tile_async<kBlockN, kD, kThreads>(sK + stage * kBlockN * kPitch, k + n0 * p.k_row_stride,
-                                           p.k_row_stride, p.sk - n0, p.d);
-    load_tile_async<kBlockN, kD, kThreads>(sV + stage * kBlockN * kPitch, v + n0 * p.v_row_stride,
-                                           p.v_row_stride, p.sk - n0, p.d);
+    const T* k = static_cast<const T*>(p.k) + bi * p.k_batch_stride + hkv * p.k_head_stride +
+                 n0 * p.k_row_stride;
+    const T* v = static_cast<const T*>(p.v) + bi * p.v_batch_stride + hkv * p.v_head_stride +
+                 n0 * p.v_row_stride;
+    load_tile_async<kBlockN, kD, kThreads>(sK + stage * kBlockN * kPitch, k, p.k_row_stride, p.sk - n0, p.d);
+    load_tile_async<kBlockN, kD, kThreads>(sV + stage * kBlockN * kPitch, v, p.v_row_stride, p.sk - n0, p.d);
   };
 
   if (n_end > 0) {
@@ -600,6 +624,8 @@ __global__ void __launch_bounds__(Cfg::kQThreads, Cfg::kQMinBlocks)
     load_tile_async<kBlockM, kD, kThreads>(sQ, q, p.q_row_stride, p.sq - m0, p.d);
     load_tile_async<kBlockM, kD, kThreads>(sdO, dout, p.do_row_stride, p.sq - m0, p.d);
     const int64_t row0 = lse_offset(p, bi, h) + m0;
+    // Rows past sq get lse = delta = 0 next to zero Q and dO rows: their dS is exactly 0, and
+    // they are never written.
     load_row_stats_async<kBlockM>(sLse, p.softmax_lse + row0, p.sq - m0);
     load_row_stats_async<kBlockM>(sDelta, p.delta + row0, p.sq - m0);
     load_key_block(0, 0);
@@ -672,20 +698,46 @@ inline void launch_bwd_dq(const BwdParams& p, cudaStream_t stream) {
   check_launch("bwd_dq_mma");
 }
 
+template <typename T, typename Cfg>
+inline void launch_bwd_gradients(const BwdParams& p, cudaStream_t stream) {
+  if constexpr (Cfg::kSplitDKDV) {
+    launch_bwd_dkdv<T, Cfg, true, false>(p, stream, "bwd_dv_mma");
+    launch_bwd_dkdv<T, Cfg, false, true>(p, stream, "bwd_dk_mma");
+  } else {
+    launch_bwd_dkdv<T, Cfg, true, true>(p, stream, "bwd_dkdv_mma");
+  }
+  launch_bwd_dq<T, Cfg>(p, stream);
+}
+
+// Shared memory a CTA of the current device can opt into.
+inline size_t max_smem_optin() {
+  int device = 0, bytes = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess) {
+    (void)cudaGetLastError();  // leave no sticky error for check_launch to misreport
+    return 0;
+  }
+  return static_cast<size_t>(bytes);
+}
+
 }  // namespace bwd_mma
 
 template <int kDType, int kHeadDim>
 void run_bwd_mma(const BwdParams& p, cudaStream_t stream) {
   using T = typename ElementOf<kDType>::type;
   using Cfg = bwd_mma::Traits<kHeadDim>;
+  using LargeCfg = typename bwd_mma::Large<kHeadDim>::type;
+  using CompactCfg = typename bwd_mma::Compact<kHeadDim>::type;
   launch_bwd_preprocess<T>(p, stream);
-  if constexpr (Cfg::kSplitDKDV) {
-    bwd_mma::launch_bwd_dkdv<T, Cfg, true, false>(p, stream, "bwd_dv_mma");
-    bwd_mma::launch_bwd_dkdv<T, Cfg, false, true>(p, stream, "bwd_dk_mma");
+  // The largest tiles the device's shared memory allows (tiers equal to Traits reuse its kernels).
+  const size_t smem_optin = bwd_mma::max_smem_optin();
+  if (smem_optin >= LargeCfg::max_smem_bytes()) {
+    bwd_mma::launch_bwd_gradients<T, LargeCfg>(p, stream);
+  } else if (smem_optin >= Cfg::max_smem_bytes()) {
+    bwd_mma::launch_bwd_gradients<T, Cfg>(p, stream);
   } else {
-    bwd_mma::launch_bwd_dkdv<T, Cfg, true, true>(p, stream, "bwd_dkdv_mma");
+    bwd_mma::launch_bwd_gradients<T, CompactCfg>(p, stream);
   }
-  bwd_mma::launch_bwd_dq<T, Cfg>(p, stream);
 }
 
 }  // namespace flash_cuda

@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -114,6 +115,18 @@ void fill_fwd(FwdParams& p, const at::Tensor& q, const at::Tensor& k, const at::
   p.num_sms = prop->multiProcessorCount;
 }
 
+// FLASH_CUDA_POISON_OUTPUTS=1 (set by the test suite) fills every output with NaN before
+// the kernels run, so an element a kernel forgets to write fails the comparison instead of
+// silently keeping whatever the caching allocator left there (often the right answer of an
+// identical earlier call).
+bool poison_outputs() {
+  static const bool poison = [] {
+    const char* env = std::getenv("FLASH_CUDA_POISON_OUTPUTS");
+    return env != nullptr && env[0] != '\0' && env[0] != '0';
+  }();
+  return poison;
+}
+
 // Smallest bucket that holds head dim d.
 int simt_bucket(int d) { return d <= 32 ? 32 : d <= 64 ? 64 : d <= 128 ? 128 : 256; }
 int mma_bucket(int d) {
@@ -186,6 +199,10 @@ std::tuple<at::Tensor, at::Tensor> fwd(const at::Tensor& q_in, const at::Tensor&
   const at::Tensor q = aligned(scale < 0 ? q_in.neg() : q_in);
   const at::Tensor k = aligned(k_in), v = aligned(v_in);
   scale = std::abs(scale);
+  if (poison_outputs()) {
+    out.fill_(NAN);
+    lse.fill_(NAN);
+  }
   FwdParams p;
   fill_fwd(p, q, k, v, out, lse, scale, is_causal);
   dispatch_fwd(p, t, at::cuda::getCurrentCUDAStream().stream());
@@ -240,6 +257,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(const at::Tensor& dout_in, co
     dlse = dlse_in->to(at::kFloat).contiguous();
   }
   at::Tensor delta = at::empty({B, Hq, Sq}, q.options().dtype(at::kFloat));
+  if (poison_outputs()) {
+    dq.fill_(NAN);
+    dk.fill_(NAN);
+    dv.fill_(NAN);
+    delta.fill_(NAN);
+  }
 
   BwdParams p;
   fill_fwd(p, q, k, v, out, lse, scale, is_causal);

@@ -235,8 +235,13 @@ def run_tool(tool: str, args, sanitizer: str, out_dir: Path) -> ToolResult:
             result.note = f"could not start: {exc}"
     result.seconds = time.perf_counter() - t0
     parse_log(result.log.read_text(errors="replace"), result)
-    if not result.note and result.error_summary is None:
-        result.note = "no ERROR SUMMARY in the log (did the sanitizer run?)"
+    # racecheck closes with "RACECHECK SUMMARY: N hazards ...", the other tools with
+    # "ERROR SUMMARY: N errors".
+    summary_seen = (result.race_hazards is not None if tool == "racecheck"
+                    else result.error_summary is not None)
+    if not result.note and not summary_seen:
+        result.note = ("no RACECHECK SUMMARY" if tool == "racecheck" else "no ERROR SUMMARY") + \
+            " in the log (did the sanitizer run?)"
     status = "ok" if result.ok else "FAIL"
     print(f"[{tool}] {status}: cases {result.cases}, findings {result.findings}, "
           f"exit {result.exit_code}, {result.seconds:.0f} s -> {result.log}", flush=True)

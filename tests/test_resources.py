@@ -27,11 +27,7 @@ import flash_cuda
 
 from attn_check import check_attention, make_inputs
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not (torch.cuda.is_available() and flash_cuda.is_available()),
-                       reason="needs a CUDA GPU and the compiled flash_cuda extension"),
-]
+pytestmark = pytest.mark.gpu  # conftest skips these, with the reason, without a usable GPU
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 DT_IDS = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}

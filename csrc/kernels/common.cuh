@@ -8,6 +8,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -51,6 +52,26 @@ inline void set_smem_limit(Kernel kernel, size_t smem_bytes, const char* kernel_
                                " bytes of shared memory: " + cudaGetErrorString(err));
     }
   }
+}
+
+// Largest dynamic shared memory one block may opt into on the current device (227 KiB on
+// sm_90, 163 KiB on sm_80, 99 KiB on sm_86/89), queried once per device and cached, so the
+// launchers can pick the largest tile configuration that fits.
+inline size_t device_smem_optin() {
+  static std::atomic<int> cache[64];  // zero-initialised: 0 = not queried yet
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) dev = 0;
+  const bool cacheable = dev >= 0 && dev < 64;
+  int bytes = cacheable ? cache[dev].load(std::memory_order_relaxed) : 0;
+  if (bytes == 0) {
+    if (cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) !=
+        cudaSuccess) {
+      (void)cudaGetLastError();  // leave no error behind for check_launch to misreport
+      bytes = 48 * 1024;
+    }
+    if (cacheable) cache[dev].store(bytes, std::memory_order_relaxed);
+  }
+  return static_cast<size_t>(bytes);
 }
 
 FLASH_HOST_DEVICE constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }

@@ -709,17 +709,6 @@ inline void launch_bwd_gradients(const BwdParams& p, cudaStream_t stream) {
   launch_bwd_dq<T, Cfg>(p, stream);
 }
 
-// Shared memory a CTA of the current device can opt into.
-inline size_t max_smem_optin() {
-  int device = 0, bytes = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess) {
-    (void)cudaGetLastError();  // leave no sticky error for check_launch to misreport
-    return 0;
-  }
-  return static_cast<size_t>(bytes);
-}
-
 }  // namespace bwd_mma
 
 template <int kDType, int kHeadDim>
@@ -730,7 +719,7 @@ void run_bwd_mma(const BwdParams& p, cudaStream_t stream) {
   using CompactCfg = typename bwd_mma::Compact<kHeadDim>::type;
   launch_bwd_preprocess<T>(p, stream);
   // The largest tiles the device's shared memory allows (tiers equal to Traits reuse its kernels).
-  const size_t smem_optin = bwd_mma::max_smem_optin();
+  const size_t smem_optin = device_smem_optin();
   if (smem_optin >= LargeCfg::max_smem_bytes()) {
     bwd_mma::launch_bwd_gradients<T, LargeCfg>(p, stream);
   } else if (smem_optin >= Cfg::max_smem_bytes()) {

@@ -513,7 +513,7 @@ template <int kHeadDim>
 void run_bwd_simt(const BwdParams& params, cudaStream_t stream) {
   using Traits = simt::SimtBwdTraits<kHeadDim>;
   simt::check_simt_args(params, kHeadDim, "flash_bwd_simt");
-  const size_t smem_optin = simt::device_smem_optin();
+  const size_t smem_optin = device_smem_optin();
 
   // 1. delta = rowsum(dO * O) - dlse
   launch_bwd_preprocess<float>(params, stream);

@@ -51,7 +51,6 @@
 
 #include <cuda_runtime.h>
 
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <stdexcept>
@@ -611,24 +610,6 @@ inline unsigned simt_grid_size(int64_t blocks, const char* name) {
   return static_cast<unsigned>(blocks);
 }
 
-// Largest dynamic shared memory a CTA may opt into on the current device (227 KB on sm_90,
-// 163 KB on sm_80, 99 KB on sm_86 / sm_89), cached per device.
-inline size_t device_smem_optin() {
-  static std::atomic<int> cache[64];  // zero-initialised: 0 = not queried yet
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess) dev = 0;
-  const bool cacheable = dev >= 0 && dev < 64;
-  int bytes = cacheable ? cache[dev].load(std::memory_order_relaxed) : 0;
-  if (bytes == 0) {
-    if (cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) !=
-        cudaSuccess) {
-      bytes = 48 * 1024;
-    }
-    if (cacheable) cache[dev].store(bytes, std::memory_order_relaxed);
-  }
-  return static_cast<size_t>(bytes);
-}
-
 template <typename Cfg>
 void launch_fwd(const FwdParams& params, cudaStream_t stream) {
   constexpr size_t kSmem = fwd_smem_bytes<Cfg>();
@@ -647,7 +628,7 @@ template <int kHeadDim>
 void run_fwd_simt(const FwdParams& params, cudaStream_t stream) {
   using Traits = simt::SimtFwdTraits<kHeadDim>;
   simt::check_simt_args(params, kHeadDim, "flash_fwd_simt");
-  if (simt::fwd_smem_bytes<typename Traits::Config>() <= simt::device_smem_optin()) {
+  if (simt::fwd_smem_bytes<typename Traits::Config>() <= device_smem_optin()) {
     simt::launch_fwd<typename Traits::Config>(params, stream);
   } else {
     simt::launch_fwd<typename Traits::CompactConfig>(params, stream);

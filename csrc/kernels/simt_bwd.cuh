@@ -485,26 +485,14 @@ constexpr size_t bwd_dq_smem_bytes() {
 
 template <typename Cfg>
 void launch_bwd_dkdv(const BwdParams& params, cudaStream_t stream) {
-  constexpr size_t kSmem = bwd_dkdv_smem_bytes<Cfg>();
-  const int64_t blocks =
-      static_cast<int64_t>(ceil_div(params.sk, Cfg::kRows)) * params.b * params.hkv;
-  const unsigned grid = simt_grid_size(blocks, "flash_bwd_dkdv_simt");
-  auto kernel = flash_bwd_dkdv_simt_kernel<Cfg>;
-  set_smem_limit(kernel, kSmem, "flash_bwd_dkdv_simt");
-  kernel<<<grid, Cfg::kThreads, kSmem, stream>>>(params);
-  check_launch("flash_bwd_dkdv_simt");
+  launch_simt(flash_bwd_dkdv_simt_kernel<Cfg>, params, Cfg::kThreads, bwd_dkdv_smem_bytes<Cfg>(),
+              params.sk, Cfg::kRows, params.hkv, "flash_bwd_dkdv_simt", stream);
 }
 
 template <typename Cfg>
 void launch_bwd_dq(const BwdParams& params, cudaStream_t stream) {
-  constexpr size_t kSmem = bwd_dq_smem_bytes<Cfg>();
-  const int64_t blocks =
-      static_cast<int64_t>(ceil_div(params.sq, Cfg::kRows)) * params.b * params.hq;
-  const unsigned grid = simt_grid_size(blocks, "flash_bwd_dq_simt");
-  auto kernel = flash_bwd_dq_simt_kernel<Cfg>;
-  set_smem_limit(kernel, kSmem, "flash_bwd_dq_simt");
-  kernel<<<grid, Cfg::kThreads, kSmem, stream>>>(params);
-  check_launch("flash_bwd_dq_simt");
+  launch_simt(flash_bwd_dq_simt_kernel<Cfg>, params, Cfg::kThreads, bwd_dq_smem_bytes<Cfg>(),
+              params.sq, Cfg::kRows, params.hq, "flash_bwd_dq_simt", stream);
 }
 
 }  // namespace simt

@@ -602,24 +602,25 @@ inline void check_simt_args(const FwdParams& p, int head_dim_bucket, const char*
   }
 }
 
-inline unsigned simt_grid_size(int64_t blocks, const char* name) {
+// Launches one SIMT kernel over a 1-D grid: ceil(seq / rows_per_cta) CTAs for each
+// (batch, head), with `smem` bytes of dynamic shared memory.
+template <typename Params, typename Kernel>
+inline void launch_simt(Kernel kernel, const Params& params, int threads, size_t smem, int seq,
+                        int rows_per_cta, int heads, const char* name, cudaStream_t stream) {
+  const int64_t blocks = static_cast<int64_t>(ceil_div(seq, rows_per_cta)) * params.b * heads;
   if (blocks <= 0 || blocks > 0x7fffffffLL) {
     throw std::runtime_error(std::string("flash_cuda: kernel ") + name + ": grid of " +
                              std::to_string(blocks) + " blocks is out of range");
   }
-  return static_cast<unsigned>(blocks);
+  set_smem_limit(kernel, smem, name);
+  kernel<<<static_cast<unsigned>(blocks), threads, smem, stream>>>(params);
+  check_launch(name);
 }
 
 template <typename Cfg>
 void launch_fwd(const FwdParams& params, cudaStream_t stream) {
-  constexpr size_t kSmem = fwd_smem_bytes<Cfg>();
-  const int64_t blocks =
-      static_cast<int64_t>(ceil_div(params.sq, Cfg::kRows)) * params.b * params.hq;
-  const unsigned grid = simt_grid_size(blocks, "flash_fwd_simt");
-  auto kernel = flash_fwd_simt_kernel<Cfg>;
-  set_smem_limit(kernel, kSmem, "flash_fwd_simt");
-  kernel<<<grid, Cfg::kThreads, kSmem, stream>>>(params);
-  check_launch("flash_fwd_simt");
+  launch_simt(flash_fwd_simt_kernel<Cfg>, params, Cfg::kThreads, fwd_smem_bytes<Cfg>(), params.sq,
+              Cfg::kRows, params.hq, "flash_fwd_simt", stream);
 }
 
 }  // namespace simt

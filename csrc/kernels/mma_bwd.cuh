@@ -87,6 +87,7 @@ namespace bwd_mma {
 template <int kHeadDim_, int kKVWarps_, int kKVMTiles_, int kKVBlockM_, bool kSplitDKDV_,
           int kKVMinBlocks_, int kQWarps_, int kQMTiles_, int kQBlockN_, int kQMinBlocks_>
 struct Config {
+  static constexpr bool kSm90Only = false;  // see Sm90Only below
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kPitch = kHeadDim + 8;  // padded shared-memory row, in elements
   static constexpr int kElemBytes = 2;         // fp16 / bf16
@@ -137,7 +138,7 @@ template <int kHeadDim> struct Traits;
 template <> struct Traits<32>  : Config<32,  4, 2, 48, false, 2,      4, 2, 64, 2> {};
 template <> struct Traits<64>  : Config<64,  4, 2, 32, false, 2,      4, 2, 64, 2> {};
 template <> struct Traits<96>  : Config<96,  8, 1, 64, false, 1,      4, 2, 32, 2> {};
-template <> struct Traits<128> : Config<128, 8, 1, 48, false, 1,      8, 1, 64, 1> {};
+template <> struct Traits<128> : Config<128, 4, 1, 48, false, 2,      8, 1, 64, 1> {};
 template <> struct Traits<192> : Config<192, 8, 1, 32, true,  1,      8, 1, 32, 1> {};
 template <> struct Traits<256> : Config<256, 4, 1, 32, true,  1,      4, 1, 32, 1> {};
 
@@ -145,9 +146,14 @@ template <> struct Traits<256> : Config<256, 4, 1, 32, true,  1,      4, 1, 32, 
 // run time to Large where the device allows 227 KiB (sm_90), and to Compact where it allows
 // only 99 KiB (sm_86, sm_89). Where a tier would be the same as Traits, it is Traits.
 template <int kHeadDim> struct Large { using type = Traits<kHeadDim>; };
+// A configuration whose kernels are launched only on sm_90 (run_bwd_mma checks the arch):
+// their sm_80 builds compile to a trap, so that registers they spill there (the 32-row dQ
+// warps at d = 128 keep 32 bytes on sm_80's stack) cost nothing.
+template <typename Cfg> struct Sm90Only : Cfg { static constexpr bool kSm90Only = true; };
 template <int kHeadDim> struct Compact { using type = Traits<kHeadDim>; };
 //                                                   d    warps mt  M  split minB    warps mt  N  minB
-template <> struct Large<256>   { using type = Config<256, 8, 1, 32, true,  1,      8, 1, 32, 1>; };
+template <> struct Large<128>   { using type = Sm90Only<Config<128, 4, 1, 48, false, 2,      4, 2, 32, 1>>; };
+template <> struct Large<256>   { using type = Sm90Only<Config<256, 8, 1, 32, true,  1,      8, 1, 32, 1>>; };
 template <> struct Compact<96>  { using type = Config<96,  4, 1, 64, false, 2,      4, 2, 32, 2>; };
 template <> struct Compact<128> { using type = Config<128, 4, 1, 48, false, 2,      4, 1, 48, 2>; };
 template <> struct Compact<192> { using type = Config<192, 4, 1, 16, true,  2,      4, 1, 16, 2>; };
@@ -570,8 +576,7 @@ __global__ void __launch_bounds__(Cfg::kKVThreads, Cfg::kKVMinBlocks)
 // dQ kernel. grid (ceil(sq / kQBlockM), hq, b).
 // ---------------------------------------------------------------------------------
 template <typename T, typename Cfg>
-__global__ void __launch_bounds__(Cfg::kQThreads, Cfg::kQMinBlocks)
-    bwd_dq_kernel(const __grid_constant__ BwdParams p) {
+__device__ __forceinline__ void bwd_dq_block(const BwdParams& p) {
   constexpr int kD = Cfg::kHeadDim;
   constexpr int kPitch = Cfg::kPitch;
   constexpr int kMTiles = Cfg::kQMTiles;
@@ -675,6 +680,20 @@ __global__ void __launch_bounds__(Cfg::kQThreads, Cfg::kQMinBlocks)
   store_rows<T, kMTiles, kD>(acc_dq, dq, p.dq_row_stride, p.sq - warp_q0, p.d, p.scale);
 }
 
+template <typename T, typename Cfg>
+__global__ void __launch_bounds__(Cfg::kQThreads, Cfg::kQMinBlocks)
+    bwd_dq_kernel(const __grid_constant__ BwdParams p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+  if constexpr (Cfg::kSm90Only) {
+    __trap();  // never launched below sm_90
+  } else {
+    bwd_dq_block<T, Cfg>(p);
+  }
+#else
+  bwd_dq_block<T, Cfg>(p);
+#endif
+}
+
 // ---------------------------------------------------------------------------------
 // Host-side launchers.
 // ---------------------------------------------------------------------------------
@@ -720,7 +739,7 @@ void run_bwd_mma(const BwdParams& p, cudaStream_t stream) {
   launch_bwd_preprocess<T>(p, stream);
   // The largest tiles the device's shared memory allows (tiers equal to Traits reuse its kernels).
   const size_t smem_optin = device_smem_optin();
-  if (smem_optin >= LargeCfg::max_smem_bytes()) {
+  if ((!LargeCfg::kSm90Only || p.sm_arch >= 90) && smem_optin >= LargeCfg::max_smem_bytes()) {
     bwd_mma::launch_bwd_gradients<T, LargeCfg>(p, stream);
   } else if (smem_optin >= Cfg::max_smem_bytes()) {
     bwd_mma::launch_bwd_gradients<T, Cfg>(p, stream);

@@ -284,6 +284,16 @@ def _recompute_p(q_blk: Tensor, k_blk: Tensor, lse_log2_blk: Tensor, scale_log2:
     return torch.where(row_ok, p, torch.zeros_like(p))
 
 
+def _recompute_p_ds(q_blk: Tensor, do_blk: Tensor, k_blk: Tensor, v_blk: Tensor,
+                    lse_log2_blk: Tensor, delta_blk: Tensor, scale_log2: float,
+                    visible: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+    """(P, dS) for one (query block, key block) tile, as both backward kernels recompute
+    them: P from lse, dP = dO V^T, dS = P * (dP - delta)."""
+    p = _recompute_p(q_blk, k_blk, lse_log2_blk, scale_log2, visible)
+    dp = torch.matmul(do_blk, v_blk.transpose(-1, -2))
+    return p, p * (dp - delta_blk.unsqueeze(-1))
+
+
 def _bwd_preprocess(dout: Tensor, out: Tensor, dlse: Optional[Tensor], acc: torch.dtype) -> Tensor:
     """delta_i = rowsum(dO_i * O_i) - dlse_i."""
     delta = (dout.to(acc) * out.to(acc)).sum(dim=-1)
@@ -337,11 +347,10 @@ def attention_backward_blocked(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, ou
             visible = _key_visible(row_idx, col_idx, Sq, Sk, is_causal) if is_causal else None
             q_blk = qg[:, :, :, row0:row0 + rows]
             do_blk = dog[:, :, :, row0:row0 + rows]
-            p = _recompute_p(q_blk, k_blk, lse_log2[..., row0:row0 + rows], scale_log2, visible)
+            p, ds = _recompute_p_ds(q_blk, do_blk, k_blk, v_blk, lse_log2[..., row0:row0 + rows],
+                                    delta[..., row0:row0 + rows], scale_log2, visible)
             # dV += P^T dO, summed over the group's query heads
             dv_acc += torch.matmul(_round_like_kernel(p, dt).transpose(-1, -2), do_blk).sum(dim=2)
-            dp = torch.matmul(do_blk, v_blk.transpose(-1, -2))
-            ds = p * (dp - delta[..., row0:row0 + rows].unsqueeze(-1))
             # dK += dS^T Q, summed over the group's query heads
             dk_acc += torch.matmul(_round_like_kernel(ds, dt).transpose(-1, -2), q_blk).sum(dim=2)
         dk[:, :, key_base:key_base + cols] = (dk_acc * scale).to(dt)
@@ -361,9 +370,8 @@ def attention_backward_blocked(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, ou
             visible = _key_visible(row_idx, col_idx, Sq, Sk, is_causal) if is_causal else None
             k_blk = k_acc[:, :, :, key_base:key_base + cols]
             v_blk = v_acc[:, :, :, key_base:key_base + cols]
-            p = _recompute_p(q_blk, k_blk, lse_log2[..., row0:row0 + rows], scale_log2, visible)
-            dp = torch.matmul(do_blk, v_blk.transpose(-1, -2))
-            ds = p * (dp - delta[..., row0:row0 + rows].unsqueeze(-1))
+            _, ds = _recompute_p_ds(q_blk, do_blk, k_blk, v_blk, lse_log2[..., row0:row0 + rows],
+                                    delta[..., row0:row0 + rows], scale_log2, visible)
             dq_acc += torch.matmul(_round_like_kernel(ds, dt), k_blk)
         dq[:, :, :, row0:row0 + rows] = (dq_acc * scale).to(dt)
 

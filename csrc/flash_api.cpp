@@ -32,14 +32,15 @@ DType dtype_of(const at::Tensor& t) {
   }
 }
 
+// kAuto stays kAuto for 16-bit inputs: dispatch tries the Hopper tier first.
 Tier resolve_tier(int64_t tier, DType dtype) {
-  TORCH_CHECK(tier >= 0 && tier <= 2, "flash_cuda: unknown kernel tier ", tier);
+  TORCH_CHECK(tier >= 0 && tier <= 3, "flash_cuda: unknown kernel tier ", tier);
   Tier t = static_cast<Tier>(tier);
-  if (t == Tier::kAuto) t = dtype == DType::kFloat32 ? Tier::kSimt : Tier::kMma;
+  if (t == Tier::kAuto && dtype == DType::kFloat32) t = Tier::kSimt;
   TORCH_CHECK(t != Tier::kSimt || dtype == DType::kFloat32,
               "flash_cuda: the 'simt' kernel takes float32 inputs only");
-  TORCH_CHECK(t != Tier::kMma || dtype != DType::kFloat32,
-              "flash_cuda: the 'mma' kernel takes float16 or bfloat16 inputs only");
+  TORCH_CHECK((t != Tier::kMma && t != Tier::kWgmma) || dtype != DType::kFloat32,
+              "flash_cuda: the 'mma' and 'wgmma' kernels take float16 or bfloat16 inputs only");
   return t;
 }
 
@@ -154,10 +155,32 @@ int mma_bucket(int d) {
 constexpr int kF16 = static_cast<int>(DType::kFloat16);
 constexpr int kBF16 = static_cast<int>(DType::kBFloat16);
 
+// The Hopper tier serves head-dim buckets 64 and 128 (every d in 33..64 and 97..128).
+// Returns false, having launched nothing, where it does not apply (other head dims, a GPU
+// other than sm_90, or a build without the 90a target).
+#define FLASH_SM90_BUCKETS(FN, P, S)                                                      \
+  ((P).dtype == DType::kFloat16                                                           \
+       ? (mma_bucket((P).d) == 64    ? FN<kF16, 64>(P, S)                                 \
+          : mma_bucket((P).d) == 128 ? FN<kF16, 128>(P, S)                                \
+                                     : false)                                             \
+       : (mma_bucket((P).d) == 64    ? FN<kBF16, 64>(P, S)                                \
+          : mma_bucket((P).d) == 128 ? FN<kBF16, 128>(P, S)                               \
+                                     : false))
+
+constexpr const char* kNoWgmma =
+    "flash_cuda: kernel='wgmma' needs an sm_90 GPU (H100/H200), a flash_cuda build that includes "
+    "the 90a target, and a head dim in 33..64 or 97..128; use kernel='auto' or 'mma'";
+
 void dispatch_fwd(const FwdParams& p, Tier tier, cudaStream_t stream) {
   if (tier == Tier::kSimt) {
     FLASH_SIMT_BUCKETS(run_fwd_simt, p, stream);
-  } else if (p.dtype == DType::kFloat16) {
+    return;
+  }
+  if (tier == Tier::kAuto || tier == Tier::kWgmma) {
+    if (FLASH_SM90_BUCKETS(run_fwd_sm90, p, stream)) return;
+    TORCH_CHECK(tier == Tier::kAuto, kNoWgmma);
+  }
+  if (p.dtype == DType::kFloat16) {
     FLASH_MMA_BUCKETS(kF16, run_fwd_mma, p, stream);
   } else {
     FLASH_MMA_BUCKETS(kBF16, run_fwd_mma, p, stream);
@@ -167,7 +190,13 @@ void dispatch_fwd(const FwdParams& p, Tier tier, cudaStream_t stream) {
 void dispatch_bwd(const BwdParams& p, Tier tier, cudaStream_t stream) {
   if (tier == Tier::kSimt) {
     FLASH_SIMT_BUCKETS(run_bwd_simt, p, stream);
-  } else if (p.dtype == DType::kFloat16) {
+    return;
+  }
+  if (tier == Tier::kAuto || tier == Tier::kWgmma) {
+    if (FLASH_SM90_BUCKETS(run_bwd_sm90, p, stream)) return;
+    TORCH_CHECK(tier == Tier::kAuto, kNoWgmma);
+  }
+  if (p.dtype == DType::kFloat16) {
     FLASH_MMA_BUCKETS(kF16, run_bwd_mma, p, stream);
   } else {
     FLASH_MMA_BUCKETS(kBF16, run_bwd_mma, p, stream);

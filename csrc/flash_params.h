@@ -24,9 +24,10 @@ enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 
 // Which kernel family runs the call.
 enum class Tier : int {
-  kAuto = 0,  // binding picks: fp32 -> kSimt, fp16/bf16 -> kMma
+  kAuto = 0,  // binding picks: fp32 -> kSimt; fp16/bf16 -> kWgmma where it applies, else kMma
   kSimt = 1,  // fp32 CUDA-core tier (true fp32 FMA arithmetic)
   kMma = 2,   // fp16/bf16 tensor-core tier (mma.sync m16n8k16, ldmatrix, cp.async)
+  kWgmma = 3, // fp16/bf16 Hopper tier (wgmma, swizzled shared memory), sm_90 only
 };
 
 struct FwdParams {

@@ -27,7 +27,7 @@ __all__ = ["attention", "SUPPORTED_DTYPES", "KERNELS", "MIN_HEAD_DIM", "MAX_HEAD
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # kernel name -> tier id understood by the extension (0 = pick by dtype).
-KERNELS = {"auto": 0, "simt": 1, "mma": 2}
+KERNELS = {"auto": 0, "simt": 1, "mma": 2, "wgmma": 3}
 MIN_HEAD_DIM = 8
 MAX_HEAD_DIM = 256
 HEAD_DIM_MULTIPLE = 8
@@ -156,16 +156,16 @@ def _check_scale(scale, head_dim: int) -> float:
 def _check_kernel(kernel, dtype: torch.dtype) -> int:
     if not isinstance(kernel, str) or kernel not in KERNELS:
         raise ValueError(
-            f"{_PREFIX}kernel must be one of 'auto', 'simt', 'mma', got {kernel!r}"
+            f"{_PREFIX}kernel must be one of 'auto', 'simt', 'mma', 'wgmma', got {kernel!r}"
         )
     if kernel == "simt" and dtype != torch.float32:
         raise ValueError(
             f"{_PREFIX}kernel='simt' is the float32 kernel, but the inputs are "
             f"{_dtype_name(dtype)}; use kernel='mma' or 'auto' for float16/bfloat16"
         )
-    if kernel == "mma" and dtype == torch.float32:
+    if kernel in ("mma", "wgmma") and dtype == torch.float32:
         raise ValueError(
-            f"{_PREFIX}kernel='mma' is the float16/bfloat16 tensor-core kernel, but the "
+            f"{_PREFIX}kernel={kernel!r} is a float16/bfloat16 tensor-core kernel, but the "
             f"inputs are float32; use kernel='simt' or 'auto' for float32"
         )
     return KERNELS[kernel]
@@ -350,10 +350,13 @@ def attention(
         deterministic: the kernels are deterministic (no floating-point atomics in the
             backward), so gradients are bitwise reproducible either way; the flag is
             accepted for API stability and passed on to the backward.
-        kernel: ``"auto"`` (default) picks by dtype: ``"simt"`` (float32 CUDA-core kernels,
-            true fp32 arithmetic) for float32 and ``"mma"`` (tensor-core kernels with fp32
-            accumulation) for float16 / bfloat16. Asking for ``"simt"`` with 16-bit inputs
-            or ``"mma"`` with float32 inputs is an error.
+        kernel: ``"auto"`` (default) picks by dtype and GPU: ``"simt"`` (float32 CUDA-core
+            kernels, true fp32 arithmetic) for float32; for float16 / bfloat16 ``"wgmma"``
+            (Hopper warpgroup-MMA kernels) on sm_90 for head dims 33..64 and 97..128, else
+            ``"mma"`` (mma.sync tensor-core kernels, sm_80 and newer, every head dim). Both
+            tensor-core tiers accumulate in fp32. Asking for ``"simt"`` with 16-bit inputs,
+            ``"mma"`` / ``"wgmma"`` with float32 inputs, or ``"wgmma"`` where it does not
+            apply is an error.
 
     Returns:
         ``out`` with q's shape and dtype (laid out like ``torch.empty_like(q)``: q's strides

@@ -74,15 +74,42 @@ def test_grid(dtype, D, is_causal, B, Hq, Hkv, Sq, Sk, layout, scale, seed):
 # ---------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype,kernel", [(F32, "simt"), (F16, "mma"), (BF16, "mma")])
-@pytest.mark.parametrize("D", [32, 64, 128, 256])
+def _is_sm90() -> bool:
+    return torch.cuda.get_device_capability() == (9, 0)
+
+
+def _wgmma_applies(dtype, D) -> bool:
+    """Where kernel='auto' picks the Hopper tier (and kernel='wgmma' is accepted)."""
+    return dtype != F32 and _is_sm90() and (32 < D <= 64 or 96 < D <= 128)
+
+
+def _auto_kernel(dtype, D) -> str:
+    return "simt" if dtype == F32 else ("wgmma" if _wgmma_applies(dtype, D) else "mma")
+
+
+@pytest.mark.parametrize("dtype,kernel", [(F32, "simt"), (F16, "mma"), (BF16, "mma"), (F16, "wgmma"),
+                                          (BF16, "wgmma")])
+@pytest.mark.parametrize("D", [32, 64, 96, 128, 256])
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_explicit_kernel(dtype, kernel, D, is_causal):
-    q, k, v = make_inputs(2, 4, 2, 77, 150, D, dtype, "cuda", layout="bshd", seed=D)
-    check_attention(q, k, v, is_causal=is_causal, scale=None, kernel=kernel, label=kernel)
+    if kernel == "wgmma" and not _wgmma_applies(dtype, D):
+        pytest.skip("the wgmma tier serves sm_90 GPUs and head dims 33..64, 97..128 "
+                    "(test_wgmma_rejected_where_it_does_not_apply covers the error)")
+    for shape in ((2, 4, 2, 77, 150), (1, 3, 1, 300, 257)):
+        q, k, v = make_inputs(*shape, D, dtype, "cuda", layout="bshd", seed=D)
+        check_attention(q, k, v, is_causal=is_causal, scale=None, kernel=kernel, label=kernel)
     out_auto = flash_cuda.attention(q, k, v, is_causal=is_causal)
-    out_explicit = flash_cuda.attention(q, k, v, is_causal=is_causal, kernel=kernel)
-    assert torch.equal(out_auto, out_explicit), "kernel='auto' must pick the same kernel"
+    out_explicit = flash_cuda.attention(q, k, v, is_causal=is_causal, kernel=_auto_kernel(dtype, D))
+    assert torch.equal(out_auto, out_explicit), f"kernel='auto' must pick {_auto_kernel(dtype, D)!r}"
+
+
+@pytest.mark.parametrize("D", [32, 96, 256, 64])
+def test_wgmma_rejected_where_it_does_not_apply(D):
+    q, k, v = make_inputs(1, 2, 2, 64, 64, D, BF16, "cuda", seed=3)
+    if _wgmma_applies(BF16, D):
+        pytest.skip("the wgmma tier applies here (covered by test_explicit_kernel)")
+    with pytest.raises(RuntimeError, match="kernel='wgmma' needs an sm_90 GPU"):
+        flash_cuda.attention(q, k, v, kernel="wgmma")
 
 
 # ---------------------------------------------------------------------------------------

@@ -68,6 +68,24 @@ def test_instances_exist():
     for tier in ("simt_fwd", "simt_bwd"):
         for d in (32, 64, 128, 256):
             assert f"{tier}_d{d}.cu" in names
+    for tier in ("sm90_fwd", "sm90_bwd"):
+        for dt in ("fp16", "bf16"):
+            for d in (64, 128):
+                assert f"{tier}_{dt}_d{d}.cu" in names
+
+
+def test_wgmma_ops_header_is_generated():
+    """wgmma_ops.cuh is the output of gen_wgmma_ops.py: regenerating it changes nothing."""
+    import importlib.util
+    kernels = ROOT / "csrc" / "kernels"
+    with tempfile.TemporaryDirectory() as tmp:
+        shutil.copy(kernels / "gen_wgmma_ops.py", tmp)
+        spec = importlib.util.spec_from_file_location("gen_wgmma_ops", Path(tmp) / "gen_wgmma_ops.py")
+        gen = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(gen)
+        gen.main()
+        fresh = (Path(tmp) / "wgmma_ops.cuh").read_text()
+    assert fresh == (kernels / "wgmma_ops.cuh").read_text(), "run csrc/kernels/gen_wgmma_ops.py"
 
 
 def test_no_spills(reports):

@@ -83,7 +83,7 @@ def test_is_available_is_bool():
 def test_public_api():
     assert callable(flash_cuda.attention)
     assert flash_cuda.attention.__doc__ and "bottom-right" in flash_cuda.attention.__doc__
-    assert set(flash_cuda.KERNELS) == {"auto", "simt", "mma"}
+    assert set(flash_cuda.KERNELS) == {"auto", "simt", "mma", "wgmma"}
     assert flash_cuda.SUPPORTED_DTYPES == (F16, BF16, F32)
     assert hasattr(torch.ops.flash_cuda, "fwd") and hasattr(torch.ops.flash_cuda, "bwd")
 
@@ -322,7 +322,7 @@ def test_default_scale():
 def test_unknown_kernel(kernel):
     q, k, v = qkv()
     msg = raises(ValueError, "kernel must be one of", q, k, v, kernel=kernel)
-    assert "'auto'" in msg and "'simt'" in msg and "'mma'" in msg
+    assert "'auto'" in msg and "'simt'" in msg and "'mma'" in msg and "'wgmma'" in msg
 
 
 @pytest.mark.parametrize("dtype", [F16, BF16])
@@ -331,13 +331,15 @@ def test_simt_needs_fp32(dtype):
     raises(ValueError, "kernel='simt' is the float32 kernel", q, k, v, kernel="simt")
 
 
-def test_mma_needs_16bit():
+@pytest.mark.parametrize("kernel", ["mma", "wgmma"])
+def test_tensor_core_kernels_need_16bit(kernel):
     q, k, v = qkv(dtype=F32)
-    raises(ValueError, "kernel='mma' is the float16/bfloat16", q, k, v, kernel="mma")
+    raises(ValueError, f"kernel='{kernel}' is a float16/bfloat16", q, k, v, kernel=kernel)
 
 
 @pytest.mark.parametrize("dtype,kernel,tier", [(F32, "auto", 0), (F32, "simt", 1), (F16, "auto", 0),
-                                               (F16, "mma", 2), (BF16, "mma", 2)])
+                                               (F16, "mma", 2), (BF16, "mma", 2), (F16, "wgmma", 3),
+                                               (BF16, "wgmma", 3)])
 def test_kernel_tiers(dtype, kernel, tier):
     assert interface._check_kernel(kernel, dtype) == tier
 

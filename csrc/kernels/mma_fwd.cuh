@@ -99,6 +99,51 @@ __device__ __forceinline__ void load_tile_async(typename Cfg::T* smem, const typ
 }
 
 // ---------------------------------------------------------------------------------
+// Masks S (only blocks that straddle the causal diagonal or the end of the keys pay for it)
+// and returns the block's row maxima in the log2 domain. Shared by every tensor-core forward
+// (mma.sync here, wgmma in sm90_fwd.cuh): the accumulator layouts are the same per warp.
+template <typename Cfg>
+__device__ __forceinline__ void mask_and_block_max(float (&s)[Cfg::kMTiles][Cfg::kNTiles][4],
+                                                   float (&block_max)[Cfg::kMTiles][2], bool needs_mask,
+                                                   int row_base, int key_base, int sk, int causal_offset,
+                                                   bool is_causal, float scale_log2) {
+  const int lane = threadIdx.x % 32;
+  // Mask (only blocks that straddle the causal diagonal or the end of the keys pay for
+  // it: one warp-uniform branch around the whole pass, no per-element branches on the
+  // common path) and take the row maxima of the raw scores. The scale is positive (the
+  // binding folds a negative scale into q), so max(scale * s) = scale * max(s): the scale
+  // is applied once per row here and once per element inside the exp2's FFMA.
+  const int g = lane / 4, t = lane % 4;
+  if (needs_mask) {
+#pragma unroll
+    for (int mt = 0; mt < Cfg::kMTiles; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < Cfg::kNTiles; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int row = row_base + mt * 16 + g + (e / 2) * 8;
+          const int col = key_base + nt * 8 + 2 * t + (e % 2);
+          if (!key_visible(row, col, sk, causal_offset, is_causal)) s[mt][nt][e] = -INFINITY;
+        }
+  }
+#pragma unroll
+  for (int mt = 0; mt < Cfg::kMTiles; ++mt) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      float mx = -INFINITY;
+#pragma unroll
+      for (int nt = 0; nt < Cfg::kNTiles; ++nt)
+        mx = fmaxf(mx, fmaxf(s[mt][nt][half * 2], s[mt][nt][half * 2 + 1]));
+      // Rounding is monotonic, so bm = round(max_j s_j * scale_log2) is also the largest
+      // of the rounded per-element products round(s_j * scale_log2): the exact-max path of
+      // step 3 relies on this.
+      const float bm = group_max<4>(mx) * scale_log2;  // the 4 lanes of a quad share a row
+      block_max[mt][half] = bm;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------
 // Step 1: S = Q K^T for this warp's rows and one K block, masked, scaled to the log2
 // domain; returns the block's row maxima (two rows per thread per m-tile: g and g+8).
 // ---------------------------------------------------------------------------------
@@ -143,39 +188,8 @@ __device__ __forceinline__ void compute_qk_scores_and_max(
     }
   }
 
-  // Mask (only blocks that straddle the causal diagonal or the end of the keys pay for
-  // it: one warp-uniform branch around the whole pass, no per-element branches on the
-  // common path) and take the row maxima of the raw scores. The scale is positive (the
-  // binding folds a negative scale into q), so max(scale * s) = scale * max(s): the scale
-  // is applied once per row here and once per element inside the exp2's FFMA.
-  const int g = lane / 4, t = lane % 4;
-  if (needs_mask) {
-#pragma unroll
-    for (int mt = 0; mt < Cfg::kMTiles; ++mt)
-#pragma unroll
-      for (int nt = 0; nt < Cfg::kNTiles; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int row = row_base + mt * 16 + g + (e / 2) * 8;
-          const int col = key_base + nt * 8 + 2 * t + (e % 2);
-          if (!key_visible(row, col, sk, causal_offset, is_causal)) s[mt][nt][e] = -INFINITY;
-        }
-  }
-#pragma unroll
-  for (int mt = 0; mt < Cfg::kMTiles; ++mt) {
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      float mx = -INFINITY;
-#pragma unroll
-      for (int nt = 0; nt < Cfg::kNTiles; ++nt)
-        mx = fmaxf(mx, fmaxf(s[mt][nt][half * 2], s[mt][nt][half * 2 + 1]));
-      // Rounding is monotonic, so bm = round(max_j s_j * scale_log2) is also the largest
-      // of the rounded per-element products round(s_j * scale_log2): the exact-max path of
-      // step 3 relies on this.
-      const float bm = group_max<4>(mx) * scale_log2;  // the 4 lanes of a quad share a row
-      block_max[mt][half] = bm;
-    }
-  }
+  mask_and_block_max<Cfg>(s, block_max, needs_mask, row_base, key_base, sk, causal_offset, is_causal,
+                          scale_log2);
 }
 
 // ---------------------------------------------------------------------------------
@@ -240,21 +254,11 @@ __device__ __forceinline__ void exponentiate_scores(float (&s)[Cfg::kMTiles][Cfg
   }
 }
 
-// ---------------------------------------------------------------------------------
-// Step 3: P = exp2(S - m) (masked entries are -inf -> 0), accumulate the row sums
-// (per thread; the quad reduction waits until normalize_output) and O += P V.
-// The S accumulator fragments of two neighbouring 8-key tiles are exactly the A fragment
-// of one 16-key MMA step, so P goes from registers to the tensor cores without touching
-// shared memory. V is read with ldmatrix.trans: lane i addresses key (i % 8) +
-// 8 * ((i / 8) % 2), column block i / 16.
-// ---------------------------------------------------------------------------------
+// P = exp2(S - m) in place and the per-thread row sums (shared by the tensor-core forwards).
 template <typename Cfg>
-__device__ __forceinline__ void compute_block_softmax_and_weighted_v(
-    float (&s)[Cfg::kMTiles][Cfg::kNTiles][4], float (&row_sum)[Cfg::kMTiles][2],
-    float (&acc_o)[Cfg::kMTiles][Cfg::kDTiles][4], const float (&row_max)[Cfg::kMTiles][2],
-    const typename Cfg::T* sV, float scale_log2) {
-  using T = typename Cfg::T;
-  const int lane = threadIdx.x % 32;
+__device__ __forceinline__ void exponentiate_block(float (&s)[Cfg::kMTiles][Cfg::kNTiles][4],
+                                                   float (&row_sum)[Cfg::kMTiles][2],
+                                                   const float (&row_max)[Cfg::kMTiles][2], float scale_log2) {
   // p = 2^(s * scale * log2(e) - m), normally as one FFMA + one MUFU.EX2 per element.
   // The FFMA subtracts a rounded m from the exact product, so the row's largest element
   // gets an exponent within ulp(m)/2 of 0: harmless while |m| < 2^20 (p_max within 2^(1/16)
@@ -272,6 +276,24 @@ __device__ __forceinline__ void compute_block_softmax_and_weighted_v(
   } else {
     exponentiate_scores<Cfg, false>(s, row_sum, row_max, scale_log2);
   }
+}
+
+// ---------------------------------------------------------------------------------
+// Step 3: P = exp2(S - m) (masked entries are -inf -> 0), accumulate the row sums
+// (per thread; the quad reduction waits until normalize_output) and O += P V.
+// The S accumulator fragments of two neighbouring 8-key tiles are exactly the A fragment
+// of one 16-key MMA step, so P goes from registers to the tensor cores without touching
+// shared memory. V is read with ldmatrix.trans: lane i addresses key (i % 8) +
+// 8 * ((i / 8) % 2), column block i / 16.
+// ---------------------------------------------------------------------------------
+template <typename Cfg>
+__device__ __forceinline__ void compute_block_softmax_and_weighted_v(
+    float (&s)[Cfg::kMTiles][Cfg::kNTiles][4], float (&row_sum)[Cfg::kMTiles][2],
+    float (&acc_o)[Cfg::kMTiles][Cfg::kDTiles][4], const float (&row_max)[Cfg::kMTiles][2],
+    const typename Cfg::T* sV, float scale_log2) {
+  using T = typename Cfg::T;
+  const int lane = threadIdx.x % 32;
+  exponentiate_block<Cfg>(s, row_sum, row_max, scale_log2);
 
 #pragma unroll
   for (int kk = 0; kk < Cfg::kBlockN / 16; ++kk) {

@@ -1,0 +1,374 @@
+// sm90_bwd.cuh — the Hopper (sm_90a) backward of flash_cuda: the algorithm and fragment
+// choreography of mma_bwd.cuh (read its header first), with every product on warpgroup MMA.
+//
+// The mma.sync backward is bound by shared memory: each B fragment a warp loads with ldmatrix
+// feeds only 2-4 MMAs. wgmma reads its shared-memory operands itself, for a whole warpgroup
+// (64 rows) at once, so the same tile feeds four times as many rows per read.
+//
+// Kernels (no atomics, bitwise reproducible, params.deterministic holds either way):
+//   1. bwd_preprocess_delta   delta = rowsum(dO * O) - dlse (bwd_preprocess.cuh)
+//   2. dK/dV                  a CTA owns kBlockN = 64 * kWarpGroups keys, warpgroup w the keys
+//                             64w..64w+63; it walks over every query block (and GQA head)
+//                             that sees them. Per block of kBlockM queries:
+//        S^T  = K Q^T       wgmma m64 n kBlockM, A = K (shared, K-major), B = Q (K-major)
+//        dP^T = V dO^T      wgmma m64 n kBlockM, A = V, B = dO (both K-major)
+//        P^T, dS^T          element-wise on the accumulators (mma_bwd.cuh helpers)
+//        dV  += P^T dO      wgmma m64 n d, A = P^T (registers), B = dO (N-major)
+//        dK  += dS^T Q      wgmma m64 n d, A = dS^T (registers), B = Q (N-major)
+//   3. dQ                     a CTA owns 64 * kWarpGroups queries and walks over the key blocks:
+//        S = Q K^T, dP = dO V^T (A and B in shared memory), P, dS, dQ += dS K (A = dS in
+//        registers, B = K N-major).
+// The wgmma accumulator has the mma.sync C layout per warp (wgmma_ops.cuh), so the
+// element-wise helpers of mma_bwd.cuh run unchanged with one 16-row tile per warp.
+#pragma once
+
+#include "../launch.h"
+#include "mma_bwd.cuh"
+#include "sm90_common.cuh"
+
+namespace flash_cuda {
+namespace sm90 {
+
+template <int kHeadDim_, int kKVWarpGroups_, int kKVBlockM_, int kQWarpGroups_, int kQBlockN_,
+          int kKVMinBlocks_ = 1, int kQMinBlocks_ = 1>
+struct BwdConfig {
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kKVMinBlocks = kKVMinBlocks_;  // CTAs per SM the registers are budgeted for
+  static constexpr int kQMinBlocks = kQMinBlocks_;
+  static constexpr int kElemBytes = 2;
+  // dK/dV kernel
+  static constexpr int kKVWarpGroups = kKVWarpGroups_;
+  static constexpr int kKVThreads = 128 * kKVWarpGroups;
+  static constexpr int kKVBlockN = 64 * kKVWarpGroups;  // keys of a CTA
+  static constexpr int kKVBlockM = kKVBlockM_;          // queries per step
+  // dQ kernel
+  static constexpr int kQWarpGroups = kQWarpGroups_;
+  static constexpr int kQThreads = 128 * kQWarpGroups;
+  static constexpr int kQBlockM = 64 * kQWarpGroups;  // queries of a CTA
+  static constexpr int kQBlockN = kQBlockN_;          // keys per step
+
+  static_assert(kHeadDim % 64 == 0, "swizzled slabs are 64 columns wide");
+  static_assert(kKVBlockM % 16 == 0 && kQBlockN % 16 == 0, "wgmma k-steps are 16 wide");
+  static_assert(kKVBlockM <= kKVThreads && kQBlockM <= kQThreads, "one thread per lse / delta entry");
+
+  // K, V tiles [kKVBlockN]; two stages of Q, dO tiles [kKVBlockM]; two stages of lse, delta.
+  static constexpr size_t kDkdvTiles = size_t(2 * kKVBlockN + 2 * 2 * kKVBlockM) * kHeadDim * kElemBytes;
+  static constexpr size_t kDkdvSmem = kDkdvTiles + 2 * 2 * kKVBlockM * sizeof(float) + 1024;
+  // Q, dO tiles [kQBlockM]; two stages of K, V tiles [kQBlockN]; lse, delta.
+  static constexpr size_t kDqTiles = size_t(2 * kQBlockM + 2 * 2 * kQBlockN) * kHeadDim * kElemBytes;
+  static constexpr size_t kDqSmem = kDqTiles + 2 * kQBlockM * sizeof(float) + 1024;
+};
+
+template <int kHeadDim> struct BwdTraits;
+//                                              d  KV wgs  M    Q wgs  N
+template <> struct BwdTraits<64>  : BwdConfig<64,  2,      64,  2,     64> {};
+template <> struct BwdTraits<128> : BwdConfig<128, 2,      64,  2,     64> {};
+
+// ---------------------------------------------------------------------------------
+// dK/dV kernel. grid (ceil(sk / kKVBlockN), hkv, b).
+// ---------------------------------------------------------------------------------
+template <typename T, typename Cfg>
+__device__ __forceinline__ void bwd_dkdv_block(const BwdParams& p) {
+  constexpr int kD = Cfg::kHeadDim;
+  constexpr int kBlockN = Cfg::kKVBlockN;
+  constexpr int kBlockM = Cfg::kKVBlockM;
+  constexpr int kThreads = Cfg::kKVThreads;
+  constexpr int kQTile = kBlockM * kD;  // elements of one Q or dO stage
+
+  extern __shared__ unsigned char smem_raw[];
+  unsigned char* smem = aligned_smem_base(smem_raw);
+  T* sK = reinterpret_cast<T*>(smem);
+  T* sV = sK + kBlockN * kD;
+  T* sQ = sV + kBlockN * kD;   // [2] stages
+  T* sdO = sQ + 2 * kQTile;    // [2] stages
+  float* sLse = reinterpret_cast<float*>(sdO + 2 * kQTile);  // [2][kBlockM]
+  float* sDelta = sLse + 2 * kBlockM;                         // [2][kBlockM]
+
+  const int tid = threadIdx.x;
+  const int warp = tid / 32;
+  const int wg = warp / 4;
+  const int hkv = blockIdx.y, bi = blockIdx.z;
+  const int n0 = blockIdx.x * kBlockN;
+  const int wg_key0 = n0 + 64 * wg;       // first key of this warpgroup
+  const int warp_key0 = n0 + 16 * warp;   // first key of this warp
+  const int group = p.hq / p.hkv;
+  const int causal_offset = p.sk - p.sq;
+
+  const int num_m_blocks = ceil_div(p.sq, kBlockM);
+  const int m_first = p.is_causal ? max(0, n0 - causal_offset) / kBlockM : 0;
+  const int h_begin = hkv * group, h_end = h_begin + group;
+
+  auto load_query_block = [&](int h, int m_block, int stage) {
+    const int m0 = m_block * kBlockM;
+    const T* q = static_cast<const T*>(p.q) + bi * p.q_batch_stride + h * p.q_head_stride +
+                 m0 * p.q_row_stride;
+    const T* dout = static_cast<const T*>(p.dout) + bi * p.do_batch_stride + h * p.do_head_stride +
+                    m0 * p.do_row_stride;
+    load_tile_swizzled<kBlockM, kD, kThreads>(sQ + stage * kQTile, q, p.q_row_stride, p.sq - m0, p.d, tid);
+    load_tile_swizzled<kBlockM, kD, kThreads>(sdO + stage * kQTile, dout, p.do_row_stride, p.sq - m0, p.d, tid);
+    const int64_t row0 = lse_offset(p, bi, h) + m0;
+    bwd_mma::load_row_stats_async<kBlockM>(sLse + stage * kBlockM, p.softmax_lse + row0, p.sq - m0);
+    bwd_mma::load_row_stats_async<kBlockM>(sDelta + stage * kBlockM, p.delta + row0, p.sq - m0);
+  };
+
+  int h = h_begin, m_block = m_first, stage = 0;
+  if (m_block >= num_m_blocks) h = h_end;  // no query sees these keys
+  if (h < h_end) {
+    const T* k = static_cast<const T*>(p.k) + bi * p.k_batch_stride + hkv * p.k_head_stride +
+                 n0 * p.k_row_stride;
+    const T* v = static_cast<const T*>(p.v) + bi * p.v_batch_stride + hkv * p.v_head_stride +
+                 n0 * p.v_row_stride;
+    load_tile_swizzled<kBlockN, kD, kThreads>(sK, k, p.k_row_stride, p.sk - n0, p.d, tid);
+    load_tile_swizzled<kBlockN, kD, kThreads>(sV, v, p.v_row_stride, p.sk - n0, p.d, tid);
+    load_query_block(h, m_block, 0);
+    cp_async_commit();
+  }
+
+  float acc_dv[1][kD / 8][4];
+  float acc_dk[1][kD / 8][4];
+  bwd_mma::zero_fill(acc_dv);
+  bwd_mma::zero_fill(acc_dk);
+
+  while (h < h_end) {
+    cp_async_wait<0>();
+    fence_proxy_async();
+    __syncthreads();
+    int next_h = h, next_m_block = m_block + 1;
+    if (next_m_block == num_m_blocks) {
+      next_m_block = m_first;
+      ++next_h;
+    }
+    if (next_h < h_end) {
+      load_query_block(next_h, next_m_block, stage ^ 1);
+      cp_async_commit();
+    }
+
+    const int m0 = m_block * kBlockM;
+    // Warpgroup-uniform skip (wgmma is a warpgroup instruction); masking is per warp.
+    const bool wg_sees_block = wg_key0 < p.sk && (!p.is_causal || wg_key0 <= m0 + kBlockM - 1 + causal_offset);
+    if (wg_sees_block) {
+      const bool needs_mask =
+          m0 + kBlockM > p.sq || (p.is_causal && warp_key0 + 15 > m0 + causal_offset);
+      const T* sQ_s = sQ + stage * kQTile;
+      const T* sdO_s = sdO + stage * kQTile;
+
+      // S^T = K Q^T and dP^T = V dO^T, one commit group.
+      float pt[1][kBlockM / 8][4];
+      float dst[1][kBlockM / 8][4];
+      wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < kD / 16; ++ks) {
+        Wgmma<T, kBlockM>::template ss<0>(pt[0], desc_k_major<kBlockN>(sK, 64 * wg, ks),
+                                          desc_k_major<kBlockM>(sQ_s, 0, ks), ks > 0);
+      }
+#pragma unroll
+      for (int ks = 0; ks < kD / 16; ++ks) {
+        Wgmma<T, kBlockM>::template ss<0>(dst[0], desc_k_major<kBlockN>(sV, 64 * wg, ks),
+                                          desc_k_major<kBlockM>(sdO_s, 0, ks), ks > 0);
+      }
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_accumulator(pt[0]);
+      fence_accumulator(dst[0]);
+
+      bwd_mma::compute_probs_transposed(pt, sLse + stage * kBlockM, p.scale_log2, needs_mask, warp_key0, m0,
+                                        p.sq, causal_offset, p.is_causal);
+      uint32_t a_pt[kBlockM / 16][4];
+#pragma unroll
+      for (int kk = 0; kk < kBlockM / 16; ++kk) accumulator_to_a<T>(a_pt[kk], pt[0], kk);
+      bwd_mma::compute_ds_transposed(dst, pt, sDelta + stage * kBlockM);
+      uint32_t a_ds[kBlockM / 16][4];
+#pragma unroll
+      for (int kk = 0; kk < kBlockM / 16; ++kk) accumulator_to_a<T>(a_ds[kk], dst[0], kk);
+
+      // dV += P^T dO, dK += dS^T Q (B operands N-major: the reduction runs over queries).
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kBlockM / 16; ++kk)
+        Wgmma<T, kD>::template rs<1>(acc_dv[0], a_pt[kk], desc_mn_major<kBlockM>(sdO_s, 0, kk), 1);
+#pragma unroll
+      for (int kk = 0; kk < kBlockM / 16; ++kk)
+        Wgmma<T, kD>::template rs<1>(acc_dk[0], a_ds[kk], desc_mn_major<kBlockM>(sQ_s, 0, kk), 1);
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_accumulator(acc_dv[0]);
+      fence_accumulator(acc_dk[0]);
+    }
+    h = next_h;
+    m_block = next_m_block;
+    stage ^= 1;
+  }
+
+  const int rows_valid = p.sk - warp_key0;
+  T* dv = static_cast<T*>(p.dv) + bi * p.dv_batch_stride + hkv * p.dv_head_stride +
+          static_cast<int64_t>(warp_key0) * p.dv_row_stride;
+  bwd_mma::store_rows<T, 1, kD>(acc_dv, dv, p.dv_row_stride, rows_valid, p.d, 1.f);
+  T* dk = static_cast<T*>(p.dk) + bi * p.dk_batch_stride + hkv * p.dk_head_stride +
+          static_cast<int64_t>(warp_key0) * p.dk_row_stride;
+  bwd_mma::store_rows<T, 1, kD>(acc_dk, dk, p.dk_row_stride, rows_valid, p.d, p.scale);
+}
+
+// ---------------------------------------------------------------------------------
+// dQ kernel. grid (ceil(sq / kQBlockM), hq, b).
+// ---------------------------------------------------------------------------------
+template <typename T, typename Cfg>
+__device__ __forceinline__ void bwd_dq_block(const BwdParams& p) {
+  constexpr int kD = Cfg::kHeadDim;
+  constexpr int kBlockM = Cfg::kQBlockM;
+  constexpr int kBlockN = Cfg::kQBlockN;
+  constexpr int kThreads = Cfg::kQThreads;
+  constexpr int kKTile = kBlockN * kD;
+
+  extern __shared__ unsigned char smem_raw[];
+  unsigned char* smem = aligned_smem_base(smem_raw);
+  T* sQ = reinterpret_cast<T*>(smem);
+  T* sdO = sQ + kBlockM * kD;
+  T* sK = sdO + kBlockM * kD;  // [2] stages
+  T* sV = sK + 2 * kKTile;     // [2] stages
+  float* sLse = reinterpret_cast<float*>(sV + 2 * kKTile);  // [kBlockM]
+  float* sDelta = sLse + kBlockM;                            // [kBlockM]
+
+  const int tid = threadIdx.x;
+  const int warp = tid / 32;
+  const int wg = warp / 4;
+  const int m_block = p.is_causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+  const int h = blockIdx.y, bi = blockIdx.z;
+  const int hkv = h / (p.hq / p.hkv);
+  const int m0 = m_block * kBlockM;
+  const int wg_q0 = m0 + 64 * wg;
+  const int warp_q0 = m0 + 16 * warp;
+  const int causal_offset = p.sk - p.sq;
+
+  const int num_n_blocks = ceil_div(p.sk, kBlockN);
+  int n_end = num_n_blocks;
+  if (p.is_causal) {
+    const int last_key = min(m0 + kBlockM, p.sq) - 1 + causal_offset;
+    n_end = last_key < 0 ? 0 : min(num_n_blocks, last_key / kBlockN + 1);
+  }
+
+  auto load_key_block = [&](int n_block, int stage) {
+    const int n0 = n_block * kBlockN;
+    const T* k = static_cast<const T*>(p.k) + bi * p.k_batch_stride + hkv * p.k_head_stride +
+                 n0 * p.k_row_stride;
+    const T* v = static_cast<const T*>(p.v) + bi * p.v_batch_stride + hkv * p.v_head_stride +
+                 n0 * p.v_row_stride;
+    load_tile_swizzled<kBlockN, kD, kThreads>(sK + stage * kKTile, k, p.k_row_stride, p.sk - n0, p.d, tid);
+    load_tile_swizzled<kBlockN, kD, kThreads>(sV + stage * kKTile, v, p.v_row_stride, p.sk - n0, p.d, tid);
+  };
+
+  if (n_end > 0) {
+    const T* q = static_cast<const T*>(p.q) + bi * p.q_batch_stride + h * p.q_head_stride +
+                 m0 * p.q_row_stride;
+    const T* dout = static_cast<const T*>(p.dout) + bi * p.do_batch_stride + h * p.do_head_stride +
+                    m0 * p.do_row_stride;
+    load_tile_swizzled<kBlockM, kD, kThreads>(sQ, q, p.q_row_stride, p.sq - m0, p.d, tid);
+    load_tile_swizzled<kBlockM, kD, kThreads>(sdO, dout, p.do_row_stride, p.sq - m0, p.d, tid);
+    const int64_t row0 = lse_offset(p, bi, h) + m0;
+    bwd_mma::load_row_stats_async<kBlockM>(sLse, p.softmax_lse + row0, p.sq - m0);
+    bwd_mma::load_row_stats_async<kBlockM>(sDelta, p.delta + row0, p.sq - m0);
+    load_key_block(0, 0);
+    cp_async_commit();
+  }
+
+  float acc_dq[1][kD / 8][4];
+  bwd_mma::zero_fill(acc_dq);
+
+  for (int n_block = 0; n_block < n_end; ++n_block) {
+    const int stage = n_block & 1;
+    cp_async_wait<0>();
+    fence_proxy_async();
+    __syncthreads();
+    if (n_block + 1 < n_end) {
+      load_key_block(n_block + 1, stage ^ 1);
+      cp_async_commit();
+    }
+
+    const int n0 = n_block * kBlockN;
+    const bool wg_sees_block = wg_q0 < p.sq && (!p.is_causal || n0 <= wg_q0 + 63 + causal_offset);
+    if (!wg_sees_block) continue;
+    const bool needs_mask = n0 + kBlockN > p.sk || (p.is_causal && n0 + kBlockN - 1 > warp_q0 + causal_offset);
+    const T* sK_s = sK + stage * kKTile;
+    const T* sV_s = sV + stage * kKTile;
+
+    // S = Q K^T and dP = dO V^T, one commit group.
+    float s[1][kBlockN / 8][4];
+    float ds[1][kBlockN / 8][4];
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < kD / 16; ++ks) {
+      Wgmma<T, kBlockN>::template ss<0>(s[0], desc_k_major<kBlockM>(sQ, 64 * wg, ks),
+                                        desc_k_major<kBlockN>(sK_s, 0, ks), ks > 0);
+    }
+#pragma unroll
+    for (int ks = 0; ks < kD / 16; ++ks) {
+      Wgmma<T, kBlockN>::template ss<0>(ds[0], desc_k_major<kBlockM>(sdO, 64 * wg, ks),
+                                        desc_k_major<kBlockN>(sV_s, 0, ks), ks > 0);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_accumulator(s[0]);
+    fence_accumulator(ds[0]);
+
+    bwd_mma::compute_probs(s, sLse + 16 * warp, p.scale_log2, needs_mask, warp_q0, n0, p.sk, causal_offset,
+                           p.is_causal);
+    bwd_mma::compute_ds(ds, s, sDelta + 16 * warp);
+    uint32_t a_ds[kBlockN / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk) accumulator_to_a<T>(a_ds[kk], ds[0], kk);
+
+    // dQ += dS K (B = K N-major: the reduction runs over keys).
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk)
+      Wgmma<T, kD>::template rs<1>(acc_dq[0], a_ds[kk], desc_mn_major<kBlockN>(sK_s, 0, kk), 1);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_accumulator(acc_dq[0]);
+  }
+
+  T* dq = static_cast<T*>(p.dq) + bi * p.dq_batch_stride + h * p.dq_head_stride +
+          static_cast<int64_t>(warp_q0) * p.dq_row_stride;
+  bwd_mma::store_rows<T, 1, kD>(acc_dq, dq, p.dq_row_stride, p.sq - warp_q0, p.d, p.scale);
+}
+
+template <typename T, typename Cfg>
+__global__ void __launch_bounds__(Cfg::kKVThreads, Cfg::kKVMinBlocks) bwd_dkdv_sm90_kernel(const __grid_constant__ BwdParams p) {
+#if FLASH_SM90_ENABLED
+  bwd_dkdv_block<T, Cfg>(p);
+#else
+  __trap();  // never launched: see sm90_kernel_built
+#endif
+}
+
+template <typename T, typename Cfg>
+__global__ void __launch_bounds__(Cfg::kQThreads, Cfg::kQMinBlocks) bwd_dq_sm90_kernel(const __grid_constant__ BwdParams p) {
+#if FLASH_SM90_ENABLED
+  bwd_dq_block<T, Cfg>(p);
+#else
+  __trap();
+#endif
+}
+
+}  // namespace sm90
+
+template <typename T, typename Cfg>
+bool launch_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
+  auto dkdv = sm90::bwd_dkdv_sm90_kernel<T, Cfg>;
+  auto dq = sm90::bwd_dq_sm90_kernel<T, Cfg>;
+  if (p.sm_arch != 90 || !sm90_kernel_built(dkdv)) return false;
+  set_smem_limit(dkdv, Cfg::kDkdvSmem, "bwd_dkdv_sm90");
+  set_smem_limit(dq, Cfg::kDqSmem, "bwd_dq_sm90");
+  launch_bwd_preprocess<T>(p, stream);
+  dkdv<<<dim3(ceil_div(p.sk, Cfg::kKVBlockN), p.hkv, p.b), Cfg::kKVThreads, Cfg::kDkdvSmem, stream>>>(p);
+  check_launch("bwd_dkdv_sm90");
+  dq<<<dim3(ceil_div(p.sq, Cfg::kQBlockM), p.hq, p.b), Cfg::kQThreads, Cfg::kDqSmem, stream>>>(p);
+  check_launch("bwd_dq_sm90");
+  return true;
+}
+
+template <int kDType, int kHeadDim>
+bool run_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
+  return launch_bwd_sm90<typename ElementOf<kDType>::type, sm90::BwdTraits<kHeadDim>>(p, stream);
+}
+
+}  // namespace flash_cuda

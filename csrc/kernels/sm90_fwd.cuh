@@ -1,0 +1,219 @@
+// sm90_fwd.cuh — the Hopper (sm_90a) forward of flash_cuda: the same online softmax as
+// mma_fwd.cuh, with its two products on warpgroup MMA (wgmma) instead of mma.sync.
+//
+// Why. On an H100/H200 mma.sync reaches only about two thirds of the tensor cores' peak;
+// wgmma, issued by a warpgroup (4 warps, 128 threads) and reading its B operand (and
+// optionally A) straight from shared memory, is the only way to the rest. A thread no longer
+// loads fragments with ldmatrix: the instruction reads the swizzled tiles itself
+// (sm90_common.cuh), so the shared-memory traffic that bounds the mma.sync kernels goes away.
+//
+// Work split. A CTA owns kBlockM = 64 * kWarpGroups query rows; warpgroup w owns rows
+// 64w..64w+63 (wgmma's M is 64), and within it warp w' owns 16 rows, exactly as an
+// mma.sync warp does: the accumulator of m64nNk16 has the m16n8 layout per warp. So the
+// softmax helpers of mma_fwd.cuh (mask_and_block_max, merge_block_stats, exponentiate_block,
+// normalize_output) run unchanged on wgmma accumulators; only the products differ:
+//   S = Q K^T   wgmma m64 n kBlockN k16, A = Q (shared, K-major), B = K block (shared, K-major)
+//   O += P V    wgmma m64 n kHeadDim k16, A = P (registers: the S accumulator rounded to 16
+//               bits is already the A fragment), B = V block (shared, N-major: transposed)
+//
+// Data movement: Q once, then K/V blocks through a two-stage cp.async ring into swizzled
+// tiles (block j+1 is copied while block j is computed), one barrier per block.
+#pragma once
+
+#include "../launch.h"
+#include "mma_fwd.cuh"
+#include "sm90_common.cuh"
+
+namespace flash_cuda {
+namespace sm90 {
+
+template <int kHeadDim> struct FwdTraits;
+// kBlockN (keys per step), kWarpGroups (query rows = 64 per warpgroup), kMinBlocks (CTAs per
+// SM the registers are budgeted for).
+template <> struct FwdTraits<64>  { static constexpr int kBlockN = 128, kWarpGroups = 2, kMinBlocks = 1; };
+template <> struct FwdTraits<128> { static constexpr int kBlockN = 128, kWarpGroups = 2, kMinBlocks = 1; };
+
+template <typename T_, int kHeadDim_, int kBlockN_ = FwdTraits<kHeadDim_>::kBlockN,
+          int kWarpGroups_ = FwdTraits<kHeadDim_>::kWarpGroups,
+          int kMinBlocks_ = FwdTraits<kHeadDim_>::kMinBlocks>
+struct FwdConfig {
+  using T = T_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kWarpGroups = kWarpGroups_;
+  static constexpr int kMinBlocks = kMinBlocks_;
+  static constexpr int kBlockM = 64 * kWarpGroups;
+  static constexpr int kThreads = 128 * kWarpGroups;
+  // The fields the shared softmax helpers read (one 16-row tile per warp).
+  static constexpr int kMTiles = 1;
+  static constexpr int kWarpRows = 16;
+  static constexpr int kNTiles = kBlockN / 8;
+  static constexpr int kDTiles = kHeadDim / 8;
+  static constexpr int kStride = kHeadDim + 8;  // padded rows of the O staging tile
+  static constexpr int kStages = 2;
+  static constexpr size_t kTileQ = size_t(kBlockM) * kHeadDim * sizeof(T);
+  static constexpr size_t kTileKV = size_t(kBlockN) * kHeadDim * sizeof(T);
+  // + 1024: the dynamic shared memory base is rounded up to the swizzle pattern's alignment.
+  static constexpr size_t kSmemBytes = kTileQ + 2 * kStages * kTileKV + 1024;
+  static_assert(kHeadDim % 64 == 0, "swizzled slabs are 64 columns wide");
+  static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "wgmma N");
+  static_assert(size_t(kBlockM) * kStride * sizeof(T) <= 2 * kStages * kTileKV,
+                "the O staging tile fits in the K/V ring");
+};
+
+// Step 1: S = Q K^T (wgmma), then the shared mask / row-max helper.
+template <typename Cfg>
+__device__ __forceinline__ void compute_qk_scores_and_max(float (&s)[1][Cfg::kNTiles][4],
+                                                          float (&block_max)[1][2],
+                                                          const typename Cfg::T* sQ, int wg_row0,
+                                                          const typename Cfg::T* sK, bool needs_mask,
+                                                          int row_base, int key_base, int sk,
+                                                          int causal_offset, bool is_causal,
+                                                          float scale_log2) {
+  using T = typename Cfg::T;
+  wgmma_fence();
+#pragma unroll
+  for (int ks = 0; ks < Cfg::kHeadDim / 16; ++ks) {
+    Wgmma<T, Cfg::kBlockN>::template ss<0>(s[0], desc_k_major<Cfg::kBlockM>(sQ, wg_row0, ks),
+                                           desc_k_major<Cfg::kBlockN>(sK, 0, ks), ks > 0);
+  }
+  wgmma_commit();
+  wgmma_wait<0>();
+  fence_accumulator(s[0]);
+  fwd_mma::mask_and_block_max<Cfg>(s, block_max, needs_mask, row_base, key_base, sk, causal_offset,
+                                   is_causal, scale_log2);
+}
+
+// Step 3: P = exp2(S - m), row sums, O += P V (wgmma, P from registers).
+template <typename Cfg>
+__device__ __forceinline__ void compute_block_softmax_and_weighted_v(
+    float (&s)[1][Cfg::kNTiles][4], float (&row_sum)[1][2], float (&acc_o)[1][Cfg::kDTiles][4],
+    const float (&row_max)[1][2], const typename Cfg::T* sV, float scale_log2) {
+  using T = typename Cfg::T;
+  fwd_mma::exponentiate_block<Cfg>(s, row_sum, row_max, scale_log2);
+  // P rounded to 16 bits, all of it before the first wgmma: registers an in-flight wgmma
+  // reads must not be written in between.
+  uint32_t a[Cfg::kBlockN / 16][4];
+#pragma unroll
+  for (int kk = 0; kk < Cfg::kBlockN / 16; ++kk) accumulator_to_a<T>(a[kk], s[0], kk);
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < Cfg::kBlockN / 16; ++kk) {
+    Wgmma<T, Cfg::kHeadDim>::template rs<1>(acc_o[0], a[kk], desc_mn_major<Cfg::kBlockN>(sV, 0, kk), 1);
+  }
+  wgmma_commit();
+  wgmma_wait<0>();
+  fence_accumulator(acc_o[0]);
+}
+
+template <typename Cfg>
+__device__ __forceinline__ void fwd_sm90_block(const FwdParams& p) {
+  using T = typename Cfg::T;
+  constexpr int kD = Cfg::kHeadDim;
+  extern __shared__ unsigned char smem_raw[];
+  unsigned char* smem = aligned_smem_base(smem_raw);
+  T* sQ = reinterpret_cast<T*>(smem);
+  T* sK = reinterpret_cast<T*>(smem + Cfg::kTileQ);                               // [kStages] tiles
+  T* sV = reinterpret_cast<T*>(smem + Cfg::kTileQ + Cfg::kStages * Cfg::kTileKV);  // [kStages] tiles
+  constexpr int kKVElems = Cfg::kBlockN * kD;
+
+  const int m_block = p.is_causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;  // long rows first
+  const int h = blockIdx.y, bi = blockIdx.z;
+  const int h_kv = h / (p.hq / p.hkv);
+  const int tid = threadIdx.x;
+  const int warp = tid / 32;
+  const int wg_row0 = (warp / 4) * 64;  // first row of this warpgroup within the tile
+  const int causal_offset = p.sk - p.sq;
+  const int row0 = m_block * Cfg::kBlockM;
+  const int rows_valid = min(Cfg::kBlockM, p.sq - row0);
+
+  const T* q = static_cast<const T*>(p.q) + bi * p.q_batch_stride + h * p.q_head_stride +
+               static_cast<int64_t>(row0) * p.q_row_stride;
+  const T* k = static_cast<const T*>(p.k) + bi * p.k_batch_stride + h_kv * p.k_head_stride;
+  const T* v = static_cast<const T*>(p.v) + bi * p.v_batch_stride + h_kv * p.v_head_stride;
+  T* o = static_cast<T*>(p.o) + bi * p.o_batch_stride + h * p.o_head_stride +
+         static_cast<int64_t>(row0) * p.o_row_stride;
+  float* lse = p.softmax_lse + lse_offset(p, bi, h) + row0;
+
+  int key_end = p.sk;
+  if (p.is_causal) key_end = min(p.sk, row0 + rows_valid + causal_offset);
+  const int n_blocks = key_end > 0 ? ceil_div(key_end, Cfg::kBlockN) : 0;
+
+  auto load_kv = [&](int nb, int stage) {
+    const int64_t key0 = static_cast<int64_t>(nb) * Cfg::kBlockN;
+    load_tile_swizzled<Cfg::kBlockN, kD, Cfg::kThreads>(sK + stage * kKVElems, k + key0 * p.k_row_stride,
+                                                        p.k_row_stride, p.sk - static_cast<int>(key0), p.d, tid);
+    load_tile_swizzled<Cfg::kBlockN, kD, Cfg::kThreads>(sV + stage * kKVElems, v + key0 * p.v_row_stride,
+                                                        p.v_row_stride, p.sk - static_cast<int>(key0), p.d, tid);
+  };
+
+  load_tile_swizzled<Cfg::kBlockM, kD, Cfg::kThreads>(sQ, q, p.q_row_stride, rows_valid, p.d, tid);
+  if (n_blocks > 0) load_kv(0, 0);
+  cp_async_commit();
+
+  float acc_o[1][Cfg::kDTiles][4];
+  float row_max[1][2] = {{-INFINITY, -INFINITY}}, row_sum[1][2] = {{0.f, 0.f}};
+#pragma unroll
+  for (int dt = 0; dt < Cfg::kDTiles; ++dt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc_o[0][dt][e] = 0.f;
+
+  const int warp_row0 = row0 + 16 * warp;  // first query row of this warp
+  for (int nb = 0; nb < n_blocks; ++nb) {
+    // Block nb has landed (and is visible to wgmma's proxy); every warpgroup is done with
+    // the stage that the next copy overwrites.
+    cp_async_wait<0>();
+    fence_proxy_async();
+    __syncthreads();
+    if (nb + 1 < n_blocks) load_kv(nb + 1, (nb + 1) % Cfg::kStages);
+    cp_async_commit();
+
+    const int stage = nb % Cfg::kStages;
+    const int key_base = nb * Cfg::kBlockN;
+    const bool needs_mask = key_base + Cfg::kBlockN > p.sk ||
+                            (p.is_causal && key_base + Cfg::kBlockN - 1 > warp_row0 + causal_offset);
+    float s[1][Cfg::kNTiles][4];
+    float block_max[1][2];
+    compute_qk_scores_and_max<Cfg>(s, block_max, sQ, wg_row0, sK + stage * kKVElems, needs_mask, warp_row0,
+                                   key_base, p.sk, causal_offset, p.is_causal, p.scale_log2);
+    fwd_mma::merge_block_stats<Cfg>(row_max, row_sum, acc_o, block_max);
+    compute_block_softmax_and_weighted_v<Cfg>(s, row_sum, acc_o, row_max, sV + stage * kKVElems, p.scale_log2);
+  }
+  cp_async_wait<0>();
+  __syncthreads();  // every warpgroup is done with the K/V ring, reused below to stage O
+
+  // Step 4 (shared helper): O through padded rows of the K/V ring, 16-byte stores.
+  const int warp_rows_valid = min(16, rows_valid - 16 * warp);
+  fwd_mma::normalize_output<Cfg>(acc_o, row_sum, row_max, sK + warp * 16 * Cfg::kStride,
+                                 o + static_cast<int64_t>(16 * warp) * p.o_row_stride, p.o_row_stride,
+                                 lse + 16 * warp, warp_rows_valid, p.d);
+}
+
+template <typename Cfg>
+__global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) fwd_sm90_kernel(const __grid_constant__ FwdParams p) {
+#if FLASH_SM90_ENABLED
+  fwd_sm90_block<Cfg>(p);
+#else
+  __trap();  // never launched: see sm90_kernel_built
+#endif
+}
+
+}  // namespace sm90
+
+template <typename Cfg>
+bool launch_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
+  auto kernel = sm90::fwd_sm90_kernel<Cfg>;
+  if (p.sm_arch != 90 || !sm90_kernel_built(kernel)) return false;
+  set_smem_limit(kernel, Cfg::kSmemBytes, "fwd_sm90");
+  const dim3 grid(ceil_div(p.sq, Cfg::kBlockM), p.hq, p.b);
+  kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
+  check_launch("fwd_sm90");
+  return true;
+}
+
+template <int kDType, int kHeadDim>
+bool run_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
+  return launch_fwd_sm90<sm90::FwdConfig<typename ElementOf<kDType>::type, kHeadDim>>(p, stream);
+}
+
+}  // namespace flash_cuda

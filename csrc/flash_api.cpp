@@ -260,7 +260,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(const at::Tensor& dout_in, co
                   lse_in.size(1) == Hq && lse_in.size(2) == Sq,
               "flash_cuda: lse must be float32 of shape (B, Hq, Sq)");
 
-  at::Tensor dq = at::empty_like(q_in);
+  // The fp32 tier's default backward adds dQ with float atomics straight into dq (fp32):
+  // dq starts at zero. Every other path writes each gradient element exactly once.
+  const bool dq_atomic = t == Tier::kSimt && !deterministic;
+  at::Tensor dq = dq_atomic ? at::zeros_like(q_in) : at::empty_like(q_in);
   at::Tensor dk = at::empty_like(k_in);
   at::Tensor dv = at::empty_like(v_in);
   if (B == 0 || Hq == 0 || Sq == 0 || Sk == 0) {
@@ -287,7 +290,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(const at::Tensor& dout_in, co
   }
   at::Tensor delta = at::empty({B, Hq, Sq}, q.options().dtype(at::kFloat));
   if (poison_outputs()) {
-    dq.fill_(NAN);
+    if (!dq_atomic) dq.fill_(NAN);
     dk.fill_(NAN);
     dv.fill_(NAN);
     delta.fill_(NAN);
@@ -306,7 +309,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(const at::Tensor& dout_in, co
   p.dk_batch_stride = dk.stride(0), p.dk_head_stride = dk.stride(1), p.dk_row_stride = dk.stride(2);
   p.dv_batch_stride = dv.stride(0), p.dv_head_stride = dv.stride(1), p.dv_row_stride = dv.stride(2);
   p.delta = delta.data_ptr<float>();
-  p.dq_accum = nullptr;  // the current kernels compute dQ without atomics
+  p.dq_accum = nullptr;  // no kernel needs a separate dQ accumulator
   p.deterministic = deterministic;
   dispatch_bwd(p, t, at::cuda::getCurrentCUDAStream().stream());
   if (negative_scale) dq.neg_();

@@ -347,9 +347,12 @@ def attention(
             log of ``sum_j exp(scale * q_i . k_j)`` over the visible keys (``-inf`` for a
             row that sees none). ``lse`` is differentiable too: a loss that uses it sends
             its gradient (``dlse``) through the backward kernels.
-        deterministic: the kernels are deterministic (no floating-point atomics in the
-            backward), so gradients are bitwise reproducible either way; the flag is
-            accepted for API stability and passed on to the backward.
+        deterministic: ``True`` makes every backward bitwise reproducible run to run.
+            The float16 / bfloat16 kernels use no floating-point atomics and are
+            reproducible either way. The float32 backward by default adds dQ with float
+            atomics (unordered, so dq can differ in the last bits between runs; dk, dv do
+            not); ``True`` runs a separate dQ kernel instead, at a cost in speed measured
+            in OPTIMIZATION.md.
         kernel: ``"auto"`` (default) picks by dtype and GPU: ``"simt"`` (float32 CUDA-core
             kernels, true fp32 arithmetic) for float32; for float16 / bfloat16 ``"wgmma"``
             (Hopper warpgroup-MMA kernels) on sm_90 for head dims 33..64 and 97..128, else

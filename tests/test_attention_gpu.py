@@ -228,9 +228,13 @@ def test_bitwise_reproducible(dtype, deterministic):
         out, lse = flash_cuda.attention(qf, kf, vf, is_causal=True, return_lse=True,
                                         deterministic=deterministic)
         runs.append((out, lse) + torch.autograd.grad(out, (qf, kf, vf), dout))
+    atomic_dq = dtype == F32 and not deterministic  # fp32 default: dQ by float atomics
     for r in runs[1:]:
-        for a, b in zip(runs[0], r):
-            assert torch.equal(a, b)
+        for i, (a, b) in enumerate(zip(runs[0], r)):
+            if i == 2 and atomic_dq:
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+            else:
+                assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -7,17 +7,32 @@
 //   dK = scale * dS^T Q                    dQ = scale * dS K
 // where delta_i = rowsum(dO_i * O_i) - dlse_i comes from bwd_preprocess.cuh.
 //
-// run_bwd_simt<kHeadDim> launches three kernels, deterministic by construction (no atomics,
-// every gradient element is written exactly once by one thread):
+// run_bwd_simt<kHeadDim> has two paths, chosen by params.deterministic.
+//
+// deterministic = true: three kernels, bitwise reproducible (no atomics, every gradient element
+// is written exactly once by one thread):
 //   1. bwd_preprocess_delta_kernel<float>                       delta
-//   2. flash_bwd_dkdv_simt_kernel: a CTA owns a block of keys of one (batch, kv head). It keeps
-//      its K and V tiles in shared memory and dK, dV in registers, loops over the query heads of
-//      its GQA group and over the query blocks that can see its keys, and writes dK, dV once.
+//   2. flash_bwd_dkdv_simt_kernel<Cfg, false>: a CTA owns a block of keys of one (batch, kv
+//      head). It keeps its K and V tiles in shared memory and dK, dV in registers, loops over the
+//      query heads of its GQA group and over the query blocks that can see its keys, and writes
+//      dK, dV once.
 //   3. flash_bwd_dq_simt_kernel: a CTA owns a block of query rows of one (batch, query head),
 //      keeps Q and dO in shared memory and dQ in registers, loops over the key blocks the rows
 //      can see (recomputing P and dP), and writes dQ once.
-// Kernel 3 recomputes two of the five products of kernel 2; that is the price of writing dQ
-// without atomics.
+//   Kernel 3 recomputes two of the products of kernel 2 (S and dP): 7 matrix products per
+//   (key block, query block) pair. That is the price of writing dQ without atomics.
+//
+// deterministic = false (the default): two kernels, 5 products per pair:
+//   1. bwd_preprocess_delta_kernel<float>                       delta
+//   2. flash_bwd_dkdv_simt_kernel<Cfg, true>: kernel 2 above plus, at every step, the partial
+//      dQ of the step's query block over this CTA's keys, scale * dS K, from the dS^T and K
+//      tiles the CTA already holds in shared memory, added into params.dq with float atomics
+//      (red.global.add.f32; the 4-wide vector form on sm_90). params.dq must be zero-filled
+//      before the launch (the binding does it); no dQ kernel runs.
+//   dK and dV are still written once per element by one thread (reproducible), but each dQ
+//   element is the sum of up to ceil(sk / kRows) atomic contributions (one per CTA, i.e. per
+//   key block the row sees) in an order that depends on scheduling, and fp32 addition is not
+//   associative: dQ is not bitwise reproducible run to run (it differs in the last bits).
 //
 // Both kernels reuse the thread grid, loaders and register-blocked products of simt_fwd.cuh
 // (read that file first): "rows" are the operand a CTA owns (keys in kernel 2, queries in
@@ -49,6 +64,33 @@ namespace simt {
 //   D=128: 128 queries x 32 keys, 256 threads, thread tiles 4x4 / 4x16    (185 KB)
 //   D=256: 64 queries x 32 keys, 256 threads, thread tiles 4x2 / 4x16     (207 KB)
 //
+// dK/dV kernel with atomic dQ (deterministic = false): AtomicDkdvConfig and
+// CompactAtomicDkdvConfig. The same tiles as the deterministic kernel (D=256 Compact: same
+// tile, another register bound), for these reasons:
+//   * Shared memory: none extra. The dQ product (P5 in the kernel) reads the sdS (dS^T) and sK
+//     tiles the kernel already holds (K just stays unscaled), so whatever fits the
+//     deterministic kernel fits this one, and the Compact tiles are already the largest key
+//     blocks that fit in 99 KB.
+//   * Registers: P5 accumulates kCols * D / kThreads floats per thread (16 or 32 for every
+//     config here), live only after P2, when the S and dP tiles (2 * kTM * kTN) are dead.
+//     ptxas fits every config without spilling (simt_bwd in tests/test_nvcc_build.py).
+//   * Atomic traffic: a step does 5 * 2 * kRows * kCols * D flops and adds kCols * D floats
+//     into dq: 1 float (4 bytes) per 10 * kRows flops, whatever kCols and D. With 64-key
+//     blocks that is 4 bytes per 640 flops: even at the forward's 43 TFLOPS (63% of an
+//     H200's FFMA peak) under 270 GB/s of red.global.add into the L2, small next to its
+//     bandwidth (several TB/s). Doubling the key block would halve that but cost
+//     2 * kRows * D / kThreads more registers of dK and dV: not worth it at fp32 FFMA rates.
+//     The Compact tiles have 16 to 64 keys, so up to 4x the traffic per flop (D=256: 16
+//     keys); that matters most where FFMA is fast but shared memory small (sm_89), and
+//     there red has no vector form (4 scalar adds per float4).
+//   * Contention: the CTAs of one (batch, kv head) walk the query blocks in the same order,
+//     so every resident CTA may add into the same kCols x D block of dq at about the same
+//     time: at most one add per resident CTA per dq element per step, and a step is over
+//     20k cycles of FFMA (D=128: 2.6 M FFMA per CTA at 128 FFMA/clk/SM).
+//   * D=256 Compact: the atomic kernel asks for 2 CTAs/SM (<= 128 registers; ptxas: 123, no
+//     spill), the occupancy the deterministic kernel gets by itself (125 registers) on
+//     sm_80's 164 KB; with a bound of 1 it would use 254 registers and 1 CTA/SM.
+//
 // The Compact* configurations fit in 99 KB (sm_86 / sm_89; sm_80 for D >= 128); the launcher
 // uses them only when the device cannot give the first ones their shared memory.
 template <int kHeadDim> struct SimtBwdTraits;
@@ -57,24 +99,32 @@ template <> struct SimtBwdTraits<32> {
   using DqConfig = TileConfig<32, 64, 64, 4, 8, 2>;
   using CompactDkdvConfig = DkdvConfig;
   using CompactDqConfig = DqConfig;
+  using AtomicDkdvConfig = DkdvConfig;
+  using CompactAtomicDkdvConfig = CompactDkdvConfig;
 };
 template <> struct SimtBwdTraits<64> {
   using DkdvConfig = TileConfig<64, 64, 64, 4, 8, 2>;
   using DqConfig = TileConfig<64, 64, 64, 4, 8, 2>;
   using CompactDkdvConfig = TileConfig<64, 64, 32, 4, 8, 2>;  // 73 KB
   using CompactDqConfig = DqConfig;
+  using AtomicDkdvConfig = DkdvConfig;
+  using CompactAtomicDkdvConfig = CompactDkdvConfig;
 };
 template <> struct SimtBwdTraits<128> {
   using DkdvConfig = TileConfig<128, 64, 64, 4, 16, 1>;
   using DqConfig = TileConfig<128, 128, 32, 4, 8, 1>;
   using CompactDkdvConfig = TileConfig<128, 32, 32, 2, 16, 1>;  // 80 KB
   using CompactDqConfig = TileConfig<128, 32, 32, 2, 16, 1>;    // 74 KB
+  using AtomicDkdvConfig = DkdvConfig;
+  using CompactAtomicDkdvConfig = CompactDkdvConfig;
 };
 template <> struct SimtBwdTraits<256> {
   using DkdvConfig = TileConfig<256, 64, 32, 4, 16, 1>;
   using DqConfig = TileConfig<256, 64, 32, 4, 16, 1>;
   using CompactDkdvConfig = TileConfig<256, 16, 16, 1, 16, 1>;  // 71 KB
   using CompactDqConfig = TileConfig<256, 16, 16, 1, 16, 1>;    // 69 KB
+  using AtomicDkdvConfig = DkdvConfig;
+  using CompactAtomicDkdvConfig = TileConfig<256, 16, 16, 1, 16, 2>;  // 71 KB, 2 CTAs/SM
 };
 
 // 4-byte cp.async (cp.async.ca supports 4, 8 and 16 bytes) with zero fill: loads the per-row
@@ -93,7 +143,127 @@ __device__ __forceinline__ float lse_to_log2_offset(float lse) {
 }
 
 // =================================================================================
-// dK / dV kernel
+// Atomic dQ: the fifth product of the dK/dV kernel (deterministic = false)
+// =================================================================================
+//
+// At step t (query block m0 .. m0 + kCols - 1 of query head h) the dK/dV kernel holds, in
+// shared memory, dS^T [kRows keys][kCols queries] (sdS, row stride kLdScore) and K
+// [kRows keys][D] (sK, row stride kLdHead). This CTA's share of the query block's dQ is
+//   dQ_t[q][c] = scale * sum_{key < kRows} dS^T[key][q] * K[key][c]        (a kCols x D tile)
+// a product whose reduction runs over the rows of both shared tiles ("TN": A is read
+// transposed). Keys past sk have zero K rows and dS = 0 (P = 0), so they add exactly 0.
+//
+// Its own thread grid (the result is a different tile from the kernel's [keys] x [D] ones):
+// kDG threads along D, each owning kTD columns as float4 chunks 4*dg + 4*kDG*h (as in
+// gemm_nn), times kQG query groups, each owning kTQ queries as chunks of 4 consecutive ones,
+// 4*qg + 4*kQG*u + e. For one key the thread reads kTQ/4 float4 of the dS^T row (its queries)
+// and kTD/4 float4 of the K row (its columns), and does kTQ * kTD FFMA: with kTQ = 4 and
+// kTD = 8, 3 LDS.128 per 32 FFMA, the ratio of the 4x8 dK and dV products. All lanes of a
+// warp read the same two shared rows: the dS^T reads are a few consecutive float4
+// (broadcasts), the K reads one contiguous run (kDG * 16 bytes), so no bank conflicts.
+//   dg = tid % kDG, qg = tid / kDG: consecutive lanes own consecutive 16-byte chunks of one
+// dq row, so a warp's atomic adds cover contiguous runs of kDG * 16 bytes.
+// Every config of SimtBwdTraits has kCols * D / kThreads = 16 or 32 results per thread:
+// kTQ = 4 and kTD = 4 or 8.
+template <typename Cfg>
+struct DqPartialGrid {
+  static constexpr int kTQ = 4;
+  static constexpr int kTD = Cfg::kCols * Cfg::kHeadDim / (kTQ * Cfg::kThreads);
+  static constexpr int kDG = Cfg::kHeadDim / kTD;
+  static constexpr int kQG = Cfg::kThreads / kDG;
+  static_assert(kTD % 4 == 0 && kTD > 0, "whole float4 chunks of D per thread");
+  static_assert(Cfg::kHeadDim % kTD == 0 && Cfg::kThreads % kDG == 0, "D splits over the grid");
+  static_assert(kQG * kTQ == Cfg::kCols, "the grid covers the query block exactly");
+};
+
+// Product "TN": acc[4u + e][4h + f] += sum_{c < kC} A[c][col(u) + e] * B[c][col(h) + f], both
+// operands stored [c][...] (row c = one key): the rows of the result are columns of A.
+//   a: this thread's first A column (sA + 4 * qg); its chunk u starts at a + u * kChunkStrideA
+//   b: this thread's first B column (sB + 4 * dg); its chunk h starts at b + h * kChunkStrideB
+// Per c: kTQ/4 + kTD/4 LDS.128 and kTQ * kTD FFMA, unrolled in chunks of about 1024 FFMA as in
+// gemm_nn.
+template <int kTQ, int kTD, int kLdA, int kChunkStrideA, int kLdB, int kChunkStrideB, int kC>
+__device__ __forceinline__ void gemm_tn(float (&acc)[kTQ][kTD], const float* a, const float* b) {
+  constexpr int kChunk = unroll_chunk(kC, kTQ * kTD);
+  static_assert(kC % kChunk == 0, "c chunking");
+#pragma unroll 1
+  for (int c0 = 0; c0 < kC; c0 += kChunk) {
+#pragma unroll
+    for (int c = 0; c < kChunk; ++c) {
+      float4 av[kTQ / 4], bv[kTD / 4];
+#pragma unroll
+      for (int u = 0; u < kTQ / 4; ++u) av[u] = lds4(a + c * kLdA + u * kChunkStrideA);
+#pragma unroll
+      for (int h = 0; h < kTD / 4; ++h) bv[h] = lds4(b + c * kLdB + h * kChunkStrideB);
+#pragma unroll
+      for (int u = 0; u < kTQ / 4; ++u) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float w = e == 0 ? av[u].x : e == 1 ? av[u].y : e == 2 ? av[u].z : av[u].w;
+          float* row = acc[4 * u + e];
+#pragma unroll
+          for (int h = 0; h < kTD / 4; ++h) {
+            row[4 * h + 0] = fmaf(w, bv[h].x, row[4 * h + 0]);
+            row[4 * h + 1] = fmaf(w, bv[h].y, row[4 * h + 1]);
+            row[4 * h + 2] = fmaf(w, bv[h].z, row[4 * h + 2]);
+            row[4 * h + 3] = fmaf(w, bv[h].w, row[4 * h + 3]);
+          }
+        }
+      }
+    }
+    a += kChunk * kLdA;
+    b += kChunk * kLdB;
+  }
+}
+
+// g[0..3] += (x, y, z, w) as fire-and-forget reductions at the L2 (RED, no value returned).
+// sm_90 has a 16-byte vector form (one instruction; g must be 16-byte aligned, which holds as
+// for store_row_tile's float4 stores: dq rows start 16-byte aligned and col % 4 == 0); older
+// GPUs add the four floats one by one. Either way each float add is atomic on its own, rounds
+// to nearest and flushes subnormal inputs and results to zero (the PTX rule for red.add.f32).
+__device__ __forceinline__ void red_add_f32x4(float* g, float x, float y, float z, float w) {
+  const size_t addr = __cvta_generic_to_global(g);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(addr), "f"(x), "f"(y),
+               "f"(z), "f"(w));
+#else
+  asm volatile("red.global.add.f32 [%0], %1;\n" ::"l"(addr), "f"(x));
+  asm volatile("red.global.add.f32 [%0], %1;\n" ::"l"(addr + 4), "f"(y));
+  asm volatile("red.global.add.f32 [%0], %1;\n" ::"l"(addr + 8), "f"(z));
+  asm volatile("red.global.add.f32 [%0], %1;\n" ::"l"(addr + 12), "f"(w));
+#endif
+}
+
+// dq[row][col] += factor * acc for this thread's part of a DqPartialGrid tile: rows
+// < rows_valid and columns < d only. g is the global address of the tile's row 0 (query m0 of
+// one (batch, query head)).
+template <typename Grid>
+__device__ __forceinline__ void red_add_dq_tile(float* g, int64_t row_stride, int rows_valid,
+                                                int d, const float (&acc)[Grid::kTQ][Grid::kTD],
+                                                float factor, int qg, int dg) {
+#pragma unroll
+  for (int u = 0; u < Grid::kTQ / 4; ++u) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int r = 4 * qg + 4 * Grid::kQG * u + e;
+      if (r < rows_valid) {
+        float* g_row = g + r * row_stride;
+#pragma unroll
+        for (int h = 0; h < Grid::kTD / 4; ++h) {
+          const int col = 4 * dg + 4 * Grid::kDG * h;
+          if (col < d) {
+            const float* v = acc[4 * u + e] + 4 * h;
+            red_add_f32x4(g_row + col, v[0] * factor, v[1] * factor, v[2] * factor,
+                          v[3] * factor);
+          }
+        }
+      }
+    }
+  }
+}
+
+// =================================================================================
+// dK / dV kernel (and, with kAtomicDQ, atomic dQ)
 // =================================================================================
 //
 // Shared memory: sK [kRows][kLdHead] | sV [kRows][kLdHead] | buf0 | buf1 | sP [kRows][kLdScore]
@@ -102,18 +272,27 @@ __device__ __forceinline__ float lse_to_log2_offset(float lse) {
 // (+ its delta) in buf[(t + 1) % 2]; the two buffers swap roles every step:
 //
 //   P1  S^T = K Q_t^T -> P^T = 2^(S^T - lse)                    [reads sK, Q_t]
-//       wait dO_t, barrier
+//       wait dO_t, barrier (B1)
 //   P2  dP^T = V dO_t^T -> dS^T = P^T * (dP^T - delta); store P^T, dS^T     [sV, dO_t]
-//       barrier                        (sP, sdS complete)
+//       barrier (B2)                   (sP, sdS complete)
 //   P3  dV += P^T dO_t                                           [sP, dO_t]
-//       barrier -> dO_t's buffer is free: start Q_{t+1} there    (lands during P4)
+//       barrier (B3) -> dO_t's buffer is free: start Q_{t+1} there    (lands during P4, P5)
 //   P4  dK += dS^T Q_t                                           [sdS, Q_t]
-//       wait Q_{t+1}, barrier -> Q_t's buffer is free: start dO_{t+1} there (lands during P1)
+//   P5  (kAtomicDQ only) dq[h][m0 ..] += scale * dS K, atomics   [sdS, sK]
+//       wait Q_{t+1}, barrier (B4) -> Q_t's buffer is free: start dO_{t+1} there (lands during P1)
 //
-// K is stored pre-multiplied by scale * log2(e) (it is only used for S), so S^T comes out in
-// log2 units. Q (used for S and for dK) and dO stay unscaled. dK gets its factor `scale` once,
-// when written.
-template <typename Cfg>
+// Shared-memory hazards of P5: it reads sdS, which P2 of step t+1 overwrites; every thread
+// finishes P5 before B4 (and B1 of step t+1), and P2 of step t+1 starts after B1, so the tile
+// is never overwritten while read. It was complete since B2. sK is never written after the
+// prologue.
+//
+// Deterministic kernel: K is stored pre-multiplied by scale * log2(e) (it is only used for S),
+// so S^T comes out in log2 units. With kAtomicDQ, K is also the B operand of P5 and stays
+// unscaled: the factor scale * log2(e) is applied in the exponent's FFMA instead
+// (2^(S^T * scale_log2 - lse), the same instruction count as the subtraction), and dQ gets
+// `scale` when added. Q (used for S and for dK) and dO stay unscaled. dK gets its factor
+// `scale` once, when written.
+template <typename Cfg, bool kAtomicDQ>
 __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSm)
     flash_bwd_dkdv_simt_kernel(const BwdParams p) {
   constexpr int kTM = Cfg::kTM, kTN = Cfg::kTN, kTD = Cfg::kTD;
@@ -205,7 +384,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSm)
     load_do(step_head(0), step_m0(0), sBuf + kBufFloats);
     cp_async_commit();
     cp_async_wait<1>();
-    scale_own_chunks<kRows, kD, kLdH, Cfg::kThreads>(sK, p.scale_log2, tid);
+    if constexpr (!kAtomicDQ) {
+      scale_own_chunks<kRows, kD, kLdH, Cfg::kThreads>(sK, p.scale_log2, tid);
+    }
     __syncthreads();
 
     const float* sK_row0 = sK + rg * kLdH;
@@ -219,7 +400,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSm)
       const int h_next = has_next ? step_head(t + 1) : 0;
       const int m0_next = has_next ? step_m0(t + 1) : 0;
 
-      // ---- P1: S^T = K Q^T (log2 units), mask, P^T = 2^(S^T - lse) ----
+      // ---- P1: S^T = K Q^T (log2 units unless kAtomicDQ), mask, P^T = 2^(S^T - lse) ----
       // s[i][j]: key n0 + rg + kRG*i, query m0 + cg + kG*j.
       float s[kTM][kTN];
 #pragma unroll
@@ -243,7 +424,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSm)
       for (int j = 0; j < kTN; ++j) {
         const float lse2 = lse_to_log2_offset(bq[kCols * kLdH + cg + kG * j]);
 #pragma unroll
-        for (int i = 0; i < kTM; ++i) s[i][j] = fast_exp2(s[i][j] - lse2);
+        for (int i = 0; i < kTM; ++i) {
+          if constexpr (kAtomicDQ) {
+            // -inf (masked) * scale_log2 - lse2 = -inf; scale_log2 > 0 is a normal float.
+            s[i][j] = fast_exp2(fmaf(s[i][j], p.scale_log2, -lse2));
+          } else {
+            s[i][j] = fast_exp2(s[i][j] - lse2);
+          }
+        }
       }
 
       cp_async_wait<0>();  // dO_t landed
@@ -277,6 +465,26 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSm)
 
       // ---- P4: dK += dS^T Q (the factor `scale` is applied when dK is written) ----
       gemm_nn<kTM, kTD, kRG * kLdS, kLdH, 4 * kG, kCols>(dk, sdS + rg * kLdS, bq + 4 * cg);
+
+      if constexpr (kAtomicDQ) {
+        // ---- P5: dq[h][m0 + q] += scale * sum_{keys of this CTA} dS^T[key][q] * K[key] ----
+        // Query rows past sq have dS = 0 but are not written anyway (their dq rows do not
+        // exist); columns >= d are 0 in sK and not written either.
+        using Grid = DqPartialGrid<Cfg>;
+        float dq[Grid::kTQ][Grid::kTD];
+#pragma unroll
+        for (int i = 0; i < Grid::kTQ; ++i)
+#pragma unroll
+          for (int c = 0; c < Grid::kTD; ++c) dq[i][c] = 0.f;
+        const int qg = tid / Grid::kDG;
+        const int dg = tid % Grid::kDG;
+        gemm_tn<Grid::kTQ, Grid::kTD, kLdS, 4 * Grid::kQG, kLdH, 4 * Grid::kDG, kRows>(
+            dq, sdS + 4 * qg, sK + 4 * dg);
+        float* dq_tile = static_cast<float*>(p.dq) + bi * p.dq_batch_stride +
+                         step_head(t) * p.dq_head_stride + m0 * p.dq_row_stride;
+        red_add_dq_tile<Grid>(dq_tile, p.dq_row_stride, p.sq - m0, p.d, dq, p.scale, qg, dg);
+      }
+
       // Q_{t+1} landed and, after the barrier, is visible; every warp is done with Q_t, whose
       // buffer takes dO_{t+1}.
       cp_async_wait<0>();
@@ -483,10 +691,12 @@ constexpr size_t bwd_dq_smem_bytes() {
                           static_cast<size_t>(Cfg::kRows) * Cfg::kLdScore);
 }
 
-template <typename Cfg>
+// kAtomicDQ: params.dq must be zero-filled (it is accumulated into, never overwritten).
+template <typename Cfg, bool kAtomicDQ>
 void launch_bwd_dkdv(const BwdParams& params, cudaStream_t stream) {
-  launch_simt(flash_bwd_dkdv_simt_kernel<Cfg>, params, Cfg::kThreads, bwd_dkdv_smem_bytes<Cfg>(),
-              params.sk, Cfg::kRows, params.hkv, "flash_bwd_dkdv_simt", stream);
+  launch_simt(flash_bwd_dkdv_simt_kernel<Cfg, kAtomicDQ>, params, Cfg::kThreads,
+              bwd_dkdv_smem_bytes<Cfg>(), params.sk, Cfg::kRows, params.hkv,
+              kAtomicDQ ? "flash_bwd_dkdv_dq_atomic_simt" : "flash_bwd_dkdv_simt", stream);
 }
 
 template <typename Cfg>
@@ -506,11 +716,23 @@ void run_bwd_simt(const BwdParams& params, cudaStream_t stream) {
   // 1. delta = rowsum(dO * O) - dlse
   launch_bwd_preprocess<float>(params, stream);
 
+  if (!params.deterministic) {
+    // 2. dK, dV, and dQ added with atomics into params.dq, which the binding zero-filled
+    //    (5 products; dQ is not bitwise reproducible run to run). No dQ kernel.
+    if (simt::bwd_dkdv_smem_bytes<typename Traits::AtomicDkdvConfig>() <= smem_optin) {
+      simt::launch_bwd_dkdv<typename Traits::AtomicDkdvConfig, true>(params, stream);
+    } else {
+      simt::launch_bwd_dkdv<typename Traits::CompactAtomicDkdvConfig, true>(params, stream);
+    }
+    return;
+  }
+
+  // deterministic: 7 products, no atomics, bitwise reproducible.
   // 2. dK, dV (no atomics: each CTA owns its keys and loops over the whole GQA group)
   if (simt::bwd_dkdv_smem_bytes<typename Traits::DkdvConfig>() <= smem_optin) {
-    simt::launch_bwd_dkdv<typename Traits::DkdvConfig>(params, stream);
+    simt::launch_bwd_dkdv<typename Traits::DkdvConfig, false>(params, stream);
   } else {
-    simt::launch_bwd_dkdv<typename Traits::CompactDkdvConfig>(params, stream);
+    simt::launch_bwd_dkdv<typename Traits::CompactDkdvConfig, false>(params, stream);
   }
 
   // 3. dQ (no atomics: each CTA owns its query rows)

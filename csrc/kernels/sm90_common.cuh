@@ -62,15 +62,15 @@ __device__ __forceinline__ void load_tile_swizzled(T* smem, const T* gmem, int64
                                                    int rows_valid, int d, int thread) {
   constexpr int kChunksPerRow = kHeadDim / 8;
   constexpr int kRowsPerPass = kThreads / kChunksPerRow;
-  static_assert(kThreads % kChunksPerRow == 0 && kRowsPerPass % 8 == 0 && kRows % kRowsPerPass == 0,
-                "whole passes that keep the swizzle phase");
+  static_assert(kThreads % kChunksPerRow == 0 && kRowsPerPass % 8 == 0, "passes keep the swizzle phase");
   const int col = (thread % kChunksPerRow) * 8;
   int r = thread / kChunksPerRow;
   const bool col_valid = col < d;
   unsigned char* dst = reinterpret_cast<unsigned char*>(smem) + swizzled_offset<kRows>(r, col);
   const T* src = gmem + r * row_stride + col;
 #pragma unroll
-  for (int pass = 0; pass < kRows / kRowsPerPass; ++pass) {
+  for (int pass = 0; pass < ceil_div(kRows, kRowsPerPass); ++pass) {
+    if (kRows % kRowsPerPass != 0 && r >= kRows) break;  // last, partial pass
     const bool valid = col_valid && r < rows_valid;
     cp_async_16(dst, valid ? src : gmem, valid);
     r += kRowsPerPass;

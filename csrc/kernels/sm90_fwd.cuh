@@ -29,8 +29,11 @@ namespace sm90 {
 
 template <int kHeadDim> struct FwdTraits;
 // kBlockN (keys per step), kWarpGroups (query rows = 64 per warpgroup), kMinBlocks (CTAs per
-// SM the registers are budgeted for).
-template <> struct FwdTraits<64>  { static constexpr int kBlockN = 128, kWarpGroups = 2, kMinBlocks = 1; };
+// SM the registers are budgeted for). Measured on the H200 (OPTIMIZATION.md, bf16, S = 4k and
+// 16k): at d = 64 the softmax outweighs the products, and two CTAs per SM (64-key steps,
+// 128 registers) overlap one CTA's exponentials with the other's wgmma: 298 -> 383 TFLOPS at
+// S = 4k over one CTA of 128-key steps. At d = 128 one CTA of 128 x 128 tiles is fastest.
+template <> struct FwdTraits<64>  { static constexpr int kBlockN = 64,  kWarpGroups = 2, kMinBlocks = 2; };
 template <> struct FwdTraits<128> { static constexpr int kBlockN = 128, kWarpGroups = 2, kMinBlocks = 1; };
 
 template <typename T_, int kHeadDim_, int kBlockN_ = FwdTraits<kHeadDim_>::kBlockN,

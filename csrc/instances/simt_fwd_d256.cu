@@ -1,5 +1,5 @@
 // fp32 SIMT forward, head-dim bucket 256 (every d <= 256, multiple of 8).
-#include "../kernels/simt_fwd.cuh"
+#include "../kernels/simt_fwd_outer.cuh"
 
 namespace flash_cuda {
 template void run_fwd_simt<256>(const FwdParams&, cudaStream_t);

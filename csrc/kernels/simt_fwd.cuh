@@ -16,7 +16,8 @@
 //      tile loaders (16-byte cp.async with zero fill), the two register-blocked shared-memory
 //      products gemm_nt / gemm_nn, the causal / sequence-end mask, the tile store.
 //   3. The four forward device functions.
-//   4. The kernel and its launcher run_fwd_simt<kHeadDim>.
+//   4. The kernel and its launcher helpers (run_fwd_simt<kHeadDim>, which also chooses the
+//      outer-product kernel of simt_fwd_outer.cuh for D=128, is defined in that file).
 //
 // Thread grid (used by every fp32 kernel). A CTA owns kRows rows of one "row operand" (the
 // query block here) and streams blocks of kCols rows of the other operand (keys / values).
@@ -28,8 +29,8 @@
 //     output columns  4*cg + 4*kG*h + e          h < kTD/4, e < 4   (of O: float4 chunks)
 // The kG threads of a row group are kG consecutive lanes of one warp, so row reductions
 // (max, sum) are kG-wide shuffles (group_max / group_sum) and need no shared memory.
-// Worked example, D=128 forward (kRows 128, kCols 64, kTM 8, kG 16 -> kRowGroups 16,
-// kThreads 256, kTN 4, kTD 8): thread 37 has rg = 2, cg = 5 and owns query rows
+// Worked example, TileConfig<128, 128, 64, 8, 16, 1> (kRows 128, kCols 64, kTM 8, kG 16 ->
+// kRowGroups 16, kThreads 256, kTN 4, kTD 8): thread 37 has rg = 2, cg = 5 and owns query rows
 // 2, 18, 34, ..., 114 (2 + 16 i), key columns 5, 21, 37, 53 (5 + 16 j) of each 64-key block,
 // and output columns 20..23 and 84..87 (4*5 + 64 h + e). Every (row, key) and (row, column)
 // pair of the block belongs to exactly one thread: 16 x 8 rows, 16 x 4 keys, 16 x 8 columns.
@@ -107,8 +108,10 @@ struct TileConfig {
 // H100/H200 (up to 227 KB of shared memory per CTA):
 //   D=32 : 128 queries x 64 keys, 128 threads, thread tile S 8x8, O 8x4   (71 KB smem)
 //   D=64 : 128 queries x 64 keys, 128 threads, thread tile S 8x8, O 8x8   (103 KB: 2 CTAs/SM)
-//   D=128: 128 queries x 64 keys, 256 threads, thread tile S 8x4, O 8x8   (171 KB: 1 CTA/SM)
 //   D=256:  64 queries x 64 keys, 256 threads, thread tile S 4x4, O 4x16  (214 KB: 1 CTA/SM)
+//   D=128: kOuter — the outer-product kernel of simt_fwd_outer.cuh (128 queries x 64 keys,
+//          256 threads, S 8x4, O 8x8, transposed operands, 192 KB). This file's kernel with
+//          128 x 64 tiles (171 KB) ran 6% slower on the H200, so `Config` is the compact one.
 // Each thread keeps S (kTM x kTN) and O (kTM x kTD) in registers: up to ~250 of them, which is
 // why the CTAs are small (8 warps per SM) and the products are register-blocked.
 // `CompactConfig` fits the 99 KB per CTA of sm_86 / sm_89 (and is what sm_80's 163 KB gets for
@@ -119,18 +122,22 @@ template <int kHeadDim> struct SimtFwdTraits;
 template <> struct SimtFwdTraits<32> {
   using Config = TileConfig<32, 128, 64, 8, 8, 2>;
   using CompactConfig = Config;
+  static constexpr bool kOuter = false;
 };
 template <> struct SimtFwdTraits<64> {
   using Config = TileConfig<64, 128, 64, 8, 8, 2>;
   using CompactConfig = TileConfig<64, 128, 32, 8, 8, 2>;
+  static constexpr bool kOuter = false;
 };
 template <> struct SimtFwdTraits<128> {
-  using Config = TileConfig<128, 128, 64, 8, 16, 1>;
-  using CompactConfig = TileConfig<128, 64, 32, 4, 16, 1>;
+  using Config = TileConfig<128, 64, 32, 4, 16, 1>;
+  using CompactConfig = Config;
+  static constexpr bool kOuter = true;
 };
 template <> struct SimtFwdTraits<256> {
   using Config = TileConfig<256, 64, 64, 4, 16, 1>;
   using CompactConfig = TileConfig<256, 32, 16, 2, 16, 1>;
+  static constexpr bool kOuter = false;
 };
 
 // =================================================================================
@@ -625,15 +632,6 @@ void launch_fwd(const FwdParams& params, cudaStream_t stream) {
 
 }  // namespace simt
 
-template <int kHeadDim>
-void run_fwd_simt(const FwdParams& params, cudaStream_t stream) {
-  using Traits = simt::SimtFwdTraits<kHeadDim>;
-  simt::check_simt_args(params, kHeadDim, "flash_fwd_simt");
-  if (simt::fwd_smem_bytes<typename Traits::Config>() <= device_smem_optin()) {
-    simt::launch_fwd<typename Traits::Config>(params, stream);
-  } else {
-    simt::launch_fwd<typename Traits::CompactConfig>(params, stream);
-  }
-}
+// run_fwd_simt (the entry point) is defined in simt_fwd_outer.cuh, which includes this file.
 
 }  // namespace flash_cuda

@@ -354,6 +354,52 @@ __device__ __forceinline__ void query_block_order(int num_m_blocks, int bh_count
   }
 }
 
+// What a forward CTA needs to know about its query block: (batch, head), the first row m0,
+// the valid rows, the tile pointers and how many key blocks of kCols it must visit.
+// Keys seen by at least one valid row of the block: [0, n_end). Causal: the last valid row
+// i = min(m0 + kRows, sq) - 1 sees keys j <= i + causal_offset.
+// Example: sq = 3, sk = 5 (offset 2), one block: n_end = min(5, 3 + 2) = 5, all keys; row 0
+// sees keys 0..2 and the mask hides 3, 4. With sq = 5, sk = 3 (offset -2), rows 0 and 1 see
+// nothing (i - 2 < 0): they end with l = 0 -> O = 0, lse = -inf.
+struct FwdQueryBlock {
+  int bi, hi, m0, rows_valid, causal_offset, num_n_blocks;
+  const float *q, *k, *v;  // Q at row m0; K and V at row 0 of the kv head (GQA: hi / group)
+
+  template <int kRows, int kCols>
+  __device__ __forceinline__ static FwdQueryBlock make(const FwdParams& p) {
+    FwdQueryBlock b;
+    int m_block, bh;
+    query_block_order(ceil_div(p.sq, kRows), p.b * p.hq, p.is_causal, m_block, bh);
+    b.bi = bh / p.hq;
+    b.hi = bh - b.bi * p.hq;
+    const int hk = b.hi / (p.hq / p.hkv);
+    b.m0 = m_block * kRows;
+    b.rows_valid = p.sq - b.m0;  // >= 1
+    b.q = static_cast<const float*>(p.q) + b.bi * p.q_batch_stride + b.hi * p.q_head_stride +
+          b.m0 * p.q_row_stride;
+    b.k = static_cast<const float*>(p.k) + b.bi * p.k_batch_stride + hk * p.k_head_stride;
+    b.v = static_cast<const float*>(p.v) + b.bi * p.v_batch_stride + hk * p.v_head_stride;
+    b.causal_offset = p.sk - p.sq;
+    int n_end = p.sk;
+    if (p.is_causal) n_end = min(n_end, min(b.m0 + kRows, p.sq) + b.causal_offset);
+    b.num_n_blocks = n_end > 0 ? ceil_div(n_end, kCols) : 0;
+    return b;
+  }
+};
+
+// O = 0, m = -inf, l = 0 before the first key block.
+template <int kTM, int kTD>
+__device__ __forceinline__ void init_row_state(float (&o)[kTM][kTD], float (&row_max)[kTM],
+                                               float (&row_sum)[kTM]) {
+#pragma unroll
+  for (int i = 0; i < kTM; ++i) {
+    row_max[i] = -INFINITY;
+    row_sum[i] = 0.f;
+#pragma unroll
+    for (int c = 0; c < kTD; ++c) o[i][c] = 0.f;
+  }
+}
+
 // =================================================================================
 // 3. The forward, as four device functions
 // =================================================================================
@@ -502,38 +548,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSm)
   const int rg = tid / Cfg::kG;
   const int cg = tid % Cfg::kG;
 
-  int m_block, bh;
-  query_block_order(ceil_div(p.sq, kRows), p.b * p.hq, p.is_causal, m_block, bh);
-  const int bi = bh / p.hq;
-  const int hi = bh - bi * p.hq;
-  const int hk = hi / (p.hq / p.hkv);  // GQA: kv head of this query head
-  const int m0 = m_block * kRows;
-  const int rows_valid = p.sq - m0;  // >= 1
-
-  const float* q = static_cast<const float*>(p.q) + bi * p.q_batch_stride + hi * p.q_head_stride +
-                   m0 * p.q_row_stride;
-  const float* k = static_cast<const float*>(p.k) + bi * p.k_batch_stride + hk * p.k_head_stride;
-  const float* v = static_cast<const float*>(p.v) + bi * p.v_batch_stride + hk * p.v_head_stride;
-
-  // Keys seen by at least one valid row of this block: [0, n_end). Causal: the last valid row
-  // i = min(m0 + kRows, sq) - 1 sees keys j <= i + causal_offset.
-  // Example: sq = 3, sk = 5 (offset 2), one block: n_end = min(5, 3 + 2) = 5, all keys; row 0
-  // sees keys 0..2 and the mask hides 3, 4. With sq = 5, sk = 3 (offset -2), rows 0 and 1 see
-  // nothing (i - 2 < 0): they end with l = 0 -> O = 0, lse = -inf.
-  const int causal_offset = p.sk - p.sq;
-  int n_end = p.sk;
-  if (p.is_causal) n_end = min(n_end, min(m0 + kRows, p.sq) + causal_offset);
-  const int num_n_blocks = n_end > 0 ? ceil_div(n_end, kCols) : 0;
+  const FwdQueryBlock blk = FwdQueryBlock::make<kRows, kCols>(p);
+  const int bi = blk.bi, hi = blk.hi, m0 = blk.m0, rows_valid = blk.rows_valid;
+  const int causal_offset = blk.causal_offset, num_n_blocks = blk.num_n_blocks;
+  const float *q = blk.q, *k = blk.k, *v = blk.v;
 
   float o[kTM][kTD];
   float row_max[kTM], row_sum[kTM];
-#pragma unroll
-  for (int i = 0; i < kTM; ++i) {
-    row_max[i] = -INFINITY;
-    row_sum[i] = 0.f;
-#pragma unroll
-    for (int c = 0; c < kTD; ++c) o[i][c] = 0.f;
-  }
+  init_row_state(o, row_max, row_sum);
 
   if (num_n_blocks > 0) {
     load_tile_async<kRows, kD, Cfg::kLdHead, Cfg::kThreads>(sQ, q, p.q_row_stride, rows_valid, p.d,

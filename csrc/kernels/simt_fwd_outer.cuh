@@ -399,34 +399,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_fwd_simt_outer_kernel(
   const int rg = tid / Cfg::kG;
   const int cg = tid % Cfg::kG;
 
-  int m_block, bh;
-  query_block_order(ceil_div(p.sq, kRows), p.b * p.hq, p.is_causal, m_block, bh);
-  const int bi = bh / p.hq;
-  const int hi = bh - bi * p.hq;
-  const int hk = hi / (p.hq / p.hkv);
-  const int m0 = m_block * kRows;
-  const int rows_valid = p.sq - m0;
-
-  const float* q = static_cast<const float*>(p.q) + bi * p.q_batch_stride + hi * p.q_head_stride +
-                   m0 * p.q_row_stride;
-  const float* k = static_cast<const float*>(p.k) + bi * p.k_batch_stride + hk * p.k_head_stride;
-  const float* v = static_cast<const float*>(p.v) + bi * p.v_batch_stride + hk * p.v_head_stride;
-
-  // Keys seen by at least one valid row: [0, n_end) (see flash_fwd_simt_kernel).
-  const int causal_offset = p.sk - p.sq;
-  int n_end = p.sk;
-  if (p.is_causal) n_end = min(n_end, min(m0 + kRows, p.sq) + causal_offset);
-  const int num_n_blocks = n_end > 0 ? ceil_div(n_end, kCols) : 0;
+  const FwdQueryBlock blk = FwdQueryBlock::make<kRows, kCols>(p);
+  const int bi = blk.bi, hi = blk.hi, m0 = blk.m0, rows_valid = blk.rows_valid;
+  const int causal_offset = blk.causal_offset, num_n_blocks = blk.num_n_blocks;
+  const float *q = blk.q, *k = blk.k, *v = blk.v;
 
   float o[kTM][kTD];
   float row_max[kTM], row_sum[kTM];
-#pragma unroll
-  for (int i = 0; i < kTM; ++i) {
-    row_max[i] = -INFINITY;
-    row_sum[i] = 0.f;
-#pragma unroll
-    for (int c = 0; c < kTD; ++c) o[i][c] = 0.f;
-  }
+  init_row_state(o, row_max, row_sum);
 
   if (num_n_blocks > 0) {
     // Prologue: Q and K_0 through staging, transposed (Q scaled); K_1 starts at once.

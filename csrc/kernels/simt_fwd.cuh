@@ -457,6 +457,23 @@ __device__ __forceinline__ void merge_block_stats(const float (&block_max)[Cfg::
   }
 }
 
+// P = 2^(S - m) in place (masked scores give 2^-inf = 0) and l += this thread's row sums of P.
+template <int kTM, int kTN>
+__device__ __forceinline__ void exponentiate_rows(float (&s)[kTM][kTN], const float (&row_max)[kTM],
+                                                  float (&row_sum)[kTM]) {
+#pragma unroll
+  for (int i = 0; i < kTM; ++i) {
+    const float m = safe_max(row_max[i]);
+    float sum = 0.f;
+#pragma unroll
+    for (int j = 0; j < kTN; ++j) {
+      s[i][j] = fast_exp2(s[i][j] - m);
+      sum += s[i][j];
+    }
+    row_sum[i] += sum;
+  }
+}
+
 // P = 2^(S - m) (masked scores give 2^-inf = 0), l += row sums of P, then O += P V.
 // P goes through shared memory (sP, [kRows][kLdScore]) because product 2 needs, for each of
 // this thread's rows, the whole P row, computed by the kG threads of its row group.
@@ -467,17 +484,7 @@ __device__ __forceinline__ void compute_block_softmax_and_weighted_v(
     float (&s)[Cfg::kTM][Cfg::kTN], const float (&row_max)[Cfg::kTM], float (&row_sum)[Cfg::kTM],
     float (&o)[Cfg::kTM][Cfg::kTD], float* sP, const float* sV, int rg, int cg,
     OnPStored&& on_p_stored) {
-#pragma unroll
-  for (int i = 0; i < Cfg::kTM; ++i) {
-    const float m = safe_max(row_max[i]);
-    float sum = 0.f;
-#pragma unroll
-    for (int j = 0; j < Cfg::kTN; ++j) {
-      s[i][j] = fast_exp2(s[i][j] - m);
-      sum += s[i][j];
-    }
-    row_sum[i] += sum;
-  }
+  exponentiate_rows<Cfg::kTM, Cfg::kTN>(s, row_max, row_sum);
 
   // Thread (rg, cg) stores P[rg + kRowGroups*i][cg + kG*j]: in sP the key index of the block
   // is the column, so product 2 reads P rows in key order and V rows with the same index.

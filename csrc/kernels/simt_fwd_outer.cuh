@@ -266,17 +266,7 @@ __device__ __forceinline__ void merge_block_stats(const float (&block_max)[Cfg::
   bool grew = false;
 #pragma unroll
   for (int i = 0; i < Cfg::kTM; ++i) grew |= block_max[i] > row_max[i];
-  if (__any_sync(0xffffffffu, grew)) {
-#pragma unroll
-    for (int i = 0; i < Cfg::kTM; ++i) {
-      const float m_new = fmaxf(row_max[i], block_max[i]);
-      const float alpha = fast_exp2(row_max[i] - safe_max(m_new));
-      row_max[i] = m_new;
-      row_sum[i] *= alpha;
-#pragma unroll
-      for (int c = 0; c < Cfg::kTD; ++c) o[i][c] *= alpha;
-    }
-  }
+  if (__any_sync(0xffffffffu, grew)) simt::merge_block_stats<Cfg>(block_max, row_max, row_sum, o);
 }
 
 // P = 2^(S - m), l += row sums, P^T -> sPt, then O += P V.
@@ -290,17 +280,7 @@ __device__ __forceinline__ void compute_block_softmax_and_weighted_v(
     float (&o)[Cfg::kTM][Cfg::kTD], float* pt_store, const float* sPt, const float* sV, int rg,
     int cg, OnPStored&& on_p_stored) {
   constexpr int kRows = Cfg::kRows, kD = Cfg::kHeadDim, kChunk = Cfg::kChunkC;
-#pragma unroll
-  for (int i = 0; i < Cfg::kTM; ++i) {
-    const float m = safe_max(row_max[i]);
-    float sum = 0.f;
-#pragma unroll
-    for (int j = 0; j < Cfg::kTN; ++j) {
-      s[i][j] = fast_exp2(s[i][j] - m);
-      sum += s[i][j];
-    }
-    row_sum[i] += sum;
-  }
+  exponentiate_rows<Cfg::kTM, Cfg::kTN>(s, row_max, row_sum);
 #pragma unroll
   for (int j = 0; j < Cfg::kTN; ++j) {
 #pragma unroll

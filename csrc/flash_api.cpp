@@ -234,6 +234,20 @@ std::tuple<at::Tensor, at::Tensor> fwd(const at::Tensor& q_in, const at::Tensor&
   }
   FwdParams p;
   fill_fwd(p, q, k, v, out, lse, scale, is_causal);
+  at::Tensor workspace;  // partial results of split key ranges (fp32 tier), if the plan splits
+  if (t == Tier::kSimt) {
+    int64_t floats = 0;
+    switch (simt_bucket(p.d)) {
+      case 32: floats = plan_fwd_simt<32>(p); break;
+      case 64: floats = plan_fwd_simt<64>(p); break;
+      case 128: floats = plan_fwd_simt<128>(p); break;
+      default: floats = plan_fwd_simt<256>(p); break;
+    }
+    if (floats > 0) {
+      workspace = at::empty({floats}, q.options().dtype(at::kFloat));
+      p.o_accum = workspace.data_ptr<float>();
+    }
+  }
   dispatch_fwd(p, t, at::cuda::getCurrentCUDAStream().stream());
   return {out, lse};
 }

@@ -10,6 +10,7 @@
 // element count (int64: offsets can pass 2^31).
 #pragma once
 
+#include <climits>
 #include <cstdint>
 
 #if defined(__CUDACC__)
@@ -70,7 +71,18 @@ struct FwdParams {
   int window_left = -1;   // sliding window: keys j >= i + (sk - sq) - window_left (off: -1)
   int window_right = -1;  // keys j <= i + (sk - sq) + window_right (off: -1; causal == 0)
   float softcap = 0.f;    // tanh soft-capping of scores (off: 0)
-  int num_splits = 1;     // split-KV decode (off: 1)
+
+  // ---- split key ranges (fp32 forward: the last, partial wave; later: split-KV decode) ----
+  // Query blocks from split_begin on (in the kernel's block order) are each cut into
+  // num_splits key ranges; every range (a "piece") leaves its normalized O and its lse in fp32
+  // workspace, o_accum [piece][block rows][d] then lse_accum [piece][block rows], and a merge
+  // kernel writes o and softmax_lse. Off: num_splits = 1. The tier's plan function sets
+  // split_begin and num_splits and sizes the workspace; the caller allocates it and sets
+  // o_accum; the launcher derives lse_accum.
+  int num_splits = 1;
+  int split_begin = INT_MAX;
+  float* o_accum = nullptr;
+  float* lse_accum = nullptr;
 
   // ---- dispatch facts ----
   DType dtype = DType::kFloat16;

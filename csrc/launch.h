@@ -18,6 +18,10 @@ namespace flash_cuda {
 // MMA (fp16/bf16) buckets: 32, 64, 96, 128, 192, 256.
 
 // ---- fp32 SIMT tier ----
+// plan_fwd_simt decides whether the forward splits key ranges (sets params.split_begin and
+// num_splits) and returns how many floats of workspace that needs (0: none); the caller points
+// params.o_accum at that many floats, then calls run_fwd_simt with the same params.
+template <int kHeadDim> int64_t plan_fwd_simt(FwdParams& params);
 template <int kHeadDim> void run_fwd_simt(const FwdParams& params, cudaStream_t stream);
 template <int kHeadDim> void run_bwd_simt(const BwdParams& params, cudaStream_t stream);
 

@@ -237,6 +237,25 @@ def test_bitwise_reproducible(dtype, deterministic):
                 assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("D,Sq,Sk,layout", [(128, 300, 1000, "bhsd"), (104, 1000, 777, "bshd"),
+                                            (120, 129, 4097, "strided")])
+def test_fp32_split_last_wave(D, Sq, Sk, layout):
+    """The fp32 forward for D 97-128 cuts the query blocks of its last, partial wave into key
+    ranges and merges them (on GPUs with 192 KiB of shared memory per block). Here the grid
+    has one and a half waves of 128-row query blocks, so the split runs; out, lse and the
+    gradients must match float64, and repeated runs must agree bit for bit."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    m_blocks = -(-Sq // 128)
+    Hq = -(-(3 * sms // 2 + 3) // m_blocks)  # 1.5 waves (+3 blocks), one CTA per SM
+    q, k, v = make_inputs(1, Hq, 1, Sq, Sk, D, F32, "cuda", layout=layout, seed=Sq)
+    check_attention(q, k, v, is_causal=False, scale=None, label=f"split d{D} {Sq}x{Sk} Hq={Hq}",
+                    seed=Sq)
+    with torch.inference_mode():
+        first = flash_cuda.attention(q, k, v, return_lse=True)
+        again = flash_cuda.attention(q, k, v, return_lse=True)
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("groups", [2, 4, 8])
 def test_gqa_equals_repeated_kv(dtype, groups):

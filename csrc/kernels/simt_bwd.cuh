@@ -546,7 +546,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSm)
   const int cg = tid % kG;
 
   int m_block, bh;
-  query_block_order(ceil_div(p.sq, kRows), p.b * p.hq, p.is_causal, m_block, bh);
+  query_block_order(static_cast<int>(blockIdx.x), ceil_div(p.sq, kRows), p.b * p.hq,
+                    p.is_causal, m_block, bh);
   const int bi = bh / p.hq;
   const int hi = bh - bi * p.hq;
   const int hk = hi / (p.hq / p.hkv);

@@ -341,10 +341,10 @@ __device__ __forceinline__ void store_row_tile(float* g, int64_t row_stride, int
 // The grid is 1-D (batch * heads * blocks can pass 65535). Under causal masking the late query
 // blocks see the most keys: they get the low block indices so the GPU starts them first and
 // the short blocks fill the tail. Without masking every block costs the same, and the blocks
-// of one (batch, head) are kept adjacent so they share its K/V in L2.
-__device__ __forceinline__ void query_block_order(int num_m_blocks, int bh_count, bool causal,
-                                                  int& m_block, int& bh) {
-  const int idx = static_cast<int>(blockIdx.x);
+// of one (batch, head) are kept adjacent so they share its K/V in L2. `idx` is the block's
+// place in that order (blockIdx.x unless the grid also runs pieces of blocks).
+__device__ __forceinline__ void query_block_order(int idx, int num_m_blocks, int bh_count,
+                                                  bool causal, int& m_block, int& bh) {
   if (causal) {
     m_block = num_m_blocks - 1 - idx / bh_count;
     bh = idx % bh_count;
@@ -366,10 +366,11 @@ struct FwdQueryBlock {
   const float *q, *k, *v;  // Q at row m0; K and V at row 0 of the kv head (GQA: hi / group)
 
   template <int kRows, int kCols>
-  __device__ __forceinline__ static FwdQueryBlock make(const FwdParams& p) {
+  __device__ __forceinline__ static FwdQueryBlock make(const FwdParams& p,
+                                                       int idx = static_cast<int>(blockIdx.x)) {
     FwdQueryBlock b;
     int m_block, bh;
-    query_block_order(ceil_div(p.sq, kRows), p.b * p.hq, p.is_causal, m_block, bh);
+    query_block_order(idx, ceil_div(p.sq, kRows), p.b * p.hq, p.is_causal, m_block, bh);
     b.bi = bh / p.hq;
     b.hi = bh - b.bi * p.hq;
     const int hk = b.hi / (p.hq / p.hkv);

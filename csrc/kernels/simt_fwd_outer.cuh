@@ -48,7 +48,20 @@
 //   wait (V_n, K_{n+1} copies); barrier B -> sPt, sV visible; every warp finished S(n)
 //   transpose own K_{n+1} blocks into sKt; start K_{n+2} copy into the own staging slots
 //   O += P V_n
+//
+// Three refinements, each measured on the H200 (OPTIMIZATION.md, "fp32 forward at D=128"):
+// - Causal diagonal half-blocks. With 128 query rows and 64-key blocks, the second key block
+//   of a causal diagonal is invisible to rows 0-63; there each thread multiplies only its rows
+//   4-7 (kLowBlind). The kernel is built twice (causal or not), so the non-causal one carries
+//   no half-block code; the causal one uses a shorter QK^T chunk to stay within the
+//   instruction cache.
+// - A lagging reference max (merge_block_stats): a warp rescales O only when some row's max
+//   grows by more than 2^8.
+// - The last, partial wave is split (plan_tail_split): its query blocks are cut into key
+//   ranges, run as extra CTAs, and merged by combine_splits_kernel.
 #pragma once
+
+#include <type_traits>
 
 #include "simt_fwd.cuh"
 
@@ -68,8 +81,13 @@ struct OuterConfig {
   static constexpr int kTD = kHeadDim / 16;  // O columns per thread
   // Unrolled chunk lengths of the two products (k steps of QK^T, keys of PV): measured on the
   // H200; the larger chunk halves the loop-carried prefetch boundaries (+0.5%).
+  // The causal kernel also carries the half-block products of the diagonal (kLowBlind); with
+  // its QK^T chunk at 64 the code of its loops outgrows the instruction cache (measured: -8% at
+  // S = 1k), so it uses 32. The half-block loops use short chunks for the same reason.
   static constexpr int kChunkK = 64;
+  static constexpr int kChunkKCausal = 32;
   static constexpr int kChunkC = 32;
+  static constexpr int kChunkBlind = 16;
 
   static constexpr int kQt = kHeadDim * kRows;
   static constexpr int kKt = kHeadDim * kCols;
@@ -80,7 +98,8 @@ struct OuterConfig {
 
   static_assert(kHeadDim == 64 || kHeadDim == 128, "O columns are 4*cg + 64*h");
   static_assert(kRows * kHeadDim <= kV + kPt, "Q's staging tile fits in sV + sPt");
-  static_assert(kChunkC % 16 == 0, "sPt swizzle phase is constant per 16 keys");
+  static_assert(kChunkC % 16 == 0 && kChunkBlind % 16 == 0,
+                "sPt swizzle phase is constant per 16 keys");
 };
 
 // The 4x4-block assignment of a [kTileRows][kHeadDim] tile to threads (see the file comment).
@@ -150,13 +169,14 @@ __device__ __forceinline__ void transpose_quad_blocks(float* dst, const float* s
   }
 }
 
-// acc[i][j] += a[i] * b[j] in snake order: consecutive FFMAs share a[i] (same row) or, at a
-// row change, b[j], so one source register always comes from the operand-reuse cache.
-template <int kM, int kN>
+// acc[i][j] += a[i] * b[j] for rows i >= kRow0, in snake order: consecutive FFMAs share a[i]
+// (same row) or, at a row change, b[j], so one source register always comes from the
+// operand-reuse cache.
+template <int kM, int kN, int kRow0 = 0>
 __device__ __forceinline__ void outer_product(float (&acc)[kM][kN], const float (&a)[kM],
                                               const float (&b)[kN]) {
 #pragma unroll
-  for (int i = 0; i < kM; ++i) {
+  for (int i = kRow0; i < kM; ++i) {
 #pragma unroll
     for (int jj = 0; jj < kN; ++jj) {
       const int j = i % 2 == 0 ? jj : kN - 1 - jj;
@@ -182,17 +202,19 @@ __device__ __forceinline__ int query_row(int rg, int i) { return 4 * rg + (i % 4
 
 // S = Q K^T (log2 units: sQt holds Q * scale * log2 e) for this thread's 8 x 4 scores, masked
 // entries -inf, and each row's block max (over the 16 lanes of the row group).
-// qt = sQt + 4*rg, kt = sKt + 4*cg. k runs in chunks of kChunkK while k < d (rows of sQt/sKt
+// qt = sQt + 4*rg, kt = sKt + 4*cg. k runs in unrolled chunks of kChunk while k < d (rows of sQt/sKt
 // past d are zero). The next step's three float4s (two per chunk boundary) are loaded before
 // the current step's 32 FFMAs, across chunk boundaries too.
-template <typename Cfg>
+// kLowBlind: rows 0-63 of the block see none of these keys (a causal diagonal block), so only
+// the thread's rows 4-7 are multiplied; the mask sets rows 0-3 to -inf.
+template <typename Cfg, int kChunk, bool kLowBlind>
 __device__ __forceinline__ void compute_qk_scores_and_max(float (&s)[Cfg::kTM][Cfg::kTN],
                                                           float (&block_max)[Cfg::kTM],
                                                           const float* qt, const float* kt, int d,
                                                           bool mask_active, int q0, int k0,
                                                           int sk, int causal_offset, bool causal,
                                                           int rg, int cg) {
-  constexpr int kRows = Cfg::kRows, kCols = Cfg::kCols, kChunk = Cfg::kChunkK;
+  constexpr int kRows = Cfg::kRows, kCols = Cfg::kCols;
 #pragma unroll
   for (int i = 0; i < Cfg::kTM; ++i)
 #pragma unroll
@@ -202,7 +224,7 @@ __device__ __forceinline__ void compute_qk_scores_and_max(float (&s)[Cfg::kTM][C
   float4 qa[2], qb[2], kv[2];
 #pragma unroll
   for (int u = 0; u < 2; ++u) {
-    qa[u] = lds4(qt + u * kRows);
+    if (!kLowBlind) qa[u] = lds4(qt + u * kRows);
     qb[u] = lds4(qt + u * kRows + 64);
     kv[u] = lds4(kt + u * kCols);
   }
@@ -215,7 +237,7 @@ __device__ __forceinline__ void compute_qk_scores_and_max(float (&s)[Cfg::kTM][C
       if (k + 2 < kChunk || more) {
 #pragma unroll
         for (int u = 0; u < 2; ++u) {
-          nqa[u] = lds4(qt + (k + 2 + u) * kRows);
+          if (!kLowBlind) nqa[u] = lds4(qt + (k + 2 + u) * kRows);
           nqb[u] = lds4(qt + (k + 2 + u) * kRows + 64);
           nkv[u] = lds4(kt + (k + 2 + u) * kCols);
         }
@@ -223,14 +245,14 @@ __device__ __forceinline__ void compute_qk_scores_and_max(float (&s)[Cfg::kTM][C
 #pragma unroll
       for (int u = 0; u < 2; ++u) {
         float a[Cfg::kTM], b[Cfg::kTN];
-        unpack4(a, 0, qa[u]);
+        if (!kLowBlind) unpack4(a, 0, qa[u]);
         unpack4(a, 4, qb[u]);
         unpack4(b, 0, kv[u]);
-        outer_product<Cfg::kTM, Cfg::kTN>(s, a, b);
+        outer_product<Cfg::kTM, Cfg::kTN, kLowBlind ? 4 : 0>(s, a, b);
       }
 #pragma unroll
       for (int u = 0; u < 2; ++u) {
-        qa[u] = nqa[u];
+        if (!kLowBlind) qa[u] = nqa[u];
         qb[u] = nqb[u];
         kv[u] = nkv[u];
       }
@@ -254,18 +276,23 @@ __device__ __forceinline__ void compute_qk_scores_and_max(float (&s)[Cfg::kTM][C
 }
 
 // m' = max(m, block max); l and O (relative to the old max) are rescaled by 2^(m - m').
-// Once the running maxima settle, a block rarely raises any of them: a warp whose 16 rows all
-// keep their max skips the 8 x kTD FMULs (warp-uniform branch; alpha would be exactly 1).
-// A row with no visible key keeps m = -inf and alpha = 2^(-inf) = 0 via safe_max, as in the
-// other tiers.
+// The reference max may lag: while no row's block max exceeds it by more than kMaxLag (log2
+// units), a warp keeps its references and skips the rescale (8 x kTD FMULs and the exp2s;
+// warp-uniform branch). P = 2^(S - m) is then at most 2^kMaxLag = 256, harmless in fp32, and
+// the result is unchanged: l and O share the same reference, and lse = m + log2 l. Without the
+// lag nearly every one of a row's first few dozen key blocks raises some max of the warp (16
+// rows), so short rows (S ~ 1k) paid a rescale per block.
+// A row with no visible key keeps m = -inf (-inf + kMaxLag = -inf, so any finite block max
+// takes over) and alpha = 2^(-inf) = 0 via safe_max, as in the other tiers.
 template <typename Cfg>
 __device__ __forceinline__ void merge_block_stats(const float (&block_max)[Cfg::kTM],
                                                   float (&row_max)[Cfg::kTM],
                                                   float (&row_sum)[Cfg::kTM],
                                                   float (&o)[Cfg::kTM][Cfg::kTD]) {
+  constexpr float kMaxLag = 8.f;
   bool grew = false;
 #pragma unroll
-  for (int i = 0; i < Cfg::kTM; ++i) grew |= block_max[i] > row_max[i];
+  for (int i = 0; i < Cfg::kTM; ++i) grew |= block_max[i] > row_max[i] + kMaxLag;
   if (__any_sync(0xffffffffu, grew)) simt::merge_block_stats<Cfg>(block_max, row_max, row_sum, o);
 }
 
@@ -274,12 +301,14 @@ __device__ __forceinline__ void merge_block_stats(const float (&block_max)[Cfg::
 // lanes of a store phase (8 consecutive key quads, one query chunk) hit different banks.
 // pt_store = sPt + 4*cg*kRows + 4*(rg ^ (cg % 4)): this thread's 4 key rows, first chunk.
 // `on_p_stored` waits for V, runs the barrier, and moves the next K block (see the kernel).
-template <typename Cfg, typename OnPStored>
+// kLowBlind: rows 0-3 of the thread have P = 0 here (see compute_qk_scores_and_max); their
+// FFMAs are skipped.
+template <typename Cfg, int kChunk, bool kLowBlind, typename OnPStored>
 __device__ __forceinline__ void compute_block_softmax_and_weighted_v(
     float (&s)[Cfg::kTM][Cfg::kTN], const float (&row_max)[Cfg::kTM], float (&row_sum)[Cfg::kTM],
     float (&o)[Cfg::kTM][Cfg::kTD], float* pt_store, const float* sPt, const float* sV, int rg,
     int cg, OnPStored&& on_p_stored) {
-  constexpr int kRows = Cfg::kRows, kD = Cfg::kHeadDim, kChunk = Cfg::kChunkC;
+  constexpr int kRows = Cfg::kRows, kD = Cfg::kHeadDim;
   exponentiate_rows<Cfg::kTM, Cfg::kTN>(s, row_max, row_sum);
 #pragma unroll
   for (int j = 0; j < Cfg::kTN; ++j) {
@@ -297,7 +326,7 @@ __device__ __forceinline__ void compute_block_softmax_and_weighted_v(
   const float* pt = sPt;
   const float* v = sV + 4 * cg;
   float4 pa, pb, vv[Cfg::kTD / 4];
-  pa = lds4(pt + 4 * rg);
+  if (!kLowBlind) pa = lds4(pt + 4 * rg);
   pb = lds4(pt + 4 * rg + 64);
 #pragma unroll
   for (int h = 0; h < Cfg::kTD / 4; ++h) vv[h] = lds4(v + 64 * h);
@@ -309,18 +338,18 @@ __device__ __forceinline__ void compute_block_softmax_and_weighted_v(
       float4 npa, npb, nvv[Cfg::kTD / 4];
       if (c + 1 < kChunk || more) {
         const int q4 = rg ^ (((c + 1) >> 2) & 3);  // swizzled chunk of key c0 + c + 1
-        npa = lds4(pt + (c + 1) * kRows + 4 * q4);
+        if (!kLowBlind) npa = lds4(pt + (c + 1) * kRows + 4 * q4);
         npb = lds4(pt + (c + 1) * kRows + 4 * q4 + 64);
 #pragma unroll
         for (int h = 0; h < Cfg::kTD / 4; ++h) nvv[h] = lds4(v + (c + 1) * kD + 64 * h);
       }
       float a[Cfg::kTM], b[Cfg::kTD];
-      unpack4(a, 0, pa);
+      if (!kLowBlind) unpack4(a, 0, pa);
       unpack4(a, 4, pb);
 #pragma unroll
       for (int h = 0; h < Cfg::kTD / 4; ++h) unpack4(b, 4 * h, vv[h]);
-      outer_product<Cfg::kTM, Cfg::kTD>(o, a, b);
-      pa = npa;
+      outer_product<Cfg::kTM, Cfg::kTD, kLowBlind ? 4 : 0>(o, a, b);
+      if (!kLowBlind) pa = npa;
       pb = npb;
 #pragma unroll
       for (int h = 0; h < Cfg::kTD / 4; ++h) vv[h] = nvv[h];
@@ -362,7 +391,11 @@ __device__ __forceinline__ void normalize_output(const float (&o)[Cfg::kTM][Cfg:
 // Kernel and launcher
 // =================================================================================
 
-template <typename Cfg>
+// CTA x < split_begin runs query block x over all its keys. The CTAs past it run pieces:
+// query block split_begin + (x - split_begin) / num_splits, key range (x - split_begin) %
+// num_splits, and leave O and lse of their range in o_accum / lse_accum for
+// combine_splits_kernel (see plan_tail_split).
+template <typename Cfg, bool kCausal>
 __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_fwd_simt_outer_kernel(const FwdParams p) {
   constexpr int kD = Cfg::kHeadDim, kRows = Cfg::kRows, kCols = Cfg::kCols;
   constexpr int kTM = Cfg::kTM, kTN = Cfg::kTN, kTD = Cfg::kTD, kThreads = Cfg::kThreads;
@@ -379,26 +412,41 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_fwd_simt_outer_kernel(
   const int rg = tid / Cfg::kG;
   const int cg = tid % Cfg::kG;
 
-  const FwdQueryBlock blk = FwdQueryBlock::make<kRows, kCols>(p);
+  int idx = static_cast<int>(blockIdx.x), piece = -1;
+  if (idx >= p.split_begin) {
+    piece = idx - p.split_begin;
+    idx = p.split_begin + piece / p.num_splits;
+  }
+  const FwdQueryBlock blk = FwdQueryBlock::make<kRows, kCols>(p, idx);
   const int bi = blk.bi, hi = blk.hi, m0 = blk.m0, rows_valid = blk.rows_valid;
-  const int causal_offset = blk.causal_offset, num_n_blocks = blk.num_n_blocks;
+  const int causal_offset = blk.causal_offset;
   const float *q = blk.q, *k = blk.k, *v = blk.v;
+  // Key blocks [n_first, n_end) of this CTA.
+  int n_first = 0, n_end = blk.num_n_blocks;
+  if (piece >= 0) {
+    const int range = piece % p.num_splits;
+    n_first = static_cast<int>(static_cast<int64_t>(blk.num_n_blocks) * range / p.num_splits);
+    n_end = static_cast<int>(static_cast<int64_t>(blk.num_n_blocks) * (range + 1) / p.num_splits);
+  }
 
   float o[kTM][kTD];
   float row_max[kTM], row_sum[kTM];
   init_row_state(o, row_max, row_sum);
 
-  if (num_n_blocks > 0) {
-    // Prologue: Q and K_0 through staging, transposed (Q scaled); K_1 starts at once.
+  if (n_end > n_first) {
+    // Prologue: Q and the first K block through staging, transposed (Q scaled); the second K
+    // block starts at once.
+    const int first0 = n_first * kCols;
     load_quad_blocks_async<kRows, kD, kThreads>(sQs, q, p.q_row_stride, rows_valid, p.d, tid);
-    load_quad_blocks_async<kCols, kD, kThreads>(sKs, k, p.k_row_stride, p.sk, p.d, tid);
+    load_quad_blocks_async<kCols, kD, kThreads>(sKs, k + first0 * p.k_row_stride, p.k_row_stride,
+                                                p.sk - first0, p.d, tid);
     cp_async_commit();
     cp_async_wait<0>();
     transpose_quad_blocks<kRows, kD, kThreads>(sQt, sQs, p.scale_log2, tid);
     transpose_quad_blocks<kCols, kD, kThreads>(sKt, sKs, 1.f, tid);
-    if (num_n_blocks > 1) {
-      load_quad_blocks_async<kCols, kD, kThreads>(sKs, k + kCols * p.k_row_stride, p.k_row_stride,
-                                                  p.sk - kCols, p.d, tid);
+    if (n_first + 1 < n_end) {
+      load_quad_blocks_async<kCols, kD, kThreads>(sKs, k + (first0 + kCols) * p.k_row_stride,
+                                                  p.k_row_stride, p.sk - first0 - kCols, p.d, tid);
     }
     cp_async_commit();
 
@@ -406,7 +454,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_fwd_simt_outer_kernel(
     const float* kt = sKt + 4 * cg;
     float* pt_store = sPt + 4 * cg * kRows + 4 * (rg ^ (cg % 4));
 
-    for (int n_block = 0; n_block < num_n_blocks; ++n_block) {
+    for (int n_block = n_first; n_block < n_end; ++n_block) {
       const int n0 = n_block * kCols;
       __syncthreads();  // A: sKt = K_n; sV, sPt (and, for n = 0, Q's staging) free
       load_tile_async<kCols, kD, kD, kThreads>(sV, v + n0 * p.v_row_stride, p.v_row_stride,
@@ -414,49 +462,229 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_fwd_simt_outer_kernel(
       cp_async_commit();
 
       const bool mask_active =
-          (n0 + kCols > p.sk) || (p.is_causal && n0 + kCols - 1 > m0 + causal_offset);
-      float s[kTM][kTN];
-      float block_max[kTM];
-      compute_qk_scores_and_max<Cfg>(s, block_max, qt, kt, p.d, mask_active, m0, n0, p.sk,
-                                     causal_offset, p.is_causal, rg, cg);
-      merge_block_stats<Cfg>(block_max, row_max, row_sum, o);
-
-      const bool has_next = n_block + 1 < num_n_blocks;
-      compute_block_softmax_and_weighted_v<Cfg>(s, row_max, row_sum, o, pt_store, sPt, sV, rg, cg,
-                                                [&]() {
-        cp_async_wait<0>();  // V_n and K_{n+1} landed
-        __syncthreads();     // B: P^T and V_n visible; every warp is done with sKt
-        if (has_next) {
-          transpose_quad_blocks<kCols, kD, kThreads>(sKt, sKs, 1.f, tid);
-          if (n_block + 2 < num_n_blocks) {
-            load_quad_blocks_async<kCols, kD, kThreads>(
-                sKs, k + (n0 + 2 * kCols) * p.k_row_stride, p.k_row_stride, p.sk - n0 - 2 * kCols,
-                p.d, tid);
-          }
-          cp_async_commit();
+              (n0 + kCols > p.sk) || (kCausal && n0 + kCols - 1 > m0 + causal_offset);
+      const bool has_next = n_block + 1 < n_end;
+      // One key block, with the products over all 8 rows of each thread or (kLowBlind) only
+      // over rows 64-127 of the query block.
+      auto block_step = [&](auto low_blind) {
+        constexpr bool kLowBlind = decltype(low_blind)::value;
+        float s[kTM][kTN];
+        float block_max[kTM];
+        constexpr int kChunkQK = kLowBlind ? Cfg::kChunkBlind
+                                 : kCausal ? Cfg::kChunkKCausal
+                                           : Cfg::kChunkK;
+        constexpr int kChunkPV = kLowBlind ? Cfg::kChunkBlind : Cfg::kChunkC;
+        compute_qk_scores_and_max<Cfg, kChunkQK, kLowBlind>(s, block_max, qt, kt, p.d,
+                                                            mask_active, m0, n0, p.sk,
+                                                            causal_offset, kCausal, rg, cg);
+        merge_block_stats<Cfg>(block_max, row_max, row_sum, o);
+        compute_block_softmax_and_weighted_v<Cfg, kChunkPV, kLowBlind>(
+            s, row_max, row_sum, o, pt_store, sPt, sV, rg, cg, [&]() {
+              cp_async_wait<0>();  // V_n and K_{n+1} landed
+              __syncthreads();     // B: P^T and V_n visible; every warp is done with sKt
+              if (has_next) {
+                transpose_quad_blocks<kCols, kD, kThreads>(sKt, sKs, 1.f, tid);
+                if (n_block + 2 < n_end) {
+                  load_quad_blocks_async<kCols, kD, kThreads>(
+                      sKs, k + (n0 + 2 * kCols) * p.k_row_stride, p.k_row_stride,
+                      p.sk - n0 - 2 * kCols, p.d, tid);
+                }
+                cp_async_commit();
+              }
+            });
+      };
+      // Causal diagonal: the block's first key lies past the diagonal of query row 63, so rows
+      // 0-63 see none of its keys (with sq = sk, the second key block of every diagonal).
+      if constexpr (kCausal) {
+        if (n0 > m0 + kRows / 2 - 1 + causal_offset) {
+          block_step(std::true_type{});
+        } else {
+          block_step(std::false_type{});
         }
-      });
+      } else {
+        block_step(std::false_type{});
+      }
     }
   }
 
-  float* o_tile = static_cast<float*>(p.o) + bi * p.o_batch_stride + hi * p.o_head_stride +
-                  m0 * p.o_row_stride;
-  float* lse_tile = p.softmax_lse + lse_offset(p, bi, hi) + m0;
-  normalize_output<Cfg>(o, row_max, row_sum, o_tile, p.o_row_stride, lse_tile, rows_valid, p.d, rg,
-                        cg);
+  if (piece < 0) {
+    float* o_tile = static_cast<float*>(p.o) + bi * p.o_batch_stride + hi * p.o_head_stride +
+                    m0 * p.o_row_stride;
+    float* lse_tile = p.softmax_lse + lse_offset(p, bi, hi) + m0;
+    normalize_output<Cfg>(o, row_max, row_sum, o_tile, p.o_row_stride, lse_tile, rows_valid, p.d,
+                          rg, cg);
+  } else {
+    // The piece's own rows of the workspace: [piece][kRows][d] and [piece][kRows].
+    normalize_output<Cfg>(o, row_max, row_sum, p.o_accum + static_cast<int64_t>(piece) * kRows * p.d,
+                          p.d, p.lse_accum + static_cast<int64_t>(piece) * kRows, rows_valid, p.d,
+                          rg, cg);
+  }
+}
+
+// Merges the key ranges of the split query blocks: with lse_r and O_r (normalized) of range r,
+// lse = log sum_r exp(lse_r) and O = sum_r exp(lse_r - lse) O_r. A row no range saw (every
+// lse_r = -inf) gets O = 0 and lse = -inf. One CTA per 8 rows of a split query block; a warp
+// per row, lane c handling float4 columns c, c + 32, ...
+template <int kRows, int kCols>
+__global__ void __launch_bounds__(256) combine_splits_kernel(const FwdParams p) {
+  constexpr int kRowsPerCta = 8;
+  const int split_block = static_cast<int>(blockIdx.x) / (kRows / kRowsPerCta);
+  const int r = static_cast<int>(blockIdx.x) % (kRows / kRowsPerCta) * kRowsPerCta +
+                static_cast<int>(threadIdx.x) / 32;
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+  const FwdQueryBlock blk = FwdQueryBlock::make<kRows, kCols>(p, p.split_begin + split_block);
+  if (r >= blk.rows_valid) return;
+
+  const int n = p.num_splits;
+  const int64_t first_piece = static_cast<int64_t>(split_block) * n;
+  float lse_max = -INFINITY;
+  for (int i = 0; i < n; ++i) lse_max = fmaxf(lse_max, p.lse_accum[(first_piece + i) * kRows + r]);
+  const bool empty = lse_max == -INFINITY;  // no range saw a key
+  float sum = 0.f;
+  if (!empty) {
+    for (int i = 0; i < n; ++i) sum += expf(p.lse_accum[(first_piece + i) * kRows + r] - lse_max);
+  }
+  const float lse = empty ? -INFINITY : lse_max + logf(sum);
+
+  float* o_row = static_cast<float*>(p.o) + blk.bi * p.o_batch_stride + blk.hi * p.o_head_stride +
+                 (blk.m0 + r) * p.o_row_stride;
+  for (int c = 4 * lane; c < p.d; c += 128) {
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (!empty) {
+      for (int i = 0; i < n; ++i) {
+        const float w = expf(p.lse_accum[(first_piece + i) * kRows + r] - lse);
+        const float4 x = *reinterpret_cast<const float4*>(
+            p.o_accum + ((first_piece + i) * kRows + r) * p.d + c);
+        acc.x = fmaf(w, x.x, acc.x);
+        acc.y = fmaf(w, x.y, acc.y);
+        acc.z = fmaf(w, x.z, acc.z);
+        acc.w = fmaf(w, x.w, acc.w);
+      }
+    }
+    *reinterpret_cast<float4*>(o_row + c) = acc;
+  }
+  if (lane == 0) p.softmax_lse[lse_offset(p, blk.bi, blk.hi) + blk.m0 + r] = lse;
+}
+
+// ---------------------------------------------------------------------------------
+// Splitting the last wave (host)
+// ---------------------------------------------------------------------------------
+// The outer kernel runs one 192 KiB CTA per SM, and without masking every query block costs
+// the same: with num_blocks = W * slots + T (0 < T < slots) the GPU runs W full waves and then
+// T blocks while slots - T SMs idle (2048 blocks on 132 SMs: T = 68, half a wave, ~3% of the
+// run). The last T blocks are cut into s key ranges each (s * T pieces of about 1/s the work),
+// and a small kernel merges the ranges. s is chosen with a cost model in units of one key
+// block: a piece costs ceil(n / s) blocks plus kPieceOverhead (its prologue and partial
+// output), the pieces run in ceil(s T / slots) rounds, and the merge costs kMergeCost. Causal
+// blocks differ in cost and go longest first, so the hardware scheduler already packs the
+// tail with the shortest ones: no split there.
+struct SplitPlan {
+  int split_begin;  // first split query block (num_blocks: none)
+  int num_splits;   // key ranges per split block (1: none)
+};
+
+inline SplitPlan plan_tail_split(int num_blocks, int n_blocks, int slots) {
+  constexpr double kPieceOverhead = 0.25, kMergeCost = 1.0;
+  constexpr int kMaxSplits = 8;
+  SplitPlan plan{num_blocks, 1};
+  if (slots <= 0 || n_blocks < 2) return plan;
+  const int tail = num_blocks % slots;
+  if (tail == 0) return plan;
+  double best = n_blocks + kPieceOverhead;  // the unsplit tail: one round of whole blocks
+  for (int s = 2; s <= std::min(kMaxSplits, n_blocks); ++s) {
+    const int64_t rounds = (static_cast<int64_t>(tail) * s + slots - 1) / slots;
+    const double cost = static_cast<double>(rounds) * (ceil_div(n_blocks, s) + kPieceOverhead) +
+                        kMergeCost;
+    if (cost < best) {
+      best = cost;
+      plan = SplitPlan{num_blocks - tail, s};
+    }
+  }
+  return plan;
+}
+
+template <typename Cfg>
+int64_t num_query_blocks(const FwdParams& p) {
+  return static_cast<int64_t>(ceil_div(p.sq, Cfg::kRows)) * p.b * p.hq;
+}
+
+// The plan for this call, and the fp32 workspace floats it needs.
+template <typename Cfg>
+int64_t plan_fwd(FwdParams& p) {
+  p.split_begin = INT_MAX;
+  p.num_splits = 1;
+  const int64_t num_blocks = num_query_blocks<Cfg>(p);
+  if (p.is_causal || num_blocks <= 0 || num_blocks > 0x7fffffffLL) return 0;
+  auto kernel = flash_fwd_simt_outer_kernel<Cfg, false>;
+  set_smem_limit(kernel, Cfg::kSmemBytes, "flash_fwd_simt_outer");
+  int per_sm = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, Cfg::kThreads,
+                                                    Cfg::kSmemBytes) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  const SplitPlan plan = plan_tail_split(static_cast<int>(num_blocks), ceil_div(p.sk, Cfg::kCols),
+                                         p.num_sms * per_sm);
+  if (plan.num_splits == 1) return 0;
+  p.split_begin = plan.split_begin;
+  p.num_splits = plan.num_splits;
+  const int64_t pieces = (num_blocks - plan.split_begin) * plan.num_splits;
+  return pieces * Cfg::kRows * (p.d + 1);
 }
 
 template <typename Cfg>
 void launch_fwd(const FwdParams& params, cudaStream_t stream) {
-  launch_simt(flash_fwd_simt_outer_kernel<Cfg>, params, Cfg::kThreads, Cfg::kSmemBytes, params.sq,
-              Cfg::kRows, params.hq, "flash_fwd_simt_outer", stream);
+  const char* name = "flash_fwd_simt_outer";
+  const int64_t num_blocks = num_query_blocks<Cfg>(params);
+  const bool split = params.num_splits > 1 && params.split_begin < num_blocks;
+  if (split && (params.o_accum == nullptr || params.is_causal)) {
+    throw std::runtime_error(std::string("flash_cuda: kernel ") + name +
+                             ": split key ranges need a workspace and no causal mask");
+  }
+  const int64_t grid =
+      split ? params.split_begin + (num_blocks - params.split_begin) * params.num_splits
+            : num_blocks;
+  if (grid <= 0 || grid > 0x7fffffffLL) {
+    throw std::runtime_error(std::string("flash_cuda: kernel ") + name + ": grid of " +
+                             std::to_string(grid) + " blocks is out of range");
+  }
+  FwdParams p = params;
+  if (split) {
+    p.lse_accum = p.o_accum + (num_blocks - p.split_begin) * p.num_splits * Cfg::kRows * p.d;
+  } else {
+    p.split_begin = INT_MAX;
+    p.num_splits = 1;
+  }
+  auto kernel = p.is_causal ? flash_fwd_simt_outer_kernel<Cfg, true>
+                            : flash_fwd_simt_outer_kernel<Cfg, false>;
+  set_smem_limit(kernel, Cfg::kSmemBytes, name);
+  kernel<<<static_cast<unsigned>(grid), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
+  check_launch(name);
+  if (split) {
+    const int64_t combine_grid = (num_blocks - p.split_begin) * (Cfg::kRows / 8);
+    combine_splits_kernel<Cfg::kRows, Cfg::kCols>
+        <<<static_cast<unsigned>(combine_grid), 256, 0, stream>>>(p);
+    check_launch("flash_fwd_combine_splits");
+  }
 }
 
 }  // namespace outer
 }  // namespace simt
 
-// fp32 forward entry point for one head-dim bucket: the outer-product kernel where the
+// fp32 forward entry points for one head-dim bucket: the outer-product kernel where the
 // traits ask for it and the device has its shared memory, else the largest TileConfig that fits.
+template <int kHeadDim>
+int64_t plan_fwd_simt(FwdParams& params) {
+  using Traits = simt::SimtFwdTraits<kHeadDim>;
+  params.split_begin = INT_MAX;
+  params.num_splits = 1;
+  if constexpr (Traits::kOuter) {
+    using Outer = simt::outer::OuterConfig<kHeadDim>;
+    if (Outer::kSmemBytes <= device_smem_optin()) return simt::outer::plan_fwd<Outer>(params);
+  }
+  return 0;
+}
+
 template <int kHeadDim>
 void run_fwd_simt(const FwdParams& params, cudaStream_t stream) {
   using Traits = simt::SimtFwdTraits<kHeadDim>;
@@ -467,6 +695,9 @@ void run_fwd_simt(const FwdParams& params, cudaStream_t stream) {
       simt::outer::launch_fwd<Outer>(params, stream);
       return;
     }
+  }
+  if (params.num_splits > 1) {
+    throw std::runtime_error("flash_cuda: kernel flash_fwd_simt: split key ranges are not served");
   }
   if (simt::fwd_smem_bytes<typename Traits::Config>() <= device_smem_optin()) {
     simt::launch_fwd<typename Traits::Config>(params, stream);

@@ -438,11 +438,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_fwd_simt_outer_kernel(
     // block starts at once.
     const int first0 = n_first * kCols;
     load_quad_blocks_async<kRows, kD, kThreads>(sQs, q, p.q_row_stride, rows_valid, p.d, tid);
+    cp_async_commit();
     load_quad_blocks_async<kCols, kD, kThreads>(sKs, k + first0 * p.k_row_stride, p.k_row_stride,
                                                 p.sk - first0, p.d, tid);
     cp_async_commit();
-    cp_async_wait<0>();
+    cp_async_wait<1>();  // Q landed (this thread's copies); K_0 may still be on its way
     transpose_quad_blocks<kRows, kD, kThreads>(sQt, sQs, p.scale_log2, tid);
+    cp_async_wait<0>();
     transpose_quad_blocks<kCols, kD, kThreads>(sKt, sKs, 1.f, tid);
     if (n_first + 1 < n_end) {
       load_quad_blocks_async<kCols, kD, kThreads>(sKs, k + (first0 + kCols) * p.k_row_stride,

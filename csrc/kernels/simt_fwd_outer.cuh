@@ -126,12 +126,36 @@ struct QuadBlocks {
 };
 
 // Starts the copies of this thread's 4x4 blocks of a row-major global tile into staging.
-// Rows >= rows_valid and columns >= d are zero-filled.
-template <int kTileRows, int kHeadDim, int kThreads>
+// Rows >= rows_valid and columns >= d are zero-filled. With kWholeTiles, a whole tile (every
+// row valid, d = kHeadDim: all but the last key block) takes a path without predicates: when
+// the blocks of a thread all share its chunk and its swizzle (kThreads a multiple of 8
+// kChunks, e.g. 256 threads at D = 128), its copies are one base address plus constant row
+// steps (Nsight Compute: the generic path spent about 14 integer instructions per copy).
+// Measured on the H200: +0.4% at S = 4k and 16k for the non-causal kernel, but -1.2% at S = 1k
+// for the causal one (its code is near the instruction cache's size), which does without.
+template <int kTileRows, int kHeadDim, int kThreads, bool kWholeTiles = false>
 __device__ __forceinline__ void load_quad_blocks_async(float* stage, const float* gmem,
                                                        int64_t row_stride, int rows_valid, int d,
                                                        int tid) {
   using B = QuadBlocks<kTileRows, kHeadDim, kThreads>;
+  constexpr int kRowQuadStep = kThreads / B::kChunks;  // row quads between a thread's blocks
+  if constexpr (kWholeTiles && kThreads % (8 * B::kChunks) == 0 && kRowQuadStep % 8 == 0) {
+    if (rows_valid >= kTileRows && d == kHeadDim) {
+      const int rq = B::row_quad(tid, 0), db = B::chunk(tid, 0);
+      const float* src = gmem + 4 * rq * row_stride + 4 * db;
+      float* dst = stage + B::staged(4 * rq, db);  // same chunk swizzle for every block
+#pragma unroll
+      for (int p = 0; p < B::kPerThread; ++p) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          cp_async_16(dst + (4 * kRowQuadStep * p + e) * kHeadDim, src, true);
+          src += row_stride;
+        }
+        src += (4 * kRowQuadStep - 4) * row_stride;
+      }
+      return;
+    }
+  }
 #pragma unroll
   for (int p = 0; p < B::kPerThread; ++p) {
     const int rq = B::row_quad(tid, p), db = B::chunk(tid, p);
@@ -437,18 +461,20 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_fwd_simt_outer_kernel(
     // Prologue: Q and the first K block through staging, transposed (Q scaled); the second K
     // block starts at once.
     const int first0 = n_first * kCols;
-    load_quad_blocks_async<kRows, kD, kThreads>(sQs, q, p.q_row_stride, rows_valid, p.d, tid);
+    load_quad_blocks_async<kRows, kD, kThreads, !kCausal>(sQs, q, p.q_row_stride, rows_valid,
+                                                          p.d, tid);
     cp_async_commit();
-    load_quad_blocks_async<kCols, kD, kThreads>(sKs, k + first0 * p.k_row_stride, p.k_row_stride,
-                                                p.sk - first0, p.d, tid);
+    load_quad_blocks_async<kCols, kD, kThreads, !kCausal>(sKs, k + first0 * p.k_row_stride,
+                                                          p.k_row_stride, p.sk - first0, p.d, tid);
     cp_async_commit();
     cp_async_wait<1>();  // Q landed (this thread's copies); K_0 may still be on its way
     transpose_quad_blocks<kRows, kD, kThreads>(sQt, sQs, p.scale_log2, tid);
     cp_async_wait<0>();
     transpose_quad_blocks<kCols, kD, kThreads>(sKt, sKs, 1.f, tid);
     if (n_first + 1 < n_end) {
-      load_quad_blocks_async<kCols, kD, kThreads>(sKs, k + (first0 + kCols) * p.k_row_stride,
-                                                  p.k_row_stride, p.sk - first0 - kCols, p.d, tid);
+      load_quad_blocks_async<kCols, kD, kThreads, !kCausal>(
+          sKs, k + (first0 + kCols) * p.k_row_stride, p.k_row_stride, p.sk - first0 - kCols, p.d,
+          tid);
     }
     cp_async_commit();
 
@@ -487,7 +513,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_fwd_simt_outer_kernel(
               if (has_next) {
                 transpose_quad_blocks<kCols, kD, kThreads>(sKt, sKs, 1.f, tid);
                 if (n_block + 2 < n_end) {
-                  load_quad_blocks_async<kCols, kD, kThreads>(
+                  load_quad_blocks_async<kCols, kD, kThreads, !kCausal>(
                       sKs, k + (n0 + 2 * kCols) * p.k_row_stride, p.k_row_stride,
                       p.sk - n0 - 2 * kCols, p.d, tid);
                 }

@@ -384,6 +384,30 @@ def test_huge_scale(dtype, is_causal):
                             f"{recompute:.3e})")
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=_dt)
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("rise", [3.0, 12.0, 40.0])
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+def test_logits_rising_along_keys(dtype, D, rise, is_causal):
+    """Every row's logits grow along the keys by about `rise` (log2 units) per 64 keys, so
+    the running max moves on almost every key block: by less than, about, and more than
+    the slack of a lagging reference max (a kernel may keep an old max while P stays
+    bounded, and rescale only when a block's max pulls away). Forward against float64."""
+    B, H, Sq, Sk = 1, 3, 200, 1000
+    gen = torch.Generator(device="cuda").manual_seed(int(rise) * 7 + D)
+    u = torch.ones(D, device="cuda", dtype=torch.float64)
+    q = u + 0.3 * torch.randn(B, H, Sq, D, device="cuda", dtype=torch.float64, generator=gen)
+    scale = 1.0 / math.sqrt(D)
+    a = rise / (64 * math.log2(math.e))  # logit step per key, natural units
+    ramp = a * torch.arange(Sk, device="cuda", dtype=torch.float64) / (scale * D)
+    k = ramp[:, None] * u + 0.3 * torch.randn(B, H, Sk, D, device="cuda", dtype=torch.float64,
+                                              generator=gen)
+    v = torch.randn(B, H, Sk, D, device="cuda", dtype=torch.float64, generator=gen)
+    q, k, v = (t.to(dtype) for t in (q, k, v))
+    check_attention(q, k, v, is_causal=is_causal, scale=scale, check_grad=False,
+                    label=f"logits rising {rise}/64 keys")
+
+
 def _delta_from_rounded_out(q, k, v, dout, out, *, is_causal: bool, scale: float):
     """How far the exact float64 gradients move when delta = rowsum(dO * O) is computed from
     the output rounded to the inputs' dtype, as every FlashAttention backward does (only O

@@ -325,6 +325,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(const at::Tensor& dout_in, co
   p.delta = delta.data_ptr<float>();
   p.dq_accum = nullptr;  // no kernel needs a separate dQ accumulator
   p.deterministic = deterministic;
+  at::Tensor workspace;  // partial dK/dV of split key blocks (fp32 tier), if the plan splits
+  if (t == Tier::kSimt) {
+    int64_t floats = 0;
+    switch (simt_bucket(p.d)) {
+      case 32: floats = plan_bwd_simt<32>(p); break;
+      case 64: floats = plan_bwd_simt<64>(p); break;
+      case 128: floats = plan_bwd_simt<128>(p); break;
+      default: floats = plan_bwd_simt<256>(p); break;
+    }
+    if (floats > 0) {
+      workspace = at::empty({floats}, q.options().dtype(at::kFloat));
+      p.dkv_accum = workspace.data_ptr<float>();
+    }
+  }
   dispatch_bwd(p, t, at::cuda::getCurrentCUDAStream().stream());
   if (negative_scale) dq.neg_();
   return {dq, dk, dv};

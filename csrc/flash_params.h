@@ -110,8 +110,13 @@ struct BwdParams : FwdParams {
   //   delta    : float32 contiguous [b][hq][sq]; delta = rowsum(dO * O) - dlse
   //   dq_accum : float32 contiguous [b][hq][sq][d] (row stride d), zero-filled by the
   //              binding; used only by kernels that accumulate dQ with atomics.
+  //   dkv_accum: float32, the fp32 dK/dV kernel's split key blocks (the FwdParams split fields
+  //              num_splits / split_begin, planned by plan_bwd_simt): each piece, a range of
+  //              query steps, leaves its dK in [piece][block rows][d], then all the pieces'
+  //              dV in the same layout, and a kernel sums them in range order.
   float* delta = nullptr;
   float* dq_accum = nullptr;
+  float* dkv_accum = nullptr;
 
   // true: no floating-point atomics anywhere, gradients are bitwise reproducible.
   bool deterministic = false;

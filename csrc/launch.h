@@ -23,6 +23,8 @@ namespace flash_cuda {
 // params.o_accum at that many floats, then calls run_fwd_simt with the same params.
 template <int kHeadDim> int64_t plan_fwd_simt(FwdParams& params);
 template <int kHeadDim> void run_fwd_simt(const FwdParams& params, cudaStream_t stream);
+// plan_bwd_simt does the same for the fp32 backward's dK/dV kernel (params.dkv_accum).
+template <int kHeadDim> int64_t plan_bwd_simt(BwdParams& params);
 template <int kHeadDim> void run_bwd_simt(const BwdParams& params, cudaStream_t stream);
 
 // ---- fp16/bf16 tensor-core tier; kDType is static_cast<int>(DType) ----

@@ -256,6 +256,31 @@ def test_fp32_split_last_wave(D, Sq, Sk, layout):
     assert all(torch.equal(a, b) for a, b in zip(first, again))
 
 
+@pytest.mark.parametrize("D,Hkv,group,Sq,Sk", [(128, 1, 4, 300, 1000), (64, 2, 1, 1000, 777),
+                                               (32, 1, 2, 129, 4097)])
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic-dq", "deterministic"])
+def test_fp32_backward_split_last_wave(D, Hkv, group, Sq, Sk, deterministic):
+    """The fp32 dK/dV kernel cuts the key blocks of its last, partial wave into ranges of query
+    steps (with GQA, steps run over the group's heads too) and sums the partial dK / dV after.
+    Here the grid is a few key blocks more than one CTA per SM, so the split runs; the
+    gradients must match float64, and with deterministic=True repeated runs must agree bit
+    for bit."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    n_blocks = -(-Sk // 64)
+    B = -(-(sms + 5) // (n_blocks * Hkv))  # just over one wave of 64-key blocks
+    q, k, v = make_inputs(B, Hkv * group, Hkv, Sq, Sk, D, F32, "cuda", seed=Sk + D)
+    check_attention(q, k, v, is_causal=False, scale=None, deterministic=deterministic,
+                    label=f"bwd split d{D} {Sq}x{Sk} B={B} Hkv={Hkv} group={group}", seed=Sk)
+    if deterministic:
+        grads = []
+        for _ in range(2):
+            qq, kk, vv = (t.detach().clone().requires_grad_() for t in (q, k, v))
+            out = flash_cuda.attention(qq, kk, vv, deterministic=True)
+            out.backward(torch.ones_like(out))
+            grads.append((qq.grad, kk.grad, vv.grad))
+        assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("groups", [2, 4, 8])
 def test_gqa_equals_repeated_kv(dtype, groups):

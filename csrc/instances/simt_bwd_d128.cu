@@ -2,5 +2,6 @@
 #include "../kernels/simt_bwd.cuh"
 
 namespace flash_cuda {
+template int64_t plan_bwd_simt<128>(BwdParams&);
 template void run_bwd_simt<128>(const BwdParams&, cudaStream_t);
 }  // namespace flash_cuda

@@ -315,9 +315,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSm)
   // Grid order: under causal masking the first key blocks are seen by the most queries; they
   // get the low block indices and start first. Otherwise the blocks of one (batch, kv head) are
   // adjacent (they share Q and dO in L2).
+  // CTAs from p.split_begin on are pieces of the split last wave (non-causal only): key block
+  // split_begin + piece / num_splits, query-step range piece % num_splits (plan_bwd_simt).
   const int num_n_blocks = ceil_div(p.sk, kRows);
   const int bh_count = p.b * p.hkv;
-  const int idx = static_cast<int>(blockIdx.x);
+  int idx = static_cast<int>(blockIdx.x), piece = -1;
+  if (idx >= p.split_begin) {
+    piece = idx - p.split_begin;
+    idx = p.split_begin + piece / p.num_splits;
+  }
   const int n_block = p.is_causal ? idx / bh_count : idx % num_n_blocks;
   const int bh = p.is_causal ? idx % bh_count : idx / num_n_blocks;
   const int bi = bh / p.hkv;
@@ -337,6 +343,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSm)
   const int m_first = m_begin < p.sq ? m_begin / kCols : num_m_blocks;
   const int steps_per_head = num_m_blocks - m_first;
   const int num_steps = steps_per_head * group;
+  int t_begin = 0, t_end = num_steps;  // this CTA's steps
+  if (piece >= 0) {
+    const int range = piece % p.num_splits;
+    t_begin = static_cast<int>(static_cast<int64_t>(num_steps) * range / p.num_splits);
+    t_end = static_cast<int>(static_cast<int64_t>(num_steps) * (range + 1) / p.num_splits);
+  }
 
   const float* k = static_cast<const float*>(p.k) + bi * p.k_batch_stride + hk * p.k_head_stride +
                    n0 * p.k_row_stride;
@@ -375,13 +387,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSm)
 #pragma unroll
     for (int c = 0; c < kTD; ++c) dk[i][c] = dv[i][c] = 0.f;
 
-  if (num_steps > 0) {
+  if (t_end > t_begin) {
     // Two groups: {K, Q_0, lse_0} then {V, dO_0, delta_0}.
     load_tile_async<kRows, kD, kLdH, Cfg::kThreads>(sK, k, p.k_row_stride, keys_valid, p.d, tid);
-    load_q(step_head(0), step_m0(0), sBuf);
+    load_q(step_head(t_begin), step_m0(t_begin), sBuf);
     cp_async_commit();
     load_tile_async<kRows, kD, kLdH, Cfg::kThreads>(sV, v, p.v_row_stride, keys_valid, p.d, tid);
-    load_do(step_head(0), step_m0(0), sBuf + kBufFloats);
+    load_do(step_head(t_begin), step_m0(t_begin), sBuf + kBufFloats);
     cp_async_commit();
     cp_async_wait<1>();
     if constexpr (!kAtomicDQ) {
@@ -392,11 +404,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSm)
     const float* sK_row0 = sK + rg * kLdH;
     const float* sV_row0 = sV + rg * kLdH;
 
-    int m0 = step_m0(0);
-    for (int t = 0; t < num_steps; ++t) {
-      float* bq = sBuf + (t & 1) * kBufFloats;         // Q_t, lse
-      float* bdo = sBuf + ((t & 1) ^ 1) * kBufFloats;  // dO_t, delta
-      const bool has_next = t + 1 < num_steps;
+    int m0 = step_m0(t_begin);
+    for (int t = t_begin; t < t_end; ++t) {
+      const int parity = (t - t_begin) & 1;
+      float* bq = sBuf + parity * kBufFloats;         // Q_t, lse
+      float* bdo = sBuf + (parity ^ 1) * kBufFloats;  // dO_t, delta
+      const bool has_next = t + 1 < t_end;
       const int h_next = has_next ? step_head(t + 1) : 0;
       const int m0_next = has_next ? step_m0(t + 1) : 0;
 
@@ -502,12 +515,50 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSm)
     dk_scale[i] = p.scale;
     one[i] = 1.f;
   }
+  if (piece >= 0) {  // this range's partial dK and dV, summed by sum_split_dkdv_kernel
+    const int64_t pieces = static_cast<int64_t>(gridDim.x) - p.split_begin;
+    float* dk_part = p.dkv_accum + static_cast<int64_t>(piece) * kRows * p.d;
+    float* dv_part = dk_part + pieces * kRows * p.d;
+    store_row_tile<Cfg>(dk_part, p.d, keys_valid, p.d, dk, dk_scale, rg, cg);
+    store_row_tile<Cfg>(dv_part, p.d, keys_valid, p.d, dv, one, rg, cg);
+    return;
+  }
   float* dk_tile = static_cast<float*>(p.dk) + bi * p.dk_batch_stride + hk * p.dk_head_stride +
                    n0 * p.dk_row_stride;
   float* dv_tile = static_cast<float*>(p.dv) + bi * p.dv_batch_stride + hk * p.dv_head_stride +
                    n0 * p.dv_row_stride;
   store_row_tile<Cfg>(dk_tile, p.dk_row_stride, keys_valid, p.d, dk, dk_scale, rg, cg);
   store_row_tile<Cfg>(dv_tile, p.dv_row_stride, keys_valid, p.d, dv, one, rg, cg);
+}
+
+// Sums the step ranges of the split key blocks, in range order (bitwise reproducible):
+// dK = sum_r dK_r, dV = sum_r dV_r (each partial already scaled). One thread per float4 of a
+// split block's rows; the block order is the non-causal one of the dK/dV kernel.
+template <int kRows>
+__global__ void __launch_bounds__(256) sum_split_dkdv_kernel(const BwdParams p, int64_t pieces) {
+  const int d4 = p.d / 4;
+  const int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t split_block = e / (static_cast<int64_t>(kRows) * d4);
+  if (split_block * p.num_splits >= pieces) return;
+  const int r = static_cast<int>(e / d4 % kRows), c = 4 * static_cast<int>(e % d4);
+  const int num_n_blocks = ceil_div(p.sk, kRows);
+  const int idx = p.split_begin + static_cast<int>(split_block);
+  const int n0 = idx % num_n_blocks * kRows, bh = idx / num_n_blocks;
+  if (n0 + r >= p.sk) return;
+  const int bi = bh / p.hkv, hk = bh - bi * p.hkv;
+  const float* dk_part = p.dkv_accum + (split_block * p.num_splits * kRows + r) * p.d + c;
+  const float* dv_part = dk_part + pieces * kRows * p.d;
+  float4 dk = make_float4(0.f, 0.f, 0.f, 0.f), dv = dk;
+  for (int i = 0; i < p.num_splits; ++i) {
+    const float4 a = *reinterpret_cast<const float4*>(dk_part + i * kRows * p.d);
+    const float4 b = *reinterpret_cast<const float4*>(dv_part + i * kRows * p.d);
+    dk.x += a.x, dk.y += a.y, dk.z += a.z, dk.w += a.w;
+    dv.x += b.x, dv.y += b.y, dv.z += b.z, dv.w += b.w;
+  }
+  *reinterpret_cast<float4*>(static_cast<float*>(p.dk) + bi * p.dk_batch_stride +
+                             hk * p.dk_head_stride + (n0 + r) * p.dk_row_stride + c) = dk;
+  *reinterpret_cast<float4*>(static_cast<float*>(p.dv) + bi * p.dv_batch_stride +
+                             hk * p.dv_head_stride + (n0 + r) * p.dv_row_stride + c) = dv;
 }
 
 // =================================================================================
@@ -692,12 +743,68 @@ constexpr size_t bwd_dq_smem_bytes() {
                           static_cast<size_t>(Cfg::kRows) * Cfg::kLdScore);
 }
 
+template <typename Cfg>
+int64_t num_key_blocks(const BwdParams& p) {
+  return static_cast<int64_t>(ceil_div(p.sk, Cfg::kRows)) * p.b * p.hkv;
+}
+
+// The split of the dK/dV kernel's last wave (see plan_tail_split), and the workspace floats it
+// needs (0: none).
+template <typename Cfg, bool kAtomicDQ>
+int64_t plan_bwd_dkdv(BwdParams& p) {
+  p.split_begin = INT_MAX;
+  p.num_splits = 1;
+  const int64_t num_blocks = num_key_blocks<Cfg>(p);
+  if (p.is_causal || num_blocks <= 0 || num_blocks > 0x7fffffffLL) return 0;
+  auto kernel = flash_bwd_dkdv_simt_kernel<Cfg, kAtomicDQ>;
+  set_smem_limit(kernel, bwd_dkdv_smem_bytes<Cfg>(), "flash_bwd_dkdv_simt");
+  int per_sm = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, Cfg::kThreads,
+                                                    bwd_dkdv_smem_bytes<Cfg>()) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  const int num_steps = ceil_div(p.sq, Cfg::kCols) * (p.hq / p.hkv);
+  const SplitPlan plan = plan_tail_split(static_cast<int>(num_blocks), num_steps, p.num_sms * per_sm);
+  if (plan.num_splits == 1) return 0;
+  p.split_begin = plan.split_begin;
+  p.num_splits = plan.num_splits;
+  return 2 * (num_blocks - plan.split_begin) * plan.num_splits * Cfg::kRows * p.d;
+}
+
 // kAtomicDQ: params.dq must be zero-filled (it is accumulated into, never overwritten).
 template <typename Cfg, bool kAtomicDQ>
 void launch_bwd_dkdv(const BwdParams& params, cudaStream_t stream) {
-  launch_simt(flash_bwd_dkdv_simt_kernel<Cfg, kAtomicDQ>, params, Cfg::kThreads,
-              bwd_dkdv_smem_bytes<Cfg>(), params.sk, Cfg::kRows, params.hkv,
-              kAtomicDQ ? "flash_bwd_dkdv_dq_atomic_simt" : "flash_bwd_dkdv_simt", stream);
+  const char* name = kAtomicDQ ? "flash_bwd_dkdv_dq_atomic_simt" : "flash_bwd_dkdv_simt";
+  const int64_t num_blocks = num_key_blocks<Cfg>(params);
+  const bool split = params.num_splits > 1 && params.split_begin < num_blocks;
+  if (!split) {
+    BwdParams p = params;
+    p.split_begin = INT_MAX;
+    p.num_splits = 1;
+    launch_simt(flash_bwd_dkdv_simt_kernel<Cfg, kAtomicDQ>, p, Cfg::kThreads,
+                bwd_dkdv_smem_bytes<Cfg>(), p.sk, Cfg::kRows, p.hkv, name, stream);
+    return;
+  }
+  if (params.dkv_accum == nullptr || params.is_causal) {
+    throw std::runtime_error(std::string("flash_cuda: kernel ") + name +
+                             ": split query ranges need a workspace and no causal mask");
+  }
+  const int64_t pieces = (num_blocks - params.split_begin) * params.num_splits;
+  const int64_t grid = params.split_begin + pieces;
+  if (grid > 0x7fffffffLL) {
+    throw std::runtime_error(std::string("flash_cuda: kernel ") + name + ": grid of " +
+                             std::to_string(grid) + " blocks is out of range");
+  }
+  auto kernel = flash_bwd_dkdv_simt_kernel<Cfg, kAtomicDQ>;
+  set_smem_limit(kernel, bwd_dkdv_smem_bytes<Cfg>(), name);
+  kernel<<<static_cast<unsigned>(grid), Cfg::kThreads, bwd_dkdv_smem_bytes<Cfg>(), stream>>>(
+      params);
+  check_launch(name);
+  const int64_t threads = (num_blocks - params.split_begin) * Cfg::kRows * (params.d / 4);
+  sum_split_dkdv_kernel<Cfg::kRows>
+      <<<static_cast<unsigned>((threads + 255) / 256), 256, 0, stream>>>(params, pieces);
+  check_launch("flash_bwd_sum_split_dkdv");
 }
 
 template <typename Cfg>
@@ -708,6 +815,28 @@ void launch_bwd_dq(const BwdParams& params, cudaStream_t stream) {
 
 }  // namespace simt
 
+// The dK/dV configuration run_bwd_simt will launch, handed to `fn`.
+template <int kHeadDim, typename Fn>
+auto with_dkdv_config(const BwdParams& params, Fn&& fn) {
+  using Traits = simt::SimtBwdTraits<kHeadDim>;
+  const size_t smem_optin = device_smem_optin();
+  if (!params.deterministic) {
+    if (simt::bwd_dkdv_smem_bytes<typename Traits::AtomicDkdvConfig>() <= smem_optin)
+      return fn(typename Traits::AtomicDkdvConfig{}, std::true_type{});
+    return fn(typename Traits::CompactAtomicDkdvConfig{}, std::true_type{});
+  }
+  if (simt::bwd_dkdv_smem_bytes<typename Traits::DkdvConfig>() <= smem_optin)
+    return fn(typename Traits::DkdvConfig{}, std::false_type{});
+  return fn(typename Traits::CompactDkdvConfig{}, std::false_type{});
+}
+
+template <int kHeadDim>
+int64_t plan_bwd_simt(BwdParams& params) {
+  return with_dkdv_config<kHeadDim>(params, [&](auto cfg, auto atomic) {
+    return simt::plan_bwd_dkdv<decltype(cfg), decltype(atomic)::value>(params);
+  });
+}
+
 template <int kHeadDim>
 void run_bwd_simt(const BwdParams& params, cudaStream_t stream) {
   using Traits = simt::SimtBwdTraits<kHeadDim>;
@@ -717,24 +846,15 @@ void run_bwd_simt(const BwdParams& params, cudaStream_t stream) {
   // 1. delta = rowsum(dO * O) - dlse
   launch_bwd_preprocess<float>(params, stream);
 
-  if (!params.deterministic) {
-    // 2. dK, dV, and dQ added with atomics into params.dq, which the binding zero-filled
-    //    (5 products; dQ is not bitwise reproducible run to run). No dQ kernel.
-    if (simt::bwd_dkdv_smem_bytes<typename Traits::AtomicDkdvConfig>() <= smem_optin) {
-      simt::launch_bwd_dkdv<typename Traits::AtomicDkdvConfig, true>(params, stream);
-    } else {
-      simt::launch_bwd_dkdv<typename Traits::CompactAtomicDkdvConfig, true>(params, stream);
-    }
-    return;
-  }
-
-  // deterministic: 7 products, no atomics, bitwise reproducible.
-  // 2. dK, dV (no atomics: each CTA owns its keys and loops over the whole GQA group)
-  if (simt::bwd_dkdv_smem_bytes<typename Traits::DkdvConfig>() <= smem_optin) {
-    simt::launch_bwd_dkdv<typename Traits::DkdvConfig, false>(params, stream);
-  } else {
-    simt::launch_bwd_dkdv<typename Traits::CompactDkdvConfig, false>(params, stream);
-  }
+  // 2. dK, dV: each CTA owns its keys and loops over the whole GQA group (the split last
+  //    wave's pieces own a range of its steps and are summed after). Not deterministic: dQ is
+  //    added with atomics into params.dq, which the binding zero-filled (5 products; dQ is not
+  //    bitwise reproducible run to run), and there is no dQ kernel. Deterministic: 7
+  //    products, no atomics, bitwise reproducible.
+  with_dkdv_config<kHeadDim>(params, [&](auto cfg, auto atomic) {
+    simt::launch_bwd_dkdv<decltype(cfg), decltype(atomic)::value>(params, stream);
+  });
+  if (!params.deterministic) return;
 
   // 3. dQ (no atomics: each CTA owns its query rows)
   if (simt::bwd_dq_smem_bytes<typename Traits::DqConfig>() <= smem_optin) {

@@ -660,6 +660,46 @@ void launch_fwd(const FwdParams& params, cudaStream_t stream) {
               Cfg::kRows, params.hq, "flash_fwd_simt", stream);
 }
 
+// ---------------------------------------------------------------------------------
+// Splitting the last wave (host), for the fp32 forward (simt_fwd_outer.cuh) and the fp32
+// dK/dV kernel (simt_bwd.cuh)
+// ---------------------------------------------------------------------------------
+// Both kernels run one CTA per slot (one or two per SM), and without masking every block costs
+// the same: with num_blocks = W * slots + T (0 < T < slots) the GPU runs W full waves and then
+// T blocks while slots - T slots idle (the forward's 2048 query blocks on 132 SMs: T = 68, half
+// a wave, ~3% of the run; the backward's 4096 key blocks: T = 4, a whole extra CTA time for 4
+// blocks). The last T blocks are cut into s ranges of their steps each (s * T pieces of about
+// 1/s the work: key blocks of a query block in the forward, query blocks of a key block in
+// the backward), and a small kernel merges the ranges. s is chosen with a cost model in units
+// of one step: a piece costs ceil(n / s) steps plus kPieceOverhead (its prologue and partial
+// output), the pieces run in ceil(s T / slots) rounds, and the merge costs kMergeCost. Causal
+// blocks differ in cost and go longest first, so the hardware scheduler already packs the
+// tail with the shortest ones: no split there.
+struct SplitPlan {
+  int split_begin;  // first split block (num_blocks: none)
+  int num_splits;   // step ranges per split block (1: none)
+};
+
+inline SplitPlan plan_tail_split(int num_blocks, int n_steps, int slots) {
+  constexpr double kPieceOverhead = 0.25, kMergeCost = 1.0;
+  constexpr int kMaxSplits = 8;
+  SplitPlan plan{num_blocks, 1};
+  if (slots <= 0 || n_steps < 2) return plan;
+  const int tail = num_blocks % slots;
+  if (tail == 0) return plan;
+  double best = n_steps + kPieceOverhead;  // the unsplit tail: one round of whole blocks
+  for (int s = 2; s <= std::min(kMaxSplits, n_steps); ++s) {
+    const int64_t rounds = (static_cast<int64_t>(tail) * s + slots - 1) / slots;
+    const double cost = static_cast<double>(rounds) * (ceil_div(n_steps, s) + kPieceOverhead) +
+                        kMergeCost;
+    if (cost < best) {
+      best = cost;
+      plan = SplitPlan{num_blocks - tail, s};
+    }
+  }
+  return plan;
+}
+
 }  // namespace simt
 
 // run_fwd_simt (the entry point) is defined in simt_fwd_outer.cuh, which includes this file.

@@ -637,42 +637,8 @@ __global__ void __launch_bounds__(256) combine_splits_kernel(const FwdParams p) 
 }
 
 // ---------------------------------------------------------------------------------
-// Splitting the last wave (host)
+// Splitting the last wave (host): plan_tail_split, in simt_fwd.cuh
 // ---------------------------------------------------------------------------------
-// The outer kernel runs one 192 KiB CTA per SM, and without masking every query block costs
-// the same: with num_blocks = W * slots + T (0 < T < slots) the GPU runs W full waves and then
-// T blocks while slots - T SMs idle (2048 blocks on 132 SMs: T = 68, half a wave, ~3% of the
-// run). The last T blocks are cut into s key ranges each (s * T pieces of about 1/s the work),
-// and a small kernel merges the ranges. s is chosen with a cost model in units of one key
-// block: a piece costs ceil(n / s) blocks plus kPieceOverhead (its prologue and partial
-// output), the pieces run in ceil(s T / slots) rounds, and the merge costs kMergeCost. Causal
-// blocks differ in cost and go longest first, so the hardware scheduler already packs the
-// tail with the shortest ones: no split there.
-struct SplitPlan {
-  int split_begin;  // first split query block (num_blocks: none)
-  int num_splits;   // key ranges per split block (1: none)
-};
-
-inline SplitPlan plan_tail_split(int num_blocks, int n_blocks, int slots) {
-  constexpr double kPieceOverhead = 0.25, kMergeCost = 1.0;
-  constexpr int kMaxSplits = 8;
-  SplitPlan plan{num_blocks, 1};
-  if (slots <= 0 || n_blocks < 2) return plan;
-  const int tail = num_blocks % slots;
-  if (tail == 0) return plan;
-  double best = n_blocks + kPieceOverhead;  // the unsplit tail: one round of whole blocks
-  for (int s = 2; s <= std::min(kMaxSplits, n_blocks); ++s) {
-    const int64_t rounds = (static_cast<int64_t>(tail) * s + slots - 1) / slots;
-    const double cost = static_cast<double>(rounds) * (ceil_div(n_blocks, s) + kPieceOverhead) +
-                        kMergeCost;
-    if (cost < best) {
-      best = cost;
-      plan = SplitPlan{num_blocks - tail, s};
-    }
-  }
-  return plan;
-}
-
 template <typename Cfg>
 int64_t num_query_blocks(const FwdParams& p) {
   return static_cast<int64_t>(ceil_div(p.sq, Cfg::kRows)) * p.b * p.hq;

@@ -752,24 +752,10 @@ int64_t num_key_blocks(const BwdParams& p) {
 // needs (0: none).
 template <typename Cfg, bool kAtomicDQ>
 int64_t plan_bwd_dkdv(BwdParams& p) {
-  p.split_begin = INT_MAX;
-  p.num_splits = 1;
-  const int64_t num_blocks = num_key_blocks<Cfg>(p);
-  if (p.is_causal || num_blocks <= 0 || num_blocks > 0x7fffffffLL) return 0;
-  auto kernel = flash_bwd_dkdv_simt_kernel<Cfg, kAtomicDQ>;
-  set_smem_limit(kernel, bwd_dkdv_smem_bytes<Cfg>(), "flash_bwd_dkdv_simt");
-  int per_sm = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, Cfg::kThreads,
-                                                    bwd_dkdv_smem_bytes<Cfg>()) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return 0;
-  }
-  const int num_steps = ceil_div(p.sq, Cfg::kCols) * (p.hq / p.hkv);
-  const SplitPlan plan = plan_tail_split(static_cast<int>(num_blocks), num_steps, p.num_sms * per_sm);
-  if (plan.num_splits == 1) return 0;
-  p.split_begin = plan.split_begin;
-  p.num_splits = plan.num_splits;
-  return 2 * (num_blocks - plan.split_begin) * plan.num_splits * Cfg::kRows * p.d;
+  const int64_t pieces = plan_launch_split(
+      p, flash_bwd_dkdv_simt_kernel<Cfg, kAtomicDQ>, Cfg::kThreads, bwd_dkdv_smem_bytes<Cfg>(),
+      num_key_blocks<Cfg>(p), ceil_div(p.sq, Cfg::kCols) * (p.hq / p.hkv), "flash_bwd_dkdv_simt");
+  return 2 * pieces * Cfg::kRows * p.d;
 }
 
 // kAtomicDQ: params.dq must be zero-filled (it is accumulated into, never overwritten).

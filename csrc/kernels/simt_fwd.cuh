@@ -700,6 +700,29 @@ inline SplitPlan plan_tail_split(int num_blocks, int n_steps, int slots) {
   return plan;
 }
 
+// plan_tail_split for one launch of `kernel` (num_blocks CTAs of n_steps steps each, no
+// causal mask): its slots come from the occupancy the device gives it. Sets p.split_begin and
+// p.num_splits (none: INT_MAX and 1) and returns the number of split pieces (0: none).
+template <typename Kernel>
+int64_t plan_launch_split(FwdParams& p, Kernel kernel, int threads, size_t smem,
+                          int64_t num_blocks, int n_steps, const char* name) {
+  p.split_begin = INT_MAX;
+  p.num_splits = 1;
+  if (p.is_causal || num_blocks <= 0 || num_blocks > 0x7fffffffLL) return 0;
+  set_smem_limit(kernel, smem, name);
+  int per_sm = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem) !=
+      cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  const SplitPlan plan = plan_tail_split(static_cast<int>(num_blocks), n_steps, p.num_sms * per_sm);
+  if (plan.num_splits == 1) return 0;
+  p.split_begin = plan.split_begin;
+  p.num_splits = plan.num_splits;
+  return (num_blocks - plan.split_begin) * plan.num_splits;
+}
+
 }  // namespace simt
 
 // run_fwd_simt (the entry point) is defined in simt_fwd_outer.cuh, which includes this file.

@@ -647,24 +647,9 @@ int64_t num_query_blocks(const FwdParams& p) {
 // The plan for this call, and the fp32 workspace floats it needs.
 template <typename Cfg>
 int64_t plan_fwd(FwdParams& p) {
-  p.split_begin = INT_MAX;
-  p.num_splits = 1;
-  const int64_t num_blocks = num_query_blocks<Cfg>(p);
-  if (p.is_causal || num_blocks <= 0 || num_blocks > 0x7fffffffLL) return 0;
-  auto kernel = flash_fwd_simt_outer_kernel<Cfg, false>;
-  set_smem_limit(kernel, Cfg::kSmemBytes, "flash_fwd_simt_outer");
-  int per_sm = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, Cfg::kThreads,
-                                                    Cfg::kSmemBytes) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return 0;
-  }
-  const SplitPlan plan = plan_tail_split(static_cast<int>(num_blocks), ceil_div(p.sk, Cfg::kCols),
-                                         p.num_sms * per_sm);
-  if (plan.num_splits == 1) return 0;
-  p.split_begin = plan.split_begin;
-  p.num_splits = plan.num_splits;
-  const int64_t pieces = (num_blocks - plan.split_begin) * plan.num_splits;
+  const int64_t pieces = plan_launch_split(p, flash_fwd_simt_outer_kernel<Cfg, false>,
+                                           Cfg::kThreads, Cfg::kSmemBytes, num_query_blocks<Cfg>(p),
+                                           ceil_div(p.sk, Cfg::kCols), "flash_fwd_simt_outer");
   return pieces * Cfg::kRows * (p.d + 1);
 }
 

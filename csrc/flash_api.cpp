@@ -14,7 +14,9 @@
 #include <optional>
 #include <string>
 #include <tuple>
+#include <vector>
 
+#include "core/mask.cuh"
 #include "flash_params.h"
 #include "launch.h"
 
@@ -50,58 +52,140 @@ Tier resolve_tier(int64_t tier, DType dtype) {
 at::Tensor aligned(const at::Tensor& t) {
   const int64_t esize = t.element_size();
   bool ok = reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
-  for (int i = 0; i < 3 && ok; ++i) {
+  for (int i = 0; i + 1 < t.dim() && ok; ++i) {
     if (t.size(i) > 1 && (t.stride(i) * esize) % 16 != 0) ok = false;
   }
   return ok ? t : t.clone(at::MemoryFormat::Contiguous);
 }
 
-void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+// The two layouts a call can have. Dense: q (B, Hq, Sq, D), k / v (B, Hkv, Sk, D). Varlen (packed):
+// q (total_q, Hq, D), k / v (total_k, Hkv, D) and cu_seqlens of B + 1 int32 entries; Sq / Sk are
+// then max_seqlen_q / max_seqlen_k. Every dimension is read through these names, never by index.
+struct Shape {
+  bool varlen = false;
+  int64_t B = 0, Hq = 0, Hkv = 0, Sq = 0, Sk = 0, D = 0;
+  int64_t rows_q = 0, rows_k = 0;  // rows of q and k per head: Sq / Sk dense, total_q / total_k varlen
+  // The (batch, head, row) strides of a q-like or k-like tensor, as the params want them: a
+  // packed tensor has no batch stride (its sequences are told apart by cu_seqlens).
+  void strides(const at::Tensor& t, int64_t& batch, int64_t& head, int64_t& row) const {
+    batch = varlen ? 0 : t.stride(0);
+    head = t.stride(1);
+    row = varlen ? t.stride(0) : t.stride(2);
+  }
+  // Shape of lse (and of the row statistics): dense (B, Hq, Sq), varlen (Hq, total_q).
+  std::vector<int64_t> lse_shape() const {
+    return varlen ? std::vector<int64_t>{Hq, rows_q} : std::vector<int64_t>{B, Hq, Sq};
+  }
+  bool empty() const { return B == 0 || Hq == 0 || rows_q == 0 || rows_k == 0 || Sq == 0 || Sk == 0; }
+};
+
+// The masking and modifier arguments of a call, as the Python layer passes them.
+struct MaskArgs {
+  int64_t window_left = -1, window_right = -1;
+  double softcap = 0.0;
+  std::optional<at::Tensor> alibi_slopes, cu_seqlens_q, cu_seqlens_k;
+  int64_t max_seqlen_q = 0, max_seqlen_k = 0;
+  bool varlen() const { return cu_seqlens_q.has_value(); }
+  bool any_feature() const {
+    return window_left >= 0 || (window_right >= 0) || softcap > 0 || alibi_slopes.has_value() || varlen();
+  }
+};
+
+Shape check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const MaskArgs& m) {
   TORCH_CHECK(q.is_cuda() && k.is_cuda() && v.is_cuda(), "flash_cuda: q, k, v must be CUDA tensors");
   TORCH_CHECK(q.device() == k.device() && q.device() == v.device(),
               "flash_cuda: q, k, v must be on the same device");
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
-              "flash_cuda: q, k, v must be 4-d (batch, heads, seq, head_dim)");
+  TORCH_CHECK(m.cu_seqlens_q.has_value() == m.cu_seqlens_k.has_value(),
+              "flash_cuda: pass both cu_seqlens_q and cu_seqlens_k, or neither");
+  const bool varlen = m.varlen();
+  const int64_t ndim = varlen ? 3 : 4;
+  TORCH_CHECK(q.dim() == ndim && k.dim() == ndim && v.dim() == ndim,
+              varlen ? "flash_cuda: varlen q, k, v must be 3-d (total_rows, heads, head_dim)"
+                     : "flash_cuda: q, k, v must be 4-d (batch, heads, seq, head_dim)");
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
               "flash_cuda: q, k, v must share one dtype");
   dtype_of(q);
   TORCH_CHECK(q.stride(-1) == 1 && k.stride(-1) == 1 && v.stride(-1) == 1,
               "flash_cuda: the last dimension of q, k, v must be contiguous (stride 1)");
-  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(3);
-  TORCH_CHECK(k.size(0) == B && v.size(0) == B, "flash_cuda: q, k, v batch sizes differ");
-  TORCH_CHECK(k.size(3) == D && v.size(3) == D, "flash_cuda: q, k, v head dims differ");
   TORCH_CHECK(k.sizes() == v.sizes(), "flash_cuda: k and v shapes differ");
-  const int64_t Hkv = k.size(1);
-  TORCH_CHECK(Hkv > 0 || Hq == 0, "flash_cuda: k/v have zero heads");
-  TORCH_CHECK(Hkv == 0 || Hq % Hkv == 0, "flash_cuda: query heads (", Hq,
-              ") must be a multiple of key/value heads (", Hkv, ")");
-  TORCH_CHECK(D % 8 == 0 && D >= 8 && D <= 256,
-              "flash_cuda: head dim must be a multiple of 8 in [8, 256], got ", D);
-  TORCH_CHECK(B < 65536 && Hq < 65536, "flash_cuda: batch and heads must be < 65536");
-  TORCH_CHECK(q.size(2) < (int64_t(1) << 31) && k.size(2) < (int64_t(1) << 31),
+  Shape s;
+  s.varlen = varlen;
+  s.D = q.size(-1);
+  TORCH_CHECK(k.size(-1) == s.D, "flash_cuda: q, k, v head dims differ");
+  if (varlen) {
+    const at::Tensor& cq = *m.cu_seqlens_q;
+    const at::Tensor& ck = *m.cu_seqlens_k;
+    for (const at::Tensor* c : {&cq, &ck}) {
+      TORCH_CHECK(c->scalar_type() == at::kInt && c->dim() == 1 && c->is_contiguous(),
+                  "flash_cuda: cu_seqlens must be contiguous 1-d int32 tensors");
+      TORCH_CHECK(c->device() == q.device(), "flash_cuda: cu_seqlens must be on q's device");
+    }
+    TORCH_CHECK(cq.size(0) == ck.size(0) && cq.size(0) >= 2,
+                "flash_cuda: cu_seqlens_q and cu_seqlens_k must both have batch + 1 >= 2 entries");
+    TORCH_CHECK(m.max_seqlen_q >= 0 && m.max_seqlen_k >= 0, "flash_cuda: max_seqlen must be >= 0");
+    s.B = cq.size(0) - 1;
+    s.Hq = q.size(1);
+    s.Hkv = k.size(1);
+    s.rows_q = q.size(0);
+    s.rows_k = k.size(0);
+    s.Sq = std::min(m.max_seqlen_q, s.rows_q);  // no sequence is longer than its tensor
+    s.Sk = std::min(m.max_seqlen_k, s.rows_k);
+    TORCH_CHECK(s.rows_q < (int64_t(1) << 31) && s.rows_k < (int64_t(1) << 31),
+                "flash_cuda: varlen row counts must be < 2^31");
+  } else {
+    s.B = q.size(0);
+    s.Hq = q.size(1);
+    s.Hkv = k.size(1);
+    s.Sq = q.size(2);
+    s.Sk = k.size(2);
+    s.rows_q = s.Sq;
+    s.rows_k = s.Sk;
+    TORCH_CHECK(k.size(0) == s.B, "flash_cuda: q, k, v batch sizes differ");
+  }
+  TORCH_CHECK(s.Hkv > 0 || s.Hq == 0, "flash_cuda: k/v have zero heads");
+  TORCH_CHECK(s.Hkv == 0 || s.Hq % s.Hkv == 0, "flash_cuda: query heads (", s.Hq,
+              ") must be a multiple of key/value heads (", s.Hkv, ")");
+  TORCH_CHECK(s.D % 8 == 0 && s.D >= 8 && s.D <= 256,
+              "flash_cuda: head dim must be a multiple of 8 in [8, 256], got ", s.D);
+  TORCH_CHECK(s.B < 65536 && s.Hq < 65536, "flash_cuda: batch and heads must be < 65536");
+  TORCH_CHECK(s.Sq < (int64_t(1) << 31) && s.Sk < (int64_t(1) << 31),
               "flash_cuda: sequence lengths must be < 2^31");
+  TORCH_CHECK(m.window_left >= -1 && m.window_right >= -1, "flash_cuda: window sizes must be >= -1");
+  TORCH_CHECK(std::isfinite(m.softcap) && m.softcap >= 0, "flash_cuda: softcap must be finite and >= 0");
+  if (m.alibi_slopes.has_value()) {
+    const at::Tensor& a = *m.alibi_slopes;
+    TORCH_CHECK(a.scalar_type() == at::kFloat && a.is_contiguous() && a.device() == q.device(),
+                "flash_cuda: alibi_slopes must be a contiguous float32 tensor on q's device");
+    TORCH_CHECK((a.dim() == 1 && a.size(0) == s.Hq) || (a.dim() == 2 && a.size(0) == s.B && a.size(1) == s.Hq),
+                "flash_cuda: alibi_slopes must have shape (heads,) or (batch, heads)");
+  }
   const auto prop = at::cuda::getDeviceProperties(q.device().index());
   TORCH_CHECK(prop->major >= 8, "flash_cuda: needs a GPU of compute capability 8.0 or newer, got ",
               prop->major, ".", prop->minor);
+  return s;
 }
 
-void fill_fwd(FwdParams& p, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-              const at::Tensor& out, const at::Tensor& lse, double scale, bool is_causal) {
+void fill_fwd(FwdParams& p, const Shape& s, const MaskArgs& m, const at::Tensor& q, const at::Tensor& k,
+              const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse, double scale) {
+  const bool vl = s.varlen;
   p.q = q.data_ptr();
   p.k = k.data_ptr();
   p.v = v.data_ptr();
   p.o = out.data_ptr();
-  p.q_batch_stride = q.stride(0), p.q_head_stride = q.stride(1), p.q_row_stride = q.stride(2);
-  p.k_batch_stride = k.stride(0), p.k_head_stride = k.stride(1), p.k_row_stride = k.stride(2);
-  p.v_batch_stride = v.stride(0), p.v_head_stride = v.stride(1), p.v_row_stride = v.stride(2);
-  p.o_batch_stride = out.stride(0), p.o_head_stride = out.stride(1), p.o_row_stride = out.stride(2);
+  s.strides(q, p.q_batch_stride, p.q_head_stride, p.q_row_stride);
+  s.strides(k, p.k_batch_stride, p.k_head_stride, p.k_row_stride);
+  s.strides(v, p.v_batch_stride, p.v_head_stride, p.v_row_stride);
+  s.strides(out, p.o_batch_stride, p.o_head_stride, p.o_row_stride);
   p.softmax_lse = lse.data_ptr<float>();
-  p.b = static_cast<int>(q.size(0));
-  p.hq = static_cast<int>(q.size(1));
-  p.hkv = static_cast<int>(k.size(1));
-  p.sq = static_cast<int>(q.size(2));
-  p.sk = static_cast<int>(k.size(2));
-  p.d = static_cast<int>(q.size(3));
+  // Row statistics: dense [b][hq][sq], varlen [hq][total_q] (flash_params.h).
+  p.stat_batch_stride = vl ? 0 : s.Hq * s.Sq;
+  p.stat_head_stride = vl ? s.rows_q : s.Sq;
+  p.b = static_cast<int>(s.B);
+  p.hq = static_cast<int>(s.Hq);
+  p.hkv = static_cast<int>(s.Hkv);
+  p.sq = static_cast<int>(s.Sq);
+  p.sk = static_cast<int>(s.Sk);
+  p.d = static_cast<int>(s.D);
   // Kernels take the row max of the raw scores and fold the scale into the exp2's FFMA,
   // which needs scale >= 0 (callers fold a negative scale into q). scale_log2 stays a
   // normal float so that masked (-inf) scores times it stay -inf, never NaN; the exact
@@ -109,7 +193,24 @@ void fill_fwd(FwdParams& p, const at::Tensor& q, const at::Tensor& k, const at::
   TORCH_CHECK(scale >= 0, "flash_cuda: internal error: negative scale reached the kernels");
   p.scale = static_cast<float>(scale);
   p.scale_log2 = std::max(static_cast<float>(scale * M_LOG2E), 1e-30f);
-  p.is_causal = is_causal;
+  // Window sides beyond every key are the same as unbounded: keeps the int arithmetic small.
+  const int64_t span = s.Sq + s.Sk;
+  p.window_left = m.window_left < 0 ? -1 : static_cast<int>(std::min(m.window_left, span));
+  p.window_right = m.window_right < 0 ? -1 : static_cast<int>(std::min(m.window_right, span));
+  const AttnMask dense_mask = AttnMask::make(p.sq, p.sk, p.window_left, p.window_right);
+  p.diag_lo = dense_mask.diag_lo;
+  p.diag_hi = dense_mask.diag_hi;
+  p.softcap = static_cast<float>(m.softcap);
+  if (m.alibi_slopes.has_value()) {
+    p.alibi_slopes = m.alibi_slopes->data_ptr<float>();
+    p.alibi_batch_stride = m.alibi_slopes->dim() == 2 ? s.Hq : 0;
+  }
+  if (vl) {
+    p.cu_seqlens_q = m.cu_seqlens_q->data_ptr<int32_t>();
+    p.cu_seqlens_k = m.cu_seqlens_k->data_ptr<int32_t>();
+    p.total_q = static_cast<int>(s.rows_q);
+    p.total_k = static_cast<int>(s.rows_k);
+  }
   p.dtype = dtype_of(q);
   const auto prop = at::cuda::getDeviceProperties(q.device().index());
   p.sm_arch = prop->major * 10 + prop->minor;
@@ -134,93 +235,162 @@ int mma_bucket(int d) {
   return d <= 32 ? 32 : d <= 64 ? 64 : d <= 96 ? 96 : d <= 128 ? 128 : d <= 192 ? 192 : 256;
 }
 
-#define FLASH_MMA_BUCKETS(DT, FN, P, S)                                   \
-  switch (mma_bucket((P).d)) {                                            \
-    case 32: FN<DT, 32>(P, S); break;                                     \
-    case 64: FN<DT, 64>(P, S); break;                                     \
-    case 96: FN<DT, 96>(P, S); break;                                     \
-    case 128: FN<DT, 128>(P, S); break;                                   \
-    case 192: FN<DT, 192>(P, S); break;                                   \
-    default: FN<DT, 256>(P, S); break;                                    \
-  }
-
-#define FLASH_SIMT_BUCKETS(FN, P, S)                                      \
-  switch (simt_bucket((P).d)) {                                           \
-    case 32: FN<32>(P, S); break;                                         \
-    case 64: FN<64>(P, S); break;                                         \
-    case 128: FN<128>(P, S); break;                                       \
-    default: FN<256>(P, S); break;                                        \
-  }
+// Calls Fn::template run<Bucket>(args...) for the smallest bucket of `buckets` that holds d.
+template <typename Fn, int... kBuckets, typename... Args>
+auto with_bucket(int d, std::integer_sequence<int, kBuckets...>, Args&&... args) {
+  using R = decltype(Fn::template run<256>(args...));
+  R result{};
+  bool done = false;
+  ((!done && d <= kBuckets ? (result = Fn::template run<kBuckets>(args...), done = true) : false), ...);
+  return result;
+}
+using SimtBuckets = std::integer_sequence<int, 32, 64, 128, 256>;
+using MmaBuckets = std::integer_sequence<int, 32, 64, 96, 128, 192, 256>;
+using Sm90Buckets = std::integer_sequence<int, 64, 128>;
 
 constexpr int kF16 = static_cast<int>(DType::kFloat16);
 constexpr int kBF16 = static_cast<int>(DType::kBFloat16);
 
-// The Hopper tier serves head-dim buckets 64 and 128 (every d in 33..64 and 97..128).
-// Returns false, having launched nothing, where it does not apply (other head dims, a GPU
-// other than sm_90, or a build without the 90a target).
-#define FLASH_SM90_BUCKETS(FN, P, S)                                                      \
-  ((P).dtype == DType::kFloat16                                                           \
-       ? (mma_bucket((P).d) == 64    ? FN<kF16, 64>(P, S)                                 \
-          : mma_bucket((P).d) == 128 ? FN<kF16, 128>(P, S)                                \
-                                     : false)                                             \
-       : (mma_bucket((P).d) == 64    ? FN<kBF16, 64>(P, S)                                \
-          : mma_bucket((P).d) == 128 ? FN<kBF16, 128>(P, S)                               \
-                                     : false))
+// Each entry point behind a bucket switch (and, for 16-bit kernels, a dtype switch). They
+// return bool so that with_bucket has one shape: false means "this tier does not apply".
+struct SimtFwd {
+  template <int kD> static bool run(const FwdParams& p, cudaStream_t s) { run_fwd_simt<kD>(p, s); return true; }
+};
+struct SimtBwd {
+  template <int kD> static bool run(const BwdParams& p, cudaStream_t s) { run_bwd_simt<kD>(p, s); return true; }
+};
+struct SimtFwdPlan {
+  template <int kD> static int64_t run(FwdParams& p) { return plan_fwd_simt<kD>(p); }
+};
+struct SimtBwdPlan {
+  template <int kD> static int64_t run(BwdParams& p) { return plan_bwd_simt<kD>(p); }
+};
+template <int kDType, int kVariant> struct MmaFwd {
+  template <int kD> static bool run(const FwdParams& p, cudaStream_t s) {
+    run_fwd_mma<kDType, kD, kVariant>(p, s);
+    return true;
+  }
+};
+template <int kDType, int kVariant> struct MmaBwd {
+  template <int kD> static bool run(const BwdParams& p, cudaStream_t s) {
+    run_bwd_mma<kDType, kD, kVariant>(p, s);
+    return true;
+  }
+};
+template <int kDType, int kVariant> struct Sm90Fwd {
+  template <int kD> static bool run(const FwdParams& p, cudaStream_t s) { return run_fwd_sm90<kDType, kD, kVariant>(p, s); }
+};
+template <int kDType, int kVariant> struct Sm90Bwd {
+  template <int kD> static bool run(const BwdParams& p, cudaStream_t s) { return run_bwd_sm90<kDType, kD, kVariant>(p, s); }
+};
+
+// The static switches over dtype and variant, then the bucket: Entry<kDType, kVariant> is one
+// of the structs above. Only the mma.sync backward has kSoftcapGrad instances (kWithSoftcapGrad).
+template <template <int, int> class Entry, typename Buckets, bool kWithSoftcapGrad = false, typename Params>
+bool with_dtype_variant(const Params& p, Variant variant, cudaStream_t stream) {
+  const bool f16 = p.dtype == DType::kFloat16;
+  switch (variant) {
+    case kPlain:
+      return f16 ? with_bucket<Entry<kF16, kPlain>>(p.d, Buckets{}, p, stream)
+                 : with_bucket<Entry<kBF16, kPlain>>(p.d, Buckets{}, p, stream);
+    case kExtended:
+      return f16 ? with_bucket<Entry<kF16, kExtended>>(p.d, Buckets{}, p, stream)
+                 : with_bucket<Entry<kBF16, kExtended>>(p.d, Buckets{}, p, stream);
+    default:
+      if constexpr (kWithSoftcapGrad) {
+        return f16 ? with_bucket<Entry<kF16, kSoftcapGrad>>(p.d, Buckets{}, p, stream)
+                   : with_bucket<Entry<kBF16, kSoftcapGrad>>(p.d, Buckets{}, p, stream);
+      }
+      TORCH_CHECK(false, "flash_cuda: internal error: no softcap-gradient instance for this tier");
+  }
+}
+
+// The Hopper tier serves head-dim buckets 64 and 128 (every d in 33..64 and 97..128); it
+// returns false, having launched nothing, where it does not apply (other head dims, a GPU
+// other than sm_90, a build without the 90a target, softcap in the backward).
+bool sm90_bucket(int d) { return (d > 32 && d <= 64) || (d > 96 && d <= 128); }
 
 constexpr const char* kNoWgmma =
     "flash_cuda: kernel='wgmma' needs an sm_90 GPU (H100/H200), a flash_cuda build that includes "
-    "the 90a target, and a head dim in 33..64 or 97..128; use kernel='auto' or 'mma'";
+    "the 90a target, a head dim in 33..64 or 97..128, and softcap == 0 (its backward has no "
+    "softcap yet); use kernel='auto' or 'mma'";
 
 void dispatch_fwd(const FwdParams& p, Tier tier, cudaStream_t stream) {
   if (tier == Tier::kSimt) {
-    FLASH_SIMT_BUCKETS(run_fwd_simt, p, stream);
+    with_bucket<SimtFwd>(p.d, SimtBuckets{}, p, stream);
     return;
   }
+  const Variant variant = variant_of(p, /*backward=*/false);
   if (tier == Tier::kAuto || tier == Tier::kWgmma) {
-    if (FLASH_SM90_BUCKETS(run_fwd_sm90, p, stream)) return;
+    if (sm90_bucket(p.d) && with_dtype_variant<Sm90Fwd, Sm90Buckets>(p, variant, stream)) return;
     TORCH_CHECK(tier == Tier::kAuto, kNoWgmma);
   }
-  if (p.dtype == DType::kFloat16) {
-    FLASH_MMA_BUCKETS(kF16, run_fwd_mma, p, stream);
-  } else {
-    FLASH_MMA_BUCKETS(kBF16, run_fwd_mma, p, stream);
-  }
+  with_dtype_variant<MmaFwd, MmaBuckets>(p, variant, stream);
 }
 
 void dispatch_bwd(const BwdParams& p, Tier tier, cudaStream_t stream) {
   if (tier == Tier::kSimt) {
-    FLASH_SIMT_BUCKETS(run_bwd_simt, p, stream);
+    with_bucket<SimtBwd>(p.d, SimtBuckets{}, p, stream);
     return;
   }
-  if (tier == Tier::kAuto || tier == Tier::kWgmma) {
-    if (FLASH_SM90_BUCKETS(run_bwd_sm90, p, stream)) return;
-    TORCH_CHECK(tier == Tier::kAuto, kNoWgmma);
+  const Variant variant = variant_of(p, /*backward=*/true);
+  if ((tier == Tier::kAuto || tier == Tier::kWgmma) && variant != kSoftcapGrad) {
+    if (sm90_bucket(p.d) && with_dtype_variant<Sm90Bwd, Sm90Buckets>(p, variant, stream)) return;
   }
-  if (p.dtype == DType::kFloat16) {
-    FLASH_MMA_BUCKETS(kF16, run_bwd_mma, p, stream);
-  } else {
-    FLASH_MMA_BUCKETS(kBF16, run_bwd_mma, p, stream);
-  }
+  TORCH_CHECK(tier != Tier::kWgmma, kNoWgmma);
+  with_dtype_variant<MmaBwd, MmaBuckets, /*kWithSoftcapGrad=*/true>(p, variant, stream);
+}
+
+MaskArgs mask_args(int64_t window_left, int64_t window_right, double softcap,
+                   const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& cu_seqlens_q,
+                   const std::optional<at::Tensor>& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k) {
+  MaskArgs m;
+  m.window_left = window_left;
+  m.window_right = window_right;
+  m.softcap = softcap;
+  auto defined = [](const std::optional<at::Tensor>& t) {
+    return t.has_value() && t->defined() ? t : std::optional<at::Tensor>{};
+  };
+  m.alibi_slopes = defined(alibi_slopes);
+  m.cu_seqlens_q = defined(cu_seqlens_q);
+  m.cu_seqlens_k = defined(cu_seqlens_k);
+  m.max_seqlen_q = max_seqlen_q;
+  m.max_seqlen_k = max_seqlen_k;
+  return m;
+}
+
+// The fp32 tier's per-row softmax statistics (flash_params.h: softmax_stats) travel from the
+// forward to the backward as `aux`: lse's shape + (2,) for float32, empty otherwise.
+at::Tensor make_aux(const Shape& s, const at::Tensor& q) {
+  if (q.scalar_type() != at::kFloat) return at::empty({0}, q.options().dtype(at::kFloat));
+  std::vector<int64_t> shape = s.lse_shape();
+  shape.push_back(2);
+  return at::zeros(shape, q.options().dtype(at::kFloat));
 }
 
 }  // namespace
 
-// out, lse = fwd(q, k, v, scale, is_causal, tier)
-std::tuple<at::Tensor, at::Tensor> fwd(const at::Tensor& q_in, const at::Tensor& k_in,
-                                       const at::Tensor& v_in, double scale, bool is_causal,
-                                       int64_t tier) {
-  check_qkv(q_in, k_in, v_in);
+// out, lse, aux = fwd(q, k, v, scale, window_left, window_right, softcap, alibi_slopes,
+//                     cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, tier)
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd(
+    const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, double scale, int64_t window_left,
+    int64_t window_right, double softcap, const std::optional<at::Tensor>& alibi_slopes,
+    const std::optional<at::Tensor>& cu_seqlens_q, const std::optional<at::Tensor>& cu_seqlens_k,
+    int64_t max_seqlen_q, int64_t max_seqlen_k, int64_t tier) {
+  const MaskArgs m = mask_args(window_left, window_right, softcap, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
+                               max_seqlen_q, max_seqlen_k);
+  const Shape s = check_qkv(q_in, k_in, v_in, m);
   TORCH_CHECK(std::isfinite(scale), "flash_cuda: scale must be finite");
   const Tier t = resolve_tier(tier, dtype_of(q_in));
-  const int64_t B = q_in.size(0), Hq = q_in.size(1), Sq = q_in.size(2), Sk = k_in.size(2);
+  TORCH_CHECK(t != Tier::kWgmma || m.softcap == 0, kNoWgmma);
 
   at::Tensor out = at::empty_like(q_in);
-  at::Tensor lse = at::empty({B, Hq, Sq}, q_in.options().dtype(at::kFloat));
-  if (B == 0 || Hq == 0 || Sq == 0) return {out, lse};
-  if (Sk == 0) {  // no key at all: every row is empty
+  at::Tensor lse = at::empty(s.lse_shape(), q_in.options().dtype(at::kFloat));
+  at::Tensor aux = make_aux(s, q_in);
+  if (s.empty()) {  // no query, or no key at all: every row is empty
     out.zero_();
     lse.fill_(-INFINITY);
-    return {out, lse};
+    return {out, lse, aux};
   }
 
   const c10::cuda::CUDAGuard guard(q_in.device());
@@ -233,35 +403,34 @@ std::tuple<at::Tensor, at::Tensor> fwd(const at::Tensor& q_in, const at::Tensor&
     lse.fill_(NAN);
   }
   FwdParams p;
-  fill_fwd(p, q, k, v, out, lse, scale, is_causal);
+  fill_fwd(p, s, m, q, k, v, out, lse, scale);
   at::Tensor workspace;  // partial results of split key ranges (fp32 tier), if the plan splits
   if (t == Tier::kSimt) {
-    int64_t floats = 0;
-    switch (simt_bucket(p.d)) {
-      case 32: floats = plan_fwd_simt<32>(p); break;
-      case 64: floats = plan_fwd_simt<64>(p); break;
-      case 128: floats = plan_fwd_simt<128>(p); break;
-      default: floats = plan_fwd_simt<256>(p); break;
-    }
+    const int64_t floats = with_bucket<SimtFwdPlan>(p.d, SimtBuckets{}, p);
     if (floats > 0) {
       workspace = at::empty({floats}, q.options().dtype(at::kFloat));
       p.o_accum = workspace.data_ptr<float>();
     }
   }
   dispatch_fwd(p, t, at::cuda::getCurrentCUDAStream().stream());
-  return {out, lse};
+  return {out, lse, aux};
 }
 
-// dq, dk, dv = bwd(dout, q, k, v, out, lse, dlse, scale, is_causal, deterministic, tier)
-std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(const at::Tensor& dout_in, const at::Tensor& q_in,
-                                                   const at::Tensor& k_in, const at::Tensor& v_in,
-                                                   const at::Tensor& out_in, const at::Tensor& lse_in,
-                                                   const std::optional<at::Tensor>& dlse_in,
-                                                   double scale, bool is_causal, bool deterministic,
-                                                   int64_t tier) {
-  check_qkv(q_in, k_in, v_in);
+// dq, dk, dv = bwd(dout, q, k, v, out, lse, aux, dlse, scale, window_left, window_right, softcap,
+//                  alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, deterministic, tier)
+std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(
+    const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+    const at::Tensor& out_in, const at::Tensor& lse_in, const at::Tensor& aux_in,
+    const std::optional<at::Tensor>& dlse_in, double scale, int64_t window_left, int64_t window_right,
+    double softcap, const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& cu_seqlens_q,
+    const std::optional<at::Tensor>& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
+    bool deterministic, int64_t tier) {
+  const MaskArgs m = mask_args(window_left, window_right, softcap, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
+                               max_seqlen_q, max_seqlen_k);
+  const Shape s = check_qkv(q_in, k_in, v_in, m);
   TORCH_CHECK(std::isfinite(scale), "flash_cuda: scale must be finite");
   const Tier t = resolve_tier(tier, dtype_of(q_in));
+  TORCH_CHECK(t != Tier::kWgmma || m.softcap == 0, kNoWgmma);
   TORCH_CHECK(dout_in.sizes() == q_in.sizes() && out_in.sizes() == q_in.sizes(),
               "flash_cuda: dout and out must have q's shape");
   TORCH_CHECK(dout_in.scalar_type() == q_in.scalar_type() && out_in.scalar_type() == q_in.scalar_type(),
@@ -269,10 +438,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(const at::Tensor& dout_in, co
   TORCH_CHECK(dout_in.device() == q_in.device() && out_in.device() == q_in.device() &&
                   lse_in.device() == q_in.device(),
               "flash_cuda: dout, out, lse must be on q's device");
-  const int64_t B = q_in.size(0), Hq = q_in.size(1), Sq = q_in.size(2), Sk = k_in.size(2);
-  TORCH_CHECK(lse_in.scalar_type() == at::kFloat && lse_in.dim() == 3 && lse_in.size(0) == B &&
-                  lse_in.size(1) == Hq && lse_in.size(2) == Sq,
-              "flash_cuda: lse must be float32 of shape (B, Hq, Sq)");
+  TORCH_CHECK(lse_in.scalar_type() == at::kFloat && lse_in.sizes() == at::IntArrayRef(s.lse_shape()),
+              "flash_cuda: lse must be float32 of shape (B, Hq, Sq), or (Hq, total_q) for varlen");
 
   // The fp32 tier's default backward adds dQ with float atomics straight into dq (fp32):
   // dq starts at zero. Every other path writes each gradient element exactly once.
@@ -280,7 +447,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(const at::Tensor& dout_in, co
   at::Tensor dq = dq_atomic ? at::zeros_like(q_in) : at::empty_like(q_in);
   at::Tensor dk = at::empty_like(k_in);
   at::Tensor dv = at::empty_like(v_in);
-  if (B == 0 || Hq == 0 || Sq == 0 || Sk == 0) {
+  if (s.empty()) {
     dq.zero_();
     dk.zero_();
     dv.zero_();
@@ -302,7 +469,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(const at::Tensor& dout_in, co
     TORCH_CHECK(dlse_in->sizes() == lse_in.sizes(), "flash_cuda: dlse must have lse's shape");
     dlse = dlse_in->to(at::kFloat).contiguous();
   }
-  at::Tensor delta = at::empty({B, Hq, Sq}, q.options().dtype(at::kFloat));
+  at::Tensor delta = at::empty(s.lse_shape(), q.options().dtype(at::kFloat));
   if (poison_outputs()) {
     if (!dq_atomic) dq.fill_(NAN);
     dk.fill_(NAN);
@@ -311,29 +478,28 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(const at::Tensor& dout_in, co
   }
 
   BwdParams p;
-  fill_fwd(p, q, k, v, out, lse, scale, is_causal);
+  fill_fwd(p, s, m, q, k, v, out, lse, scale);
   p.softmax_lse = const_cast<float*>(lse.data_ptr<float>());
+  if (q_in.scalar_type() == at::kFloat) {
+    TORCH_CHECK(aux_in.scalar_type() == at::kFloat && aux_in.is_contiguous() &&
+                    aux_in.numel() == 2 * lse_in.numel(),
+                "flash_cuda: aux must be the float32 statistics the forward returned");
+  }
   p.dout = dout.data_ptr();
-  p.do_batch_stride = dout.stride(0), p.do_head_stride = dout.stride(1), p.do_row_stride = dout.stride(2);
+  s.strides(dout, p.do_batch_stride, p.do_head_stride, p.do_row_stride);
   p.dlse = dlse.defined() ? dlse.data_ptr<float>() : nullptr;
   p.dq = dq.data_ptr();
   p.dk = dk.data_ptr();
   p.dv = dv.data_ptr();
-  p.dq_batch_stride = dq.stride(0), p.dq_head_stride = dq.stride(1), p.dq_row_stride = dq.stride(2);
-  p.dk_batch_stride = dk.stride(0), p.dk_head_stride = dk.stride(1), p.dk_row_stride = dk.stride(2);
-  p.dv_batch_stride = dv.stride(0), p.dv_head_stride = dv.stride(1), p.dv_row_stride = dv.stride(2);
+  s.strides(dq, p.dq_batch_stride, p.dq_head_stride, p.dq_row_stride);
+  s.strides(dk, p.dk_batch_stride, p.dk_head_stride, p.dk_row_stride);
+  s.strides(dv, p.dv_batch_stride, p.dv_head_stride, p.dv_row_stride);
   p.delta = delta.data_ptr<float>();
   p.dq_accum = nullptr;  // no kernel needs a separate dQ accumulator
   p.deterministic = deterministic;
   at::Tensor workspace;  // partial dK/dV of split key blocks (fp32 tier), if the plan splits
   if (t == Tier::kSimt) {
-    int64_t floats = 0;
-    switch (simt_bucket(p.d)) {
-      case 32: floats = plan_bwd_simt<32>(p); break;
-      case 64: floats = plan_bwd_simt<64>(p); break;
-      case 128: floats = plan_bwd_simt<128>(p); break;
-      default: floats = plan_bwd_simt<256>(p); break;
-    }
+    const int64_t floats = with_bucket<SimtBwdPlan>(p.d, SimtBuckets{}, p);
     if (floats > 0) {
       workspace = at::empty({floats}, q.options().dtype(at::kFloat));
       p.dkv_accum = workspace.data_ptr<float>();
@@ -347,10 +513,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(const at::Tensor& dout_in, co
 }  // namespace flash_cuda
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "flash_cuda kernels (use flash_cuda.attention, not this module)";
-  m.def("fwd", &flash_cuda::fwd, "attention forward: (out, lse)", py::arg("q"), py::arg("k"),
-        py::arg("v"), py::arg("scale"), py::arg("is_causal"), py::arg("tier"));
+  m.doc() = "flash_cuda kernels (use flash_cuda.attention / varlen_attention, not this module)";
+  m.def("fwd", &flash_cuda::fwd, "attention forward: (out, lse, aux)", py::arg("q"), py::arg("k"),
+        py::arg("v"), py::arg("scale"), py::arg("window_left"), py::arg("window_right"), py::arg("softcap"),
+        py::arg("alibi_slopes"), py::arg("cu_seqlens_q"), py::arg("cu_seqlens_k"), py::arg("max_seqlen_q"),
+        py::arg("max_seqlen_k"), py::arg("tier"));
   m.def("bwd", &flash_cuda::bwd, "attention backward: (dq, dk, dv)", py::arg("dout"), py::arg("q"),
-        py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("dlse"), py::arg("scale"),
-        py::arg("is_causal"), py::arg("deterministic"), py::arg("tier"));
+        py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("aux"), py::arg("dlse"),
+        py::arg("scale"), py::arg("window_left"), py::arg("window_right"), py::arg("softcap"),
+        py::arg("alibi_slopes"), py::arg("cu_seqlens_q"), py::arg("cu_seqlens_k"), py::arg("max_seqlen_q"),
+        py::arg("max_seqlen_k"), py::arg("deterministic"), py::arg("tier"));
 }

@@ -43,9 +43,18 @@ struct FwdParams {
   // ---- outputs ----
   void* o = nullptr;  // [b][hq][sq][d], dtype of q
   int64_t o_batch_stride = 0, o_head_stride = 0, o_row_stride = 0;
-  // Log-sum-exp of the scaled scores, natural log, float32, contiguous [b][hq][sq]:
-  // lse(b, h, i) = softmax_lse[(b*hq + h)*sq + i]. A row that sees no key gets -inf.
+  // Log-sum-exp of the (modified) logits, natural log, float32. A row that sees no key gets -inf.
+  // Row statistics (lse here; delta, the fp32 softmax stats and dq_accum rows in BwdParams) are
+  // indexed by SeqInfo::stat_offset(h) + row (core/seqlen.cuh):
+  //   dense  [b][hq][sq]:   stat_batch_stride = hq * sq, stat_head_stride = sq
+  //   varlen [hq][total_q]: stat_batch_stride = 0,       stat_head_stride = total_q
   float* softmax_lse = nullptr;
+  int64_t stat_batch_stride = 0, stat_head_stride = 0;
+  // fp32 tier only (nullptr otherwise): the forward's own row max m (log2 units) and log2 of its
+  // row sum l, two floats per row at 2 * (stat_offset + row). The backward recomputes
+  // P = 2^(s * scale_log2 - m - log2 l) from them: exactly the forward's P / l, where going
+  // through lse (rounded at the size of the logits) would not be.
+  float* softmax_stats = nullptr;
 
   // ---- sizes ----
   int b = 0;     // batch
@@ -59,18 +68,27 @@ struct FwdParams {
   float scale = 0.f;       // multiplies q.k
   float scale_log2 = 0.f;  // scale * log2(e): kernels work with exp2
 
-  // ---- masking ----
-  // Causal masking is bottom-right aligned: query i sees key j iff j <= i + (sk - sq).
-  // A query row with i + (sk - sq) < 0 sees no key: its output is 0 and its lse is -inf.
-  bool is_causal = false;
+  // ---- masking and score modifiers (core/mask.cuh has the rule and its derivation) ----
+  // Query i sees key j iff 0 <= j < sk and i + sk - sq - window_left <= j <= i + sk - sq +
+  // window_right; -1 leaves a side unbounded. Causal is window_right = 0. A query row that sees
+  // no key gets output 0 and lse -inf.
+  int window_left = -1;
+  int window_right = -1;
+  // The same rule on the diagonal index j - i of a dense batch, diag_lo <= j - i <= diag_hi
+  // (core/mask.cuh derives them; the binding fills them). Kernels of a dense batch read them
+  // here, where they cost no register; a packed batch derives them per sequence.
+  int diag_lo = INT_MIN;
+  int diag_hi = INT_MAX;
+  float softcap = 0.f;                  // logits = softcap * tanh(logits / softcap); 0: off
+  const float* alibi_slopes = nullptr;  // logits -= slope[bi, h] * |i + sk - sq - j|; nullptr: off
+  int64_t alibi_batch_stride = 0;       // 0 for slopes of shape (hq,), hq for (b, hq)
 
-  // ---- reserved for planned features (kernels reject or ignore nothing yet: the
-  //      binding keeps them at their "off" values until a kernel implements them) ----
-  const int32_t* cu_seqlens_q = nullptr;  // varlen batches: [b + 1] prefix sums (off: nullptr)
-  const int32_t* cu_seqlens_k = nullptr;
-  int window_left = -1;   // sliding window: keys j >= i + (sk - sq) - window_left (off: -1)
-  int window_right = -1;  // keys j <= i + (sk - sq) + window_right (off: -1; causal == 0)
-  float softcap = 0.f;    // tanh soft-capping of scores (off: 0)
+  // ---- variable-length (packed) batches: core/seqlen.cuh (nullptr: dense) ----
+  // sq / sk above then hold max_seqlen_q / max_seqlen_k; total_q / total_k are the row counts
+  // of the packed q and k / v tensors, the bounds every sequence is clamped to.
+  const int32_t* cu_seqlens_q = nullptr;  // [b + 1]
+  const int32_t* cu_seqlens_k = nullptr;  // [b + 1]
+  int total_q = 0, total_k = 0;
 
   // ---- split key ranges (fp32 forward: the last, partial wave; later: split-KV decode) ----
   // Query blocks from split_begin on (in the kernel's block order) are each cut into
@@ -122,9 +140,22 @@ struct BwdParams : FwdParams {
   bool deterministic = false;
 };
 
-// Row-offset helpers (64-bit on purpose).
-FLASH_HOST_DEVICE inline int64_t lse_offset(const FwdParams& p, int bi, int hi) {
-  return (static_cast<int64_t>(bi) * p.hq + hi) * p.sq;
+// Any score modifier (softcap, ALiBi) at all?
+FLASH_HOST_DEVICE inline bool has_score_mod(const FwdParams& p) {
+  return p.softcap > 0.f || p.alibi_slopes != nullptr;
+}
+
+// Which per-call features a kernel instance handles: a template parameter (static switch), so
+// that the plain kernels carry none of the others' registers. Causal and sliding windows are
+// run-time values in every variant (they only move block ranges and the mask's diagonals).
+//   kPlain       dense batch, no score modifier
+//   kExtended    + packed (varlen) batches, ALiBi, softcap
+//   kSoftcapGrad kExtended + softcap's derivative, which the backward keeps in one more tile
+enum Variant : int { kPlain = 0, kExtended = 1, kSoftcapGrad = 2 };
+
+inline Variant variant_of(const FwdParams& p, bool backward) {
+  if (p.cu_seqlens_q == nullptr && !has_score_mod(p)) return kPlain;
+  return backward && p.softcap > 0.f ? kSoftcapGrad : kExtended;
 }
 
 }  // namespace flash_cuda

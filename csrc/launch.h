@@ -27,14 +27,16 @@ template <int kHeadDim> void run_fwd_simt(const FwdParams& params, cudaStream_t 
 template <int kHeadDim> int64_t plan_bwd_simt(BwdParams& params);
 template <int kHeadDim> void run_bwd_simt(const BwdParams& params, cudaStream_t stream);
 
-// ---- fp16/bf16 tensor-core tier; kDType is static_cast<int>(DType) ----
-template <int kDType, int kHeadDim> void run_fwd_mma(const FwdParams& params, cudaStream_t stream);
-template <int kDType, int kHeadDim> void run_bwd_mma(const BwdParams& params, cudaStream_t stream);
+// ---- fp16/bf16 tensor-core tier; kDType is static_cast<int>(DType), kVariant a Variant
+//      (flash_params.h: kPlain, kExtended, and for the backward kSoftcapGrad) ----
+template <int kDType, int kHeadDim, int kVariant> void run_fwd_mma(const FwdParams& params, cudaStream_t stream);
+template <int kDType, int kHeadDim, int kVariant> void run_bwd_mma(const BwdParams& params, cudaStream_t stream);
 
 // ---- fp16/bf16 Hopper tier (wgmma), head dims 64 and 128 ----
 // Launch and return true when the device is sm_90 and the kernel was built for sm_90a;
 // return false (nothing launched) otherwise, so the caller can fall back to the MMA tier.
-template <int kDType, int kHeadDim> bool run_fwd_sm90(const FwdParams& params, cudaStream_t stream);
-template <int kDType, int kHeadDim> bool run_bwd_sm90(const BwdParams& params, cudaStream_t stream);
+// kVariant: kPlain or kExtended (the backward has no kSoftcapGrad: the mma.sync tier serves it).
+template <int kDType, int kHeadDim, int kVariant> bool run_fwd_sm90(const FwdParams& params, cudaStream_t stream);
+template <int kDType, int kHeadDim, int kVariant> bool run_bwd_sm90(const BwdParams& params, cudaStream_t stream);
 
 }  // namespace flash_cuda

@@ -19,8 +19,25 @@ ROOT = Path(__file__).resolve().parents[1]
 INSTANCES = sorted((ROOT / "csrc" / "instances").glob("*.cu"))
 ARCHS = {"sm_80": "-gencode=arch=compute_80,code=sm_80", "sm_90a": "-gencode=arch=compute_90a,code=sm_90a"}
 
-# Kernels allowed to spill, with the measured reason. Empty: nothing spills.
-SPILL_ALLOW = {}
+# Instances allowed to spill, with the reason (OPTIMIZATION.md has the measurements). The plain
+# variants of the kernels on the performance grid spill nothing.
+# * kSoftcapGrad (mma_bwd_softcap_*): softcap's derivative is one more register tile next to P
+#   and dP, in kernels whose plain variant already sits at 255 registers. Softcap is in no
+#   performance gate; smaller tiles for this variant are the next step.
+# * kExtended at d = 96 / 128 (forward), 128 / 256 (backward): ALiBi's slope and the sequence's
+#   offsets push 255-register kernels over by a few words. On sm_90 the wgmma tier serves the
+#   extended variants at d = 64 / 128.
+# * The plain mma.sync backward at d = 64 on sm_90a (8 bytes): sm_90 runs the wgmma backward there.
+_DTS = ("fp16", "bf16")
+SPILL_ALLOW = {
+    **{(f"mma_bwd_softcap_{dt}_d{d}.cu", arch): "softcap derivative tile"
+       for dt in _DTS for d in (32, 64, 96, 128, 192, 256) for arch in ("sm_80", "sm_90a")},
+    **{(f"mma_{name}_{dt}_d{d}.cu", arch): "extended variant (ALiBi / varlen state)"
+       for dt in _DTS for name, d, arch in (("fwd_ext", 96, "sm_90a"), ("fwd_ext", 128, "sm_80"),
+                                           ("fwd_ext", 128, "sm_90a"), ("bwd_ext", 128, "sm_80"),
+                                           ("bwd_ext", 128, "sm_90a"), ("bwd_ext", 256, "sm_90a"))},
+    **{(f"mma_bwd_{dt}_d64.cu", "sm_90a"): "wgmma serves d = 64 on sm_90" for dt in _DTS},
+}
 
 NVCC = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if os.path.exists("/usr/local/cuda/bin/nvcc") else None)
 
@@ -61,17 +78,29 @@ def reports():
 
 def test_instances_exist():
     names = {p.name for p in INSTANCES}
-    for tier in ("mma_fwd", "mma_bwd"):
+    for tier in ("mma_fwd", "mma_fwd_ext", "mma_bwd", "mma_bwd_ext", "mma_bwd_softcap"):
         for dt in ("fp16", "bf16"):
             for d in (32, 64, 96, 128, 192, 256):
                 assert f"{tier}_{dt}_d{d}.cu" in names
     for tier in ("simt_fwd", "simt_bwd"):
         for d in (32, 64, 128, 256):
             assert f"{tier}_d{d}.cu" in names
-    for tier in ("sm90_fwd", "sm90_bwd"):
+    for tier in ("sm90_fwd", "sm90_fwd_ext", "sm90_bwd", "sm90_bwd_ext"):
         for dt in ("fp16", "bf16"):
             for d in (64, 128):
                 assert f"{tier}_{dt}_d{d}.cu" in names
+
+
+def test_instances_are_generated():
+    """csrc/instances/*.cu are the output of csrc/instances/generate.py."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("gen_instances", ROOT / "csrc" / "instances" / "generate.py")
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    expected = gen.instances()
+    assert sorted(expected) == [p.name for p in INSTANCES], "run csrc/instances/generate.py"
+    for path in INSTANCES:
+        assert path.read_text() == expected[path.name], f"{path.name}: run csrc/instances/generate.py"
 
 
 def test_wgmma_ops_header_is_generated():
@@ -99,7 +128,8 @@ def test_no_spills(reports):
 
 
 def test_kernels_include_no_torch():
-    for path in list((ROOT / "csrc" / "kernels").glob("*")) + INSTANCES + [ROOT / "csrc" / "flash_params.h",
+    for path in list((ROOT / "csrc" / "kernels").glob("*")) + list((ROOT / "csrc" / "core").glob("*")) + \
+            INSTANCES + [ROOT / "csrc" / "flash_params.h",
                                                                           ROOT / "csrc" / "launch.h"]:
         text = path.read_text()
         assert not re.search(r"#include\s*[<\"](torch|ATen|c10)/", text), f"{path.name} includes a torch header"

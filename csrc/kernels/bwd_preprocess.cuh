@@ -4,7 +4,9 @@
 // neither the dK/dV kernel nor the dQ kernel has to read O.
 //
 // One warp per query row: each lane reads 16-byte vectors of dO and O (coalesced along
-// the row), accumulates in fp32 and the warp reduces with shuffles.
+// the row), accumulates in fp32 and the warp reduces with shuffles. The rows are walked as
+// [b][hq][sq] of the row-statistics layout (flash_params.h); a packed (varlen) batch is one
+// long sequence of total_q rows here (launch_bwd_preprocess), as delta needs no boundaries.
 #pragma once
 
 #include "common.cuh"
@@ -24,6 +26,7 @@ __global__ void __launch_bounds__(256) bwd_preprocess_delta_kernel(BwdParams p) 
   const int64_t bh = row / p.sq;
   const int h = static_cast<int>(bh % p.hq);
   const int bi = static_cast<int>(bh / p.hq);
+  const int64_t stat = bi * p.stat_batch_stride + h * p.stat_head_stride + i;
 
   const T* o_row = static_cast<const T*>(p.o) + bi * p.o_batch_stride + h * p.o_head_stride +
                    i * p.o_row_stride;
@@ -43,17 +46,23 @@ __global__ void __launch_bounds__(256) bwd_preprocess_delta_kernel(BwdParams p) 
   }
   acc = group_sum<32>(acc);
   if (lane == 0) {
-    const float dl = p.dlse != nullptr ? p.dlse[row] : 0.f;
+    const float dl = p.dlse != nullptr ? p.dlse[stat] : 0.f;
     // A row that saw no key has lse = -inf and O = 0; its delta is irrelevant but finite.
-    p.delta[row] = acc - dl;
+    p.delta[stat] = acc - dl;
   }
 }
 
 // Launches the delta kernel. Requires 16-byte aligned rows (the binding checks pointer
 // and stride alignment, and copies inputs that are not aligned).
 template <typename T>
-inline void launch_bwd_preprocess(const BwdParams& p, cudaStream_t stream) {
+inline void launch_bwd_preprocess(const BwdParams& params, cudaStream_t stream) {
+  BwdParams p = params;
+  if (p.cu_seqlens_q != nullptr) {  // varlen: rows [h][0, total_q), batch stride 0
+    p.b = 1;
+    p.sq = p.total_q;
+  }
   const int64_t total_rows = static_cast<int64_t>(p.b) * p.hq * p.sq;
+  if (total_rows == 0) return;
   constexpr int kThreads = 256;
   constexpr int kRowsPerBlock = kThreads / 32;
   const int64_t blocks = (total_rows + kRowsPerBlock - 1) / kRowsPerBlock;

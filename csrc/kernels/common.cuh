@@ -229,13 +229,4 @@ __device__ __forceinline__ void mma_16816<__nv_bfloat16>(float (&c)[4], const ui
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// ---------------------------------------------------------------------------------
-// Masking rule shared by all tiers (see FwdParams::is_causal).
-// ---------------------------------------------------------------------------------
-
-// True when query row `i` may attend to key `j` (both 0-based, j < sk checked too).
-__device__ __forceinline__ bool key_visible(int i, int j, int sk, int causal_offset, bool is_causal) {
-  return j < sk && (!is_causal || j <= i + causal_offset);
-}
-
 }  // namespace flash_cuda

@@ -53,14 +53,18 @@
 // __syncthreads per block. Shared-memory rows are padded by 8 elements (16 bytes): the 8 row
 // addresses of every ldmatrix then hit 8 different 16-byte bank groups, for every bucket.
 //
-// Masking. Rows past sq / sk load as zeros and columns d..kHeadDim-1 load as zeros (they add
-// nothing to any dot product and are never written). A block is masked element-wise only
-// when a warp's part of it straddles the causal diagonal or the end of the sequence; blocks
-// none of a warp's rows can see are skipped. A row whose lse is -inf (it saw no key) gets
+// Masking and modifiers (core/mask.cuh). Rows past sq / sk load as zeros and columns
+// d..kHeadDim-1 load as zeros (they add nothing to any dot product and are never written). The
+// block ranges come from AttnMask / BlockRange (causal, sliding window, varlen lengths); a tile is
+// masked element-wise only when AttnMask::needs_mask says a warp's part of it is not entirely
+// visible; blocks none of a warp's rows can see are skipped. Softcap and ALiBi are applied to
+// the recomputed scores (ScoreMod), and with softcap dS gets the factor 1 - tanh^2 (kSoftcap
+// kernels keep it in one more register tile). A row whose lse is -inf (it saw no key) gets
 // P = 0 through lse_log2 = +inf, never exp(-inf + inf) = NaN.
 #pragma once
 
 #include "../launch.h"
+#include "../core/seqlen.cuh"
 #include "bwd_preprocess.cuh"
 #include "common.cuh"
 
@@ -147,12 +151,12 @@ template <> struct Traits<256> : Config<256, 4, 1, 32, true,  1,      4, 1, 32, 
 // only 99 KiB (sm_86, sm_89). Where a tier would be the same as Traits, it is Traits.
 template <int kHeadDim> struct Large { using type = Traits<kHeadDim>; };
 // A configuration whose kernels are launched only on sm_90 (run_bwd_mma checks the arch):
-// their sm_80 builds compile to a trap, so that registers they spill there (the 32-row dQ
-// warps at d = 128 keep 32 bytes on sm_80's stack) cost nothing.
+// their sm_80 builds compile to a trap, so that registers they would spill there cost nothing.
+// (d = 128 had 32-row dQ warps here; with the window / varlen bookkeeping they spill on sm_90
+// too, so d = 128 uses Traits: OPTIMIZATION.md.)
 template <typename Cfg> struct Sm90Only : Cfg { static constexpr bool kSm90Only = true; };
 template <int kHeadDim> struct Compact { using type = Traits<kHeadDim>; };
 //                                                   d    warps mt  M  split minB    warps mt  N  minB
-template <> struct Large<128>   { using type = Sm90Only<Config<128, 4, 1, 48, false, 2,      4, 2, 32, 1>>; };
 template <> struct Large<256>   { using type = Sm90Only<Config<256, 8, 1, 32, true,  1,      8, 1, 32, 1>>; };
 template <> struct Compact<96>  { using type = Config<96,  4, 1, 64, false, 2,      4, 2, 32, 2>; };
 template <> struct Compact<128> { using type = Config<128, 4, 1, 48, false, 2,      4, 1, 48, 2>; };
@@ -302,24 +306,67 @@ __device__ __forceinline__ void zero_fill(float (&acc)[kMTiles][kNTiles][4]) {
 // 8j + 2t + e % 2.
 // ---------------------------------------------------------------------------------
 
-// P^T = exp2(S^T * scale_log2 - lse_log2[query]); then, when `needs_mask`, zero every
-// (key, query) pair that is masked: query past sq or, causally, key > query + causal_offset.
-template <int kMTiles, int kNTiles>
-__device__ __forceinline__ void compute_probs_transposed(float (&st)[kMTiles][kNTiles][4], const float* sLse,
-                                                         float scale_log2, bool needs_mask, int key0,
-                                                         int query0, int sq, int causal_offset,
-                                                         bool is_causal) {
+// Recomputes P from the raw scores, in place, the same way for both kernels:
+//   x = s * scale_log2 (log2 units of the scaled logit); with modifiers x = mod.apply(x)
+//   P = exp2(x * exp_scale - lse_log2)      (exp_scale: scale_log2 without modifiers, folded
+//                                            into the FFMA as in the forward; 1 with them)
+// and, with softcap (kSoftcap), keeps dtanh = 1 - tanh^2, the factor dS gets. Masked pairs are
+// zeroed after the exponential when `needs_mask` (core/mask.cuh decides where that is needed).
+// kTransposed: rows are keys and columns queries (dK/dV kernel: P^T, lse indexed by column);
+// otherwise rows are queries (dQ kernel). Element e of C tile [mt][j] sits at row
+// row0 + 16mt + g + 8 (e / 2) and column col0 + 8j + 2t + e % 2.
+template <bool kTransposed, int kVariant, int kMTiles, int kNTiles, bool kSoftcap = kVariant == kSoftcapGrad>
+__device__ __forceinline__ void compute_probs(float (&s)[kMTiles][kNTiles][4],
+                                             float (&dtanh)[kSoftcap ? kMTiles : 1][kSoftcap ? kNTiles : 1][4],
+                                             const float* sLse, bool needs_mask, int row0, int col0,
+                                             const AttnMask& mask, const FwdParams& p, const SeqInfo& seq,
+                                             int h) {
+  const float scale_log2 = p.scale_log2;
   const int lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
-#pragma unroll
-  for (int j = 0; j < kNTiles; ++j) {
-    const float2 lse = *reinterpret_cast<const float2*>(sLse + 8 * j + 2 * t);
-    const float lse_log2[2] = {lse_to_log2(lse.x), lse_to_log2(lse.y)};
+  auto query_of = [&](int mt, int j, int e) {
+    return kTransposed ? col0 + 8 * j + 2 * t + e % 2 : row0 + 16 * mt + g + 8 * (e / 2);
+  };
+  auto key_of = [&](int mt, int j, int e) {
+    return kTransposed ? row0 + 16 * mt + g + 8 * (e / 2) : col0 + 8 * j + 2 * t + e % 2;
+  };
+  // Each pass is one warp-uniform branch around the tile: the plain path is the exp2 loop alone.
+  // The modifiers are read from the params here, inside their branch, rather than kept in
+  // registers across the caller's loop: the backward kernels have none to spare.
+  const bool modded = kVariant != kPlain && has_score_mod(p);
+  if (modded) {
+    const ScoreMod mod = seq.score_mod(p, h);
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e)
-        st[mt][j][e] = fast_exp2(fmaf(st[mt][j][e], scale_log2, -lse_log2[e % 2]));
+      for (int j = 0; j < kNTiles; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float x = s[mt][j][e] * scale_log2;
+          if constexpr (kSoftcap) dtanh[mt][j][e] = mod.dtanh(x);
+          s[mt][j][e] = mod.apply(x, query_of(mt, j, e), key_of(mt, j, e));
+        }
+  }
+  const float exp_scale = modded ? 1.f : scale_log2;  // ScoreMod::exp_scale
+  if constexpr (kTransposed) {  // lse indexed by column (query)
+#pragma unroll
+    for (int j = 0; j < kNTiles; ++j) {
+      const float2 lse = *reinterpret_cast<const float2*>(sLse + 8 * j + 2 * t);
+      const float lse_log2[2] = {lse_to_log2(lse.x), lse_to_log2(lse.y)};
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[mt][j][e] = fast_exp2(fmaf(s[mt][j][e], exp_scale, -lse_log2[e % 2]));
+    }
+  } else {  // lse indexed by row (query)
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt) {
+      const float lse_log2[2] = {lse_to_log2(sLse[16 * mt + g]), lse_to_log2(sLse[16 * mt + g + 8])};
+#pragma unroll
+      for (int j = 0; j < kNTiles; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[mt][j][e] = fast_exp2(fmaf(s[mt][j][e], exp_scale, -lse_log2[e / 2]));
+    }
   }
   if (needs_mask) {
 #pragma unroll
@@ -327,83 +374,40 @@ __device__ __forceinline__ void compute_probs_transposed(float (&st)[kMTiles][kN
 #pragma unroll
       for (int j = 0; j < kNTiles; ++j)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int key = key0 + 16 * mt + g + 8 * (e / 2);
-          const int query = query0 + 8 * j + 2 * t + e % 2;
-          // Keys past sk need no mask here: their rows of dK/dV are never written, and a
-          // row of P^T only feeds the same row of dV / dK.
-          if (query >= sq || (is_causal && key > query + causal_offset)) st[mt][j][e] = 0.f;
-        }
+        for (int e = 0; e < 4; ++e)
+          if (!mask.visible(query_of(mt, j, e), key_of(mt, j, e))) s[mt][j][e] = 0.f;
   }
 }
 
-// dS^T = P^T * (dP^T - delta[query]), in place in dpt.
-template <int kMTiles, int kNTiles>
-__device__ __forceinline__ void compute_ds_transposed(float (&dpt)[kMTiles][kNTiles][4],
-                                                      const float (&pt)[kMTiles][kNTiles][4],
-                                                      const float* sDelta) {
-  const int t = threadIdx.x % 4;
-#pragma unroll
-  for (int j = 0; j < kNTiles; ++j) {
-    const float2 delta = *reinterpret_cast<const float2*>(sDelta + 8 * j + 2 * t);
-#pragma unroll
-    for (int mt = 0; mt < kMTiles; ++mt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e)
-        dpt[mt][j][e] = pt[mt][j][e] * (dpt[mt][j][e] - (e % 2 == 0 ? delta.x : delta.y));
-  }
-}
-
-// ---------------------------------------------------------------------------------
-// Element-wise steps of the dQ kernel (rows = queries, columns = keys).
-// Element e of C tile [mt][j] sits at query row 16mt + g + 8 * (e / 2) and key column
-// 8j + 2t + e % 2. sLse / sDelta hold the statistics of the warp's rows.
-// ---------------------------------------------------------------------------------
-
-// P = exp2(S * scale_log2 - lse_log2[row]); masked pairs (key past sk or, causally,
-// key > query + causal_offset) are zeroed when `needs_mask`.
-template <int kMTiles, int kNTiles>
-__device__ __forceinline__ void compute_probs(float (&s)[kMTiles][kNTiles][4], const float* sLse,
-                                              float scale_log2, bool needs_mask, int query0, int key0,
-                                              int sk, int causal_offset, bool is_causal) {
-  const int lane = threadIdx.x % 32;
-  const int g = lane / 4, t = lane % 4;
-#pragma unroll
-  for (int mt = 0; mt < kMTiles; ++mt) {
-    const float lse_log2[2] = {lse_to_log2(sLse[16 * mt + g]), lse_to_log2(sLse[16 * mt + g + 8])};
-#pragma unroll
-    for (int j = 0; j < kNTiles; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e)
-        s[mt][j][e] = fast_exp2(fmaf(s[mt][j][e], scale_log2, -lse_log2[e / 2]));
-  }
-  if (needs_mask) {
-#pragma unroll
-    for (int mt = 0; mt < kMTiles; ++mt)
-#pragma unroll
-      for (int j = 0; j < kNTiles; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int query = query0 + 16 * mt + g + 8 * (e / 2);
-          const int key = key0 + 8 * j + 2 * t + e % 2;
-          if (!key_visible(query, key, sk, causal_offset, is_causal)) s[mt][j][e] = 0.f;
-        }
-  }
-}
-
-// dS = P * (dP - delta[row]), in place in dp.
-template <int kMTiles, int kNTiles>
-__device__ __forceinline__ void compute_ds(float (&dp)[kMTiles][kNTiles][4], const float (&p)[kMTiles][kNTiles][4],
+// dS = P * (dP - delta) (times dtanh with softcap), in place in dp. kTransposed as above:
+// delta indexed by column (dK/dV kernel) or by row (dQ kernel).
+template <bool kTransposed, int kVariant, int kMTiles, int kNTiles, bool kSoftcap = kVariant == kSoftcapGrad>
+__device__ __forceinline__ void compute_ds(float (&dp)[kMTiles][kNTiles][4],
+                                           const float (&p)[kMTiles][kNTiles][4],
+                                           const float (&dtanh)[kSoftcap ? kMTiles : 1][kSoftcap ? kNTiles : 1][4],
                                            const float* sDelta) {
-  const int g = (threadIdx.x % 32) / 4;
+  const int lane = threadIdx.x % 32;
+  const int g = lane / 4, t = lane % 4;
 #pragma unroll
-  for (int mt = 0; mt < kMTiles; ++mt) {
-    const float delta[2] = {sDelta[16 * mt + g], sDelta[16 * mt + g + 8]};
+  for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
-    for (int j = 0; j < kNTiles; ++j)
+    for (int j = 0; j < kNTiles; ++j) {
+      float delta[2];
+      if constexpr (kTransposed) {
+        const float2 d2 = *reinterpret_cast<const float2*>(sDelta + 8 * j + 2 * t);
+        delta[0] = d2.x;
+        delta[1] = d2.y;
+      } else {
+        delta[0] = sDelta[16 * mt + g];
+        delta[1] = sDelta[16 * mt + g + 8];
+      }
 #pragma unroll
-      for (int e = 0; e < 4; ++e) dp[mt][j][e] = p[mt][j][e] * (dp[mt][j][e] - delta[e / 2]);
-  }
+      for (int e = 0; e < 4; ++e) {
+        float ds = p[mt][j][e] * (dp[mt][j][e] - delta[kTransposed ? e % 2 : e / 2]);
+        if constexpr (kSoftcap) ds *= dtanh[mt][j][e];
+        dp[mt][j][e] = ds;
+      }
+    }
 }
 
 // ---------------------------------------------------------------------------------
@@ -436,7 +440,7 @@ __device__ __forceinline__ void store_rows(const float (&acc)[kMTiles][kHeadDim 
 // dK/dV kernel. grid (ceil(sk / kKVBlockN), hkv, b). kDoDV / kDoDK select what this launch
 // accumulates (both, or one of them when Cfg::kSplitDKDV).
 // ---------------------------------------------------------------------------------
-template <typename T, typename Cfg, bool kDoDV, bool kDoDK>
+template <typename T, typename Cfg, bool kDoDV, bool kDoDK, int kVariant>
 __global__ void __launch_bounds__(Cfg::kKVThreads, Cfg::kKVMinBlocks)
     bwd_dkdv_kernel(const __grid_constant__ BwdParams p) {
   constexpr int kD = Cfg::kHeadDim;
@@ -456,45 +460,47 @@ __global__ void __launch_bounds__(Cfg::kKVThreads, Cfg::kKVMinBlocks)
   float* sDelta = sLse + 2 * kBlockM;                                   // [2][kBlockM]
 
   const int warp = threadIdx.x / 32;
-  const int hkv = blockIdx.y, bi = blockIdx.z;
+  const int hkv = blockIdx.y;
+  const SeqInfo seq = SeqInfo::make<kVariant != kPlain>(p, blockIdx.z);
   const int n0 = blockIdx.x * kBlockN;          // first key of the CTA
+  if (n0 >= seq.sk) return;                     // varlen: a sequence shorter than max_seqlen_k
   const int warp_key0 = n0 + kWarpKeys * warp;  // first key of this warp
   const int group = p.hq / p.hkv;
-  const int causal_offset = p.sk - p.sq;
+  const AttnMask mask = seq.mask<kVariant != kPlain>(p);
 
-  // Query blocks that can see a key of this CTA: the first one holds query n0 - causal_offset
-  // (the first query that sees key n0); with causal masking every earlier block is skipped.
-  const int num_m_blocks = ceil_div(p.sq, kBlockM);
-  const int m_first = p.is_causal ? max(0, n0 - causal_offset) / kBlockM : 0;
+  // Query blocks that can see a key of this CTA (core/mask.cuh), and the queries that see this
+  // warp's keys (AttnMask::any_visible would recompute them per block: registers are tight here).
+  const BlockRange m_range = BlockRange::queries_of(mask, n0, n0 + kBlockN, kBlockM);
+  const int warp_q_begin = mask.query_begin(warp_key0), warp_q_end = mask.query_end(warp_key0 + kWarpKeys);
   const int h_begin = hkv * group, h_end = h_begin + group;
 
   // Issues the copies of query block m_block of query head h into ring slot `stage`.
   auto load_query_block = [&](int h, int m_block, int stage) {
     const int m0 = m_block * kBlockM;
-    const T* q = static_cast<const T*>(p.q) + bi * p.q_batch_stride + h * p.q_head_stride +
-                 m0 * p.q_row_stride;
-    const T* dout = static_cast<const T*>(p.dout) + bi * p.do_batch_stride + h * p.do_head_stride +
-                    m0 * p.do_row_stride;
-    load_tile_async<kBlockM, kD, kThreads>(sQ + stage * kBlockM * kPitch, q, p.q_row_stride, p.sq - m0, p.d);
+    const T* q = seq.q_rows(static_cast<const T*>(p.q), p.q_batch_stride, p.q_head_stride, p.q_row_stride, h) +
+                 static_cast<int64_t>(m0) * p.q_row_stride;
+    const T* dout = seq.q_rows(static_cast<const T*>(p.dout), p.do_batch_stride, p.do_head_stride,
+                               p.do_row_stride, h) + static_cast<int64_t>(m0) * p.do_row_stride;
+    load_tile_async<kBlockM, kD, kThreads>(sQ + stage * kBlockM * kPitch, q, p.q_row_stride, seq.sq - m0, p.d);
     load_tile_async<kBlockM, kD, kThreads>(sdO + stage * kBlockM * kPitch, dout, p.do_row_stride,
-                                           p.sq - m0, p.d);
-    const int64_t row0 = lse_offset(p, bi, h) + m0;
-    load_row_stats_async<kBlockM>(sLse + stage * kBlockM, p.softmax_lse + row0, p.sq - m0);
-    if constexpr (kDoDK) load_row_stats_async<kBlockM>(sDelta + stage * kBlockM, p.delta + row0, p.sq - m0);
+                                           seq.sq - m0, p.d);
+    const int64_t row0 = seq.stat_offset(p, h) + m0;
+    load_row_stats_async<kBlockM>(sLse + stage * kBlockM, p.softmax_lse + row0, seq.sq - m0);
+    if constexpr (kDoDK) load_row_stats_async<kBlockM>(sDelta + stage * kBlockM, p.delta + row0, seq.sq - m0);
   };
 
   // The CTA walks over (query head, query block) pairs, the query heads of its GQA group
   // outer; (h, m_block) is the pair being computed, `stage` its ring slot.
-  int h = h_begin, m_block = m_first, stage = 0;
-  if (m_block >= num_m_blocks) h = h_end;  // no query sees these keys
+  int h = h_begin, m_block = m_range.begin, stage = 0;
+  if (m_range.count() == 0) h = h_end;  // no query sees these keys
   if (h < h_end) {
-    const T* k = static_cast<const T*>(p.k) + bi * p.k_batch_stride + hkv * p.k_head_stride +
-                 n0 * p.k_row_stride;
-    load_tile_async<kBlockN, kD, kThreads>(sK, k, p.k_row_stride, p.sk - n0, p.d);
+    const T* k = seq.k_rows(static_cast<const T*>(p.k), p.k_batch_stride, p.k_head_stride, p.k_row_stride, hkv) +
+                 static_cast<int64_t>(n0) * p.k_row_stride;
+    load_tile_async<kBlockN, kD, kThreads>(sK, k, p.k_row_stride, seq.sk - n0, p.d);
     if constexpr (kDoDK) {
-      const T* v = static_cast<const T*>(p.v) + bi * p.v_batch_stride + hkv * p.v_head_stride +
-                   n0 * p.v_row_stride;
-      load_tile_async<kBlockN, kD, kThreads>(sV, v, p.v_row_stride, p.sk - n0, p.d);
+      const T* v = seq.k_rows(static_cast<const T*>(p.v), p.v_batch_stride, p.v_head_stride, p.v_row_stride,
+                              hkv) + static_cast<int64_t>(n0) * p.v_row_stride;
+      load_tile_async<kBlockN, kD, kThreads>(sV, v, p.v_row_stride, seq.sk - n0, p.d);
     }
     load_query_block(h, m_block, 0);
     cp_async_commit();
@@ -512,8 +518,8 @@ __global__ void __launch_bounds__(Cfg::kKVThreads, Cfg::kKVMinBlocks)
     cp_async_wait<0>();
     __syncthreads();
     int next_h = h, next_m_block = m_block + 1;
-    if (next_m_block == num_m_blocks) {
-      next_m_block = m_first;
+    if (next_m_block == m_range.end) {
+      next_m_block = m_range.begin;
       ++next_h;
     }
     if (next_h < h_end) {
@@ -522,24 +528,23 @@ __global__ void __launch_bounds__(Cfg::kKVThreads, Cfg::kKVMinBlocks)
     }
 
     const int m0 = m_block * kBlockM;
-    // Skip the block when no query of it sees any of this warp's keys (or the keys are
-    // all past sk); mask element-wise only when the warp's part straddles the diagonal
-    // or the block runs past sq.
-    const bool warp_sees_block =
-        warp_key0 < p.sk && (!p.is_causal || warp_key0 <= m0 + kBlockM - 1 + causal_offset);
+    // Skip the block when no query of it sees any of this warp's keys (or the keys are all
+    // past sk); mask element-wise only where the warp's part is not entirely visible (a
+    // diagonal or window edge, the end of the queries).
+    const bool warp_sees_block = warp_key0 < seq.sk && m0 < warp_q_end && m0 + kBlockM > warp_q_begin;
     if (warp_sees_block) {
-      const bool needs_mask =
-          m0 + kBlockM > p.sq || (p.is_causal && warp_key0 + kWarpKeys - 1 > m0 + causal_offset);
+      const bool needs_mask = mask.needs_mask(m0, m0 + kBlockM, warp_key0, warp_key0 + kWarpKeys);
 
       const T* sQ_s = sQ + stage * kBlockM * kPitch;
       const T* sdO_s = sdO + stage * kBlockM * kPitch;
 
       // S^T = K Q^T, then P^T (kept in fp32: dS^T needs it at full precision).
       float pt[kMTiles][kBlockM / 8][4];
+      constexpr bool kSoftcap = kVariant == kSoftcapGrad;
+      float dtanh[kSoftcap ? kMTiles : 1][kSoftcap ? kBlockM / 8 : 1][4];
       zero_fill(pt);
       gemm_rows_by_rows_t<T, kMTiles, kD, kBlockM, kPitch>(pt, sK + kWarpKeys * warp * kPitch, sQ_s);
-      compute_probs_transposed(pt, sLse + stage * kBlockM, p.scale_log2, needs_mask, warp_key0, m0, p.sq,
-                               causal_offset, p.is_causal);
+      compute_probs<true, kVariant>(pt, dtanh, sLse + stage * kBlockM, needs_mask, warp_key0, m0, mask, p, seq, h);
 
       // dV += P^T dO.
       if constexpr (kDoDV) gemm_regs_by_rows<T, kMTiles, kBlockM, kD, kPitch>(acc_dv, pt, sdO_s);
@@ -549,7 +554,7 @@ __global__ void __launch_bounds__(Cfg::kKVThreads, Cfg::kKVMinBlocks)
         float dst[kMTiles][kBlockM / 8][4];
         zero_fill(dst);
         gemm_rows_by_rows_t<T, kMTiles, kD, kBlockM, kPitch>(dst, sV + kWarpKeys * warp * kPitch, sdO_s);
-        compute_ds_transposed(dst, pt, sDelta + stage * kBlockM);
+        compute_ds<true, kVariant>(dst, pt, dtanh, sDelta + stage * kBlockM);
         gemm_regs_by_rows<T, kMTiles, kBlockM, kD, kPitch>(acc_dk, dst, sQ_s);
       }
     }
@@ -559,14 +564,14 @@ __global__ void __launch_bounds__(Cfg::kKVThreads, Cfg::kKVMinBlocks)
   }
 
   // Write once: dV = sum P^T dO, dK = scale * sum dS^T Q (keys no query sees get zeros).
-  const int rows_valid = p.sk - warp_key0;
+  const int rows_valid = seq.sk - warp_key0;
   if constexpr (kDoDV) {
-    T* dv = static_cast<T*>(p.dv) + bi * p.dv_batch_stride + hkv * p.dv_head_stride +
+    T* dv = seq.k_rows(static_cast<T*>(p.dv), p.dv_batch_stride, p.dv_head_stride, p.dv_row_stride, hkv) +
             static_cast<int64_t>(warp_key0) * p.dv_row_stride;
     store_rows<T, kMTiles, kD>(acc_dv, dv, p.dv_row_stride, rows_valid, p.d, 1.f);
   }
   if constexpr (kDoDK) {
-    T* dk = static_cast<T*>(p.dk) + bi * p.dk_batch_stride + hkv * p.dk_head_stride +
+    T* dk = seq.k_rows(static_cast<T*>(p.dk), p.dk_batch_stride, p.dk_head_stride, p.dk_row_stride, hkv) +
             static_cast<int64_t>(warp_key0) * p.dk_row_stride;
     store_rows<T, kMTiles, kD>(acc_dk, dk, p.dk_row_stride, rows_valid, p.d, p.scale);
   }
@@ -575,7 +580,7 @@ __global__ void __launch_bounds__(Cfg::kKVThreads, Cfg::kKVMinBlocks)
 // ---------------------------------------------------------------------------------
 // dQ kernel. grid (ceil(sq / kQBlockM), hq, b).
 // ---------------------------------------------------------------------------------
-template <typename T, typename Cfg>
+template <typename T, typename Cfg, int kVariant>
 __device__ __forceinline__ void bwd_dq_block(const BwdParams& p) {
   constexpr int kD = Cfg::kHeadDim;
   constexpr int kPitch = Cfg::kPitch;
@@ -594,143 +599,141 @@ __device__ __forceinline__ void bwd_dq_block(const BwdParams& p) {
   float* sDelta = sLse + kBlockM;                                      // [kBlockM]
 
   const int warp = threadIdx.x / 32;
-  // Under causal masking the last query blocks see the most keys: launch them first.
-  const int m_block = p.is_causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
-  const int h = blockIdx.y, bi = blockIdx.z;
+  // With a bounded right side the last query blocks see the most keys: launch them first.
+  const int h = blockIdx.y;
+  const SeqInfo seq = SeqInfo::make<kVariant != kPlain>(p, blockIdx.z);
+  const AttnMask mask = seq.mask<kVariant != kPlain>(p);
+  const int m_block = mask.right_bounded() ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+  const int m0 = m_block * kBlockM;  // first query of the CTA
+  if (m0 >= seq.sq) return;          // varlen: a sequence shorter than max_seqlen_q
   const int hkv = h / (p.hq / p.hkv);
-  const int m0 = m_block * kBlockM;          // first query of the CTA
   const int warp_q0 = m0 + kWarpRows * warp;  // first query of this warp
-  const int causal_offset = p.sk - p.sq;
 
-  // Key blocks that some query of this CTA can see (its last valid query sees keys up to
-  // that query + causal_offset).
-  const int num_n_blocks = ceil_div(p.sk, kBlockN);
-  int n_end = num_n_blocks;
-  if (p.is_causal) {
-    const int last_key = min(m0 + kBlockM, p.sq) - 1 + causal_offset;
-    n_end = last_key < 0 ? 0 : min(num_n_blocks, last_key / kBlockN + 1);
-  }
+  // Key blocks that some query of this CTA can see.
+  const BlockRange n_range = BlockRange::keys_of(mask, m0, m0 + kBlockM, kBlockN);
 
   auto load_key_block = [&](int n_block, int stage) {
     const int n0 = n_block * kBlockN;
-    const T* k = static_cast<const T*>(p.k) + bi * p.k_batch_stride + hkv * p.k_head_stride +
-                 n0 * p.k_row_stride;
-    const T* v = static_cast<const T*>(p.v) + bi * p.v_batch_stride + hkv * p.v_head_stride +
-                 n0 * p.v_row_stride;
-    load_tile_async<kBlockN, kD, kThreads>(sK + stage * kBlockN * kPitch, k, p.k_row_stride, p.sk - n0, p.d);
-    load_tile_async<kBlockN, kD, kThreads>(sV + stage * kBlockN * kPitch, v, p.v_row_stride, p.sk - n0, p.d);
+    const T* k = seq.k_rows(static_cast<const T*>(p.k), p.k_batch_stride, p.k_head_stride, p.k_row_stride, hkv) +
+                 static_cast<int64_t>(n0) * p.k_row_stride;
+    const T* v = seq.k_rows(static_cast<const T*>(p.v), p.v_batch_stride, p.v_head_stride, p.v_row_stride, hkv) +
+                 static_cast<int64_t>(n0) * p.v_row_stride;
+    load_tile_async<kBlockN, kD, kThreads>(sK + stage * kBlockN * kPitch, k, p.k_row_stride, seq.sk - n0, p.d);
+    load_tile_async<kBlockN, kD, kThreads>(sV + stage * kBlockN * kPitch, v, p.v_row_stride, seq.sk - n0, p.d);
   };
 
-  if (n_end > 0) {
-    const T* q = static_cast<const T*>(p.q) + bi * p.q_batch_stride + h * p.q_head_stride +
-                 m0 * p.q_row_stride;
-    const T* dout = static_cast<const T*>(p.dout) + bi * p.do_batch_stride + h * p.do_head_stride +
-                    m0 * p.do_row_stride;
-    load_tile_async<kBlockM, kD, kThreads>(sQ, q, p.q_row_stride, p.sq - m0, p.d);
-    load_tile_async<kBlockM, kD, kThreads>(sdO, dout, p.do_row_stride, p.sq - m0, p.d);
-    const int64_t row0 = lse_offset(p, bi, h) + m0;
-    // Rows past sq get lse = delta = 0 next to zero Q and dO rows: their dS is exactly 0, and
-    // they are never written.
-    load_row_stats_async<kBlockM>(sLse, p.softmax_lse + row0, p.sq - m0);
-    load_row_stats_async<kBlockM>(sDelta, p.delta + row0, p.sq - m0);
-    load_key_block(0, 0);
+  if (n_range.count() > 0) {
+    const T* q = seq.q_rows(static_cast<const T*>(p.q), p.q_batch_stride, p.q_head_stride, p.q_row_stride, h) +
+                 static_cast<int64_t>(m0) * p.q_row_stride;
+    const T* dout = seq.q_rows(static_cast<const T*>(p.dout), p.do_batch_stride, p.do_head_stride,
+                               p.do_row_stride, h) + static_cast<int64_t>(m0) * p.do_row_stride;
+    load_tile_async<kBlockM, kD, kThreads>(sQ, q, p.q_row_stride, seq.sq - m0, p.d);
+    load_tile_async<kBlockM, kD, kThreads>(sdO, dout, p.do_row_stride, seq.sq - m0, p.d);
+    const int64_t row0 = seq.stat_offset(p, h) + m0;
+    // Rows past sq get lse = delta = 0 next to zero Q and dO rows: their dS is finite or not,
+    // but they are never written, and each row of dQ depends on its own row of dS only.
+    load_row_stats_async<kBlockM>(sLse, p.softmax_lse + row0, seq.sq - m0);
+    load_row_stats_async<kBlockM>(sDelta, p.delta + row0, seq.sq - m0);
+    load_key_block(n_range.begin, n_range.begin & 1);  // block n lives in ring slot n % 2
     cp_async_commit();
   }
 
   float acc_dq[kMTiles][kD / 8][4];  // this warp's rows of dQ
   zero_fill(acc_dq);
 
-  for (int n_block = 0; n_block < n_end; ++n_block) {
+  for (int n_block = n_range.begin; n_block < n_range.end; ++n_block) {
     const int stage = n_block & 1;
     cp_async_wait<0>();
     __syncthreads();
-    if (n_block + 1 < n_end) {
+    if (n_block + 1 < n_range.end) {
       load_key_block(n_block + 1, stage ^ 1);
       cp_async_commit();
     }
 
     const int n0 = n_block * kBlockN;
-    const bool warp_sees_block =
-        warp_q0 < p.sq && (!p.is_causal || n0 <= warp_q0 + kWarpRows - 1 + causal_offset);
+    const bool warp_sees_block = mask.any_visible(warp_q0, warp_q0 + kWarpRows, n0, n0 + kBlockN);
     if (!warp_sees_block) continue;
-    const bool needs_mask =
-        n0 + kBlockN > p.sk || (p.is_causal && n0 + kBlockN - 1 > warp_q0 + causal_offset);
+    // (Rows past sq count as masked: only the last query block pays, and they are never written.)
+    const bool needs_mask = mask.needs_mask(warp_q0, warp_q0 + kWarpRows, n0, n0 + kBlockN);
 
     const T* sK_s = sK + stage * kBlockN * kPitch;
     const T* sV_s = sV + stage * kBlockN * kPitch;
 
     // S = Q K^T, P.
     float s[kMTiles][kBlockN / 8][4];
+    constexpr bool kSoftcap = kVariant == kSoftcapGrad;
+    float dtanh[kSoftcap ? kMTiles : 1][kSoftcap ? kBlockN / 8 : 1][4];
     zero_fill(s);
     gemm_rows_by_rows_t<T, kMTiles, kD, kBlockN, kPitch>(s, sQ + kWarpRows * warp * kPitch, sK_s);
-    compute_probs(s, sLse + kWarpRows * warp, p.scale_log2, needs_mask, warp_q0, n0, p.sk, causal_offset,
-                  p.is_causal);
+    compute_probs<false, kVariant>(s, dtanh, sLse + kWarpRows * warp, needs_mask, warp_q0, n0, mask, p, seq, h);
 
     // dP = dO V^T, dS = P (dP - delta), dQ += dS K.
     float ds[kMTiles][kBlockN / 8][4];
     zero_fill(ds);
     gemm_rows_by_rows_t<T, kMTiles, kD, kBlockN, kPitch>(ds, sdO + kWarpRows * warp * kPitch, sV_s);
-    compute_ds(ds, s, sDelta + kWarpRows * warp);
+    compute_ds<false, kVariant>(ds, s, dtanh, sDelta + kWarpRows * warp);
     gemm_regs_by_rows<T, kMTiles, kBlockN, kD, kPitch>(acc_dq, ds, sK_s);
   }
 
   // dQ = scale * sum dS K (rows that see no key get zeros).
-  T* dq = static_cast<T*>(p.dq) + bi * p.dq_batch_stride + h * p.dq_head_stride +
+  T* dq = seq.q_rows(static_cast<T*>(p.dq), p.dq_batch_stride, p.dq_head_stride, p.dq_row_stride, h) +
           static_cast<int64_t>(warp_q0) * p.dq_row_stride;
-  store_rows<T, kMTiles, kD>(acc_dq, dq, p.dq_row_stride, p.sq - warp_q0, p.d, p.scale);
+  store_rows<T, kMTiles, kD>(acc_dq, dq, p.dq_row_stride, seq.sq - warp_q0, p.d, p.scale);
 }
 
-template <typename T, typename Cfg>
+template <typename T, typename Cfg, int kVariant>
 __global__ void __launch_bounds__(Cfg::kQThreads, Cfg::kQMinBlocks)
     bwd_dq_kernel(const __grid_constant__ BwdParams p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
   if constexpr (Cfg::kSm90Only) {
     __trap();  // never launched below sm_90
   } else {
-    bwd_dq_block<T, Cfg>(p);
+    bwd_dq_block<T, Cfg, kVariant>(p);
   }
 #else
-  bwd_dq_block<T, Cfg>(p);
+  bwd_dq_block<T, Cfg, kVariant>(p);
 #endif
 }
 
 // ---------------------------------------------------------------------------------
 // Host-side launchers.
 // ---------------------------------------------------------------------------------
-template <typename T, typename Cfg, bool kDoDV, bool kDoDK>
+template <typename T, typename Cfg, bool kDoDV, bool kDoDK, int kVariant>
 inline void launch_bwd_dkdv(const BwdParams& p, cudaStream_t stream, const char* name) {
   constexpr size_t kSmem = Cfg::dkdv_smem_bytes(kDoDK);
-  auto kernel = bwd_dkdv_kernel<T, Cfg, kDoDV, kDoDK>;
+  auto kernel = bwd_dkdv_kernel<T, Cfg, kDoDV, kDoDK, kVariant>;
   set_smem_limit(kernel, kSmem, name);
   const dim3 grid(ceil_div(p.sk, Cfg::kKVBlockN), p.hkv, p.b);
   kernel<<<grid, Cfg::kKVThreads, kSmem, stream>>>(p);
   check_launch(name);
 }
 
-template <typename T, typename Cfg>
+template <typename T, typename Cfg, int kVariant>
 inline void launch_bwd_dq(const BwdParams& p, cudaStream_t stream) {
   constexpr size_t kSmem = Cfg::dq_smem_bytes();
-  auto kernel = bwd_dq_kernel<T, Cfg>;
+  auto kernel = bwd_dq_kernel<T, Cfg, kVariant>;
   set_smem_limit(kernel, kSmem, "bwd_dq_mma");
   const dim3 grid(ceil_div(p.sq, Cfg::kQBlockM), p.hq, p.b);
   kernel<<<grid, Cfg::kQThreads, kSmem, stream>>>(p);
   check_launch("bwd_dq_mma");
 }
 
-template <typename T, typename Cfg>
+template <typename T, typename Cfg, int kVariant>
 inline void launch_bwd_gradients(const BwdParams& p, cudaStream_t stream) {
   if constexpr (Cfg::kSplitDKDV) {
-    launch_bwd_dkdv<T, Cfg, true, false>(p, stream, "bwd_dv_mma");
-    launch_bwd_dkdv<T, Cfg, false, true>(p, stream, "bwd_dk_mma");
+    launch_bwd_dkdv<T, Cfg, true, false, kVariant>(p, stream, "bwd_dv_mma");
+    launch_bwd_dkdv<T, Cfg, false, true, kVariant>(p, stream, "bwd_dk_mma");
   } else {
-    launch_bwd_dkdv<T, Cfg, true, true>(p, stream, "bwd_dkdv_mma");
+    launch_bwd_dkdv<T, Cfg, true, true, kVariant>(p, stream, "bwd_dkdv_mma");
   }
-  launch_bwd_dq<T, Cfg>(p, stream);
+  launch_bwd_dq<T, Cfg, kVariant>(p, stream);
 }
 
 }  // namespace bwd_mma
 
-template <int kDType, int kHeadDim>
+// kVariant (flash_params.h): kPlain, kExtended (varlen, ALiBi) or kSoftcapGrad (the kernels that
+// keep softcap's derivative in one more register tile); the binding picks it per call.
+template <int kDType, int kHeadDim, int kVariant>
 void run_bwd_mma(const BwdParams& p, cudaStream_t stream) {
   using T = typename ElementOf<kDType>::type;
   using Cfg = bwd_mma::Traits<kHeadDim>;
@@ -740,11 +743,11 @@ void run_bwd_mma(const BwdParams& p, cudaStream_t stream) {
   // The largest tiles the device's shared memory allows (tiers equal to Traits reuse its kernels).
   const size_t smem_optin = device_smem_optin();
   if ((!LargeCfg::kSm90Only || p.sm_arch >= 90) && smem_optin >= LargeCfg::max_smem_bytes()) {
-    bwd_mma::launch_bwd_gradients<T, LargeCfg>(p, stream);
+    bwd_mma::launch_bwd_gradients<T, LargeCfg, kVariant>(p, stream);
   } else if (smem_optin >= Cfg::max_smem_bytes()) {
-    bwd_mma::launch_bwd_gradients<T, Cfg>(p, stream);
+    bwd_mma::launch_bwd_gradients<T, Cfg, kVariant>(p, stream);
   } else {
-    bwd_mma::launch_bwd_gradients<T, CompactCfg>(p, stream);
+    bwd_mma::launch_bwd_gradients<T, CompactCfg, kVariant>(p, stream);
   }
 }
 

@@ -22,6 +22,7 @@
 // element costs one FMUL, one FADD and one MUFU.EX2.
 #pragma once
 
+#include "../core/seqlen.cuh"
 #include "common.cuh"
 
 namespace flash_cuda {
@@ -99,33 +100,48 @@ __device__ __forceinline__ void load_tile_async(typename Cfg::T* smem, const typ
 }
 
 // ---------------------------------------------------------------------------------
-// Masks S (only blocks that straddle the causal diagonal or the end of the keys pay for it)
-// and returns the block's row maxima in the log2 domain. Shared by every tensor-core forward
-// (mma.sync here, wgmma in sm90_fwd.cuh): the accumulator layouts are the same per warp.
+// Calls f(element, query row, key) for every score a warp holds: element e of tile (mt, nt) is
+// query row_base + 16 mt + g + 8 (e / 2), key key_base + 8 nt + 2 t + e % 2 (g = lane / 4,
+// t = lane % 4, the mma.sync C layout, which wgmma's accumulator has per warp too).
+template <typename Cfg, typename F>
+__device__ __forceinline__ void for_each_element(float (&s)[Cfg::kMTiles][Cfg::kNTiles][4], int row_base,
+                                                 int key_base, F&& f) {
+  const int lane = threadIdx.x % 32;
+  const int g = lane / 4, t = lane % 4;
+#pragma unroll
+  for (int mt = 0; mt < Cfg::kMTiles; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < Cfg::kNTiles; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) f(s[mt][nt][e], row_base + mt * 16 + g + (e / 2) * 8, key_base + nt * 8 + 2 * t + (e % 2));
+}
+
+// ---------------------------------------------------------------------------------
+// Applies the score modifiers (softcap, ALiBi) and the mask to S and returns the block's row
+// maxima in the exp2 domain. Shared by every tensor-core forward (mma.sync here, wgmma in
+// sm90_fwd.cuh): the accumulator layouts are the same per warp.
+// Without modifiers S stays the raw q.k and exp_scale = scale_log2 is applied once per row
+// here and once per element inside the exp2's FFMA (the scale is positive: the binding folds
+// a negative scale into q, so max(scale * s) = scale * max(s)). With modifiers S becomes the
+// modified logit in log2 units and exp_scale is 1 (ScoreMod::exp_scale).
 template <typename Cfg>
 __device__ __forceinline__ void mask_and_block_max(float (&s)[Cfg::kMTiles][Cfg::kNTiles][4],
                                                    float (&block_max)[Cfg::kMTiles][2], bool needs_mask,
-                                                   int row_base, int key_base, int sk, int causal_offset,
-                                                   bool is_causal, float scale_log2) {
-  const int lane = threadIdx.x % 32;
-  // Mask (only blocks that straddle the causal diagonal or the end of the keys pay for
-  // it: one warp-uniform branch around the whole pass, no per-element branches on the
-  // common path) and take the row maxima of the raw scores. The scale is positive (the
-  // binding folds a negative scale into q), so max(scale * s) = scale * max(s): the scale
-  // is applied once per row here and once per element inside the exp2's FFMA.
-  const int g = lane / 4, t = lane % 4;
-  if (needs_mask) {
-#pragma unroll
-    for (int mt = 0; mt < Cfg::kMTiles; ++mt)
-#pragma unroll
-      for (int nt = 0; nt < Cfg::kNTiles; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int row = row_base + mt * 16 + g + (e / 2) * 8;
-          const int col = key_base + nt * 8 + 2 * t + (e % 2);
-          if (!key_visible(row, col, sk, causal_offset, is_causal)) s[mt][nt][e] = -INFINITY;
-        }
+                                                   int row_base, int key_base, const AttnMask& mask,
+                                                   const ScoreMod& mod, float scale_log2) {
+  // Both passes are one warp-uniform branch around the whole tile: the plain, unmasked block
+  // (the common case) runs no per-element test.
+  if (mod.active()) {
+    for_each_element<Cfg>(s, row_base, key_base, [&](float& x, int row, int col) {
+      x = mod.apply(x * scale_log2, row, col);
+    });
   }
+  if (needs_mask) {
+    for_each_element<Cfg>(s, row_base, key_base, [&](float& x, int row, int col) {
+      if (!mask.visible(row, col)) x = -INFINITY;
+    });
+  }
+  const float exp_scale = mod.exp_scale(scale_log2);
 #pragma unroll
   for (int mt = 0; mt < Cfg::kMTiles; ++mt) {
 #pragma unroll
@@ -134,11 +150,10 @@ __device__ __forceinline__ void mask_and_block_max(float (&s)[Cfg::kMTiles][Cfg:
 #pragma unroll
       for (int nt = 0; nt < Cfg::kNTiles; ++nt)
         mx = fmaxf(mx, fmaxf(s[mt][nt][half * 2], s[mt][nt][half * 2 + 1]));
-      // Rounding is monotonic, so bm = round(max_j s_j * scale_log2) is also the largest
-      // of the rounded per-element products round(s_j * scale_log2): the exact-max path of
+      // Rounding is monotonic, so bm = round(max_j s_j * exp_scale) is also the largest
+      // of the rounded per-element products round(s_j * exp_scale): the exact-max path of
       // step 3 relies on this.
-      const float bm = group_max<4>(mx) * scale_log2;  // the 4 lanes of a quad share a row
-      block_max[mt][half] = bm;
+      block_max[mt][half] = group_max<4>(mx) * exp_scale;  // the 4 lanes of a quad share a row
     }
   }
 }
@@ -151,7 +166,7 @@ template <typename Cfg>
 __device__ __forceinline__ void compute_qk_scores_and_max(
     float (&s)[Cfg::kMTiles][Cfg::kNTiles][4], float (&block_max)[Cfg::kMTiles][2],
     const typename Cfg::T* sQ_warp, const typename Cfg::T* sK, bool needs_mask, int row_base,
-    int key_base, int sk, int causal_offset, bool is_causal, float scale_log2) {
+    int key_base, const AttnMask& mask, const ScoreMod& mod, float scale_log2) {
   // (block_max is returned in the log2 domain: max_j(s_j) * scale * log2(e).)
   using T = typename Cfg::T;
   const int lane = threadIdx.x % 32;
@@ -188,8 +203,7 @@ __device__ __forceinline__ void compute_qk_scores_and_max(
     }
   }
 
-  mask_and_block_max<Cfg>(s, block_max, needs_mask, row_base, key_base, sk, causal_offset, is_causal,
-                          scale_log2);
+  mask_and_block_max<Cfg>(s, block_max, needs_mask, row_base, key_base, mask, mod, scale_log2);
 }
 
 // ---------------------------------------------------------------------------------
@@ -228,7 +242,8 @@ __device__ __forceinline__ void merge_block_stats(float (&row_max)[Cfg::kMTiles]
   }
 }
 
-// p = 2^(s * scale_log2 - m) in place, and the per-thread row sums. kExactMax: round the
+// p = 2^(s * scale_log2 - m) in place, and the per-thread row sums (scale_log2: the exp2
+// factor, ScoreMod::exp_scale). kExactMax: round the
 // product first and subtract m exactly (see compute_block_softmax_and_weighted_v).
 template <typename Cfg, bool kExactMax>
 __device__ __forceinline__ void exponentiate_scores(float (&s)[Cfg::kMTiles][Cfg::kNTiles][4],
@@ -371,44 +386,52 @@ __device__ __forceinline__ void normalize_output(float (&acc_o)[Cfg::kMTiles][Cf
 // ---------------------------------------------------------------------------------
 // The kernel. Grid: (query blocks, query heads, batch).
 // ---------------------------------------------------------------------------------
-template <typename Cfg>
+template <typename Cfg, int kVariant>
 __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) fwd_mma_kernel(const FwdParams p) {
+  constexpr bool kExt = kVariant != kPlain;
   using T = typename Cfg::T;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* sQ = reinterpret_cast<T*>(smem_raw);
   T* sK = sQ + Cfg::kBlockM * Cfg::kStride;                      // [kStages][kBlockN][kStride]
   T* sV = sK + Cfg::kStages * Cfg::kBlockN * Cfg::kStride;       // [kStages][kBlockN][kStride]
 
-  // Under causal masking late query blocks see the most keys: launch them first.
-  const int m_block = p.is_causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+  // With a bounded right side (causal, window) late query blocks see the most keys: launch
+  // them first.
   const int h = blockIdx.y;
-  const int bi = blockIdx.z;
+  const SeqInfo seq = SeqInfo::make<kExt>(p, blockIdx.z);
+  const AttnMask mask = seq.mask(p);
+  const int m_block = mask.right_bounded() ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+  const int row0 = m_block * Cfg::kBlockM;
+  if (row0 >= seq.sq) return;  // varlen: this sequence is shorter than max_seqlen_q
+  const ScoreMod mod = seq.score_mod<kExt>(p, h);
+  const float exp_scale = mod.exp_scale(p.scale_log2);
   const int h_kv = h / (p.hq / p.hkv);
   const int warp = threadIdx.x / 32;
-  const int causal_offset = p.sk - p.sq;
-  const int row0 = m_block * Cfg::kBlockM;
-  const int rows_valid = min(Cfg::kBlockM, p.sq - row0);
+  const int rows_valid = min(Cfg::kBlockM, seq.sq - row0);
 
-  const T* q = static_cast<const T*>(p.q) + bi * p.q_batch_stride + h * p.q_head_stride +
+  const T* q = seq.q_rows(static_cast<const T*>(p.q), p.q_batch_stride, p.q_head_stride, p.q_row_stride, h) +
                static_cast<int64_t>(row0) * p.q_row_stride;
-  const T* k = static_cast<const T*>(p.k) + bi * p.k_batch_stride + h_kv * p.k_head_stride;
-  const T* v = static_cast<const T*>(p.v) + bi * p.v_batch_stride + h_kv * p.v_head_stride;
-  T* o = static_cast<T*>(p.o) + bi * p.o_batch_stride + h * p.o_head_stride +
+  const T* k = seq.k_rows(static_cast<const T*>(p.k), p.k_batch_stride, p.k_head_stride, p.k_row_stride, h_kv);
+  const T* v = seq.k_rows(static_cast<const T*>(p.v), p.v_batch_stride, p.v_head_stride, p.v_row_stride, h_kv);
+  T* o = seq.q_rows(static_cast<T*>(p.o), p.o_batch_stride, p.o_head_stride, p.o_row_stride, h) +
          static_cast<int64_t>(row0) * p.o_row_stride;
-  float* lse = p.softmax_lse + lse_offset(p, bi, h) + row0;
+  float* lse = p.softmax_lse + seq.stat_offset(p, h) + row0;
 
-  // Keys this block can see: all of them, or under causal masking up to the diagonal of
-  // its last row. Blocks entirely above the diagonal are never loaded.
-  int key_end = p.sk;
-  if (p.is_causal) key_end = min(p.sk, row0 + rows_valid + causal_offset);
-  const int n_blocks = key_end > 0 ? ceil_div(key_end, Cfg::kBlockN) : 0;
+  // Key blocks some row of this block can see (core/mask.cuh): blocks entirely above the
+  // diagonal, or left of a sliding window, are never loaded.
+  const BlockRange range = BlockRange::keys_of(mask, row0, row0 + rows_valid, Cfg::kBlockN);
+  const int n_begin = range.begin, n_end = range.end;
+  auto load_kv = [&](int nb, int stage) {
+    const int64_t key0 = static_cast<int64_t>(nb) * Cfg::kBlockN;
+    load_tile_async<Cfg, Cfg::kBlockN>(sK + stage * Cfg::kBlockN * Cfg::kStride, k + key0 * p.k_row_stride,
+                                       p.k_row_stride, seq.sk - static_cast<int>(key0), p.d);
+    load_tile_async<Cfg, Cfg::kBlockN>(sV + stage * Cfg::kBlockN * Cfg::kStride, v + key0 * p.v_row_stride,
+                                       p.v_row_stride, seq.sk - static_cast<int>(key0), p.d);
+  };
 
   // Prologue: Q and the first K/V block.
   load_tile_async<Cfg, Cfg::kBlockM>(sQ, q, p.q_row_stride, rows_valid, p.d);
-  if (n_blocks > 0) {
-    load_tile_async<Cfg, Cfg::kBlockN>(sK, k, p.k_row_stride, p.sk, p.d);
-    load_tile_async<Cfg, Cfg::kBlockN>(sV, v, p.v_row_stride, p.sk, p.d);
-  }
+  if (n_begin < n_end) load_kv(n_begin, n_begin % Cfg::kStages);  // block n in ring slot n % 2
   cp_async_commit();
 
   float acc_o[Cfg::kMTiles][Cfg::kDTiles][4];
@@ -424,43 +447,33 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) fwd_mma_kernel
   }
 
   const T* sQ_warp = sQ + warp * Cfg::kWarpRows * Cfg::kStride;
-  const int warp_row0 = row0 + warp * Cfg::kWarpRows;
+  const int warp_row0 = row0 + warp * Cfg::kWarpRows;  // within the sequence
 
-  for (int nb = 0; nb < n_blocks; ++nb) {
+  for (int nb = n_begin; nb < n_end; ++nb) {
     // Block nb has landed for every thread, and every warp has finished reading the
     // stage that the next copy overwrites.
     cp_async_wait<0>();
     __syncthreads();
-    if (nb + 1 < n_blocks) {
-      const int stage = (nb + 1) % Cfg::kStages;
-      const int64_t key0 = static_cast<int64_t>(nb + 1) * Cfg::kBlockN;
-      load_tile_async<Cfg, Cfg::kBlockN>(sK + stage * Cfg::kBlockN * Cfg::kStride,
-                                         k + key0 * p.k_row_stride, p.k_row_stride,
-                                         p.sk - static_cast<int>(key0), p.d);
-      load_tile_async<Cfg, Cfg::kBlockN>(sV + stage * Cfg::kBlockN * Cfg::kStride,
-                                         v + key0 * p.v_row_stride, p.v_row_stride,
-                                         p.sk - static_cast<int>(key0), p.d);
-    }
+    const int stage = nb % Cfg::kStages;
+    if (nb + 1 < n_end) load_kv(nb + 1, stage ^ 1);
     cp_async_commit();
 
-    const int stage = nb % Cfg::kStages;
     const int key_base = nb * Cfg::kBlockN;
-    // Masking is needed only where the block crosses the end of the keys or, under
-    // causal masking, where some (row, key) pair of it lies above the diagonal.
-    const bool needs_mask = key_base + Cfg::kBlockN > p.sk ||
-                            (p.is_causal && key_base + Cfg::kBlockN - 1 > warp_row0 + causal_offset);
+    // The per-element mask runs only where this warp's part of the block is not entirely
+    // visible (the diagonal, a window edge, the end of the keys; rows past sq count as masked,
+    // which only the last query block pays for).
+    const bool needs_mask = mask.needs_mask(warp_row0, warp_row0 + Cfg::kWarpRows, key_base, key_base + Cfg::kBlockN);
 
     float s[Cfg::kMTiles][Cfg::kNTiles][4];
     float block_max[Cfg::kMTiles][2];
     compute_qk_scores_and_max<Cfg>(s, block_max, sQ_warp, sK + stage * Cfg::kBlockN * Cfg::kStride,
-                                   needs_mask, warp_row0, key_base, p.sk, causal_offset, p.is_causal,
-                                   p.scale_log2);
+                                   needs_mask, warp_row0, key_base, mask, mod, p.scale_log2);
     merge_block_stats<Cfg>(row_max, row_sum, acc_o, block_max);
     compute_block_softmax_and_weighted_v<Cfg>(s, row_sum, acc_o, row_max,
-                                              sV + stage * Cfg::kBlockN * Cfg::kStride, p.scale_log2);
+                                              sV + stage * Cfg::kBlockN * Cfg::kStride, exp_scale);
   }
   cp_async_wait<0>();  // nothing may stay in flight into the Q tile we reuse below
-  __syncthreads();     // (covers n_blocks == 0, where Q's copy is still the last one)
+  __syncthreads();     // (covers an empty key range, where Q's copy is still the last one)
 
   const int warp_rows_valid = min(Cfg::kWarpRows, rows_valid - warp * Cfg::kWarpRows);
   normalize_output<Cfg>(acc_o, row_sum, row_max, sQ + warp * Cfg::kWarpRows * Cfg::kStride,
@@ -470,19 +483,19 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) fwd_mma_kernel
 
 }  // namespace fwd_mma
 
-template <typename Cfg>
+template <typename Cfg, int kVariant>
 void launch_fwd_mma(const FwdParams& p, cudaStream_t stream) {
-  auto kernel = fwd_mma::fwd_mma_kernel<Cfg>;
+  auto kernel = fwd_mma::fwd_mma_kernel<Cfg, kVariant>;
   set_smem_limit(kernel, Cfg::kSmemBytes, "fwd_mma");
   const dim3 grid(ceil_div(p.sq, Cfg::kBlockM), p.hq, p.b);
   kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
   check_launch("fwd_mma");
 }
 
-template <int kDType, int kHeadDim>
+template <int kDType, int kHeadDim, int kVariant>
 void run_fwd_mma(const FwdParams& p, cudaStream_t stream) {
   using T = typename ElementOf<kDType>::type;
-  launch_fwd_mma<fwd_mma::Config<T, kHeadDim>>(p, stream);
+  launch_fwd_mma<fwd_mma::Config<T, kHeadDim>, kVariant>(p, stream);
 }
 
 }  // namespace flash_cuda

@@ -36,7 +36,18 @@
 //
 // Both kernels reuse the thread grid, loaders and register-blocked products of simt_fwd.cuh
 // (read that file first): "rows" are the operand a CTA owns (keys in kernel 2, queries in
-// kernel 3), "cols" the operand it streams.
+// kernel 3), "cols" the operand it streams. Masks, packed batches, the Variants and the
+// per-CTA facts in shared memory (CtaFacts) work as in the forward: the dK/dV kernel visits the
+// query blocks BlockRange::queries_of its keys, the dQ kernel the key blocks BlockRange::keys_of
+// its rows, and only the tiles AttnMask::needs_mask picks pay for the per-element test.
+//
+// Softcap and ALiBi (kExtended kernels): with x the score in log2 units of the scaled logit and
+// x' = ScoreMod::apply(x),
+//   P = 2^(x' - lse * log2 e)        dS = P * (dP - delta) * dtanh(x)
+// (dtanh = d x' / d x = 1 - tanh^2(x / C), 1 without softcap); dK and dQ keep their `scale`.
+// These kernels keep P * dtanh(x) in the registers that hold P (the dK/dV kernel stores P^T
+// for dV right away), so softcap's derivative costs no tile of registers here: kSoftcapGrad
+// calls run the kExtended kernels.
 #pragma once
 
 #include "bwd_preprocess.cuh"
@@ -267,7 +278,8 @@ __device__ __forceinline__ void red_add_dq_tile(float* g, int64_t row_stride, in
 // =================================================================================
 //
 // Shared memory: sK [kRows][kLdHead] | sV [kRows][kLdHead] | buf0 | buf1 | sP [kRows][kLdScore]
-//                | sdS [kRows][kLdScore],  buf = [kCols][kLdHead] tile + kCols row vector.
+//                | sdS [kRows][kLdScore] | CtaFacts (kExtended),
+//                buf = [kCols][kLdHead] tile + kCols row vector.
 // Step t (one query block m of one query head h) uses Q_t (+ its lse) in buf[t % 2] and dO_t
 // (+ its delta) in buf[(t + 1) % 2]; the two buffers swap roles every step:
 //
@@ -292,7 +304,10 @@ __device__ __forceinline__ void red_add_dq_tile(float* g, int64_t row_stride, in
 // (2^(S^T * scale_log2 - lse), the same instruction count as the subtraction), and dQ gets
 // `scale` when added. Q (used for S and for dK) and dO stay unscaled. dK gets its factor
 // `scale` once, when written.
-template <typename Cfg, bool kAtomicDQ>
+// kV: kPlain, or kExtended (packed batches, softcap, ALiBi). The kExtended kernel's P1 applies
+// the modifiers before the mask, stores P^T into sP at once (sP is free from B4 of the previous
+// step on) and keeps P^T * dtanh in registers for P2.
+template <typename Cfg, bool kAtomicDQ, Variant kV>
 __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSm)
     flash_bwd_dkdv_simt_kernel(const BwdParams p) {
   constexpr int kTM = Cfg::kTM, kTN = Cfg::kTN, kTD = Cfg::kTD;
@@ -300,6 +315,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSm)
   constexpr int kLdH = Cfg::kLdHead, kLdS = Cfg::kLdScore;
   constexpr int kRG = Cfg::kRowGroups, kG = Cfg::kG;
   constexpr int kBufFloats = kCols * kLdH + kCols;  // a multiple of 4: buffers stay 16-byte aligned
+  constexpr bool kExt = kV != kPlain;
 
   extern __shared__ float4 smem_f4[];
   float* sK = reinterpret_cast<float*>(smem_f4);
@@ -307,16 +323,17 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSm)
   float* sBuf = sV + kRows * kLdH;  // buf b at sBuf + b * kBufFloats, its vector after the tile
   float* sP = sBuf + 2 * kBufFloats;
   float* sdS = sP + kRows * kLdS;
+  CtaFacts* facts = reinterpret_cast<CtaFacts*>(sdS + kRows * kLdS);  // kExt only
 
   const int tid = static_cast<int>(threadIdx.x);
   const int rg = tid / kG;
   const int cg = tid % kG;
 
-  // Grid order: under causal masking the first key blocks are seen by the most queries; they
-  // get the low block indices and start first. Otherwise the blocks of one (batch, kv head) are
-  // adjacent (they share Q and dO in L2).
-  // CTAs from p.split_begin on are pieces of the split last wave (non-causal only): key block
-  // split_begin + piece / num_splits, query-step range piece % num_splits (plan_bwd_simt).
+  // Grid order: with a right-bounded mask (causal, windows) the first key blocks are seen by
+  // the most queries; they get the low block indices and start first. Otherwise the blocks of
+  // one (batch, kv head) are adjacent (they share Q and dO in L2).
+  // CTAs from p.split_begin on are pieces of the split last wave (plain dense calls only): key
+  // block split_begin + piece / num_splits, query-step range piece % num_splits (plan_bwd_simt).
   const int num_n_blocks = ceil_div(p.sk, kRows);
   const int bh_count = p.b * p.hkv;
   int idx = static_cast<int>(blockIdx.x), piece = -1;
@@ -324,24 +341,23 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSm)
     piece = idx - p.split_begin;
     idx = p.split_begin + piece / p.num_splits;
   }
-  const int n_block = p.is_causal ? idx / bh_count : idx % num_n_blocks;
-  const int bh = p.is_causal ? idx % bh_count : idx / num_n_blocks;
+  const bool by_key = longest_first(p);
+  const int n_block = by_key ? idx / bh_count : idx % num_n_blocks;
+  const int bh = by_key ? idx % bh_count : idx / num_n_blocks;
   const int bi = bh / p.hkv;
   const int hk = bh - bi * p.hkv;
   const int group = p.hq / p.hkv;  // query heads hk*group .. hk*group + group - 1 read kv head hk
   const int n0 = n_block * kRows;
-  const int keys_valid = p.sk - n0;  // >= 1
+  const SeqInfo seq = SeqInfo::make<kExt>(p, bi);
+  const int keys_valid = seq.sk - n0;
 
-  // Query blocks that can see a key of this block: under causal masking query i sees key j iff
-  // i >= j - causal_offset, so the first is m_begin = max(0, n0 - causal_offset).
-  // Example: sq = sk = 256, 64-key blocks: key block n0 = 128 is seen from query 128 on, i.e.
-  // from query block 128 / kCols. With sq = 64 < sk = 256 (offset 192), key block 0 is seen by
-  // every query (m_begin = 0) and key block 192 too (192 - 192 = 0).
-  const int causal_offset = p.sk - p.sq;
-  const int m_begin = p.is_causal ? max(0, n0 - causal_offset) : 0;
-  const int num_m_blocks = ceil_div(p.sq, kCols);
-  const int m_first = m_begin < p.sq ? m_begin / kCols : num_m_blocks;
-  const int steps_per_head = num_m_blocks - m_first;
+  // Query blocks that can see a key of this block (BlockRange::queries_of).
+  // Example (causal): sq = sk = 256, 64-key blocks: key block n0 = 128 is seen from query 128
+  // on, i.e. from query block 128 / kCols. With sq = 64 < sk = 256 (offset 192), key block 0 is
+  // seen by every query and key block 192 too (192 - 192 = 0).
+  const BlockRange m_range = BlockRange::queries_of(seq.mask<kExt>(p), n0, n0 + kRows, kCols);
+  const int m_first = m_range.begin;
+  const int steps_per_head = m_range.count();
   const int num_steps = steps_per_head * group;
   int t_begin = 0, t_end = num_steps;  // this CTA's steps
   if (piece >= 0) {
@@ -349,16 +365,24 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSm)
     t_begin = static_cast<int>(static_cast<int64_t>(num_steps) * range / p.num_splits);
     t_end = static_cast<int>(static_cast<int64_t>(num_steps) * (range + 1) / p.num_splits);
   }
+  if constexpr (kExt) {
+    // Past its sequence's end (the grid is sized by max_seqlen_k): nothing to compute or write
+    // (uniform, before any barrier). The ScoreMod is per query head: made per step.
+    if (keys_valid <= 0) return;
+    publish_facts(facts, CtaFacts{seq, seq.mask<kExt>(p), ScoreMod{}}, tid);
+  }
 
-  const float* k = static_cast<const float*>(p.k) + bi * p.k_batch_stride + hk * p.k_head_stride +
+  const float* k = seq.k_rows(static_cast<const float*>(p.k), p.k_batch_stride, p.k_head_stride,
+                              p.k_row_stride, hk) +
                    n0 * p.k_row_stride;
-  const float* v = static_cast<const float*>(p.v) + bi * p.v_batch_stride + hk * p.v_head_stride +
+  const float* v = seq.k_rows(static_cast<const float*>(p.v), p.v_batch_stride, p.v_head_stride,
+                              p.v_row_stride, hk) +
                    n0 * p.v_row_stride;
 
   // Step t -> (query head, first query row): the steps run over the query blocks m_first ..
-  // num_m_blocks - 1 of the first head of the group, then of the next head, and so on.
+  // m_range.end - 1 of the first head of the group, then of the next head, and so on.
   // The kCols-float row vector of each buffer holds lse (next to Q) or delta (next to dO) for
-  // the step's query rows.
+  // the step's query rows. Rows past sq are zero-filled (Q, dO, lse, delta).
   auto step_head = [&](int t) { return hk * group + t / steps_per_head; };
   auto step_m0 = [&](int t) { return (m_first + t % steps_per_head) * kCols; };
   static_assert(kCols <= Cfg::kThreads, "one thread per row-vector element");
@@ -369,16 +393,20 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSm)
     }
   };
   auto load_q = [&](int h, int m0, float* buf) {
-    const float* q = static_cast<const float*>(p.q) + bi * p.q_batch_stride + h * p.q_head_stride +
+    const SeqInfo sf = cta_seq<kExt>(p, facts, bi);
+    const float* q = sf.q_rows(static_cast<const float*>(p.q), p.q_batch_stride, p.q_head_stride,
+                               p.q_row_stride, h) +
                      m0 * p.q_row_stride;
-    load_tile_async<kCols, kD, kLdH, Cfg::kThreads>(buf, q, p.q_row_stride, p.sq - m0, p.d, tid);
-    load_row_vector(buf + kCols * kLdH, p.softmax_lse + lse_offset(p, bi, h) + m0, p.sq - m0);
+    load_tile_async<kCols, kD, kLdH, Cfg::kThreads>(buf, q, p.q_row_stride, sf.sq - m0, p.d, tid);
+    load_row_vector(buf + kCols * kLdH, p.softmax_lse + sf.stat_offset(p, h) + m0, sf.sq - m0);
   };
   auto load_do = [&](int h, int m0, float* buf) {
-    const float* dO = static_cast<const float*>(p.dout) + bi * p.do_batch_stride +
-                      h * p.do_head_stride + m0 * p.do_row_stride;
-    load_tile_async<kCols, kD, kLdH, Cfg::kThreads>(buf, dO, p.do_row_stride, p.sq - m0, p.d, tid);
-    load_row_vector(buf + kCols * kLdH, p.delta + lse_offset(p, bi, h) + m0, p.sq - m0);
+    const SeqInfo sf = cta_seq<kExt>(p, facts, bi);
+    const float* dO = sf.q_rows(static_cast<const float*>(p.dout), p.do_batch_stride,
+                                p.do_head_stride, p.do_row_stride, h) +
+                      m0 * p.do_row_stride;
+    load_tile_async<kCols, kD, kLdH, Cfg::kThreads>(buf, dO, p.do_row_stride, sf.sq - m0, p.d, tid);
+    load_row_vector(buf + kCols * kLdH, p.delta + sf.stat_offset(p, h) + m0, sf.sq - m0);
   };
 
   float dk[kTM][kTD], dv[kTM][kTD];
@@ -422,27 +450,53 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSm)
         for (int j = 0; j < kTN; ++j) s[i][j] = 0.f;
       gemm_nt<kTM, kTN, kRG * kLdH, kG * kLdH, kD>(s, sK_row0, bq + cg * kLdH, p.d);
 
-      BlockMask mask;
-      mask.active = (n0 + kRows > p.sk) || (p.is_causal && n0 + kRows - 1 > m0 + causal_offset);
-      mask.row0 = n0 + rg;
-      mask.col0 = m0 + cg;
-      mask.sk = p.sk;
-      mask.causal_offset = causal_offset;
-      mask.causal = p.is_causal;
-      if (mask.active) apply_mask<false, kTM, kTN, kRG, kG>(s, mask);
-
-      // Query rows past sq were zero-filled (Q, dO, lse, delta = 0): they give finite P and
+      // Keys past sk must be masked (their zero K rows would give P = 2^(-lse), which can
+      // overflow, and dS = inf * 0 = NaN would reach dq through P5). Query columns past sq need
+      // no mask: their Q, dO, lse and delta were zero-filled, so they give finite P and
       // dS = P * (0 - 0) = 0, and their dO / Q rows are 0, so they add nothing.
+      const AttnMask mask = cta_mask<kExt>(p, facts);
+      const int m1 = min(m0 + kCols, mask.sq);
+      const bool mask_active = mask.needs_mask(m0, m1, n0, n0 + kRows);
+      if constexpr (!kExt) {
+        if (mask_active) {
+          apply_mask<false, kTM, kTN, kRG, kG>(s, mask, n0 + rg, m0 + cg,
+                                               left_diagonal_in(mask, m1, n0));
+        }
 #pragma unroll
-      for (int j = 0; j < kTN; ++j) {
-        const float lse2 = lse_to_log2_offset(bq[kCols * kLdH + cg + kG * j]);
+        for (int j = 0; j < kTN; ++j) {
+          const float lse2 = lse_to_log2_offset(bq[kCols * kLdH + cg + kG * j]);
 #pragma unroll
-        for (int i = 0; i < kTM; ++i) {
-          if constexpr (kAtomicDQ) {
-            // -inf (masked) * scale_log2 - lse2 = -inf; scale_log2 > 0 is a normal float.
-            s[i][j] = fast_exp2(fmaf(s[i][j], p.scale_log2, -lse2));
-          } else {
-            s[i][j] = fast_exp2(s[i][j] - lse2);
+          for (int i = 0; i < kTM; ++i) {
+            if constexpr (kAtomicDQ) {
+              // -inf (masked) * scale_log2 - lse2 = -inf; scale_log2 > 0 is a normal float.
+              s[i][j] = fast_exp2(fmaf(s[i][j], p.scale_log2, -lse2));
+            } else {
+              s[i][j] = fast_exp2(s[i][j] - lse2);
+            }
+          }
+        }
+      } else {
+        // x (log2 units; K unscaled with kAtomicDQ) -> x' = apply(x), masked -> P^T = 2^(x' -
+        // lse) into sP, and s = P^T * dtanh(x) for P2.
+        const ScoreMod mod = facts->seq.score_mod(p, step_head(t));
+        const bool modded = mod.active();
+#pragma unroll
+        for (int j = 0; j < kTN; ++j) {
+          const float lse2 = lse_to_log2_offset(bq[kCols * kLdH + cg + kG * j]);
+          const int qi = m0 + cg + kG * j;
+#pragma unroll
+          for (int i = 0; i < kTM; ++i) {
+            const int kj = n0 + rg + kRG * i;
+            float x = kAtomicDQ ? s[i][j] * p.scale_log2 : s[i][j];
+            float dt = 1.f;
+            if (modded) {
+              dt = mod.dtanh<true>(x);
+              x = mod.apply<true>(x, qi, kj);
+            }
+            if (mask_active & !mask.visible(qi, kj)) x = -INFINITY;
+            const float pr = fast_exp2(x - lse2);
+            sP[(rg + kRG * i) * kLdS + cg + kG * j] = pr;
+            s[i][j] = pr * dt;
           }
         }
       }
@@ -464,7 +518,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSm)
 #pragma unroll
         for (int i = 0; i < kTM; ++i) {
           const int off = (rg + kRG * i) * kLdS + cg + kG * j;
-          sP[off] = s[i][j];
+          if constexpr (!kExt) sP[off] = s[i][j];  // (kExt: stored in P1)
           sdS[off] = s[i][j] * (dp[i][j] - delta);
         }
       }
@@ -493,9 +547,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSm)
         const int dg = tid % Grid::kDG;
         gemm_tn<Grid::kTQ, Grid::kTD, kLdS, 4 * Grid::kQG, kLdH, 4 * Grid::kDG, kRows>(
             dq, sdS + 4 * qg, sK + 4 * dg);
-        float* dq_tile = static_cast<float*>(p.dq) + bi * p.dq_batch_stride +
-                         step_head(t) * p.dq_head_stride + m0 * p.dq_row_stride;
-        red_add_dq_tile<Grid>(dq_tile, p.dq_row_stride, p.sq - m0, p.d, dq, p.scale, qg, dg);
+        const SeqInfo sf = cta_seq<kExt>(p, facts, bi);
+        float* dq_tile = sf.q_rows(static_cast<float*>(p.dq), p.dq_batch_stride, p.dq_head_stride,
+                                   p.dq_row_stride, step_head(t)) +
+                         m0 * p.dq_row_stride;
+        red_add_dq_tile<Grid>(dq_tile, p.dq_row_stride, sf.sq - m0, p.d, dq, p.scale, qg, dg);
       }
 
       // Q_{t+1} landed and, after the barrier, is visible; every warp is done with Q_t, whose
@@ -508,7 +564,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSm)
     }
   }
 
-  // Keys that no query can see (causal, or sq too short) get dK = dV = 0.
+  // Keys that no query can see (causal, windows, or sq too short) get dK = dV = 0.
   float dk_scale[kTM], one[kTM];
 #pragma unroll
   for (int i = 0; i < kTM; ++i) {
@@ -523,9 +579,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSm)
     store_row_tile<Cfg>(dv_part, p.d, keys_valid, p.d, dv, one, rg, cg);
     return;
   }
-  float* dk_tile = static_cast<float*>(p.dk) + bi * p.dk_batch_stride + hk * p.dk_head_stride +
+  const SeqInfo sf = cta_seq<kExt>(p, facts, bi);
+  float* dk_tile = sf.k_rows(static_cast<float*>(p.dk), p.dk_batch_stride, p.dk_head_stride,
+                             p.dk_row_stride, hk) +
                    n0 * p.dk_row_stride;
-  float* dv_tile = static_cast<float*>(p.dv) + bi * p.dv_batch_stride + hk * p.dv_head_stride +
+  float* dv_tile = sf.k_rows(static_cast<float*>(p.dv), p.dv_batch_stride, p.dv_head_stride,
+                             p.dv_row_stride, hk) +
                    n0 * p.dv_row_stride;
   store_row_tile<Cfg>(dk_tile, p.dk_row_stride, keys_valid, p.d, dk, dk_scale, rg, cg);
   store_row_tile<Cfg>(dv_tile, p.dv_row_stride, keys_valid, p.d, dv, one, rg, cg);
@@ -533,7 +592,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSm)
 
 // Sums the step ranges of the split key blocks, in range order (bitwise reproducible):
 // dK = sum_r dK_r, dV = sum_r dV_r (each partial already scaled). One thread per float4 of a
-// split block's rows; the block order is the non-causal one of the dK/dV kernel.
+// split block's rows; the block order is the unmasked one of the dK/dV kernel (splits run only
+// for plain dense calls, so p.sk is every sequence's length).
 template <int kRows>
 __global__ void __launch_bounds__(256) sum_split_dkdv_kernel(const BwdParams p, int64_t pieces) {
   const int d4 = p.d / 4;
@@ -565,8 +625,9 @@ __global__ void __launch_bounds__(256) sum_split_dkdv_kernel(const BwdParams p, 
 // dQ kernel
 // =================================================================================
 //
-// Shared memory: sQ [kRows][kLdHead] | sdO [kRows][kLdHead] | buf0 | buf1 | sdS [kRows][kLdScore],
-// buf = [kCols][kLdHead]. Key block n keeps K_n in buf[n % 2] and V_n in buf[(n + 1) % 2]:
+// Shared memory: sQ [kRows][kLdHead] | sdO [kRows][kLdHead] | buf0 | buf1 | sdS [kRows][kLdScore]
+// | CtaFacts (kExtended), buf = [kCols][kLdHead]. Key block n (from keys.begin on) keeps K_n in
+// buf[(n - begin) % 2] and V_n in the other buffer:
 //
 //   S = Q K_n^T -> P = 2^(S - lse)                                [sQ, K_n]
 //   wait V_n, barrier
@@ -576,8 +637,9 @@ __global__ void __launch_bounds__(256) sum_split_dkdv_kernel(const BwdParams p, 
 //   wait K_{n+1}, barrier -> K_n's buffer is free: start V_{n+1} there (lands during S)
 //
 // Q is stored pre-multiplied by scale * log2(e) (it is only used for S). dQ gets `scale` when
-// written.
-template <typename Cfg>
+// written. kExtended: S gets softcap / ALiBi before the mask, and the P registers hold
+// P * dtanh(S) (dS = P * dtanh * (dP - delta); P itself is not needed here).
+template <typename Cfg, Variant kV>
 __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSm)
     flash_bwd_dq_simt_kernel(const BwdParams p) {
   constexpr int kTM = Cfg::kTM, kTN = Cfg::kTN, kTD = Cfg::kTD;
@@ -585,44 +647,39 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSm)
   constexpr int kLdH = Cfg::kLdHead, kLdS = Cfg::kLdScore;
   constexpr int kRG = Cfg::kRowGroups, kG = Cfg::kG;
   constexpr int kBufFloats = kCols * kLdH;
+  constexpr bool kExt = kV != kPlain;
 
   extern __shared__ float4 smem_f4[];
   float* sQ = reinterpret_cast<float*>(smem_f4);
   float* sdO = sQ + kRows * kLdH;
   float* sBuf = sdO + kRows * kLdH;
   float* sdS = sBuf + 2 * kBufFloats;
+  CtaFacts* facts = reinterpret_cast<CtaFacts*>(sdS + kRows * kLdS);  // kExt only
 
   const int tid = static_cast<int>(threadIdx.x);
   const int rg = tid / kG;
   const int cg = tid % kG;
 
-  int m_block, bh;
-  query_block_order(static_cast<int>(blockIdx.x), ceil_div(p.sq, kRows), p.b * p.hq,
-                    p.is_causal, m_block, bh);
-  const int bi = bh / p.hq;
-  const int hi = bh - bi * p.hq;
-  const int hk = hi / (p.hq / p.hkv);
-  const int m0 = m_block * kRows;
-  const int rows_valid = p.sq - m0;
-
-  // Key blocks seen by the valid rows of this block (same rule as the forward).
-  const int causal_offset = p.sk - p.sq;
-  int n_end = p.sk;
-  if (p.is_causal) n_end = min(n_end, min(m0 + kRows, p.sq) + causal_offset);
-  const int num_n_blocks = n_end > 0 ? ceil_div(n_end, kCols) : 0;
-
-  const float* q = static_cast<const float*>(p.q) + bi * p.q_batch_stride + hi * p.q_head_stride +
-                   m0 * p.q_row_stride;
-  const float* dO = static_cast<const float*>(p.dout) + bi * p.do_batch_stride +
-                    hi * p.do_head_stride + m0 * p.do_row_stride;
-  const float* k = static_cast<const float*>(p.k) + bi * p.k_batch_stride + hk * p.k_head_stride;
-  const float* v = static_cast<const float*>(p.v) + bi * p.v_batch_stride + hk * p.v_head_stride;
+  // The forward's block order and key-block range (FwdQueryBlock: q, k, v point at this
+  // block's Q rows and its kv head's K and V).
+  const FwdQueryBlock blk = FwdQueryBlock::make<kRows, kCols, kExt>(p);
+  const int bi = blk.seq.bi, hi = blk.hi, m0 = blk.m0, rows_valid = blk.rows_valid;
+  const int n_begin = blk.keys.begin, n_end = blk.keys.end;
+  const float *k = blk.k, *v = blk.v;
+  if constexpr (kExt) {
+    // Past its sequence's end: nothing to compute or write (uniform, before any barrier).
+    if (rows_valid <= 0) return;
+    publish_facts(facts, CtaFacts{blk.seq, blk.mask, blk.seq.score_mod(p, hi)}, tid);
+  }
+  const float* dO = blk.seq.q_rows(static_cast<const float*>(p.dout), p.do_batch_stride,
+                                   p.do_head_stride, p.do_row_stride, hi) +
+                    m0 * p.do_row_stride;
 
   // Per-row lse (as a log2 offset) and delta of this thread's rows. Rows past sq: 0 (their
   // Q and dO rows are zero, so they produce finite values that are never written).
   float lse2[kTM], delta[kTM];
   {
-    const int64_t row_base = lse_offset(p, bi, hi) + m0;
+    const int64_t row_base = blk.seq.stat_offset(p, hi) + m0;
 #pragma unroll
     for (int i = 0; i < kTM; ++i) {
       const int r = rg + kRG * i;
@@ -637,14 +694,17 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSm)
 #pragma unroll
     for (int c = 0; c < kTD; ++c) dq[i][c] = 0.f;
 
-  if (num_n_blocks > 0) {
-    // Two groups: {Q, dO, K_0} then {V_0}.
-    load_tile_async<kRows, kD, kLdH, Cfg::kThreads>(sQ, q, p.q_row_stride, rows_valid, p.d, tid);
+  if (n_end > n_begin) {
+    // Two groups: {Q, dO, K_first} then {V_first}.
+    const int first0 = n_begin * kCols;
+    load_tile_async<kRows, kD, kLdH, Cfg::kThreads>(sQ, blk.q, p.q_row_stride, rows_valid, p.d,
+                                                    tid);
     load_tile_async<kRows, kD, kLdH, Cfg::kThreads>(sdO, dO, p.do_row_stride, rows_valid, p.d, tid);
-    load_tile_async<kCols, kD, kLdH, Cfg::kThreads>(sBuf, k, p.k_row_stride, p.sk, p.d, tid);
+    load_tile_async<kCols, kD, kLdH, Cfg::kThreads>(sBuf, k + first0 * p.k_row_stride,
+                                                    p.k_row_stride, blk.seq.sk - first0, p.d, tid);
     cp_async_commit();
-    load_tile_async<kCols, kD, kLdH, Cfg::kThreads>(sBuf + kBufFloats, v, p.v_row_stride, p.sk,
-                                                    p.d, tid);
+    load_tile_async<kCols, kD, kLdH, Cfg::kThreads>(sBuf + kBufFloats, v + first0 * p.v_row_stride,
+                                                    p.v_row_stride, blk.seq.sk - first0, p.d, tid);
     cp_async_commit();
     cp_async_wait<1>();
     scale_own_chunks<kRows, kD, kLdH, Cfg::kThreads>(sQ, p.scale_log2, tid);
@@ -653,12 +713,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSm)
     const float* sQ_row0 = sQ + rg * kLdH;
     const float* sdO_row0 = sdO + rg * kLdH;
 
-    for (int n_block = 0; n_block < num_n_blocks; ++n_block) {
+    for (int n_block = n_begin; n_block < n_end; ++n_block) {
       const int n0 = n_block * kCols;
-      float* bk = sBuf + (n_block & 1) * kBufFloats;         // K_n
-      float* bv = sBuf + ((n_block & 1) ^ 1) * kBufFloats;   // V_n
+      const int parity = (n_block - n_begin) & 1;
+      float* bk = sBuf + parity * kBufFloats;        // K_n
+      float* bv = sBuf + (parity ^ 1) * kBufFloats;  // V_n
 
-      // ---- S = Q K^T (log2 units), mask, P = 2^(S - lse) ----
+      // ---- S = Q K^T (log2 units), modifiers, mask, P = 2^(S - lse) ----
       // s[i][j]: query m0 + rg + kRG*i, key n0 + cg + kG*j.
       float s[kTM][kTN];
 #pragma unroll
@@ -668,20 +729,39 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSm)
       gemm_nt<kTM, kTN, kRG * kLdH, kG * kLdH, kD>(s, sQ_row0, bk + cg * kLdH, p.d);
 
       // Keys past sk must be masked here: their (zero) K rows give s = 0 and P = 2^(-lse), which
-      // can overflow to inf for a very negative lse; inf * 0 would then be NaN.
-      BlockMask mask;
-      mask.active = (n0 + kCols > p.sk) || (p.is_causal && n0 + kCols - 1 > m0 + causal_offset);
-      mask.row0 = m0 + rg;
-      mask.col0 = n0 + cg;
-      mask.sk = p.sk;
-      mask.causal_offset = causal_offset;
-      mask.causal = p.is_causal;
-      if (mask.active) apply_mask<true, kTM, kTN, kRG, kG>(s, mask);
-
+      // can overflow to inf for a very negative lse; inf * 0 would then be NaN. Rows past sq
+      // are never written: the test need not count them.
+      const AttnMask mask = cta_mask<kExt>(p, facts);
+      const int m1 = min(m0 + kRows, mask.sq);
+      const bool mask_active = mask.needs_mask(m0, m1, n0, n0 + kCols);
+      if constexpr (!kExt) {
+        if (mask_active) {
+          apply_mask<true, kTM, kTN, kRG, kG>(s, mask, m0 + rg, n0 + cg,
+                                              left_diagonal_in(mask, m1, n0));
+        }
 #pragma unroll
-      for (int i = 0; i < kTM; ++i)
+        for (int i = 0; i < kTM; ++i)
 #pragma unroll
-        for (int j = 0; j < kTN; ++j) s[i][j] = fast_exp2(s[i][j] - lse2[i]);
+          for (int j = 0; j < kTN; ++j) s[i][j] = fast_exp2(s[i][j] - lse2[i]);
+      } else {
+        const ScoreMod mod = facts->mod;
+        const bool modded = mod.active();
+#pragma unroll
+        for (int i = 0; i < kTM; ++i) {
+          const int qi = m0 + rg + kRG * i;
+#pragma unroll
+          for (int j = 0; j < kTN; ++j) {
+            const int kj = n0 + cg + kG * j;
+            float x = s[i][j], dt = 1.f;
+            if (modded) {
+              dt = mod.dtanh<true>(x);
+              x = mod.apply<true>(x, qi, kj);
+            }
+            if (mask_active & !mask.visible(qi, kj)) x = -INFINITY;
+            s[i][j] = fast_exp2(x - lse2[i]) * dt;
+          }
+        }
+      }
 
       cp_async_wait<0>();  // V_n landed
       __syncthreads();
@@ -700,9 +780,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSm)
         for (int j = 0; j < kTN; ++j)
           sdS[(rg + kRG * i) * kLdS + cg + kG * j] = s[i][j] * (dp[i][j] - delta[i]);
       __syncthreads();  // dS complete; every warp is done with V_n: its buffer takes K_{n+1}
-      if (n_block + 1 < num_n_blocks) {
-        load_tile_async<kCols, kD, kLdH, Cfg::kThreads>(
-            bv, k + (n0 + kCols) * p.k_row_stride, p.k_row_stride, p.sk - n0 - kCols, p.d, tid);
+      if (n_block + 1 < n_end) {
+        load_tile_async<kCols, kD, kLdH, Cfg::kThreads>(bv, k + (n0 + kCols) * p.k_row_stride,
+                                                        p.k_row_stride,
+                                                        cta_mask<kExt>(p, facts).sk - n0 - kCols,
+                                                        p.d, tid);
       }
       cp_async_commit();
 
@@ -712,9 +794,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSm)
       // buffer takes V_{n+1}.
       cp_async_wait<0>();
       __syncthreads();
-      if (n_block + 1 < num_n_blocks) {
-        load_tile_async<kCols, kD, kLdH, Cfg::kThreads>(
-            bk, v + (n0 + kCols) * p.v_row_stride, p.v_row_stride, p.sk - n0 - kCols, p.d, tid);
+      if (n_block + 1 < n_end) {
+        load_tile_async<kCols, kD, kLdH, Cfg::kThreads>(bk, v + (n0 + kCols) * p.v_row_stride,
+                                                        p.v_row_stride,
+                                                        cta_mask<kExt>(p, facts).sk - n0 - kCols,
+                                                        p.d, tid);
       }
       cp_async_commit();
     }
@@ -724,23 +808,27 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSm)
   float dq_scale[kTM];
 #pragma unroll
   for (int i = 0; i < kTM; ++i) dq_scale[i] = p.scale;
-  float* dq_tile = static_cast<float*>(p.dq) + bi * p.dq_batch_stride + hi * p.dq_head_stride +
+  float* dq_tile = cta_seq<kExt>(p, facts, bi).q_rows(static_cast<float*>(p.dq), p.dq_batch_stride,
+                                                      p.dq_head_stride, p.dq_row_stride, hi) +
                    m0 * p.dq_row_stride;
   store_row_tile<Cfg>(dq_tile, p.dq_row_stride, rows_valid, p.d, dq, dq_scale, rg, cg);
 }
 
+// ext: a kExtended kernel, which appends its CtaFacts.
 template <typename Cfg>
-constexpr size_t bwd_dkdv_smem_bytes() {
+constexpr size_t bwd_dkdv_smem_bytes(bool ext = false) {
   return sizeof(float) * (2 * static_cast<size_t>(Cfg::kRows) * Cfg::kLdHead +
                           2 * (static_cast<size_t>(Cfg::kCols) * Cfg::kLdHead + Cfg::kCols) +
-                          2 * static_cast<size_t>(Cfg::kRows) * Cfg::kLdScore);
+                          2 * static_cast<size_t>(Cfg::kRows) * Cfg::kLdScore) +
+         (ext ? kFactsBytes : 0);
 }
 
 template <typename Cfg>
-constexpr size_t bwd_dq_smem_bytes() {
+constexpr size_t bwd_dq_smem_bytes(bool ext = false) {
   return sizeof(float) * (2 * static_cast<size_t>(Cfg::kRows) * Cfg::kLdHead +
                           2 * static_cast<size_t>(Cfg::kCols) * Cfg::kLdHead +
-                          static_cast<size_t>(Cfg::kRows) * Cfg::kLdScore);
+                          static_cast<size_t>(Cfg::kRows) * Cfg::kLdScore) +
+         (ext ? kFactsBytes : 0);
 }
 
 template <typename Cfg>
@@ -748,17 +836,20 @@ int64_t num_key_blocks(const BwdParams& p) {
   return static_cast<int64_t>(ceil_div(p.sk, Cfg::kRows)) * p.b * p.hkv;
 }
 
-// The split of the dK/dV kernel's last wave (see plan_tail_split), and the workspace floats it
-// needs (0: none).
+// The split of the dK/dV kernel's last wave (see plan_tail_split: plain dense calls only), and
+// the workspace floats it needs (0: none).
 template <typename Cfg, bool kAtomicDQ>
 int64_t plan_bwd_dkdv(BwdParams& p) {
   const int64_t pieces = plan_launch_split(
-      p, flash_bwd_dkdv_simt_kernel<Cfg, kAtomicDQ>, Cfg::kThreads, bwd_dkdv_smem_bytes<Cfg>(),
+      p, flash_bwd_dkdv_simt_kernel<Cfg, kAtomicDQ, kPlain>, Cfg::kThreads,
+      bwd_dkdv_smem_bytes<Cfg>(),
       num_key_blocks<Cfg>(p), ceil_div(p.sq, Cfg::kCols) * (p.hq / p.hkv), "flash_bwd_dkdv_simt");
   return 2 * pieces * Cfg::kRows * p.d;
 }
 
 // kAtomicDQ: params.dq must be zero-filled (it is accumulated into, never overwritten).
+// The grid is sized by params.sk (max_seqlen_k for varlen). Packed batches, softcap and ALiBi
+// get the kExtended kernel (never split).
 template <typename Cfg, bool kAtomicDQ>
 void launch_bwd_dkdv(const BwdParams& params, cudaStream_t stream) {
   const char* name = kAtomicDQ ? "flash_bwd_dkdv_dq_atomic_simt" : "flash_bwd_dkdv_simt";
@@ -768,13 +859,19 @@ void launch_bwd_dkdv(const BwdParams& params, cudaStream_t stream) {
     BwdParams p = params;
     p.split_begin = INT_MAX;
     p.num_splits = 1;
-    launch_simt(flash_bwd_dkdv_simt_kernel<Cfg, kAtomicDQ>, p, Cfg::kThreads,
-                bwd_dkdv_smem_bytes<Cfg>(), p.sk, Cfg::kRows, p.hkv, name, stream);
+    if (variant_of(p, true) == kPlain) {
+      launch_simt(flash_bwd_dkdv_simt_kernel<Cfg, kAtomicDQ, kPlain>, p, Cfg::kThreads,
+                  bwd_dkdv_smem_bytes<Cfg>(), p.sk, Cfg::kRows, p.hkv, name, stream);
+    } else {  // kExtended and kSoftcapGrad
+      launch_simt(flash_bwd_dkdv_simt_kernel<Cfg, kAtomicDQ, kExtended>, p, Cfg::kThreads,
+                  bwd_dkdv_smem_bytes<Cfg>(true), p.sk, Cfg::kRows, p.hkv, name, stream);
+    }
     return;
   }
-  if (params.dkv_accum == nullptr || params.is_causal) {
+  if (params.dkv_accum == nullptr || !split_allowed(params)) {
     throw std::runtime_error(std::string("flash_cuda: kernel ") + name +
-                             ": split query ranges need a workspace and no causal mask");
+                             ": split query ranges need a workspace, no mask, no softcap or "
+                             "ALiBi and a dense batch");
   }
   const int64_t pieces = (num_blocks - params.split_begin) * params.num_splits;
   const int64_t grid = params.split_begin + pieces;
@@ -782,7 +879,7 @@ void launch_bwd_dkdv(const BwdParams& params, cudaStream_t stream) {
     throw std::runtime_error(std::string("flash_cuda: kernel ") + name + ": grid of " +
                              std::to_string(grid) + " blocks is out of range");
   }
-  auto kernel = flash_bwd_dkdv_simt_kernel<Cfg, kAtomicDQ>;
+  auto kernel = flash_bwd_dkdv_simt_kernel<Cfg, kAtomicDQ, kPlain>;
   set_smem_limit(kernel, bwd_dkdv_smem_bytes<Cfg>(), name);
   kernel<<<static_cast<unsigned>(grid), Cfg::kThreads, bwd_dkdv_smem_bytes<Cfg>(), stream>>>(
       params);
@@ -795,8 +892,15 @@ void launch_bwd_dkdv(const BwdParams& params, cudaStream_t stream) {
 
 template <typename Cfg>
 void launch_bwd_dq(const BwdParams& params, cudaStream_t stream) {
-  launch_simt(flash_bwd_dq_simt_kernel<Cfg>, params, Cfg::kThreads, bwd_dq_smem_bytes<Cfg>(),
-              params.sq, Cfg::kRows, params.hq, "flash_bwd_dq_simt", stream);
+  if (variant_of(params, true) == kPlain) {
+    launch_simt(flash_bwd_dq_simt_kernel<Cfg, kPlain>, params, Cfg::kThreads,
+                bwd_dq_smem_bytes<Cfg>(), params.sq, Cfg::kRows, params.hq, "flash_bwd_dq_simt",
+                stream);
+  } else {  // kExtended and kSoftcapGrad
+    launch_simt(flash_bwd_dq_simt_kernel<Cfg, kExtended>, params, Cfg::kThreads,
+                bwd_dq_smem_bytes<Cfg>(true), params.sq, Cfg::kRows, params.hq,
+                "flash_bwd_dq_simt", stream);
+  }
 }
 
 }  // namespace simt

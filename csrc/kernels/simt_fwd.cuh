@@ -5,6 +5,7 @@
 //
 //   for each key/value block n of the (batch, kv head) that the query block can see:
 //     S   = Q K_n^T * scale * log2(e)         compute_qk_scores_and_max   (product 1, "NT")
+//           then softcap / ALiBi (when on) and the mask, both from core/mask.cuh
 //     m'  = max(m, rowmax S); O *= 2^(m-m')    merge_block_stats
 //     P   = 2^(S - m');  l += rowsum P;        compute_block_softmax_and_weighted_v
 //     O  += P V_n                                                        (product 2, "NN")
@@ -14,10 +15,20 @@
 //   1. TileConfig — the tile shapes and the thread grid, and SimtFwdTraits per head dim.
 //   2. Building blocks shared with the backward (simt_bwd.cuh includes this file):
 //      tile loaders (16-byte cp.async with zero fill), the two register-blocked shared-memory
-//      products gemm_nt / gemm_nn, the causal / sequence-end mask, the tile store.
+//      products gemm_nt / gemm_nn, the mask and score modifiers (AttnMask / ScoreMod of
+//      core/mask.cuh applied to a thread's score tile), the tile store, the query-block order.
 //   3. The four forward device functions.
 //   4. The kernel and its launcher helpers (run_fwd_simt<kHeadDim>, which also chooses the
 //      outer-product kernel of simt_fwd_outer.cuh for D=128, is defined in that file).
+//
+// Masks, modifiers, packed batches. A CTA's sequence (dense or varlen) is a SeqInfo
+// (core/seqlen.cuh), its visibility rule an AttnMask: the key blocks it visits are
+// BlockRange::keys_of (a sliding window also skips the blocks left of it), and only the blocks
+// for which AttnMask::needs_mask holds pay for the per-element test. Every kernel is built per
+// Variant (flash_params.h): kPlain (dense, no modifier) reads the sequence and its mask from the
+// kernel parameters, as the kernels did before masks and packed batches, and carries no code
+// for softcap / ALiBi; kExtended (packed batches, ALiBi, softcap) keeps its per-CTA values in
+// shared memory (CtaFacts).
 //
 // Thread grid (used by every fp32 kernel). A CTA owns kRows rows of one "row operand" (the
 // query block here) and streams blocks of kCols rows of the other operand (keys / values).
@@ -56,7 +67,10 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
+#include "../core/mask.cuh"
+#include "../core/seqlen.cuh"
 #include "../flash_params.h"
 #include "../launch.h"
 #include "common.cuh"
@@ -285,29 +299,80 @@ __device__ __forceinline__ void gemm_nn(float (&acc)[kTM][kTD], const float* a, 
   }
 }
 
-// Which (query, key) pairs of a score block are visible. `active` is false for blocks that are
-// entirely visible (the common case): only blocks that straddle the causal diagonal or the end
-// of the key sequence pay for the per-element test.
-struct BlockMask {
-  bool active;
-  int row0, col0;  // sequence index of this thread's score element (0, 0)
-  int sk, causal_offset;
-  bool causal;
+// AttnMask::visible(i, j) for the keys j of one query i, as the inclusive range [lo, hi]:
+// i + diag_lo <= j <= min(i + diag_hi, sk - 1). Per element that is one compare (hi) or two
+// (lo too, only for blocks that reach past a left diagonal, see left_diagonal_in): a causal
+// block costs what the causal test cost before. Queries past sq are not tested: their Q / dO
+// rows, lse and delta are zero-filled and their results never written. 32-bit arithmetic:
+// i >= 0 and diag_lo <= sk, so neither i + diag_lo nor i + min(diag_hi, sk) overflows.
+struct QueryKeys {
+  int lo, hi;
+  __device__ __forceinline__ static QueryKeys of(const AttnMask& m, int i) {
+    return {i + m.diag_lo, min(i + min(m.diag_hi, m.sk), m.sk - 1)};
+  }
 };
 
-// Sets masked scores to -inf. kRowsAreQueries: the score tile is [query][key] (forward, dQ)
-// or, when false, [key][query] (dK/dV kernel, which works on S^T).
+// The left-diagonal term of AttnMask::needs_mask for the tile of queries [r0, r1) x keys
+// [c0, c1): some query's window starts after key c0. Warp-uniform (block indices only).
+__device__ __forceinline__ bool left_diagonal_in(const AttnMask& m, int r1, int c0) {
+  return c0 - (r1 - 1) < m.diag_lo;
+}
+
+// Sets the scores of the pairs AttnMask hides (core/mask.cuh) to -inf. kRowsAreQueries: the
+// score tile is [query][key] (forward, dQ) or, when false, [key][query] (dK/dV kernel, which
+// works on S^T). row0 / col0: sequence indices of this thread's element (0, 0); its element
+// (i, j) is (row0 + i * kRowStep, col0 + j * kColStep). Called only for the blocks where
+// AttnMask::needs_mask holds (those that straddle a diagonal of the window or pass the end of
+// the keys): the common, entirely visible block pays nothing. `left`: left_diagonal_in for the
+// block. `mask_ref` may live in shared memory (CtaFacts): it is read once, here.
 template <bool kRowsAreQueries, int kTM, int kTN, int kRowStep, int kColStep>
-__device__ __forceinline__ void apply_mask(float (&s)[kTM][kTN], const BlockMask& mask) {
+__device__ __forceinline__ void apply_mask(float (&s)[kTM][kTN], const AttnMask& mask_ref,
+                                           int row0, int col0, bool left) {
+  const AttnMask mask = mask_ref;
+  constexpr int kQueries = kRowsAreQueries ? kTM : kTN;
+  QueryKeys keys[kQueries];  // this thread's queries
+#pragma unroll
+  for (int u = 0; u < kQueries; ++u) {
+    keys[u] = QueryKeys::of(mask, kRowsAreQueries ? row0 + u * kRowStep : col0 + u * kColStep);
+  }
+  auto apply = [&](auto two_sided) {
+#pragma unroll
+    for (int i = 0; i < kTM; ++i) {
+#pragma unroll
+      for (int j = 0; j < kTN; ++j) {
+        const QueryKeys& qk = keys[kRowsAreQueries ? i : j];
+        const int k = kRowsAreQueries ? col0 + j * kColStep : row0 + i * kRowStep;
+        const bool hidden = decltype(two_sided)::value ? (k > qk.hi) | (k < qk.lo) : k > qk.hi;
+        s[i][j] = hidden ? -INFINITY : s[i][j];
+      }
+    }
+  };
+  if (left) {
+    apply(std::true_type{});
+  } else {
+    apply(std::false_type{});
+  }
+}
+
+// Softcap and ALiBi on every score of a tile that holds log2 units of the scaled logit
+// (x = scale * q.k * log2 e): x -> ScoreMod::apply(x, query, key). Same index layout as
+// apply_mask, and applied before it (a masked score must end at -inf, which softcap would
+// turn into -C). kPrecise: the libm tanhf, since this tier is compared with references that
+// compute the logits in fp32. Only kExtended kernels call it, for blocks of a (batch, head)
+// whose ScoreMod is active (a warp-uniform branch).
+template <bool kRowsAreQueries, int kTM, int kTN, int kRowStep, int kColStep>
+__device__ __forceinline__ void apply_score_mod(float (&s)[kTM][kTN], const ScoreMod& mod_ref,
+                                                int row0, int col0) {
+  const ScoreMod mod = mod_ref;  // read once (CtaFacts)
 #pragma unroll
   for (int i = 0; i < kTM; ++i) {
 #pragma unroll
     for (int j = 0; j < kTN; ++j) {
-      const int row = mask.row0 + i * kRowStep;
-      const int col = mask.col0 + j * kColStep;
+      const int row = row0 + i * kRowStep;
+      const int col = col0 + j * kColStep;
       const int q = kRowsAreQueries ? row : col;
       const int k = kRowsAreQueries ? col : row;
-      if (!key_visible(q, k, mask.sk, mask.causal_offset, mask.causal)) s[i][j] = -INFINITY;
+      s[i][j] = mod.apply<true>(s[i][j], q, k);
     }
   }
 }
@@ -337,15 +402,23 @@ __device__ __forceinline__ void store_row_tile(float* g, int64_t row_stride, int
   }
 }
 
+// Whether a launch orders its blocks longest first: with a right-bounded mask (causal, or a
+// window with a right side) later query blocks see more keys, and earlier key blocks are seen by
+// more queries. Decided from the launch's parameters (for varlen, max_seqlen_q / k): a block
+// needs its place in the order before it knows its sequence.
+FLASH_HOST_DEVICE inline bool longest_first(const FwdParams& p) {
+  return AttnMask::make(p.sq, p.sk, p.window_left, p.window_right).right_bounded();
+}
+
 // Grid order shared by the kernels whose CTA owns a block of query rows (forward, dQ).
-// The grid is 1-D (batch * heads * blocks can pass 65535). Under causal masking the late query
-// blocks see the most keys: they get the low block indices so the GPU starts them first and
-// the short blocks fill the tail. Without masking every block costs the same, and the blocks
-// of one (batch, head) are kept adjacent so they share its K/V in L2. `idx` is the block's
-// place in that order (blockIdx.x unless the grid also runs pieces of blocks).
+// The grid is 1-D (batch * heads * blocks can pass 65535). With a right-bounded mask the late
+// query blocks see the most keys: they get the low block indices so the GPU starts them first
+// and the short blocks fill the tail. Otherwise every block costs about the same, and the
+// blocks of one (batch, head) are kept adjacent so they share its K/V in L2. `idx` is the
+// block's place in that order (blockIdx.x unless the grid also runs pieces of blocks).
 __device__ __forceinline__ void query_block_order(int idx, int num_m_blocks, int bh_count,
-                                                  bool causal, int& m_block, int& bh) {
-  if (causal) {
+                                                  bool longest_first, int& m_block, int& bh) {
+  if (longest_first) {
     m_block = num_m_blocks - 1 - idx / bh_count;
     bh = idx % bh_count;
   } else {
@@ -354,39 +427,91 @@ __device__ __forceinline__ void query_block_order(int idx, int num_m_blocks, int
   }
 }
 
-// What a forward CTA needs to know about its query block: (batch, head), the first row m0,
-// the valid rows, the tile pointers and how many key blocks of kCols it must visit.
-// Keys seen by at least one valid row of the block: [0, n_end). Causal: the last valid row
-// i = min(m0 + kRows, sq) - 1 sees keys j <= i + causal_offset.
-// Example: sq = 3, sk = 5 (offset 2), one block: n_end = min(5, 3 + 2) = 5, all keys; row 0
-// sees keys 0..2 and the mask hides 3, 4. With sq = 5, sk = 3 (offset -2), rows 0 and 1 see
-// nothing (i - 2 < 0): they end with l = 0 -> O = 0, lse = -inf.
+// What a forward CTA needs to know about its query block: its sequence (SeqInfo: batch entry,
+// lengths, rows in packed tensors), the mask, the query head, the first row m0, the valid rows,
+// the tile pointers and the key blocks of kCols it must visit, keys.begin .. keys.end - 1
+// (BlockRange::keys_of: the keys that at least one valid row of the block sees).
+// kExt (a kExtended kernel) reads packed sequences; rows_valid <= 0 then means the block starts
+// past its sequence's end (the grid is sized by max_seqlen_q) and has nothing to do.
+// Example (causal): sq = 3, sk = 5 (offset 2), one block: keys [0, 5), all; row 0 sees keys
+// 0..2 and the mask hides 3, 4. With sq = 5, sk = 3 (offset -2), rows 0 and 1 see nothing
+// (i - 2 < 0): they end with l = 0 -> O = 0, lse = -inf. A sliding window of left size 64 on
+// sq = sk = 1024 with 64-key blocks: query block [512, 640) sees keys [448, 640), blocks 7..9.
 struct FwdQueryBlock {
-  int bi, hi, m0, rows_valid, causal_offset, num_n_blocks;
+  SeqInfo seq;
+  AttnMask mask;
+  int hi, m0, rows_valid;
+  BlockRange keys;
   const float *q, *k, *v;  // Q at row m0; K and V at row 0 of the kv head (GQA: hi / group)
 
-  template <int kRows, int kCols>
+  template <int kRows, int kCols, bool kExt>
   __device__ __forceinline__ static FwdQueryBlock make(const FwdParams& p,
                                                        int idx = static_cast<int>(blockIdx.x)) {
     FwdQueryBlock b;
     int m_block, bh;
-    query_block_order(idx, ceil_div(p.sq, kRows), p.b * p.hq, p.is_causal, m_block, bh);
-    b.bi = bh / p.hq;
-    b.hi = bh - b.bi * p.hq;
+    query_block_order(idx, ceil_div(p.sq, kRows), p.b * p.hq, longest_first(p), m_block, bh);
+    const int bi = bh / p.hq;
+    b.hi = bh - bi * p.hq;
     const int hk = b.hi / (p.hq / p.hkv);
+    b.seq = SeqInfo::make<kExt>(p, bi);
+    b.mask = b.seq.template mask<kExt>(p);
     b.m0 = m_block * kRows;
-    b.rows_valid = p.sq - b.m0;  // >= 1
-    b.q = static_cast<const float*>(p.q) + b.bi * p.q_batch_stride + b.hi * p.q_head_stride +
+    b.rows_valid = b.seq.sq - b.m0;
+    b.q = b.seq.q_rows(static_cast<const float*>(p.q), p.q_batch_stride, p.q_head_stride,
+                       p.q_row_stride, b.hi) +
           b.m0 * p.q_row_stride;
-    b.k = static_cast<const float*>(p.k) + b.bi * p.k_batch_stride + hk * p.k_head_stride;
-    b.v = static_cast<const float*>(p.v) + b.bi * p.v_batch_stride + hk * p.v_head_stride;
-    b.causal_offset = p.sk - p.sq;
-    int n_end = p.sk;
-    if (p.is_causal) n_end = min(n_end, min(b.m0 + kRows, p.sq) + b.causal_offset);
-    b.num_n_blocks = n_end > 0 ? ceil_div(n_end, kCols) : 0;
+    b.k = b.seq.k_rows(static_cast<const float*>(p.k), p.k_batch_stride, p.k_head_stride,
+                       p.k_row_stride, hk);
+    b.v = b.seq.k_rows(static_cast<const float*>(p.v), p.v_batch_stride, p.v_head_stride,
+                       p.v_row_stride, hk);
+    b.keys = BlockRange::keys_of(b.mask, b.m0, b.m0 + kRows, kCols);
     return b;
   }
 };
+
+// What a kExtended CTA knows about its sequence, in shared memory. The kernels of this tier run
+// at up to 255 registers per thread, nearly all of them accumulators. A kPlain kernel finds its
+// sequence's lengths and mask in the kernel parameters (constant memory: no register held
+// across the loop). A kExtended kernel's values differ per CTA (packed lengths and row offsets
+// come from cu_seqlens, the ALiBi slope from memory) but a loop needs them once per block at
+// most (the mask test, the few masked blocks, the modifiers, the next tile's bounds, the row
+// offsets of the epilogue). Held in registers across the loop they pushed the tightest kernels
+// into spills; here thread 0 writes them once (publish_facts: one more barrier per CTA) and
+// every use re-reads them after a barrier, where the compiler cannot keep them in registers.
+struct CtaFacts {
+  SeqInfo seq;
+  AttnMask mask;
+  ScoreMod mod;  // the CTA's query head (the dK/dV kernel makes one per step instead)
+};
+// Bytes appended to a kExtended kernel's shared memory for its CtaFacts (a multiple of 16: the
+// tiles before it keep their 16-byte alignment). Every config of this tier has kilobytes of
+// margin to the shared-memory sizes the launchers choose by, so the choice ignores them.
+constexpr size_t kFactsBytes = (sizeof(CtaFacts) + 15) / 16 * 16;
+
+// Thread 0 stores `f`, and a barrier publishes it: every thread may read *dst from here on.
+__device__ __forceinline__ void publish_facts(CtaFacts* dst, const CtaFacts& f, int tid) {
+  if (tid == 0) *dst = f;
+  __syncthreads();
+}
+
+// The CTA's sequence and mask at a point of use: kPlain rebuilds them from the parameters (dense
+// batch, mask from params.diag_lo / diag_hi, all constant memory), kExtended reads its CtaFacts.
+template <bool kExt>
+__device__ __forceinline__ SeqInfo cta_seq(const FwdParams& p, const CtaFacts* f, int bi) {
+  if constexpr (kExt) {
+    return f->seq;
+  } else {
+    return SeqInfo::make<false>(p, bi);
+  }
+}
+template <bool kExt>
+__device__ __forceinline__ AttnMask cta_mask(const FwdParams& p, const CtaFacts* f) {
+  if constexpr (kExt) {
+    return f->mask;
+  } else {
+    return SeqInfo::make<false>(p, 0).mask<false>(p);
+  }
+}
 
 // O = 0, m = -inf, l = 0 before the first key block.
 template <int kTM, int kTD>
@@ -405,17 +530,20 @@ __device__ __forceinline__ void init_row_state(float (&o)[kTM][kTD], float (&row
 // 3. The forward, as four device functions
 // =================================================================================
 
-// S = Q K^T * scale * log2(e) for this thread's kTM x kTN scores, masked entries -inf, and the
-// row max of the whole block (reduced over the kG threads of the row group).
+// S = Q K^T * scale * log2(e) for this thread's kTM x kTN scores, modified (kExt: softcap,
+// ALiBi when the CTA's ScoreMod is active), masked entries -inf, and the row max of the whole
+// block (reduced over the kG threads of the row group).
 // The shared Q tile already holds Q * scale * log2(e) (scaled once, when loaded), so S comes
-// out of the product in log2 units; the max is taken on scaled scores, right for either sign
-// of the scale. sQ_row0 = sQ + rg * kLdHead, sK_col0 = sK + cg * kLdHead.
-template <typename Cfg>
-__device__ __forceinline__ void compute_qk_scores_and_max(float (&s)[Cfg::kTM][Cfg::kTN],
-                                                          float (&block_max)[Cfg::kTM],
-                                                          const float* sQ_row0,
-                                                          const float* sK_col0, int d,
-                                                          const BlockMask& mask) {
+// out of the product in log2 units, the units ScoreMod::apply takes; the max is taken on
+// scaled (and modified) scores, right for either sign of the scale.
+// sQ_row0 = sQ + rg * kLdHead, sK_col0 = sK + cg * kLdHead; (row0, col0) = sequence indices of
+// this thread's score (0, 0); mask_active = AttnMask::needs_mask for the block, mask_left =
+// left_diagonal_in.
+template <typename Cfg, bool kExt>
+__device__ __forceinline__ void compute_qk_scores_and_max(
+    float (&s)[Cfg::kTM][Cfg::kTN], float (&block_max)[Cfg::kTM], const float* sQ_row0,
+    const float* sK_col0, int d, bool mask_active, bool mask_left, const AttnMask& mask,
+    const ScoreMod& mod, int row0, int col0) {
 #pragma unroll
   for (int i = 0; i < Cfg::kTM; ++i)
 #pragma unroll
@@ -424,7 +552,14 @@ __device__ __forceinline__ void compute_qk_scores_and_max(float (&s)[Cfg::kTM][C
   gemm_nt<Cfg::kTM, Cfg::kTN, Cfg::kRowGroups * Cfg::kLdHead, Cfg::kG * Cfg::kLdHead,
           Cfg::kHeadDim>(s, sQ_row0, sK_col0, d);
 
-  if (mask.active) apply_mask<true, Cfg::kTM, Cfg::kTN, Cfg::kRowGroups, Cfg::kG>(s, mask);
+  if constexpr (kExt) {
+    if (mod.active()) {
+      apply_score_mod<true, Cfg::kTM, Cfg::kTN, Cfg::kRowGroups, Cfg::kG>(s, mod, row0, col0);
+    }
+  }
+  if (mask_active) {
+    apply_mask<true, Cfg::kTM, Cfg::kTN, Cfg::kRowGroups, Cfg::kG>(s, mask, row0, col0, mask_left);
+  }
 
 #pragma unroll
   for (int i = 0; i < Cfg::kTM; ++i) {
@@ -529,104 +664,119 @@ __device__ __forceinline__ void normalize_output(const float (&o)[Cfg::kTM][Cfg:
 
 // One CTA = kRows query rows of one (batch, query head).
 // Shared memory: sQ [kRows][kLdHead] | sK [kCols][kLdHead] | sV [kCols][kHeadDim]
-//                | sP [kRows][kLdScore]
+//                | sP [kRows][kLdScore] | CtaFacts (kExtended)
 // (V is read one whole row at a time, so it needs no padding.)
 //
-// Pipeline (single K and V buffers, two barriers per key block n):
-//   top:   wait K_n (n = 0: also Q, then scale it by scale * log2 e), barrier
-//              -> K_n visible; every warp finished block n-1, so V and sP are free
+// Pipeline (single K and V buffers, two barriers per key block n, n from keys.begin on):
+//   prologue: start Q, K_first copies; wait, scale own Q chunks by scale * log2 e
+//   top:   wait K_n, barrier
+//              -> K_n (and Q) visible; every warp finished block n-1, so V and sP are free
 //          start V_n copy                               (overlaps S = Q K_n^T)
 //          S = Q K_n^T, merge stats, P = 2^(S - m), store P
 //          wait V_n, barrier  -> P and V_n visible; every warp finished reading K_n
 //          start K_{n+1} copy                           (overlaps O += P V_n)
 //          O += P V_n
-template <typename Cfg>
+template <typename Cfg, Variant kV>
 __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSm)
     flash_fwd_simt_kernel(const FwdParams p) {
   constexpr int kTM = Cfg::kTM, kTN = Cfg::kTN, kTD = Cfg::kTD;
   constexpr int kRows = Cfg::kRows, kCols = Cfg::kCols, kD = Cfg::kHeadDim;
+  constexpr bool kExt = kV != kPlain;
 
   extern __shared__ float4 smem_f4[];
   float* sQ = reinterpret_cast<float*>(smem_f4);
   float* sK = sQ + kRows * Cfg::kLdHead;
   float* sV = sK + kCols * Cfg::kLdHead;
   float* sP = sV + kCols * kD;
+  CtaFacts* facts = reinterpret_cast<CtaFacts*>(sP + kRows * Cfg::kLdScore);  // kExt only
 
   const int tid = static_cast<int>(threadIdx.x);
   const int rg = tid / Cfg::kG;
   const int cg = tid % Cfg::kG;
 
-  const FwdQueryBlock blk = FwdQueryBlock::make<kRows, kCols>(p);
-  const int bi = blk.bi, hi = blk.hi, m0 = blk.m0, rows_valid = blk.rows_valid;
-  const int causal_offset = blk.causal_offset, num_n_blocks = blk.num_n_blocks;
+  const FwdQueryBlock blk = FwdQueryBlock::make<kRows, kCols, kExt>(p);
+  const int bi = blk.seq.bi, hi = blk.hi, m0 = blk.m0, rows_valid = blk.rows_valid;
+  const int n_begin = blk.keys.begin, n_end = blk.keys.end;
   const float *q = blk.q, *k = blk.k, *v = blk.v;
+  if constexpr (kExt) {
+    // Past its sequence's end: nothing to compute or write (uniform, before any barrier).
+    if (rows_valid <= 0) return;
+    publish_facts(facts, CtaFacts{blk.seq, blk.mask, blk.seq.score_mod(p, hi)}, tid);
+  }
 
   float o[kTM][kTD];
   float row_max[kTM], row_sum[kTM];
   init_row_state(o, row_max, row_sum);
 
-  if (num_n_blocks > 0) {
+  if (n_end > n_begin) {
+    const int first0 = n_begin * kCols;
     load_tile_async<kRows, kD, Cfg::kLdHead, Cfg::kThreads>(sQ, q, p.q_row_stride, rows_valid, p.d,
                                                             tid);
-    load_tile_async<kCols, kD, Cfg::kLdHead, Cfg::kThreads>(sK, k, p.k_row_stride, p.sk, p.d, tid);
+    load_tile_async<kCols, kD, Cfg::kLdHead, Cfg::kThreads>(
+        sK, k + first0 * p.k_row_stride, p.k_row_stride, blk.seq.sk - first0, p.d, tid);
     cp_async_commit();
+    cp_async_wait<0>();  // Q (and K_first) landed: scale this thread's own Q chunks
+    scale_own_chunks<kRows, kD, Cfg::kLdHead, Cfg::kThreads>(sQ, p.scale_log2, tid);
 
     const float* sQ_row0 = sQ + rg * Cfg::kLdHead;
     const float* sK_col0 = sK + cg * Cfg::kLdHead;
 
-    for (int n_block = 0; n_block < num_n_blocks; ++n_block) {
+    for (int n_block = n_begin; n_block < n_end; ++n_block) {
       const int n0 = n_block * kCols;
 
-      cp_async_wait<0>();  // K_n (and Q) landed
-      if (n_block == 0) {
-        scale_own_chunks<kRows, kD, Cfg::kLdHead, Cfg::kThreads>(sQ, p.scale_log2, tid);
-      }
+      cp_async_wait<0>();  // K_n landed
       __syncthreads();
+      const AttnMask mask = cta_mask<kExt>(p, facts);
       load_tile_async<kCols, kD, kD, Cfg::kThreads>(sV, v + n0 * p.v_row_stride, p.v_row_stride,
-                                                    p.sk - n0, p.d, tid);
+                                                    mask.sk - n0, p.d, tid);
       cp_async_commit();
 
-      // Masking is needed only where the block passes the end of the keys, or (causal) where its
-      // last key is beyond the first row's diagonal m0 + causal_offset.
-      BlockMask mask;
-      mask.active = (n0 + kCols > p.sk) || (p.is_causal && n0 + kCols - 1 > m0 + causal_offset);
-      mask.row0 = m0 + rg;
-      mask.col0 = n0 + cg;
-      mask.sk = p.sk;
-      mask.causal_offset = causal_offset;
-      mask.causal = p.is_causal;
+      // Per-element masking only where the block passes the end of the keys or a diagonal of
+      // the window (causal: its last key is beyond the first row's diagonal). Rows past sq are
+      // never written: the test need not count them.
+      const int m1 = min(m0 + kRows, mask.sq);
+      const bool mask_active = mask.needs_mask(m0, m1, n0, n0 + kCols);
+      const bool mask_left = left_diagonal_in(mask, m1, n0);
 
       float s[kTM][kTN];
       float block_max[kTM];
-      compute_qk_scores_and_max<Cfg>(s, block_max, sQ_row0, sK_col0, p.d, mask);
+      // (kExt: the mask is read again where it is applied, after the product, rather than held.)
+      compute_qk_scores_and_max<Cfg, kExt>(s, block_max, sQ_row0, sK_col0, p.d, mask_active,
+                                           mask_left, kExt ? facts->mask : mask, facts->mod,
+                                           m0 + rg, n0 + cg);
       merge_block_stats<Cfg>(block_max, row_max, row_sum, o);
 
-      const bool has_next = n_block + 1 < num_n_blocks;
+      const bool has_next = n_block + 1 < n_end;
       compute_block_softmax_and_weighted_v<Cfg>(s, row_max, row_sum, o, sP, sV, rg, cg, [&]() {
         cp_async_wait<0>();  // V_n landed
         __syncthreads();
         if (has_next) {
           load_tile_async<kCols, kD, Cfg::kLdHead, Cfg::kThreads>(
-              sK, k + (n0 + kCols) * p.k_row_stride, p.k_row_stride, p.sk - n0 - kCols, p.d, tid);
+              sK, k + (n0 + kCols) * p.k_row_stride, p.k_row_stride,
+              cta_mask<kExt>(p, facts).sk - n0 - kCols, p.d, tid);
         }
         cp_async_commit();
       });
     }
   }
 
-  float* o_tile = static_cast<float*>(p.o) + bi * p.o_batch_stride + hi * p.o_head_stride +
+  const SeqInfo seq = cta_seq<kExt>(p, facts, bi);
+  float* o_tile = seq.q_rows(static_cast<float*>(p.o), p.o_batch_stride, p.o_head_stride,
+                             p.o_row_stride, hi) +
                   m0 * p.o_row_stride;
-  float* lse_tile = p.softmax_lse + lse_offset(p, bi, hi) + m0;
+  float* lse_tile = p.softmax_lse + seq.stat_offset(p, hi) + m0;
   normalize_output<Cfg>(o, row_max, row_sum, o_tile, p.o_row_stride, lse_tile, rows_valid, p.d, rg,
                         cg);
 }
 
+// kExt: a kExtended kernel, which appends its CtaFacts.
 template <typename Cfg>
-constexpr size_t fwd_smem_bytes() {
+constexpr size_t fwd_smem_bytes(bool ext = false) {
   return sizeof(float) * (static_cast<size_t>(Cfg::kRows) * Cfg::kLdHead +
                           static_cast<size_t>(Cfg::kCols) * Cfg::kLdHead +
                           static_cast<size_t>(Cfg::kCols) * Cfg::kHeadDim +
-                          static_cast<size_t>(Cfg::kRows) * Cfg::kLdScore);
+                          static_cast<size_t>(Cfg::kRows) * Cfg::kLdScore) +
+         (ext ? kFactsBytes : 0);
 }
 
 // Checks shared by the fp32 launchers.
@@ -654,10 +804,18 @@ inline void launch_simt(Kernel kernel, const Params& params, int threads, size_t
   check_launch(name);
 }
 
+// The grid is sized by params.sq (max_seqlen_q for varlen). Packed batches, softcap and ALiBi
+// get the kExtended kernel; every other call the kPlain one.
 template <typename Cfg>
 void launch_fwd(const FwdParams& params, cudaStream_t stream) {
-  launch_simt(flash_fwd_simt_kernel<Cfg>, params, Cfg::kThreads, fwd_smem_bytes<Cfg>(), params.sq,
-              Cfg::kRows, params.hq, "flash_fwd_simt", stream);
+  if (variant_of(params, false) == kPlain) {
+    launch_simt(flash_fwd_simt_kernel<Cfg, kPlain>, params, Cfg::kThreads, fwd_smem_bytes<Cfg>(),
+                params.sq, Cfg::kRows, params.hq, "flash_fwd_simt", stream);
+  } else {
+    launch_simt(flash_fwd_simt_kernel<Cfg, kExtended>, params, Cfg::kThreads,
+                fwd_smem_bytes<Cfg>(true), params.sq, Cfg::kRows, params.hq, "flash_fwd_simt",
+                stream);
+  }
 }
 
 // ---------------------------------------------------------------------------------
@@ -672,9 +830,11 @@ void launch_fwd(const FwdParams& params, cudaStream_t stream) {
 // 1/s the work: key blocks of a query block in the forward, query blocks of a key block in
 // the backward), and a small kernel merges the ranges. s is chosen with a cost model in units
 // of one step: a piece costs ceil(n / s) steps plus kPieceOverhead (its prologue and partial
-// output), the pieces run in ceil(s T / slots) rounds, and the merge costs kMergeCost. Causal
-// blocks differ in cost and go longest first, so the hardware scheduler already packs the
-// tail with the shortest ones: no split there.
+// output), the pieces run in ceil(s T / slots) rounds, and the merge costs kMergeCost. Under
+// a causal mask or a window blocks differ in cost (and causal ones go longest first, so the
+// hardware scheduler already packs the tail with the shortest ones), and varlen sequences
+// differ in length: the model does not hold, no split there (split_allowed). Softcap and ALiBi
+// are not split either: those calls run the kExtended kernels, which the plan does not model.
 struct SplitPlan {
   int split_begin;  // first split block (num_blocks: none)
   int num_splits;   // step ranges per split block (1: none)
@@ -700,15 +860,21 @@ inline SplitPlan plan_tail_split(int num_blocks, int n_steps, int slots) {
   return plan;
 }
 
-// plan_tail_split for one launch of `kernel` (num_blocks CTAs of n_steps steps each, no
-// causal mask): its slots come from the occupancy the device gives it. Sets p.split_begin and
+// Only the plain dense case splits: no window (causal included), no softcap or ALiBi, no
+// packed batch.
+inline bool split_allowed(const FwdParams& p) {
+  return p.window_left < 0 && p.window_right < 0 && variant_of(p, false) == kPlain;
+}
+
+// plan_tail_split for one launch of `kernel` (num_blocks CTAs of n_steps steps each, where
+// split_allowed): its slots come from the occupancy the device gives it. Sets p.split_begin and
 // p.num_splits (none: INT_MAX and 1) and returns the number of split pieces (0: none).
 template <typename Kernel>
 int64_t plan_launch_split(FwdParams& p, Kernel kernel, int threads, size_t smem,
                           int64_t num_blocks, int n_steps, const char* name) {
   p.split_begin = INT_MAX;
   p.num_splits = 1;
-  if (p.is_causal || num_blocks <= 0 || num_blocks > 0x7fffffffLL) return 0;
+  if (!split_allowed(p) || num_blocks <= 0 || num_blocks > 0x7fffffffLL) return 0;
   set_smem_limit(kernel, smem, name);
   int per_sm = 0;
   if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem) !=

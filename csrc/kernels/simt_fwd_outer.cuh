@@ -40,6 +40,7 @@
 //
 // Shared memory, floats (D = 128: 192 KiB):
 //   sQt [D][128] | sKt [D][64] | sKs [64][D] staging | sV [64][D] | sPt [64][128]
+//   | CtaFacts (kExtended)
 // (Q's staging tile, [128][D], lives in sV + sPt during the prologue.)
 //
 // Pipeline per key block n (two barriers, like simt_fwd.cuh):
@@ -52,9 +53,12 @@
 // Three refinements, each measured on the H200 (OPTIMIZATION.md, "fp32 forward at D=128"):
 // - Causal diagonal half-blocks. With 128 query rows and 64-key blocks, the second key block
 //   of a causal diagonal is invisible to rows 0-63; there each thread multiplies only its rows
-//   4-7 (kLowBlind). The kernel is built twice (causal or not), so the non-causal one carries
-//   no half-block code; the causal one uses a shorter QK^T chunk to stay within the
-//   instruction cache.
+//   4-7 (kLowBlind). The kPlain kernel is built twice (kCausal: a right side and no left side
+//   to the mask, i.e. causal or a window open to the left; or not), so the other one carries no
+//   half-block code; the causal one uses a shorter QK^T chunk and a one-sided per-element test
+//   to stay within the instruction cache. Windows with both sides run the other build, packed
+//   batches, softcap and ALiBi a third (kExtended, without half-blocks: any mask is still exact
+//   through needs_mask).
 // - A lagging reference max (merge_block_stats): a warp rescales O only when some row's max
 //   grows by more than 2^16, and it tests that on each thread's own scores, so the 16-lane
 //   max reductions run only on those rare blocks.
@@ -96,6 +100,7 @@ struct OuterConfig {
   static constexpr int kV = kCols * kHeadDim;
   static constexpr int kPt = kCols * kRows;
   static constexpr size_t kSmemBytes = sizeof(float) * (kQt + kKt + kKs + kV + kPt);
+  static constexpr size_t kSmemBytesExt = kSmemBytes + kFactsBytes;  // kExtended: + CtaFacts
 
   static_assert(kHeadDim == 64 || kHeadDim == 128, "O columns are 4*cg + 64*h");
   static_assert(kRows * kHeadDim <= kV + kPt, "Q's staging tile fits in sV + sPt");
@@ -232,14 +237,16 @@ __device__ __forceinline__ int query_row(int rg, int i) { return 4 * rg + (i % 4
 // past d are zero). The next step's three float4s (two per chunk boundary) are loaded before
 // the current step's 32 FFMAs, across chunk boundaries too.
 // kLowBlind: rows 0-63 of the block see none of these keys (a causal diagonal block), so only
-// the thread's rows 4-7 are multiplied; the mask sets rows 0-3 to -inf.
-template <typename Cfg, int kChunk, bool kLowBlind>
-__device__ __forceinline__ void compute_qk_scores_and_max(float (&s)[Cfg::kTM][Cfg::kTN],
-                                                          float (&block_max)[Cfg::kTM],
-                                                          const float* qt, const float* kt, int d,
-                                                          bool mask_active, int q0, int k0,
-                                                          int sk, int causal_offset, bool causal,
-                                                          int rg, int cg) {
+// the thread's rows 4-7 are multiplied; the mask (always active on such a block: needs_mask
+// holds) sets rows 0-3 to -inf.
+// kExt: softcap / ALiBi on the scores (log2 units) before the mask, when the CTA's ScoreMod is
+// active. (q0, k0): sequence indices of the block's query row 0 and key 0; mask_active:
+// AttnMask::needs_mask of the block, mask_left: left_diagonal_in (see apply_mask).
+template <typename Cfg, int kChunk, bool kLowBlind, bool kExt>
+__device__ __forceinline__ void compute_qk_scores_and_max(
+    float (&s)[Cfg::kTM][Cfg::kTN], float (&block_max)[Cfg::kTM], const float* qt,
+    const float* kt, int d, bool mask_active, bool mask_left, const AttnMask& mask,
+    const ScoreMod& mod, int q0, int k0, int rg, int cg) {
   constexpr int kRows = Cfg::kRows, kCols = Cfg::kCols;
 #pragma unroll
   for (int i = 0; i < Cfg::kTM; ++i)
@@ -287,13 +294,36 @@ __device__ __forceinline__ void compute_qk_scores_and_max(float (&s)[Cfg::kTM][C
     kt += kChunk * kCols;
   }
 
+  if constexpr (kExt) {
+    const ScoreMod m = mod;  // read once (CtaFacts)
+    if (m.active()) {
+#pragma unroll
+      for (int i = 0; i < Cfg::kTM; ++i)
+#pragma unroll
+        for (int j = 0; j < Cfg::kTN; ++j)
+          s[i][j] = m.apply<true>(s[i][j], q0 + query_row(rg, i), k0 + 4 * cg + j);
+    }
+  }
   if (mask_active) {
+    const AttnMask m = mask;  // read once (CtaFacts)
+    auto apply = [&](auto two_sided) {  // as simt::apply_mask, in this kernel's layout
 #pragma unroll
-    for (int i = 0; i < Cfg::kTM; ++i)
+      for (int i = 0; i < Cfg::kTM; ++i) {
+        const QueryKeys qk = QueryKeys::of(m, q0 + query_row(rg, i));
 #pragma unroll
-      for (int j = 0; j < Cfg::kTN; ++j)
-        if (!key_visible(q0 + query_row(rg, i), k0 + 4 * cg + j, sk, causal_offset, causal))
-          s[i][j] = -INFINITY;
+        for (int j = 0; j < Cfg::kTN; ++j) {
+          const int k = k0 + 4 * cg + j;
+          const bool hidden =
+              decltype(two_sided)::value ? (k > qk.hi) | (k < qk.lo) : k > qk.hi;
+          s[i][j] = hidden ? -INFINITY : s[i][j];
+        }
+      }
+    };
+    if (mask_left) {
+      apply(std::true_type{});
+    } else {
+      apply(std::false_type{});
+    }
   }
 #pragma unroll
   for (int i = 0; i < Cfg::kTM; ++i) {
@@ -461,10 +491,15 @@ __device__ __forceinline__ void normalize_output(const float (&o)[Cfg::kTM][Cfg:
 // query block split_begin + (x - split_begin) / num_splits, key range (x - split_begin) %
 // num_splits, and leave O and lse of their range in o_accum / lse_accum for
 // combine_splits_kernel (see plan_tail_split).
-template <typename Cfg, bool kCausal>
+// kCausal: launched for masks with a right side and no left side (causal_like), carries the
+// diagonal half-blocks. kV: kPlain, or kExtended (packed batches, softcap, ALiBi; launched
+// with kCausal = false for any mask).
+template <typename Cfg, bool kCausal, Variant kV>
 __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_fwd_simt_outer_kernel(const FwdParams p) {
   constexpr int kD = Cfg::kHeadDim, kRows = Cfg::kRows, kCols = Cfg::kCols;
   constexpr int kTM = Cfg::kTM, kTN = Cfg::kTN, kTD = Cfg::kTD, kThreads = Cfg::kThreads;
+  constexpr bool kExt = kV != kPlain;
+  constexpr bool kWholeTiles = !kCausal;  // see load_quad_blocks_async
 
   extern __shared__ float4 smem_f4[];
   float* sQt = reinterpret_cast<float*>(smem_f4);
@@ -473,6 +508,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_fwd_simt_outer_kernel(
   float* sV = sKs + Cfg::kKs;
   float* sPt = sV + Cfg::kV;
   float* sQs = sV;  // Q staging, prologue only
+  CtaFacts* facts = reinterpret_cast<CtaFacts*>(sPt + Cfg::kPt);  // kExt only
 
   const int tid = static_cast<int>(threadIdx.x);
   const int rg = tid / Cfg::kG;
@@ -483,16 +519,26 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_fwd_simt_outer_kernel(
     piece = idx - p.split_begin;
     idx = p.split_begin + piece / p.num_splits;
   }
-  const FwdQueryBlock blk = FwdQueryBlock::make<kRows, kCols>(p, idx);
-  const int bi = blk.bi, hi = blk.hi, m0 = blk.m0, rows_valid = blk.rows_valid;
-  const int causal_offset = blk.causal_offset;
+  const FwdQueryBlock blk = FwdQueryBlock::make<kRows, kCols, kExt>(p, idx);
+  const int bi = blk.seq.bi, hi = blk.hi, m0 = blk.m0, rows_valid = blk.rows_valid;
   const float *q = blk.q, *k = blk.k, *v = blk.v;
-  // Key blocks [n_first, n_end) of this CTA.
-  int n_first = 0, n_end = blk.num_n_blocks;
+  if constexpr (kExt) {
+    // Past its sequence's end: nothing to compute or write (uniform, before any barrier).
+    if (rows_valid <= 0) return;
+    publish_facts(facts, CtaFacts{blk.seq, blk.mask, blk.seq.score_mod(p, hi)}, tid);
+  }
+  // Key blocks [n_first, n_end) of this CTA. (kCausal: as in the loop below, the mask has no
+  // left side, so the range starts at key block 0.)
+  const BlockRange keys = kCausal ? BlockRange::keys_of(AttnMask{blk.mask.sq, blk.mask.sk, INT_MIN,
+                                                                 blk.mask.diag_hi},
+                                                        m0, m0 + kRows, kCols)
+                                  : blk.keys;
+  int n_first = keys.begin, n_end = keys.end;
   if (piece >= 0) {
     const int range = piece % p.num_splits;
-    n_first = static_cast<int>(static_cast<int64_t>(blk.num_n_blocks) * range / p.num_splits);
-    n_end = static_cast<int>(static_cast<int64_t>(blk.num_n_blocks) * (range + 1) / p.num_splits);
+    const int64_t count = keys.count();
+    n_first = keys.begin + static_cast<int>(count * range / p.num_splits);
+    n_end = keys.begin + static_cast<int>(count * (range + 1) / p.num_splits);
   }
 
   float o[kTM][kTD];
@@ -503,20 +549,21 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_fwd_simt_outer_kernel(
     // Prologue: Q and the first K block through staging, transposed (Q scaled); the second K
     // block starts at once.
     const int first0 = n_first * kCols;
-    load_quad_blocks_async<kRows, kD, kThreads, !kCausal>(sQs, q, p.q_row_stride, rows_valid,
-                                                          p.d, tid);
+    load_quad_blocks_async<kRows, kD, kThreads, kWholeTiles>(sQs, q, p.q_row_stride, rows_valid,
+                                                             p.d, tid);
     cp_async_commit();
-    load_quad_blocks_async<kCols, kD, kThreads, !kCausal>(sKs, k + first0 * p.k_row_stride,
-                                                          p.k_row_stride, p.sk - first0, p.d, tid);
+    load_quad_blocks_async<kCols, kD, kThreads, kWholeTiles>(sKs, k + first0 * p.k_row_stride,
+                                                             p.k_row_stride, blk.seq.sk - first0,
+                                                             p.d, tid);
     cp_async_commit();
     cp_async_wait<1>();  // Q landed (this thread's copies); K_0 may still be on its way
     transpose_quad_blocks<kRows, kD, kThreads>(sQt, sQs, p.scale_log2, tid);
     cp_async_wait<0>();
     transpose_quad_blocks<kCols, kD, kThreads>(sKt, sKs, 1.f, tid);
     if (n_first + 1 < n_end) {
-      load_quad_blocks_async<kCols, kD, kThreads, !kCausal>(
-          sKs, k + (first0 + kCols) * p.k_row_stride, p.k_row_stride, p.sk - first0 - kCols, p.d,
-          tid);
+      load_quad_blocks_async<kCols, kD, kThreads, kWholeTiles>(
+          sKs, k + (first0 + kCols) * p.k_row_stride, p.k_row_stride, blk.seq.sk - first0 - kCols,
+          p.d, tid);
     }
     cp_async_commit();
 
@@ -527,12 +574,19 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_fwd_simt_outer_kernel(
     for (int n_block = n_first; n_block < n_end; ++n_block) {
       const int n0 = n_block * kCols;
       __syncthreads();  // A: sKt = K_n; sV, sPt (and, for n = 0, Q's staging) free
+      AttnMask mask = cta_mask<kExt>(p, facts);
+      // kCausal (causal_like): the mask has no left side; saying so lets the left-diagonal
+      // terms fold away.
+      if constexpr (kCausal) mask.diag_lo = INT_MIN;
       load_tile_async<kCols, kD, kD, kThreads>(sV, v + n0 * p.v_row_stride, p.v_row_stride,
-                                               p.sk - n0, p.d, tid);
+                                               mask.sk - n0, p.d, tid);
       cp_async_commit();
 
-      const bool mask_active =
-              (n0 + kCols > p.sk) || (kCausal && n0 + kCols - 1 > m0 + causal_offset);
+      // Rows past sq are never written: the test need not count them.
+      const int m1 = min(m0 + kRows, mask.sq);
+      const bool mask_active = mask.needs_mask(m0, m1, n0, n0 + kCols);
+      // kCausal: the mask has no left side (causal_like), so no block reaches past one.
+      const bool mask_left = !kCausal && left_diagonal_in(mask, m1, n0);
       const bool has_next = n_block + 1 < n_end;
       // One key block, with the products over all 8 rows of each thread or (kLowBlind) only
       // over rows 64-127 of the query block.
@@ -544,9 +598,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_fwd_simt_outer_kernel(
                                  : kCausal ? Cfg::kChunkKCausal
                                            : Cfg::kChunkK;
         constexpr int kChunkPV = kLowBlind ? Cfg::kChunkBlind : Cfg::kChunkC;
-        compute_qk_scores_and_max<Cfg, kChunkQK, kLowBlind>(s, block_max, qt, kt, p.d,
-                                                            mask_active, m0, n0, p.sk,
-                                                            causal_offset, kCausal, rg, cg);
+        compute_qk_scores_and_max<Cfg, kChunkQK, kLowBlind, kExt>(
+            s, block_max, qt, kt, p.d, mask_active, mask_left, kExt ? facts->mask : mask,
+            facts->mod, m0, n0, rg, cg);
         merge_block_stats<Cfg>(block_max, row_max, row_sum, o);
         compute_block_softmax_and_weighted_v<Cfg, kChunkPV, kLowBlind>(
             s, row_max, row_sum, o, pt_store, sPt, sV, rg, cg, [&]() {
@@ -555,18 +609,19 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_fwd_simt_outer_kernel(
               if (has_next) {
                 transpose_quad_blocks<kCols, kD, kThreads>(sKt, sKs, 1.f, tid);
                 if (n_block + 2 < n_end) {
-                  load_quad_blocks_async<kCols, kD, kThreads, !kCausal>(
+                  load_quad_blocks_async<kCols, kD, kThreads, kWholeTiles>(
                       sKs, k + (n0 + 2 * kCols) * p.k_row_stride, p.k_row_stride,
-                      p.sk - n0 - 2 * kCols, p.d, tid);
+                      cta_mask<kExt>(p, facts).sk - n0 - 2 * kCols, p.d, tid);
                 }
                 cp_async_commit();
               }
             });
       };
-      // Causal diagonal: the block's first key lies past the diagonal of query row 63, so rows
-      // 0-63 see none of its keys (with sq = sk, the second key block of every diagonal).
+      // Diagonal half-block: rows 0-63 of the query block see none of this block's keys, its
+      // first key lies past the right diagonal of row 63 (causal with sq = sk: the second key
+      // block of every diagonal). Rows past sq need not count.
       if constexpr (kCausal) {
-        if (n0 > m0 + kRows / 2 - 1 + causal_offset) {
+        if (static_cast<int64_t>(n0) > static_cast<int64_t>(m0) + (kRows / 2 - 1) + mask.diag_hi) {
           block_step(std::true_type{});
         } else {
           block_step(std::false_type{});
@@ -578,9 +633,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_fwd_simt_outer_kernel(
   }
 
   if (piece < 0) {
-    float* o_tile = static_cast<float*>(p.o) + bi * p.o_batch_stride + hi * p.o_head_stride +
+    const SeqInfo seq = cta_seq<kExt>(p, facts, bi);
+    float* o_tile = seq.q_rows(static_cast<float*>(p.o), p.o_batch_stride, p.o_head_stride,
+                               p.o_row_stride, hi) +
                     m0 * p.o_row_stride;
-    float* lse_tile = p.softmax_lse + lse_offset(p, bi, hi) + m0;
+    float* lse_tile = p.softmax_lse + seq.stat_offset(p, hi) + m0;
     normalize_output<Cfg>(o, row_max, row_sum, o_tile, p.o_row_stride, lse_tile, rows_valid, p.d,
                           rg, cg);
   } else {
@@ -590,6 +647,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_fwd_simt_outer_kernel(
                           rg, cg);
   }
 }
+
+// The mask has a right side and no left side (causal, or a window open to the left): the
+// outer kernel's kCausal build.
+inline bool causal_like(const FwdParams& p) { return p.window_left < 0 && p.window_right >= 0; }
 
 // Merges the key ranges of the split query blocks: with lse_r and O_r (normalized) of range r,
 // lse = log sum_r exp(lse_r) and O = sum_r exp(lse_r - lse) O_r. A row no range saw (every
@@ -602,7 +663,9 @@ __global__ void __launch_bounds__(256) combine_splits_kernel(const FwdParams p) 
   const int r = static_cast<int>(blockIdx.x) % (kRows / kRowsPerCta) * kRowsPerCta +
                 static_cast<int>(threadIdx.x) / 32;
   const int lane = static_cast<int>(threadIdx.x) % 32;
-  const FwdQueryBlock blk = FwdQueryBlock::make<kRows, kCols>(p, p.split_begin + split_block);
+  // Splits run only for kPlain calls (split_allowed): a dense batch.
+  const FwdQueryBlock blk =
+      FwdQueryBlock::make<kRows, kCols, false>(p, p.split_begin + split_block);
   if (r >= blk.rows_valid) return;
 
   const int n = p.num_splits;
@@ -616,7 +679,8 @@ __global__ void __launch_bounds__(256) combine_splits_kernel(const FwdParams p) 
   }
   const float lse = empty ? -INFINITY : lse_max + logf(sum);
 
-  float* o_row = static_cast<float*>(p.o) + blk.bi * p.o_batch_stride + blk.hi * p.o_head_stride +
+  float* o_row = blk.seq.q_rows(static_cast<float*>(p.o), p.o_batch_stride, p.o_head_stride,
+                                p.o_row_stride, blk.hi) +
                  (blk.m0 + r) * p.o_row_stride;
   for (int c = 4 * lane; c < p.d; c += 128) {
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -633,7 +697,7 @@ __global__ void __launch_bounds__(256) combine_splits_kernel(const FwdParams p) 
     }
     *reinterpret_cast<float4*>(o_row + c) = acc;
   }
-  if (lane == 0) p.softmax_lse[lse_offset(p, blk.bi, blk.hi) + blk.m0 + r] = lse;
+  if (lane == 0) p.softmax_lse[blk.seq.stat_offset(p, blk.hi) + blk.m0 + r] = lse;
 }
 
 // ---------------------------------------------------------------------------------
@@ -647,7 +711,7 @@ int64_t num_query_blocks(const FwdParams& p) {
 // The plan for this call, and the fp32 workspace floats it needs.
 template <typename Cfg>
 int64_t plan_fwd(FwdParams& p) {
-  const int64_t pieces = plan_launch_split(p, flash_fwd_simt_outer_kernel<Cfg, false>,
+  const int64_t pieces = plan_launch_split(p, flash_fwd_simt_outer_kernel<Cfg, false, kPlain>,
                                            Cfg::kThreads, Cfg::kSmemBytes, num_query_blocks<Cfg>(p),
                                            ceil_div(p.sk, Cfg::kCols), "flash_fwd_simt_outer");
   return pieces * Cfg::kRows * (p.d + 1);
@@ -658,9 +722,10 @@ void launch_fwd(const FwdParams& params, cudaStream_t stream) {
   const char* name = "flash_fwd_simt_outer";
   const int64_t num_blocks = num_query_blocks<Cfg>(params);
   const bool split = params.num_splits > 1 && params.split_begin < num_blocks;
-  if (split && (params.o_accum == nullptr || params.is_causal)) {
+  if (split && (params.o_accum == nullptr || !split_allowed(params))) {
     throw std::runtime_error(std::string("flash_cuda: kernel ") + name +
-                             ": split key ranges need a workspace and no causal mask");
+                             ": split key ranges need a workspace, no mask, no softcap or ALiBi "
+                             "and a dense batch");
   }
   const int64_t grid =
       split ? params.split_begin + (num_blocks - params.split_begin) * params.num_splits
@@ -676,10 +741,13 @@ void launch_fwd(const FwdParams& params, cudaStream_t stream) {
     p.split_begin = INT_MAX;
     p.num_splits = 1;
   }
-  auto kernel = p.is_causal ? flash_fwd_simt_outer_kernel<Cfg, true>
-                            : flash_fwd_simt_outer_kernel<Cfg, false>;
-  set_smem_limit(kernel, Cfg::kSmemBytes, name);
-  kernel<<<static_cast<unsigned>(grid), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
+  const bool ext = variant_of(p, false) != kPlain;
+  auto kernel = ext               ? flash_fwd_simt_outer_kernel<Cfg, false, kExtended>
+                : causal_like(p) ? flash_fwd_simt_outer_kernel<Cfg, true, kPlain>
+                                  : flash_fwd_simt_outer_kernel<Cfg, false, kPlain>;
+  const size_t smem = ext ? Cfg::kSmemBytesExt : Cfg::kSmemBytes;
+  set_smem_limit(kernel, smem, name);
+  kernel<<<static_cast<unsigned>(grid), Cfg::kThreads, smem, stream>>>(p);
   check_launch(name);
   if (split) {
     const int64_t combine_grid = (num_blocks - p.split_begin) * (Cfg::kRows / 8);

@@ -70,7 +70,7 @@ template <> struct BwdTraits<128> : BwdConfig<128, 2,      64,  2,     96> {};
 // ---------------------------------------------------------------------------------
 // dK/dV kernel. grid (ceil(sk / kKVBlockN), hkv, b).
 // ---------------------------------------------------------------------------------
-template <typename T, typename Cfg>
+template <typename T, typename Cfg, int kVariant>
 __device__ __forceinline__ void bwd_dkdv_block(const BwdParams& p) {
   constexpr int kD = Cfg::kHeadDim;
   constexpr int kBlockN = Cfg::kKVBlockN;
@@ -90,39 +90,40 @@ __device__ __forceinline__ void bwd_dkdv_block(const BwdParams& p) {
   const int tid = threadIdx.x;
   const int warp = tid / 32;
   const int wg = warp / 4;
-  const int hkv = blockIdx.y, bi = blockIdx.z;
+  const int hkv = blockIdx.y;
+  const SeqInfo seq = SeqInfo::make<kVariant != kPlain>(p, blockIdx.z);
   const int n0 = blockIdx.x * kBlockN;
+  if (n0 >= seq.sk) return;               // varlen: a sequence shorter than max_seqlen_k
   const int wg_key0 = n0 + 64 * wg;       // first key of this warpgroup
   const int warp_key0 = n0 + 16 * warp;   // first key of this warp
   const int group = p.hq / p.hkv;
-  const int causal_offset = p.sk - p.sq;
+  const AttnMask mask = seq.mask<kVariant != kPlain>(p);
 
-  const int num_m_blocks = ceil_div(p.sq, kBlockM);
-  const int m_first = p.is_causal ? max(0, n0 - causal_offset) / kBlockM : 0;
+  const BlockRange m_range = BlockRange::queries_of(mask, n0, n0 + kBlockN, kBlockM);
   const int h_begin = hkv * group, h_end = h_begin + group;
 
   auto load_query_block = [&](int h, int m_block, int stage) {
     const int m0 = m_block * kBlockM;
-    const T* q = static_cast<const T*>(p.q) + bi * p.q_batch_stride + h * p.q_head_stride +
-                 m0 * p.q_row_stride;
-    const T* dout = static_cast<const T*>(p.dout) + bi * p.do_batch_stride + h * p.do_head_stride +
-                    m0 * p.do_row_stride;
-    load_tile_swizzled<kBlockM, kD, kThreads>(sQ + stage * kQTile, q, p.q_row_stride, p.sq - m0, p.d, tid);
-    load_tile_swizzled<kBlockM, kD, kThreads>(sdO + stage * kQTile, dout, p.do_row_stride, p.sq - m0, p.d, tid);
-    const int64_t row0 = lse_offset(p, bi, h) + m0;
-    bwd_mma::load_row_stats_async<kBlockM>(sLse + stage * kBlockM, p.softmax_lse + row0, p.sq - m0);
-    bwd_mma::load_row_stats_async<kBlockM>(sDelta + stage * kBlockM, p.delta + row0, p.sq - m0);
+    const T* q = seq.q_rows(static_cast<const T*>(p.q), p.q_batch_stride, p.q_head_stride, p.q_row_stride, h) +
+                 static_cast<int64_t>(m0) * p.q_row_stride;
+    const T* dout = seq.q_rows(static_cast<const T*>(p.dout), p.do_batch_stride, p.do_head_stride,
+                               p.do_row_stride, h) + static_cast<int64_t>(m0) * p.do_row_stride;
+    load_tile_swizzled<kBlockM, kD, kThreads>(sQ + stage * kQTile, q, p.q_row_stride, seq.sq - m0, p.d, tid);
+    load_tile_swizzled<kBlockM, kD, kThreads>(sdO + stage * kQTile, dout, p.do_row_stride, seq.sq - m0, p.d, tid);
+    const int64_t row0 = seq.stat_offset(p, h) + m0;
+    bwd_mma::load_row_stats_async<kBlockM>(sLse + stage * kBlockM, p.softmax_lse + row0, seq.sq - m0);
+    bwd_mma::load_row_stats_async<kBlockM>(sDelta + stage * kBlockM, p.delta + row0, seq.sq - m0);
   };
 
-  int h = h_begin, m_block = m_first, stage = 0;
-  if (m_block >= num_m_blocks) h = h_end;  // no query sees these keys
+  int h = h_begin, m_block = m_range.begin, stage = 0;
+  if (m_range.count() == 0) h = h_end;  // no query sees these keys
   if (h < h_end) {
-    const T* k = static_cast<const T*>(p.k) + bi * p.k_batch_stride + hkv * p.k_head_stride +
-                 n0 * p.k_row_stride;
-    const T* v = static_cast<const T*>(p.v) + bi * p.v_batch_stride + hkv * p.v_head_stride +
-                 n0 * p.v_row_stride;
-    load_tile_swizzled<kBlockN, kD, kThreads>(sK, k, p.k_row_stride, p.sk - n0, p.d, tid);
-    load_tile_swizzled<kBlockN, kD, kThreads>(sV, v, p.v_row_stride, p.sk - n0, p.d, tid);
+    const T* k = seq.k_rows(static_cast<const T*>(p.k), p.k_batch_stride, p.k_head_stride, p.k_row_stride, hkv) +
+                 static_cast<int64_t>(n0) * p.k_row_stride;
+    const T* v = seq.k_rows(static_cast<const T*>(p.v), p.v_batch_stride, p.v_head_stride, p.v_row_stride, hkv) +
+                 static_cast<int64_t>(n0) * p.v_row_stride;
+    load_tile_swizzled<kBlockN, kD, kThreads>(sK, k, p.k_row_stride, seq.sk - n0, p.d, tid);
+    load_tile_swizzled<kBlockN, kD, kThreads>(sV, v, p.v_row_stride, seq.sk - n0, p.d, tid);
     load_query_block(h, m_block, 0);
     cp_async_commit();
   }
@@ -137,8 +138,8 @@ __device__ __forceinline__ void bwd_dkdv_block(const BwdParams& p) {
     fence_proxy_async();
     __syncthreads();
     int next_h = h, next_m_block = m_block + 1;
-    if (next_m_block == num_m_blocks) {
-      next_m_block = m_first;
+    if (next_m_block == m_range.end) {
+      next_m_block = m_range.begin;
       ++next_h;
     }
     if (next_h < h_end) {
@@ -148,10 +149,9 @@ __device__ __forceinline__ void bwd_dkdv_block(const BwdParams& p) {
 
     const int m0 = m_block * kBlockM;
     // Warpgroup-uniform skip (wgmma is a warpgroup instruction); masking is per warp.
-    const bool wg_sees_block = wg_key0 < p.sk && (!p.is_causal || wg_key0 <= m0 + kBlockM - 1 + causal_offset);
+    const bool wg_sees_block = mask.any_visible(m0, m0 + kBlockM, wg_key0, wg_key0 + 64);
     if (wg_sees_block) {
-      const bool needs_mask =
-          m0 + kBlockM > p.sq || (p.is_causal && warp_key0 + 15 > m0 + causal_offset);
+      const bool needs_mask = mask.needs_mask(m0, m0 + kBlockM, warp_key0, warp_key0 + 16);
       const T* sQ_s = sQ + stage * kQTile;
       const T* sdO_s = sdO + stage * kQTile;
 
@@ -174,12 +174,13 @@ __device__ __forceinline__ void bwd_dkdv_block(const BwdParams& p) {
       fence_accumulator(pt[0]);
       fence_accumulator(dst[0]);
 
-      bwd_mma::compute_probs_transposed(pt, sLse + stage * kBlockM, p.scale_log2, needs_mask, warp_key0, m0,
-                                        p.sq, causal_offset, p.is_causal);
+      float no_dtanh[1][1][4];  // softcap runs on the mma.sync backward (the binding's choice)
+      bwd_mma::compute_probs<true, kVariant>(pt, no_dtanh, sLse + stage * kBlockM, needs_mask, warp_key0, m0, mask,
+                                          p, seq, h);
       uint32_t a_pt[kBlockM / 16][4];
 #pragma unroll
       for (int kk = 0; kk < kBlockM / 16; ++kk) accumulator_to_a<T>(a_pt[kk], pt[0], kk);
-      bwd_mma::compute_ds_transposed(dst, pt, sDelta + stage * kBlockM);
+      bwd_mma::compute_ds<true, kVariant>(dst, pt, no_dtanh, sDelta + stage * kBlockM);
       uint32_t a_ds[kBlockM / 16][4];
 #pragma unroll
       for (int kk = 0; kk < kBlockM / 16; ++kk) accumulator_to_a<T>(a_ds[kk], dst[0], kk);
@@ -202,11 +203,11 @@ __device__ __forceinline__ void bwd_dkdv_block(const BwdParams& p) {
     stage ^= 1;
   }
 
-  const int rows_valid = p.sk - warp_key0;
-  T* dv = static_cast<T*>(p.dv) + bi * p.dv_batch_stride + hkv * p.dv_head_stride +
+  const int rows_valid = seq.sk - warp_key0;
+  T* dv = seq.k_rows(static_cast<T*>(p.dv), p.dv_batch_stride, p.dv_head_stride, p.dv_row_stride, hkv) +
           static_cast<int64_t>(warp_key0) * p.dv_row_stride;
   bwd_mma::store_rows<T, 1, kD>(acc_dv, dv, p.dv_row_stride, rows_valid, p.d, 1.f);
-  T* dk = static_cast<T*>(p.dk) + bi * p.dk_batch_stride + hkv * p.dk_head_stride +
+  T* dk = seq.k_rows(static_cast<T*>(p.dk), p.dk_batch_stride, p.dk_head_stride, p.dk_row_stride, hkv) +
           static_cast<int64_t>(warp_key0) * p.dk_row_stride;
   bwd_mma::store_rows<T, 1, kD>(acc_dk, dk, p.dk_row_stride, rows_valid, p.d, p.scale);
 }
@@ -214,7 +215,7 @@ __device__ __forceinline__ void bwd_dkdv_block(const BwdParams& p) {
 // ---------------------------------------------------------------------------------
 // dQ kernel. grid (ceil(sq / kQBlockM), hq, b).
 // ---------------------------------------------------------------------------------
-template <typename T, typename Cfg>
+template <typename T, typename Cfg, int kVariant>
 __device__ __forceinline__ void bwd_dq_block(const BwdParams& p) {
   constexpr int kD = Cfg::kHeadDim;
   constexpr int kBlockM = Cfg::kQBlockM;
@@ -234,62 +235,60 @@ __device__ __forceinline__ void bwd_dq_block(const BwdParams& p) {
   const int tid = threadIdx.x;
   const int warp = tid / 32;
   const int wg = warp / 4;
-  const int m_block = p.is_causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
-  const int h = blockIdx.y, bi = blockIdx.z;
-  const int hkv = h / (p.hq / p.hkv);
+  const int h = blockIdx.y;
+  const SeqInfo seq = SeqInfo::make<kVariant != kPlain>(p, blockIdx.z);
+  const AttnMask mask = seq.mask<kVariant != kPlain>(p);
+  const int m_block = mask.right_bounded() ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
   const int m0 = m_block * kBlockM;
+  if (m0 >= seq.sq) return;  // varlen: a sequence shorter than max_seqlen_q
+  const int hkv = h / (p.hq / p.hkv);
   const int wg_q0 = m0 + 64 * wg;
   const int warp_q0 = m0 + 16 * warp;
-  const int causal_offset = p.sk - p.sq;
+  const int warp_q_end = min(warp_q0 + 16, seq.sq);
 
-  const int num_n_blocks = ceil_div(p.sk, kBlockN);
-  int n_end = num_n_blocks;
-  if (p.is_causal) {
-    const int last_key = min(m0 + kBlockM, p.sq) - 1 + causal_offset;
-    n_end = last_key < 0 ? 0 : min(num_n_blocks, last_key / kBlockN + 1);
-  }
+  const BlockRange n_range = BlockRange::keys_of(mask, m0, m0 + kBlockM, kBlockN);
 
   auto load_key_block = [&](int n_block, int stage) {
     const int n0 = n_block * kBlockN;
-    const T* k = static_cast<const T*>(p.k) + bi * p.k_batch_stride + hkv * p.k_head_stride +
-                 n0 * p.k_row_stride;
-    const T* v = static_cast<const T*>(p.v) + bi * p.v_batch_stride + hkv * p.v_head_stride +
-                 n0 * p.v_row_stride;
-    load_tile_swizzled<kBlockN, kD, kThreads>(sK + stage * kKTile, k, p.k_row_stride, p.sk - n0, p.d, tid);
-    load_tile_swizzled<kBlockN, kD, kThreads>(sV + stage * kKTile, v, p.v_row_stride, p.sk - n0, p.d, tid);
+    const T* k = seq.k_rows(static_cast<const T*>(p.k), p.k_batch_stride, p.k_head_stride, p.k_row_stride, hkv) +
+                 static_cast<int64_t>(n0) * p.k_row_stride;
+    const T* v = seq.k_rows(static_cast<const T*>(p.v), p.v_batch_stride, p.v_head_stride, p.v_row_stride, hkv) +
+                 static_cast<int64_t>(n0) * p.v_row_stride;
+    load_tile_swizzled<kBlockN, kD, kThreads>(sK + stage * kKTile, k, p.k_row_stride, seq.sk - n0, p.d, tid);
+    load_tile_swizzled<kBlockN, kD, kThreads>(sV + stage * kKTile, v, p.v_row_stride, seq.sk - n0, p.d, tid);
   };
 
-  if (n_end > 0) {
-    const T* q = static_cast<const T*>(p.q) + bi * p.q_batch_stride + h * p.q_head_stride +
-                 m0 * p.q_row_stride;
-    const T* dout = static_cast<const T*>(p.dout) + bi * p.do_batch_stride + h * p.do_head_stride +
-                    m0 * p.do_row_stride;
-    load_tile_swizzled<kBlockM, kD, kThreads>(sQ, q, p.q_row_stride, p.sq - m0, p.d, tid);
-    load_tile_swizzled<kBlockM, kD, kThreads>(sdO, dout, p.do_row_stride, p.sq - m0, p.d, tid);
-    const int64_t row0 = lse_offset(p, bi, h) + m0;
-    bwd_mma::load_row_stats_async<kBlockM>(sLse, p.softmax_lse + row0, p.sq - m0);
-    bwd_mma::load_row_stats_async<kBlockM>(sDelta, p.delta + row0, p.sq - m0);
-    load_key_block(0, 0);
+  if (n_range.count() > 0) {
+    const T* q = seq.q_rows(static_cast<const T*>(p.q), p.q_batch_stride, p.q_head_stride, p.q_row_stride, h) +
+                 static_cast<int64_t>(m0) * p.q_row_stride;
+    const T* dout = seq.q_rows(static_cast<const T*>(p.dout), p.do_batch_stride, p.do_head_stride,
+                               p.do_row_stride, h) + static_cast<int64_t>(m0) * p.do_row_stride;
+    load_tile_swizzled<kBlockM, kD, kThreads>(sQ, q, p.q_row_stride, seq.sq - m0, p.d, tid);
+    load_tile_swizzled<kBlockM, kD, kThreads>(sdO, dout, p.do_row_stride, seq.sq - m0, p.d, tid);
+    const int64_t row0 = seq.stat_offset(p, h) + m0;
+    bwd_mma::load_row_stats_async<kBlockM>(sLse, p.softmax_lse + row0, seq.sq - m0);
+    bwd_mma::load_row_stats_async<kBlockM>(sDelta, p.delta + row0, seq.sq - m0);
+    load_key_block(n_range.begin, n_range.begin & 1);  // block n lives in ring slot n % 2
     cp_async_commit();
   }
 
   float acc_dq[1][kD / 8][4];
   bwd_mma::zero_fill(acc_dq);
 
-  for (int n_block = 0; n_block < n_end; ++n_block) {
+  for (int n_block = n_range.begin; n_block < n_range.end; ++n_block) {
     const int stage = n_block & 1;
     cp_async_wait<0>();
     fence_proxy_async();
     __syncthreads();
-    if (n_block + 1 < n_end) {
+    if (n_block + 1 < n_range.end) {
       load_key_block(n_block + 1, stage ^ 1);
       cp_async_commit();
     }
 
     const int n0 = n_block * kBlockN;
-    const bool wg_sees_block = wg_q0 < p.sq && (!p.is_causal || n0 <= wg_q0 + 63 + causal_offset);
+    const bool wg_sees_block = mask.any_visible(wg_q0, wg_q0 + 64, n0, n0 + kBlockN);
     if (!wg_sees_block) continue;
-    const bool needs_mask = n0 + kBlockN > p.sk || (p.is_causal && n0 + kBlockN - 1 > warp_q0 + causal_offset);
+    const bool needs_mask = mask.needs_mask(warp_q0, warp_q_end, n0, n0 + kBlockN);
     const T* sK_s = sK + stage * kKTile;
     const T* sV_s = sV + stage * kKTile;
 
@@ -312,9 +311,9 @@ __device__ __forceinline__ void bwd_dq_block(const BwdParams& p) {
     fence_accumulator(s[0]);
     fence_accumulator(ds[0]);
 
-    bwd_mma::compute_probs(s, sLse + 16 * warp, p.scale_log2, needs_mask, warp_q0, n0, p.sk, causal_offset,
-                           p.is_causal);
-    bwd_mma::compute_ds(ds, s, sDelta + 16 * warp);
+    float no_dtanh[1][1][4];  // softcap runs on the mma.sync backward (the binding's choice)
+    bwd_mma::compute_probs<false, kVariant>(s, no_dtanh, sLse + 16 * warp, needs_mask, warp_q0, n0, mask, p, seq, h);
+    bwd_mma::compute_ds<false, kVariant>(ds, s, no_dtanh, sDelta + 16 * warp);
     uint32_t a_ds[kBlockN / 16][4];
 #pragma unroll
     for (int kk = 0; kk < kBlockN / 16; ++kk) accumulator_to_a<T>(a_ds[kk], ds[0], kk);
@@ -329,24 +328,24 @@ __device__ __forceinline__ void bwd_dq_block(const BwdParams& p) {
     fence_accumulator(acc_dq[0]);
   }
 
-  T* dq = static_cast<T*>(p.dq) + bi * p.dq_batch_stride + h * p.dq_head_stride +
+  T* dq = seq.q_rows(static_cast<T*>(p.dq), p.dq_batch_stride, p.dq_head_stride, p.dq_row_stride, h) +
           static_cast<int64_t>(warp_q0) * p.dq_row_stride;
-  bwd_mma::store_rows<T, 1, kD>(acc_dq, dq, p.dq_row_stride, p.sq - warp_q0, p.d, p.scale);
+  bwd_mma::store_rows<T, 1, kD>(acc_dq, dq, p.dq_row_stride, seq.sq - warp_q0, p.d, p.scale);
 }
 
-template <typename T, typename Cfg>
+template <typename T, typename Cfg, int kVariant>
 __global__ void __launch_bounds__(Cfg::kKVThreads, Cfg::kKVMinBlocks) bwd_dkdv_sm90_kernel(const __grid_constant__ BwdParams p) {
 #if FLASH_SM90_ENABLED
-  bwd_dkdv_block<T, Cfg>(p);
+  bwd_dkdv_block<T, Cfg, kVariant>(p);
 #else
   __trap();  // never launched: see sm90_kernel_built
 #endif
 }
 
-template <typename T, typename Cfg>
+template <typename T, typename Cfg, int kVariant>
 __global__ void __launch_bounds__(Cfg::kQThreads, Cfg::kQMinBlocks) bwd_dq_sm90_kernel(const __grid_constant__ BwdParams p) {
 #if FLASH_SM90_ENABLED
-  bwd_dq_block<T, Cfg>(p);
+  bwd_dq_block<T, Cfg, kVariant>(p);
 #else
   __trap();
 #endif
@@ -354,10 +353,10 @@ __global__ void __launch_bounds__(Cfg::kQThreads, Cfg::kQMinBlocks) bwd_dq_sm90_
 
 }  // namespace sm90
 
-template <typename T, typename Cfg>
+template <typename T, typename Cfg, int kVariant>
 bool launch_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
-  auto dkdv = sm90::bwd_dkdv_sm90_kernel<T, Cfg>;
-  auto dq = sm90::bwd_dq_sm90_kernel<T, Cfg>;
+  auto dkdv = sm90::bwd_dkdv_sm90_kernel<T, Cfg, kVariant>;
+  auto dq = sm90::bwd_dq_sm90_kernel<T, Cfg, kVariant>;
   if (p.sm_arch != 90 || !sm90_kernel_built(dkdv)) return false;
   set_smem_limit(dkdv, Cfg::kDkdvSmem, "bwd_dkdv_sm90");
   set_smem_limit(dq, Cfg::kDqSmem, "bwd_dq_sm90");
@@ -369,9 +368,12 @@ bool launch_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
   return true;
 }
 
-template <int kDType, int kHeadDim>
+// kVariant is kPlain or kExtended: softcap's derivative would need one more register tile than
+// these kernels have room for, so kSoftcapGrad is served by the mma.sync backward (launch.h).
+template <int kDType, int kHeadDim, int kVariant>
 bool run_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
-  return launch_bwd_sm90<typename ElementOf<kDType>::type, sm90::BwdTraits<kHeadDim>>(p, stream);
+  static_assert(kVariant != kSoftcapGrad, "the wgmma backward has no softcap derivative");
+  return launch_bwd_sm90<typename ElementOf<kDType>::type, sm90::BwdTraits<kHeadDim>, kVariant>(p, stream);
 }
 
 }  // namespace flash_cuda

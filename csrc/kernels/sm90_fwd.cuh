@@ -70,9 +70,8 @@ __device__ __forceinline__ void compute_qk_scores_and_max(float (&s)[1][Cfg::kNT
                                                           float (&block_max)[1][2],
                                                           const typename Cfg::T* sQ, int wg_row0,
                                                           const typename Cfg::T* sK, bool needs_mask,
-                                                          int row_base, int key_base, int sk,
-                                                          int causal_offset, bool is_causal,
-                                                          float scale_log2) {
+                                                          int row_base, int key_base, const AttnMask& mask,
+                                                          const ScoreMod& mod, float scale_log2) {
   using T = typename Cfg::T;
   wgmma_fence();
 #pragma unroll
@@ -83,8 +82,7 @@ __device__ __forceinline__ void compute_qk_scores_and_max(float (&s)[1][Cfg::kNT
   wgmma_commit();
   wgmma_wait<0>();
   fence_accumulator(s[0]);
-  fwd_mma::mask_and_block_max<Cfg>(s, block_max, needs_mask, row_base, key_base, sk, causal_offset,
-                                   is_causal, scale_log2);
+  fwd_mma::mask_and_block_max<Cfg>(s, block_max, needs_mask, row_base, key_base, mask, mod, scale_log2);
 }
 
 // Step 3: P = exp2(S - m), row sums, O += P V (wgmma, P from registers).
@@ -109,7 +107,7 @@ __device__ __forceinline__ void compute_block_softmax_and_weighted_v(
   fence_accumulator(acc_o[0]);
 }
 
-template <typename Cfg>
+template <typename Cfg, int kVariant>
 __device__ __forceinline__ void fwd_sm90_block(const FwdParams& p) {
   using T = typename Cfg::T;
   constexpr int kD = Cfg::kHeadDim;
@@ -120,38 +118,42 @@ __device__ __forceinline__ void fwd_sm90_block(const FwdParams& p) {
   T* sV = reinterpret_cast<T*>(smem + Cfg::kTileQ + Cfg::kStages * Cfg::kTileKV);  // [kStages] tiles
   constexpr int kKVElems = Cfg::kBlockN * kD;
 
-  const int m_block = p.is_causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;  // long rows first
-  const int h = blockIdx.y, bi = blockIdx.z;
+  const int h = blockIdx.y;
+  constexpr bool kExt = kVariant != kPlain;
+  const SeqInfo seq = SeqInfo::make<kExt>(p, blockIdx.z);
+  const AttnMask mask = seq.mask<kExt>(p);
+  const int m_block = mask.right_bounded() ? gridDim.x - 1 - blockIdx.x : blockIdx.x;  // long rows first
+  const int row0 = m_block * Cfg::kBlockM;
+  if (row0 >= seq.sq) return;  // varlen: this sequence is shorter than max_seqlen_q
+  const ScoreMod mod = seq.score_mod<kExt>(p, h);
+  const float exp_scale = mod.exp_scale(p.scale_log2);
   const int h_kv = h / (p.hq / p.hkv);
   const int tid = threadIdx.x;
   const int warp = tid / 32;
   const int wg_row0 = (warp / 4) * 64;  // first row of this warpgroup within the tile
-  const int causal_offset = p.sk - p.sq;
-  const int row0 = m_block * Cfg::kBlockM;
-  const int rows_valid = min(Cfg::kBlockM, p.sq - row0);
+  const int rows_valid = min(Cfg::kBlockM, seq.sq - row0);
 
-  const T* q = static_cast<const T*>(p.q) + bi * p.q_batch_stride + h * p.q_head_stride +
+  const T* q = seq.q_rows(static_cast<const T*>(p.q), p.q_batch_stride, p.q_head_stride, p.q_row_stride, h) +
                static_cast<int64_t>(row0) * p.q_row_stride;
-  const T* k = static_cast<const T*>(p.k) + bi * p.k_batch_stride + h_kv * p.k_head_stride;
-  const T* v = static_cast<const T*>(p.v) + bi * p.v_batch_stride + h_kv * p.v_head_stride;
-  T* o = static_cast<T*>(p.o) + bi * p.o_batch_stride + h * p.o_head_stride +
+  const T* k = seq.k_rows(static_cast<const T*>(p.k), p.k_batch_stride, p.k_head_stride, p.k_row_stride, h_kv);
+  const T* v = seq.k_rows(static_cast<const T*>(p.v), p.v_batch_stride, p.v_head_stride, p.v_row_stride, h_kv);
+  T* o = seq.q_rows(static_cast<T*>(p.o), p.o_batch_stride, p.o_head_stride, p.o_row_stride, h) +
          static_cast<int64_t>(row0) * p.o_row_stride;
-  float* lse = p.softmax_lse + lse_offset(p, bi, h) + row0;
+  float* lse = p.softmax_lse + seq.stat_offset(p, h) + row0;
 
-  int key_end = p.sk;
-  if (p.is_causal) key_end = min(p.sk, row0 + rows_valid + causal_offset);
-  const int n_blocks = key_end > 0 ? ceil_div(key_end, Cfg::kBlockN) : 0;
+  const BlockRange range = BlockRange::keys_of(mask, row0, row0 + rows_valid, Cfg::kBlockN);
+  const int n_begin = range.begin, n_end = range.end;
 
   auto load_kv = [&](int nb, int stage) {
     const int64_t key0 = static_cast<int64_t>(nb) * Cfg::kBlockN;
     load_tile_swizzled<Cfg::kBlockN, kD, Cfg::kThreads>(sK + stage * kKVElems, k + key0 * p.k_row_stride,
-                                                        p.k_row_stride, p.sk - static_cast<int>(key0), p.d, tid);
+                                                        p.k_row_stride, seq.sk - static_cast<int>(key0), p.d, tid);
     load_tile_swizzled<Cfg::kBlockN, kD, Cfg::kThreads>(sV + stage * kKVElems, v + key0 * p.v_row_stride,
-                                                        p.v_row_stride, p.sk - static_cast<int>(key0), p.d, tid);
+                                                        p.v_row_stride, seq.sk - static_cast<int>(key0), p.d, tid);
   };
 
   load_tile_swizzled<Cfg::kBlockM, kD, Cfg::kThreads>(sQ, q, p.q_row_stride, rows_valid, p.d, tid);
-  if (n_blocks > 0) load_kv(0, 0);
+  if (n_begin < n_end) load_kv(n_begin, n_begin % Cfg::kStages);  // block n in ring slot n % 2
   cp_async_commit();
 
   float acc_o[1][Cfg::kDTiles][4];
@@ -162,25 +164,25 @@ __device__ __forceinline__ void fwd_sm90_block(const FwdParams& p) {
     for (int e = 0; e < 4; ++e) acc_o[0][dt][e] = 0.f;
 
   const int warp_row0 = row0 + 16 * warp;  // first query row of this warp
-  for (int nb = 0; nb < n_blocks; ++nb) {
+  const int warp_row_end = min(warp_row0 + 16, seq.sq);
+  for (int nb = n_begin; nb < n_end; ++nb) {
     // Block nb has landed (and is visible to wgmma's proxy); every warpgroup is done with
     // the stage that the next copy overwrites.
     cp_async_wait<0>();
     fence_proxy_async();
     __syncthreads();
-    if (nb + 1 < n_blocks) load_kv(nb + 1, (nb + 1) % Cfg::kStages);
+    const int stage = nb % Cfg::kStages;
+    if (nb + 1 < n_end) load_kv(nb + 1, stage ^ 1);
     cp_async_commit();
 
-    const int stage = nb % Cfg::kStages;
     const int key_base = nb * Cfg::kBlockN;
-    const bool needs_mask = key_base + Cfg::kBlockN > p.sk ||
-                            (p.is_causal && key_base + Cfg::kBlockN - 1 > warp_row0 + causal_offset);
+    const bool needs_mask = mask.needs_mask(warp_row0, warp_row_end, key_base, key_base + Cfg::kBlockN);
     float s[1][Cfg::kNTiles][4];
     float block_max[1][2];
     compute_qk_scores_and_max<Cfg>(s, block_max, sQ, wg_row0, sK + stage * kKVElems, needs_mask, warp_row0,
-                                   key_base, p.sk, causal_offset, p.is_causal, p.scale_log2);
+                                   key_base, mask, mod, p.scale_log2);
     fwd_mma::merge_block_stats<Cfg>(row_max, row_sum, acc_o, block_max);
-    compute_block_softmax_and_weighted_v<Cfg>(s, row_sum, acc_o, row_max, sV + stage * kKVElems, p.scale_log2);
+    compute_block_softmax_and_weighted_v<Cfg>(s, row_sum, acc_o, row_max, sV + stage * kKVElems, exp_scale);
   }
   cp_async_wait<0>();
   __syncthreads();  // every warpgroup is done with the K/V ring, reused below to stage O
@@ -192,10 +194,10 @@ __device__ __forceinline__ void fwd_sm90_block(const FwdParams& p) {
                                  lse + 16 * warp, warp_rows_valid, p.d);
 }
 
-template <typename Cfg>
+template <typename Cfg, int kVariant>
 __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) fwd_sm90_kernel(const __grid_constant__ FwdParams p) {
 #if FLASH_SM90_ENABLED
-  fwd_sm90_block<Cfg>(p);
+  fwd_sm90_block<Cfg, kVariant>(p);
 #else
   __trap();  // never launched: see sm90_kernel_built
 #endif
@@ -203,9 +205,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) fwd_sm90_kerne
 
 }  // namespace sm90
 
-template <typename Cfg>
+template <typename Cfg, int kVariant>
 bool launch_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
-  auto kernel = sm90::fwd_sm90_kernel<Cfg>;
+  auto kernel = sm90::fwd_sm90_kernel<Cfg, kVariant>;
   if (p.sm_arch != 90 || !sm90_kernel_built(kernel)) return false;
   set_smem_limit(kernel, Cfg::kSmemBytes, "fwd_sm90");
   const dim3 grid(ceil_div(p.sq, Cfg::kBlockM), p.hq, p.b);
@@ -214,9 +216,9 @@ bool launch_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
   return true;
 }
 
-template <int kDType, int kHeadDim>
+template <int kDType, int kHeadDim, int kVariant>
 bool run_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
-  return launch_fwd_sm90<sm90::FwdConfig<typename ElementOf<kDType>::type, kHeadDim>>(p, stream);
+  return launch_fwd_sm90<sm90::FwdConfig<typename ElementOf<kDType>::type, kHeadDim>, kVariant>(p, stream);
 }
 
 }  // namespace flash_cuda

@@ -1,0 +1,176 @@
+// core/mask.cuh — which keys a query sees, and what happens to a score before the softmax.
+//
+// Every tier asks these questions through this file and nothing else:
+//   * is the pair (query i, key j) visible?                         AttnMask::visible
+//   * which key blocks can a block of queries see?                   AttnMask::key_begin / key_end
+//   * which query blocks can see a block of keys? (backward)         AttnMask::query_begin / query_end
+//   * does a (query range x key range) tile need the per-element test at all?  AttnMask::needs_mask
+//   * softcap and ALiBi on a score, and softcap's derivative        ScoreMod
+//
+// The rule (FlashAttention's, bottom-right aligned). Query i of a sequence with sq queries and
+// sk keys sits at key position i + (sk - sq). With a window (left, right), -1 meaning unbounded:
+//     query i sees key j  iff  0 <= j < sk  and  i + sk - sq - left <= j <= i + sk - sq + right.
+// Causal attention is right = 0. Written on the diagonal index j - i this is
+//     diag_lo <= j - i <= diag_hi,   diag_lo = sk - sq - left,   diag_hi = sk - sq + right,
+// with an unbounded side at INT_MIN / INT_MAX: two integer compares per element, the same
+// code with and without a window, and the block ranges follow from the same two numbers.
+#pragma once
+
+#include <climits>
+#include <cstdint>
+
+#include "../flash_params.h"
+
+namespace flash_cuda {
+
+FLASH_HOST_DEVICE inline int clamp_to_int(int64_t x, int lo, int hi) {
+  return x < lo ? lo : (x > hi ? hi : static_cast<int>(x));
+}
+
+struct AttnMask {
+  int sq, sk;            // this sequence's lengths
+  int diag_lo, diag_hi;  // visible iff diag_lo <= j - i <= diag_hi (and i < sq, j < sk)
+
+  FLASH_HOST_DEVICE static AttnMask make(int sq, int sk, int window_left, int window_right) {
+    AttnMask m;
+    m.sq = sq;
+    m.sk = sk;
+    const int64_t offset = static_cast<int64_t>(sk) - sq;
+    m.diag_lo = window_left < 0 ? INT_MIN : clamp_to_int(offset - window_left, INT_MIN, INT_MAX);
+    m.diag_hi = window_right < 0 ? INT_MAX : clamp_to_int(offset + window_right, INT_MIN, INT_MAX);
+    return m;
+  }
+
+  // The right side is bounded (causal, or a window): later query blocks see more keys.
+  FLASH_HOST_DEVICE bool right_bounded() const { return diag_hi != INT_MAX; }
+
+  // i, j >= 0 and < 2^31, so j - i cannot overflow an int (nor can the differences below).
+  // i, j >= 0 and < 2^31, so j - i cannot overflow an int (nor can the differences below).
+  FLASH_HOST_DEVICE bool visible(int i, int j) const {
+    const int dij = j - i;
+    return i < sq && j < sk && dij >= diag_lo && dij <= diag_hi;
+  }
+
+  // Keys that at least one query of [r0, r1) sees: [key_begin(r0), key_end(r1)), empty when
+  // begin >= end. r1 is clamped to sq by the caller or here.
+  FLASH_HOST_DEVICE int key_begin(int r0) const {
+    return clamp_to_int(static_cast<int64_t>(r0) + diag_lo, 0, sk);
+  }
+  FLASH_HOST_DEVICE int key_end(int r1) const {
+    const int last = (r1 < sq ? r1 : sq) - 1;
+    return clamp_to_int(static_cast<int64_t>(last) + diag_hi + 1, 0, sk);
+  }
+  // Queries that see at least one key of [c0, c1): [query_begin(c0), query_end(c1)).
+  FLASH_HOST_DEVICE int query_begin(int c0) const {
+    return clamp_to_int(static_cast<int64_t>(c0) - diag_hi, 0, sq);
+  }
+  FLASH_HOST_DEVICE int query_end(int c1) const {
+    const int last = (c1 < sk ? c1 : sk) - 1;
+    return clamp_to_int(static_cast<int64_t>(last) - diag_lo + 1, 0, sq);
+  }
+
+  // True when some pair of the tile [r0, r1) x [c0, c1) is visible: lets a warp skip a tile
+  // none of its rows sees. The differences j - i over the tile span [c0 - (r1 - 1), (c1 - 1) - r0].
+  FLASH_HOST_DEVICE bool any_visible(int r0, int r1, int c0, int c1) const {
+    r1 = r1 < sq ? r1 : sq;
+    c1 = c1 < sk ? c1 : sk;
+    return r0 < r1 && c0 < c1 && static_cast<int64_t>(c1 - 1) - r0 >= diag_lo &&
+           static_cast<int64_t>(c0) - (r1 - 1) <= diag_hi;
+  }
+
+  // True when some pair of the tile [r0, r1) x [c0, c1) is not visible, i.e. the tile needs
+  // the per-element test. Rows >= sq count as invisible: a forward that does not care about
+  // its padding rows passes r1 = min(r1, sq).
+  FLASH_HOST_DEVICE bool needs_mask(int r0, int r1, int c0, int c1) const {
+    return r1 > sq || c1 > sk || (c1 - 1) - r0 > diag_hi || c0 - (r1 - 1) < diag_lo;
+  }
+};
+
+// Block-index ranges derived from AttnMask, for a kernel that walks key blocks of kBlockN for a
+// query block [r0, r1) (forward, dQ), or query blocks of kBlockM for a key block (dK/dV).
+struct BlockRange {
+  int begin, end;  // block indices [begin, end); empty when begin >= end
+  FLASH_HOST_DEVICE int count() const { return end > begin ? end - begin : 0; }
+
+  FLASH_HOST_DEVICE static BlockRange keys_of(const AttnMask& m, int r0, int r1, int block_n) {
+    const int kb = m.key_begin(r0), ke = m.key_end(r1);
+    return {kb / block_n, ke > kb ? (ke + block_n - 1) / block_n : kb / block_n};
+  }
+  FLASH_HOST_DEVICE static BlockRange queries_of(const AttnMask& m, int c0, int c1, int block_m) {
+    const int qb = m.query_begin(c0), qe = m.query_end(c1);
+    return {qb / block_m, qe > qb ? (qe + block_m - 1) / block_m : qb / block_m};
+  }
+};
+
+// ---------------------------------------------------------------------------------
+// Score modifiers. A kernel hands over x, the score in log2 units of the scaled logit
+// (x = scale * q.k * log2 e); with modifiers on it receives
+//     x' = C * tanh(x / C) - A * |i + sk - sq - j|,    C = softcap * log2 e,  A = slope * log2 e
+// i.e. softcap * tanh(scale q.k / softcap) - slope * distance, in log2 units, and takes
+// exp2(x' - m) as usual. Kernels that fold the scale into the exp2 (s * scale_log2 - m) apply
+// the scale first when `active` and then use 1 as the exp2 factor: see exp_scale().
+// The gradient of x' with respect to x is 1 - tanh^2 (ALiBi adds a constant), so the backward
+// multiplies dS by dtanh(); dK and dQ keep their factor `scale`.
+// ---------------------------------------------------------------------------------
+struct ScoreMod {
+  float softcap_log2 = 0.f;      // C; 0: no softcap
+  float inv_softcap_log2 = 0.f;  // 1 / C
+  float alibi_log2 = 0.f;        // A for this (batch, head); 0: no ALiBi
+  int offset = 0;                // sk - sq of this sequence
+
+  FLASH_HOST_DEVICE bool active() const { return softcap_log2 != 0.f || alibi_log2 != 0.f; }
+  FLASH_HOST_DEVICE bool has_softcap() const { return softcap_log2 != 0.f; }
+
+  // The factor a kernel applies inside its exp2: scale_log2 without modifiers (the raw dot
+  // product goes in), 1 with them (apply() already returned log2 units).
+  FLASH_HOST_DEVICE float exp_scale(float scale_log2) const { return active() ? 1.f : scale_log2; }
+
+#if defined(__CUDACC__)
+  // tanh with an absolute error of a few 1e-7: what matters is the error of C * tanh, an
+  // absolute error of the logit. kPrecise uses the libm tanhf (the fp32 tier, whose naive
+  // counterpart rounds logits to fp32); otherwise 1 - 2 / (2^(2x log2 e) + 1) on the MUFU unit.
+  template <bool kPrecise>
+  __device__ __forceinline__ static float tanh_of(float y) {
+    if constexpr (kPrecise) {
+      return tanhf(y);
+    } else {
+      float e;
+      asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(e) : "f"(y * 2.8853900817779268f));  // 2^(2y log2 e)
+      return 1.f - __fdividef(2.f, e + 1.f);
+    }
+  }
+
+  // x (log2 units of the scaled logit) -> modified logit (log2 units) for query i, key j.
+  template <bool kPrecise = false>
+  __device__ __forceinline__ float apply(float x, int i, int j) const {
+    if (softcap_log2 != 0.f) x = softcap_log2 * tanh_of<kPrecise>(x * inv_softcap_log2);
+    if (alibi_log2 != 0.f) x -= alibi_log2 * fabsf(static_cast<float>(i + offset - j));
+    return x;
+  }
+
+  // d x' / d x = 1 - tanh^2(x / C), from the unmodified x (1 without softcap).
+  template <bool kPrecise = false>
+  __device__ __forceinline__ float dtanh(float x) const {
+    if (softcap_log2 == 0.f) return 1.f;
+    const float t = tanh_of<kPrecise>(x * inv_softcap_log2);
+    return 1.f - t * t;
+  }
+#endif
+
+  // The modifiers of (batch bi, head h); `seq_offset` = sk - sq of that sequence.
+  FLASH_HOST_DEVICE static ScoreMod make(const FwdParams& p, int bi, int h, int seq_offset) {
+    constexpr float kLog2e = 1.4426950408889634f;
+    ScoreMod mod;
+    if (p.softcap > 0.f) {
+      mod.softcap_log2 = p.softcap * kLog2e;
+      mod.inv_softcap_log2 = 1.f / mod.softcap_log2;
+    }
+    if (p.alibi_slopes != nullptr) {
+      mod.alibi_log2 = p.alibi_slopes[static_cast<int64_t>(bi) * p.alibi_batch_stride + h] * kLog2e;
+    }
+    mod.offset = seq_offset;
+    return mod;
+  }
+};
+
+}  // namespace flash_cuda

@@ -3,6 +3,9 @@
     import flash_cuda
     out = flash_cuda.attention(q, k, v, is_causal=True)          # like F.scaled_dot_product_attention
     out, lse = flash_cuda.attention(q, k, v, return_lse=True)
+    out = flash_cuda.attention(q, k, v, is_causal=True, window_size=(255, 0), softcap=30.0)
+    out = flash_cuda.varlen_attention(q_packed, k_packed, v_packed, cu_seqlens_q, cu_seqlens_k,
+                                      max_seqlen_q, max_seqlen_k, is_causal=True)
 
 ``import flash_cuda`` works without the compiled extension (e.g. on a CPU-only machine);
 :func:`is_available` tells whether it is loaded, and :func:`attention` raises a
@@ -11,13 +14,15 @@ the pure-PyTorch specification of the kernels (runs anywhere).
 """
 
 from ._ext import is_available
-from .interface import KERNELS, MAX_HEAD_DIM, MIN_HEAD_DIM, SUPPORTED_DTYPES, attention
+from .interface import (KERNELS, MAX_HEAD_DIM, MIN_HEAD_DIM, SUPPORTED_DTYPES, attention,
+                        varlen_attention)
 from . import reference
 
 __version__ = "0.1.0"
 
 __all__ = [
     "attention",
+    "varlen_attention",
     "is_available",
     "reference",
     "KERNELS",

@@ -4,24 +4,42 @@ Semantics shared by every function here and by the CUDA kernels:
 
 * q is (B, Hq, Sq, D); k and v are (B, Hkv, Sk, D) with Hq % Hkv == 0; query head h uses
   key/value head h // (Hq // Hkv) (grouped-query attention).
-* scores S = scale * q @ k^T, scale defaulting to 1 / sqrt(D).
-* causal masking is bottom-right aligned: query i sees key j iff j <= i + Sk - Sq.
-* lse_i = log(sum over visible j of exp(S_ij)) (natural log). A row that sees no key has
+* Positions are bottom-right aligned: query i sits at key position i + Sk - Sq (its
+  "diagonal"), so the last query lines up with the last key.
+* Logits, in this order (:func:`attention_naive` is the plain statement of it):
+
+  1. x_ij = scale * q_i . k_j, scale defaulting to 1 / sqrt(D);
+  2. softcap > 0: x_ij = softcap * tanh(x_ij / softcap);
+  3. ALiBi slopes given: x_ij -= slope[b, h] * |i + Sk - Sq - j|;
+  4. the mask: query i sees key j iff 0 <= j < Sk and
+     i + Sk - Sq - window_left <= j <= i + Sk - Sq + window_right (:func:`key_visible`),
+     a window side of -1 being unbounded. is_causal means window_right = 0.
+
+* lse_i = log(sum over visible j of exp(x_ij)) (natural log). A row that sees no key has
   output 0 and lse = -inf, never NaN; it contributes nothing to any gradient.
+* Variable-length (packed) batches: q is (total_q, Hq, D), k and v (total_k, Hkv, D);
+  sequence b owns rows cu_seqlens_q[b]:cu_seqlens_q[b+1] of q and cu_seqlens_k[b]:
+  cu_seqlens_k[b+1] of k / v and is attended exactly like a dense batch entry of those
+  lengths (its own bottom-right alignment, its own ALiBi slopes row when the slopes are
+  (B, Hq)). lse is (Hq, total_q).
 
-Three implementations:
+Implementations:
 
-* :func:`attention_naive` materialises S in the inputs' dtype. Run on float64 copies it
-  is the ground truth of the tests; run in the inputs' own dtype it is the "naive
-  attention in the same precision" whose error sets the tolerance of the kernels.
+* :func:`attention_naive` materialises the logits in the inputs' dtype. Run on float64
+  copies it is the ground truth of the tests; run in the inputs' own dtype it is the
+  "naive attention in the same precision" whose error sets the tolerance of the kernels.
 * :func:`attention_forward_blocked` is the kernels' forward algorithm step by step: query
   blocks of ``block_m`` rows, key/value blocks of ``block_n`` rows, online softmax in the
-  log2 domain, causal block skipping, and the same four steps under the same names as
-  the ``__device__`` functions (compute_qk_scores_and_max, merge_block_stats,
-  compute_block_softmax_and_weighted_v, normalize_output).
+  log2 domain, skipping of the key blocks outside the window (causal included), the mask
+  only on blocks that cut the window or the keys' end, and the same four steps under the
+  same names as the ``__device__`` functions (compute_qk_scores_and_max,
+  merge_block_stats, compute_block_softmax_and_weighted_v, normalize_output).
 * :func:`attention_backward_blocked` is the FlashAttention-2 backward the kernels use:
-  the delta preprocess, dK/dV per key/value block (looping over query blocks and over
-  the query heads of a GQA group), dQ per query block.
+  the delta preprocess, dK/dV per key/value block (looping over the query blocks that
+  can see it and over the query heads of a GQA group), dQ per query block; with softcap,
+  dS is multiplied by the derivative of the cap, 1 - tanh^2.
+* :func:`attention_varlen_naive`, :func:`attention_varlen_forward_blocked` and
+  :func:`attention_varlen_backward_blocked`: the packed layout, one sequence at a time.
 
 Every (batch, head) pair runs the same block loop, so the blocked functions vectorise
 over batch and heads and loop in Python only over blocks.
@@ -30,7 +48,7 @@ over batch and heads and loop in Python only over blocks.
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -39,11 +57,17 @@ __all__ = [
     "attention_naive",
     "attention_forward_blocked",
     "attention_backward_blocked",
+    "attention_varlen_naive",
+    "attention_varlen_forward_blocked",
+    "attention_varlen_backward_blocked",
     "compute_qk_scores_and_max",
     "merge_block_stats",
     "compute_block_softmax_and_weighted_v",
     "normalize_output",
+    "normalize_window",
+    "key_visible",
     "causal_visible",
+    "alibi_bias",
 ]
 
 LOG2E = 1.4426950408889634  # log2(e): exp(x) = exp2(x * log2(e))
@@ -85,18 +109,75 @@ def _round_like_kernel(x: Tensor, dtype: torch.dtype) -> Tensor:
     return x
 
 
-def causal_visible(rows: Tensor, cols: Tensor, sq: int, sk: int) -> Tensor:
-    """Bool (len(rows), len(cols)): query row i sees key j iff j <= i + sk - sq."""
-    return cols.view(1, -1) <= rows.view(-1, 1) + (sk - sq)
-
-
-def _key_visible(rows: Tensor, cols: Tensor, sq: int, sk: int, is_causal: bool) -> Tensor:
-    """The kernels' key_visible(): inside the keys and, under causal masking, not above
-    the (bottom-right aligned) diagonal."""
-    vis = (cols < sk).view(1, -1).expand(rows.numel(), cols.numel())
+def normalize_window(is_causal: bool = False,
+                     window_size: Sequence[int] = (-1, -1)) -> Tuple[int, int]:
+    """(window_left, window_right) as the kernels receive them: is_causal sets the right
+    side to 0 (a right side > 0 together with is_causal is an error); -1 is unbounded."""
+    left, right = (int(w) for w in window_size)
+    if left < -1 or right < -1:
+        raise ValueError(f"window sides must be >= -1, got {tuple(window_size)}")
     if is_causal:
-        vis = vis & causal_visible(rows, cols, sq, sk)
+        if right > 0:
+            raise ValueError(f"is_causal=True needs window_size[1] in (-1, 0), got {right}")
+        right = 0
+    return left, right
+
+
+def key_visible(rows: Tensor, cols: Tensor, sq: int, sk: int, window_left: int = -1,
+                window_right: int = -1) -> Tensor:
+    """The visibility rule, the kernels' key_visible(): bool (len(rows), len(cols)), query
+    row i sees key j iff 0 <= j < sk and, with d = i + sk - sq (the query's bottom-right
+    aligned diagonal), d - window_left <= j <= d + window_right; -1 leaves a side open.
+    Rows and columns past the ends (block padding) are allowed: such keys are invisible."""
+    diag = rows.view(-1, 1) + (sk - sq)
+    c = cols.view(1, -1)
+    vis = ((c >= 0) & (c < sk)).expand(rows.numel(), cols.numel())
+    if window_left >= 0:
+        vis = vis & (c >= diag - window_left)
+    if window_right >= 0:
+        vis = vis & (c <= diag + window_right)
     return vis
+
+
+def causal_visible(rows: Tensor, cols: Tensor, sq: int, sk: int) -> Tensor:
+    """Causal visibility, :func:`key_visible` with window (-1, 0): j <= i + sk - sq."""
+    return key_visible(rows, cols, sq, sk, -1, 0)
+
+
+def alibi_bias(rows: Tensor, cols: Tensor, sq: int, sk: int) -> Tensor:
+    """|i + sk - sq - j| for (rows, cols): the ALiBi distance, to be multiplied by a slope."""
+    return (rows.view(-1, 1) + (sk - sq) - cols.view(1, -1)).abs()
+
+
+def _key_range(row_first: int, row_last: int, sq: int, sk: int, wl: int, wr: int) -> Tuple[int, int]:
+    """[lo, hi): the keys that at least one query row of [row_first, row_last] sees (the
+    union of consecutive rows' windows is one interval). Empty when lo >= hi."""
+    off = sk - sq
+    lo = max(0, row_first + off - wl) if wl >= 0 else 0
+    hi = min(sk, row_last + off + wr + 1) if wr >= 0 else sk
+    return lo, hi
+
+
+def _query_range(col_first: int, col_last: int, sq: int, sk: int, wl: int, wr: int) -> Tuple[int, int]:
+    """[lo, hi): the query rows that see at least one key of [col_first, col_last]."""
+    off = sk - sq
+    lo = max(0, col_first - off - wr) if wr >= 0 else 0
+    hi = min(sq, col_last - off + wl + 1) if wl >= 0 else sq
+    return lo, hi
+
+
+def _needs_mask(row_first: int, row_last: int, col_first: int, col_last: int, sq: int, sk: int,
+                wl: int, wr: int) -> bool:
+    """Whether a tile (rows x cols, both ranges inclusive) holds an invisible entry: a key
+    past the end, or a window edge crossing the tile (the kernels skip the mask otherwise)."""
+    off = sk - sq
+    if col_last >= sk:
+        return True
+    if wr >= 0 and col_last > row_first + off + wr:  # right edge of the first row
+        return True
+    if wl >= 0 and col_first < row_last + off - wl:  # left edge of the last row
+        return True
+    return False
 
 
 def _safe_max(m: Tensor) -> Tensor:
@@ -111,14 +192,34 @@ def _group_view(x: Tensor, hkv: int) -> Tensor:
     return x.reshape(B, hkv, H // hkv, S, D)
 
 
+def _slopes_view(alibi_slopes: Optional[Tensor], B: int, Hq: int, Hkv: int,
+                 dtype: torch.dtype) -> Optional[Tensor]:
+    """ALiBi slopes (Hq,) or (B, Hq) -> (B or 1, Hkv, G, 1, 1) in ``dtype``, to broadcast
+    over a (B, Hkv, G, rows, cols) tile of logits."""
+    if alibi_slopes is None:
+        return None
+    if tuple(alibi_slopes.shape) not in ((Hq,), (B, Hq)):
+        raise ValueError(f"alibi_slopes must have shape ({Hq},) or ({B}, {Hq}), "
+                         f"got {tuple(alibi_slopes.shape)}")
+    s = alibi_slopes.detach().to(dtype)
+    return s.reshape(-1, Hkv, Hq // Hkv, 1, 1)
+
+
 # ---------------------------------------------------------------------------------------
 # Naive attention
 # ---------------------------------------------------------------------------------------
 
 
 def attention_naive(q: Tensor, k: Tensor, v: Tensor, *, is_causal: bool = False,
-                    scale: Optional[float] = None) -> Tuple[Tensor, Tensor]:
-    """Attention with the full score matrix, computed in the inputs' dtype.
+                    scale: Optional[float] = None, window_size: Sequence[int] = (-1, -1),
+                    softcap: float = 0.0,
+                    alibi_slopes: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+    """Attention with the full logit matrix, computed in the inputs' dtype.
+
+    The four steps of the module docstring, literally: x = scale * q @ k^T; softcap;
+    minus the ALiBi bias slope * |i + Sk - Sq - j|; masked to the window (is_causal sets
+    its right side to 0); softmax. ``alibi_slopes`` (float32 (Hq,) or (B, Hq)) is used
+    in the inputs' dtype too and gets no gradient.
 
     Returns (out, lse): out like q's shape and dtype, lse (B, Hq, Sq) in the inputs'
     dtype. Differentiable with torch autograd (also through lse), and NaN-free for rows
@@ -126,16 +227,22 @@ def attention_naive(q: Tensor, k: Tensor, v: Tensor, *, is_causal: bool = False,
     """
     B, Hq, Hkv, Sq, Sk, D = _sizes(q, k, v)
     scale = _default_scale(scale, D)
+    wl, wr = normalize_window(is_causal, window_size)
     qg = _group_view(q, Hkv)  # (B, Hkv, G, Sq, D)
     kg = k.unsqueeze(2)  # (B, Hkv, 1, Sk, D): broadcast over the group, never repeated
     vg = v.unsqueeze(2)
     s = torch.matmul(qg, kg.transpose(-1, -2)) * scale  # (B, Hkv, G, Sq, Sk)
-    if is_causal:
-        rows = torch.arange(Sq, device=q.device)
-        cols = torch.arange(Sk, device=q.device)
+    if softcap > 0:
+        s = torch.tanh(s / softcap) * softcap
+    rows = torch.arange(Sq, device=q.device)
+    cols = torch.arange(Sk, device=q.device)
+    slopes = _slopes_view(alibi_slopes, B, Hq, Hkv, s.dtype)
+    if slopes is not None:
+        s = s - slopes * alibi_bias(rows, cols, Sq, Sk).to(s.dtype)
+    if wl >= 0 or wr >= 0:
         # masked_fill (not an additive -inf bias) also zeroes the gradient of masked
         # entries, which keeps fully masked rows NaN-free in the backward.
-        s = s.masked_fill(~causal_visible(rows, cols, Sq, Sk), NEG_INF)
+        s = s.masked_fill(~key_visible(rows, cols, Sq, Sk, wl, wr), NEG_INF)
     lse = torch.logsumexp(s, dim=-1)  # -inf for rows without a visible key
     lse_safe = torch.where(lse == NEG_INF, torch.zeros_like(lse), lse)
     p = torch.exp(s - lse_safe.unsqueeze(-1))  # masked entries: exp(-inf) = 0
@@ -148,16 +255,46 @@ def attention_naive(q: Tensor, k: Tensor, v: Tensor, *, is_causal: bool = False,
 # ---------------------------------------------------------------------------------------
 
 
-def compute_qk_scores_and_max(q_blk: Tensor, k_blk: Tensor, scale_log2: float,
-                              visible: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
-    """Step 1: S = (q_blk @ k_blk^T) * scale * log2(e), masked, and its row maxima.
+def _tile_logits_log2(q_blk: Tensor, k_blk: Tensor, scale_log2: float, softcap: float,
+                      bias_log2: Optional[Tensor]) -> Tuple[Tensor, Optional[Tensor]]:
+    """The logits of one tile in the log2 domain, before the mask: scale * q.k, capped
+    (softcap * tanh(scale * q.k / softcap), computed as c * tanh(q.k * scale_log2 / c) with
+    c = softcap * log2(e)), minus the ALiBi bias. Also returns the tanh (None without
+    softcap), whose 1 - tanh^2 the backward needs."""
+    qk = torch.matmul(q_blk, k_blk.transpose(-1, -2))
+    t = None
+    if softcap > 0:
+        cap_log2 = softcap * LOG2E
+        t = torch.tanh(qk * (scale_log2 / cap_log2))
+        s = t * cap_log2
+    else:
+        s = qk * scale_log2
+    if bias_log2 is not None:
+        s = s - bias_log2
+    return s, t
 
-    q_blk (..., G, bm, D) and k_blk (..., 1, bn, D) in the accumulation dtype; ``visible``
+
+def _tile_bias_log2(slopes: Optional[Tensor], rows: Tensor, cols: Tensor, sq: int,
+                    sk: int) -> Optional[Tensor]:
+    """slope * |i + sk - sq - j| * log2(e) for a tile; None without ALiBi."""
+    if slopes is None:
+        return None
+    return (slopes * LOG2E) * alibi_bias(rows, cols, sq, sk).to(slopes.dtype)
+
+
+def compute_qk_scores_and_max(q_blk: Tensor, k_blk: Tensor, scale_log2: float,
+                              visible: Optional[Tensor], softcap: float = 0.0,
+                              bias_log2: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+    """Step 1: the tile's logits in the log2 domain, masked, and their row maxima.
+
+    S = (q_blk @ k_blk^T) * scale * log2(e), soft-capped when ``softcap`` > 0, minus
+    ``bias_log2`` (the ALiBi bias times log2(e), broadcastable to S) when given. q_blk
+    (..., G, bm, D) and k_blk (..., 1, bn, D) are in the accumulation dtype; ``visible``
     is a (bm, bn) bool mask or None when the block needs no masking (the kernels skip the
-    mask work for blocks strictly below the diagonal and inside the keys).
-    Returns (s, block_max) with s in the log2 domain and masked entries at -inf.
+    mask work for blocks that no window edge crosses and that lie inside the keys).
+    Returns (s, block_max) with masked entries at -inf.
     """
-    s = torch.matmul(q_blk, k_blk.transpose(-1, -2)) * scale_log2
+    s, _ = _tile_logits_log2(q_blk, k_blk, scale_log2, softcap, bias_log2)
     if visible is not None:
         s = s.masked_fill(~visible, NEG_INF)
     return s, s.amax(dim=-1)
@@ -204,28 +341,26 @@ def normalize_output(acc_o: Tensor, row_sum: Tensor, row_max: Tensor,
     return out, lse
 
 
-def _query_block_key_end(row0: int, rows: int, sq: int, sk: int, is_causal: bool) -> int:
-    """Keys a query block can see: all, or up to the diagonal of its last row (causal)."""
-    if not is_causal:
-        return sk
-    return max(0, min(sk, row0 + rows + sk - sq))
-
-
-def _needs_mask(key_base: int, block_n: int, row0: int, sq: int, sk: int, is_causal: bool) -> bool:
-    return key_base + block_n > sk or (is_causal and key_base + block_n - 1 > row0 + sk - sq)
-
-
 def attention_forward_blocked(q: Tensor, k: Tensor, v: Tensor, *, is_causal: bool = False,
-                              scale: Optional[float] = None, block_m: int = 64,
+                              scale: Optional[float] = None,
+                              window_size: Sequence[int] = (-1, -1), softcap: float = 0.0,
+                              alibi_slopes: Optional[Tensor] = None, block_m: int = 64,
                               block_n: int = 64) -> Tuple[Tensor, Tensor]:
     """The kernels' forward: returns (out in q's dtype, lse in float32 — float64 for float64
-    inputs). Memory per step is O(block_m * block_n), never O(Sq * Sk)."""
+    inputs). Memory per step is O(block_m * block_n), never O(Sq * Sk).
+
+    A query block visits only the key blocks that meet the union of its rows' windows
+    (:func:`_key_range`; causal is the window (-1, 0)), and masks only the tiles that a
+    window edge or the end of the keys cuts (:func:`_needs_mask`).
+    """
     B, Hq, Hkv, Sq, Sk, D = _sizes(q, k, v)
     scale = _default_scale(scale, D)
     scale_log2 = scale * LOG2E
+    wl, wr = normalize_window(is_causal, window_size)
     acc = _acc_dtype(q.dtype)
     G = Hq // Hkv
     dev = q.device
+    slopes = _slopes_view(alibi_slopes, B, Hq, Hkv, acc)
 
     qg = _group_view(q, Hkv)
     out = torch.empty((B, Hkv, G, Sq, D), dtype=q.dtype, device=dev)
@@ -242,8 +377,8 @@ def attention_forward_blocked(q: Tensor, k: Tensor, v: Tensor, *, is_causal: boo
         row_sum = torch.zeros((B, Hkv, G, block_m), dtype=acc, device=dev)
         acc_o = torch.zeros((B, Hkv, G, block_m, D), dtype=acc, device=dev)
 
-        key_end = _query_block_key_end(row0, rows, Sq, Sk, is_causal)
-        for key_base in range(0, key_end, block_n):
+        key_lo, key_hi = _key_range(row0, row0 + rows - 1, Sq, Sk, wl, wr)
+        for key_base in range((key_lo // block_n) * block_n, key_hi, block_n):
             cols = min(block_n, Sk - key_base)
             col_idx = torch.arange(key_base, key_base + block_n, device=dev)
             k_blk = k[:, :, key_base:key_base + cols].to(acc).unsqueeze(2)
@@ -252,10 +387,12 @@ def attention_forward_blocked(q: Tensor, k: Tensor, v: Tensor, *, is_causal: boo
                 k_blk = torch.nn.functional.pad(k_blk, (0, 0, 0, block_n - cols))
                 v_blk = torch.nn.functional.pad(v_blk, (0, 0, 0, block_n - cols))
             visible = None
-            if _needs_mask(key_base, block_n, row0, Sq, Sk, is_causal):
-                visible = _key_visible(row_idx, col_idx, Sq, Sk, is_causal)
+            if _needs_mask(row0, row0 + rows - 1, key_base, key_base + block_n - 1, Sq, Sk, wl, wr):
+                visible = key_visible(row_idx, col_idx, Sq, Sk, wl, wr)
+            bias = _tile_bias_log2(slopes, row_idx, col_idx, Sq, Sk)
 
-            s, block_max = compute_qk_scores_and_max(q_blk, k_blk, scale_log2, visible)
+            s, block_max = compute_qk_scores_and_max(q_blk, k_blk, scale_log2, visible,
+                                                     softcap, bias)
             row_max, row_sum, acc_o = merge_block_stats(row_max, row_sum, acc_o, block_max)
             row_sum, acc_o = compute_block_softmax_and_weighted_v(s, row_sum, acc_o, row_max,
                                                                   v_blk, q.dtype)
@@ -272,26 +409,27 @@ def attention_forward_blocked(q: Tensor, k: Tensor, v: Tensor, *, is_causal: boo
 # ---------------------------------------------------------------------------------------
 
 
-def _recompute_p(q_blk: Tensor, k_blk: Tensor, lse_log2_blk: Tensor, scale_log2: float,
-                 visible: Optional[Tensor]) -> Tensor:
-    """P = exp2(S * scale * log2(e) - lse * log2(e)) for one (query block, key block) tile.
-    Rows with lse = -inf (no visible key) get P = 0 instead of exp2(+inf)."""
-    s = torch.matmul(q_blk, k_blk.transpose(-1, -2)) * scale_log2
+def _recompute_p_ds(q_blk: Tensor, do_blk: Tensor, k_blk: Tensor, v_blk: Tensor,
+                    lse_log2_blk: Tensor, delta_blk: Tensor, scale_log2: float,
+                    visible: Optional[Tensor], softcap: float,
+                    bias_log2: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+    """(P, dS) for one (query block, key block) tile, as both backward kernels recompute
+    them: P = exp2(S_log2 - lse * log2(e)) from the forward's modified logits (rows with
+    lse = -inf, no visible key, get P = 0 instead of exp2(+inf)), dP = dO V^T,
+    dS = P * (dP - delta), the gradient of the modified logit; with softcap it is carried
+    back through the cap: dS *= 1 - tanh^2 (the ALiBi bias is a constant). dS is then the
+    gradient of scale * q.k."""
+    s, t = _tile_logits_log2(q_blk, k_blk, scale_log2, softcap, bias_log2)
     if visible is not None:
         s = s.masked_fill(~visible, NEG_INF)
     row_ok = (lse_log2_blk != NEG_INF).unsqueeze(-1)
     p = torch.exp2(s - torch.where(row_ok, lse_log2_blk.unsqueeze(-1), torch.zeros_like(s[..., :1])))
-    return torch.where(row_ok, p, torch.zeros_like(p))
-
-
-def _recompute_p_ds(q_blk: Tensor, do_blk: Tensor, k_blk: Tensor, v_blk: Tensor,
-                    lse_log2_blk: Tensor, delta_blk: Tensor, scale_log2: float,
-                    visible: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
-    """(P, dS) for one (query block, key block) tile, as both backward kernels recompute
-    them: P from lse, dP = dO V^T, dS = P * (dP - delta)."""
-    p = _recompute_p(q_blk, k_blk, lse_log2_blk, scale_log2, visible)
+    p = torch.where(row_ok, p, torch.zeros_like(p))
     dp = torch.matmul(do_blk, v_blk.transpose(-1, -2))
-    return p, p * (dp - delta_blk.unsqueeze(-1))
+    ds = p * (dp - delta_blk.unsqueeze(-1))
+    if t is not None:
+        ds = ds * (1.0 - t * t)
+    return p, ds
 
 
 def _bwd_preprocess(dout: Tensor, out: Tensor, dlse: Optional[Tensor], acc: torch.dtype) -> Tensor:
@@ -304,20 +442,26 @@ def _bwd_preprocess(dout: Tensor, out: Tensor, dlse: Optional[Tensor], acc: torc
 
 def attention_backward_blocked(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
                                lse: Tensor, *, is_causal: bool = False,
-                               scale: Optional[float] = None, dlse: Optional[Tensor] = None,
-                               block_m: int = 64, block_n: int = 64) -> Tuple[Tensor, Tensor, Tensor]:
+                               scale: Optional[float] = None,
+                               window_size: Sequence[int] = (-1, -1), softcap: float = 0.0,
+                               alibi_slopes: Optional[Tensor] = None,
+                               dlse: Optional[Tensor] = None, block_m: int = 64,
+                               block_n: int = 64) -> Tuple[Tensor, Tensor, Tensor]:
     """Gradients (dq, dk, dv) in the inputs' dtype, from the forward's out and lse.
 
-    With P = exp(scale * S - lse), dP = dO V^T, dS = P * (dP - delta):
-    dV = P^T dO, dK = scale * dS^T Q, dQ = scale * dS K. ``dlse`` (optional, (B, Hq, Sq))
-    is the upstream gradient of lse; it enters only through delta.
+    With P = exp(x - lse) (x the modified logits), dP = dO V^T, dS = P * (dP - delta)
+    [* (1 - tanh^2) with softcap]: dV = P^T dO, dK = scale * dS^T Q, dQ = scale * dS K.
+    ``dlse`` (optional, (B, Hq, Sq)) is the upstream gradient of lse; it enters only
+    through delta. Only the tiles that meet the window are visited, as in the forward.
     """
     B, Hq, Hkv, Sq, Sk, D = _sizes(q, k, v)
     scale = _default_scale(scale, D)
     scale_log2 = scale * LOG2E
+    wl, wr = normalize_window(is_causal, window_size)
     acc = _acc_dtype(q.dtype)
     dt = q.dtype
     dev = q.device
+    slopes = _slopes_view(alibi_slopes, B, Hq, Hkv, acc)
 
     delta = _group_view(_bwd_preprocess(dout, out, dlse, acc).unsqueeze(-1), Hkv).squeeze(-1)
     lse_log2 = _group_view((lse.to(acc) * LOG2E).unsqueeze(-1), Hkv).squeeze(-1)  # (B,Hkv,G,Sq)
@@ -330,25 +474,31 @@ def attention_backward_blocked(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, ou
     dk = torch.empty((B, Hkv, Sk, D), dtype=dt, device=dev)
     dv = torch.empty((B, Hkv, Sk, D), dtype=dt, device=dev)
 
+    def tile(row0, rows, key_base, cols):
+        row_idx = torch.arange(row0, row0 + rows, device=dev)
+        col_idx = torch.arange(key_base, key_base + cols, device=dev)
+        visible = None
+        if _needs_mask(row0, row0 + rows - 1, key_base, key_base + cols - 1, Sq, Sk, wl, wr):
+            visible = key_visible(row_idx, col_idx, Sq, Sk, wl, wr)
+        return _recompute_p_ds(qg[:, :, :, row0:row0 + rows], dog[:, :, :, row0:row0 + rows],
+                               k_acc[:, :, :, key_base:key_base + cols],
+                               v_acc[:, :, :, key_base:key_base + cols],
+                               lse_log2[..., row0:row0 + rows], delta[..., row0:row0 + rows],
+                               scale_log2, visible, softcap,
+                               _tile_bias_log2(slopes, row_idx, col_idx, Sq, Sk))
+
     # ---- dK, dV: one key/value block at a time, looping over the query blocks that can
     #      see it and (summed inside the matmuls) over the query heads of the GQA group.
     for key_base in range(0, Sk, block_n):
         cols = min(block_n, Sk - key_base)
-        col_idx = torch.arange(key_base, key_base + cols, device=dev)
-        k_blk = k_acc[:, :, :, key_base:key_base + cols]
-        v_blk = v_acc[:, :, :, key_base:key_base + cols]
         dk_acc = torch.zeros((B, Hkv, cols, D), dtype=acc, device=dev)
         dv_acc = torch.zeros((B, Hkv, cols, D), dtype=acc, device=dev)
-        # Under causal masking the first query that sees key c is i = c - (Sk - Sq).
-        first_row = max(0, key_base - (Sk - Sq)) if is_causal else 0
-        for row0 in range((first_row // block_m) * block_m, Sq, block_m):
+        row_lo, row_hi = _query_range(key_base, key_base + cols - 1, Sq, Sk, wl, wr)
+        for row0 in range((row_lo // block_m) * block_m, row_hi, block_m):
             rows = min(block_m, Sq - row0)
-            row_idx = torch.arange(row0, row0 + rows, device=dev)
-            visible = _key_visible(row_idx, col_idx, Sq, Sk, is_causal) if is_causal else None
+            p, ds = tile(row0, rows, key_base, cols)
             q_blk = qg[:, :, :, row0:row0 + rows]
             do_blk = dog[:, :, :, row0:row0 + rows]
-            p, ds = _recompute_p_ds(q_blk, do_blk, k_blk, v_blk, lse_log2[..., row0:row0 + rows],
-                                    delta[..., row0:row0 + rows], scale_log2, visible)
             # dV += P^T dO, summed over the group's query heads
             dv_acc += torch.matmul(_round_like_kernel(p, dt).transpose(-1, -2), do_blk).sum(dim=2)
             # dK += dS^T Q, summed over the group's query heads
@@ -359,20 +509,119 @@ def attention_backward_blocked(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, ou
     # ---- dQ: one query block at a time over the key blocks it sees.
     for row0 in range(0, Sq, block_m):
         rows = min(block_m, Sq - row0)
-        row_idx = torch.arange(row0, row0 + rows, device=dev)
-        q_blk = qg[:, :, :, row0:row0 + rows]
-        do_blk = dog[:, :, :, row0:row0 + rows]
         dq_acc = torch.zeros((B, Hkv, qg.shape[2], rows, D), dtype=acc, device=dev)
-        key_end = _query_block_key_end(row0, rows, Sq, Sk, is_causal)
-        for key_base in range(0, key_end, block_n):
+        key_lo, key_hi = _key_range(row0, row0 + rows - 1, Sq, Sk, wl, wr)
+        for key_base in range((key_lo // block_n) * block_n, key_hi, block_n):
             cols = min(block_n, Sk - key_base)
-            col_idx = torch.arange(key_base, key_base + cols, device=dev)
-            visible = _key_visible(row_idx, col_idx, Sq, Sk, is_causal) if is_causal else None
-            k_blk = k_acc[:, :, :, key_base:key_base + cols]
-            v_blk = v_acc[:, :, :, key_base:key_base + cols]
-            _, ds = _recompute_p_ds(q_blk, do_blk, k_blk, v_blk, lse_log2[..., row0:row0 + rows],
-                                    delta[..., row0:row0 + rows], scale_log2, visible)
-            dq_acc += torch.matmul(_round_like_kernel(ds, dt), k_blk)
+            _, ds = tile(row0, rows, key_base, cols)
+            dq_acc += torch.matmul(_round_like_kernel(ds, dt), k_acc[:, :, :, key_base:key_base + cols])
         dq[:, :, :, row0:row0 + rows] = (dq_acc * scale).to(dt)
 
     return dq.reshape(B, Hq, Sq, D), dk, dv
+
+
+# ---------------------------------------------------------------------------------------
+# Variable-length (packed) batches: one sequence at a time
+# ---------------------------------------------------------------------------------------
+
+
+def _varlen_spans(cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, total_q: int,
+                  total_k: int) -> List[Tuple[int, int, int, int]]:
+    """[(q_begin, q_end, k_begin, k_end)] per sequence, with the values checked (the
+    reference trusts nothing: it starts at 0, does not decrease and covers every row)."""
+    cq = [int(x) for x in cu_seqlens_q.tolist()]
+    ck = [int(x) for x in cu_seqlens_k.tolist()]
+    if len(cq) != len(ck) or len(cq) < 1:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must both have B + 1 >= 1 entries, "
+                         f"got {len(cq)} and {len(ck)}")
+    for name, cu, total in (("cu_seqlens_q", cq, total_q), ("cu_seqlens_k", ck, total_k)):
+        if cu[0] != 0 or cu[-1] != total or any(b < a for a, b in zip(cu, cu[1:])):
+            raise ValueError(f"{name} must start at 0, not decrease and end at {total}, got {cu}")
+    return [(cq[b], cq[b + 1], ck[b], ck[b + 1]) for b in range(len(cq) - 1)]
+
+
+def _seq_dense(x: Tensor, begin: int, end: int) -> Tensor:
+    """Rows begin:end of a packed (total, H, D) tensor as a dense (1, H, S, D) view."""
+    return x[begin:end].transpose(0, 1).unsqueeze(0)
+
+
+def _seq_slopes(alibi_slopes: Optional[Tensor], b: int) -> Optional[Tensor]:
+    if alibi_slopes is None or alibi_slopes.dim() == 1:
+        return alibi_slopes
+    return alibi_slopes[b]
+
+
+def _varlen_sizes(q: Tensor, k: Tensor, v: Tensor):
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3 or k.shape != v.shape or q.shape[2] != k.shape[2]:
+        raise ValueError(f"varlen: q must be (total_q, Hq, D), k and v (total_k, Hkv, D); got "
+                         f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    return q.shape[0], q.shape[1], k.shape[0], k.shape[1], q.shape[2]
+
+
+def attention_varlen_naive(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
+                           cu_seqlens_k: Tensor, *, is_causal: bool = False,
+                           scale: Optional[float] = None, window_size: Sequence[int] = (-1, -1),
+                           softcap: float = 0.0,
+                           alibi_slopes: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+    """:func:`attention_naive` over a packed batch, one sequence at a time (see the module
+    docstring). Returns out (total_q, Hq, D) in q's dtype and lse (Hq, total_q) in the
+    inputs' dtype; differentiable in q, k, v. Empty sequences are allowed."""
+    total_q, Hq, total_k, Hkv, D = _varlen_sizes(q, k, v)
+    scale = _default_scale(scale, D)
+    outs = [q.new_zeros((0, Hq, D))]
+    lses = [q.new_zeros((Hq, 0))]
+    for b, (qa, qb, ka, kb) in enumerate(_varlen_spans(cu_seqlens_q, cu_seqlens_k, total_q, total_k)):
+        o, l = attention_naive(_seq_dense(q, qa, qb), _seq_dense(k, ka, kb), _seq_dense(v, ka, kb),
+                               is_causal=is_causal, scale=scale, window_size=window_size,
+                               softcap=softcap, alibi_slopes=_seq_slopes(alibi_slopes, b))
+        outs.append(o[0].transpose(0, 1))
+        lses.append(l[0])
+    return torch.cat(outs, dim=0), torch.cat(lses, dim=1)
+
+
+def attention_varlen_forward_blocked(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
+                                     cu_seqlens_k: Tensor, *, is_causal: bool = False,
+                                     scale: Optional[float] = None,
+                                     window_size: Sequence[int] = (-1, -1), softcap: float = 0.0,
+                                     alibi_slopes: Optional[Tensor] = None, block_m: int = 64,
+                                     block_n: int = 64) -> Tuple[Tensor, Tensor]:
+    """:func:`attention_forward_blocked` over a packed batch: out (total_q, Hq, D) in q's
+    dtype, lse (Hq, total_q) in float32 (float64 for float64 inputs)."""
+    total_q, Hq, total_k, Hkv, D = _varlen_sizes(q, k, v)
+    scale = _default_scale(scale, D)
+    out = torch.zeros_like(q)
+    lse = torch.full((Hq, total_q), NEG_INF, dtype=_acc_dtype(q.dtype), device=q.device)
+    for b, (qa, qb, ka, kb) in enumerate(_varlen_spans(cu_seqlens_q, cu_seqlens_k, total_q, total_k)):
+        o, l = attention_forward_blocked(
+            _seq_dense(q, qa, qb), _seq_dense(k, ka, kb), _seq_dense(v, ka, kb),
+            is_causal=is_causal, scale=scale, window_size=window_size, softcap=softcap,
+            alibi_slopes=_seq_slopes(alibi_slopes, b), block_m=block_m, block_n=block_n)
+        out[qa:qb] = o[0].transpose(0, 1)
+        lse[:, qa:qb] = l[0]
+    return out, lse
+
+
+def attention_varlen_backward_blocked(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+                                      lse: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, *,
+                                      is_causal: bool = False, scale: Optional[float] = None,
+                                      window_size: Sequence[int] = (-1, -1), softcap: float = 0.0,
+                                      alibi_slopes: Optional[Tensor] = None,
+                                      dlse: Optional[Tensor] = None, block_m: int = 64,
+                                      block_n: int = 64) -> Tuple[Tensor, Tensor, Tensor]:
+    """:func:`attention_backward_blocked` over a packed batch: (dq, dk, dv) shaped like
+    (q, k, v); ``lse`` and ``dlse`` are (Hq, total_q)."""
+    total_q, Hq, total_k, Hkv, D = _varlen_sizes(q, k, v)
+    scale = _default_scale(scale, D)
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for b, (qa, qb, ka, kb) in enumerate(_varlen_spans(cu_seqlens_q, cu_seqlens_k, total_q, total_k)):
+        g = attention_backward_blocked(
+            _seq_dense(dout, qa, qb), _seq_dense(q, qa, qb), _seq_dense(k, ka, kb),
+            _seq_dense(v, ka, kb), _seq_dense(out, qa, qb), lse[:, qa:qb].unsqueeze(0),
+            is_causal=is_causal, scale=scale, window_size=window_size, softcap=softcap,
+            alibi_slopes=_seq_slopes(alibi_slopes, b),
+            dlse=None if dlse is None else dlse[:, qa:qb].unsqueeze(0),
+            block_m=block_m, block_n=block_n)
+        dq[qa:qb] = g[0][0].transpose(0, 1)
+        dk[ka:kb] = g[1][0].transpose(0, 1)
+        dv[ka:kb] = g[2][0].transpose(0, 1)
+    return dq, dk, dv

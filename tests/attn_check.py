@@ -3,6 +3,14 @@
     from attn_check import make_inputs, check_attention
     q, k, v = make_inputs(2, 8, 2, 113, 127, 64, torch.float16, "cuda", layout="bshd", seed=3)
     check_attention(q, k, v, is_causal=True, scale=None, label="my case")
+    check_attention(q, k, v, is_causal=True, scale=None, window_size=(32, -1), softcap=5.0,
+                    alibi_slopes=make_alibi_slopes(8, batch=2), label="with options")
+    q, k, v, cu_q, cu_k, max_q, max_k = make_varlen_inputs((0, 17, 300), (5, 17, 250), 8, 2,
+                                                           64, torch.bfloat16, "cuda")
+    check_varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k, is_causal=True, label="packed")
+
+The options (causal, scale, window, softcap, ALiBi slopes) go to flash_cuda and to the
+reference (flash_cuda.reference.attention_naive / attention_varlen_naive) alike.
 
 Accuracy rule (the usual FlashAttention test rule). For every checked tensor X (out, lse,
 and with ``check_grad`` dq, dk, dv):
@@ -39,7 +47,7 @@ import torch
 from torch import Tensor
 
 import flash_cuda
-from flash_cuda.reference import attention_naive
+from flash_cuda.reference import attention_naive, attention_varlen_naive
 
 __all__ = [
     "LAYOUTS",
@@ -48,7 +56,11 @@ __all__ = [
     "LSE_ATOL_BASE",
     "make_inputs",
     "make_tensor",
+    "make_varlen_inputs",
+    "make_alibi_slopes",
+    "cu_seqlens_from_lengths",
     "check_attention",
+    "check_varlen_attention",
     "rule_error",
     "FP32_EPS",
     "naive_chunked",
@@ -142,6 +154,67 @@ def make_inputs(B: int, Hq: int, Hkv: int, Sq: int, Sk: int, D: int, dtype: torc
     return q, k, v
 
 
+VARLEN_LAYOUTS = ("contiguous", "strided", "offset", "misaligned")
+
+
+def make_packed_tensor(total: int, H: int, D: int, dtype: torch.dtype, device,
+                       layout: str = "contiguous", seed: int = 0) -> Tensor:
+    """A packed (total, H, D) tensor of standard-normal values in ``layout``:
+    ``"contiguous"``; ``"strided"`` (every other head of a wider buffer with padded rows,
+    like a slice of a fused QKV projection; stride(-1) == 1); ``"offset"`` / ``"misaligned"``
+    (a contiguous view at a 16-byte aligned / odd storage offset)."""
+    gen = _generator(device, seed)
+    n = total * H * D
+    if layout == "contiguous":
+        return _randn((total, H, D), dtype, device, gen)
+    if layout == "strided":
+        buf = _randn((total, 2 * H, D + 16), dtype, device, gen)
+        return buf[:, ::2, 8:8 + D]
+    if layout in ("offset", "misaligned"):
+        off = 8 * (1 + seed % 4) if layout == "offset" else 1 + 2 * (seed % 3)
+        buf = _randn((off + n + 8,), dtype, device, gen)
+        return buf[off:off + n].view(total, H, D)
+    raise ValueError(f"unknown packed layout {layout!r}; expected one of {VARLEN_LAYOUTS}")
+
+
+def cu_seqlens_from_lengths(lengths: Sequence[int], device) -> Tensor:
+    """int32 (len(lengths) + 1,): 0 and the running sums of ``lengths``."""
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + int(n))
+    return torch.tensor(cu, dtype=torch.int32, device=device)
+
+
+def make_varlen_inputs(seqlens_q: Sequence[int], seqlens_k: Sequence[int], Hq: int, Hkv: int,
+                       D: int, dtype: torch.dtype, device="cuda", layout: str = "contiguous",
+                       seed: int = 0):
+    """A packed batch: (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) with
+    q (sum(seqlens_q), Hq, D) and k, v (sum(seqlens_k), Hkv, D) in ``layout``
+    (:func:`make_packed_tensor`). Deterministic in ``seed``."""
+    assert len(seqlens_q) == len(seqlens_k)
+    tq, tk = int(sum(seqlens_q)), int(sum(seqlens_k))
+    q = make_packed_tensor(tq, Hq, D, dtype, device, layout, seed=3 * seed + 0)
+    k = make_packed_tensor(tk, Hkv, D, dtype, device, layout, seed=3 * seed + 1)
+    v = make_packed_tensor(tk, Hkv, D, dtype, device, layout, seed=3 * seed + 2)
+    return (q, k, v, cu_seqlens_from_lengths(seqlens_q, device),
+            cu_seqlens_from_lengths(seqlens_k, device), max(seqlens_q, default=0),
+            max(seqlens_k, default=0))
+
+
+def make_alibi_slopes(Hq: int, batch: Optional[int] = None, device="cuda", scale: float = 1.0,
+                      seed: int = 0) -> Tensor:
+    """float32 ALiBi slopes: the usual geometric sequence 2^(-8 (h + 1) / Hq) (0.5 down to
+    2^-8), times ``scale``; with ``batch``, shape (batch, Hq) with each batch entry's slopes
+    scaled by a different factor in [0.5, 1.5]."""
+    h = torch.arange(1, Hq + 1, dtype=torch.float64)
+    slopes = torch.pow(2.0, -8.0 * h / Hq) * scale
+    if batch is not None:
+        g = torch.Generator().manual_seed(seed)
+        factors = 0.5 + torch.rand(batch, 1, generator=g, dtype=torch.float64)
+        slopes = factors * slopes.unsqueeze(0)
+    return slopes.to(torch.float32).to(device)
+
+
 def naive_chunked(q: Tensor, k: Tensor, v: Tensor, *, is_causal: bool, scale: Optional[float],
                   dtype: torch.dtype, chunk: int = 1024) -> Tuple[Tensor, Tensor]:
     """attention_naive in ``dtype`` computed over chunks of query rows, so the score matrix
@@ -230,43 +303,45 @@ def _pick_dlse(q: Tensor, k: Tensor, label: str) -> bool:
     return zlib.crc32(key) % 3 == 0
 
 
-def check_attention(q: Tensor, k: Tensor, v: Tensor, *, is_causal: bool, scale: Optional[float],
-                    check_grad: bool = True, kernel: str = "auto", label: str = "",
-                    with_dlse: Optional[bool] = None, deterministic: bool = False,
-                    seed: int = 0) -> Dict[str, Dict[str, float]]:
-    """Runs flash_cuda.attention(return_lse=True) (and its backward with a random dout and,
-    when ``with_dlse`` — by default on about a third of the calls — a random dlse) and
-    checks every result against the float64 reference with the rule of this module.
+def _features_desc(window_size, softcap, alibi_slopes) -> str:
+    parts = []
+    if tuple(window_size) != (-1, -1):
+        parts.append(f"window={tuple(window_size)}")
+    if softcap:
+        parts.append(f"softcap={softcap}")
+    if alibi_slopes is not None:
+        parts.append(f"alibi={tuple(alibi_slopes.shape)}"
+                     f"[{float(alibi_slopes.min()):.3g}..{float(alibi_slopes.max()):.3g}]")
+    return " ".join(parts)
 
-    Raises AssertionError listing every failing quantity with the case description.
-    Returns {name: {"flash": err, "naive": err, "tol": tol}} for the caller's records.
+
+def _check_against_references(desc: str, q: Tensor, k: Tensor, v: Tensor, flash_fn, ref_fn, *,
+                              lse_shape: Tuple[int, ...], out_rows, check_grad: bool,
+                              with_dlse: bool, seed: int, what: str) -> Dict[str, Dict[str, float]]:
+    """The body of check_attention / check_varlen_attention.
+
+    ``flash_fn(q, k, v) -> (out, lse)`` runs flash_cuda, ``ref_fn(q, k, v) -> (out, lse)``
+    the naive reference (called on float64 copies and on the inputs' dtype); ``out_rows``
+    maps an lse-shaped bool mask to the matching rows of out (the layouts differ).
     """
-    B, Hq, Sq, D = q.shape
-    Hkv, Sk = k.shape[1], k.shape[2]
     dtype = q.dtype
-    if with_dlse is None:
-        with_dlse = _pick_dlse(q, k, label)
-    with_dlse = bool(with_dlse and check_grad)
-    desc = (f"[{label}] B={B} Hq={Hq} Hkv={Hkv} Sq={Sq} Sk={Sk} D={D} dtype={dtype_name(dtype)} "
-            f"causal={is_causal} scale={scale} kernel={kernel} dlse={with_dlse} "
-            f"deterministic={deterministic} q.stride={tuple(q.stride())} "
-            f"q.offset={q.storage_offset()} k.stride={tuple(k.stride())}")
+    D = q.shape[-1]
     problems = []
 
     # ---- flash_cuda ----
     qf = q.detach().requires_grad_(check_grad)
     kf = k.detach().requires_grad_(check_grad)
     vf = v.detach().requires_grad_(check_grad)
-    out, lse = flash_cuda.attention(qf, kf, vf, is_causal=is_causal, scale=scale, return_lse=True,
-                                    kernel=kernel, deterministic=deterministic)
+    out, lse = flash_fn(qf, kf, vf)
     if out.shape != q.shape or out.dtype != dtype or out.device != q.device:
         problems.append(f"out metadata: shape {tuple(out.shape)} dtype {out.dtype} device {out.device}")
     if out.stride() != torch.empty_like(q).stride():
         problems.append(f"out strides {out.stride()} != empty_like(q) strides "
                         f"{torch.empty_like(q).stride()}")
-    if lse.shape != (B, Hq, Sq) or lse.dtype != torch.float32 or not lse.is_contiguous():
-        problems.append(f"lse metadata: shape {tuple(lse.shape)} dtype {lse.dtype} "
-                        f"contiguous {lse.is_contiguous()}")
+    if tuple(lse.shape) != tuple(lse_shape) or lse.dtype != torch.float32 or not lse.is_contiguous():
+        problems.append(f"lse metadata: shape {tuple(lse.shape)} (expected {tuple(lse_shape)}) "
+                        f"dtype {lse.dtype} contiguous {lse.is_contiguous()}")
+        raise AssertionError(f"{what} mismatch {desc}\n  " + "\n  ".join(problems))
 
     gen = _generator(q.device, 7919 * seed + zlib.crc32(desc.encode()))
     dout = dlse = None
@@ -287,12 +362,14 @@ def check_attention(q: Tensor, k: Tensor, v: Tensor, *, is_causal: bool, scale: 
             qr = q.detach().to(rdtype).requires_grad_(check_grad)
             kr = k.detach().to(rdtype).requires_grad_(check_grad)
             vr = v.detach().to(rdtype).requires_grad_(check_grad)
-            o_r, l_r = attention_naive(qr, kr, vr, is_causal=is_causal, scale=scale)
+            o_r, l_r = ref_fn(qr, kr, vr)
             g_r = ()
             if check_grad:
                 outs_r = (o_r, l_r) if with_dlse else (o_r,)
                 gouts_r = ((dout.to(rdtype), dlse.to(rdtype)) if with_dlse else (dout.to(rdtype),))
-                g_r = torch.autograd.grad(outs_r, (qr, kr, vr), gouts_r)
+                g_r = torch.autograd.grad(outs_r, (qr, kr, vr), gouts_r, allow_unused=True)
+                g_r = tuple(torch.zeros_like(t) if g is None else g
+                            for g, t in zip(g_r, (qr, kr, vr)))
             refs[name] = (o_r.detach(), l_r.detach(), tuple(g.detach() for g in g_r))
     finally:
         torch.backends.cuda.matmul.allow_tf32 = prev_tf32
@@ -308,7 +385,7 @@ def check_attention(q: Tensor, k: Tensor, v: Tensor, *, is_causal: bool, scale: 
         problems.append(f"lse: -inf pattern differs from the reference at {bad} rows")
     if torch.isnan(lse).any() or (torch.isinf(lse) & ~ref_neginf).any():
         problems.append("lse: NaN or unexpected inf values")
-    if ref_neginf.any() and not bool((out.detach()[ref_neginf] == 0).all()):
+    if ref_neginf.any() and not bool((out.detach()[out_rows(ref_neginf)] == 0).all()):
         problems.append("out: rows without a visible key are not exactly 0")
 
     finite = torch.isfinite(lse64)
@@ -342,6 +419,90 @@ def check_attention(q: Tensor, k: Tensor, v: Tensor, *, is_causal: bool, scale: 
     if problems:
         table = "\n".join(f"    {n}: flash {r['flash']:.3e}  naive {r['naive']:.3e}  tol {r['tol']:.3e}"
                           f"  max|ref| {r['magnitude']:.3e}" for n, r in results.items())
-        raise AssertionError(f"flash_cuda.attention mismatch {desc}\n  " + "\n  ".join(problems)
+        raise AssertionError(f"{what} mismatch {desc}\n  " + "\n  ".join(problems)
                              + f"\n  errors vs float64:\n{table}")
     return results
+
+
+def check_attention(q: Tensor, k: Tensor, v: Tensor, *, is_causal: bool, scale: Optional[float],
+                    window_size: Sequence[int] = (-1, -1), softcap: float = 0.0,
+                    alibi_slopes: Optional[Tensor] = None, check_grad: bool = True,
+                    kernel: str = "auto", label: str = "", with_dlse: Optional[bool] = None,
+                    deterministic: bool = False, seed: int = 0) -> Dict[str, Dict[str, float]]:
+    """Runs flash_cuda.attention(return_lse=True) (and its backward with a random dout and,
+    when ``with_dlse`` — by default on about a third of the calls — a random dlse) and
+    checks every result against the float64 reference with the rule of this module. The
+    options (causal, scale, window, softcap, ALiBi slopes) go to flash_cuda and to the
+    reference alike.
+
+    Raises AssertionError listing every failing quantity with the case description.
+    Returns {name: {"flash": err, "naive": err, "tol": tol}} for the caller's records.
+    """
+    B, Hq, Sq, D = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    if with_dlse is None:
+        with_dlse = _pick_dlse(q, k, label)
+    with_dlse = bool(with_dlse and check_grad)
+    desc = (f"[{label}] B={B} Hq={Hq} Hkv={Hkv} Sq={Sq} Sk={Sk} D={D} dtype={dtype_name(q.dtype)} "
+            f"causal={is_causal} scale={scale} {_features_desc(window_size, softcap, alibi_slopes)} "
+            f"kernel={kernel} dlse={with_dlse} "
+            f"deterministic={deterministic} q.stride={tuple(q.stride())} "
+            f"q.offset={q.storage_offset()} k.stride={tuple(k.stride())}")
+    opts = dict(is_causal=is_causal, scale=scale, window_size=tuple(window_size), softcap=softcap,
+                alibi_slopes=alibi_slopes)
+
+    def flash_fn(qf, kf, vf):
+        return flash_cuda.attention(qf, kf, vf, return_lse=True, kernel=kernel,
+                                    deterministic=deterministic, **opts)
+
+    def ref_fn(qr, kr, vr):
+        return attention_naive(qr, kr, vr, **opts)
+
+    return _check_against_references(desc, q, k, v, flash_fn, ref_fn, lse_shape=(B, Hq, Sq),
+                                      out_rows=lambda m: m, check_grad=check_grad,
+                                      with_dlse=with_dlse, seed=seed,
+                                      what="flash_cuda.attention")
+
+
+def check_varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
+                           cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int, *,
+                           is_causal: bool = False, scale: Optional[float] = None,
+                           window_size: Sequence[int] = (-1, -1), softcap: float = 0.0,
+                           alibi_slopes: Optional[Tensor] = None, check_grad: bool = True,
+                           kernel: str = "auto", label: str = "", with_dlse: Optional[bool] = None,
+                           deterministic: bool = False, check_cu_seqlens: bool = False,
+                           seed: int = 0) -> Dict[str, Dict[str, float]]:
+    """check_attention for flash_cuda.varlen_attention: out, lse ((Hq, total_q)) and the
+    gradients of the packed batch against flash_cuda.reference.attention_varlen_naive in
+    float64 and in the inputs' dtype, with the same rule (the maxima run over every
+    sequence of the batch)."""
+    total_q, Hq, D = q.shape
+    Hkv = k.shape[1]
+    if with_dlse is None:
+        with_dlse = _pick_dlse(q, k, label)
+    with_dlse = bool(with_dlse and check_grad)
+    lens_q = torch.diff(cu_seqlens_q.cpu()).tolist()
+    lens_k = torch.diff(cu_seqlens_k.cpu()).tolist()
+    shown = lambda x: x if len(x) <= 16 else x[:8] + ["..."] + x[-8:]  # noqa: E731
+    desc = (f"[{label}] varlen B={len(lens_q)} seqlens_q={shown(lens_q)} seqlens_k={shown(lens_k)} "
+            f"max_seqlen=({max_seqlen_q}, {max_seqlen_k}) Hq={Hq} Hkv={Hkv} D={D} "
+            f"dtype={dtype_name(q.dtype)} causal={is_causal} scale={scale} "
+            f"{_features_desc(window_size, softcap, alibi_slopes)} kernel={kernel} "
+            f"dlse={with_dlse} deterministic={deterministic} q.stride={tuple(q.stride())} "
+            f"q.offset={q.storage_offset()} k.stride={tuple(k.stride())}")
+    opts = dict(is_causal=is_causal, scale=scale, window_size=tuple(window_size), softcap=softcap,
+                alibi_slopes=alibi_slopes)
+
+    def flash_fn(qf, kf, vf):
+        return flash_cuda.varlen_attention(qf, kf, vf, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                           max_seqlen_k, return_lse=True, kernel=kernel,
+                                           deterministic=deterministic,
+                                           check_cu_seqlens=check_cu_seqlens, **opts)
+
+    def ref_fn(qr, kr, vr):
+        return attention_varlen_naive(qr, kr, vr, cu_seqlens_q, cu_seqlens_k, **opts)
+
+    return _check_against_references(desc, q, k, v, flash_fn, ref_fn, lse_shape=(Hq, total_q),
+                                      out_rows=lambda m: m.transpose(0, 1),
+                                      check_grad=check_grad, with_dlse=with_dlse, seed=seed,
+                                      what="flash_cuda.varlen_attention")

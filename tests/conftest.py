@@ -65,7 +65,9 @@ import torch  # noqa: E402
 
 import flash_cuda  # noqa: E402
 from flash_cuda import _ext, interface  # noqa: E402
-from flash_cuda.reference import attention_backward_blocked, attention_forward_blocked  # noqa: E402
+from flash_cuda.reference import (attention_backward_blocked, attention_forward_blocked,  # noqa: E402
+                                  attention_varlen_backward_blocked,
+                                  attention_varlen_forward_blocked)
 
 from attn_check import gpu_skip_reason  # noqa: E402
 
@@ -105,48 +107,123 @@ def pytest_collection_modifyitems(config, items):
 
 class MockExtension:
     """Implements the ``_C.fwd`` / ``_C.bwd`` contract on any device with the blocked
-    reference, and asserts that the Python layer calls it as the binding expects."""
+    reference (dense and packed layouts), and asserts that the Python layer calls it as the
+    binding expects:
+
+        fwd(q, k, v, scale, window_left, window_right, softcap, alibi_slopes, cu_seqlens_q,
+            cu_seqlens_k, max_seqlen_q, max_seqlen_k, tier) -> (out, lse, aux)
+        bwd(dout, q, k, v, out, lse, aux, dlse, scale, window_left, window_right, softcap,
+            alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+            deterministic, tier) -> (dq, dk, dv)
+
+    ``aux`` is float32 ``lse.shape + (2,)`` for float32 inputs (here: lse, then a marker
+    value, so the backward can tell that it got the forward's aux back unchanged) and
+    ``(0,)`` otherwise."""
+
+    AUX_MARK = 7.0
 
     def __init__(self):
         self.fwd_calls = 0
         self.bwd_calls = 0
         self.last_bwd_dlse = "unset"
+        self.last_fwd_args = None
 
     @staticmethod
-    def _check_common(q, k, v, scale, is_causal, tier):
+    def _check_common(q, k, v, scale, window_left, window_right, softcap, alibi_slopes,
+                      cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, tier):
+        """Returns True for the packed (varlen) layout."""
         assert type(scale) is float, type(scale)
-        assert type(is_causal) is bool, type(is_causal)
+        for w in (window_left, window_right):
+            assert type(w) is int and w >= -1, w
+        assert type(softcap) is float and softcap >= 0.0, softcap
         assert type(tier) is int and tier in (0, 1, 2), tier
+        assert type(max_seqlen_q) is int and type(max_seqlen_k) is int
+        varlen = cu_seqlens_q is not None
+        assert (cu_seqlens_k is not None) == varlen, "cu_seqlens_q and cu_seqlens_k go together"
         for t in (q, k, v):
-            assert t.dim() == 4 and t.stride(-1) == 1
-        assert q.shape[0] > 0 and q.shape[2] > 0 and k.shape[2] > 0, "empty sizes reach the extension"
+            assert t.dim() == (3 if varlen else 4) and t.stride(-1) == 1, (t.shape, t.stride())
+        heads = q.shape[-2] if varlen else q.shape[1]
+        if varlen:
+            for cu in (cu_seqlens_q, cu_seqlens_k):
+                assert cu.dtype == torch.int32 and cu.dim() == 1 and cu.is_contiguous()
+                assert cu.device == q.device and cu.shape[0] >= 2
+            assert cu_seqlens_q.shape == cu_seqlens_k.shape
+            assert max_seqlen_q > 0 and max_seqlen_k > 0, "empty grids reach the extension"
+            assert q.shape[0] > 0 and k.shape[0] > 0, "empty sizes reach the extension"
+            batch = cu_seqlens_q.shape[0] - 1
+        else:
+            assert max_seqlen_q == 0 and max_seqlen_k == 0
+            assert q.shape[0] > 0 and q.shape[2] > 0 and k.shape[2] > 0, \
+                "empty sizes reach the extension"
+            batch = q.shape[0]
+        if alibi_slopes is not None:
+            assert alibi_slopes.dtype == torch.float32 and alibi_slopes.is_contiguous()
+            assert alibi_slopes.device == q.device
+            assert tuple(alibi_slopes.shape) in ((heads,), (batch, heads)), alibi_slopes.shape
+        return varlen
 
-    def fwd(self, q, k, v, scale, is_causal, tier):
-        self._check_common(q, k, v, scale, is_causal, tier)
+    @staticmethod
+    def _kwargs(scale, window_left, window_right, softcap, alibi_slopes):
+        return dict(scale=scale, window_size=(window_left, window_right), softcap=softcap,
+                    alibi_slopes=alibi_slopes, block_m=32, block_n=16)
+
+    @staticmethod
+    def _like(x, like):
+        t = torch.empty_like(like)
+        t.copy_(x)
+        return t
+
+    def fwd(self, q, k, v, scale, window_left, window_right, softcap, alibi_slopes, cu_seqlens_q,
+            cu_seqlens_k, max_seqlen_q, max_seqlen_k, tier):
+        args = (scale, window_left, window_right, softcap, alibi_slopes)
+        varlen = self._check_common(q, k, v, *args, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                    max_seqlen_k, tier)
         self.fwd_calls += 1
-        o, lse = attention_forward_blocked(q, k, v, is_causal=is_causal, scale=scale,
-                                           block_m=32, block_n=16)
-        out = torch.empty_like(q)
-        out.copy_(o)
-        return out, lse.to(torch.float32).contiguous()
+        self.last_fwd_args = dict(scale=scale, window=(window_left, window_right),
+                                  softcap=softcap, alibi_slopes=alibi_slopes, tier=tier,
+                                  max_seqlen=(max_seqlen_q, max_seqlen_k), varlen=varlen)
+        if varlen:
+            o, lse = attention_varlen_forward_blocked(q, k, v, cu_seqlens_q, cu_seqlens_k,
+                                                      **self._kwargs(*args))
+        else:
+            o, lse = attention_forward_blocked(q, k, v, **self._kwargs(*args))
+        lse = lse.to(torch.float32).contiguous()
+        if q.dtype == torch.float32:
+            aux = torch.stack((lse, torch.full_like(lse, self.AUX_MARK)), dim=-1)
+        else:
+            aux = torch.empty((0,), dtype=torch.float32, device=q.device)
+        return self._like(o, q), lse, aux
 
-    def bwd(self, dout, q, k, v, out, lse, dlse, scale, is_causal, deterministic, tier):
-        self._check_common(q, k, v, scale, is_causal, tier)
+    def bwd(self, dout, q, k, v, out, lse, aux, dlse, scale, window_left, window_right, softcap,
+            alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, deterministic,
+            tier):
+        args = (scale, window_left, window_right, softcap, alibi_slopes)
+        varlen = self._check_common(q, k, v, *args, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                    max_seqlen_k, tier)
         assert type(deterministic) is bool
         assert dout.shape == q.shape and dout.dtype == q.dtype and dout.stride(-1) == 1
-        assert lse.dtype == torch.float32 and lse.shape == q.shape[:3]
+        lse_shape = (q.shape[1], q.shape[0]) if varlen else tuple(q.shape[:3])
+        assert lse.dtype == torch.float32 and tuple(lse.shape) == lse_shape
+        assert aux.dtype == torch.float32
+        if q.dtype == torch.float32:
+            assert tuple(aux.shape) == lse_shape + (2,), aux.shape
+            assert torch.equal(aux[..., 0], lse) and bool((aux[..., 1] == self.AUX_MARK).all()), \
+                "aux does not come back unchanged"
+        else:
+            assert tuple(aux.shape) == (0,), aux.shape
         if dlse is not None:
-            assert dlse.dtype == torch.float32 and dlse.shape == q.shape[:3] and dlse.is_contiguous()
+            assert dlse.dtype == torch.float32 and tuple(dlse.shape) == lse_shape
+            assert dlse.is_contiguous()
         self.bwd_calls += 1
         self.last_bwd_dlse = dlse
-        dq, dk, dv = attention_backward_blocked(dout, q, k, v, out, lse, is_causal=is_causal,
-                                                scale=scale, dlse=dlse, block_m=32, block_n=16)
-        res = []
-        for g, like in ((dq, q), (dk, k), (dv, v)):
-            t = torch.empty_like(like)
-            t.copy_(g)
-            res.append(t)
-        return tuple(res)
+        if varlen:
+            grads = attention_varlen_backward_blocked(dout, q, k, v, out, lse, cu_seqlens_q,
+                                                      cu_seqlens_k, dlse=dlse,
+                                                      **self._kwargs(*args))
+        else:
+            grads = attention_backward_blocked(dout, q, k, v, out, lse, dlse=dlse,
+                                               **self._kwargs(*args))
+        return tuple(self._like(g, like) for g, like in zip(grads, (q, k, v)))
 
 
 @pytest.fixture
@@ -157,9 +234,9 @@ def mock_extension(monkeypatch):
     monkeypatch.setattr(_ext, "_AVAILABLE", True)
     monkeypatch.setattr(_ext, "_IMPORT_ERROR", None)
 
-    def same_device_only(q, k, v):
+    def same_device_only(q, k, v, prefix=interface._PREFIX):
         if not (q.device == k.device == v.device):
-            raise RuntimeError("flash_cuda.attention: q, k and v must be on the same device")
+            raise RuntimeError(f"{prefix}q, k and v must be on the same device")
 
     monkeypatch.setattr(interface, "_check_device", same_device_only)
     yield mock

@@ -6,8 +6,10 @@ cases cover every kernel tier (fp32 SIMT, fp16 and bf16 tensor-core), every head
 bucket (D = 8, 32, 40, 72, 96, 128, 160, 192, 256), odd lengths (1, 17, 127, 1000,
 including Sq != Sk both ways and causal rows that see no key), GQA, every memory layout
 (contiguous, transposed, strided views, storage offsets, a misaligned pointer), an lse
-gradient (dlse), and deterministic=True. Sizes are small: compute-sanitizer slows
-kernels down 10-100x.
+gradient (dlse), and deterministic=True; then the options on every tier: sliding windows
+(causal and two-sided, rows whose window holds no key), softcap, ALiBi slopes per head and
+per batch entry, and packed batches (flash_cuda.varlen_attention) with empty and length-1
+sequences. Sizes are small: compute-sanitizer slows kernels down 10-100x.
 
 Usage:
     python tests/sanitize_cases.py            # run every case (needs a GPU)
@@ -27,7 +29,7 @@ import os
 import sys
 import time
 import traceback
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 _TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, _TESTS_DIR)  # attn_check
@@ -50,6 +52,12 @@ class Case:
     layout: str = "bhsd"
     dlse: bool = False  # also on every Sk = 1 case: without it dq, dk are exactly 0
     deterministic: bool = False
+    window: Tuple[int, int] = (-1, -1)
+    softcap: float = 0.0
+    alibi: str = ""  # "", "heads" (Hq,) or "batch" (B, Hq) slopes
+    # Packed batch for varlen_attention: (seqlens_q, seqlens_k); B, Sq, Sk are then the
+    # number of sequences and the longest lengths.
+    varlen: Optional[Tuple[Tuple[int, ...], Tuple[int, ...]]] = None
 
     def describe(self) -> str:
         flags = [f"{self.dtype:8s}", f"B={self.B} Hq={self.Hq} Hkv={self.Hkv}",
@@ -59,7 +67,20 @@ class Case:
             flags.append("dlse")
         if self.deterministic:
             flags.append("deterministic")
+        if self.window != (-1, -1):
+            flags.append(f"window={self.window}")
+        if self.softcap:
+            flags.append(f"softcap={self.softcap:g}")
+        if self.alibi:
+            flags.append(f"alibi={self.alibi}")
+        if self.varlen:
+            flags.append(f"varlen q={self.varlen[0]} k={self.varlen[1]}")
         return " ".join(flags).rstrip()
+
+
+def _varlen_case(dtype, Hq, Hkv, seqlens_q, seqlens_k, D, causal, layout="bhsd", **kw) -> "Case":
+    return Case(dtype, len(seqlens_q), Hq, Hkv, max(seqlens_q), max(seqlens_k), D, causal, layout,
+                varlen=(tuple(seqlens_q), tuple(seqlens_k)), **kw)
 
 
 F32, F16, BF16 = "float32", "float16", "bfloat16"
@@ -91,6 +112,27 @@ CASES: List[Case] = [
     Case(BF16, 1, 2, 1, 127, 1000, 96, False, "offset"),
     Case(BF16, 1, 2, 2, 17, 127, 192, True, "bhsd", dlse=True),
     Case(BF16, 1, 1, 1, 1, 1, 64, True, "bhsd", dlse=True),
+    # ---- sliding window, softcap, ALiBi (every tier) ----
+    Case(F32, 1, 4, 2, 300, 1000, 64, True, "bshd", window=(128, 0), softcap=5.0, alibi="batch"),
+    Case(F32, 1, 2, 1, 127, 127, 128, False, "strided", dlse=True, deterministic=True,
+         window=(17, 9)),
+    Case(F32, 2, 2, 2, 1000, 127, 256, False, "bhsd", window=(0, 0), dlse=True),  # rows w/o key
+    Case(F16, 1, 4, 1, 1000, 1000, 96, True, "bhsd", window=(64, 0), alibi="heads"),
+    Case(F16, 1, 2, 2, 127, 1000, 256, False, "offset", dlse=True, window=(200, 50), softcap=3.0),
+    Case(F16, 2, 2, 1, 17, 127, 40, True, "misaligned", softcap=20.0, alibi="batch"),
+    Case(BF16, 2, 4, 2, 129, 65, 128, False, "bshd", softcap=2.0, alibi="batch"),
+    Case(BF16, 1, 2, 1, 1000, 1000, 64, True, "strided", deterministic=True, window=(100, -1),
+         softcap=30.0, alibi="heads"),
+    # ---- packed batches (varlen_attention), empty and length-1 sequences ----
+    _varlen_case(F32, 4, 2, (0, 1, 127, 300), (17, 1, 127, 200), 128, True, "strided",
+                 window=(50, 0), alibi="batch"),
+    _varlen_case(F32, 2, 1, (1000, 0, 5), (1000, 9, 0), 64, False, dlse=True, deterministic=True),
+    _varlen_case(F16, 4, 2, (0, 1, 17, 300, 64), (5, 1, 20, 200, 64), 64, True, dlse=True,
+                 window=(30, 0)),
+    _varlen_case(F16, 2, 2, (127, 1), (1000, 1), 192, False, "offset", softcap=4.0),
+    _varlen_case(BF16, 8, 2, (513, 17, 0), (200, 129, 3), 128, True, "strided", softcap=3.0,
+                 alibi="heads"),
+    _varlen_case(BF16, 2, 1, (1, 1, 1), (1, 1, 1), 256, False, dlse=True),
 ]
 
 
@@ -104,23 +146,47 @@ def _parse_indices(raw: Optional[str]) -> List[int]:
     return idx
 
 
+_VARLEN_LAYOUT = {"bhsd": "contiguous", "bshd": "contiguous", "strided": "strided",
+                  "offset": "offset", "misaligned": "misaligned"}
+
+
 def run_case(case: Case, index: int, check: bool) -> None:
     import torch
 
     import flash_cuda
-    from attn_check import check_attention, make_inputs
+    from attn_check import (check_attention, check_varlen_attention, make_alibi_slopes,
+                            make_inputs, make_varlen_inputs)
 
     dtype = getattr(torch, case.dtype)
-    q, k, v = make_inputs(case.B, case.Hq, case.Hkv, case.Sq, case.Sk, case.D, dtype, "cuda",
-                          layout=case.layout, seed=1000 + index)
-    if check:
-        check_attention(q, k, v, is_causal=case.causal, scale=None, check_grad=True,
-                        with_dlse=case.dlse, deterministic=case.deterministic, seed=index,
-                        label=f"sanitize case {index}")
-        return
+    slopes = None
+    if case.alibi:
+        slopes = make_alibi_slopes(case.Hq, batch=case.B if case.alibi == "batch" else None,
+                                   device="cuda", seed=index)
+    options = dict(is_causal=case.causal, scale=None, window_size=case.window,
+                   softcap=case.softcap, alibi_slopes=slopes)
+    if case.varlen:
+        q, k, v, cu_q, cu_k, mq, mk = make_varlen_inputs(
+            case.varlen[0], case.varlen[1], case.Hq, case.Hkv, case.D, dtype, "cuda",
+            layout=_VARLEN_LAYOUT[case.layout], seed=1000 + index)
+        if check:
+            check_varlen_attention(q, k, v, cu_q, cu_k, mq, mk, check_grad=True,
+                                   with_dlse=case.dlse, deterministic=case.deterministic,
+                                   seed=index, label=f"sanitize case {index}", **options)
+            return
+        fn = lambda *t: flash_cuda.varlen_attention(*t, cu_q, cu_k, mq, mk, return_lse=True,  # noqa: E731
+                                                    deterministic=case.deterministic, **options)
+    else:
+        q, k, v = make_inputs(case.B, case.Hq, case.Hkv, case.Sq, case.Sk, case.D, dtype, "cuda",
+                              layout=case.layout, seed=1000 + index)
+        if check:
+            check_attention(q, k, v, check_grad=True, with_dlse=case.dlse,
+                            deterministic=case.deterministic, seed=index,
+                            label=f"sanitize case {index}", **options)
+            return
+        fn = lambda *t: flash_cuda.attention(*t, return_lse=True,  # noqa: E731
+                                             deterministic=case.deterministic, **options)
     qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
-    out, lse = flash_cuda.attention(qq, kk, vv, is_causal=case.causal, return_lse=True,
-                                    deterministic=case.deterministic)
+    out, lse = fn(qq, kk, vv)
     outputs, grads = [out], [torch.randn_like(out)]
     if case.dlse:
         outputs.append(lse)

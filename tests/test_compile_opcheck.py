@@ -2,11 +2,13 @@
 
 * GPU tests (skipped without a GPU): torch.compile(fullgraph=True) forward + backward
   equals eager, also inside a small model and with dynamic shapes; opcheck of
-  flash_cuda::fwd and flash_cuda::bwd over dtypes, causal, GQA, layouts, dlse.
+  flash_cuda::fwd / ::bwd over dtypes, causal, GQA, layouts, dlse, and with a sliding
+  window, softcap and ALiBi; opcheck and compile of flash_cuda::varlen_fwd / ::varlen_bwd.
 * CPU tests (always run): the same Python layer driven by the mock extension of
   conftest.py (the blocked reference behind the ``_C`` contract): opcheck, compile with
-  the aot_eager backend, gradcheck of the registered autograd formula, dlse / dout
-  handling, and empty sizes answered without a kernel call.
+  the aot_eager backend (also with the new options and for varlen_attention), gradcheck
+  of the registered autograd formulas, dlse / dout handling, and empty sizes answered
+  without a kernel call.
 """
 
 from __future__ import annotations
@@ -19,42 +21,73 @@ import torch
 import flash_cuda
 from flash_cuda.reference import attention_naive
 
-from attn_check import make_inputs
+from attn_check import make_alibi_slopes, make_inputs, make_varlen_inputs
 
 F16, BF16, F32, F64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
 gpu = pytest.mark.gpu
 
 FWD = torch.ops.flash_cuda.fwd.default
 BWD = torch.ops.flash_cuda.bwd.default
+VFWD = torch.ops.flash_cuda.varlen_fwd.default
+VBWD = torch.ops.flash_cuda.varlen_bwd.default
 
 
 def _leaf(*ts):
     return tuple(t.detach().requires_grad_() for t in ts)
 
 
-def _opcheck_all(q, k, v, scale, is_causal, tier, with_dlse):
+def _op_options(scale, is_causal, window=(-1, -1), softcap=0.0, alibi=None):
+    """(scale, window_left, window_right, softcap, alibi_slopes) as the ops take them."""
+    left, right = window
+    if is_causal:
+        right = 0
+    return (scale, left, right, float(softcap), alibi)
+
+
+def _opcheck_all(q, k, v, scale, is_causal, tier, with_dlse, window=(-1, -1), softcap=0.0,
+                 alibi=None):
     """opcheck of fwd (with and without requires_grad) and of bwd (with/without dlse)."""
-    torch.library.opcheck(FWD, (q, k, v, scale, is_causal, False, tier))
-    torch.library.opcheck(FWD, _leaf(q, k, v) + (scale, is_causal, False, tier))
-    out, lse = torch.ops.flash_cuda.fwd(q, k, v, scale, is_causal, False, tier)
+    opts = _op_options(scale, is_causal, window, softcap, alibi)
+    torch.library.opcheck(FWD, (q, k, v) + opts + (False, tier))
+    torch.library.opcheck(FWD, _leaf(q, k, v) + opts + (False, tier))
+    out, lse, aux = torch.ops.flash_cuda.fwd(q, k, v, *opts, False, tier)
     dout = torch.randn_like(out)
     dlse = torch.randn_like(lse) if with_dlse else None
-    torch.library.opcheck(BWD, (dout, q, k, v, out, lse, dlse, scale, is_causal, False, tier))
-    torch.library.opcheck(BWD, (dout, q, k, v, out, lse, dlse, scale, is_causal, True, tier))
+    torch.library.opcheck(BWD, (dout, q, k, v, out, lse, aux, dlse) + opts + (False, tier))
+    torch.library.opcheck(BWD, (dout, q, k, v, out, lse, aux, dlse) + opts + (True, tier))
 
 
-def _compile_vs_eager(q, k, v, *, is_causal, backend, dynamic=False):
+def _opcheck_varlen_all(q, k, v, cu_q, cu_k, max_q, max_k, scale, is_causal, tier, with_dlse,
+                        window=(-1, -1), softcap=0.0, alibi=None):
+    """opcheck of varlen_fwd (with and without requires_grad) and of varlen_bwd."""
+    opts = _op_options(scale, is_causal, window, softcap, alibi)
+    seq = (cu_q, cu_k, max_q, max_k)
+    torch.library.opcheck(VFWD, (q, k, v) + seq + opts + (False, tier, False))
+    torch.library.opcheck(VFWD, _leaf(q, k, v) + seq + opts + (False, tier, True))
+    out, lse, aux = torch.ops.flash_cuda.varlen_fwd(q, k, v, *seq, *opts, False, tier, False)
+    dout = torch.randn_like(out)
+    dlse = torch.randn_like(lse) if with_dlse else None
+    for det in (False, True):
+        torch.library.opcheck(VBWD, (dout, q, k, v, out, lse, aux, dlse) + seq + opts + (det, tier))
+
+
+def _compile_vs_eager(q, k, v, *, is_causal, backend, dynamic=False, **options):
     """The compiled graph runs the same ops on the same tensors: the forward must match
-    bitwise; the gradients too up to (never expected) reordering in the compiled backward."""
+    bitwise; the gradients too up to (never expected) reordering in the compiled backward.
+    ``options``: window_size, softcap, alibi_slopes for flash_cuda.attention."""
     def f(q, k, v):
-        return flash_cuda.attention(q, k, v, is_causal=is_causal, return_lse=True)
+        return flash_cuda.attention(q, k, v, is_causal=is_causal, return_lse=True, **options)
 
+    _compare_compiled(f, (q, k, v), backend=backend, dynamic=dynamic)
+
+
+def _compare_compiled(f, qkv, *, backend, dynamic=False, extra=()):
     torch._dynamo.reset()
     cf = torch.compile(f, fullgraph=True, backend=backend, dynamic=dynamic)
-    qe, ke, ve = _leaf(q, k, v)
-    qc, kc, vc = _leaf(q, k, v)
-    out_e, lse_e = f(qe, ke, ve)
-    out_c, lse_c = cf(qc, kc, vc)
+    qe, ke, ve = _leaf(*qkv)
+    qc, kc, vc = _leaf(*qkv)
+    out_e, lse_e = f(qe, ke, ve, *extra)
+    out_c, lse_c = cf(qc, kc, vc, *extra)
     assert out_c.shape == out_e.shape and out_c.dtype == out_e.dtype
     assert out_c.stride() == out_e.stride()
     assert torch.equal(out_c, out_e) and torch.equal(lse_c, lse_e)
@@ -65,6 +98,16 @@ def _compile_vs_eager(q, k, v, *, is_causal, backend, dynamic=False):
     for a, b in zip(gc, ge):
         assert a.shape == b.shape and a.dtype == b.dtype
         torch.testing.assert_close(a, b)
+
+
+def _compile_vs_eager_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, backend, dynamic=False,
+                             **options):
+    def f(q, k, v, cu_q, cu_k, max_q, max_k):
+        return flash_cuda.varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k, return_lse=True,
+                                           **options)
+
+    _compare_compiled(f, (q, k, v), backend=backend, dynamic=dynamic,
+                      extra=(cu_q, cu_k, max_q, max_k))
 
 
 # ---------------------------------------------------------------------------------------
@@ -148,6 +191,63 @@ def test_opcheck_empty_gpu(B, Sq, Sk):
     _opcheck_all(q, k, v, 0.125, True, 0, with_dlse=True)
 
 
+# ---- GPU: the new options and packed batches ----
+
+# (dtype, is_causal, window, softcap, alibi kind, groups)
+GPU_FEATURE_CASES = [(F16, True, (32, -1), 0.0, "heads", 2), (BF16, False, (17, 9), 5.0, None, 1),
+                     (F32, True, (-1, -1), 2.0, "batch", 4), (F32, False, (8, 0), 0.0, "heads", 1)]
+
+
+def _alibi(kind, B, Hq, device):
+    if kind is None:
+        return None
+    return make_alibi_slopes(Hq, batch=B if kind == "batch" else None, device=device)
+
+
+@gpu
+@pytest.mark.parametrize("dtype,is_causal,window,softcap,alibi,groups", GPU_FEATURE_CASES)
+def test_opcheck_features_gpu(dtype, is_causal, window, softcap, alibi, groups):
+    q, k, v = make_inputs(2, 2 * groups, 2, 70, 95, 64, dtype, "cuda", layout="bshd", seed=groups)
+    _opcheck_all(q, k, v, 0.125, is_causal, 0, with_dlse=groups % 2 == 0, window=window,
+                 softcap=softcap, alibi=_alibi(alibi, 2, 2 * groups, "cuda"))
+
+
+@gpu
+@pytest.mark.parametrize("dtype,is_causal,window,softcap,alibi,groups", GPU_FEATURE_CASES)
+def test_opcheck_varlen_gpu(dtype, is_causal, window, softcap, alibi, groups):
+    q, k, v, cu_q, cu_k, mq, mk = make_varlen_inputs((0, 17, 1, 70), (5, 33, 1, 60), 2 * groups, 2,
+                                                     64, dtype, "cuda", seed=groups)
+    _opcheck_varlen_all(q, k, v, cu_q, cu_k, mq, mk, 0.125, is_causal, 0, with_dlse=True,
+                        window=window, softcap=softcap, alibi=_alibi(alibi, 4, 2 * groups, "cuda"))
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [BF16, F32])
+def test_compile_features_gpu(dtype):
+    q, k, v = make_inputs(2, 4, 2, 100, 130, 64, dtype, "cuda", layout="bshd", seed=5)
+    _compile_vs_eager(q, k, v, is_causal=True, backend="inductor", window_size=(40, -1),
+                      softcap=3.0, alibi_slopes=make_alibi_slopes(4, batch=2, device="cuda"))
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [F16, F32])
+def test_compile_varlen_gpu(dtype):
+    q, k, v, cu_q, cu_k, mq, mk = make_varlen_inputs((30, 0, 1, 100), (45, 3, 1, 100), 4, 2, 64,
+                                                     dtype, "cuda", seed=6)
+    _compile_vs_eager_varlen(q, k, v, cu_q, cu_k, mq, mk, backend="inductor", is_causal=True,
+                             window_size=(20, -1))
+
+
+@gpu
+def test_compile_varlen_dynamic_gpu():
+    """One compiled graph for packed batches of different sizes and max lengths."""
+    for lens_q, lens_k in (((30, 1, 64), (30, 1, 64)), ((5, 200), (7, 150)), ((0, 9, 9, 9), (1, 9, 9, 9))):
+        q, k, v, cu_q, cu_k, mq, mk = make_varlen_inputs(lens_q, lens_k, 4, 1, 64, BF16, "cuda",
+                                                         seed=len(lens_q))
+        _compile_vs_eager_varlen(q, k, v, cu_q, cu_k, mq, mk, backend="inductor", dynamic=True,
+                                 is_causal=True)
+
+
 # ---------------------------------------------------------------------------------------
 # CPU, through the mock extension
 # ---------------------------------------------------------------------------------------
@@ -203,7 +303,7 @@ def test_gradcheck_registered_autograd_cpu_mock(mock_extension, is_causal):
     q, k, v = _leaf(q, k, v)
 
     def f(q, k, v):
-        out, lse = torch.ops.flash_cuda.fwd(q, k, v, 0.4, is_causal, False, 0)
+        out, lse, _ = torch.ops.flash_cuda.fwd(q, k, v, *_op_options(0.4, is_causal), False, 0)
         return out, torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
 
     # lse is float32 whatever the input dtype, so the finite differences use a large eps
@@ -238,7 +338,7 @@ def test_dlse_none_when_lse_unused_cpu_mock(mock_extension):
 def test_lse_only_loss_cpu_mock(mock_extension):
     """A loss on lse alone: dout is None in the backward and becomes zeros."""
     q, k, v = _leaf(*make_inputs(1, 2, 1, 12, 9, 16, F64, "cpu", seed=6))
-    _, lse = torch.ops.flash_cuda.fwd(q, k, v, 0.25, False, False, 0)
+    _, lse, _ = torch.ops.flash_cuda.fwd(q, k, v, *_op_options(0.25, False), False, 0)
     g = torch.autograd.grad(lse.sum(), (q, k, v))
     q64, k64, v64 = _leaf(q, k, v)
     _, l64 = attention_naive(q64, k64, v64, scale=0.25)
@@ -276,17 +376,137 @@ def test_scale_and_tier_reach_extension_cpu_mock(mock_extension, monkeypatch):
     seen = {}
     fwd = mock_extension.fwd
 
-    def spy(q, k, v, scale, is_causal, tier):
-        seen.update(scale=scale, is_causal=is_causal, tier=tier)
-        return fwd(q, k, v, scale, is_causal, tier)
+    def spy(q, k, v, scale, window_left, window_right, softcap, alibi, cu_q, cu_k, max_q, max_k,
+            tier):
+        seen.update(scale=scale, window=(window_left, window_right), softcap=softcap,
+                    alibi=alibi, tier=tier)
+        return fwd(q, k, v, scale, window_left, window_right, softcap, alibi, cu_q, cu_k, max_q,
+                   max_k, tier)
 
     from flash_cuda import _ext
     monkeypatch.setattr(_ext._C, "fwd", spy)
     q, k, v = make_inputs(1, 2, 2, 8, 8, 64, F32, "cpu")
     flash_cuda.attention(q, k, v)
-    assert seen == {"scale": 1 / math.sqrt(64), "is_causal": False, "tier": 0}
+    assert seen == {"scale": 1 / math.sqrt(64), "window": (-1, -1), "softcap": 0.0, "alibi": None,
+                    "tier": 0}
     flash_cuda.attention(q, k, v, scale=2, is_causal=True, kernel="simt")
-    assert seen == {"scale": 2.0, "is_causal": True, "tier": 1}
+    assert seen == {"scale": 2.0, "window": (-1, 0), "softcap": 0.0, "alibi": None, "tier": 1}
+    flash_cuda.attention(q, k, v, is_causal=True, window_size=(5, -1), softcap=3)
+    assert seen["window"] == (5, 0) and seen["softcap"] == 3.0 and type(seen["softcap"]) is float
+    flash_cuda.attention(q, k, v, window_size=[2, 7])
+    assert seen["window"] == (2, 7)
+    slopes = torch.tensor([0.5, 0.25])[None].expand(1, 2)  # not contiguous
+    flash_cuda.attention(q, k, v, alibi_slopes=slopes)
+    assert seen["alibi"].is_contiguous() and torch.equal(seen["alibi"], slopes)
     q, k, v = make_inputs(1, 2, 2, 8, 8, 64, F16, "cpu")
     flash_cuda.attention(q, k, v, kernel="mma")
     assert seen["tier"] == 2
+
+
+# ---- CPU (mock): the new options and packed batches ----
+
+
+@pytest.mark.parametrize("dtype,is_causal,window,softcap,alibi", [
+    (F16, True, (5, -1), 2.0, "batch"), (F32, False, (3, 4), 0.0, "heads"),
+])
+def test_opcheck_features_cpu_mock(mock_extension, dtype, is_causal, window, softcap, alibi):
+    q, k, v = make_inputs(2, 4, 2, 21, 34, 16, dtype, "cpu", layout="bshd", seed=1)
+    _opcheck_all(q, k, v, 0.25, is_causal, 0, with_dlse=True, window=window, softcap=softcap,
+                 alibi=_alibi(alibi, 2, 4, "cpu"))
+
+
+@pytest.mark.parametrize("dtype,is_causal,window,softcap,alibi", [
+    (BF16, True, (-1, -1), 0.0, None), (F32, False, (6, 2), 1.5, "batch"),
+])
+def test_opcheck_varlen_cpu_mock(mock_extension, dtype, is_causal, window, softcap, alibi):
+    q, k, v, cu_q, cu_k, mq, mk = make_varlen_inputs((0, 9, 1, 20), (4, 13, 1, 17), 4, 2, 16, dtype,
+                                                     "cpu", layout="strided", seed=2)
+    _opcheck_varlen_all(q, k, v, cu_q, cu_k, mq, mk, 0.3, is_causal, 0, with_dlse=True,
+                        window=window, softcap=softcap, alibi=_alibi(alibi, 4, 4, "cpu"))
+
+
+def test_opcheck_varlen_empty_cpu_mock(mock_extension):
+    q, k, v, cu_q, cu_k, mq, mk = make_varlen_inputs((3, 4), (0, 0), 2, 1, 16, F32, "cpu")
+    _opcheck_varlen_all(q, k, v, cu_q, cu_k, mq, mk, 0.25, True, 0, with_dlse=True)
+    assert mock_extension.fwd_calls == 0 and mock_extension.bwd_calls == 0
+
+
+@pytest.mark.parametrize("dtype", [BF16, F32])
+def test_compile_features_cpu_mock(mock_extension, dtype):
+    q, k, v = make_inputs(2, 4, 2, 40, 23, 16, dtype, "cpu", layout="bshd", seed=2)
+    _compile_vs_eager(q, k, v, is_causal=True, backend="aot_eager", window_size=(9, -1),
+                      softcap=2.5, alibi_slopes=make_alibi_slopes(4, batch=2, device="cpu"))
+
+
+@pytest.mark.parametrize("dtype", [F16, F32])
+def test_compile_varlen_cpu_mock(mock_extension, dtype):
+    q, k, v, cu_q, cu_k, mq, mk = make_varlen_inputs((11, 0, 1, 30), (20, 3, 1, 30), 4, 2, 16, dtype,
+                                                     "cpu", seed=3)
+    _compile_vs_eager_varlen(q, k, v, cu_q, cu_k, mq, mk, backend="aot_eager", is_causal=True,
+                             window_size=(5, -1), softcap=1.0,
+                             alibi_slopes=make_alibi_slopes(4, device="cpu"))
+
+
+def test_compile_varlen_dynamic_cpu_mock(mock_extension):
+    """dynamic=True: cu_seqlens sizes and max_seqlen ints traced symbolically."""
+    def f(q, k, v, cu_q, cu_k, max_q, max_k):
+        return flash_cuda.varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k, is_causal=True)
+
+    torch._dynamo.reset()
+    cf = torch.compile(f, fullgraph=True, backend="aot_eager", dynamic=True)
+    for lens_q, lens_k in (((3, 9), (3, 9)), ((5, 0, 12), (7, 2, 12)), ((1,), (20,))):
+        args = make_varlen_inputs(lens_q, lens_k, 2, 1, 16, F32, "cpu", seed=len(lens_q))
+        torch.testing.assert_close(cf(*args), f(*args), rtol=0, atol=0)
+
+
+def test_compile_varlen_rejects_bad_input_cpu_mock(mock_extension):
+    def f(q, k, v, cu_q, cu_k):
+        return flash_cuda.varlen_attention(q, k, v, cu_q, cu_k, 9, 9)
+
+    torch._dynamo.reset()
+    cf = torch.compile(f, fullgraph=True, backend="aot_eager")
+    q, k, v, cu_q, cu_k, _, _ = make_varlen_inputs((3, 9), (3, 9), 2, 1, 16, F32, "cpu")
+    with pytest.raises(Exception, match="must be an int32 tensor"):
+        cf(q, k, v, cu_q.long(), cu_k)
+
+
+@pytest.mark.parametrize("is_causal,window,softcap,alibi", [(True, (2, -1), 0.0, "heads"),
+                                                            (False, (1, 2), 0.8, "batch")])
+def test_gradcheck_features_cpu_mock(mock_extension, is_causal, window, softcap, alibi):
+    """Numerical gradients of the fwd op with the new options (float64 through the mock)."""
+    q, k, v = _leaf(*make_inputs(2, 2, 1, 6, 5, 8, F64, "cpu", seed=3))
+    opts = _op_options(0.7, is_causal, window, softcap, _alibi(alibi, 2, 2, "cpu"))
+
+    def f(q, k, v):
+        out, lse, _ = torch.ops.flash_cuda.fwd(q, k, v, *opts, False, 0)
+        return out, torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+
+    assert torch.autograd.gradcheck(f, (q, k, v), eps=1e-3, atol=2e-3, rtol=1e-3, fast_mode=True)
+
+
+def test_gradcheck_varlen_cpu_mock(mock_extension):
+    q, k, v, cu_q, cu_k, mq, mk = make_varlen_inputs((0, 3, 1, 5), (2, 4, 1, 0), 2, 1, 8, F64, "cpu",
+                                                     seed=4)
+    q, k, v = _leaf(q, k, v)
+    opts = _op_options(0.5, True, (2, -1), 1.0, make_alibi_slopes(2, batch=4, device="cpu"))
+
+    def f(q, k, v):
+        out, lse, _ = torch.ops.flash_cuda.varlen_fwd(q, k, v, cu_q, cu_k, mq, mk, *opts, False, 0,
+                                                      False)
+        return out, torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+
+    assert torch.autograd.gradcheck(f, (q, k, v), eps=1e-3, atol=2e-3, rtol=1e-3, fast_mode=True)
+
+
+def test_aux_is_saved_and_returned_unchanged_cpu_mock(mock_extension):
+    """The fp32 forward's aux reaches the backward untouched (the mock asserts it); 16-bit
+    inputs get an empty aux."""
+    for dtype, aux_shape in ((F32, (1, 2, 9, 2)), (F16, (0,)), (BF16, (0,))):
+        q, k, v = _leaf(*make_inputs(1, 2, 1, 9, 12, 16, dtype, "cpu"))
+        out, lse, aux = torch.ops.flash_cuda.fwd(q, k, v, *_op_options(0.3, True), False, 0)
+        assert tuple(aux.shape) == aux_shape and aux.dtype == F32 and not aux.requires_grad
+        torch.autograd.grad((out, lse), (q, k, v), (torch.randn_like(out), torch.randn_like(lse)))
+        args = make_varlen_inputs((4, 5), (6, 7), 2, 1, 16, dtype, "cpu")
+        out, lse, aux = torch.ops.flash_cuda.varlen_fwd(*args, *_op_options(0.3, False), False, 0,
+                                                        False)
+        assert tuple(aux.shape) == ((2, 9, 2) if dtype == F32 else (0,))

@@ -301,10 +301,10 @@ def test_check_attention_accepts_reference_kernel(mock_extension, dtype, is_caus
 def test_check_attention_detects_wrong_output(mock_extension):
     fwd = mock_extension.fwd
 
-    def bad_fwd(q, k, v, scale, is_causal, tier):
-        out, lse = fwd(q, k, v, scale, is_causal, tier)
+    def bad_fwd(*args):
+        out, lse, aux = fwd(*args)
         out[0, 0, 3, 5] += 0.05  # one wrong element
-        return out, lse
+        return out, lse, aux
 
     mock_extension.fwd = bad_fwd
     from flash_cuda import _ext
@@ -318,11 +318,11 @@ def test_check_attention_detects_nan_and_mask_errors(mock_extension):
     from flash_cuda import _ext
     fwd = mock_extension.fwd
 
-    def nan_fwd(q, k, v, scale, is_causal, tier):
-        out, lse = fwd(q, k, v, scale, is_causal, tier)
+    def nan_fwd(*args):
+        out, lse, aux = fwd(*args)
         out[0, 0, 0, 0] = float("nan")  # a fully masked row that is NaN instead of 0
         lse[0, 0, 0] = 0.0
-        return out, lse
+        return out, lse, aux
 
     _ext._C.fwd = nan_fwd
     q, k, v = make_inputs(1, 1, 1, 8, 4, 8, torch.float32, "cpu", seed=2)

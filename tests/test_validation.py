@@ -86,6 +86,10 @@ def test_public_api():
     assert set(flash_cuda.KERNELS) == {"auto", "simt", "mma", "wgmma"}
     assert flash_cuda.SUPPORTED_DTYPES == (F16, BF16, F32)
     assert hasattr(torch.ops.flash_cuda, "fwd") and hasattr(torch.ops.flash_cuda, "bwd")
+    assert hasattr(torch.ops.flash_cuda, "varlen_fwd") and hasattr(torch.ops.flash_cuda, "varlen_bwd")
+    assert callable(flash_cuda.varlen_attention) and "cu_seqlens" in flash_cuda.varlen_attention.__doc__
+    for name in ("window_size", "softcap", "alibi_slopes"):
+        assert name in flash_cuda.attention.__doc__ and name in flash_cuda.varlen_attention.__doc__
 
 
 def test_attention_without_extension_raises_build_message(no_extension, monkeypatch):
@@ -111,7 +115,7 @@ def test_unavailable_message_reports_load_failure(monkeypatch):
 def test_ops_without_extension_raise(no_extension):
     q, k, v = qkv()
     with pytest.raises(RuntimeError, match="pip install --no-build-isolation"):
-        torch.ops.flash_cuda.fwd(q, k, v, 0.25, False, False, 0)
+        torch.ops.flash_cuda.fwd(q, k, v, 0.25, -1, -1, 0.0, None, False, 0)
 
 
 def test_cpu_tensors_rejected():

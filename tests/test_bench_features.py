@@ -1,0 +1,195 @@
+"""CPU tests of bench/features.py (`python bench/run.py --features`): the visible-pair count
+against a brute-force mask, the FLOP count, the row plan, the table / CSV and --dry-run."""
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "bench"
+
+
+@pytest.fixture(scope="module")
+def feat():
+    spec = importlib.util.spec_from_file_location("flash_cuda_bench_features",
+                                                  BENCH / "features.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def brute_force_pairs(sq, sk, left, right):
+    """Count of the mask written from the rule itself: query i sees key j iff
+    i + sk - sq - left <= j <= i + sk - sq + right (-1: that side unbounded)."""
+    n = 0
+    for i in range(sq):
+        for j in range(sk):
+            d = i + sk - sq
+            if (left < 0 or j >= d - left) and (right < 0 or j <= d + right):
+                n += 1
+    return n
+
+
+@pytest.mark.parametrize("sq", [1, 5, 17, 64])
+@pytest.mark.parametrize("sk", [1, 7, 17, 64])
+@pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (0, 0), (3, 0), (0, 2), (4, 9),
+                                    (-1, 5), (6, -1), (100, 0), (0, 100)])
+def test_visible_pairs_match_brute_force(feat, sq, sk, window):
+    assert feat.visible_pairs(sq, sk, *window) == brute_force_pairs(sq, sk, *window)
+
+
+def test_visible_pairs_closed_forms(feat):
+    S, W = 16384, 1024
+    assert feat.visible_pairs(S, S) == S * S
+    assert feat.visible_pairs(S, S, -1, 0) == S * (S + 1) // 2
+    assert feat.visible_pairs(S, S, W, 0) == (W + 1) * W // 2 + (S - W) * (W + 1)
+    assert feat.visible_pairs(0, 5) == 0 and feat.visible_pairs(5, 0, 1, 1) == 0
+
+
+def test_call_pairs_and_flops(feat):
+    R = feat.R
+    # dense non-causal: same FLOPs as run.py's convention
+    plain = feat.Call("flash_cuda", 128, 16, False, "fwd", (4096,) * 4)
+    assert plain.flops() == R.attention_flops(4, 16, 4096, 4096, 128, False, "fwd")
+    # causal: exact S(S+1)/2 per sequence, bwd 2.5x
+    causal = feat.Call("flash_cuda", 64, 32, True, "bwd", (2048,) * 8)
+    assert causal.pairs() == 8 * 2048 * 2049 // 2
+    assert causal.flops() == 2.5 * 4 * 32 * 64 * causal.pairs()
+    # window with is_causal: right side 0, left side 1024
+    win = feat.Call("flash_cuda", 128, 16, True, "fwd", (16384,), window=(1024, 0))
+    assert win.sides() == (1024, 0)
+    assert win.pairs() == 1025 * 1024 // 2 + (16384 - 1024) * 1025
+    assert feat.Call("flash_cuda", 128, 16, True, "fwd", (300,), window=(40, 0)).pairs() == \
+        brute_force_pairs(300, 300, 40, 0)
+    # varlen: sum over the sequences
+    lens = (3, 10, 1, 7)
+    var = feat.Call("flash_cuda", 64, 2, True, "fwd", lens, varlen=True)
+    assert var.pairs() == sum(brute_force_pairs(s, s, -1, 0) for s in lens)
+
+
+def test_mixed_seqlens_fixed(feat):
+    a = feat.mixed_seqlens(8, 128, 4096, 0)
+    assert a == feat.mixed_seqlens(8, 128, 4096, 0) and len(a) == 8
+    assert all(128 <= s <= 4096 for s in a) and len(set(a)) > 1
+
+
+def test_rows_plan(feat):
+    rows = feat.build_rows([64, 128], [0, 1], ["fwd", "bwd"])
+    by = {}
+    for r in rows:
+        by.setdefault(r.feature, []).append(r)
+    assert len(by["window"]) == 4 and len(by["varlen"]) == 8 and len(by["varlen mixed"]) == 8
+    assert len(by["softcap"]) == 4 and len(by["alibi"]) == 4
+    for r in rows:
+        c = r.call
+        assert c.H * c.D == 2048 and r.base.provider == "flash_cuda" and r.sdpa.provider == "sdpa"
+        assert r.base == feat.Call("flash_cuda", c.D, c.H, c.causal, c.mode, r.base.seqlens)
+    for r in by["window"]:
+        assert r.call.causal and r.call.window == (1024, 0) and r.call.seqlens == (16384,)
+        assert r.goal == 0.85
+    for r in by["varlen"]:
+        assert r.call.varlen and sum(r.call.seqlens) == 16384 and r.base.seqlens == (2048,) * 8
+        assert r.goal == 0.95
+    for r in by["softcap"] + by["alibi"]:
+        assert r.call.D == 128 and r.call.seqlens == (4096,) * 4
+    assert by["softcap"][0].call.softcap == 50.0 and by["alibi"][0].call.alibi
+    assert not feat.build_rows([64], [0], ["fwd"])[0].feature == "window"
+    # every distinct call once: 4 window rows -> 12 calls, ...
+    assert len(feat.distinct_calls(rows)) == 60
+
+
+def test_table_and_csv(feat):
+    R = feat.R
+    rows = feat.build_rows([128], [1], ["fwd"])
+    w = rows[0]
+    results = {w.call: R.Result(1.0, 300.0, 0.1), w.base: R.Result(1.0, 400.0, 0.1),
+               w.sdpa: R.Result(status="unsupported: no")}
+    table = "\n".join(feat.markdown_table(rows, results))
+    assert ("| window | 128 | 1 | fwd | B=1 S=16k window (1024, 0) | 300.0 | B=1 S=16k | 400.0 "
+            "| 0.75 | >= 0.85 NO | n/s |") in table
+    assert "unsupported: no" in table
+    csv = list(feat.csv_rows(rows, results, torch.bfloat16))
+    assert all(list(r) == feat.CSV_COLUMNS for r in csv)
+    first = csv[0]
+    assert first["feature"] == "window" and first["ratio"] == "0.750" and first["goal"] == "0.85"
+    assert first["visible_pairs"] == feat.visible_pairs(16384, 16384, 1024, 0)
+    assert first["window_left"] == 1024 and first["window_right"] == 0
+    assert {r["feature"] for r in csv} == {"window", "baseline", "sdpa baseline"}
+
+
+def test_features_dry_run():
+    proc = subprocess.run([sys.executable, str(BENCH / "run.py"), "--features", "--dry-run"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "28 rows, 60 timed calls" in proc.stdout
+    assert "features.csv" in proc.stdout
+
+
+class _FakeFlash:
+    """flash_cuda stand-in on CPU built on flash_cuda.reference; `broken` drops the window,
+    softcap and ALiBi options (the check must then say WRONG)."""
+
+    def __init__(self, ref, broken=False):
+        self.ref, self.broken = ref, broken
+
+    def _opts(self, opts):
+        return {"is_causal": opts.get("is_causal", False)} if self.broken else opts
+
+    def attention(self, q, k, v, **opts):
+        return self.ref.attention_naive(q, k, v, **self._opts(opts))[0]
+
+    def varlen_attention(self, q, k, v, cu_q, cu_k, max_q, max_k, **opts):
+        return self.ref.attention_varlen_naive(q, k, v, cu_q, cu_k, **self._opts(opts))[0]
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_features_end_to_end_on_cpu(feat, monkeypatch, tmp_path, capsys, broken):
+    """The whole --features driver on small CPU shapes: inputs (dense and packed), the
+    check against the reference on the last sequence, the table and the CSV."""
+    import argparse
+    sys.path.append(str(ROOT))
+    ref = pytest.importorskip("flash_cuda.reference")
+    R = feat.R
+    monkeypatch.setattr(R, "TOKENS", 128)
+    monkeypatch.setattr(R, "HIDDEN", 64)
+    monkeypatch.setattr(feat, "WINDOW_S", 64)
+    monkeypatch.setattr(feat, "WINDOW", (9, 0))
+    monkeypatch.setattr(feat, "VARLEN_B", 3)
+    monkeypatch.setattr(feat, "VARLEN_S", 24)
+    monkeypatch.setattr(feat, "MIXED_RANGE", (5, 40))
+    monkeypatch.setattr(feat, "SMALL_S", 32)
+    monkeypatch.setattr(feat, "SMALL_D", 32)
+    monkeypatch.setattr(feat, "SOFTCAP", 1.0)  # 50 barely moves N(0, 1) logits
+    monkeypatch.setattr(R, "load_flash_cuda", lambda: _FakeFlash(ref, broken))
+
+    def fake_time_call(fwd, q, k, v, dout, mode, timer):
+        out = fwd(q, k, v)
+        if mode != "fwd":
+            out.backward(dout)
+        return 2.0, 0.0
+    monkeypatch.setattr(R, "time_call", fake_time_call)
+    rows = feat.build_rows([32], [1], ["fwd", "bwd"])
+    args = argparse.Namespace(no_progress=True, no_check=False, seed=0,
+                              out_dirs={torch.float32: tmp_path})
+    results = feat.run_features(args, rows, torch.float32, None, [], device="cpu")
+    for row in rows:
+        for call in (row.base, row.sdpa):
+            assert results[call].ok, (call, results[call].status)
+        r = results[row.call]
+        if broken and row.feature in ("window", "softcap", "alibi"):
+            assert r.status.startswith("WRONG"), (row.call, r.status)
+        else:
+            assert r.ok, (row.call, r.status)
+            assert r.tflops == pytest.approx(R.tflops_from_ms(row.call.flops(), 2.0))
+    out = capsys.readouterr().out
+    assert out.rstrip().splitlines()[-1].startswith("varlen mixed lengths") or broken
+    assert (tmp_path / "features.csv").read_text().count("\n") == 1 + len(
+        feat.distinct_calls(rows))
+    assert "| window | 32 | 1 | fwd | B=2 S=64 window (9, 0) |" in (
+        tmp_path / "features.md").read_text()

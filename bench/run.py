@@ -9,6 +9,7 @@
     python bench/run.py --workload seeds           # fixed B=4, H=8 instead of B*S=16384
     python bench/run.py --dry-run                  # print the plan only (no GPU needed)
     python bench/run.py --compare-anchors          # also print shared/anchors numbers
+    python bench/run.py --features                 # window / varlen / softcap / ALiBi rows
 
 Grid (defaults): D in {64, 128} x causal in {0, 1} x mode in {fwd, bwd, fwd_bwd} x
 S in {512, 1k, 2k, 4k, 8k, 16k}.
@@ -544,6 +545,29 @@ def make_timer(kind: str, warmup_ms: float, rep_ms: float):
     return EventTimer(warmup_ms, rep_ms)
 
 
+def time_call(fwd, q, k, v, dout, mode: str, timer) -> tuple[float, float]:
+    """(median ms, peak_gib) of fwd(q, k, v) -> out in `mode`: fwd as inference; bwd alone as
+    out.backward(dout, retain_graph=True) after one forward outside the timed region; fwd_bwd
+    both. For bwd modes q, k, v must be leaves that require grad; their grads are reset."""
+    grads = (q, k, v) if mode != "fwd" else ()
+    if mode == "fwd":
+        def fn():
+            return fwd(q, k, v)
+    elif mode == "fwd_bwd":
+        def fn():
+            fwd(q, k, v).backward(dout)
+    else:
+        out = fwd(q, k, v)
+
+        def fn():
+            out.backward(dout, retain_graph=True)
+    peak = measure_peak_gib(fn, grads)
+    ms = timer(fn, grad_to_none=list(grads) or None)
+    for t in grads:
+        t.grad = None
+    return ms, peak
+
+
 def measure_peak_gib(fn, grad_tensors) -> float:
     """Extra memory allocated at the peak of one call of fn, in GiB."""
     for t in grad_tensors:
@@ -581,7 +605,6 @@ def run_cell(cfg: Config, provider: str, dtype: torch.dtype, inputs, ref: Refere
     else:
         q, k, v = q0, k0, v0
     grads = (q, k, v) if need_grad else ()
-    out = None
     status = "ok"
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -594,24 +617,11 @@ def run_cell(cfg: Config, provider: str, dtype: torch.dtype, inputs, ref: Refere
                 status = check_cache.get(key, "ok")
                 if status != "ok":
                     return Result(status=status)
-                if cfg.mode == "fwd":
-                    def fn():
-                        return fwd(q, k, v)
-                elif cfg.mode == "fwd_bwd":
-                    def fn():
-                        fwd(q, k, v).backward(dout)
-                else:  # bwd alone: the forward runs once here, outside the timed region
-                    out = fwd(q, k, v)
-
-                    def fn():
-                        out.backward(dout, retain_graph=True)
-                peak = measure_peak_gib(fn, grads)
-                ms = timer(fn, grad_to_none=list(grads) or None)
+                ms, peak = time_call(fwd, q, k, v, dout, cfg.mode, timer)
         except Exception as exc:  # noqa: BLE001 -- every failure becomes a status
             status = classify_error(exc, caught)
             # A traceback keeps the frame (and its tensors) alive: drop it before freeing.
             exc = None  # noqa: F841
-    out = None
     for t in grads:
         t.grad = None
     if status != "ok":
@@ -727,9 +737,9 @@ def csv_rows(grid, providers, results, dtype: torch.dtype):
                    "status": r.status}
 
 
-def write_csv(path: Path, rows) -> None:
+def write_csv(path: Path, rows, columns=CSV_COLUMNS) -> None:
     with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
+        writer = csv.DictWriter(f, fieldnames=columns)
         writer.writeheader()
         for row in rows:
             writer.writerow(row)
@@ -895,6 +905,10 @@ def parse_args(argv=None):
                    help="print our numbers next to the anchor CSVs (default: shared/anchors "
                         "under the repo root)")
     p.add_argument("--seed", type=int, default=0, help="random seed for the inputs")
+    p.add_argument("--features", action="store_true",
+                   help="benchmark the attention features instead of the grid: sliding window, "
+                        "varlen (packed) batches, softcap, ALiBi, each next to the plain call "
+                        "(bench/features.py; --d, --causal, --mode narrow it)")
     p.add_argument("--dry-run", action="store_true",
                    help="print the configs, providers and a rough time estimate; run nothing")
     args = p.parse_args(argv)
@@ -908,7 +922,7 @@ def parse_args(argv=None):
         args.rep_ms = 100.0 if args.rep_ms is None else args.rep_ms
     args.d = args.d or DEFAULT_D
     args.causal = args.causal if args.causal is not None else DEFAULT_CAUSAL
-    args.mode = args.mode or MODES
+    args.mode = args.mode or (["fwd", "bwd"] if args.features else MODES)
     args.workloads = ["tokens", "seeds"] if args.workload == "all" else [args.workload]
     for D in args.d:
         if D % 8 or not 8 <= D <= 256:
@@ -916,11 +930,11 @@ def parse_args(argv=None):
     return args
 
 
-def make_inputs(B, H, S, D, dtype, seed):
+def make_inputs(B, H, S, D, dtype, seed, device="cuda"):
     """Fresh random q, k, v, dout (B, H, S, D) on the GPU."""
-    gen = torch.Generator(device="cuda")
+    gen = torch.Generator(device=device)
     gen.manual_seed(seed)
-    return tuple(torch.randn(B, H, S, D, device="cuda", dtype=dtype, generator=gen)
+    return tuple(torch.randn(B, H, S, D, device=device, dtype=dtype, generator=gen)
                  for _ in range(4))
 
 
@@ -1029,6 +1043,12 @@ def main(argv=None) -> int:
         args.out_dirs = {dtypes[0]: base}
     else:
         args.out_dirs = {d: base / DTYPE_SHORT[d] for d in dtypes}
+    if args.features:
+        sys.modules.setdefault("run", sys.modules[__name__])  # one copy of this module
+        if str(REPO_ROOT / "bench") not in sys.path:
+            sys.path.insert(0, str(REPO_ROOT / "bench"))
+        import features  # noqa: WPS433 (bench/features.py, next to this script)
+        return features.main(args)
     if args.dry_run:
         dry_run(args)
         return 0

@@ -298,12 +298,14 @@ __device__ __forceinline__ void red_add_dq_tile(float* g, int64_t row_stride, in
 // is never overwritten while read. It was complete since B2. sK is never written after the
 // prologue.
 //
-// Deterministic kernel: K is stored pre-multiplied by scale * log2(e) (it is only used for S),
-// so S^T comes out in log2 units. With kAtomicDQ, K is also the B operand of P5 and stays
-// unscaled: the factor scale * log2(e) is applied in the exponent's FFMA instead
-// (2^(S^T * scale_log2 - lse), the same instruction count as the subtraction), and dQ gets
-// `scale` when added. Q (used for S and for dK) and dO stay unscaled. dK gets its factor
-// `scale` once, when written.
+// Q is stored pre-multiplied by scale * log2(e), as the forward stores it, so that S^T comes out
+// in log2 units and bitwise equal to the forward's scores: both are one FFMA chain over the head
+// dim, fmaf(q_d * scale_log2, k_d, s), in the same order. Recomputing P from a score that differs
+// from the forward's by a rounding would give P an error of ulp(|score|) relative to the lse
+// the forward normalized with, which at large logits (scale 1, head dim 128: |score| ~ 70 in
+// log2 units) costs several bits of dK, dV and dQ (OPTIMIZATION.md). K and V stay unscaled (K is
+// also the B operand of P5). dK = scale * sum dS^T Q = (scale / scale_log2) * sum dS^T Q_scaled:
+// that factor is applied once, when dK is written; dQ gets `scale` when added.
 // kV: kPlain, or kExtended (packed batches, softcap, ALiBi). The kExtended kernel's P1 applies
 // the modifiers before the mask, stores P^T into sP at once (sP is free from B4 of the previous
 // step on) and keeps P^T * dtanh in registers for P2.
@@ -424,9 +426,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSm)
     load_do(step_head(t_begin), step_m0(t_begin), sBuf + kBufFloats);
     cp_async_commit();
     cp_async_wait<1>();
-    if constexpr (!kAtomicDQ) {
-      scale_own_chunks<kRows, kD, kLdH, Cfg::kThreads>(sK, p.scale_log2, tid);
-    }
+    scale_own_chunks<kCols, kD, kLdH, Cfg::kThreads>(sBuf, p.scale_log2, tid);  // Q_0
     __syncthreads();
 
     const float* sK_row0 = sK + rg * kLdH;
@@ -441,7 +441,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSm)
       const int h_next = has_next ? step_head(t + 1) : 0;
       const int m0_next = has_next ? step_m0(t + 1) : 0;
 
-      // ---- P1: S^T = K Q^T (log2 units unless kAtomicDQ), mask, P^T = 2^(S^T - lse) ----
+      // ---- P1: S^T = K Q^T (log2 units), mask, P^T = 2^(S^T - lse) ----
       // s[i][j]: key n0 + rg + kRG*i, query m0 + cg + kG*j.
       float s[kTM][kTN];
 #pragma unroll
@@ -467,16 +467,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSm)
           const float lse2 = lse_to_log2_offset(bq[kCols * kLdH + cg + kG * j]);
 #pragma unroll
           for (int i = 0; i < kTM; ++i) {
-            if constexpr (kAtomicDQ) {
-              // -inf (masked) * scale_log2 - lse2 = -inf; scale_log2 > 0 is a normal float.
-              s[i][j] = fast_exp2(fmaf(s[i][j], p.scale_log2, -lse2));
-            } else {
-              s[i][j] = fast_exp2(s[i][j] - lse2);
-            }
+            s[i][j] = fast_exp2(s[i][j] - lse2);
           }
         }
       } else {
-        // x (log2 units; K unscaled with kAtomicDQ) -> x' = apply(x), masked -> P^T = 2^(x' -
+        // x (log2 units) -> x' = apply(x), masked -> P^T = 2^(x' -
         // lse) into sP, and s = P^T * dtanh(x) for P2.
         const ScoreMod mod = facts->seq.score_mod(p, step_head(t));
         const bool modded = mod.active();
@@ -487,7 +482,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSm)
 #pragma unroll
           for (int i = 0; i < kTM; ++i) {
             const int kj = n0 + rg + kRG * i;
-            float x = kAtomicDQ ? s[i][j] * p.scale_log2 : s[i][j];
+            float x = s[i][j];
             float dt = 1.f;
             if (modded) {
               dt = mod.dtanh<true>(x);
@@ -554,9 +549,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSm)
         red_add_dq_tile<Grid>(dq_tile, p.dq_row_stride, sf.sq - m0, p.d, dq, p.scale, qg, dg);
       }
 
-      // Q_{t+1} landed and, after the barrier, is visible; every warp is done with Q_t, whose
-      // buffer takes dO_{t+1}.
+      // Q_{t+1} landed (each thread scales the chunks it copied) and, after the barrier, is
+      // visible; every warp is done with Q_t, whose buffer takes dO_{t+1}.
       cp_async_wait<0>();
+      if (has_next) scale_own_chunks<kCols, kD, kLdH, Cfg::kThreads>(bdo, p.scale_log2, tid);
       __syncthreads();
       if (has_next) load_do(h_next, m0_next, bq);
       cp_async_commit();
@@ -568,7 +564,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSm)
   float dk_scale[kTM], one[kTM];
 #pragma unroll
   for (int i = 0; i < kTM; ++i) {
-    dk_scale[i] = p.scale;
+    dk_scale[i] = p.scale / p.scale_log2;  // Q was scaled by scale_log2
     one[i] = 1.f;
   }
   if (piece >= 0) {  // this range's partial dK and dV, summed by sum_split_dkdv_kernel

@@ -101,31 +101,45 @@ def _check_heads_and_head_dim(Hq: int, Hkv: int, D: int, prefix: str) -> None:
         )
 
 
+def _check_rank(q: Tensor, k: Tensor, v: Tensor, layouts: dict, note: str, prefix: str) -> None:
+    """The rank rule of the dense (4-D) and packed (3-D) layouts; ``layouts`` names each
+    tensor's dimensions, ``note`` explains the layout."""
+    ndim = len(layouts["q"].split(","))
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != ndim:
+            raise ValueError(
+                f"{prefix}{name} must be a {ndim}-D tensor {layouts[name]}{note}, "
+                f"got {t.dim()}-D with shape {tuple(t.shape)}"
+            )
+
+
+def _check_head_dim_and_kv(q: Tensor, k: Tensor, v: Tensor, layouts: dict, prefix: str) -> None:
+    """One head dim for q, k, v and one shape for k and v (both layouts)."""
+    ndim = q.dim()
+    D = q.shape[-1]
+    if k.shape[-1] != D or v.shape[-1] != D:
+        raise ValueError(
+            f"{prefix}q, k and v must have the same head dim (dim {ndim - 1}), got "
+            f"q: {q.shape[-1]}, k: {k.shape[-1]}, v: {v.shape[-1]}"
+        )
+    if k.shape != v.shape:
+        raise ValueError(
+            f"{prefix}k and v must have the same shape {layouts['k']}, "
+            f"got k: {tuple(k.shape)}, v: {tuple(v.shape)}"
+        )
+
+
 def _check_shapes(q: Tensor, k: Tensor, v: Tensor, prefix: str = _PREFIX) -> None:
     layouts = {"q": "(batch, heads, seqlen_q, head_dim)", "k": "(batch, kv_heads, seqlen_k, head_dim)",
                "v": "(batch, kv_heads, seqlen_k, head_dim)"}
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.dim() != 4:
-            raise ValueError(
-                f"{prefix}{name} must be a 4-D tensor {layouts[name]}, "
-                f"got {t.dim()}-D with shape {tuple(t.shape)}"
-            )
+    _check_rank(q, k, v, layouts, "", prefix)
     B, Hq, Sq, D = q.shape
     if k.shape[0] != B or v.shape[0] != B:
         raise ValueError(
             f"{prefix}q, k and v must have the same batch size (dim 0), got "
             f"q: {q.shape[0]}, k: {k.shape[0]}, v: {v.shape[0]}"
         )
-    if k.shape[3] != D or v.shape[3] != D:
-        raise ValueError(
-            f"{prefix}q, k and v must have the same head dim (dim 3), got "
-            f"q: {q.shape[3]}, k: {k.shape[3]}, v: {v.shape[3]}"
-        )
-    if k.shape != v.shape:
-        raise ValueError(
-            f"{prefix}k and v must have the same shape (batch, kv_heads, seqlen_k, head_dim), "
-            f"got k: {tuple(k.shape)}, v: {tuple(v.shape)}"
-        )
+    _check_head_dim_and_kv(q, k, v, layouts, prefix)
     _check_heads_and_head_dim(Hq, k.shape[1], D, prefix)
     if B > MAX_GRID_YZ or Hq > MAX_GRID_YZ:
         raise ValueError(
@@ -142,23 +156,9 @@ def _check_shapes(q: Tensor, k: Tensor, v: Tensor, prefix: str = _PREFIX) -> Non
 def _check_varlen_shapes(q: Tensor, k: Tensor, v: Tensor, prefix: str = _VARLEN_PREFIX) -> None:
     layouts = {"q": "(total_q, heads, head_dim)", "k": "(total_k, kv_heads, head_dim)",
                "v": "(total_k, kv_heads, head_dim)"}
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.dim() != 3:
-            raise ValueError(
-                f"{prefix}{name} must be a 3-D tensor {layouts[name]} (the sequences packed "
-                f"along dim 0), got {t.dim()}-D with shape {tuple(t.shape)}"
-            )
+    _check_rank(q, k, v, layouts, " (the sequences packed along dim 0)", prefix)
+    _check_head_dim_and_kv(q, k, v, layouts, prefix)
     total_q, Hq, D = q.shape
-    if k.shape[2] != D or v.shape[2] != D:
-        raise ValueError(
-            f"{prefix}q, k and v must have the same head dim (dim 2), got "
-            f"q: {q.shape[2]}, k: {k.shape[2]}, v: {v.shape[2]}"
-        )
-    if k.shape != v.shape:
-        raise ValueError(
-            f"{prefix}k and v must have the same shape (total_k, kv_heads, head_dim), "
-            f"got k: {tuple(k.shape)}, v: {tuple(v.shape)}"
-        )
     _check_heads_and_head_dim(Hq, k.shape[1], D, prefix)
     if Hq > MAX_GRID_YZ:
         raise ValueError(

@@ -1,11 +1,14 @@
 """Build flash_cuda: `pip install --no-build-isolation .` (needs nvcc and a CUDA build of torch).
 
 GPU architectures, in order of precedence:
-  FLASH_CUDA_ARCHS="80;90a"   explicit list (90a = Hopper with wgmma/setmaxnreg; 80 = Ampere and the portable tier)
+  FLASH_CUDA_ARCHS="80;86;89;90a;100;120"   explicit list (90a = Hopper with wgmma/setmaxnreg;
+                                            80 = A100, 86/89 = RTX 30/40, 120 = RTX 50, 100 = B200)
   TORCH_CUDA_ARCH_LIST="8.0;9.0"
   otherwise the GPUs visible at build time; with none visible, "80;90a".
-sm_90 is always built as the sm_90a target. ninja compiles the kernel instances in parallel
-(MAX_JOBS limits it).
+sm_90 is always built as the sm_90a target. The newest target also embeds PTX (without the
+arch-specific "a" features), so that GPUs newer than every target can compile it at load time;
+the Hopper-only kernels are inside the sm_90a feature guard and never run from it. ninja
+compiles the kernel instances in parallel (MAX_JOBS limits it).
 """
 
 import glob
@@ -42,17 +45,21 @@ def cuda_archs():
             archs = []
         if not archs:
             archs = ["80", "90a"]
-    archs = sorted(set(archs))
+    archs = sorted(set(archs), key=lambda a: (len(a.rstrip("a")), a))
     bad = [a for a in archs if not a.rstrip("a").isdigit() or int(a.rstrip("a")) < 80]
     if bad:
         raise RuntimeError(f"flash_cuda needs compute capability 8.0 or newer; cannot build for {bad}")
     return archs
 
 
+def _number(arch: str) -> int:
+    return int(arch.rstrip("a"))
+
+
 def gencode_flags(archs):
-    flags = []
-    for a in archs:
-        flags.append(f"-gencode=arch=compute_{a},code=sm_{a}")
+    flags = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
+    newest = max(archs, key=_number).rstrip("a")  # PTX of an "a" target would run on that GPU only
+    flags.append(f"-gencode=arch=compute_{newest},code=compute_{newest}")
     return flags
 
 

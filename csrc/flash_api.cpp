@@ -16,6 +16,7 @@
 #include <tuple>
 #include <vector>
 
+#include "core/gpu_class.h"
 #include "core/mask.cuh"
 #include "flash_params.h"
 #include "launch.h"
@@ -213,7 +214,8 @@ void fill_fwd(FwdParams& p, const Shape& s, const MaskArgs& m, const at::Tensor&
   }
   p.dtype = dtype_of(q);
   const auto prop = at::cuda::getDeviceProperties(q.device().index());
-  p.sm_arch = prop->major * 10 + prop->minor;
+  // Under FLASH_CUDA_EMULATE_ARCH (core/gpu_class.h) the dispatcher sees that GPU class.
+  p.sm_arch = emulated_arch() > 0 ? emulated_arch() : prop->major * 10 + prop->minor;
   p.num_sms = prop->multiProcessorCount;
 }
 

@@ -17,25 +17,27 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 INSTANCES = sorted((ROOT / "csrc" / "instances").glob("*.cu"))
-ARCHS = {"sm_80": "-gencode=arch=compute_80,code=sm_80", "sm_90a": "-gencode=arch=compute_90a,code=sm_90a"}
+# A100, RTX 30/40 (and A10, L40), H100/H200, RTX 50.
+ARCHS = {a: f"-gencode=arch=compute_{a[3:]},code={a}" for a in ("sm_80", "sm_86", "sm_90a", "sm_120")}
 
 # Instances allowed to spill, with the reason (OPTIMIZATION.md has the measurements). The plain
 # variants of the kernels on the performance grid spill nothing.
 # * kSoftcapGrad (mma_bwd_softcap_*): softcap's derivative is one more register tile next to P
 #   and dP, in kernels whose plain variant already sits at 255 registers. Softcap is in no
 #   performance gate; smaller tiles for this variant are the next step.
-# * kExtended at d = 96 / 128 (forward), 128 / 256 (backward): ALiBi's slope and the sequence's
-#   offsets push 255-register kernels over by a few words. On sm_90 the wgmma tier serves the
-#   extended variants at d = 64 / 128.
+# * kExtended at d = 96 / 128 (forward), 96 / 128 / 256 (backward), on the archs listed below:
+#   ALiBi's slope and the sequence's offsets push 255-register kernels over by a few words. On
+#   sm_90 the wgmma tier serves the extended variants at d = 64 / 128.
 # * The plain mma.sync backward at d = 64 on sm_90a (8 bytes): sm_90 runs the wgmma backward there.
 _DTS = ("fp16", "bf16")
+_EXTENDED_SPILLS = {("fwd_ext", 96): ("sm_90a",), ("fwd_ext", 128): ("sm_80", "sm_86", "sm_90a"),
+                    ("bwd_ext", 96): ("sm_120",), ("bwd_ext", 128): ("sm_80", "sm_86", "sm_90a"),
+                    ("bwd_ext", 256): ("sm_90a",)}
 SPILL_ALLOW = {
     **{(f"mma_bwd_softcap_{dt}_d{d}.cu", arch): "softcap derivative tile"
-       for dt in _DTS for d in (32, 64, 96, 128, 192, 256) for arch in ("sm_80", "sm_90a")},
+       for dt in _DTS for d in (32, 64, 96, 128, 192, 256) for arch in ("sm_80", "sm_86", "sm_90a", "sm_120")},
     **{(f"mma_{name}_{dt}_d{d}.cu", arch): "extended variant (ALiBi / varlen state)"
-       for dt in _DTS for name, d, arch in (("fwd_ext", 96, "sm_90a"), ("fwd_ext", 128, "sm_80"),
-                                           ("fwd_ext", 128, "sm_90a"), ("bwd_ext", 128, "sm_80"),
-                                           ("bwd_ext", 128, "sm_90a"), ("bwd_ext", 256, "sm_90a"))},
+       for dt in _DTS for (name, d), archs in _EXTENDED_SPILLS.items() for arch in archs},
     **{(f"mma_bwd_{dt}_d64.cu", "sm_90a"): "wgmma serves d = 64 on sm_90" for dt in _DTS},
 }
 
@@ -133,3 +135,35 @@ def test_kernels_include_no_torch():
                                                                           ROOT / "csrc" / "launch.h"]:
         text = path.read_text()
         assert not re.search(r"#include\s*[<\"](torch|ATen|c10)/", text), f"{path.name} includes a torch header"
+
+
+def _setup_namespace():
+    """setup.py's arch helpers, without running setup()."""
+    src = (ROOT / "setup.py").read_text().split("def extensions")[0]
+    ns = {"__file__": str(ROOT / "setup.py")}
+    exec(compile(src, "setup.py", "exec"), ns)
+    return ns
+
+
+@pytest.mark.parametrize("env,archs,ptx", [
+    ("80;86;89;90a;100;120", ["80", "86", "89", "90a", "100", "120"], "120"),
+    ("8.6", ["86"], "86"),
+    ("9.0", ["90a"], "90"),          # sm_90 builds as sm_90a; its PTX drops the "a" features
+    ("sm_80,sm_90", ["80", "90a"], "90"),
+])
+def test_build_targets_and_ptx(monkeypatch, env, archs, ptx):
+    """FLASH_CUDA_ARCHS accepts every supported class, and the newest target also embeds PTX
+    (so GPUs newer than every target can compile it when the module loads)."""
+    monkeypatch.setenv("FLASH_CUDA_ARCHS", env)
+    ns = _setup_namespace()
+    got = ns["cuda_archs"]()
+    assert got == archs
+    flags = ns["gencode_flags"](got)
+    assert flags[:-1] == [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
+    assert flags[-1] == f"-gencode=arch=compute_{ptx},code=compute_{ptx}"
+
+
+def test_build_rejects_old_targets(monkeypatch):
+    monkeypatch.setenv("FLASH_CUDA_ARCHS", "75;80")
+    with pytest.raises(RuntimeError, match="compute capability 8.0 or newer"):
+        _setup_namespace()["cuda_archs"]()

@@ -8,6 +8,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -15,6 +16,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "../core/gpu_class.h"
 #include "../flash_params.h"
 
 namespace flash_cuda {
@@ -55,8 +57,8 @@ inline void set_smem_limit(Kernel kernel, size_t smem_bytes, const char* kernel_
 }
 
 // Largest dynamic shared memory one block may opt into on the current device (227 KiB on
-// sm_90, 163 KiB on sm_80, 99 KiB on sm_86/89), queried once per device and cached, so the
-// launchers can pick the largest tile configuration that fits.
+// sm_90, 163 KiB on sm_80, 99 KiB on sm_86/89/120), queried once per device and cached, so the
+// launchers can pick the largest tile configuration that fits; capped under emulation.
 inline size_t device_smem_optin() {
   static std::atomic<int> cache[64];  // zero-initialised: 0 = not queried yet
   int dev = 0;
@@ -71,7 +73,8 @@ inline size_t device_smem_optin() {
     }
     if (cacheable) cache[dev].store(bytes, std::memory_order_relaxed);
   }
-  return static_cast<size_t>(bytes);
+  const size_t real = static_cast<size_t>(bytes);
+  return emulated_arch() > 0 ? std::min(real, smem_budget_of_arch(emulated_arch())) : real;
 }
 
 FLASH_HOST_DEVICE constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }

@@ -158,14 +158,14 @@ template <typename Cfg> struct Sm90Only : Cfg { static constexpr bool kSm90Only 
 template <int kHeadDim> struct Compact { using type = Traits<kHeadDim>; };
 //                                                   d    warps mt  M  split minB    warps mt  N  minB
 template <> struct Large<256>   { using type = Sm90Only<Config<256, 8, 1, 32, true,  1,      8, 1, 32, 1>>; };
-template <> struct Compact<96>  { using type = Config<96,  4, 1, 64, false, 2,      4, 2, 32, 2>; };
+template <> struct Compact<96>  { using type = Config<96,  4, 1, 48, false, 2,      4, 2, 32, 2>; };
 template <> struct Compact<128> { using type = Config<128, 4, 1, 48, false, 2,      4, 1, 48, 2>; };
 template <> struct Compact<192> { using type = Config<192, 4, 1, 16, true,  2,      4, 1, 16, 2>; };
 template <> struct Compact<256> { using type = Config<256, 3, 1, 16, true,  2,      3, 1, 16, 2>; };
 template <int kHeadDim>
-constexpr bool kTiersFit = Compact<kHeadDim>::type::max_smem_bytes() <= 99 * 1024 &&
-                           Traits<kHeadDim>::max_smem_bytes() <= 163 * 1024 &&
-                           Large<kHeadDim>::type::max_smem_bytes() <= 227 * 1024;
+constexpr bool kTiersFit = Compact<kHeadDim>::type::max_smem_bytes() <= kSmemConsumer &&
+                           Traits<kHeadDim>::max_smem_bytes() <= kSmemA100 &&
+                           Large<kHeadDim>::type::max_smem_bytes() <= kSmemHopper;
 static_assert(kTiersFit<32> && kTiersFit<64> && kTiersFit<96> && kTiersFit<128> && kTiersFit<192> &&
                   kTiersFit<256>,
               "tiles fit the shared memory of their GPUs");

@@ -43,16 +43,23 @@ template <> struct Traits<128> { static constexpr int kBlockM = 128, kBlockN = 6
 template <> struct Traits<192> { static constexpr int kBlockM = 64,  kBlockN = 64,  kNWarps = 4, kMinBlocks = 1; };
 template <> struct Traits<256> { static constexpr int kBlockM = 64,  kBlockN = 64,  kNWarps = 4, kMinBlocks = 1; };
 
-template <typename T_, int kHeadDim_, int kBlockM_ = Traits<kHeadDim_>::kBlockM,
-          int kBlockN_ = Traits<kHeadDim_>::kBlockN, int kNWarps_ = Traits<kHeadDim_>::kNWarps,
-          int kMinBlocks_ = Traits<kHeadDim_>::kMinBlocks>
+// Where a block may opt into less shared memory than Traits needs (d = 128 on 99 KiB consumer
+// cards, d = 192 there, d = 256 on an A100 too), run_fwd_mma takes CompactTraits: the K/V steps
+// shrink to 32 keys, which keeps the 16-row tiles per warp (tensor-core work per fragment read)
+// that the rows would lose; FlashAttention-2 makes the same choice on sm_86 / sm_89.
+template <int kHeadDim> struct CompactTraits : Traits<kHeadDim> {};
+template <> struct CompactTraits<128> { static constexpr int kBlockM = 128, kBlockN = 32, kNWarps = 4, kMinBlocks = 1; };
+template <> struct CompactTraits<192> { static constexpr int kBlockM = 64,  kBlockN = 32, kNWarps = 4, kMinBlocks = 1; };
+template <> struct CompactTraits<256> { static constexpr int kBlockM = 64,  kBlockN = 32, kNWarps = 4, kMinBlocks = 1; };
+
+template <typename T_, int kHeadDim_, typename Tile = Traits<kHeadDim_>>
 struct Config {
   using T = T_;
   static constexpr int kHeadDim = kHeadDim_;
-  static constexpr int kBlockM = kBlockM_;
-  static constexpr int kBlockN = kBlockN_;
-  static constexpr int kNWarps = kNWarps_;
-  static constexpr int kMinBlocks = kMinBlocks_;
+  static constexpr int kBlockM = Tile::kBlockM;
+  static constexpr int kBlockN = Tile::kBlockN;
+  static constexpr int kNWarps = Tile::kNWarps;
+  static constexpr int kMinBlocks = Tile::kMinBlocks;
   static constexpr int kThreads = kNWarps * 32;
   static constexpr int kWarpRows = kBlockM / kNWarps;
   static constexpr int kMTiles = kWarpRows / 16;  // 16-row MMA tiles per warp
@@ -66,6 +73,13 @@ struct Config {
   static_assert(kWarpRows % 16 == 0, "a warp owns whole 16-row MMA tiles");
   static_assert(kBlockN % 16 == 0 && kHeadDim % 16 == 0, "MMA k-steps are 16 wide");
 };
+
+template <typename T, int kHeadDim>
+constexpr bool kTilesFit = Config<T, kHeadDim>::kSmemBytes <= kSmemHopper &&
+                           Config<T, kHeadDim, CompactTraits<kHeadDim>>::kSmemBytes <= kSmemConsumer;
+static_assert(kTilesFit<__half, 32> && kTilesFit<__half, 64> && kTilesFit<__half, 96> &&
+                  kTilesFit<__half, 128> && kTilesFit<__half, 192> && kTilesFit<__half, 256>,
+              "every head dim has a configuration for each GPU class");
 
 // ---------------------------------------------------------------------------------
 // Global -> shared tile copy: rows [0, kRows) x columns [0, kHeadDim) of a row-major
@@ -495,7 +509,13 @@ void launch_fwd_mma(const FwdParams& p, cudaStream_t stream) {
 template <int kDType, int kHeadDim, int kVariant>
 void run_fwd_mma(const FwdParams& p, cudaStream_t stream) {
   using T = typename ElementOf<kDType>::type;
-  launch_fwd_mma<fwd_mma::Config<T, kHeadDim>, kVariant>(p, stream);
+  using Cfg = fwd_mma::Config<T, kHeadDim>;
+  using CompactCfg = fwd_mma::Config<T, kHeadDim, fwd_mma::CompactTraits<kHeadDim>>;
+  if (device_smem_optin() >= Cfg::kSmemBytes) {
+    launch_fwd_mma<Cfg, kVariant>(p, stream);
+  } else {
+    launch_fwd_mma<CompactCfg, kVariant>(p, stream);
+  }
 }
 
 }  // namespace flash_cuda

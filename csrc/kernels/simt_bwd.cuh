@@ -827,6 +827,14 @@ constexpr size_t bwd_dq_smem_bytes(bool ext = false) {
          (ext ? kFactsBytes : 0);
 }
 
+// Every head dim has backward configurations that fit a 99 KiB block (the consumer cards).
+template <int kHeadDim, typename Tr = SimtBwdTraits<kHeadDim>>
+constexpr bool kSimtBwdFits = bwd_dkdv_smem_bytes<typename Tr::CompactDkdvConfig>(true) <= kSmemConsumer &&
+                              bwd_dkdv_smem_bytes<typename Tr::CompactAtomicDkdvConfig>(true) <= kSmemConsumer &&
+                              bwd_dq_smem_bytes<typename Tr::CompactDqConfig>(true) <= kSmemConsumer;
+static_assert(kSimtBwdFits<32> && kSimtBwdFits<64> && kSimtBwdFits<128> && kSimtBwdFits<256>,
+              "fp32 backward configurations fit every GPU class");
+
 template <typename Cfg>
 int64_t num_key_blocks(const BwdParams& p) {
   return static_cast<int64_t>(ceil_div(p.sk, Cfg::kRows)) * p.b * p.hkv;

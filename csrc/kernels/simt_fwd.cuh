@@ -779,6 +779,14 @@ constexpr size_t fwd_smem_bytes(bool ext = false) {
          (ext ? kFactsBytes : 0);
 }
 
+// Every head dim has a configuration that fits a 99 KiB block (the consumer cards); the launcher
+// takes `Config` wherever the device gives it more.
+template <int kHeadDim>
+constexpr bool kSimtFwdFits = fwd_smem_bytes<typename SimtFwdTraits<kHeadDim>::CompactConfig>(true) <=
+                              kSmemConsumer;
+static_assert(kSimtFwdFits<32> && kSimtFwdFits<64> && kSimtFwdFits<128> && kSimtFwdFits<256>,
+              "an fp32 forward configuration fits every GPU class");
+
 // Checks shared by the fp32 launchers.
 inline void check_simt_args(const FwdParams& p, int head_dim_bucket, const char* name) {
   if (p.d <= 0 || p.d > head_dim_bucket || p.d % 8 != 0 || p.sq < 1 || p.sk < 1 || p.b < 1 ||

@@ -28,6 +28,7 @@ from flash_cuda.reference import (attention_backward_blocked, attention_forward_
                                   attention_varlen_forward_blocked, attention_varlen_naive)
 
 from attn_check import cu_seqlens_from_lengths, make_alibi_slopes, make_inputs
+from test_reference import assert_close64  # one float64 comparison for both reference suites
 
 F64 = torch.float64
 NEG_INF = float("-inf")
@@ -82,13 +83,6 @@ def spec_attention(q, k, v, *, is_causal=False, scale=None, window=(-1, -1), sof
     return out, lse
 
 
-def assert_close64(a, b, name, atol=1e-10):
-    assert a.shape == b.shape, (name, a.shape, b.shape)
-    fa, fb = torch.isfinite(a), torch.isfinite(b)
-    assert torch.equal(fa, fb), f"{name}: finiteness pattern differs"
-    assert torch.equal(a[~fa], b[~fb]), f"{name}: non-finite values differ"
-    err = (a[fa].double() - b[fb].double()).abs().max().item() if fa.any() else 0.0
-    assert err <= atol, f"{name}: max abs err {err:.3e} > {atol:.1e}"
 
 
 def _slopes(kind, B, Hq, seed=0):

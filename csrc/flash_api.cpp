@@ -406,6 +406,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd(
   }
   FwdParams p;
   fill_fwd(p, s, m, q, k, v, out, lse, scale);
+  if (aux.numel() > 0) p.softmax_stats = aux.data_ptr<float>();
   at::Tensor workspace;  // partial results of split key ranges (fp32 tier), if the plan splits
   if (t == Tier::kSimt) {
     const int64_t floats = with_bucket<SimtFwdPlan>(p.d, SimtBuckets{}, p);
@@ -484,8 +485,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(
   p.softmax_lse = const_cast<float*>(lse.data_ptr<float>());
   if (q_in.scalar_type() == at::kFloat) {
     TORCH_CHECK(aux_in.scalar_type() == at::kFloat && aux_in.is_contiguous() &&
-                    aux_in.numel() == 2 * lse_in.numel(),
+                    aux_in.numel() == 2 * lse_in.numel() && aux_in.device() == q_in.device(),
                 "flash_cuda: aux must be the float32 statistics the forward returned");
+    p.softmax_stats = const_cast<float*>(aux_in.data_ptr<float>());
   }
   p.dout = dout.data_ptr();
   s.strides(dout, p.do_batch_stride, p.do_head_stride, p.do_row_stride);

@@ -51,9 +51,10 @@ struct FwdParams {
   float* softmax_lse = nullptr;
   int64_t stat_batch_stride = 0, stat_head_stride = 0;
   // fp32 tier only (nullptr otherwise): the forward's own row max m (log2 units) and log2 of its
-  // row sum l, two floats per row at 2 * (stat_offset + row). The backward recomputes
-  // P = 2^(s * scale_log2 - m - log2 l) from them: exactly the forward's P / l, where going
-  // through lse (rounded at the size of the logits) would not be.
+  // row sum l, two floats per row at 2 * (stat_offset + row); a row that saw no key stores
+  // (+inf, 0). The backward recomputes P = 2^((s * scale_log2 - m) - log2 l) from them:
+  // going through lse instead (m + log2 l rounded at the size of the logits) would put an
+  // error of ulp(|m|) on every P of the row (simt_fwd.cuh: store_row_stats).
   float* softmax_stats = nullptr;
 
   // ---- sizes ----
@@ -92,15 +93,15 @@ struct FwdParams {
 
   // ---- split key ranges (fp32 forward: the last, partial wave; later: split-KV decode) ----
   // Query blocks from split_begin on (in the kernel's block order) are each cut into
-  // num_splits key ranges; every range (a "piece") leaves its normalized O and its lse in fp32
-  // workspace, o_accum [piece][block rows][d] then lse_accum [piece][block rows], and a merge
-  // kernel writes o and softmax_lse. Off: num_splits = 1. The tier's plan function sets
-  // split_begin and num_splits and sizes the workspace; the caller allocates it and sets
-  // o_accum; the launcher derives lse_accum.
+  // num_splits key ranges; every range (a "piece") leaves its normalized O and its row
+  // statistics (m, log2 l) in fp32 workspace, o_accum [piece][block rows][d] then stats_accum
+  // [piece][block rows][2], and a merge kernel writes o, softmax_lse and softmax_stats.
+  // Off: num_splits = 1. The tier's plan function sets split_begin and num_splits and sizes the
+  // workspace; the caller allocates it and sets o_accum; the launcher derives stats_accum.
   int num_splits = 1;
   int split_begin = INT_MAX;
   float* o_accum = nullptr;
-  float* lse_accum = nullptr;
+  float* stats_accum = nullptr;
 
   // ---- dispatch facts ----
   DType dtype = DType::kFloat16;

@@ -1,8 +1,9 @@
 // simt_bwd.cuh — the fp32 tier of flash_cuda: FlashAttention-2 backward on CUDA cores.
 //
 // True fp32 FFMA arithmetic throughout (no TF32, no tensor cores). With P = softmax(scale*QK^T)
-// recomputed from the forward's lse:
-//   P  = exp(scale * Q K^T - lse) = 2^(Q K^T * scale * log2 e - lse * log2 e)
+// recomputed from the forward's row statistics (m, log2 l) (params.softmax_stats; lse itself
+// would carry the rounding of m + log2 l, see store_row_stats in simt_fwd.cuh):
+//   P  = 2^((Q K^T * scale * log2 e - m) - log2 l)
 //   dV = P^T dO        dP = dO V^T        dS = P * (dP - delta)
 //   dK = scale * dS^T Q                    dQ = scale * dS K
 // where delta_i = rowsum(dO_i * O_i) - dlse_i comes from bwd_preprocess.cuh.
@@ -43,7 +44,7 @@
 //
 // Softcap and ALiBi (kExtended kernels): with x the score in log2 units of the scaled logit and
 // x' = ScoreMod::apply(x),
-//   P = 2^(x' - lse * log2 e)        dS = P * (dP - delta) * dtanh(x)
+//   P = 2^((x' - m) - log2 l)        dS = P * (dP - delta) * dtanh(x)
 // (dtanh = d x' / d x = 1 - tanh^2(x / C), 1 without softcap); dK and dQ keep their `scale`.
 // These kernels keep P * dtanh(x) in the registers that hold P (the dK/dV kernel stores P^T
 // for dV right away), so softcap's derivative costs no tile of registers here: kSoftcapGrad
@@ -62,7 +63,7 @@ namespace simt {
 //
 // dK/dV kernel (rows = keys, cols = queries). Registers hold dK and dV (2 * kTM * kTD), the
 // P tile and the dP tile (kTM * kTN each). Shared memory holds K, V, two query-side buffers
-// (Q or dO, each with a row vector: lse or delta) and the P^T, dS^T tiles:
+// (Q or dO, each with a row vector: the (m, log2 l) pairs or delta) and the P^T, dS^T tiles:
 //   D=32 : 64 keys x 64 queries, 128 threads, thread tiles 4x8 (scores) / 4x4 (dK, dV)  (73 KB)
 //   D=64 : 64 keys x 64 queries, 128 threads, thread tiles 4x8 / 4x8      (105 KB: 2 CTAs/SM)
 //   D=128: 64 keys x 64 queries, 256 threads, thread tiles 4x4 / 4x8      (173 KB)
@@ -139,18 +140,19 @@ template <> struct SimtBwdTraits<256> {
 };
 
 // 4-byte cp.async (cp.async.ca supports 4, 8 and 16 bytes) with zero fill: loads the per-row
-// vectors lse and delta, whose blocks start at arbitrary (4-byte aligned) addresses.
+// vectors (m, log2 l) and delta, whose blocks start at arbitrary (4-byte aligned) addresses.
 __device__ __forceinline__ void cp_async_4(void* smem, const void* gmem, bool valid) {
   const int src_size = valid ? 4 : 0;
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr(smem)), "l"(gmem),
                "r"(src_size));
 }
 
-// lse (natural log) -> the exponent offset in log2 units. A row that saw no key in the forward
-// has lse = -inf; mapping it to +inf makes P = 2^(s - inf) = 0 for every key (never NaN, and
-// for masked s = -inf too: 2^(-inf - inf) = 0).
-__device__ __forceinline__ float lse_to_log2_offset(float lse) {
-  return lse == -INFINITY ? INFINITY : lse * 1.4426950408889634f;
+// P recomputed from a score s (log2 units) and its row's forward statistics (m, log2 l)
+// (store_row_stats in simt_fwd.cuh): 2^((s - m) - log2 l), the two subtractions in this order
+// (see store_row_stats for why). A row that saw no key stored (+inf, 0): P = 0 for every key,
+// masked s = -inf included (never NaN). Rows past sq read (0, 0): finite P, never written.
+__device__ __forceinline__ float recompute_p(float s, float m, float log2l) {
+  return fast_exp2((s - m) - log2l);
 }
 
 // =================================================================================
@@ -279,11 +281,11 @@ __device__ __forceinline__ void red_add_dq_tile(float* g, int64_t row_stride, in
 //
 // Shared memory: sK [kRows][kLdHead] | sV [kRows][kLdHead] | buf0 | buf1 | sP [kRows][kLdScore]
 //                | sdS [kRows][kLdScore] | CtaFacts (kExtended),
-//                buf = [kCols][kLdHead] tile + kCols row vector.
-// Step t (one query block m of one query head h) uses Q_t (+ its lse) in buf[t % 2] and dO_t
+//                buf = [kCols][kLdHead] tile + 2 kCols row vector.
+// Step t (one query block m of one query head h) uses Q_t (+ its (m, log2 l)) in buf[t % 2] and dO_t
 // (+ its delta) in buf[(t + 1) % 2]; the two buffers swap roles every step:
 //
-//   P1  S^T = K Q_t^T -> P^T = 2^(S^T - lse)                    [reads sK, Q_t]
+//   P1  S^T = K Q_t^T -> P^T = 2^((S^T - m) - log2 l)           [reads sK, Q_t]
 //       wait dO_t, barrier (B1)
 //   P2  dP^T = V dO_t^T -> dS^T = P^T * (dP^T - delta); store P^T, dS^T     [sV, dO_t]
 //       barrier (B2)                   (sP, sdS complete)
@@ -299,10 +301,10 @@ __device__ __forceinline__ void red_add_dq_tile(float* g, int64_t row_stride, in
 // prologue.
 //
 // Q is stored pre-multiplied by scale * log2(e), as the forward stores it, so that S^T comes out
-// in log2 units and bitwise equal to the forward's scores: both are one FFMA chain over the head
-// dim, fmaf(q_d * scale_log2, k_d, s), in the same order. Recomputing P from a score that differs
-// from the forward's by a rounding would give P an error of ulp(|score|) relative to the lse
-// the forward normalized with, which at large logits (scale 1, head dim 128: |score| ~ 70 in
+// in log2 units and bitwise equal to the forward's scores: both are the same FFMA chains over the
+// head dim (gemm_nt's partial chains of kScoreChain), fmaf(q_d * scale_log2, k_d, s), in the same
+// order. Recomputing P from a score that differs from the forward's by a rounding would give P an
+// error of ulp(|score|) relative to the statistics the forward normalized with, which at large logits (scale 1, head dim 128: |score| ~ 70 in
 // log2 units) costs several bits of dK, dV and dQ (OPTIMIZATION.md). K and V stay unscaled (K is
 // also the B operand of P5). dK = scale * sum dS^T Q = (scale / scale_log2) * sum dS^T Q_scaled:
 // that factor is applied once, when dK is written; dQ gets `scale` when added.
@@ -316,7 +318,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSm)
   constexpr int kRows = Cfg::kRows, kCols = Cfg::kCols, kD = Cfg::kHeadDim;
   constexpr int kLdH = Cfg::kLdHead, kLdS = Cfg::kLdScore;
   constexpr int kRG = Cfg::kRowGroups, kG = Cfg::kG;
-  constexpr int kBufFloats = kCols * kLdH + kCols;  // a multiple of 4: buffers stay 16-byte aligned
+  // A buffer: the tile, then its row vector (Q: the (m, log2 l) pairs, 2 kCols floats; dO: delta,
+  // kCols floats). A multiple of 4: buffers stay 16-byte aligned.
+  constexpr int kBufFloats = kCols * kLdH + 2 * kCols;
   constexpr bool kExt = kV != kPlain;
 
   extern __shared__ float4 smem_f4[];
@@ -383,15 +387,16 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSm)
 
   // Step t -> (query head, first query row): the steps run over the query blocks m_first ..
   // m_range.end - 1 of the first head of the group, then of the next head, and so on.
-  // The kCols-float row vector of each buffer holds lse (next to Q) or delta (next to dO) for
-  // the step's query rows. Rows past sq are zero-filled (Q, dO, lse, delta).
+  // The row vector of each buffer holds the (m, log2 l) pairs (next to Q) or delta (next to
+  // dO) of the step's query rows. Rows past sq are zero-filled (Q, dO, pairs, delta).
   auto step_head = [&](int t) { return hk * group + t / steps_per_head; };
   auto step_m0 = [&](int t) { return (m_first + t % steps_per_head) * kCols; };
-  static_assert(kCols <= Cfg::kThreads, "one thread per row-vector element");
-  auto load_row_vector = [&](float* dst, const float* src_rows, int rows_valid) {
-    if (tid < kCols) {
-      const bool valid = tid < rows_valid;
-      cp_async_4(dst + tid, valid ? src_rows + tid : src_rows, valid);
+  static_assert(2 * kCols <= Cfg::kThreads, "one thread per row-vector element");
+  // Floats [0, n) of a row vector, of which [0, n_valid) exist in memory.
+  auto load_row_vector = [&](float* dst, const float* src, int n, int n_valid) {
+    if (tid < n) {
+      const bool valid = tid < n_valid;
+      cp_async_4(dst + tid, valid ? src + tid : src, valid);
     }
   };
   auto load_q = [&](int h, int m0, float* buf) {
@@ -400,7 +405,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSm)
                                p.q_row_stride, h) +
                      m0 * p.q_row_stride;
     load_tile_async<kCols, kD, kLdH, Cfg::kThreads>(buf, q, p.q_row_stride, sf.sq - m0, p.d, tid);
-    load_row_vector(buf + kCols * kLdH, p.softmax_lse + sf.stat_offset(p, h) + m0, sf.sq - m0);
+    load_row_vector(buf + kCols * kLdH, p.softmax_stats + 2 * (sf.stat_offset(p, h) + m0), 2 * kCols,
+                    2 * (sf.sq - m0));
   };
   auto load_do = [&](int h, int m0, float* buf) {
     const SeqInfo sf = cta_seq<kExt>(p, facts, bi);
@@ -408,7 +414,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSm)
                                 p.do_head_stride, p.do_row_stride, h) +
                       m0 * p.do_row_stride;
     load_tile_async<kCols, kD, kLdH, Cfg::kThreads>(buf, dO, p.do_row_stride, sf.sq - m0, p.d, tid);
-    load_row_vector(buf + kCols * kLdH, p.delta + sf.stat_offset(p, h) + m0, sf.sq - m0);
+    load_row_vector(buf + kCols * kLdH, p.delta + sf.stat_offset(p, h) + m0, kCols, sf.sq - m0);
   };
 
   float dk[kTM][kTD], dv[kTM][kTD];
@@ -418,7 +424,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSm)
     for (int c = 0; c < kTD; ++c) dk[i][c] = dv[i][c] = 0.f;
 
   if (t_end > t_begin) {
-    // Two groups: {K, Q_0, lse_0} then {V, dO_0, delta_0}.
+    // Two groups: {K, Q_0, stats_0} then {V, dO_0, delta_0}.
     load_tile_async<kRows, kD, kLdH, Cfg::kThreads>(sK, k, p.k_row_stride, keys_valid, p.d, tid);
     load_q(step_head(t_begin), step_m0(t_begin), sBuf);
     cp_async_commit();
@@ -435,13 +441,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSm)
     int m0 = step_m0(t_begin);
     for (int t = t_begin; t < t_end; ++t) {
       const int parity = (t - t_begin) & 1;
-      float* bq = sBuf + parity * kBufFloats;         // Q_t, lse
+      float* bq = sBuf + parity * kBufFloats;         // Q_t, (m, log2 l)
       float* bdo = sBuf + (parity ^ 1) * kBufFloats;  // dO_t, delta
       const bool has_next = t + 1 < t_end;
       const int h_next = has_next ? step_head(t + 1) : 0;
       const int m0_next = has_next ? step_m0(t + 1) : 0;
 
-      // ---- P1: S^T = K Q^T (log2 units), mask, P^T = 2^(S^T - lse) ----
+      // ---- P1: S^T = K Q^T (log2 units), mask, P^T = recompute_p(S^T) ----
       // s[i][j]: key n0 + rg + kRG*i, query m0 + cg + kG*j.
       float s[kTM][kTN];
 #pragma unroll
@@ -450,9 +456,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSm)
         for (int j = 0; j < kTN; ++j) s[i][j] = 0.f;
       gemm_nt<kTM, kTN, kRG * kLdH, kG * kLdH, kD>(s, sK_row0, bq + cg * kLdH, p.d);
 
-      // Keys past sk must be masked (their zero K rows would give P = 2^(-lse), which can
+      // Keys past sk must be masked (their zero K rows would give P = 2^(-m - log2 l), which can
       // overflow, and dS = inf * 0 = NaN would reach dq through P5). Query columns past sq need
-      // no mask: their Q, dO, lse and delta were zero-filled, so they give finite P and
+      // no mask: their Q, dO, statistics and delta were zero-filled, so they give finite P and
       // dS = P * (0 - 0) = 0, and their dO / Q rows are 0, so they add nothing.
       const AttnMask mask = cta_mask<kExt>(p, facts);
       const int m1 = min(m0 + kCols, mask.sq);
@@ -464,20 +470,20 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSm)
         }
 #pragma unroll
         for (int j = 0; j < kTN; ++j) {
-          const float lse2 = lse_to_log2_offset(bq[kCols * kLdH + cg + kG * j]);
+          const float2 st = reinterpret_cast<const float2*>(bq + kCols * kLdH)[cg + kG * j];
 #pragma unroll
           for (int i = 0; i < kTM; ++i) {
-            s[i][j] = fast_exp2(s[i][j] - lse2);
+            s[i][j] = recompute_p(s[i][j], st.x, st.y);
           }
         }
       } else {
-        // x (log2 units) -> x' = apply(x), masked -> P^T = 2^(x' -
-        // lse) into sP, and s = P^T * dtanh(x) for P2.
+        // x (log2 units) -> x' = apply(x), masked -> P^T = recompute_p(x') into sP, and
+        // s = P^T * dtanh(x) for P2.
         const ScoreMod mod = facts->seq.score_mod(p, step_head(t));
         const bool modded = mod.active();
 #pragma unroll
         for (int j = 0; j < kTN; ++j) {
-          const float lse2 = lse_to_log2_offset(bq[kCols * kLdH + cg + kG * j]);
+          const float2 st = reinterpret_cast<const float2*>(bq + kCols * kLdH)[cg + kG * j];
           const int qi = m0 + cg + kG * j;
 #pragma unroll
           for (int i = 0; i < kTM; ++i) {
@@ -489,7 +495,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSm)
               x = mod.apply<true>(x, qi, kj);
             }
             if (mask_active & !mask.visible(qi, kj)) x = -INFINITY;
-            const float pr = fast_exp2(x - lse2);
+            const float pr = recompute_p(x, st.x, st.y);
             sP[(rg + kRG * i) * kLdS + cg + kG * j] = pr;
             s[i][j] = pr * dt;
           }
@@ -625,7 +631,7 @@ __global__ void __launch_bounds__(256) sum_split_dkdv_kernel(const BwdParams p, 
 // | CtaFacts (kExtended), buf = [kCols][kLdHead]. Key block n (from keys.begin on) keeps K_n in
 // buf[(n - begin) % 2] and V_n in the other buffer:
 //
-//   S = Q K_n^T -> P = 2^(S - lse)                                [sQ, K_n]
+//   S = Q K_n^T -> P = 2^((S - m) - log2 l)                       [sQ, K_n]
 //   wait V_n, barrier
 //   dP = dO V_n^T -> dS = P * (dP - delta); store dS               [sdO, V_n]
 //   barrier -> V_n's buffer is free: start K_{n+1} there          (lands during the dQ product)
@@ -671,15 +677,18 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSm)
                                    p.do_head_stride, p.do_row_stride, hi) +
                     m0 * p.do_row_stride;
 
-  // Per-row lse (as a log2 offset) and delta of this thread's rows. Rows past sq: 0 (their
-  // Q and dO rows are zero, so they produce finite values that are never written).
-  float lse2[kTM], delta[kTM];
+  // Per-row forward statistics (m, log2 l) and delta of this thread's rows. Rows past sq: 0
+  // (their Q and dO rows are zero, so they produce finite values that are never written).
+  float row_m[kTM], row_log2l[kTM], delta[kTM];
   {
     const int64_t row_base = blk.seq.stat_offset(p, hi) + m0;
 #pragma unroll
     for (int i = 0; i < kTM; ++i) {
       const int r = rg + kRG * i;
-      lse2[i] = r < rows_valid ? lse_to_log2_offset(p.softmax_lse[row_base + r]) : 0.f;
+      const float2 st = r < rows_valid ? reinterpret_cast<const float2*>(p.softmax_stats)[row_base + r]
+                                       : make_float2(0.f, 0.f);
+      row_m[i] = st.x;
+      row_log2l[i] = st.y;
       delta[i] = r < rows_valid ? p.delta[row_base + r] : 0.f;
     }
   }
@@ -715,7 +724,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSm)
       float* bk = sBuf + parity * kBufFloats;        // K_n
       float* bv = sBuf + (parity ^ 1) * kBufFloats;  // V_n
 
-      // ---- S = Q K^T (log2 units), modifiers, mask, P = 2^(S - lse) ----
+      // ---- S = Q K^T (log2 units), modifiers, mask, P = recompute_p(S) ----
       // s[i][j]: query m0 + rg + kRG*i, key n0 + cg + kG*j.
       float s[kTM][kTN];
 #pragma unroll
@@ -724,8 +733,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSm)
         for (int j = 0; j < kTN; ++j) s[i][j] = 0.f;
       gemm_nt<kTM, kTN, kRG * kLdH, kG * kLdH, kD>(s, sQ_row0, bk + cg * kLdH, p.d);
 
-      // Keys past sk must be masked here: their (zero) K rows give s = 0 and P = 2^(-lse), which
-      // can overflow to inf for a very negative lse; inf * 0 would then be NaN. Rows past sq
+      // Keys past sk must be masked here: their (zero) K rows give s = 0 and P = 2^(-m - log2 l),
+      // which can overflow to inf for a very negative m; inf * 0 would then be NaN. Rows past sq
       // are never written: the test need not count them.
       const AttnMask mask = cta_mask<kExt>(p, facts);
       const int m1 = min(m0 + kRows, mask.sq);
@@ -738,7 +747,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSm)
 #pragma unroll
         for (int i = 0; i < kTM; ++i)
 #pragma unroll
-          for (int j = 0; j < kTN; ++j) s[i][j] = fast_exp2(s[i][j] - lse2[i]);
+          for (int j = 0; j < kTN; ++j) s[i][j] = recompute_p(s[i][j], row_m[i], row_log2l[i]);
       } else {
         const ScoreMod mod = facts->mod;
         const bool modded = mod.active();
@@ -754,7 +763,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSm)
               x = mod.apply<true>(x, qi, kj);
             }
             if (mask_active & !mask.visible(qi, kj)) x = -INFINITY;
-            s[i][j] = fast_exp2(x - lse2[i]) * dt;
+            s[i][j] = recompute_p(x, row_m[i], row_log2l[i]) * dt;
           }
         }
       }
@@ -814,7 +823,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSm)
 template <typename Cfg>
 constexpr size_t bwd_dkdv_smem_bytes(bool ext = false) {
   return sizeof(float) * (2 * static_cast<size_t>(Cfg::kRows) * Cfg::kLdHead +
-                          2 * (static_cast<size_t>(Cfg::kCols) * Cfg::kLdHead + Cfg::kCols) +
+                          2 * (static_cast<size_t>(Cfg::kCols) * Cfg::kLdHead + 2 * Cfg::kCols) +
                           2 * static_cast<size_t>(Cfg::kRows) * Cfg::kLdScore) +
          (ext ? kFactsBytes : 0);
 }

@@ -212,6 +212,15 @@ __device__ __forceinline__ void scale_own_chunks(float* smem, float factor, int 
   }
 }
 
+// The head-dim reduction of a score (Q K^T, and dO V^T in the backward) is summed as partial
+// chains of at most kScoreChain columns, added in order. Why: a sequential fp32 chain's rounding
+// error grows with the length of the chain times the size of its partial sums; at D >= 128 with
+// large logits (scale 1, |s| ~ sqrt(D)) the chain's error is the dominant error of P, hence of
+// O, dQ and dK. Two chains of 64 instead of one of 128 halve it (OPTIMIZATION.md, "fp32 score
+// chains") for kTM * kTN extra registers. The forward and the backward use the same partition,
+// so the recomputed scores stay bitwise equal to the forward's.
+constexpr int kScoreChain = 64;
+
 // Inner-loop unrolling of the two products below: a chunk of the reduction dimension is fully
 // unrolled (all shared-memory offsets become compile-time immediates of one base register per
 // operand) and holds about 1024 FFMA: long enough to hide shared-memory latency, short enough
@@ -227,13 +236,15 @@ __host__ __device__ constexpr int unroll_chunk(int total, int fma_per_step) {
 //   b: this thread's first B row (sB + cg * ldb); its column j is b + j * kStrideB
 // k runs over [0, kK) in unrolled chunks, stopping after the chunk that contains k_end: the
 // columns past the real head dim d are zero in shared memory, so skipping them is exact.
+// Reductions longer than kScoreChain run as partial chains of kScoreChain columns, each in
+// its own accumulator, added to acc in order (see kScoreChain).
 template <int kTM, int kTN, int kStrideA, int kStrideB, int kK>
 __device__ __forceinline__ void gemm_nt(float (&acc)[kTM][kTN], const float* a, const float* b,
                                         int k_end) {
-  constexpr int kChunk = unroll_chunk(kK, kTM * kTN);
-  static_assert(kK % kChunk == 0 && kChunk % 4 == 0, "k chunking");
-#pragma unroll 1
-  for (int k0 = 0; k0 < k_end; k0 += kChunk) {
+  constexpr int kSeg = kK < kScoreChain ? kK : kScoreChain;
+  constexpr int kChunk = unroll_chunk(kK, kTM * kTN) < kSeg ? unroll_chunk(kK, kTM * kTN) : kSeg;
+  static_assert(kK % kSeg == 0 && kSeg % kChunk == 0 && kChunk % 4 == 0, "k chunking");
+  auto chunk = [&](float (&c)[kTM][kTN]) {
 #pragma unroll
     for (int k = 0; k < kChunk; k += 4) {
       float4 av[kTM], bv[kTN];
@@ -245,17 +256,36 @@ __device__ __forceinline__ void gemm_nt(float (&acc)[kTM][kTN], const float* a, 
       for (int i = 0; i < kTM; ++i) {
 #pragma unroll
         for (int j = 0; j < kTN; ++j) {
-          float c = acc[i][j];
-          c = fmaf(av[i].x, bv[j].x, c);
-          c = fmaf(av[i].y, bv[j].y, c);
-          c = fmaf(av[i].z, bv[j].z, c);
-          c = fmaf(av[i].w, bv[j].w, c);
-          acc[i][j] = c;
+          float x = c[i][j];
+          x = fmaf(av[i].x, bv[j].x, x);
+          x = fmaf(av[i].y, bv[j].y, x);
+          x = fmaf(av[i].z, bv[j].z, x);
+          x = fmaf(av[i].w, bv[j].w, x);
+          c[i][j] = x;
         }
       }
     }
     a += kChunk;
     b += kChunk;
+  };
+  if constexpr (kSeg == kK) {
+#pragma unroll 1
+    for (int k0 = 0; k0 < k_end; k0 += kChunk) chunk(acc);
+  } else {
+#pragma unroll 1
+    for (int k0 = 0; k0 < k_end; k0 += kSeg) {
+      float part[kTM][kTN];
+#pragma unroll
+      for (int i = 0; i < kTM; ++i)
+#pragma unroll
+        for (int j = 0; j < kTN; ++j) part[i][j] = 0.f;
+#pragma unroll 1
+      for (int kc = 0; kc < kSeg && k0 + kc < k_end; kc += kChunk) chunk(part);
+#pragma unroll
+      for (int i = 0; i < kTM; ++i)
+#pragma unroll
+        for (int j = 0; j < kTN; ++j) acc[i][j] += part[i][j];
+    }
   }
 }
 
@@ -297,6 +327,29 @@ __device__ __forceinline__ void gemm_nn(float (&acc)[kTM][kTD], const float* a, 
     a += kChunk;
     b += kChunk * kLdB;
   }
+}
+
+// The forward's statistics of one row r of a tile, from its (possibly lagging, see
+// simt_fwd_outer.cuh) running max m (log2 units) and its sum l = sum_j 2^(s_j - m):
+//   lse[r] = (m + log2 l) * ln 2 (natural log, what the user gets), when lse != nullptr;
+//   stats[2r], stats[2r + 1] = m, log2 l, when stats != nullptr (fp32 backward, split pieces).
+// Why both: the backward needs P = 2^(s - m - log2 l). Through lse, m + log2 l is rounded at the
+// size of the logits (ulp(64) = 7.6e-6 at scale 1, D = 128), an error every P of the row
+// inherits; (s - m) is exact for the scores that matter (Sterbenz) and log2 l <= log2(sk) is
+// small, so the pair gives P to within the rounding of P itself (OPTIMIZATION.md, "fp32 row
+// statistics"). A row that saw no key (l = 0): lse = -inf, pair (+inf, 0), so P = 2^(s - inf) = 0.
+__device__ __forceinline__ void store_row_stats(float* lse, float* stats, int r, float m, float l) {
+  const bool empty = l == 0.f;
+  const float log2l = empty ? 0.f : log2f(l);
+  if (lse != nullptr) lse[r] = empty ? -INFINITY : (m + log2l) * 0.69314718055994531f;
+  if (stats != nullptr) {
+    reinterpret_cast<float2*>(stats)[r] = empty ? make_float2(INFINITY, 0.f) : make_float2(m, log2l);
+  }
+}
+
+// The (m, log2 l) pairs of the rows from stat row `row0` on, or nullptr when there are none.
+__device__ __forceinline__ float* stats_tile(float* stats, int64_t row0) {
+  return stats == nullptr ? nullptr : stats + 2 * row0;
 }
 
 // AttnMask::visible(i, j) for the keys j of one query i, as the inclusive range [lo, hi]:
@@ -637,23 +690,22 @@ __device__ __forceinline__ void compute_block_softmax_and_weighted_v(
           Cfg::kCols>(o, sP + rg * Cfg::kLdScore, sV + 4 * cg);
 }
 
-// O /= l and lse = ln(sum_j exp(scale * q.k_j)) = (m + log2 l) * ln 2, written for the rows
-// < sq of the block. A row that saw no key has l = 0: output 0 and lse = -inf (no NaN).
+// O /= l and the row statistics (store_row_stats), written for the rows < sq of the block.
+// A row that saw no key has l = 0: output 0 and lse = -inf (no NaN).
 template <typename Cfg>
 __device__ __forceinline__ void normalize_output(const float (&o)[Cfg::kTM][Cfg::kTD],
                                                  const float (&row_max)[Cfg::kTM],
                                                  const float (&row_sum)[Cfg::kTM], float* o_tile,
                                                  int64_t o_row_stride, float* lse_tile,
-                                                 int rows_valid, int d, int rg, int cg) {
+                                                 float* stats_tile, int rows_valid, int d, int rg,
+                                                 int cg) {
   float inv_l[Cfg::kTM];
 #pragma unroll
   for (int i = 0; i < Cfg::kTM; ++i) {
     const float l = group_sum<Cfg::kG>(row_sum[i]);
     inv_l[i] = l == 0.f ? 0.f : 1.f / l;  // l == 0: no key seen; a NaN l stays NaN
     const int r = rg + i * Cfg::kRowGroups;
-    if (cg == 0 && r < rows_valid) {
-      lse_tile[r] = l == 0.f ? -INFINITY : (row_max[i] + log2f(l)) * 0.69314718055994531f;
-    }
+    if (cg == 0 && r < rows_valid) store_row_stats(lse_tile, stats_tile, r, row_max[i], l);
   }
   store_row_tile<Cfg>(o_tile, o_row_stride, rows_valid, d, o, inv_l, rg, cg);
 }
@@ -764,9 +816,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSm)
   float* o_tile = seq.q_rows(static_cast<float*>(p.o), p.o_batch_stride, p.o_head_stride,
                              p.o_row_stride, hi) +
                   m0 * p.o_row_stride;
-  float* lse_tile = p.softmax_lse + seq.stat_offset(p, hi) + m0;
-  normalize_output<Cfg>(o, row_max, row_sum, o_tile, p.o_row_stride, lse_tile, rows_valid, p.d, rg,
-                        cg);
+  const int64_t stat0 = seq.stat_offset(p, hi) + m0;
+  normalize_output<Cfg>(o, row_max, row_sum, o_tile, p.o_row_stride, p.softmax_lse + stat0,
+                        stats_tile(p.softmax_stats, stat0), rows_valid, p.d, rg, cg);
 }
 
 // kExt: a kExtended kernel, which appends its CtaFacts.

@@ -253,6 +253,15 @@ __device__ __forceinline__ void compute_qk_scores_and_max(
 #pragma unroll
     for (int j = 0; j < Cfg::kTN; ++j) s[i][j] = 0.f;
 
+  // The chain of each kScoreChain columns runs in `part`, then adds to s (simt_fwd.cuh: the
+  // same partition as every other fp32 score, so the backward recomputes these bits).
+  static_assert(kScoreChain % kChunk == 0, "a chunk never straddles two partial chains");
+  float part[Cfg::kTM][Cfg::kTN];
+#pragma unroll
+  for (int i = 0; i < Cfg::kTM; ++i)
+#pragma unroll
+    for (int j = 0; j < Cfg::kTN; ++j) part[i][j] = 0.f;
+
   // Two k steps per iteration, prefetching the next two.
   float4 qa[2], qb[2], kv[2];
 #pragma unroll
@@ -281,7 +290,7 @@ __device__ __forceinline__ void compute_qk_scores_and_max(
         if (!kLowBlind) unpack4(a, 0, qa[u]);
         unpack4(a, 4, qb[u]);
         unpack4(b, 0, kv[u]);
-        outer_product<Cfg::kTM, Cfg::kTN, kLowBlind ? 4 : 0>(s, a, b);
+        outer_product<Cfg::kTM, Cfg::kTN, kLowBlind ? 4 : 0>(part, a, b);
       }
 #pragma unroll
       for (int u = 0; u < 2; ++u) {
@@ -289,6 +298,15 @@ __device__ __forceinline__ void compute_qk_scores_and_max(
         qb[u] = nqb[u];
         kv[u] = nkv[u];
       }
+    }
+    if ((c0 + kChunk) % kScoreChain == 0 || !more) {
+#pragma unroll
+      for (int i = kLowBlind ? 4 : 0; i < Cfg::kTM; ++i)
+#pragma unroll
+        for (int j = 0; j < Cfg::kTN; ++j) {
+          s[i][j] += part[i][j];
+          part[i][j] = 0.f;
+        }
     }
     qt += kChunk * kRows;
     kt += kChunk * kCols;
@@ -431,8 +449,8 @@ __device__ __forceinline__ float reciprocal(float x) {
   return fmaf(fmaf(-x, r, 1.f), r, r);
 }
 
-// O /= l, lse = (m + log2 l) * ln 2 for the valid rows; a row that saw no key gets O = 0 and
-// lse = -inf. Paid once per query block, so it is written to be short: the 16-lane sums of
+// O /= l and the row statistics (store_row_stats) for the valid rows; a row that saw no key gets
+// O = 0 and lse = -inf. Paid once per query block, so it is written to be short: the 16-lane sums of
 // the thread's 8 rows are reduced together (their shuffles overlap instead of running as 8
 // dependent chains), 1/l needs no division subroutine (l >= 1 once a key was seen: the row's
 // max element contributes 2^(s - m) >= 1), and the stores follow without branches between
@@ -444,7 +462,8 @@ __device__ __forceinline__ void normalize_output(const float (&o)[Cfg::kTM][Cfg:
                                                  const float (&row_max)[Cfg::kTM],
                                                  const float (&row_sum)[Cfg::kTM], float* o_tile,
                                                  int64_t o_row_stride, float* lse_tile,
-                                                 int rows_valid, int d, int rg, int cg) {
+                                                 float* stats_tile, int rows_valid, int d, int rg,
+                                                 int cg) {
   constexpr int kTM = Cfg::kTM;
   float l[kTM], inv_l[kTM];
 #pragma unroll
@@ -476,9 +495,7 @@ __device__ __forceinline__ void normalize_output(const float (&o)[Cfg::kTM][Cfg:
 #pragma unroll
     for (int i = 0; i < kTM; ++i) {
       const int r = query_row(rg, i);
-      if (r < rows_valid) {
-        lse_tile[r] = l[i] == 0.f ? -INFINITY : (row_max[i] + log2f(l[i])) * 0.69314718055994531f;
-      }
+      if (r < rows_valid) store_row_stats(lse_tile, stats_tile, r, row_max[i], l[i]);
     }
   }
 }
@@ -489,7 +506,7 @@ __device__ __forceinline__ void normalize_output(const float (&o)[Cfg::kTM][Cfg:
 
 // CTA x < split_begin runs query block x over all its keys. The CTAs past it run pieces:
 // query block split_begin + (x - split_begin) / num_splits, key range (x - split_begin) %
-// num_splits, and leave O and lse of their range in o_accum / lse_accum for
+// num_splits, and leave O and (m, log2 l) of their range in o_accum / stats_accum for
 // combine_splits_kernel (see plan_tail_split).
 // kCausal: launched for masks with a right side and no left side (causal_like), carries the
 // diagonal half-blocks. kV: kPlain, or kExtended (packed batches, softcap, ALiBi; launched
@@ -637,14 +654,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_fwd_simt_outer_kernel(
     float* o_tile = seq.q_rows(static_cast<float*>(p.o), p.o_batch_stride, p.o_head_stride,
                                p.o_row_stride, hi) +
                     m0 * p.o_row_stride;
-    float* lse_tile = p.softmax_lse + seq.stat_offset(p, hi) + m0;
-    normalize_output<Cfg>(o, row_max, row_sum, o_tile, p.o_row_stride, lse_tile, rows_valid, p.d,
-                          rg, cg);
+    const int64_t stat0 = seq.stat_offset(p, hi) + m0;
+    normalize_output<Cfg>(o, row_max, row_sum, o_tile, p.o_row_stride, p.softmax_lse + stat0,
+                          stats_tile(p.softmax_stats, stat0), rows_valid, p.d, rg, cg);
   } else {
-    // The piece's own rows of the workspace: [piece][kRows][d] and [piece][kRows].
+    // The piece's own rows of the workspace: [piece][kRows][d] and [piece][kRows][2].
     normalize_output<Cfg>(o, row_max, row_sum, p.o_accum + static_cast<int64_t>(piece) * kRows * p.d,
-                          p.d, p.lse_accum + static_cast<int64_t>(piece) * kRows, rows_valid, p.d,
-                          rg, cg);
+                          p.d, nullptr, p.stats_accum + static_cast<int64_t>(piece) * kRows * 2,
+                          rows_valid, p.d, rg, cg);
   }
 }
 
@@ -652,10 +669,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_fwd_simt_outer_kernel(
 // outer kernel's kCausal build.
 inline bool causal_like(const FwdParams& p) { return p.window_left < 0 && p.window_right >= 0; }
 
-// Merges the key ranges of the split query blocks: with lse_r and O_r (normalized) of range r,
-// lse = log sum_r exp(lse_r) and O = sum_r exp(lse_r - lse) O_r. A row no range saw (every
-// lse_r = -inf) gets O = 0 and lse = -inf. One CTA per 8 rows of a split query block; a warp
-// per row, lane c handling float4 columns c, c + 32, ...
+// Merges the key ranges of the split query blocks. Piece r left O_r (normalized by its l_r) and
+// (m_r, log2 l_r); with m = max_r m_r and l = sum_r l_r 2^(m_r - m):
+//   O = sum_r w_r O_r,  w_r = l_r 2^(m_r - m) / l = 2^((m_r - m) + log2 l_r - log2 l)
+// and the row's statistics are (m, l) (store_row_stats). Pieces that saw no key (m_r = +inf)
+// are skipped; a row no piece saw gets O = 0 and lse = -inf. One CTA per 8 rows of a split
+// query block; a warp per row, lane c handling float4 columns c, c + 32, ...
 template <int kRows, int kCols>
 __global__ void __launch_bounds__(256) combine_splits_kernel(const FwdParams p) {
   constexpr int kRowsPerCta = 8;
@@ -670,14 +689,23 @@ __global__ void __launch_bounds__(256) combine_splits_kernel(const FwdParams p) 
 
   const int n = p.num_splits;
   const int64_t first_piece = static_cast<int64_t>(split_block) * n;
-  float lse_max = -INFINITY;
-  for (int i = 0; i < n; ++i) lse_max = fmaxf(lse_max, p.lse_accum[(first_piece + i) * kRows + r]);
-  const bool empty = lse_max == -INFINITY;  // no range saw a key
-  float sum = 0.f;
-  if (!empty) {
-    for (int i = 0; i < n; ++i) sum += expf(p.lse_accum[(first_piece + i) * kRows + r] - lse_max);
+  auto piece_stats = [&](int i) {
+    return reinterpret_cast<const float2*>(p.stats_accum)[(first_piece + i) * kRows + r];
+  };
+  float m = -INFINITY;
+  for (int i = 0; i < n; ++i) {
+    const float mi = piece_stats(i).x;
+    if (mi != INFINITY) m = fmaxf(m, mi);
   }
-  const float lse = empty ? -INFINITY : lse_max + logf(sum);
+  const bool empty = m == -INFINITY;  // no range saw a key
+  float l = 0.f;
+  if (!empty) {
+    for (int i = 0; i < n; ++i) {
+      const float2 st = piece_stats(i);
+      if (st.x != INFINITY) l += fast_exp2((st.x - m) + st.y);
+    }
+  }
+  const float log2l = empty ? 0.f : log2f(l);
 
   float* o_row = blk.seq.q_rows(static_cast<float*>(p.o), p.o_batch_stride, p.o_head_stride,
                                 p.o_row_stride, blk.hi) +
@@ -686,7 +714,9 @@ __global__ void __launch_bounds__(256) combine_splits_kernel(const FwdParams p) 
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
     if (!empty) {
       for (int i = 0; i < n; ++i) {
-        const float w = expf(p.lse_accum[(first_piece + i) * kRows + r] - lse);
+        const float2 st = piece_stats(i);
+        if (st.x == INFINITY) continue;
+        const float w = fast_exp2((st.x - m) + st.y - log2l);
         const float4 x = *reinterpret_cast<const float4*>(
             p.o_accum + ((first_piece + i) * kRows + r) * p.d + c);
         acc.x = fmaf(w, x.x, acc.x);
@@ -697,7 +727,10 @@ __global__ void __launch_bounds__(256) combine_splits_kernel(const FwdParams p) 
     }
     *reinterpret_cast<float4*>(o_row + c) = acc;
   }
-  if (lane == 0) p.softmax_lse[blk.seq.stat_offset(p, blk.hi) + blk.m0 + r] = lse;
+  if (lane == 0) {
+    const int64_t stat0 = blk.seq.stat_offset(p, blk.hi) + blk.m0;
+    store_row_stats(p.softmax_lse + stat0, stats_tile(p.softmax_stats, stat0), r, m, empty ? 0.f : l);
+  }
 }
 
 // ---------------------------------------------------------------------------------
@@ -714,7 +747,7 @@ int64_t plan_fwd(FwdParams& p) {
   const int64_t pieces = plan_launch_split(p, flash_fwd_simt_outer_kernel<Cfg, false, kPlain>,
                                            Cfg::kThreads, Cfg::kSmemBytes, num_query_blocks<Cfg>(p),
                                            ceil_div(p.sk, Cfg::kCols), "flash_fwd_simt_outer");
-  return pieces * Cfg::kRows * (p.d + 1);
+  return pieces * Cfg::kRows * (p.d + 2);
 }
 
 template <typename Cfg>
@@ -736,7 +769,7 @@ void launch_fwd(const FwdParams& params, cudaStream_t stream) {
   }
   FwdParams p = params;
   if (split) {
-    p.lse_accum = p.o_accum + (num_blocks - p.split_begin) * p.num_splits * Cfg::kRows * p.d;
+    p.stats_accum = p.o_accum + (num_blocks - p.split_begin) * p.num_splits * Cfg::kRows * p.d;
   } else {
     p.split_begin = INT_MAX;
     p.num_splits = 1;

@@ -25,6 +25,9 @@ Providers (columns):
   flash_cuda_simt   the fp32 CUDA-core tier (default only for fp32)
   flash_cuda_mma    the fp16/bf16 tensor-core tier (default only for fp16/bf16)
   flash_cuda_det    kernel="auto", deterministic=True (not in the default set)
+  flash_cuda_ws     the warp-specialized Hopper forward in progress (extension tier 4; forward
+                    only, sm_90, not in the default set; FLASH_CUDA_WS_SCHEDULE=serial for the
+                    schedule without overlap)
   sdpa              torch.nn.functional.scaled_dot_product_attention, no backend forced
   sdpa_flash / sdpa_cudnn / sdpa_efficient / sdpa_math
                     SDPA forced to one backend with torch.nn.attention.sdpa_kernel
@@ -92,12 +95,13 @@ SEEDS_B, SEEDS_H = 4, 8  # the seeds' fixed workload
 # Backward costs 2.5 forwards (FlashAttention's benchmark convention).
 MODE_FLOP_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}
 
-FLASH_PROVIDERS = ["flash_cuda", "flash_cuda_simt", "flash_cuda_mma", "flash_cuda_det"]
+FLASH_PROVIDERS = ["flash_cuda", "flash_cuda_simt", "flash_cuda_mma", "flash_cuda_det", "flash_cuda_ws"]
 SDPA_PROVIDERS = ["sdpa", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "sdpa_math"]
 ALL_PROVIDERS = FLASH_PROVIDERS + SDPA_PROVIDERS + ["naive"]
 # flash_cuda.attention(kernel=...) per provider.
 FLASH_KERNEL = {"flash_cuda": "auto", "flash_cuda_simt": "simt", "flash_cuda_mma": "mma",
-                "flash_cuda_det": "auto"}
+                "flash_cuda_det": "auto", "flash_cuda_ws": None}
+WS_TIER = 4  # the extension's tier number of the warp-specialized forward (csrc/flash_params.h)
 # Providers whose memory grows with S^2 (they materialise the score matrix).
 QUADRATIC_PROVIDERS = {"naive", "sdpa_math"}
 # Short labels for the ratio columns of the table.
@@ -226,7 +230,7 @@ def quadratic_mem_gib(provider: str, B: int, H: int, S: int, dtype: torch.dtype,
 
 
 # Rough throughput guesses (TFLOPS) used only by --dry-run's time estimate.
-_GUESS_TFLOPS_LOWP = {"flash_cuda": 250, "flash_cuda_mma": 250, "flash_cuda_det": 200,
+_GUESS_TFLOPS_LOWP = {"flash_cuda": 250, "flash_cuda_mma": 250, "flash_cuda_det": 200, "flash_cuda_ws": 300,
                       "sdpa": 420, "sdpa_flash": 280, "sdpa_cudnn": 420, "sdpa_efficient": 120,
                       "sdpa_math": 20, "naive": 25}
 _GUESS_TFLOPS_FP32 = {"flash_cuda": 20, "flash_cuda_simt": 20, "flash_cuda_det": 18,
@@ -370,6 +374,15 @@ def sdpa_backend_context(provider: str):
 
 def make_forward(provider: str, causal: bool, S_q: int, S_k: int, D: int, device):
     """A function (q, k, v) -> out for `provider`; the default scale 1/sqrt(D) everywhere."""
+    if provider == "flash_cuda_ws":
+        ext = load_flash_cuda()._ext.require()
+        scale = 1.0 / math.sqrt(D)
+
+        def ws_forward(q, k, v):
+            if q.requires_grad:
+                raise NotImplementedError("flash_cuda_ws is forward only (not supported in bwd modes)")
+            return ext.fwd(q, k, v, scale, -1, 0 if causal else -1, 0.0, None, None, None, 0, 0, WS_TIER)[0]
+        return ws_forward
     if provider in FLASH_PROVIDERS:
         fc = load_flash_cuda()
         kernel = FLASH_KERNEL[provider]

@@ -37,12 +37,12 @@ DType dtype_of(const at::Tensor& t) {
 
 // kAuto stays kAuto for 16-bit inputs: dispatch tries the Hopper tier first.
 Tier resolve_tier(int64_t tier, DType dtype) {
-  TORCH_CHECK(tier >= 0 && tier <= 3, "flash_cuda: unknown kernel tier ", tier);
+  TORCH_CHECK(tier >= 0 && tier <= 4, "flash_cuda: unknown kernel tier ", tier);
   Tier t = static_cast<Tier>(tier);
   if (t == Tier::kAuto && dtype == DType::kFloat32) t = Tier::kSimt;
   TORCH_CHECK(t != Tier::kSimt || dtype == DType::kFloat32,
               "flash_cuda: the 'simt' kernel takes float32 inputs only");
-  TORCH_CHECK((t != Tier::kMma && t != Tier::kWgmma) || dtype != DType::kFloat32,
+  TORCH_CHECK((t != Tier::kMma && t != Tier::kWgmma && t != Tier::kWgmmaWs) || dtype != DType::kFloat32,
               "flash_cuda: the 'mma' and 'wgmma' kernels take float16 or bfloat16 inputs only");
   return t;
 }
@@ -282,6 +282,9 @@ template <int kDType, int kVariant> struct MmaBwd {
 template <int kDType, int kVariant> struct Sm90Fwd {
   template <int kD> static bool run(const FwdParams& p, cudaStream_t s) { return run_fwd_sm90<kDType, kD, kVariant>(p, s); }
 };
+template <int kDType, int kVariant> struct Sm90WsFwd {  // kVariant: always kPlain (see dispatch_fwd)
+  template <int kD> static bool run(const FwdParams& p, cudaStream_t s) { return run_fwd_sm90_ws<kDType, kD>(p, s); }
+};
 template <int kDType, int kVariant> struct Sm90Bwd {
   template <int kD> static bool run(const BwdParams& p, cudaStream_t s) { return run_bwd_sm90<kDType, kD, kVariant>(p, s); }
 };
@@ -323,6 +326,15 @@ void dispatch_fwd(const FwdParams& p, Tier tier, cudaStream_t stream) {
     return;
   }
   const Variant variant = variant_of(p, /*backward=*/false);
+  if (tier == Tier::kWgmmaWs) {
+    const bool launched = variant == kPlain && sm90_bucket(p.d) &&
+                          with_dtype_variant<Sm90WsFwd, Sm90Buckets>(p, kPlain, stream);
+    TORCH_CHECK(launched,
+                "flash_cuda: the warp-specialized forward (tier 4) needs an sm_90 GPU, a build with the "
+                "90a target, head dim 33..64 or 97..128, a dense batch without softcap / ALiBi, and "
+                "16-byte aligned strides");
+    return;
+  }
   if (tier == Tier::kAuto || tier == Tier::kWgmma) {
     if (sm90_bucket(p.d) && with_dtype_variant<Sm90Fwd, Sm90Buckets>(p, variant, stream)) return;
     TORCH_CHECK(tier == Tier::kAuto, kNoWgmma);
@@ -331,6 +343,7 @@ void dispatch_fwd(const FwdParams& p, Tier tier, cudaStream_t stream) {
 }
 
 void dispatch_bwd(const BwdParams& p, Tier tier, cudaStream_t stream) {
+  if (tier == Tier::kWgmmaWs) tier = Tier::kAuto;  // the forward in progress has no backward of its own
   if (tier == Tier::kSimt) {
     with_bucket<SimtBwd>(p.d, SimtBuckets{}, p, stream);
     return;

@@ -29,6 +29,9 @@ enum class Tier : int {
   kSimt = 1,  // fp32 CUDA-core tier (true fp32 FMA arithmetic)
   kMma = 2,   // fp16/bf16 tensor-core tier (mma.sync m16n8k16, ldmatrix, cp.async)
   kWgmma = 3, // fp16/bf16 Hopper tier (wgmma, swizzled shared memory), sm_90 only
+  // The warp-specialized Hopper forward in progress (sm90_fwd_ws.cuh): reachable only through
+  // the extension's tier number, not from flash_cuda.attention; its backward is kAuto's.
+  kWgmmaWs = 4,
 };
 
 struct FwdParams {

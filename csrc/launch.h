@@ -38,5 +38,8 @@ template <int kDType, int kHeadDim, int kVariant> void run_bwd_mma(const BwdPara
 // kVariant: kPlain or kExtended (the backward has no kSoftcapGrad: the mma.sync tier serves it).
 template <int kDType, int kHeadDim, int kVariant> bool run_fwd_sm90(const FwdParams& params, cudaStream_t stream);
 template <int kDType, int kHeadDim, int kVariant> bool run_bwd_sm90(const BwdParams& params, cudaStream_t stream);
+// The warp-specialized forward (TMA + mbarrier ring, producer warp, two consumer warpgroups),
+// kPlain dense calls only; false (nothing launched) where it does not apply.
+template <int kDType, int kHeadDim> bool run_fwd_sm90_ws(const FwdParams& params, cudaStream_t stream);
 
 }  // namespace flash_cuda

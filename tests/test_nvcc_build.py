@@ -87,7 +87,7 @@ def test_instances_exist():
     for tier in ("simt_fwd", "simt_bwd"):
         for d in (32, 64, 128, 256):
             assert f"{tier}_d{d}.cu" in names
-    for tier in ("sm90_fwd", "sm90_fwd_ext", "sm90_bwd", "sm90_bwd_ext"):
+    for tier in ("sm90_fwd", "sm90_fwd_ext", "sm90_bwd", "sm90_bwd_ext", "sm90_fwd_ws"):
         for dt in ("fp16", "bf16"):
             for d in (64, 128):
                 assert f"{tier}_{dt}_d{d}.cu" in names

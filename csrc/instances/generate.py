@@ -51,6 +51,10 @@ def instances() -> dict:
                         f"head dim {d}.", f"sm90_{direction}.cuh",
                         [f"template bool run_{direction}_sm90<{dtype}, {d}, {variant}>(const {params}&, "
                          f"cudaStream_t);"])
+        for d in SM90_BUCKETS:
+            files[f"sm90_fwd_ws_{dt}_d{d}.cu"] = _file(
+                f"Hopper warp-specialized (TMA, mbarrier ring) forward, {dt}, head dim {d}.", "sm90_fwd_ws.cuh",
+                [f"template bool run_fwd_sm90_ws<{dtype}, {d}>(const FwdParams&, cudaStream_t);"])
     for d in SIMT_BUCKETS:
         # simt_fwd_outer.cuh holds the run_fwd_simt that picks the kernel of each bucket.
         files[f"simt_fwd_d{d}.cu"] = _file(

@@ -143,14 +143,24 @@ __device__ __forceinline__ void fence_proxy_async() {
 #endif
 }
 
-// The accumulator registers pass through wgmma as "+f" asm operands; after wgmma_wait the
-// compiler must not have moved reads of them above the wait. This ties each one to the wait.
+// Register fences, placed right after a wgmma_wait. Accumulators pass through wgmma as "+f"
+// asm operands: the compiler must not move their reads above the wait. A fragments pass as
+// inputs: while the wgmma that reads them is in flight (other work runs between issue and
+// wait), their registers must not be handed to anything else. Tying each register to a point
+// after the wait does both.
 template <int kN>
 __device__ __forceinline__ void fence_accumulator(float (&d)[kN][4]) {
 #pragma unroll
   for (int j = 0; j < kN; ++j)
 #pragma unroll
     for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[j][e]));
+}
+template <int kK>
+__device__ __forceinline__ void fence_fragments(uint32_t (&a)[kK][4]) {
+#pragma unroll
+  for (int k = 0; k < kK; ++k)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(a[k][e]));
 }
 
 // Packs two neighbouring 8-column accumulator tiles (16 columns: k-step kk of the next

@@ -1,0 +1,169 @@
+// sm90_async.cuh — the Hopper (sm_90a) instructions of a warp-specialized pipeline: the
+// tensor memory accelerator (TMA, cp.async.bulk.tensor), transaction-counting mbarriers,
+// setmaxnreg and named barriers, plus the host side of TMA (tensor maps).
+//
+// The pattern they serve (PTX ISA, "Asynchronous data movement" and "mbarrier"):
+//   producer:  wait(empty[s]) ; arrive.expect_tx(full[s], bytes) ; TMA -> smem[s], complete_tx on full[s]
+//   consumer:  wait(full[s])  ; read smem[s] (wgmma) ; arrive(empty[s])
+// A barrier's phase completes when its pending arrivals reach zero and its transaction count
+// (bytes announced by expect_tx, retired by the TMA unit as data lands) is back to zero.
+// try_wait.parity(P) returns once the phase of parity P has completed; on a fresh barrier
+// (phase 0 running) waiting on parity 1 returns at once, which is how a producer's first
+// pass over the ring skips its waits.
+#pragma once
+
+#include <cuda.h>
+#include <cudaTypedefs.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "sm90_common.cuh"
+
+namespace flash_cuda {
+namespace sm90 {
+
+// ---------------------------------------------------------------------------------
+// mbarrier
+// ---------------------------------------------------------------------------------
+__device__ __forceinline__ void mbarrier_init(uint64_t* bar, int arrivals) {
+#if FLASH_SM90_ENABLED
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(arrivals) : "memory");
+#endif
+}
+
+// Makes the initialized barriers visible to the async proxy (the TMA unit) before first use.
+__device__ __forceinline__ void fence_barrier_init() {
+#if FLASH_SM90_ENABLED
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+#endif
+}
+
+// One arrival that also announces `bytes` of TMA transactions for the current phase.
+__device__ __forceinline__ void mbarrier_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
+#if FLASH_SM90_ENABLED
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes)
+               : "memory");
+#endif
+}
+
+__device__ __forceinline__ void mbarrier_arrive(uint64_t* bar) {
+#if FLASH_SM90_ENABLED
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
+#endif
+}
+
+// Spins until the phase of parity `parity` of `bar` has completed.
+__device__ __forceinline__ void mbarrier_wait(uint64_t* bar, int parity) {
+#if FLASH_SM90_ENABLED
+  asm volatile(
+      "{\n.reg .pred done;\n"
+      "WAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT;\n}\n" ::"r"(smem_addr(bar)),
+      "r"(parity)
+      : "memory");
+#endif
+}
+
+// ---------------------------------------------------------------------------------
+// TMA: one box of a 4-d tensor map into shared memory, completing on an mbarrier
+// ---------------------------------------------------------------------------------
+// (c0, c1, c2, c3): the box's first element, innermost dimension first.
+__device__ __forceinline__ void tma_load_4d(void* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1,
+                                            int c2, int c3) {
+#if FLASH_SM90_ENABLED
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], "
+      "[%6];\n" ::"r"(smem_addr(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(smem_addr(bar))
+      : "memory");
+#endif
+}
+
+// ---------------------------------------------------------------------------------
+// Register reallocation between warpgroups, and barriers over a subset of warps
+// ---------------------------------------------------------------------------------
+// A warpgroup that only issues TMA needs few registers; giving them to the math warpgroups
+// lets those hold the S and O accumulators without spilling. kRegs: a multiple of 8 in
+// [24, 256]; every thread of the warpgroup executes the same call.
+template <int kRegs>
+__device__ __forceinline__ void setmaxnreg_dec() {
+#if FLASH_SM90_ENABLED
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+#endif
+}
+template <int kRegs>
+__device__ __forceinline__ void setmaxnreg_inc() {
+#if FLASH_SM90_ENABLED
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+#endif
+}
+
+// bar.sync on hardware barrier `id` (1..15; 0 is __syncthreads) for `threads` threads, whole
+// warps: synchronizes the consumer warpgroups without the producer.
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+// Counts this warp's threads towards barrier `id` without waiting for it.
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+}  // namespace sm90
+
+// ---------------------------------------------------------------------------------
+// Host: tensor maps
+// ---------------------------------------------------------------------------------
+// cuTensorMapEncodeTiled lives in the driver library; the runtime hands out its entry point,
+// so the extension needs no link against libcuda. nullptr when the driver has none.
+inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult status;
+#if CUDART_VERSION >= 12050
+    const cudaError_t err =
+        cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &status);
+#else
+    const cudaError_t err = cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &f, cudaEnableDefault, &status);
+#endif
+    if (err != cudaSuccess || status != cudaDriverEntryPointSuccess) {
+      (void)cudaGetLastError();
+      return static_cast<PFN_cuTensorMapEncodeTiled_v12000>(nullptr);
+    }
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);
+  }();
+  return fn;
+}
+
+// A map over the rows of a [batch][heads][rows][d] view of 16-bit elements (strides in
+// elements, any order), read in boxes of 64 columns x box_rows rows with the 128-byte swizzle:
+// exactly one column slab of the swizzled tile layout (sm90_common.cuh). Rows past `rows` and
+// columns past `d` are filled with zeros. Returns false (nothing to use) when TMA cannot
+// address the view: a base or a stride that is not a multiple of 16 bytes.
+inline bool make_row_tensor_map(CUtensorMap* map, const void* base, bool bf16, int d, int rows, int heads,
+                                int batch, int64_t row_stride, int64_t head_stride, int64_t batch_stride,
+                                int box_rows) {
+  const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
+  if (encode == nullptr || reinterpret_cast<uintptr_t>(base) % 16 != 0) return false;
+  constexpr int64_t kElem = 2;
+  // A dimension of extent 1 is never stepped along: any valid stride will do.
+  auto stride_bytes = [](int64_t stride, int extent) { return extent > 1 ? stride * kElem : int64_t{16}; };
+  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(d), static_cast<cuuint64_t>(rows),
+                              static_cast<cuuint64_t>(heads), static_cast<cuuint64_t>(batch)};
+  const cuuint64_t strides[3] = {static_cast<cuuint64_t>(stride_bytes(row_stride, rows)),
+                                 static_cast<cuuint64_t>(stride_bytes(head_stride, heads)),
+                                 static_cast<cuuint64_t>(stride_bytes(batch_stride, batch))};
+  for (cuuint64_t s : strides) {
+    if (s % 16 != 0 || s >= (cuuint64_t{1} << 40)) return false;
+  }
+  const cuuint32_t box[4] = {64, static_cast<cuuint32_t>(box_rows), 1, 1};
+  const cuuint32_t unit[4] = {1, 1, 1, 1};
+  const CUresult r = encode(map, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 4,
+                            const_cast<void*>(base), dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                            CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS;
+}
+
+}  // namespace flash_cuda

@@ -1,0 +1,105 @@
+"""The warp-specialized Hopper forward in progress (csrc/kernels/sm90_fwd_ws.cuh: TMA loads into
+an mbarrier ring, a producer warp, two consumer warpgroups). flash_cuda.attention does not
+choose it yet; these tests reach it through the extension's tier 4 and hold it to the same
+float64 rule as every other kernel (tests/attn_check.py). GPU-only, sm_90 only."""
+
+import math
+import os
+
+import pytest
+import torch
+
+from attn_check import _check_against_references, gpu_skip_reason, make_inputs
+from flash_cuda import _ext
+from flash_cuda.reference import attention_naive
+
+F16, BF16 = torch.float16, torch.bfloat16
+WS_TIER = 4
+
+
+def _skip_reason():
+    reason = gpu_skip_reason()
+    if reason:
+        return reason
+    emulated = int(os.environ.get("FLASH_CUDA_EMULATE_ARCH", "0") or 0)
+    if (emulated and emulated != 90) or torch.cuda.get_device_capability() != (9, 0):
+        return "the warp-specialized forward runs on sm_90 only"
+    return None
+
+
+pytestmark = pytest.mark.skipif(_skip_reason() is not None, reason=str(_skip_reason()))
+
+# (B, Hq, Hkv, Sq, Sk, D, is_causal, window, layout): block edges (Sq, Sk not multiples of
+# 128), Sq != Sk both ways, GQA, windows, strided and offset views, several key blocks so the
+# two-stage ring wraps.
+CASES = [
+    (2, 4, 4, 1024, 1024, 128, False, (-1, -1), "bhsd"),
+    (1, 4, 2, 777, 1029, 128, True, (-1, -1), "bshd"),
+    (2, 6, 2, 300, 300, 64, False, (-1, -1), "strided"),
+    (1, 2, 1, 1000, 1000, 64, True, (-1, -1), "offset"),
+    (1, 4, 4, 129, 700, 128, False, (100, 37), "bhsd"),
+    (1, 2, 2, 1500, 200, 64, True, (64, -1), "bshd"),
+    (3, 2, 1, 65, 1, 128, False, (-1, -1), "bhsd"),
+    (1, 3, 3, 2048, 2048, 128, True, (-1, -1), "strided"),
+]
+
+
+@pytest.fixture(params=["overlap", "serial"])
+def schedule(request, monkeypatch):
+    """Both consumer schedules of the kernel (FLASH_CUDA_WS_SCHEDULE, read at every launch)."""
+    monkeypatch.setenv("FLASH_CUDA_WS_SCHEDULE", request.param)
+    return request.param
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("B,Hq,Hkv,Sq,Sk,D,is_causal,window,layout", CASES)
+def test_ws_forward_matches_float64(schedule, dtype, B, Hq, Hkv, Sq, Sk, D, is_causal, window, layout):
+    q, k, v = make_inputs(B, Hq, Hkv, Sq, Sk, D, dtype, "cuda", layout=layout, seed=Sq + Sk + D)
+    scale = 1.0 / math.sqrt(D)
+    wl, wr = window
+    if is_causal:
+        wr = 0
+
+    def flash_fn(qf, kf, vf):
+        out, lse, _ = _ext.require().fwd(qf, kf, vf, scale, wl, wr, 0.0, None, None, None, 0, 0, WS_TIER)
+        return out, lse
+
+    def ref_fn(qr, kr, vr):
+        return attention_naive(qr, kr, vr, is_causal=is_causal, scale=scale, window_size=window)
+
+    desc = (f"schedule={schedule} B={B} Hq={Hq} Hkv={Hkv} Sq={Sq} Sk={Sk} D={D} dtype={dtype} "
+            f"causal={is_causal} window={window} layout={layout}")
+    _check_against_references(desc, q, k, v, flash_fn, ref_fn, lse_shape=(B, Hq, Sq),
+                              out_rows=lambda m: m, check_grad=False, with_dlse=False, seed=0,
+                              what="warp-specialized forward")
+
+
+def test_ws_forward_is_deterministic(schedule):
+    q, k, v = make_inputs(2, 4, 4, 1000, 1000, 128, BF16, "cuda", seed=3)
+    runs = [_ext.require().fwd(q, k, v, 0.1, -1, 0, 0.0, None, None, None, 0, 0, WS_TIER)[0] for _ in range(3)]
+    assert all(torch.equal(runs[0], r) for r in runs[1:])
+
+
+def test_ws_schedules_agree():
+    """The two schedules do the same arithmetic in the same order: bitwise equal outputs."""
+    import subprocess
+    import sys
+
+    code = ("import torch, flash_cuda; from flash_cuda import _ext; from attn_check import make_inputs; "
+            "q, k, v = make_inputs(2, 4, 2, 1000, 1100, 128, torch.bfloat16, 'cuda', seed=5); "
+            f"o = _ext.require().fwd(q, k, v, 0.1, -1, 0, 0.0, None, None, None, 0, 0, {WS_TIER})[0]; "
+            "print(o.float().sum().item(), o.float().abs().sum().item())")
+    outs = []
+    for sched in ("overlap", "serial"):
+        env = dict(os.environ, FLASH_CUDA_WS_SCHEDULE=sched)
+        res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                             cwd=os.path.dirname(__file__))
+        assert res.returncode == 0, res.stderr[-2000:]
+        outs.append(res.stdout.strip())
+    assert outs[0] == outs[1], outs
+
+
+def test_ws_forward_rejects_what_it_does_not_serve():
+    q, k, v = make_inputs(1, 2, 2, 64, 64, 96, BF16, "cuda")
+    with pytest.raises(RuntimeError, match="warp-specialized"):
+        _ext.require().fwd(q, k, v, 0.1, -1, -1, 0.0, None, None, None, 0, 0, WS_TIER)

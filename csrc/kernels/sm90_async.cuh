@@ -147,13 +147,15 @@ inline bool make_row_tensor_map(CUtensorMap* map, const void* base, bool bf16, i
   const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
   if (encode == nullptr || reinterpret_cast<uintptr_t>(base) % 16 != 0) return false;
   constexpr int64_t kElem = 2;
-  // A dimension of extent 1 is never stepped along: any valid stride will do.
-  auto stride_bytes = [](int64_t stride, int extent) { return extent > 1 ? stride * kElem : int64_t{16}; };
+  // A dimension of extent 1 is never stepped along; its stride (which a view may leave at any
+  // value) becomes the packed one, the span of the dimensions inside it.
+  const int64_t row_bytes = rows > 1 ? row_stride * kElem : (d * kElem + 15) / 16 * 16;
+  const int64_t head_bytes = heads > 1 ? head_stride * kElem : row_bytes * rows;
+  const int64_t batch_bytes = batch > 1 ? batch_stride * kElem : head_bytes * heads;
   const cuuint64_t dims[4] = {static_cast<cuuint64_t>(d), static_cast<cuuint64_t>(rows),
                               static_cast<cuuint64_t>(heads), static_cast<cuuint64_t>(batch)};
-  const cuuint64_t strides[3] = {static_cast<cuuint64_t>(stride_bytes(row_stride, rows)),
-                                 static_cast<cuuint64_t>(stride_bytes(head_stride, heads)),
-                                 static_cast<cuuint64_t>(stride_bytes(batch_stride, batch))};
+  const cuuint64_t strides[3] = {static_cast<cuuint64_t>(row_bytes), static_cast<cuuint64_t>(head_bytes),
+                                 static_cast<cuuint64_t>(batch_bytes)};
   for (cuuint64_t s : strides) {
     if (s % 16 != 0 || s >= (cuuint64_t{1} << 40)) return false;
   }

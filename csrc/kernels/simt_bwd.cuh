@@ -155,6 +155,21 @@ __device__ __forceinline__ float recompute_p(float s, float m, float log2l) {
   return fast_exp2((s - m) - log2l);
 }
 
+// The same in a kExtended kernel, for the score x (log2 units) of query qi and key kj: the
+// modifiers (when `modded`), then the mask (when `mask_active`), then P. `dt` receives
+// softcap's derivative d x' / d x (1 without softcap), which dS needs.
+__device__ __forceinline__ float recompute_p_extended(float x, const ScoreMod& mod, bool modded,
+                                                      const AttnMask& mask, bool mask_active, int qi, int kj,
+                                                      float m, float log2l, float& dt) {
+  dt = 1.f;
+  if (modded) {
+    dt = mod.dtanh<true>(x);
+    x = mod.apply<true>(x, qi, kj);
+  }
+  if (mask_active & !mask.visible(qi, kj)) x = -INFINITY;
+  return recompute_p(x, m, log2l);
+}
+
 // =================================================================================
 // Atomic dQ: the fifth product of the dK/dV kernel (deterministic = false)
 // =================================================================================
@@ -487,15 +502,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSm)
           const int qi = m0 + cg + kG * j;
 #pragma unroll
           for (int i = 0; i < kTM; ++i) {
-            const int kj = n0 + rg + kRG * i;
-            float x = s[i][j];
-            float dt = 1.f;
-            if (modded) {
-              dt = mod.dtanh<true>(x);
-              x = mod.apply<true>(x, qi, kj);
-            }
-            if (mask_active & !mask.visible(qi, kj)) x = -INFINITY;
-            const float pr = recompute_p(x, st.x, st.y);
+            float dt;
+            const float pr = recompute_p_extended(s[i][j], mod, modded, mask, mask_active, qi,
+                                                  n0 + rg + kRG * i, st.x, st.y, dt);
             sP[(rg + kRG * i) * kLdS + cg + kG * j] = pr;
             s[i][j] = pr * dt;
           }
@@ -756,14 +765,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSm)
           const int qi = m0 + rg + kRG * i;
 #pragma unroll
           for (int j = 0; j < kTN; ++j) {
-            const int kj = n0 + cg + kG * j;
-            float x = s[i][j], dt = 1.f;
-            if (modded) {
-              dt = mod.dtanh<true>(x);
-              x = mod.apply<true>(x, qi, kj);
-            }
-            if (mask_active & !mask.visible(qi, kj)) x = -INFINITY;
-            s[i][j] = recompute_p(x, row_m[i], row_log2l[i]) * dt;
+            float dt;
+            s[i][j] = recompute_p_extended(s[i][j], mod, modded, mask, mask_active, qi, n0 + cg + kG * j,
+                                           row_m[i], row_log2l[i], dt) * dt;
           }
         }
       }

@@ -216,8 +216,8 @@ __device__ __forceinline__ void scale_own_chunks(float* smem, float factor, int 
 // chains of at most kScoreChain columns, added in order. Why: a sequential fp32 chain's rounding
 // error grows with the length of the chain times the size of its partial sums; at D >= 128 with
 // large logits (scale 1, |s| ~ sqrt(D)) the chain's error is the dominant error of P, hence of
-// O, dQ and dK. Two chains of 64 instead of one of 128 halve it (OPTIMIZATION.md, "fp32 score
-// chains") for kTM * kTN extra registers. The forward and the backward use the same partition,
+// O, dQ and dK. Two chains of 64 instead of one of 128 halve it (OPTIMIZATION.md, "fp32
+// precision") for kTM * kTN extra registers. The forward and the backward use the same partition,
 // so the recomputed scores stay bitwise equal to the forward's.
 constexpr int kScoreChain = 64;
 
@@ -336,8 +336,8 @@ __device__ __forceinline__ void gemm_nn(float (&acc)[kTM][kTD], const float* a, 
 // Why both: the backward needs P = 2^(s - m - log2 l). Through lse, m + log2 l is rounded at the
 // size of the logits (ulp(64) = 7.6e-6 at scale 1, D = 128), an error every P of the row
 // inherits; (s - m) is exact for the scores that matter (Sterbenz) and log2 l <= log2(sk) is
-// small, so the pair gives P to within the rounding of P itself (OPTIMIZATION.md, "fp32 row
-// statistics"). A row that saw no key (l = 0): lse = -inf, pair (+inf, 0), so P = 2^(s - inf) = 0.
+// small, so the pair gives P to within the rounding of P itself (OPTIMIZATION.md, "fp32
+// precision"). A row that saw no key (l = 0): lse = -inf, pair (+inf, 0), so P = 2^(s - inf) = 0.
 __device__ __forceinline__ void store_row_stats(float* lse, float* stats, int r, float m, float l) {
   const bool empty = l == 0.f;
   const float log2l = empty ? 0.f : log2f(l);

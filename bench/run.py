@@ -25,9 +25,10 @@ Providers (columns):
   flash_cuda_simt   the fp32 CUDA-core tier (default only for fp32)
   flash_cuda_mma    the fp16/bf16 tensor-core tier (default only for fp16/bf16)
   flash_cuda_det    kernel="auto", deterministic=True (not in the default set)
-  flash_cuda_ws     the warp-specialized Hopper forward in progress (extension tier 4; forward
-                    only, sm_90, not in the default set; FLASH_CUDA_WS_SCHEDULE=serial for the
-                    schedule without overlap)
+  flash_cuda_ws     the warp-specialized Hopper forward alone (extension tier 4; forward only,
+                    sm_90, not in the default set). kernel="auto" runs it too where it applies;
+                    its ablation switches (csrc/launch.h): FLASH_CUDA_WS_SCHEDULE=serial|off,
+                    FLASH_CUDA_WS_PERSISTENT=0
   sdpa              torch.nn.functional.scaled_dot_product_attention, no backend forced
   sdpa_flash / sdpa_cudnn / sdpa_efficient / sdpa_math
                     SDPA forced to one backend with torch.nn.attention.sdpa_kernel

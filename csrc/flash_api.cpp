@@ -336,6 +336,12 @@ void dispatch_fwd(const FwdParams& p, Tier tier, cudaStream_t stream) {
     return;
   }
   if (tier == Tier::kAuto || tier == Tier::kWgmma) {
+    // The warp-specialized forward where it applies (dense kPlain calls, TMA-addressable
+    // views), else the cp.async one.
+    if (sm90_bucket(p.d) && variant == kPlain && ws_enabled() &&
+        with_dtype_variant<Sm90WsFwd, Sm90Buckets>(p, kPlain, stream)) {
+      return;
+    }
     if (sm90_bucket(p.d) && with_dtype_variant<Sm90Fwd, Sm90Buckets>(p, variant, stream)) return;
     TORCH_CHECK(tier == Tier::kAuto, kNoWgmma);
   }
@@ -343,7 +349,7 @@ void dispatch_fwd(const FwdParams& p, Tier tier, cudaStream_t stream) {
 }
 
 void dispatch_bwd(const BwdParams& p, Tier tier, cudaStream_t stream) {
-  if (tier == Tier::kWgmmaWs) tier = Tier::kAuto;  // the forward in progress has no backward of its own
+  if (tier == Tier::kWgmmaWs) tier = Tier::kAuto;  // the warp-specialized forward has no backward of its own
   if (tier == Tier::kSimt) {
     with_bucket<SimtBwd>(p.d, SimtBuckets{}, p, stream);
     return;
@@ -427,6 +433,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd(
       workspace = at::empty({floats}, q.options().dtype(at::kFloat));
       p.o_accum = workspace.data_ptr<float>();
     }
+  }
+  at::Tensor tile_counter;  // the warp-specialized Hopper forward's tile scheduler
+  if (t != Tier::kSimt && p.sm_arch == 90 && sm90_bucket(p.d) && p.cu_seqlens_q == nullptr && ws_enabled()) {
+    tile_counter = at::zeros({1}, q.options().dtype(at::kInt));
+    p.tile_counter = tile_counter.data_ptr<int>();
   }
   dispatch_fwd(p, t, at::cuda::getCurrentCUDAStream().stream());
   return {out, lse, aux};

@@ -29,8 +29,9 @@ enum class Tier : int {
   kSimt = 1,  // fp32 CUDA-core tier (true fp32 FMA arithmetic)
   kMma = 2,   // fp16/bf16 tensor-core tier (mma.sync m16n8k16, ldmatrix, cp.async)
   kWgmma = 3, // fp16/bf16 Hopper tier (wgmma, swizzled shared memory), sm_90 only
-  // The warp-specialized Hopper forward in progress (sm90_fwd_ws.cuh): reachable only through
-  // the extension's tier number, not from flash_cuda.attention; its backward is kAuto's.
+  // The warp-specialized Hopper forward alone (sm90_fwd_ws.cuh), an error where it does not
+  // apply: for its tests and benchmarks. kAuto / kWgmma run it wherever it applies and fall
+  // back to the cp.async one; its backward is kAuto's.
   kWgmmaWs = 4,
 };
 
@@ -110,6 +111,9 @@ struct FwdParams {
   DType dtype = DType::kFloat16;
   int sm_arch = 0;  // e.g. 80, 90
   int num_sms = 0;
+  // A zeroed int from which the CTAs of the warp-specialized Hopper forward draw their tiles
+  // (dynamic persistent scheduling); nullptr: each CTA takes every gridDim.x-th tile.
+  int* tile_counter = nullptr;
 };
 
 struct BwdParams : FwdParams {

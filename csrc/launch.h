@@ -8,6 +8,9 @@
 
 #include <cuda_runtime_api.h>
 
+#include <cstdlib>
+#include <string>
+
 #include "flash_params.h"
 
 namespace flash_cuda {
@@ -41,5 +44,21 @@ template <int kDType, int kHeadDim, int kVariant> bool run_bwd_sm90(const BwdPar
 // The warp-specialized forward (TMA + mbarrier ring, producer warp, two consumer warpgroups),
 // kPlain dense calls only; false (nothing launched) where it does not apply.
 template <int kDType, int kHeadDim> bool run_fwd_sm90_ws(const FwdParams& params, cudaStream_t stream);
+
+// Its ablation switches, for the optimization record's ladder (read at every launch, a few
+// tens of nanoseconds):
+//   FLASH_CUDA_WS_SCHEDULE=overlap (default) | serial | off   the consumer schedule; "off":
+//       kernel='auto' / 'wgmma' forwards run the cp.async Hopper forward instead
+//   FLASH_CUDA_WS_PERSISTENT=1 (default) | 0                  one CTA per SM looping over tiles,
+//       or one CTA per tile
+inline std::string ws_schedule_name() {
+  const char* v = std::getenv("FLASH_CUDA_WS_SCHEDULE");
+  return v != nullptr ? std::string(v) : std::string("overlap");
+}
+inline bool ws_enabled() { return ws_schedule_name() != "off"; }
+inline bool ws_persistent() {
+  const char* v = std::getenv("FLASH_CUDA_WS_PERSISTENT");
+  return !(v != nullptr && std::string(v) == "0");
+}
 
 }  // namespace flash_cuda

@@ -133,6 +133,8 @@ CASES: List[Case] = [
     _varlen_case(BF16, 8, 2, (513, 17, 0), (200, 129, 3), 128, True, "strided", softcap=3.0,
                  alibi="heads"),
     _varlen_case(BF16, 2, 1, (1, 1, 1), (1, 1, 1), 256, False, dlse=True),
+    # ---- more query tiles than an H100/H200 has SMs: persistent Hopper CTAs run several ----
+    Case(BF16, 2, 16, 4, 640, 1000, 128, True, "bhsd"),
 ]
 
 

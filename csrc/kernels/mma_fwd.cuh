@@ -226,12 +226,14 @@ __device__ __forceinline__ void compute_qk_scores_and_max(
 // alpha = exp2(m_old - m_new). A row that has seen only masked keys keeps m = -inf and
 // alpha = 0 (its accumulator is still zero).
 // ---------------------------------------------------------------------------------
+// Step 2 in two halves, so that a pipelined schedule (sm90_fwd_ws.cuh) can fold the
+// statistics while the previous block's P V is still on the tensor cores and rescale O once
+// that product has landed. update_row_stats: m' = max(m, block max), l *= alpha, and alpha
+// per row; returns whether any row of the warp grew (otherwise alpha is 1 everywhere).
 template <typename Cfg>
-__device__ __forceinline__ void merge_block_stats(float (&row_max)[Cfg::kMTiles][2],
-                                                  float (&row_sum)[Cfg::kMTiles][2],
-                                                  float (&acc_o)[Cfg::kMTiles][Cfg::kDTiles][4],
-                                                  const float (&block_max)[Cfg::kMTiles][2]) {
-  float alpha[Cfg::kMTiles][2];
+__device__ __forceinline__ bool update_row_stats(float (&row_max)[Cfg::kMTiles][2], float (&row_sum)[Cfg::kMTiles][2],
+                                                 const float (&block_max)[Cfg::kMTiles][2],
+                                                 float (&alpha)[Cfg::kMTiles][2]) {
   bool grew = false;
 #pragma unroll
   for (int mt = 0; mt < Cfg::kMTiles; ++mt) {
@@ -244,16 +246,30 @@ __device__ __forceinline__ void merge_block_stats(float (&row_max)[Cfg::kMTiles]
       row_sum[mt][half] *= alpha[mt][half];
     }
   }
+  return __any_sync(0xffffffffu, grew);
+}
+
+// O *= alpha per row.
+template <typename Cfg>
+__device__ __forceinline__ void rescale_output(float (&acc_o)[Cfg::kMTiles][Cfg::kDTiles][4],
+                                               const float (&alpha)[Cfg::kMTiles][2]) {
+#pragma unroll
+  for (int mt = 0; mt < Cfg::kMTiles; ++mt)
+#pragma unroll
+    for (int dt = 0; dt < Cfg::kDTiles; ++dt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc_o[mt][dt][e] *= alpha[mt][e / 2];
+}
+
+template <typename Cfg>
+__device__ __forceinline__ void merge_block_stats(float (&row_max)[Cfg::kMTiles][2],
+                                                  float (&row_sum)[Cfg::kMTiles][2],
+                                                  float (&acc_o)[Cfg::kMTiles][Cfg::kDTiles][4],
+                                                  const float (&block_max)[Cfg::kMTiles][2]) {
+  float alpha[Cfg::kMTiles][2];
   // Once the running maxima settle (after a few blocks on real data) alpha is 1 for every
   // row of the warp; skipping the multiply saves kHeadDim/2 FMULs per row per block.
-  if (__any_sync(0xffffffffu, grew)) {
-#pragma unroll
-    for (int mt = 0; mt < Cfg::kMTiles; ++mt)
-#pragma unroll
-      for (int dt = 0; dt < Cfg::kDTiles; ++dt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc_o[mt][dt][e] *= alpha[mt][e / 2];
-  }
+  if (update_row_stats<Cfg>(row_max, row_sum, block_max, alpha)) rescale_output<Cfg>(acc_o, alpha);
 }
 
 // p = 2^(s * scale_log2 - m) in place, and the per-thread row sums (scale_log2: the exp2

@@ -1,8 +1,9 @@
-// sm90_fwd_ws.cuh — the Hopper forward, warp-specialized: TMA loads into a K/V ring of
-// mbarrier-guarded stages, a producer warp that only issues those loads, and two consumer
-// warpgroups that only compute (FlashAttention-3's recipe, first rungs: TMA + mbarrier ring,
-// warp specialization with setmaxnreg). Not yet chosen by kernel="auto": OPTIMIZATION.md,
-// "Hopper forward, warp-specialized", says what has been verified.
+// sm90_fwd_ws.cuh — the Hopper forward, warp-specialized (FlashAttention-3's recipe): TMA
+// loads into a K/V ring of mbarrier-guarded stages, a producer warp that only issues those
+// loads, two consumer warpgroups that only compute, with the products of one key block issued
+// under the softmax of the previous one, ping-pong between the warpgroups, and persistent CTAs
+// drawing tiles from a counter. kernel='auto' (and 'wgmma') runs it on sm_90 wherever it
+// applies; OPTIMIZATION.md, "Hopper forward, warp-specialized", has the measured ladder.
 //
 // Why. In sm90_fwd.cuh every warp copies K/V with cp.async and then computes, and a block-wide
 // barrier per key block orders the two; the Nsight profile has that barrier as the top stall
@@ -10,36 +11,37 @@
 // counted in bytes on a per-stage mbarrier, and a consumer warpgroup waits only for the stage
 // it needs; the producer refills a stage as soon as both consumer warpgroups released it.
 //
-// CTA: 3 warpgroups (384 threads). Warpgroup 0 is the producer: it gives up registers
-// (setmaxnreg.dec to 24) and one of its threads issues the loads. Warpgroups 1 and 2 own query
-// rows 0-63 and 64-127 of the block (setmaxnreg.inc to 240): the accumulators of S (64 x
-// kBlockN) and O (64 x kHeadDim) live in their registers. Each consumer runs the four steps of
-// the online softmax through sm90_fwd.cuh's functions, unchanged:
-//   wait K[s] -> compute_qk_scores_and_max -> merge_block_stats -> wait V[s] ->
-//   compute_block_softmax_and_weighted_v -> release stage s ... normalize_output.
+// CTA: 3 warpgroups (384 threads), one per SM. Warpgroup 0 is the producer: it gives up
+// registers (setmaxnreg.dec) and one of its threads issues the loads. Warpgroups 1 and 2 own
+// query rows 0-63 and 64-127 of the tile (setmaxnreg.inc): the accumulators of S (64 x kBlockN)
+// and O (64 x kHeadDim) live in their registers. The consumer loop is the four steps of the
+// online softmax (sm90_fwd.cuh / mma_fwd.cuh's helpers, split where the pipeline needs it):
+//   compute_qk_scores_and_max -> merge_block_stats -> compute_block_softmax(_and_weighted_v)
+//   ... normalize_output.
 //
-// Shared memory: Q (kBlockM x kHeadDim) | K[kStages] | V[kStages] | mbarriers, every tile in
-// the 128-byte-swizzled slab layout of sm90_common.cuh, which is what TMA's 128-byte swizzle
-// writes for a box of 64 columns (one slab) when the slab starts on a 1024-byte boundary.
-// Barriers: q_full; k_full[s] and v_full[s] (producer arrival + transaction bytes: V may still
-// be landing while S = Q K^T runs); empty[s] (one arrival per consumer warp).
+// Shared memory: Q (kBlockM x kHeadDim) | K[kStages] | V[kStages] | O staging | mbarriers |
+// tile slots. Q, K, V are in the 128-byte-swizzled slab layout of sm90_common.cuh, which is
+// what TMA's 128-byte swizzle writes for a box of 64 columns (one slab) when the slab starts on
+// a 1024-byte boundary. Barriers: q_full / q_empty (Q of the current tile), and per stage
+// k_full, v_full (producer arrival + transaction bytes: V may still be landing while S = Q K^T
+// runs), k_empty, v_empty (one arrival per consumer warp; K is freed as soon as S is done).
 //
 // Two consumer schedules (WsSchedule), chosen at launch, so that each rung of the ladder is
-// measured against the one before on the same build:
+// measured against the one before on the same build (launch.h: the ablation switches):
 //   kSerial:  per key block, S = Q K^T, softmax, O += P V, each product waited for at once.
 //   kOverlap: FlashAttention-3's intra-warpgroup overlap plus inter-warpgroup ping-pong. Each
-//             step issues S(j) = Q K(j)^T and O += P(j-1) V(j-1) as one group, then waits for
-//             S(j) alone and runs its mask / max while P V is still on the tensor cores. Named
+//             step issues S(j) = Q K(j)^T and O += P(j-1) V(j-1), then waits for S(j) alone and
+//             runs its mask, max and exponentials while P V is still on the tensor cores. Named
 //             barriers order the two warpgroups' product groups (one issues while the other
 //             runs its softmax), so the tensor cores always have a group queued.
 //
 // Scope of this version: dense batches, fp16 / bf16, head dims 64 and 128, the kPlain variant
 // (causal, windows, Sq != Sk, GQA); views whose base and strides TMA can address (16-byte
-// multiples). The launcher returns false otherwise.
+// multiples). The launcher returns false otherwise and the caller runs sm90_fwd.cuh.
 #pragma once
 
-#include <cstdlib>
-#include <string>
+#include <algorithm>
+#include <cstdint>
 
 #include "sm90_async.cuh"
 #include "sm90_fwd.cuh"
@@ -54,14 +56,15 @@ struct TmaMaps {
   CUtensorMap q, k, v;
 };
 
-constexpr int kProducerRegs = 24;   // one thread issues TMA; the rest of its warpgroup exits
-constexpr int kConsumerRegs = 240;  // 128 x 24 + 256 x 240 <= 65536 registers per SM
+// One thread issues TMA (the rest of its warpgroup exits); 40 registers hold its tile loop
+// without spilling (at 24, ptxas spills the scheduler's state to the stack).
+constexpr int kProducerRegs = 40;
+constexpr int kConsumerRegs = 232;  // 128 x 40 + 256 x 232 <= 65536 registers per SM
 constexpr int kConsumerThreads = 256;
 constexpr int kConsumerWarps = kConsumerThreads / 32;
-// Named barriers (0 is __syncthreads): both consumer warpgroups left the ring; warpgroup w's
-// turn to issue its products (kOverlap), kTurnBarrier + w.
-constexpr int kConsumersDoneBarrier = 1;
-constexpr int kTurnBarrier = 2;
+// Named barriers (0 is __syncthreads): warpgroup w's turn to issue its products (kOverlap) is
+// kTurnBarrier + w.
+constexpr int kTurnBarrier = 1;
 
 enum WsSchedule : int { kSerial = 0, kOverlap = 1 };
 
@@ -72,9 +75,15 @@ struct WsConfig : FwdConfig<T_, kHeadDim_, /*kBlockN=*/128, /*kWarpGroups=*/2, /
   static constexpr int kStages = 2;
   static constexpr int kThreads = 128 + kConsumerThreads;
   static constexpr int kSlabs = kHeadDim_ / kSlabCols;
-  static constexpr size_t kBarrierBytes = sizeof(uint64_t) * (1 + 3 * kStages);
-  static constexpr size_t kSmemBytes = Base::kTileQ + 2 * kStages * Base::kTileKV + kBarrierBytes + 1024;
+  // O is staged in its own tile (padded rows), so that a persistent CTA's producer may already
+  // fill the ring with the next tile's K/V while the consumers write this tile's O.
+  static constexpr size_t kTileO = size_t(Base::kBlockM) * Base::kStride * sizeof(T_);
+  // q_full, q_empty, k_full / v_full / k_empty / v_empty per stage, then the two tile slots.
+  static constexpr size_t kBarrierBytes = sizeof(uint64_t) * (2 + 4 * kStages) + 2 * sizeof(int);
+  static constexpr size_t kSmemBytes =
+      Base::kTileQ + 2 * kStages * Base::kTileKV + kTileO + kBarrierBytes + 1024;
   static_assert(Base::kTileQ % 1024 == 0 && Base::kTileKV % 1024 == 0, "slabs stay 1024-byte aligned");
+  static_assert(kTileO % 16 == 0, "the barriers after the O tile stay 8-byte aligned");
   static_assert(Base::kBlockM <= 256 && Base::kBlockN <= 256, "a TMA box has at most 256 rows");
   static_assert(kSmemBytes <= 227 * 1024, "fits a Hopper block");
 };
@@ -88,46 +97,80 @@ struct Ring {
   T* sV;
   uint64_t* k_full;
   uint64_t* v_full;
-  uint64_t* empty;
+  uint64_t* k_empty;
+  uint64_t* v_empty;
   __device__ __forceinline__ const T* k(int s) const { return sK + s * kKVElems; }
   __device__ __forceinline__ const T* v(int s) const { return sV + s * kKVElems; }
-  // Key block number i of this CTA (counted from 0) sits in stage i % kStages; its barriers
-  // complete once per pass over the ring, so the parity of the phase to wait for is the pass's.
+  // The i-th key block this CTA loads (counted from 0 over all its tiles) sits in stage
+  // i % kStages; its barriers complete once per pass over the ring, so the parity of the phase
+  // to wait for is the pass's.
   __device__ __forceinline__ static int stage(int i) { return i % Cfg::kStages; }
   __device__ __forceinline__ static int parity(int i) { return (i / Cfg::kStages) & 1; }
-  // This warp is done with stage s (its products that read K[s] and V[s] have completed).
-  __device__ __forceinline__ void release(int s) const {
+  // This warp is done with K[s] (the product S = Q K^T that read it has completed), or with
+  // V[s]. K and V are freed separately: the overlapped schedule holds V of block i-1 while it
+  // already computes S of block i, and K's stage can then be refilled a whole step earlier.
+  __device__ __forceinline__ void release_k(int s) const {
     __syncwarp();
-    if (threadIdx.x % 32 == 0) mbarrier_arrive(&empty[s]);
+    if (threadIdx.x % 32 == 0) mbarrier_arrive(&k_empty[s]);
+  }
+  __device__ __forceinline__ void release_v(int s) const {
+    __syncwarp();
+    if (threadIdx.x % 32 == 0) mbarrier_arrive(&v_empty[s]);
   }
 };
 
-// The producer: one thread issues Q once, then K and V of every key block of the CTA, each as
-// soon as the consumers released the stage it goes to.
+// The query tile of the CTA's current work tile, its barriers, and the slot through which the
+// producer tells the consumers which tile that is (-1: no more tiles). Tile k of the CTA
+// (counted from 0) uses phase k of q_full and of q_empty and slot k % 2.
+struct QueryTile {
+  uint64_t* full;   // the producer's arrival + the bytes of Q
+  uint64_t* empty;  // one arrival per consumer warp: every product that reads Q has completed
+  int* slot;        // [2]
+  __device__ __forceinline__ void release() const {
+    __syncwarp();
+    if (threadIdx.x % 32 == 0) mbarrier_arrive(empty);
+  }
+};
+
+// Loads K or V of key block nb into ring position i, as soon as the consumers freed its stage.
 template <typename Cfg>
-__device__ __forceinline__ void produce(const TmaMaps& maps, const Ring<Cfg>& ring, typename Cfg::T* sQ,
-                                        uint64_t* q_full, const BlockRange& range, int row0, int h, int h_kv,
-                                        int bi) {
-  mbarrier_arrive_expect_tx(q_full, Cfg::kTileQ);
+__device__ __forceinline__ void load_kv(const CUtensorMap* map, typename Cfg::T* tiles, uint64_t* full,
+                                        uint64_t* empty, const Ring<Cfg>& ring, int i, int nb, int h_kv, int bi) {
+  const int s = ring.stage(i);
+  mbarrier_wait(&empty[s], ring.parity(i) ^ 1);  // the first pass finds every stage free
+  mbarrier_arrive_expect_tx(&full[s], Cfg::kTileKV);
 #pragma unroll
   for (int c = 0; c < Cfg::kSlabs; ++c) {
-    tma_load_4d(sQ + c * Cfg::kBlockM * kSlabCols, &maps.q, q_full, c * kSlabCols, row0, h, bi);
+    tma_load_4d(tiles + s * ring.kKVElems + c * Cfg::kBlockN * kSlabCols, map, &full[s], c * kSlabCols,
+                nb * Cfg::kBlockN, h_kv, bi);
   }
-  for (int nb = range.begin, i = 0; nb < range.end; ++nb, ++i) {
-    const int s = ring.stage(i);
-    mbarrier_wait(&ring.empty[s], ring.parity(i) ^ 1);  // the first pass finds every stage free
-    mbarrier_arrive_expect_tx(&ring.k_full[s], Cfg::kTileKV);
+}
+
+// The producer of tile k (number t, or t = -1: none left). K of the tile's first block goes
+// first: its stage is usually free well before the consumers are done with the previous tile's
+// Q, so the new tile's first product can start as soon as Q lands. `first`: the ring position
+// of the tile's block 0.
+template <typename Cfg>
+__device__ __forceinline__ void produce(const TmaMaps& maps, const Ring<Cfg>& ring, int first, typename Cfg::T* sQ,
+                                        const QueryTile& qt, int k, int t, const BlockRange& range, int row0,
+                                        int h, int h_kv, int bi) {
+  if (range.count() > 0) load_kv<Cfg>(&maps.k, ring.sK, ring.k_full, ring.k_empty, ring, first, range.begin, h_kv, bi);
+  mbarrier_wait(qt.empty, (k & 1) ^ 1);
+  // Published by the arrival below (release), read after its wait (acquire). Atomic accesses:
+  // the ordering is the mbarrier's, which compute-sanitizer's racecheck does not model.
+  atomicExch(&qt.slot[k & 1], t);
+  if (t < 0) {
+    mbarrier_arrive(qt.full);
+    return;
+  }
+  mbarrier_arrive_expect_tx(qt.full, Cfg::kTileQ);
 #pragma unroll
-    for (int c = 0; c < Cfg::kSlabs; ++c) {
-      tma_load_4d(ring.sK + s * ring.kKVElems + c * Cfg::kBlockN * kSlabCols, &maps.k, &ring.k_full[s],
-                  c * kSlabCols, nb * Cfg::kBlockN, h_kv, bi);
-    }
-    mbarrier_arrive_expect_tx(&ring.v_full[s], Cfg::kTileKV);
-#pragma unroll
-    for (int c = 0; c < Cfg::kSlabs; ++c) {
-      tma_load_4d(ring.sV + s * ring.kKVElems + c * Cfg::kBlockN * kSlabCols, &maps.v, &ring.v_full[s],
-                  c * kSlabCols, nb * Cfg::kBlockN, h_kv, bi);
-    }
+  for (int c = 0; c < Cfg::kSlabs; ++c) {
+    tma_load_4d(sQ + c * Cfg::kBlockM * kSlabCols, &maps.q, qt.full, c * kSlabCols, row0, h, bi);
+  }
+  for (int nb = range.begin, i = first; nb < range.end; ++nb, ++i) {
+    if (nb > range.begin) load_kv<Cfg>(&maps.k, ring.sK, ring.k_full, ring.k_empty, ring, i, nb, h_kv, bi);
+    load_kv<Cfg>(&maps.v, ring.sV, ring.v_full, ring.v_empty, ring, i, nb, h_kv, bi);
   }
 }
 
@@ -148,20 +191,22 @@ struct ConsumerView {
 
 // kSerial: the four steps of sm90_fwd.cuh per key block, each product waited for at once.
 template <typename Cfg>
-__device__ __forceinline__ void consume_serial(const Ring<Cfg>& ring, const typename Cfg::T* sQ,
-                                               const ConsumerView& cv, float (&acc_o)[1][Cfg::kDTiles][4],
+__device__ __forceinline__ void consume_serial(const Ring<Cfg>& ring, int first, const typename Cfg::T* sQ,
+                                               const QueryTile& qt, const ConsumerView& cv, float (&acc_o)[1][Cfg::kDTiles][4],
                                                float (&row_max)[1][2], float (&row_sum)[1][2]) {
-  for (int nb = cv.range.begin, i = 0; nb < cv.range.end; ++nb, ++i) {
+  for (int nb = cv.range.begin, i = first; nb < cv.range.end; ++nb, ++i) {
     const int s = ring.stage(i);
     float sc[1][Cfg::kNTiles][4];
     float block_max[1][2];
     mbarrier_wait(&ring.k_full[s], ring.parity(i));
     compute_qk_scores_and_max<Cfg>(sc, block_max, sQ, cv.wg_row0, ring.k(s), cv.needs_mask(nb, Cfg::kBlockN),
                                    cv.warp_row0, nb * Cfg::kBlockN, cv.mask, cv.mod, cv.scale_log2);
+    ring.release_k(s);
+    if (nb == cv.range.end - 1) qt.release();  // the tile's last product that reads Q is done
     fwd_mma::merge_block_stats<Cfg>(row_max, row_sum, acc_o, block_max);
     mbarrier_wait(&ring.v_full[s], ring.parity(i));
     compute_block_softmax_and_weighted_v<Cfg>(sc, row_sum, acc_o, row_max, ring.v(s), cv.exp_scale);
-    ring.release(s);
+    ring.release_v(s);
   }
 }
 
@@ -204,15 +249,35 @@ __device__ __forceinline__ void compute_qk_scores_and_max(float (&sc)[1][Cfg::kN
                                    nb * Cfg::kBlockN, cv.mask, cv.mod, cv.scale_log2);
 }
 
-// Step 3 (overlapped): P = 2^(S - m), the row sums, P rounded to 16 bits into A fragments;
-// O += P V is issued with the next block's S (or alone after the last block).
+// Step 2 (overlapped): the new running statistics now; O, which the previous block's P V may
+// still be accumulating, is rescaled by the returned alpha later, right before the next P V
+// is issued (Rescale::apply).
+struct Rescale {
+  float alpha[1][2];
+  bool pending = false;
+  template <typename Cfg>
+  __device__ __forceinline__ void apply(float (&acc_o)[1][Cfg::kDTiles][4]) {
+    if (pending) fwd_mma::rescale_output<Cfg>(acc_o, alpha);
+    pending = false;
+  }
+};
 template <typename Cfg>
-__device__ __forceinline__ void compute_block_softmax_and_weighted_v(float (&sc)[1][Cfg::kNTiles][4],
-                                                                     float (&row_sum)[1][2],
-                                                                     const float (&row_max)[1][2],
-                                                                     uint32_t (&pa)[Cfg::kBlockN / 16][4],
-                                                                     float exp_scale) {
+__device__ __forceinline__ void merge_block_stats(float (&row_max)[1][2], float (&row_sum)[1][2],
+                                                  const float (&block_max)[1][2], Rescale& rescale) {
+  rescale.pending = fwd_mma::update_row_stats<Cfg>(row_max, row_sum, block_max, rescale.alpha);
+}
+
+// Step 3 (overlapped), first half: P = 2^(S - m) in place and the row sums, while the previous
+// P V still runs; second half (to_a_fragments), once it has landed: P rounded to 16 bits into
+// the A fragments that the next O += P V reads.
+template <typename Cfg>
+__device__ __forceinline__ void compute_block_softmax(float (&sc)[1][Cfg::kNTiles][4], float (&row_sum)[1][2],
+                                                      const float (&row_max)[1][2], float exp_scale) {
   fwd_mma::exponentiate_block<Cfg>(sc, row_sum, row_max, exp_scale);
+}
+template <typename Cfg>
+__device__ __forceinline__ void to_a_fragments(uint32_t (&pa)[Cfg::kBlockN / 16][4],
+                                               const float (&sc)[1][Cfg::kNTiles][4]) {
 #pragma unroll
   for (int kk = 0; kk < Cfg::kBlockN / 16; ++kk) accumulator_to_a<typename Cfg::T>(pa[kk], sc[0], kk);
 }
@@ -221,7 +286,8 @@ __device__ __forceinline__ void compute_block_softmax_and_weighted_v(float (&sc)
 // the other, so the two groups reach the tensor cores alternately while the other warpgroup
 // runs its softmax. Each warpgroup syncs on its own barrier once per group and arrives on the
 // other's; warpgroup 1 opens the first turn for warpgroup 0 and skips its own last hand-over,
-// so every barrier phase has exactly 128 waiting and 128 arriving threads.
+// so every barrier phase has exactly 128 waiting and 128 arriving threads (per tile: both
+// warpgroups take n + 1 turns, so a persistent CTA starts every tile in the same state).
 struct Turns {
   int wg;
   __device__ __forceinline__ void open() const {
@@ -233,9 +299,13 @@ struct Turns {
   }
 };
 
+// FlashAttention-3's order within a warpgroup: per key block i, issue S(i), rescale O for
+// block i-1's statistics, issue P(i-1) V(i-1); wait for S(i) alone and run its mask, max,
+// statistics and exponentials while P V is on the tensor cores; then wait for P V, free the
+// stage and round P(i) into A fragments. `first`: the ring position of this tile's block 0.
 template <typename Cfg>
-__device__ __forceinline__ void consume_overlap(const Ring<Cfg>& ring, const typename Cfg::T* sQ,
-                                                const ConsumerView& cv, float (&acc_o)[1][Cfg::kDTiles][4],
+__device__ __forceinline__ void consume_overlap(const Ring<Cfg>& ring, int first, const typename Cfg::T* sQ,
+                                                const QueryTile& qt, const ConsumerView& cv, float (&acc_o)[1][Cfg::kDTiles][4],
                                                 float (&row_max)[1][2], float (&row_sum)[1][2]) {
   const int n = cv.range.count();
   if (n <= 0) return;
@@ -244,45 +314,79 @@ __device__ __forceinline__ void consume_overlap(const Ring<Cfg>& ring, const typ
   float sc[1][Cfg::kNTiles][4];
   uint32_t pa[Cfg::kBlockN / 16][4];
   float block_max[1][2];
+  Rescale rescale;
 
   // Block 0: S alone, then its softmax (O is still zero: nothing to rescale).
-  mbarrier_wait(&ring.k_full[ring.stage(0)], ring.parity(0));
+  mbarrier_wait(&ring.k_full[ring.stage(first)], ring.parity(first));
   turns.take();
-  issue_qk<Cfg>(sc, sQ, cv.wg_row0, ring.k(ring.stage(0)));
+  issue_qk<Cfg>(sc, sQ, cv.wg_row0, ring.k(ring.stage(first)));
   turns.pass(false);
   compute_qk_scores_and_max<Cfg, 0>(sc, block_max, cv, cv.range.begin);
-  fwd_mma::merge_block_stats<Cfg>(row_max, row_sum, acc_o, block_max);
-  compute_block_softmax_and_weighted_v<Cfg>(sc, row_sum, row_max, pa, cv.exp_scale);
+  ring.release_k(ring.stage(first));
+  if (n == 1) qt.release();  // the tile's last product that reads Q is done
+  merge_block_stats<Cfg>(row_max, row_sum, block_max, rescale);
+  rescale.pending = false;
+  compute_block_softmax<Cfg>(sc, row_sum, row_max, cv.exp_scale);
+  to_a_fragments<Cfg>(pa, sc);
 
-  // Block i: S(i) and P(i-1) V(i-1) as one turn; S(i)'s mask / max overlaps P V.
   for (int i = 1; i < n; ++i) {
-    const int s = ring.stage(i), s_prev = ring.stage(i - 1);
-    mbarrier_wait(&ring.k_full[s], ring.parity(i));
-    mbarrier_wait(&ring.v_full[s_prev], ring.parity(i - 1));
+    const int s = ring.stage(first + i), s_prev = ring.stage(first + i - 1);
+    mbarrier_wait(&ring.k_full[s], ring.parity(first + i));
     turns.take();
     issue_qk<Cfg>(sc, sQ, cv.wg_row0, ring.k(s));
+    rescale.apply<Cfg>(acc_o);
+    mbarrier_wait(&ring.v_full[s_prev], ring.parity(first + i - 1));
     issue_weighted_v<Cfg>(acc_o, pa, ring.v(s_prev));
     turns.pass(false);
     compute_qk_scores_and_max<Cfg, 1>(sc, block_max, cv, cv.range.begin + i);
-    wgmma_wait<0>();  // P(i-1) V(i-1) done: O may be rescaled, pa rewritten, stage i-1 freed
+    ring.release_k(s);
+    if (i == n - 1) qt.release();
+    merge_block_stats<Cfg>(row_max, row_sum, block_max, rescale);
+    compute_block_softmax<Cfg>(sc, row_sum, row_max, cv.exp_scale);
+    wgmma_wait<0>();  // P(i-1) V(i-1) landed: pa may be rewritten, O rescaled, the stage freed
     fence_accumulator(acc_o[0]);
     fence_fragments(pa);
-    ring.release(s_prev);
-    fwd_mma::merge_block_stats<Cfg>(row_max, row_sum, acc_o, block_max);
-    compute_block_softmax_and_weighted_v<Cfg>(sc, row_sum, row_max, pa, cv.exp_scale);
+    ring.release_v(s_prev);
+    to_a_fragments<Cfg>(pa, sc);
   }
 
   // The last block's P V.
-  const int s_last = ring.stage(n - 1);
-  mbarrier_wait(&ring.v_full[s_last], ring.parity(n - 1));
+  const int s_last = ring.stage(first + n - 1);
   turns.take();
+  rescale.apply<Cfg>(acc_o);
+  mbarrier_wait(&ring.v_full[s_last], ring.parity(first + n - 1));
   issue_weighted_v<Cfg>(acc_o, pa, ring.v(s_last));
   turns.pass(true);
   wgmma_wait<0>();
   fence_accumulator(acc_o[0]);
   fence_fragments(pa);
-  ring.release(s_last);
+  ring.release_v(s_last);
 }
+
+// The tiles of a call and how CTAs take them. Order: (batch, head) outer, query blocks inner,
+// so the CTAs running at one time share a head's K and V in L2; with a bounded right side
+// (causal, window) a head's last query blocks, which see the most keys, come first. Each CTA
+// starts with tile blockIdx.x; then, given a zeroed counter (FwdParams::tile_counter), it draws
+// the next unclaimed tile (gridDim.x + counter++): the CTA that finishes first takes more, which
+// is what balances causal tiles of very different lengths. Without a counter it takes every
+// gridDim.x-th tile. With one CTA per tile (FLASH_CUDA_WS_PERSISTENT=0) both are the plain grid.
+struct TileScheduler {
+  int m_blocks, heads, batch;
+  bool longest_first;
+  int* counter;
+  struct Tile {
+    int m_block, h, b;
+  };
+  __device__ __forceinline__ int total() const { return m_blocks * heads * batch; }
+  __device__ __forceinline__ Tile at(int t) const {
+    const int mi = t % m_blocks, bh = t / m_blocks;
+    return {longest_first ? m_blocks - 1 - mi : mi, bh % heads, bh / heads};
+  }
+  __device__ __forceinline__ int first() const { return blockIdx.x; }
+  __device__ __forceinline__ int next(int t) const {
+    return counter != nullptr ? static_cast<int>(gridDim.x) + atomicAdd(counter, 1) : t + static_cast<int>(gridDim.x);
+  }
+};
 
 template <typename Cfg, int kSchedule>
 __device__ __forceinline__ void fwd_ws_block(const FwdParams& p, const TmaMaps& maps) {
@@ -291,30 +395,30 @@ __device__ __forceinline__ void fwd_ws_block(const FwdParams& p, const TmaMaps& 
   extern __shared__ unsigned char smem_raw[];
   unsigned char* smem = aligned_smem_base(smem_raw);
   T* sQ = reinterpret_cast<T*>(smem);
-  uint64_t* q_full = reinterpret_cast<uint64_t*>(smem + Cfg::kTileQ + 2 * kStages * Cfg::kTileKV);
+  T* sO = reinterpret_cast<T*>(smem + Cfg::kTileQ + 2 * kStages * Cfg::kTileKV);
+  uint64_t* bars = reinterpret_cast<uint64_t*>(smem + Cfg::kTileQ + 2 * kStages * Cfg::kTileKV + Cfg::kTileO);
+  QueryTile qt{bars, bars + 1, reinterpret_cast<int*>(bars + 2 + 4 * kStages)};
   Ring<Cfg> ring;
   ring.sK = reinterpret_cast<T*>(smem + Cfg::kTileQ);
   ring.sV = reinterpret_cast<T*>(smem + Cfg::kTileQ + kStages * Cfg::kTileKV);
-  ring.k_full = q_full + 1;
+  ring.k_full = bars + 2;
   ring.v_full = ring.k_full + kStages;
-  ring.empty = ring.v_full + kStages;
+  ring.k_empty = ring.v_full + kStages;
+  ring.v_empty = ring.k_empty + kStages;
 
-  const int h = blockIdx.y;
-  const int bi = blockIdx.z;
-  const SeqInfo seq = SeqInfo::make<false>(p, bi);
-  const AttnMask mask = seq.mask<false>(p);
-  const int m_block = mask.right_bounded() ? gridDim.x - 1 - blockIdx.x : blockIdx.x;  // long rows first
-  const int row0 = m_block * Cfg::kBlockM;
-  const int rows_valid = min(Cfg::kBlockM, seq.sq - row0);
-  const BlockRange range = BlockRange::keys_of(mask, row0, row0 + rows_valid, Cfg::kBlockN);
+  // Every tile's mask has the same shape (dense batch): only the rows differ.
+  const AttnMask mask0 = SeqInfo::make<false>(p, 0).mask<false>(p);
+  const TileScheduler sched{ceil_div(p.sq, Cfg::kBlockM), p.hq, p.b, mask0.right_bounded(), p.tile_counter};
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
 
   if (threadIdx.x == 0) {
-    mbarrier_init(q_full, 1);
+    mbarrier_init(qt.full, 1);
+    mbarrier_init(qt.empty, kConsumerWarps);
     for (int s = 0; s < kStages; ++s) {
       mbarrier_init(&ring.k_full[s], 1);
       mbarrier_init(&ring.v_full[s], 1);
-      mbarrier_init(&ring.empty[s], kConsumerWarps);
+      mbarrier_init(&ring.k_empty[s], kConsumerWarps);
+      mbarrier_init(&ring.v_empty[s], kConsumerWarps);
     }
     fence_barrier_init();
   }
@@ -322,49 +426,77 @@ __device__ __forceinline__ void fwd_ws_block(const FwdParams& p, const TmaMaps& 
 
   if (warp < 4) {
     setmaxnreg_dec<kProducerRegs>();
-    if (warp == 0 && lane == 0) produce<Cfg>(maps, ring, sQ, q_full, range, row0, h, h / (p.hq / p.hkv), bi);
+    if (warp == 0 && lane == 0) {
+      // One thread loads every tile of this CTA (ring positions run on across tiles) and
+      // finally publishes "no more tiles".
+      int t = sched.first();
+      for (int k = 0, first = 0;; ++k) {
+        if (t >= sched.total()) {
+          produce<Cfg>(maps, ring, first, sQ, qt, k, -1, BlockRange{0, 0}, 0, 0, 0, 0);
+          break;
+        }
+        const int t_next = sched.next(t);  // drawn now, used after this tile's loads are issued
+        const TileScheduler::Tile tile = sched.at(t);
+        const int row0 = tile.m_block * Cfg::kBlockM;
+        const BlockRange range = BlockRange::keys_of(mask0, row0, min(row0 + Cfg::kBlockM, p.sq), Cfg::kBlockN);
+        produce<Cfg>(maps, ring, first, sQ, qt, k, t, range, row0, tile.h, tile.h / (p.hq / p.hkv), tile.b);
+        first += range.count();
+        t = t_next;
+      }
+    }
     return;
   }
 
   // ---- consumers: warps 4..11, warpgroup w = (warp - 4) / 4 owns rows 64w .. 64w + 63 ----
   setmaxnreg_inc<kConsumerRegs>();
   const int cwarp = warp - 4;
-  ConsumerView cv;
-  cv.mask = mask;
-  cv.mod = seq.score_mod<false>(p, h);
-  cv.range = range;
-  cv.wg = cwarp / 4;
-  cv.wg_row0 = cv.wg * 64;
-  cv.warp_row0 = row0 + 16 * cwarp;
-  cv.warp_row_end = min(cv.warp_row0 + 16, seq.sq);
-  cv.scale_log2 = p.scale_log2;
-  cv.exp_scale = cv.mod.exp_scale(p.scale_log2);
+  for (int k = 0, first = 0;; ++k) {
+    mbarrier_wait(qt.full, k & 1);
+    const int t = atomicAdd(&qt.slot[k & 1], 0);
+    if (t < 0) break;
+    const TileScheduler::Tile tile = sched.at(t);
+    const SeqInfo seq = SeqInfo::make<false>(p, tile.b);
+    const int row0 = tile.m_block * Cfg::kBlockM;
+    const int rows_valid = min(Cfg::kBlockM, seq.sq - row0);
+    ConsumerView cv;
+    cv.mask = mask0;
+    cv.mod = seq.score_mod<false>(p, tile.h);
+    cv.range = BlockRange::keys_of(mask0, row0, row0 + rows_valid, Cfg::kBlockN);
+    cv.wg = cwarp / 4;
+    cv.wg_row0 = cv.wg * 64;
+    cv.warp_row0 = row0 + 16 * cwarp;
+    cv.warp_row_end = min(cv.warp_row0 + 16, seq.sq);
+    cv.scale_log2 = p.scale_log2;
+    cv.exp_scale = cv.mod.exp_scale(p.scale_log2);
 
-  float acc_o[1][Cfg::kDTiles][4];
-  float row_max[1][2] = {{-INFINITY, -INFINITY}}, row_sum[1][2] = {{0.f, 0.f}};
+    float acc_o[1][Cfg::kDTiles][4];
+    float row_max[1][2] = {{-INFINITY, -INFINITY}}, row_sum[1][2] = {{0.f, 0.f}};
 #pragma unroll
-  for (int dt = 0; dt < Cfg::kDTiles; ++dt)
+    for (int dt = 0; dt < Cfg::kDTiles; ++dt)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) acc_o[0][dt][e] = 0.f;
+      for (int e = 0; e < 4; ++e) acc_o[0][dt][e] = 0.f;
 
-  mbarrier_wait(q_full, 0);
-  if constexpr (kSchedule == kOverlap) {
-    consume_overlap<Cfg>(ring, sQ, cv, acc_o, row_max, row_sum);
-  } else {
-    consume_serial<Cfg>(ring, sQ, cv, acc_o, row_max, row_sum);
+    // The consume functions release Q after the tile's last S = Q K^T, so that the next
+    // tile's Q loads under the last P V and this epilogue; a tile without keys releases here.
+    if constexpr (kSchedule == kOverlap) {
+      consume_overlap<Cfg>(ring, first, sQ, qt, cv, acc_o, row_max, row_sum);
+    } else {
+      consume_serial<Cfg>(ring, first, sQ, qt, cv, acc_o, row_max, row_sum);
+    }
+    if (cv.range.count() == 0) qt.release();
+    first += cv.range.count();
+
+    // Step 4 through this warp's own 16 rows of the O staging tile (the warp's previous
+    // reads of them are ordered before it by normalize_output's __syncwarp and this one).
+    __syncwarp();
+    T* o = seq.q_rows(static_cast<T*>(p.o), p.o_batch_stride, p.o_head_stride, p.o_row_stride, tile.h) +
+           static_cast<int64_t>(row0) * p.o_row_stride;
+    float* lse = p.softmax_lse + seq.stat_offset(p, tile.h) + row0;
+    const int warp_rows_valid = min(16, rows_valid - 16 * cwarp);
+    fwd_mma::normalize_output<Cfg>(acc_o, row_sum, row_max, sO + cwarp * 16 * Cfg::kStride,
+                                   o + static_cast<int64_t>(16 * cwarp) * p.o_row_stride, p.o_row_stride,
+                                   lse + 16 * cwarp, warp_rows_valid, p.d);
   }
-
-  // Step 4 through padded rows of the K/V ring: both consumer warpgroups must be done with it
-  // (and every load has landed: each was waited for above).
-  named_barrier_sync(kConsumersDoneBarrier, kConsumerThreads);
-  fence_proxy_async();
-  T* o = seq.q_rows(static_cast<T*>(p.o), p.o_batch_stride, p.o_head_stride, p.o_row_stride, h) +
-         static_cast<int64_t>(row0) * p.o_row_stride;
-  float* lse = p.softmax_lse + seq.stat_offset(p, h) + row0;
-  const int warp_rows_valid = min(16, rows_valid - 16 * cwarp);
-  fwd_mma::normalize_output<Cfg>(acc_o, row_sum, row_max, ring.sK + cwarp * 16 * Cfg::kStride,
-                                 o + static_cast<int64_t>(16 * cwarp) * p.o_row_stride, p.o_row_stride,
-                                 lse + 16 * cwarp, warp_rows_valid, p.d);
 }
 
 template <typename Cfg, int kSchedule>
@@ -383,19 +515,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 // Launches the warp-specialized forward and returns true, or returns false having launched
 // nothing: not an sm_90 device or not built for sm_90a, a packed batch or a score modifier
 // (kPlain only), or a view TMA cannot address.
-// The consumer schedule: kOverlap unless FLASH_CUDA_WS_SCHEDULE=serial (the ablation of the
-// optimization record; read at every launch, a few tens of nanoseconds).
-inline int ws_schedule() {
-  const char* v = std::getenv("FLASH_CUDA_WS_SCHEDULE");
-  return v != nullptr && std::string(v) == "serial" ? sm90::ws::kSerial : sm90::ws::kOverlap;
-}
-
-// Launches the warp-specialized forward and returns true, or returns false having launched
-// nothing: not an sm_90 device or not built for sm_90a, a packed batch or a score modifier
-// (kPlain only), or a view TMA cannot address.
 template <typename Cfg>
 bool launch_fwd_sm90_ws(const FwdParams& p, cudaStream_t stream) {
-  const bool overlap = ws_schedule() == sm90::ws::kOverlap;
+  const bool overlap = ws_schedule_name() != "serial";
   auto kernel = overlap ? sm90::ws::fwd_sm90_ws_kernel<Cfg, sm90::ws::kOverlap>
                         : sm90::ws::fwd_sm90_ws_kernel<Cfg, sm90::ws::kSerial>;
   if (p.sm_arch != 90 || !sm90_kernel_built(kernel)) return false;
@@ -411,7 +533,11 @@ bool launch_fwd_sm90_ws(const FwdParams& p, cudaStream_t stream) {
     return false;
   }
   set_smem_limit(kernel, Cfg::kSmemBytes, "fwd_sm90_ws");
-  const dim3 grid(ceil_div(p.sq, Cfg::kBlockM), p.hq, p.b);
+  const int64_t tiles = int64_t(ceil_div(p.sq, Cfg::kBlockM)) * p.hq * p.b;
+  if (tiles > INT32_MAX / 2) return false;  // the tile loop steps t past the last tile
+  // One CTA per SM fits (shared memory and registers): a persistent grid of num_sms CTAs.
+  const int grid = ws_persistent() && p.num_sms > 0 ? static_cast<int>(std::min<int64_t>(tiles, p.num_sms))
+                                                  : static_cast<int>(tiles);
   kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p, maps);
   check_launch("fwd_sm90_ws");
   return true;

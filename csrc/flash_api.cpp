@@ -249,6 +249,7 @@ auto with_bucket(int d, std::integer_sequence<int, kBuckets...>, Args&&... args)
 using SimtBuckets = std::integer_sequence<int, 32, 64, 128, 256>;
 using MmaBuckets = std::integer_sequence<int, 32, 64, 96, 128, 192, 256>;
 using Sm90Buckets = std::integer_sequence<int, 64, 128>;
+using Sm90WsBuckets = std::integer_sequence<int, 64, 128, 192, 256>;  // tier 4 alone
 
 constexpr int kF16 = static_cast<int>(DType::kFloat16);
 constexpr int kBF16 = static_cast<int>(DType::kBFloat16);
@@ -314,6 +315,7 @@ bool with_dtype_variant(const Params& p, Variant variant, cudaStream_t stream) {
 // returns false, having launched nothing, where it does not apply (other head dims, a GPU
 // other than sm_90, a build without the 90a target, softcap in the backward).
 bool sm90_bucket(int d) { return (d > 32 && d <= 64) || (d > 96 && d <= 128); }
+bool sm90_ws_bucket(int d) { return (d > 32 && d <= 64) || (d > 96 && d <= 256); }
 
 constexpr const char* kNoWgmma =
     "flash_cuda: kernel='wgmma' needs an sm_90 GPU (H100/H200), a flash_cuda build that includes "
@@ -327,11 +329,11 @@ void dispatch_fwd(const FwdParams& p, Tier tier, cudaStream_t stream) {
   }
   const Variant variant = variant_of(p, /*backward=*/false);
   if (tier == Tier::kWgmmaWs) {
-    const bool launched = variant == kPlain && sm90_bucket(p.d) &&
-                          with_dtype_variant<Sm90WsFwd, Sm90Buckets>(p, kPlain, stream);
+    const bool launched = variant == kPlain && sm90_ws_bucket(p.d) &&
+                          with_dtype_variant<Sm90WsFwd, Sm90WsBuckets>(p, kPlain, stream);
     TORCH_CHECK(launched,
                 "flash_cuda: the warp-specialized forward (tier 4) needs an sm_90 GPU, a build with the "
-                "90a target, head dim 33..64 or 97..128, a dense batch without softcap / ALiBi, and "
+                "90a target, head dim 33..64 or 97..256, a dense batch without softcap / ALiBi, and "
                 "16-byte aligned strides");
     return;
   }
@@ -435,7 +437,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd(
     }
   }
   at::Tensor tile_counter;  // the warp-specialized Hopper forward's tile scheduler
-  if (t != Tier::kSimt && p.sm_arch == 90 && sm90_bucket(p.d) && p.cu_seqlens_q == nullptr && ws_enabled()) {
+  if (t != Tier::kSimt && p.sm_arch == 90 && sm90_ws_bucket(p.d) && p.cu_seqlens_q == nullptr && ws_enabled()) {
     tile_counter = at::zeros({1}, q.options().dtype(at::kInt));
     p.tile_counter = tile_counter.data_ptr<int>();
   }

@@ -47,6 +47,13 @@ CASES = [
     (4, 16, 4, 1000, 1000, 64, True, (-1, -1), "bshd"),
     (2, 32, 8, 640, 1100, 128, False, (-1, -1), "bhsd"),
     (2, 20, 4, 1500, 400, 64, True, (64, -1), "bhsd"),
+    # Head dims above 128 (64 keys per step; d = 256 writes O from registers), their buckets
+    # below the full width, and more tiles than SMs.
+    (1, 4, 4, 1000, 1000, 192, False, (-1, -1), "strided"),
+    (2, 4, 2, 700, 900, 256, True, (-1, -1), "bshd"),
+    (1, 2, 2, 300, 500, 160, True, (64, -1), "bhsd"),
+    (1, 3, 1, 257, 129, 200, False, (-1, -1), "offset"),
+    (2, 20, 4, 600, 600, 256, False, (-1, -1), "bhsd"),
 ]
 
 

@@ -13,6 +13,7 @@ DTYPES = {"fp16": "kFloat16", "bf16": "kBFloat16"}
 MMA_BUCKETS = (32, 64, 96, 128, 192, 256)
 SIMT_BUCKETS = (32, 64, 128, 256)
 SM90_BUCKETS = (64, 128)
+SM90_WS_BUCKETS = (64, 128, 192, 256)  # the warp-specialized forward
 
 
 def _file(comment: str, header: str, lines: list) -> str:
@@ -51,7 +52,7 @@ def instances() -> dict:
                         f"head dim {d}.", f"sm90_{direction}.cuh",
                         [f"template bool run_{direction}_sm90<{dtype}, {d}, {variant}>(const {params}&, "
                          f"cudaStream_t);"])
-        for d in SM90_BUCKETS:
+        for d in SM90_WS_BUCKETS:
             files[f"sm90_fwd_ws_{dt}_d{d}.cu"] = _file(
                 f"Hopper warp-specialized (TMA, mbarrier ring) forward, {dt}, head dim {d}.", "sm90_fwd_ws.cuh",
                 [f"template bool run_fwd_sm90_ws<{dtype}, {d}>(const FwdParams&, cudaStream_t);"])

@@ -368,8 +368,10 @@ __device__ __forceinline__ void compute_block_softmax_and_weighted_v(
 // ---------------------------------------------------------------------------------
 // Step 4: finish the row sums across the quad, divide, write O (through this warp's own
 // rows of the Q tile, so the global stores are 16-byte and coalesced) and the lse.
+// kStaged = false (a kernel without shared memory to spare; sO_warp unused): every thread
+// stores its own pairs of columns, 4 bytes each.
 // ---------------------------------------------------------------------------------
-template <typename Cfg>
+template <typename Cfg, bool kStaged = true>
 __device__ __forceinline__ void normalize_output(float (&acc_o)[Cfg::kMTiles][Cfg::kDTiles][4],
                                                  float (&row_sum)[Cfg::kMTiles][2],
                                                  const float (&row_max)[Cfg::kMTiles][2],
@@ -393,13 +395,18 @@ __device__ __forceinline__ void normalize_output(float (&acc_o)[Cfg::kMTiles][Cf
       for (int dt = 0; dt < Cfg::kDTiles; ++dt) {
         const uint32_t packed =
             pack2<T>(acc_o[mt][dt][half * 2] * inv, acc_o[mt][dt][half * 2 + 1] * inv);
-        *reinterpret_cast<uint32_t*>(sO_warp + r * Cfg::kStride + dt * 8 + 2 * t) = packed;
+        if constexpr (kStaged) {
+          *reinterpret_cast<uint32_t*>(sO_warp + r * Cfg::kStride + dt * 8 + 2 * t) = packed;
+        } else if (r < rows_valid && dt * 8 + 2 * t < d) {
+          *reinterpret_cast<uint32_t*>(o_rows + r * o_row_stride + dt * 8 + 2 * t) = packed;
+        }
       }
       if (t == 0 && r < rows_valid) {
         lse_rows[r] = l == 0.f ? -INFINITY : (row_max[mt][half] + __log2f(l)) * kLn2;
       }
     }
   }
+  if constexpr (!kStaged) return;
   __syncwarp();
   constexpr int kChunksPerRow = Cfg::kHeadDim / 8;
 #pragma unroll

@@ -35,7 +35,8 @@
 //             barriers order the two warpgroups' product groups (one issues while the other
 //             runs its softmax), so the tensor cores always have a group queued.
 //
-// Scope of this version: dense batches, fp16 / bf16, head dims 64 and 128, the kPlain variant
+// Scope of this version: dense batches, fp16 / bf16, head dims 64, 128, 192 and 256 (64 keys
+// per step above 128; kernel='auto' uses 64 and 128, the two measured so far), the kPlain variant
 // (causal, windows, Sq != Sk, GQA); views whose base and strides TMA can address (16-byte
 // multiples). The launcher returns false otherwise and the caller runs sm90_fwd.cuh.
 #pragma once
@@ -56,10 +57,6 @@ struct TmaMaps {
   CUtensorMap q, k, v;
 };
 
-// One thread issues TMA (the rest of its warpgroup exits); 40 registers hold its tile loop
-// without spilling (at 24, ptxas spills the scheduler's state to the stack).
-constexpr int kProducerRegs = 40;
-constexpr int kConsumerRegs = 232;  // 128 x 40 + 256 x 232 <= 65536 registers per SM
 constexpr int kConsumerThreads = 256;
 constexpr int kConsumerWarps = kConsumerThreads / 32;
 // Named barriers (0 is __syncthreads): warpgroup w's turn to issue its products (kOverlap) is
@@ -68,20 +65,34 @@ constexpr int kTurnBarrier = 1;
 
 enum WsSchedule : int { kSerial = 0, kOverlap = 1 };
 
+// Keys per step: 128 up to d = 128; 64 beyond, where two stages of 128-key K/V tiles and Q
+// would not fit next to each other (d = 256: Q 64 KiB + 4 x 32 KiB at 64 keys).
+constexpr int ws_block_n(int head_dim) { return head_dim <= 128 ? 128 : 64; }
+
 // Tiles as in sm90_fwd.cuh (its helpers read these fields), plus the pipeline's own sizes.
 template <typename T_, int kHeadDim_>
-struct WsConfig : FwdConfig<T_, kHeadDim_, /*kBlockN=*/128, /*kWarpGroups=*/2, /*kMinBlocks=*/1> {
-  using Base = FwdConfig<T_, kHeadDim_, 128, 2, 1>;
+struct WsConfig : FwdConfig<T_, kHeadDim_, ws_block_n(kHeadDim_), /*kWarpGroups=*/2, /*kMinBlocks=*/1> {
+  using Base = FwdConfig<T_, kHeadDim_, ws_block_n(kHeadDim_), 2, 1>;
   static constexpr int kStages = 2;
   static constexpr int kThreads = 128 + kConsumerThreads;
   static constexpr int kSlabs = kHeadDim_ / kSlabCols;
-  // O is staged in its own tile (padded rows), so that a persistent CTA's producer may already
-  // fill the ring with the next tile's K/V while the consumers write this tile's O.
-  static constexpr size_t kTileO = size_t(Base::kBlockM) * Base::kStride * sizeof(T_);
+  // Registers per thread after setmaxnreg (128 x producer + 256 x consumers <= 65536). One
+  // producer thread issues TMA (the rest of its warpgroup exits); its tile loop fits in 24
+  // with little to spare (one more live value spilled it), so up to d = 192 it keeps 40, as
+  // measured. At d = 256 the consumers need 240 for the 64 x 256 O accumulator (232 spills).
+  static constexpr int kProducerRegs = kHeadDim_ <= 192 ? 40 : 24;
+  static constexpr int kConsumerRegs = kHeadDim_ <= 192 ? 232 : 240;
+  static_assert(128 * kProducerRegs + kConsumerThreads * kConsumerRegs <= 65536, "one CTA per SM");
   // q_full, q_empty, k_full / v_full / k_empty / v_empty per stage, then the two tile slots.
   static constexpr size_t kBarrierBytes = sizeof(uint64_t) * (2 + 4 * kStages) + 2 * sizeof(int);
-  static constexpr size_t kSmemBytes =
-      Base::kTileQ + 2 * kStages * Base::kTileKV + kTileO + kBarrierBytes + 1024;
+  static constexpr size_t kRingBytes = Base::kTileQ + 2 * kStages * Base::kTileKV;
+  // O is staged in its own tile (padded rows, 16-byte coalesced stores), so that a persistent
+  // CTA's producer may already fill the ring with the next tile's K/V while the consumers write
+  // this tile's O. Where that tile does not fit (d = 256), each thread stores its own pairs.
+  static constexpr size_t kStagedO = size_t(Base::kBlockM) * Base::kStride * sizeof(T_);
+  static constexpr bool kStageO = kRingBytes + kStagedO + kBarrierBytes + 1024 <= 227 * 1024;
+  static constexpr size_t kTileO = kStageO ? kStagedO : 0;
+  static constexpr size_t kSmemBytes = kRingBytes + kTileO + kBarrierBytes + 1024;
   static_assert(Base::kTileQ % 1024 == 0 && Base::kTileKV % 1024 == 0, "slabs stay 1024-byte aligned");
   static_assert(kTileO % 16 == 0, "the barriers after the O tile stay 8-byte aligned");
   static_assert(Base::kBlockM <= 256 && Base::kBlockN <= 256, "a TMA box has at most 256 rows");
@@ -425,7 +436,7 @@ __device__ __forceinline__ void fwd_ws_block(const FwdParams& p, const TmaMaps& 
   __syncthreads();  // the last CTA-wide barrier: from here on the roles never meet all at once
 
   if (warp < 4) {
-    setmaxnreg_dec<kProducerRegs>();
+    setmaxnreg_dec<Cfg::kProducerRegs>();
     if (warp == 0 && lane == 0) {
       // One thread loads every tile of this CTA (ring positions run on across tiles) and
       // finally publishes "no more tiles".
@@ -448,7 +459,7 @@ __device__ __forceinline__ void fwd_ws_block(const FwdParams& p, const TmaMaps& 
   }
 
   // ---- consumers: warps 4..11, warpgroup w = (warp - 4) / 4 owns rows 64w .. 64w + 63 ----
-  setmaxnreg_inc<kConsumerRegs>();
+  setmaxnreg_inc<Cfg::kConsumerRegs>();
   const int cwarp = warp - 4;
   for (int k = 0, first = 0;; ++k) {
     mbarrier_wait(qt.full, k & 1);
@@ -487,13 +498,14 @@ __device__ __forceinline__ void fwd_ws_block(const FwdParams& p, const TmaMaps& 
     first += cv.range.count();
 
     // Step 4 through this warp's own 16 rows of the O staging tile (the warp's previous
-    // reads of them are ordered before it by normalize_output's __syncwarp and this one).
+    // reads of them are ordered before it by normalize_output's __syncwarp and this one), or
+    // straight from registers where that tile does not fit (kStageO).
     __syncwarp();
     T* o = seq.q_rows(static_cast<T*>(p.o), p.o_batch_stride, p.o_head_stride, p.o_row_stride, tile.h) +
            static_cast<int64_t>(row0) * p.o_row_stride;
     float* lse = p.softmax_lse + seq.stat_offset(p, tile.h) + row0;
     const int warp_rows_valid = min(16, rows_valid - 16 * cwarp);
-    fwd_mma::normalize_output<Cfg>(acc_o, row_sum, row_max, sO + cwarp * 16 * Cfg::kStride,
+    fwd_mma::normalize_output<Cfg, Cfg::kStageO>(acc_o, row_sum, row_max, sO + cwarp * 16 * Cfg::kStride,
                                    o + static_cast<int64_t>(16 * cwarp) * p.o_row_stride, p.o_row_stride,
                                    lse + 16 * cwarp, warp_rows_valid, p.d);
   }

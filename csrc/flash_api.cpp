@@ -283,8 +283,14 @@ template <int kDType, int kVariant> struct MmaBwd {
 template <int kDType, int kVariant> struct Sm90Fwd {
   template <int kD> static bool run(const FwdParams& p, cudaStream_t s) { return run_fwd_sm90<kDType, kD, kVariant>(p, s); }
 };
-template <int kDType, int kVariant> struct Sm90WsFwd {  // kVariant: always kPlain (see dispatch_fwd)
-  template <int kD> static bool run(const FwdParams& p, cudaStream_t s) { return run_fwd_sm90_ws<kDType, kD>(p, s); }
+template <int kDType, int kVariant> struct Sm90WsFwd {
+  template <int kD> static bool run(const FwdParams& p, cudaStream_t s) {
+    if constexpr (kVariant != kPlain && kD > 192) {
+      return false;  // no softcap / ALiBi instance at d = 256 (csrc/instances/generate.py)
+    } else {
+      return run_fwd_sm90_ws<kDType, kD, kVariant>(p, s);
+    }
+  }
 };
 template <int kDType, int kVariant> struct Sm90Bwd {
   template <int kD> static bool run(const BwdParams& p, cudaStream_t s) { return run_bwd_sm90<kDType, kD, kVariant>(p, s); }
@@ -329,12 +335,11 @@ void dispatch_fwd(const FwdParams& p, Tier tier, cudaStream_t stream) {
   }
   const Variant variant = variant_of(p, /*backward=*/false);
   if (tier == Tier::kWgmmaWs) {
-    const bool launched = variant == kPlain && sm90_ws_bucket(p.d) &&
-                          with_dtype_variant<Sm90WsFwd, Sm90WsBuckets>(p, kPlain, stream);
+    const bool launched = sm90_ws_bucket(p.d) && p.cu_seqlens_q == nullptr &&
+                          with_dtype_variant<Sm90WsFwd, Sm90WsBuckets>(p, variant, stream);
     TORCH_CHECK(launched,
                 "flash_cuda: the warp-specialized forward (tier 4) needs an sm_90 GPU, a build with the "
-                "90a target, head dim 33..64 or 97..256, a dense batch without softcap / ALiBi, and "
-                "16-byte aligned strides");
+                "90a target, head dim 33..64 or 97..256, a dense batch, and 16-byte aligned strides");
     return;
   }
   if (tier == Tier::kAuto || tier == Tier::kWgmma) {

@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from attn_check import _check_against_references, gpu_skip_reason, make_inputs
+from attn_check import _check_against_references, gpu_skip_reason, make_alibi_slopes, make_inputs
 from flash_cuda import _ext
 from flash_cuda.reference import attention_naive
 
@@ -90,6 +90,44 @@ def test_ws_forward_matches_float64(schedule, dtype, B, Hq, Hkv, Sq, Sk, D, is_c
     _check_against_references(desc, q, k, v, flash_fn, ref_fn, lse_shape=(B, Hq, Sq),
                               out_rows=lambda m: m, check_grad=False, with_dlse=False, seed=0,
                               what="warp-specialized forward")
+
+
+# (B, Hq, Hkv, Sq, Sk, D, is_causal, window, softcap, alibi kind): the kExtended instances
+# (dense batches), head dims 64 / 128 / 192, more tiles than SMs in the last case.
+MOD_CASES = [
+    (2, 4, 2, 700, 900, 128, True, (-1, -1), 30.0, None),
+    (1, 4, 4, 513, 1000, 64, False, (128, 64), 0.0, "heads"),
+    (2, 2, 1, 300, 300, 192, True, (-1, -1), 5.0, "batch"),
+    (2, 20, 4, 600, 700, 128, False, (-1, -1), 2.0, "heads"),
+]
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("B,Hq,Hkv,Sq,Sk,D,is_causal,window,softcap,alibi", MOD_CASES)
+def test_ws_forward_with_score_modifiers(schedule, dtype, B, Hq, Hkv, Sq, Sk, D, is_causal, window, softcap,
+                                         alibi):
+    q, k, v = make_inputs(B, Hq, Hkv, Sq, Sk, D, dtype, "cuda", seed=Sq + D)
+    slopes = None
+    if alibi is not None:
+        slopes = make_alibi_slopes(Hq, batch=B if alibi == "batch" else None, device="cuda", seed=Sk)
+    scale = 1.0 / math.sqrt(D)
+    wl, wr = window
+    if is_causal:
+        wr = 0
+
+    def flash_fn(qf, kf, vf):
+        out, lse, _ = _ext.require().fwd(qf, kf, vf, scale, wl, wr, softcap, slopes, None, None, 0, 0, WS_TIER)
+        return out, lse
+
+    def ref_fn(qr, kr, vr):
+        return attention_naive(qr, kr, vr, is_causal=is_causal, scale=scale, window_size=window, softcap=softcap,
+                               alibi_slopes=slopes)
+
+    desc = (f"schedule={schedule} B={B} Hq={Hq} Hkv={Hkv} Sq={Sq} Sk={Sk} D={D} dtype={dtype} "
+            f"causal={is_causal} window={window} softcap={softcap} alibi={alibi}")
+    _check_against_references(desc, q, k, v, flash_fn, ref_fn, lse_shape=(B, Hq, Sq),
+                              out_rows=lambda m: m, check_grad=False, with_dlse=False, seed=0,
+                              what="warp-specialized forward with score modifiers")
 
 
 def test_ws_forward_is_deterministic(schedule):

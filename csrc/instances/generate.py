@@ -14,6 +14,7 @@ MMA_BUCKETS = (32, 64, 96, 128, 192, 256)
 SIMT_BUCKETS = (32, 64, 128, 256)
 SM90_BUCKETS = (64, 128)
 SM90_WS_BUCKETS = (64, 128, 192, 256)  # the warp-specialized forward
+SM90_WS_EXT_BUCKETS = (64, 128, 192)  # its softcap / ALiBi instances (d = 256 would spill)
 
 
 def _file(comment: str, header: str, lines: list) -> str:
@@ -53,9 +54,13 @@ def instances() -> dict:
                         [f"template bool run_{direction}_sm90<{dtype}, {d}, {variant}>(const {params}&, "
                          f"cudaStream_t);"])
         for d in SM90_WS_BUCKETS:
-            files[f"sm90_fwd_ws_{dt}_d{d}.cu"] = _file(
-                f"Hopper warp-specialized (TMA, mbarrier ring) forward, {dt}, head dim {d}.", "sm90_fwd_ws.cuh",
-                [f"template bool run_fwd_sm90_ws<{dtype}, {d}>(const FwdParams&, cudaStream_t);"])
+            for suffix in ("", "_ext") if d in SM90_WS_EXT_BUCKETS else ("",):
+                variant = VARIANTS[suffix][0]
+                what = ", with softcap / ALiBi (dense batches)" if suffix else ""
+                files[f"sm90_fwd_ws{suffix}_{dt}_d{d}.cu"] = _file(
+                    f"Hopper warp-specialized (TMA, mbarrier ring) forward{what}, {dt}, head dim {d}.",
+                    "sm90_fwd_ws.cuh",
+                    [f"template bool run_fwd_sm90_ws<{dtype}, {d}, {variant}>(const FwdParams&, cudaStream_t);"])
     for d in SIMT_BUCKETS:
         # simt_fwd_outer.cuh holds the run_fwd_simt that picks the kernel of each bucket.
         files[f"simt_fwd_d{d}.cu"] = _file(

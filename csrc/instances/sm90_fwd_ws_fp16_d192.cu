@@ -3,5 +3,5 @@
 #include "../kernels/sm90_fwd_ws.cuh"
 
 namespace flash_cuda {
-template bool run_fwd_sm90_ws<static_cast<int>(DType::kFloat16), 192>(const FwdParams&, cudaStream_t);
+template bool run_fwd_sm90_ws<static_cast<int>(DType::kFloat16), 192, kPlain>(const FwdParams&, cudaStream_t);
 }  // namespace flash_cuda

@@ -36,9 +36,10 @@
 //             runs its softmax), so the tensor cores always have a group queued.
 //
 // Scope of this version: dense batches, fp16 / bf16, head dims 64, 128, 192 and 256 (64 keys
-// per step above 128; kernel='auto' uses 64 and 128, the two measured so far), the kPlain variant
-// (causal, windows, Sq != Sk, GQA); views whose base and strides TMA can address (16-byte
-// multiples). The launcher returns false otherwise and the caller runs sm90_fwd.cuh.
+// per step above 128), causal, windows, Sq != Sk, GQA, and in the kExtended instances softcap
+// and ALiBi; views whose base and strides TMA can address (16-byte multiples). The launcher
+// returns false otherwise and the caller runs sm90_fwd.cuh. kernel='auto' uses the kPlain
+// instances at d 64 and 128, the ones measured so far.
 #pragma once
 
 #include <algorithm>
@@ -399,7 +400,8 @@ struct TileScheduler {
   }
 };
 
-template <typename Cfg, int kSchedule>
+// kModded: the kExtended instances of a dense batch, with softcap and / or ALiBi (per head).
+template <typename Cfg, int kSchedule, bool kModded>
 __device__ __forceinline__ void fwd_ws_block(const FwdParams& p, const TmaMaps& maps) {
   using T = typename Cfg::T;
   constexpr int kStages = Cfg::kStages;
@@ -471,7 +473,7 @@ __device__ __forceinline__ void fwd_ws_block(const FwdParams& p, const TmaMaps& 
     const int rows_valid = min(Cfg::kBlockM, seq.sq - row0);
     ConsumerView cv;
     cv.mask = mask0;
-    cv.mod = seq.score_mod<false>(p, tile.h);
+    cv.mod = seq.score_mod<kModded>(p, tile.h);
     cv.range = BlockRange::keys_of(mask0, row0, row0 + rows_valid, Cfg::kBlockN);
     cv.wg = cwarp / 4;
     cv.wg_row0 = cv.wg * 64;
@@ -511,11 +513,11 @@ __device__ __forceinline__ void fwd_ws_block(const FwdParams& p, const TmaMaps& 
   }
 }
 
-template <typename Cfg, int kSchedule>
+template <typename Cfg, int kSchedule, bool kModded>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
     fwd_sm90_ws_kernel(const __grid_constant__ FwdParams p, const __grid_constant__ TmaMaps maps) {
 #if FLASH_SM90_ENABLED
-  fwd_ws_block<Cfg, kSchedule>(p, maps);
+  fwd_ws_block<Cfg, kSchedule, kModded>(p, maps);
 #else
   __trap();  // never launched: see sm90_kernel_built
 #endif
@@ -525,15 +527,16 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 }  // namespace sm90
 
 // Launches the warp-specialized forward and returns true, or returns false having launched
-// nothing: not an sm_90 device or not built for sm_90a, a packed batch or a score modifier
-// (kPlain only), or a view TMA cannot address.
-template <typename Cfg>
+// nothing: not an sm_90 device or not built for sm_90a, a call of another variant, a packed
+// batch (not served yet), or a view TMA cannot address.
+template <typename Cfg, int kVariant>
 bool launch_fwd_sm90_ws(const FwdParams& p, cudaStream_t stream) {
+  constexpr bool kModded = kVariant != kPlain;
   const bool overlap = ws_schedule_name() != "serial";
-  auto kernel = overlap ? sm90::ws::fwd_sm90_ws_kernel<Cfg, sm90::ws::kOverlap>
-                        : sm90::ws::fwd_sm90_ws_kernel<Cfg, sm90::ws::kSerial>;
+  auto kernel = overlap ? sm90::ws::fwd_sm90_ws_kernel<Cfg, sm90::ws::kOverlap, kModded>
+                        : sm90::ws::fwd_sm90_ws_kernel<Cfg, sm90::ws::kSerial, kModded>;
   if (p.sm_arch != 90 || !sm90_kernel_built(kernel)) return false;
-  if (variant_of(p, /*backward=*/false) != kPlain || p.cu_seqlens_q != nullptr) return false;
+  if (variant_of(p, /*backward=*/false) != kVariant || p.cu_seqlens_q != nullptr) return false;
   const bool bf16 = p.dtype == DType::kBFloat16;
   sm90::ws::TmaMaps maps;
   if (!make_row_tensor_map(&maps.q, p.q, bf16, p.d, p.sq, p.hq, p.b, p.q_row_stride, p.q_head_stride,
@@ -555,9 +558,9 @@ bool launch_fwd_sm90_ws(const FwdParams& p, cudaStream_t stream) {
   return true;
 }
 
-template <int kDType, int kHeadDim>
+template <int kDType, int kHeadDim, int kVariant>
 bool run_fwd_sm90_ws(const FwdParams& p, cudaStream_t stream) {
-  return launch_fwd_sm90_ws<sm90::ws::WsConfig<typename ElementOf<kDType>::type, kHeadDim>>(p, stream);
+  return launch_fwd_sm90_ws<sm90::ws::WsConfig<typename ElementOf<kDType>::type, kHeadDim>, kVariant>(p, stream);
 }
 
 }  // namespace flash_cuda

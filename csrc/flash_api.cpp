@@ -355,18 +355,20 @@ void dispatch_fwd(const FwdParams& p, Tier tier, cudaStream_t stream) {
   with_dtype_variant<MmaFwd, MmaBuckets>(p, variant, stream);
 }
 
-void dispatch_bwd(const BwdParams& p, Tier tier, cudaStream_t stream) {
+// Returns true when the Hopper backward ran (it alone reads params.dq_accum).
+bool dispatch_bwd(const BwdParams& p, Tier tier, cudaStream_t stream) {
   if (tier == Tier::kWgmmaWs) tier = Tier::kAuto;  // the warp-specialized forward has no backward of its own
   if (tier == Tier::kSimt) {
     with_bucket<SimtBwd>(p.d, SimtBuckets{}, p, stream);
-    return;
+    return false;
   }
   const Variant variant = variant_of(p, /*backward=*/true);
   if ((tier == Tier::kAuto || tier == Tier::kWgmma) && variant != kSoftcapGrad) {
-    if (sm90_bucket(p.d) && with_dtype_variant<Sm90Bwd, Sm90Buckets>(p, variant, stream)) return;
+    if (sm90_bucket(p.d) && with_dtype_variant<Sm90Bwd, Sm90Buckets>(p, variant, stream)) return true;
   }
   TORCH_CHECK(tier != Tier::kWgmma, kNoWgmma);
   with_dtype_variant<MmaBwd, MmaBuckets, /*kWithSoftcapGrad=*/true>(p, variant, stream);
+  return false;
 }
 
 MaskArgs mask_args(int64_t window_left, int64_t window_right, double softcap,
@@ -530,7 +532,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(
   s.strides(dk, p.dk_batch_stride, p.dk_head_stride, p.dk_row_stride);
   s.strides(dv, p.dv_batch_stride, p.dv_head_stride, p.dv_row_stride);
   p.delta = delta.data_ptr<float>();
-  p.dq_accum = nullptr;  // no kernel needs a separate dQ accumulator
+  p.dq_accum = nullptr;  // set below for the Hopper backward's atomic dQ
   p.deterministic = deterministic;
   at::Tensor workspace;  // partial dK/dV of split key blocks (fp32 tier), if the plan splits
   if (t == Tier::kSimt) {
@@ -540,7 +542,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(
       p.dkv_accum = workspace.data_ptr<float>();
     }
   }
-  dispatch_bwd(p, t, at::cuda::getCurrentCUDAStream().stream());
+  // The Hopper backward's atomic dQ (launch.h: sm90_dq_atomic): an fp32 [rows of lse][d]
+  // workspace, zero-filled, converted into dq below (B * Hq * Sq * D * 4 bytes).
+  at::Tensor dq_accum;
+  if (t != Tier::kSimt && !deterministic && p.sm_arch == 90 && p.d > 96 && p.d <= 128 &&
+      variant_of(p, /*backward=*/true) != kSoftcapGrad && sm90_dq_atomic()) {
+    dq_accum = at::zeros({lse.numel() * p.d}, q.options().dtype(at::kFloat));
+    p.dq_accum = dq_accum.data_ptr<float>();
+  }
+  const bool sm90_ran = dispatch_bwd(p, t, at::cuda::getCurrentCUDAStream().stream());
+  if (dq_accum.defined() && sm90_ran) {
+    std::vector<int64_t> rows(s.lse_shape());
+    rows.push_back(p.d);
+    at::Tensor acc = dq_accum.view(rows).mul_(scale);  // dense (B, Hq, Sq, D); varlen (Hq, total_q, D)
+    dq.copy_(s.varlen ? acc.transpose(0, 1) : acc);
+  }
   if (negative_scale) dq.neg_();
   return {dq, dk, dv};
 }

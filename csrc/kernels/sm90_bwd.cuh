@@ -18,6 +18,9 @@
 //   3. dQ                     a CTA owns 64 * kWarpGroups queries and walks over the key blocks:
 //        S = Q K^T, dP = dO V^T (A and B in shared memory), P, dS, dQ += dS K (A = dS in
 //        registers, B = K N-major).
+// Or, with params.dq_accum (the binding's opt-in FLASH_CUDA_SM90_DQ=atomic, d 97..128, not
+// deterministic), kernel 2 also computes dQ += dS K per query block from dS^T staged in shared
+// memory and adds it to dq_accum with float atomics; kernel 3 is not launched.
 // The wgmma accumulator has the mma.sync C layout per warp (wgmma_ops.cuh), so the
 // element-wise helpers of mma_bwd.cuh run unchanged with one 16-row tile per warp.
 #pragma once
@@ -54,6 +57,10 @@ struct BwdConfig {
   // K, V tiles [kKVBlockN]; two stages of Q, dO tiles [kKVBlockM]; two stages of lse, delta.
   static constexpr size_t kDkdvTiles = size_t(2 * kKVBlockN + 2 * 2 * kKVBlockM) * kHeadDim * kElemBytes;
   static constexpr size_t kDkdvSmem = kDkdvTiles + 2 * 2 * kKVBlockM * sizeof(float) + 1024;
+  // The atomic-dQ variant adds dS^T [kKVBlockN keys][kKVBlockM queries] after the statistics.
+  static constexpr size_t kDkdvSmemAtomicDq = kDkdvSmem + size_t(kKVBlockN) * kKVBlockM * kElemBytes;
+  static_assert((kDkdvTiles + 2 * 2 * kKVBlockM * sizeof(float)) % 1024 == 0, "dS^T tile stays aligned");
+  static_assert(kKVBlockM % 64 == 0, "dS^T slabs are 64 queries wide");
   // Q, dO tiles [kQBlockM]; two stages of K, V tiles [kQBlockN]; lse, delta.
   static constexpr size_t kDqTiles = size_t(2 * kQBlockM + 2 * 2 * kQBlockN) * kHeadDim * kElemBytes;
   static constexpr size_t kDqSmem = kDqTiles + 2 * kQBlockM * sizeof(float) + 1024;
@@ -70,7 +77,78 @@ template <> struct BwdTraits<128> : BwdConfig<128, 2,      64,  2,     96> {};
 // ---------------------------------------------------------------------------------
 // dK/dV kernel. grid (ceil(sk / kKVBlockN), hkv, b).
 // ---------------------------------------------------------------------------------
-template <typename T, typename Cfg, int kVariant>
+// red.global.add.v2.f32: two consecutive floats added in L2, no value returned.
+__device__ __forceinline__ void red_add_v2(float* addr, float a, float b) {
+#if FLASH_SM90_ENABLED
+  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(addr), "f"(a), "f"(b) : "memory");
+#endif
+}
+
+// kDqAtomic: the CTA also adds this key block's share of dQ, dQ += dS K, into params.dq_accum
+// (float32, zero-filled) with atomics, and the dQ kernel is not launched: 5 products per block
+// pair instead of 7, at the price of float atomics (non-deterministic summation order).
+// dS^T goes through shared memory: each warpgroup holds 64 keys of it, the product needs all
+// kBlockN keys for its queries.
+// dQ[m0 .., :] += dS K for one query block (kDqAtomic), after both warpgroups wrote their
+// keys' rows of dS^T (a warpgroup that skipped the block writes zeros). The two warpgroups
+// split the product: kBlockM = 64 queries x two halves of d (d = 128), or two 64-query
+// halves x all of d (d = 64). Each thread then adds its 64 x 64 / 128 accumulator entries to
+// dq_accum, two consecutive floats per atomic; the dQ scale is applied when converting.
+template <typename T, typename Cfg>
+__device__ __forceinline__ void accumulate_dq_atomic(const BwdParams& p, const SeqInfo& seq, T* sdS, const T* sK,
+                                                     bool wg_sees_block, bool cta_sees_block, int h, int m0,
+                                                     int tid) {
+  constexpr int kD = Cfg::kHeadDim;
+  constexpr int kBlockN = Cfg::kKVBlockN;
+  constexpr int kBlockM = Cfg::kKVBlockM;
+  constexpr int kDqN = kD * (kBlockM / 64) / 2;  // dQ columns of one warpgroup
+  static_assert(Cfg::kKVWarpGroups == 2 && (kBlockM / 64) * (kD / kDqN) == 2 && kDqN % 64 == 0,
+                "two warpgroups split the dQ product");
+  const int warp = tid / 32, wg = warp / 4, lane = tid % 32;
+  if (!wg_sees_block) {  // this warpgroup's 64 rows of dS^T are zero
+    unsigned char* base = reinterpret_cast<unsigned char*>(sdS);
+#pragma unroll
+    for (int slab = 0; slab < kBlockM / 64; ++slab) {
+      uint4* rows = reinterpret_cast<uint4*>(base + slab * kBlockN * kSwizzleBytes + 64 * wg * kSwizzleBytes);
+#pragma unroll
+      for (int i = tid % 128; i < 64 * kSwizzleBytes / 16; i += 128) rows[i] = make_uint4(0, 0, 0, 0);
+    }
+  }
+  fence_proxy_async();  // the generic-proxy writes of dS^T, before the tensor cores read them
+  __syncthreads();
+  if (!cta_sees_block) return;
+
+  const int q_row0 = kBlockM == 64 ? 0 : 64 * wg;  // this warpgroup's queries within the block
+  const int d0 = kBlockM == 64 ? kDqN * wg : 0;     // and its dQ columns
+  const T* a_tile = sdS + (q_row0 / 64) * kBlockN * 64;  // dS^T slab: keys x 64 queries
+  const T* b_tile = sK + (d0 / 64) * kBlockN * 64;       // K slab(s): keys x kDqN columns
+  float acc[1][kDqN / 8][4];
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < kBlockN / 16; ++kk) {
+    // A = dS (M = queries, K = keys) read transposed from dS^T; B = K (N-major).
+    Wgmma<T, kDqN>::template ss<1, 1>(acc[0], desc_mn_major<kBlockN>(a_tile, 0, kk),
+                                      desc_mn_major<kBlockN>(b_tile, 0, kk), kk > 0);
+  }
+  wgmma_commit();
+  wgmma_wait<0>();
+  fence_accumulator(acc[0]);
+
+  const int g = lane / 4, t = lane % 4;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int q = m0 + q_row0 + 16 * (warp % 4) + g + 8 * half;
+    if (q >= seq.sq) continue;
+    float* row = p.dq_accum + (seq.stat_offset(p, h) + q) * p.d + d0;
+#pragma unroll
+    for (int j = 0; j < kDqN / 8; ++j) {
+      const int col = 8 * j + 2 * t;
+      if (d0 + col < p.d) red_add_v2(row + col, acc[0][j][2 * half], acc[0][j][2 * half + 1]);
+    }
+  }
+}
+
+template <typename T, typename Cfg, int kVariant, bool kDqAtomic>
 __device__ __forceinline__ void bwd_dkdv_block(const BwdParams& p) {
   constexpr int kD = Cfg::kHeadDim;
   constexpr int kBlockN = Cfg::kKVBlockN;
@@ -86,6 +164,7 @@ __device__ __forceinline__ void bwd_dkdv_block(const BwdParams& p) {
   T* sdO = sQ + 2 * kQTile;    // [2] stages
   float* sLse = reinterpret_cast<float*>(sdO + 2 * kQTile);  // [2][kBlockM]
   float* sDelta = sLse + 2 * kBlockM;                         // [2][kBlockM]
+  T* sdS = reinterpret_cast<T*>(sDelta + 2 * kBlockM);        // [kBlockN][kBlockM] (kDqAtomic)
 
   const int tid = threadIdx.x;
   const int warp = tid / 32;
@@ -184,6 +263,28 @@ __device__ __forceinline__ void bwd_dkdv_block(const BwdParams& p) {
       uint32_t a_ds[kBlockM / 16][4];
 #pragma unroll
       for (int kk = 0; kk < kBlockM / 16; ++kk) accumulator_to_a<T>(a_ds[kk], dst[0], kk);
+      if constexpr (kDqAtomic) {
+        // dS^T rows of this warp (keys) into the shared tile, in the swizzled layout the dQ
+        // product reads as its (transposed) A operand. A fragment kk holds columns 16kk + 2t
+        // (words 0, 1: rows g, g + 8) and 16kk + 8 + 2t (words 2, 3).
+        // Rows r and r + 8 share r % 8, so one XOR pattern serves both. The pattern is made
+        // opaque per block: hoisted out of the loop, the 4 x kBlockM / 16 addresses would
+        // stay live next to the accumulators.
+        const int lane = tid % 32;
+        const int r = 64 * wg + 16 * (warp % 4) + lane / 4;
+        int rx = r % 8;
+        asm volatile("" : "+r"(rx));
+        unsigned char* row = reinterpret_cast<unsigned char*>(sdS) + r * kSwizzleBytes + 4 * (lane % 4);
+#pragma unroll
+        for (int kk = 0; kk < kBlockM / 16; ++kk) {
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {  // columns 16kk + 8 half + 2t
+            unsigned char* at = row + (kk / 4) * kBlockN * kSwizzleBytes + (((2 * kk + half) % 8) ^ rx) * 16;
+            *reinterpret_cast<uint32_t*>(at) = a_ds[kk][2 * half];
+            *reinterpret_cast<uint32_t*>(at + 8 * kSwizzleBytes) = a_ds[kk][2 * half + 1];
+          }
+        }
+      }
 
       // dV += P^T dO, dK += dS^T Q (B operands N-major: the reduction runs over queries).
       wgmma_fence();
@@ -197,6 +298,10 @@ __device__ __forceinline__ void bwd_dkdv_block(const BwdParams& p) {
       wgmma_wait<0>();
       fence_accumulator(acc_dv[0]);
       fence_accumulator(acc_dk[0]);
+    }
+    if constexpr (kDqAtomic) {
+      accumulate_dq_atomic<T, Cfg>(p, seq, sdS, sK, wg_sees_block, mask.any_visible(m0, m0 + kBlockM, n0, n0 + kBlockN),
+                                   h, m0, tid);
     }
     h = next_h;
     m_block = next_m_block;
@@ -333,10 +438,10 @@ __device__ __forceinline__ void bwd_dq_block(const BwdParams& p) {
   bwd_mma::store_rows<T, 1, kD>(acc_dq, dq, p.dq_row_stride, seq.sq - warp_q0, p.d, p.scale);
 }
 
-template <typename T, typename Cfg, int kVariant>
+template <typename T, typename Cfg, int kVariant, bool kDqAtomic>
 __global__ void __launch_bounds__(Cfg::kKVThreads, Cfg::kKVMinBlocks) bwd_dkdv_sm90_kernel(const __grid_constant__ BwdParams p) {
 #if FLASH_SM90_ENABLED
-  bwd_dkdv_block<T, Cfg, kVariant>(p);
+  bwd_dkdv_block<T, Cfg, kVariant, kDqAtomic>(p);
 #else
   __trap();  // never launched: see sm90_kernel_built
 #endif
@@ -355,13 +460,21 @@ __global__ void __launch_bounds__(Cfg::kQThreads, Cfg::kQMinBlocks) bwd_dq_sm90_
 
 template <typename T, typename Cfg, int kVariant>
 bool launch_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
-  auto dkdv = sm90::bwd_dkdv_sm90_kernel<T, Cfg, kVariant>;
+  auto dkdv = sm90::bwd_dkdv_sm90_kernel<T, Cfg, kVariant, false>;
+  auto dkdv_dq = sm90::bwd_dkdv_sm90_kernel<T, Cfg, kVariant, true>;
   auto dq = sm90::bwd_dq_sm90_kernel<T, Cfg, kVariant>;
   if (p.sm_arch != 90 || !sm90_kernel_built(dkdv)) return false;
+  launch_bwd_preprocess<T>(p, stream);
+  const dim3 grid(ceil_div(p.sk, Cfg::kKVBlockN), p.hkv, p.b);
+  if (p.dq_accum != nullptr) {  // dQ by atomics (the binding zero-filled dq_accum and converts it)
+    set_smem_limit(dkdv_dq, Cfg::kDkdvSmemAtomicDq, "bwd_dkdv_sm90");
+    dkdv_dq<<<grid, Cfg::kKVThreads, Cfg::kDkdvSmemAtomicDq, stream>>>(p);
+    check_launch("bwd_dkdv_sm90");
+    return true;
+  }
   set_smem_limit(dkdv, Cfg::kDkdvSmem, "bwd_dkdv_sm90");
   set_smem_limit(dq, Cfg::kDqSmem, "bwd_dq_sm90");
-  launch_bwd_preprocess<T>(p, stream);
-  dkdv<<<dim3(ceil_div(p.sk, Cfg::kKVBlockN), p.hkv, p.b), Cfg::kKVThreads, Cfg::kDkdvSmem, stream>>>(p);
+  dkdv<<<grid, Cfg::kKVThreads, Cfg::kDkdvSmem, stream>>>(p);
   check_launch("bwd_dkdv_sm90");
   dq<<<dim3(ceil_div(p.sq, Cfg::kQBlockM), p.hq, p.b), Cfg::kQThreads, Cfg::kDqSmem, stream>>>(p);
   check_launch("bwd_dq_sm90");

@@ -545,7 +545,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(
   // The Hopper backward's atomic dQ (launch.h: sm90_dq_atomic): an fp32 [rows of lse][d]
   // workspace, zero-filled, converted into dq below (B * Hq * Sq * D * 4 bytes).
   at::Tensor dq_accum;
-  if (t != Tier::kSimt && !deterministic && p.sm_arch == 90 && p.d > 96 && p.d <= 128 &&
+  if (t != Tier::kSimt && !deterministic && p.sm_arch == 90 && sm90_bucket(p.d) &&
       variant_of(p, /*backward=*/true) != kSoftcapGrad && sm90_dq_atomic()) {
     dq_accum = at::zeros({lse.numel() * p.d}, q.options().dtype(at::kFloat));
     p.dq_accum = dq_accum.data_ptr<float>();

@@ -61,7 +61,7 @@ inline bool ws_persistent() {
   const char* v = std::getenv("FLASH_CUDA_WS_PERSISTENT");
   return !(v != nullptr && std::string(v) == "0");
 }
-// The Hopper backward's dQ (d 97..128, deterministic=False): FLASH_CUDA_SM90_DQ=atomic adds it
+// The Hopper backward's dQ (deterministic=False): FLASH_CUDA_SM90_DQ=atomic adds it
 // from the dK/dV kernel with float atomics into an fp32 workspace (5 products instead of 7);
 // default: the separate dQ kernel. Opt-in until measured (OPTIMIZATION.md).
 inline bool sm90_dq_atomic() {

@@ -1,5 +1,5 @@
 """The Hopper backward with dQ added by atomics from the dK/dV kernel (FLASH_CUDA_SM90_DQ=atomic,
-head dims 97..128, deterministic=False; csrc/kernels/sm90_bwd.cuh, accumulate_dq_atomic).
+head dims 33..64 and 97..128, deterministic=False; csrc/kernels/sm90_bwd.cuh, accumulate_dq_atomic).
 Opt-in until it is measured against the two-kernel path; these tests hold its gradients to the
 float64 rule of every other kernel (tests/attn_check.py). GPU-only, sm_90 only."""
 
@@ -41,6 +41,8 @@ CASES = [
     (2, 4, 1, 1029, 300, 128, True, (-1, -1), "heads", "strided"),
     (1, 4, 2, 513, 700, 112, False, (100, 37), None, "offset"),
     (1, 2, 2, 65, 1, 128, False, (-1, -1), None, "bhsd"),
+    (2, 4, 2, 1000, 1000, 64, True, (-1, -1), None, "bhsd"),
+    (1, 6, 3, 300, 1200, 48, False, (64, 64), "heads", "strided"),
 ]
 
 

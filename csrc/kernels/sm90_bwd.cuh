@@ -18,8 +18,7 @@
 //   3. dQ                     a CTA owns 64 * kWarpGroups queries and walks over the key blocks:
 //        S = Q K^T, dP = dO V^T (A and B in shared memory), P, dS, dQ += dS K (A = dS in
 //        registers, B = K N-major).
-// Or, with params.dq_accum (the binding's opt-in FLASH_CUDA_SM90_DQ=atomic, d 97..128, not
-// deterministic), kernel 2 also computes dQ += dS K per query block from dS^T staged in shared
+// Or, with params.dq_accum (the binding's opt-in FLASH_CUDA_SM90_DQ=atomic, not deterministic), kernel 2 also computes dQ += dS K per query block from dS^T staged in shared
 // memory and adds it to dq_accum with float atomics; kernel 3 is not launched.
 // The wgmma accumulator has the mma.sync C layout per warp (wgmma_ops.cuh), so the
 // element-wise helpers of mma_bwd.cuh run unchanged with one 16-row tile per warp.

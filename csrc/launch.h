@@ -61,6 +61,12 @@ inline bool ws_persistent() {
   const char* v = std::getenv("FLASH_CUDA_WS_PERSISTENT");
   return !(v != nullptr && std::string(v) == "0");
 }
+// FLASH_CUDA_WS_BLOCK_N=192: the d = 64 kPlain forward steps over 192 keys instead of 128
+// (not yet measured). 0 when unset.
+inline int ws_block_n_override() {
+  const char* v = std::getenv("FLASH_CUDA_WS_BLOCK_N");
+  return v != nullptr ? std::atoi(v) : 0;
+}
 // The Hopper backward's dQ (deterministic=False): FLASH_CUDA_SM90_DQ=atomic adds it
 // from the dK/dV kernel with float atomics into an fp32 workspace (5 products instead of 7);
 // default: the separate dQ kernel. Opt-in until measured (OPTIMIZATION.md).

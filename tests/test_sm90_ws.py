@@ -92,6 +92,15 @@ def test_ws_forward_matches_float64(schedule, dtype, B, Hq, Hkv, Sq, Sk, D, is_c
                               what="warp-specialized forward")
 
 
+@pytest.mark.parametrize("sched", ["overlap", "serial"])
+@pytest.mark.parametrize("B,Hq,Hkv,Sq,Sk,D,is_causal,window,layout", [c for c in CASES if c[5] == 64])
+def test_ws_forward_d64_192_key_steps(monkeypatch, sched, B, Hq, Hkv, Sq, Sk, D, is_causal, window, layout):
+    """The d = 64 ablation FLASH_CUDA_WS_BLOCK_N=192 (192 keys per step) under the same rule."""
+    monkeypatch.setenv("FLASH_CUDA_WS_BLOCK_N", "192")
+    monkeypatch.setenv("FLASH_CUDA_WS_SCHEDULE", sched)
+    test_ws_forward_matches_float64(sched, BF16, B, Hq, Hkv, Sq, Sk, D, is_causal, window, layout)
+
+
 # (B, Hq, Hkv, Sq, Sk, D, is_causal, window, softcap, alibi kind): the kExtended instances
 # (dense batches), head dims 64 / 128 / 192, more tiles than SMs in the last case.
 MOD_CASES = [

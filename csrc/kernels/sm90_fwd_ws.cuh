@@ -71,9 +71,9 @@ enum WsSchedule : int { kSerial = 0, kOverlap = 1 };
 constexpr int ws_block_n(int head_dim) { return head_dim <= 128 ? 128 : 64; }
 
 // Tiles as in sm90_fwd.cuh (its helpers read these fields), plus the pipeline's own sizes.
-template <typename T_, int kHeadDim_>
-struct WsConfig : FwdConfig<T_, kHeadDim_, ws_block_n(kHeadDim_), /*kWarpGroups=*/2, /*kMinBlocks=*/1> {
-  using Base = FwdConfig<T_, kHeadDim_, ws_block_n(kHeadDim_), 2, 1>;
+template <typename T_, int kHeadDim_, int kBlockN_ = ws_block_n(kHeadDim_)>
+struct WsConfig : FwdConfig<T_, kHeadDim_, kBlockN_, /*kWarpGroups=*/2, /*kMinBlocks=*/1> {
+  using Base = FwdConfig<T_, kHeadDim_, kBlockN_, 2, 1>;
   static constexpr int kStages = 2;
   static constexpr int kThreads = 128 + kConsumerThreads;
   static constexpr int kSlabs = kHeadDim_ / kSlabCols;
@@ -560,7 +560,13 @@ bool launch_fwd_sm90_ws(const FwdParams& p, cudaStream_t stream) {
 
 template <int kDType, int kHeadDim, int kVariant>
 bool run_fwd_sm90_ws(const FwdParams& p, cudaStream_t stream) {
-  return launch_fwd_sm90_ws<sm90::ws::WsConfig<typename ElementOf<kDType>::type, kHeadDim>, kVariant>(p, stream);
+  using T = typename ElementOf<kDType>::type;
+  if constexpr (kHeadDim == 64 && kVariant == kPlain) {
+    // The d = 64 ablation (launch.h, FLASH_CUDA_WS_BLOCK_N=192): fewer, longer key steps, so
+    // the per-step waits and turns weigh less against products that are short at this d.
+    if (ws_block_n_override() == 192) return launch_fwd_sm90_ws<sm90::ws::WsConfig<T, 64, 192>, kVariant>(p, stream);
+  }
+  return launch_fwd_sm90_ws<sm90::ws::WsConfig<T, kHeadDim>, kVariant>(p, stream);
 }
 
 }  // namespace flash_cuda

@@ -40,6 +40,7 @@ and output exactly 0, every other value must be finite, and nothing may be NaN.
 from __future__ import annotations
 
 import math
+import os
 import zlib
 from typing import Dict, Optional, Sequence, Tuple
 
@@ -93,6 +94,18 @@ def gpu_skip_reason() -> Optional[str]:
     major, minor = torch.cuda.get_device_capability()
     if (major, minor) < (8, 0):
         return f"GPU compute capability {major}.{minor} < 8.0"
+    return None
+
+
+def hopper_skip_reason(what: str) -> Optional[str]:
+    """None when ``what`` (a Hopper-only kernel) can run here: an sm_90 GPU that
+    FLASH_CUDA_EMULATE_ARCH does not present as another class."""
+    reason = gpu_skip_reason()
+    if reason:
+        return reason
+    emulated = int(os.environ.get("FLASH_CUDA_EMULATE_ARCH", "0") or 0)
+    if (emulated and emulated != 90) or torch.cuda.get_device_capability() != (9, 0):
+        return f"{what} runs on sm_90 only"
     return None
 
 

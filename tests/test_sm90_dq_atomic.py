@@ -3,26 +3,16 @@ head dims 33..64 and 97..128, deterministic=False; csrc/kernels/sm90_bwd.cuh, ac
 Opt-in until it is measured against the two-kernel path; these tests hold its gradients to the
 float64 rule of every other kernel (tests/attn_check.py). GPU-only, sm_90 only."""
 
-import os
 
 import pytest
 import torch
 
-from attn_check import check_attention, check_varlen_attention, gpu_skip_reason, make_alibi_slopes, \
+from attn_check import check_attention, check_varlen_attention, hopper_skip_reason, make_alibi_slopes, \
     make_inputs, make_varlen_inputs
 
 
-def _skip_reason():
-    reason = gpu_skip_reason()
-    if reason:
-        return reason
-    emulated = int(os.environ.get("FLASH_CUDA_EMULATE_ARCH", "0") or 0)
-    if (emulated and emulated != 90) or torch.cuda.get_device_capability() != (9, 0):
-        return "the Hopper backward runs on sm_90 only"
-    return None
-
-
-pytestmark = pytest.mark.skipif(_skip_reason() is not None, reason=str(_skip_reason()))
+_SKIP = hopper_skip_reason("the Hopper backward")
+pytestmark = pytest.mark.skipif(_SKIP is not None, reason=str(_SKIP))
 
 F16, BF16 = torch.float16, torch.bfloat16
 

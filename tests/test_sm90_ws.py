@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from attn_check import _check_against_references, gpu_skip_reason, make_alibi_slopes, make_inputs
+from attn_check import _check_against_references, hopper_skip_reason, make_alibi_slopes, make_inputs
 from flash_cuda import _ext
 from flash_cuda.reference import attention_naive
 
@@ -18,17 +18,8 @@ F16, BF16 = torch.float16, torch.bfloat16
 WS_TIER = 4
 
 
-def _skip_reason():
-    reason = gpu_skip_reason()
-    if reason:
-        return reason
-    emulated = int(os.environ.get("FLASH_CUDA_EMULATE_ARCH", "0") or 0)
-    if (emulated and emulated != 90) or torch.cuda.get_device_capability() != (9, 0):
-        return "the warp-specialized forward runs on sm_90 only"
-    return None
-
-
-pytestmark = pytest.mark.skipif(_skip_reason() is not None, reason=str(_skip_reason()))
+_SKIP = hopper_skip_reason("the warp-specialized forward")
+pytestmark = pytest.mark.skipif(_SKIP is not None, reason=str(_SKIP))
 
 # (B, Hq, Hkv, Sq, Sk, D, is_causal, window, layout): block edges (Sq, Sk not multiples of
 # 128), Sq != Sk both ways, GQA, windows, strided and offset views, several key blocks so the

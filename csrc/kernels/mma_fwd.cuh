@@ -226,6 +226,22 @@ __device__ __forceinline__ void compute_qk_scores_and_max(
 // alpha = exp2(m_old - m_new). A row that has seen only masked keys keeps m = -inf and
 // alpha = 0 (its accumulator is still zero).
 // ---------------------------------------------------------------------------------
+// The online softmax's starting state, per row: O = 0, m = -inf, l = 0.
+template <typename Cfg>
+__device__ __forceinline__ void start_online_softmax(float (&acc_o)[Cfg::kMTiles][Cfg::kDTiles][4],
+                                                     float (&row_max)[Cfg::kMTiles][2],
+                                                     float (&row_sum)[Cfg::kMTiles][2]) {
+#pragma unroll
+  for (int mt = 0; mt < Cfg::kMTiles; ++mt) {
+#pragma unroll
+    for (int dt = 0; dt < Cfg::kDTiles; ++dt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc_o[mt][dt][e] = 0.f;
+    row_max[mt][0] = row_max[mt][1] = -INFINITY;
+    row_sum[mt][0] = row_sum[mt][1] = 0.f;
+  }
+}
+
 // Step 2 in two halves, so that a pipelined schedule (sm90_fwd_ws.cuh) can fold the
 // statistics while the previous block's P V is still on the tensor cores and rescale O once
 // that product has landed. update_row_stats: m' = max(m, block max), l *= alpha, and alpha
@@ -473,15 +489,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) fwd_mma_kernel
 
   float acc_o[Cfg::kMTiles][Cfg::kDTiles][4];
   float row_max[Cfg::kMTiles][2], row_sum[Cfg::kMTiles][2];
-#pragma unroll
-  for (int mt = 0; mt < Cfg::kMTiles; ++mt) {
-#pragma unroll
-    for (int dt = 0; dt < Cfg::kDTiles; ++dt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc_o[mt][dt][e] = 0.f;
-    row_max[mt][0] = row_max[mt][1] = -INFINITY;
-    row_sum[mt][0] = row_sum[mt][1] = 0.f;
-  }
+  start_online_softmax<Cfg>(acc_o, row_max, row_sum);
 
   const T* sQ_warp = sQ + warp * Cfg::kWarpRows * Cfg::kStride;
   const int warp_row0 = row0 + warp * Cfg::kWarpRows;  // within the sequence

@@ -157,11 +157,8 @@ __device__ __forceinline__ void fwd_sm90_block(const FwdParams& p) {
   cp_async_commit();
 
   float acc_o[1][Cfg::kDTiles][4];
-  float row_max[1][2] = {{-INFINITY, -INFINITY}}, row_sum[1][2] = {{0.f, 0.f}};
-#pragma unroll
-  for (int dt = 0; dt < Cfg::kDTiles; ++dt)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) acc_o[0][dt][e] = 0.f;
+  float row_max[1][2], row_sum[1][2];
+  fwd_mma::start_online_softmax<Cfg>(acc_o, row_max, row_sum);
 
   const int warp_row0 = row0 + 16 * warp;  // first query row of this warp
   const int warp_row_end = min(warp_row0 + 16, seq.sq);

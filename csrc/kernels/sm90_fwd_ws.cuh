@@ -483,11 +483,8 @@ __device__ __forceinline__ void fwd_ws_block(const FwdParams& p, const TmaMaps& 
     cv.exp_scale = cv.mod.exp_scale(p.scale_log2);
 
     float acc_o[1][Cfg::kDTiles][4];
-    float row_max[1][2] = {{-INFINITY, -INFINITY}}, row_sum[1][2] = {{0.f, 0.f}};
-#pragma unroll
-    for (int dt = 0; dt < Cfg::kDTiles; ++dt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc_o[0][dt][e] = 0.f;
+    float row_max[1][2], row_sum[1][2];
+    fwd_mma::start_online_softmax<Cfg>(acc_o, row_max, row_sum);
 
     // The consume functions release Q after the tile's last S = Q K^T, so that the next
     // tile's Q loads under the last P V and this epilogue; a tile without keys releases here.

@@ -443,8 +443,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd(
       p.o_accum = workspace.data_ptr<float>();
     }
   }
-  at::Tensor tile_counter;  // the warp-specialized Hopper forward's tile scheduler
-  if (t != Tier::kSimt && p.sm_arch == 90 && sm90_ws_bucket(p.d) && p.cu_seqlens_q == nullptr && ws_enabled()) {
+  at::Tensor tile_counter;  // the warp-specialized Hopper forward's tile scheduler, where it may run
+  const bool auto_ws = (t == Tier::kAuto || t == Tier::kWgmma) && sm90_bucket(p.d) &&
+                       variant_of(p, /*backward=*/false) == kPlain;
+  if (p.sm_arch == 90 && p.cu_seqlens_q == nullptr && ws_enabled() &&
+      (auto_ws || (t == Tier::kWgmmaWs && sm90_ws_bucket(p.d)))) {
     tile_counter = at::zeros({1}, q.options().dtype(at::kInt));
     p.tile_counter = tile_counter.data_ptr<int>();
   }
@@ -545,7 +548,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(
   // The Hopper backward's atomic dQ (launch.h: sm90_dq_atomic): an fp32 [rows of lse][d]
   // workspace, zero-filled, converted into dq below (B * Hq * Sq * D * 4 bytes).
   at::Tensor dq_accum;
-  if (t != Tier::kSimt && !deterministic && p.sm_arch == 90 && sm90_bucket(p.d) &&
+  if ((t == Tier::kAuto || t == Tier::kWgmma || t == Tier::kWgmmaWs) && !deterministic && p.sm_arch == 90 &&
+      sm90_bucket(p.d) &&
       variant_of(p, /*backward=*/true) != kSoftcapGrad && sm90_dq_atomic()) {
     dq_accum = at::zeros({lse.numel() * p.d}, q.options().dtype(at::kFloat));
     p.dq_accum = dq_accum.data_ptr<float>();

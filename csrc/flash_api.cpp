@@ -323,6 +323,18 @@ bool with_dtype_variant(const Params& p, Variant variant, cudaStream_t stream) {
 bool sm90_bucket(int d) { return (d > 32 && d <= 64) || (d > 96 && d <= 128); }
 bool sm90_ws_bucket(int d) { return (d > 32 && d <= 64) || (d > 96 && d <= 256); }
 
+// Whether the call goes to the warp-specialized forward (its launcher may still decline, having
+// launched nothing: a view TMA cannot address, a build without the 90a target). kernel='auto':
+// dense batches at every head dim it has (33..64, 97..256), plain or with softcap / ALiBi (those
+// up to d = 192); kernel='wgmma': the head dims the Hopper backward also has; tier 4: always.
+bool ws_fwd_applies(const FwdParams& p, Tier tier, Variant variant) {
+  if (p.sm_arch != 90 || p.cu_seqlens_q != nullptr || !sm90_ws_bucket(p.d)) return false;
+  if (tier == Tier::kWgmmaWs) return true;
+  if (!ws_enabled()) return false;
+  if (tier == Tier::kWgmma) return sm90_bucket(p.d);
+  return tier == Tier::kAuto && (variant == kPlain || p.d <= 192);
+}
+
 constexpr const char* kNoWgmma =
     "flash_cuda: kernel='wgmma' needs an sm_90 GPU (H100/H200), a flash_cuda build that includes "
     "the 90a target, a head dim in 33..64 or 97..128, and softcap == 0 (its backward has no "
@@ -343,12 +355,8 @@ void dispatch_fwd(const FwdParams& p, Tier tier, cudaStream_t stream) {
     return;
   }
   if (tier == Tier::kAuto || tier == Tier::kWgmma) {
-    // The warp-specialized forward where it applies (dense kPlain calls, TMA-addressable
-    // views), else the cp.async one.
-    if (sm90_bucket(p.d) && variant == kPlain && ws_enabled() &&
-        with_dtype_variant<Sm90WsFwd, Sm90Buckets>(p, kPlain, stream)) {
-      return;
-    }
+    // The warp-specialized forward where it applies, else the cp.async one.
+    if (ws_fwd_applies(p, tier, variant) && with_dtype_variant<Sm90WsFwd, Sm90WsBuckets>(p, variant, stream)) return;
     if (sm90_bucket(p.d) && with_dtype_variant<Sm90Fwd, Sm90Buckets>(p, variant, stream)) return;
     TORCH_CHECK(tier == Tier::kAuto, kNoWgmma);
   }
@@ -444,10 +452,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd(
     }
   }
   at::Tensor tile_counter;  // the warp-specialized Hopper forward's tile scheduler, where it may run
-  const bool auto_ws = (t == Tier::kAuto || t == Tier::kWgmma) && sm90_bucket(p.d) &&
-                       variant_of(p, /*backward=*/false) == kPlain;
-  if (p.sm_arch == 90 && p.cu_seqlens_q == nullptr && ws_enabled() &&
-      (auto_ws || (t == Tier::kWgmmaWs && sm90_ws_bucket(p.d)))) {
+  if (ws_fwd_applies(p, t, variant_of(p, /*backward=*/false))) {
     tile_counter = at::zeros({1}, q.options().dtype(at::kInt));
     p.tile_counter = tile_counter.data_ptr<int>();
   }

@@ -67,6 +67,12 @@ inline int ws_block_n_override() {
   const char* v = std::getenv("FLASH_CUDA_WS_BLOCK_N");
   return v != nullptr ? std::atoi(v) : 0;
 }
+// FLASH_CUDA_WS_EXP2_POLY=N (4 or 8): in the d 64 / 128 kPlain forward every N-th 8-key tile
+// of P is exponentiated on the FMA pipe (poly_exp2) instead of MUFU. 0 when unset.
+inline int ws_exp2_poly_every() {
+  const char* v = std::getenv("FLASH_CUDA_WS_EXP2_POLY");
+  return v != nullptr ? std::atoi(v) : 0;
+}
 // The Hopper backward's dQ (deterministic=False): FLASH_CUDA_SM90_DQ=atomic adds it
 // from the dK/dV kernel with float atomics into an fp32 workspace (5 products instead of 7);
 // default: the separate dQ kernel. Opt-in until measured (OPTIMIZATION.md).

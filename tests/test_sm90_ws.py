@@ -92,6 +92,30 @@ def test_ws_forward_d64_192_key_steps(monkeypatch, sched, B, Hq, Hkv, Sq, Sk, D,
     test_ws_forward_matches_float64(sched, BF16, B, Hq, Hkv, Sq, Sk, D, is_causal, window, layout)
 
 
+@pytest.mark.parametrize("every", ["4", "8"])
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("B,Hq,Hkv,Sq,Sk,D,is_causal,window,layout", [c for c in CASES if c[5] in (64, 128)])
+def test_ws_forward_poly_exp2(monkeypatch, every, dtype, B, Hq, Hkv, Sq, Sk, D, is_causal, window, layout):
+    """The ablation FLASH_CUDA_WS_EXP2_POLY (a share of the exponentials as a polynomial on the
+    FMA pipe) under the same float64 rule."""
+    monkeypatch.setenv("FLASH_CUDA_WS_EXP2_POLY", every)
+    test_ws_forward_matches_float64(f"poly{every}", dtype, B, Hq, Hkv, Sq, Sk, D, is_causal, window, layout)
+
+
+@pytest.mark.parametrize("every", ["0", "4", "8"])
+def test_ws_forward_poly_exp2_keeps_nan(monkeypatch, every):
+    """A NaN key row poisons every output row (its P is NaN, and 0 * NaN in P V too), whichever
+    unit exponentiates it: keys 0..127 in steps of 4 reach every 8-key tile, the polynomial's
+    included. (-inf scores, the masked keys, are covered by the causal and window cases.)"""
+    monkeypatch.setenv("FLASH_CUDA_WS_EXP2_POLY", every)
+    q, k, v = make_inputs(1, 2, 2, 128, 256, 128, BF16, "cuda", seed=11)
+    for key in range(0, 128, 4):
+        kk = k.clone()
+        kk[:, :, key] = float("nan")
+        out = _ext.require().fwd(q, kk, v, 0.1, -1, -1, 0.0, None, None, None, 0, 0, WS_TIER)[0]
+        assert bool(torch.isnan(out).all()), f"key {key}: a NaN key row did not reach every output"
+
+
 # (B, Hq, Hkv, Sq, Sk, D, is_causal, window, softcap, alibi kind): the kExtended instances
 # (dense batches), head dims 64 / 128 / 192, more tiles than SMs in the last case.
 MOD_CASES = [

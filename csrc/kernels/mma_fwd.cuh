@@ -291,7 +291,9 @@ __device__ __forceinline__ void merge_block_stats(float (&row_max)[Cfg::kMTiles]
 // p = 2^(s * scale_log2 - m) in place, and the per-thread row sums (scale_log2: the exp2
 // factor, ScoreMod::exp_scale). kExactMax: round the
 // product first and subtract m exactly (see compute_block_softmax_and_weighted_v).
-template <typename Cfg, bool kExactMax>
+// kPolyEvery > 0: every kPolyEvery-th 8-key tile takes poly_exp2 (FMA pipe) instead of
+// MUFU.EX2, degree 3 for bf16 and 4 for fp16 (P's rounding is 8 times finer in fp16).
+template <typename Cfg, bool kExactMax, int kPolyEvery = 0>
 __device__ __forceinline__ void exponentiate_scores(float (&s)[Cfg::kMTiles][Cfg::kNTiles][4],
                                                     float (&row_sum)[Cfg::kMTiles][2],
                                                     const float (&row_max)[Cfg::kMTiles][2],
@@ -307,7 +309,12 @@ __device__ __forceinline__ void exponentiate_scores(float (&s)[Cfg::kMTiles][Cfg
         const float m = e < 2 ? m0 : m1;
         const float x = kExactMax ? __fmul_rn(s[mt][nt][e], scale_log2) - m
                                   : fmaf(s[mt][nt][e], scale_log2, -m);
-        s[mt][nt][e] = fast_exp2(x);
+        if constexpr (kPolyEvery > 0) {
+          constexpr int kDegree = std::is_same<typename Cfg::T, __half>::value ? 4 : 3;
+          s[mt][nt][e] = nt % kPolyEvery == kPolyEvery - 1 ? poly_exp2<kDegree>(x) : fast_exp2(x);
+        } else {
+          s[mt][nt][e] = fast_exp2(x);
+        }
       }
       row_sum[mt][0] += s[mt][nt][0] + s[mt][nt][1];
       row_sum[mt][1] += s[mt][nt][2] + s[mt][nt][3];
@@ -315,8 +322,9 @@ __device__ __forceinline__ void exponentiate_scores(float (&s)[Cfg::kMTiles][Cfg
   }
 }
 
-// P = exp2(S - m) in place and the per-thread row sums (shared by the tensor-core forwards).
-template <typename Cfg>
+// P = exp2(S - m) in place and the per-thread row sums (shared by the tensor-core forwards;
+// kPolyEvery as in exponentiate_scores, for the common path: huge logits keep MUFU alone).
+template <typename Cfg, int kPolyEvery = 0>
 __device__ __forceinline__ void exponentiate_block(float (&s)[Cfg::kMTiles][Cfg::kNTiles][4],
                                                    float (&row_sum)[Cfg::kMTiles][2],
                                                    const float (&row_max)[Cfg::kMTiles][2], float scale_log2) {
@@ -335,7 +343,7 @@ __device__ __forceinline__ void exponentiate_block(float (&s)[Cfg::kMTiles][Cfg:
   if (__any_sync(0xffffffffu, huge)) {
     exponentiate_scores<Cfg, true>(s, row_sum, row_max, scale_log2);
   } else {
-    exponentiate_scores<Cfg, false>(s, row_sum, row_max, scale_log2);
+    exponentiate_scores<Cfg, false, kPolyEvery>(s, row_sum, row_max, scale_log2);
   }
 }
 

@@ -71,9 +71,11 @@ enum WsSchedule : int { kSerial = 0, kOverlap = 1 };
 constexpr int ws_block_n(int head_dim) { return head_dim <= 128 ? 128 : 64; }
 
 // Tiles as in sm90_fwd.cuh (its helpers read these fields), plus the pipeline's own sizes.
-template <typename T_, int kHeadDim_, int kBlockN_ = ws_block_n(kHeadDim_)>
+// kPolyEvery_: the share of exponentials taken on the FMA pipe (exponentiate_scores).
+template <typename T_, int kHeadDim_, int kBlockN_ = ws_block_n(kHeadDim_), int kPolyEvery_ = 0>
 struct WsConfig : FwdConfig<T_, kHeadDim_, kBlockN_, /*kWarpGroups=*/2, /*kMinBlocks=*/1> {
   using Base = FwdConfig<T_, kHeadDim_, kBlockN_, 2, 1>;
+  static constexpr int kPolyEvery = kPolyEvery_;
   static constexpr int kStages = 2;
   static constexpr int kThreads = 128 + kConsumerThreads;
   static constexpr int kSlabs = kHeadDim_ / kSlabCols;
@@ -285,7 +287,7 @@ __device__ __forceinline__ void merge_block_stats(float (&row_max)[1][2], float 
 template <typename Cfg>
 __device__ __forceinline__ void compute_block_softmax(float (&sc)[1][Cfg::kNTiles][4], float (&row_sum)[1][2],
                                                       const float (&row_max)[1][2], float exp_scale) {
-  fwd_mma::exponentiate_block<Cfg>(sc, row_sum, row_max, exp_scale);
+  fwd_mma::exponentiate_block<Cfg, Cfg::kPolyEvery>(sc, row_sum, row_max, exp_scale);
 }
 template <typename Cfg>
 __device__ __forceinline__ void to_a_fragments(uint32_t (&pa)[Cfg::kBlockN / 16][4],
@@ -529,9 +531,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 template <typename Cfg, int kVariant>
 bool launch_fwd_sm90_ws(const FwdParams& p, cudaStream_t stream) {
   constexpr bool kModded = kVariant != kPlain;
+  // The poly-exp2 configurations have the overlapped schedule alone (fewer instances).
+  constexpr int kOther = Cfg::kPolyEvery == 0 ? sm90::ws::kSerial : sm90::ws::kOverlap;
   const bool overlap = ws_schedule_name() != "serial";
   auto kernel = overlap ? sm90::ws::fwd_sm90_ws_kernel<Cfg, sm90::ws::kOverlap, kModded>
-                        : sm90::ws::fwd_sm90_ws_kernel<Cfg, sm90::ws::kSerial, kModded>;
+                        : sm90::ws::fwd_sm90_ws_kernel<Cfg, kOther, kModded>;
   if (p.sm_arch != 90 || !sm90_kernel_built(kernel)) return false;
   if (variant_of(p, /*backward=*/false) != kVariant || p.cu_seqlens_q != nullptr) return false;
   const bool bf16 = p.dtype == DType::kBFloat16;
@@ -562,6 +566,15 @@ bool run_fwd_sm90_ws(const FwdParams& p, cudaStream_t stream) {
     // The d = 64 ablation (launch.h, FLASH_CUDA_WS_BLOCK_N=192): fewer, longer key steps, so
     // the per-step waits and turns weigh less against products that are short at this d.
     if (ws_block_n_override() == 192) return launch_fwd_sm90_ws<sm90::ws::WsConfig<T, 64, 192>, kVariant>(p, stream);
+  }
+  if constexpr ((kHeadDim == 64 || kHeadDim == 128) && kVariant == kPlain) {
+    // The poly-exp2 ablation (launch.h, FLASH_CUDA_WS_EXP2_POLY).
+    using sm90::ws::WsConfig;
+    switch (ws_exp2_poly_every()) {
+      case 4: return launch_fwd_sm90_ws<WsConfig<T, kHeadDim, sm90::ws::ws_block_n(kHeadDim), 4>, kVariant>(p, stream);
+      case 8: return launch_fwd_sm90_ws<WsConfig<T, kHeadDim, sm90::ws::ws_block_n(kHeadDim), 8>, kVariant>(p, stream);
+      default: break;
+    }
   }
   return launch_fwd_sm90_ws<sm90::ws::WsConfig<T, kHeadDim>, kVariant>(p, stream);
 }

@@ -67,6 +67,11 @@ inline int ws_block_n_override() {
   const char* v = std::getenv("FLASH_CUDA_WS_BLOCK_N");
   return v != nullptr ? std::atoi(v) : 0;
 }
+// FLASH_CUDA_WS_STAGES=4: the d = 64 kPlain forward with 4 K/V stages in its ring instead of 2.
+inline int ws_stages_override() {
+  const char* v = std::getenv("FLASH_CUDA_WS_STAGES");
+  return v != nullptr ? std::atoi(v) : 0;
+}
 // FLASH_CUDA_WS_EXP2_POLY=N (4 or 8): in the d 64 / 128 kPlain forward every N-th 8-key tile
 // of P is exponentiated on the FMA pipe (poly_exp2) instead of MUFU. 0 when unset.
 inline int ws_exp2_poly_every() {

@@ -92,6 +92,14 @@ def test_ws_forward_d64_192_key_steps(monkeypatch, sched, B, Hq, Hkv, Sq, Sk, D,
     test_ws_forward_matches_float64(sched, BF16, B, Hq, Hkv, Sq, Sk, D, is_causal, window, layout)
 
 
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("B,Hq,Hkv,Sq,Sk,D,is_causal,window,layout", [c for c in CASES if c[5] == 64])
+def test_ws_forward_d64_four_stages(monkeypatch, dtype, B, Hq, Hkv, Sq, Sk, D, is_causal, window, layout):
+    """The d = 64 ablation FLASH_CUDA_WS_STAGES=4 (a deeper K/V ring) under the same rule."""
+    monkeypatch.setenv("FLASH_CUDA_WS_STAGES", "4")
+    test_ws_forward_matches_float64("stages4", dtype, B, Hq, Hkv, Sq, Sk, D, is_causal, window, layout)
+
+
 @pytest.mark.parametrize("every", ["4", "8"])
 @pytest.mark.parametrize("dtype", [F16, BF16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("B,Hq,Hkv,Sq,Sk,D,is_causal,window,layout", [c for c in CASES if c[5] in (64, 128)])

@@ -20,6 +20,7 @@
 #include <cstdint>
 
 #include "../flash_params.h"
+#include "exp2.cuh"
 
 namespace flash_cuda {
 
@@ -129,14 +130,13 @@ struct ScoreMod {
   // tanh with an absolute error of a few 1e-7: what matters is the error of C * tanh, an
   // absolute error of the logit. kPrecise uses the libm tanhf (the fp32 tier, whose naive
   // counterpart rounds logits to fp32); otherwise 1 - 2 / (2^(2x log2 e) + 1) on the MUFU unit.
+  // (Its exp2 as poly_exp2 on the FMA pipe instead measured slower: OPTIMIZATION.md.)
   template <bool kPrecise>
   __device__ __forceinline__ static float tanh_of(float y) {
     if constexpr (kPrecise) {
       return tanhf(y);
     } else {
-      float e;
-      asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(e) : "f"(y * 2.8853900817779268f));  // 2^(2y log2 e)
-      return 1.f - __fdividef(2.f, e + 1.f);
+      return 1.f - __fdividef(2.f, fast_exp2(y * 2.8853900817779268f) + 1.f);  // 2^(2y log2 e)
     }
   }
 

@@ -72,11 +72,12 @@ constexpr int ws_block_n(int head_dim) { return head_dim <= 128 ? 128 : 64; }
 
 // Tiles as in sm90_fwd.cuh (its helpers read these fields), plus the pipeline's own sizes.
 // kPolyEvery_: the share of exponentials taken on the FMA pipe (exponentiate_scores).
-template <typename T_, int kHeadDim_, int kBlockN_ = ws_block_n(kHeadDim_), int kPolyEvery_ = 0>
+// kStages_: K/V stages of the ring (2 fit every head dim; more only at d = 64).
+template <typename T_, int kHeadDim_, int kBlockN_ = ws_block_n(kHeadDim_), int kPolyEvery_ = 0, int kStages_ = 2>
 struct WsConfig : FwdConfig<T_, kHeadDim_, kBlockN_, /*kWarpGroups=*/2, /*kMinBlocks=*/1> {
   using Base = FwdConfig<T_, kHeadDim_, kBlockN_, 2, 1>;
   static constexpr int kPolyEvery = kPolyEvery_;
-  static constexpr int kStages = 2;
+  static constexpr int kStages = kStages_;
   static constexpr int kThreads = 128 + kConsumerThreads;
   static constexpr int kSlabs = kHeadDim_ / kSlabCols;
   // Registers per thread after setmaxnreg (128 x producer + 256 x consumers <= 65536). One
@@ -531,8 +532,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 template <typename Cfg, int kVariant>
 bool launch_fwd_sm90_ws(const FwdParams& p, cudaStream_t stream) {
   constexpr bool kModded = kVariant != kPlain;
-  // The poly-exp2 configurations have the overlapped schedule alone (fewer instances).
-  constexpr int kOther = Cfg::kPolyEvery == 0 ? sm90::ws::kSerial : sm90::ws::kOverlap;
+  // The ablation configurations (poly exp2, deeper ring) have the overlapped schedule alone.
+  constexpr bool kAblation = Cfg::kPolyEvery > 0 || Cfg::kStages > 2;
+  constexpr int kOther = kAblation ? sm90::ws::kOverlap : sm90::ws::kSerial;
   const bool overlap = ws_schedule_name() != "serial";
   auto kernel = overlap ? sm90::ws::fwd_sm90_ws_kernel<Cfg, sm90::ws::kOverlap, kModded>
                         : sm90::ws::fwd_sm90_ws_kernel<Cfg, kOther, kModded>;
@@ -566,6 +568,8 @@ bool run_fwd_sm90_ws(const FwdParams& p, cudaStream_t stream) {
     // The d = 64 ablation (launch.h, FLASH_CUDA_WS_BLOCK_N=192): fewer, longer key steps, so
     // the per-step waits and turns weigh less against products that are short at this d.
     if (ws_block_n_override() == 192) return launch_fwd_sm90_ws<sm90::ws::WsConfig<T, 64, 192>, kVariant>(p, stream);
+    // The d = 64 ablation FLASH_CUDA_WS_STAGES=4: a K/V ring of 4 stages instead of 2.
+    if (ws_stages_override() == 4) return launch_fwd_sm90_ws<sm90::ws::WsConfig<T, 64, 128, 0, 4>, kVariant>(p, stream);
   }
   if constexpr ((kHeadDim == 64 || kHeadDim == 128) && kVariant == kPlain) {
     // The poly-exp2 ablation (launch.h, FLASH_CUDA_WS_EXP2_POLY).

@@ -732,10 +732,11 @@ _FEATURES_DOC = r"""
             in OPTIMIZATION.md.
         kernel: ``"auto"`` (default) picks by dtype, GPU and options: ``"simt"`` (float32
             CUDA-core kernels, true fp32 arithmetic) for float32; for float16 / bfloat16
-            ``"wgmma"`` (Hopper warpgroup-MMA kernels) on sm_90 for head dims 33..64 and
-            97..128 where no sliding window, softcap, ALiBi or packed batch is asked for,
-            else ``"mma"`` (mma.sync tensor-core kernels, sm_80 and newer, every head dim and
-            option). Both tensor-core tiers accumulate in fp32. Asking for ``"simt"`` with
+            on sm_90 the Hopper kernels: a warp-specialized forward (TMA, persistent) for
+            dense batches at head dims 33..64 and 97..256 (with softcap / ALiBi up to 192),
+            ``"wgmma"`` (warpgroup MMA) for the other forwards and the backward at 33..64 and
+            97..128 (the backward without softcap); else ``"mma"`` (mma.sync tensor-core
+            kernels, sm_80 and newer, every head dim and option). Both tensor-core tiers accumulate in fp32. Asking for ``"simt"`` with
             16-bit inputs, ``"mma"`` / ``"wgmma"`` with float32 inputs, or ``"wgmma"`` where
             it does not apply is an error."""
 

@@ -72,6 +72,12 @@ inline int ws_stages_override() {
   const char* v = std::getenv("FLASH_CUDA_WS_STAGES");
   return v != nullptr ? std::atoi(v) : 0;
 }
+// FLASH_CUDA_WS_BLOCK_M=128 | 192: the d = 64 kPlain forward's tiles, 128 x 128 or 192 rows
+// (three consumer warpgroups) x 96 keys. 0 when unset: 192 rows from Sq = 4096 on.
+inline int ws_block_m_override() {
+  const char* v = std::getenv("FLASH_CUDA_WS_BLOCK_M");
+  return v != nullptr ? std::atoi(v) : 0;
+}
 // FLASH_CUDA_WS_EXP2_POLY=N (4 or 8): in the d 64 / 128 kPlain forward every N-th 8-key tile
 // of P is exponentiated on the FMA pipe (poly_exp2) instead of MUFU. 0 when unset.
 inline int ws_exp2_poly_every() {

@@ -38,6 +38,8 @@ CASES = [
     (4, 16, 4, 1000, 1000, 64, True, (-1, -1), "bshd"),
     (2, 32, 8, 640, 1100, 128, False, (-1, -1), "bhsd"),
     (2, 20, 4, 1500, 400, 64, True, (64, -1), "bhsd"),
+    # d = 64 from Sq = 4096: 192-row tiles by default (three consumer warpgroups).
+    (1, 2, 1, 4200, 4300, 64, True, (-1, -1), "bshd"),
     # Head dims above 128 (64 keys per step; d = 256 writes O from registers), their buckets
     # below the full width, and more tiles than SMs.
     (1, 4, 4, 1000, 1000, 192, False, (-1, -1), "strided"),
@@ -98,6 +100,15 @@ def test_ws_forward_d64_four_stages(monkeypatch, dtype, B, Hq, Hkv, Sq, Sk, D, i
     """The d = 64 ablation FLASH_CUDA_WS_STAGES=4 (a deeper K/V ring) under the same rule."""
     monkeypatch.setenv("FLASH_CUDA_WS_STAGES", "4")
     test_ws_forward_matches_float64("stages4", dtype, B, Hq, Hkv, Sq, Sk, D, is_causal, window, layout)
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("B,Hq,Hkv,Sq,Sk,D,is_causal,window,layout", [c for c in CASES if c[5] == 64])
+def test_ws_forward_d64_192_row_tiles(monkeypatch, dtype, B, Hq, Hkv, Sq, Sk, D, is_causal, window, layout):
+    """The d = 64 ablation FLASH_CUDA_WS_BLOCK_M=192 (three consumer warpgroups, round-robin
+    turns) under the same rule."""
+    monkeypatch.setenv("FLASH_CUDA_WS_BLOCK_M", "192")
+    test_ws_forward_matches_float64("rows192", dtype, B, Hq, Hkv, Sq, Sk, D, is_causal, window, layout)
 
 
 @pytest.mark.parametrize("every", ["4", "8"])

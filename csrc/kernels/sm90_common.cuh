@@ -98,19 +98,29 @@ __device__ __forceinline__ uint64_t make_desc(uint32_t smem_byte_addr, uint32_t 
   return desc;
 }
 
+// A descriptor whose start address is `bytes` further (a multiple of 16). Shared-memory
+// addresses stay below 2^18, so the 14-bit address field never carries: one 32-bit add on the
+// low word. The k-steps of a product differ only by such constant offsets, so their
+// descriptors are one make_desc (a common subexpression) plus an add each, which keeps the
+// integer work between a warpgroup taking its turn and issuing its products short.
+__device__ __forceinline__ uint64_t desc_advance(uint64_t desc, uint32_t bytes) {
+  const uint32_t lo = static_cast<uint32_t>(desc) + (bytes >> 4);
+  return (desc & 0xFFFFFFFF00000000ull) | lo;
+}
+
 // K-major operand: rows [row0, row0 + 64 or N) of a tile of kRows rows, k-step ks (16 columns).
 template <int kRows>
 __device__ __forceinline__ uint64_t desc_k_major(const void* tile, int row0, int ks) {
-  const uint32_t addr = smem_addr(tile) + (ks / 4) * kRows * kSwizzleBytes + row0 * kSwizzleBytes + (ks % 4) * 32;
-  return make_desc(addr, 16, 1024);
+  return desc_advance(make_desc(smem_addr(tile) + row0 * kSwizzleBytes, 16, 1024),
+                      (ks / 4) * kRows * kSwizzleBytes + (ks % 4) * 32);
 }
 
 // MN-major operand: k-step ks covers rows [row0 + 16 ks, row0 + 16 ks + 16) of a tile of kRows
 // rows; N runs along all its columns.
 template <int kRows>
 __device__ __forceinline__ uint64_t desc_mn_major(const void* tile, int row0, int ks) {
-  const uint32_t addr = smem_addr(tile) + (row0 + 16 * ks) * kSwizzleBytes;
-  return make_desc(addr, kRows * kSwizzleBytes, 1024);
+  return desc_advance(make_desc(smem_addr(tile) + row0 * kSwizzleBytes, kRows * kSwizzleBytes, 1024),
+                      16 * ks * kSwizzleBytes);
 }
 
 // ---------------------------------------------------------------------------------

@@ -11,7 +11,7 @@
 // counted in bytes on a per-stage mbarrier, and a consumer warpgroup waits only for the stage
 // it needs; the producer refills a stage as soon as both consumer warpgroups released it.
 //
-// CTA: 3 warpgroups (384 threads), one per SM. Warpgroup 0 is the producer: it gives up
+// CTA: 3 warpgroups (384 threads), one per SM (4 at d = 64 from Sq = 4096: 192-row tiles). Warpgroup 0 is the producer: it gives up
 // registers (setmaxnreg.dec) and one of its threads issues the loads. Warpgroups 1 and 2 own
 // query rows 0-63 and 64-127 of the tile (setmaxnreg.inc): the accumulators of S (64 x kBlockN)
 // and O (64 x kHeadDim) live in their registers. The consumer loop is the four steps of the
@@ -38,8 +38,8 @@
 // Scope of this version: dense batches, fp16 / bf16, head dims 64, 128, 192 and 256 (64 keys
 // per step above 128), causal, windows, Sq != Sk, GQA, and in the kExtended instances softcap
 // and ALiBi; views whose base and strides TMA can address (16-byte multiples). The launcher
-// returns false otherwise and the caller runs sm90_fwd.cuh. kernel='auto' uses the kPlain
-// instances at d 64 and 128, the ones measured so far.
+// returns false otherwise and the caller runs sm90_fwd.cuh (or, above d = 128, mma_fwd.cuh).
+// kernel='auto' uses every instance (flash_api.cpp, ws_fwd_applies).
 #pragma once
 
 #include <algorithm>
@@ -58,11 +58,10 @@ struct TmaMaps {
   CUtensorMap q, k, v;
 };
 
-constexpr int kConsumerThreads = 256;
-constexpr int kConsumerWarps = kConsumerThreads / 32;
 // Named barriers (0 is __syncthreads): warpgroup w's turn to issue its products (kOverlap) is
-// kTurnBarrier + w.
+// kTurnBarrier + w; each phase counts two warpgroups (the one handing over, the one taking).
 constexpr int kTurnBarrier = 1;
+constexpr int kTurnThreads = 256;
 
 enum WsSchedule : int { kSerial = 0, kOverlap = 1 };
 
@@ -73,19 +72,26 @@ constexpr int ws_block_n(int head_dim) { return head_dim <= 128 ? 128 : 64; }
 // Tiles as in sm90_fwd.cuh (its helpers read these fields), plus the pipeline's own sizes.
 // kPolyEvery_: the share of exponentials taken on the FMA pipe (exponentiate_scores).
 // kStages_: K/V stages of the ring (2 fit every head dim; more only at d = 64).
-template <typename T_, int kHeadDim_, int kBlockN_ = ws_block_n(kHeadDim_), int kPolyEvery_ = 0, int kStages_ = 2>
-struct WsConfig : FwdConfig<T_, kHeadDim_, kBlockN_, /*kWarpGroups=*/2, /*kMinBlocks=*/1> {
-  using Base = FwdConfig<T_, kHeadDim_, kBlockN_, 2, 1>;
+// kConsumerWGs_: consumer warpgroups, 64 query rows each (3 only at d = 64: 192-row tiles).
+template <typename T_, int kHeadDim_, int kBlockN_ = ws_block_n(kHeadDim_), int kPolyEvery_ = 0, int kStages_ = 2,
+          int kConsumerWGs_ = 2>
+struct WsConfig : FwdConfig<T_, kHeadDim_, kBlockN_, /*kWarpGroups=*/kConsumerWGs_, /*kMinBlocks=*/1> {
+  using Base = FwdConfig<T_, kHeadDim_, kBlockN_, kConsumerWGs_, 1>;
   static constexpr int kPolyEvery = kPolyEvery_;
   static constexpr int kStages = kStages_;
+  static constexpr int kConsumerWGs = kConsumerWGs_;
+  static constexpr int kConsumerThreads = 128 * kConsumerWGs;
+  static constexpr int kConsumerWarps = kConsumerThreads / 32;
   static constexpr int kThreads = 128 + kConsumerThreads;
   static constexpr int kSlabs = kHeadDim_ / kSlabCols;
   // Registers per thread after setmaxnreg (128 x producer + 256 x consumers <= 65536). One
   // producer thread issues TMA (the rest of its warpgroup exits); its tile loop fits in 24
   // with little to spare (one more live value spilled it), so up to d = 192 it keeps 40, as
   // measured. At d = 256 the consumers need 240 for the 64 x 256 O accumulator (232 spills).
-  static constexpr int kProducerRegs = kHeadDim_ <= 192 ? 40 : 24;
-  static constexpr int kConsumerRegs = kHeadDim_ <= 192 ? 232 : 240;
+  // Three consumer warpgroups (d = 64): 24 / 160.
+  static constexpr int kProducerRegs = kConsumerWGs == 3 ? 24 : (kHeadDim_ <= 192 ? 40 : 24);
+  static constexpr int kConsumerRegs = kConsumerWGs == 3 ? 160 : (kHeadDim_ <= 192 ? 232 : 240);
+  static_assert(kConsumerWGs == 2 || (kConsumerWGs == 3 && kHeadDim_ == 64), "measured shapes");
   static_assert(128 * kProducerRegs + kConsumerThreads * kConsumerRegs <= 65536, "one CTA per SM");
   // q_full, q_empty, k_full / v_full / k_empty / v_empty per stage, then the two tile slots.
   static constexpr size_t kBarrierBytes = sizeof(uint64_t) * (2 + 4 * kStages) + 2 * sizeof(int);
@@ -298,19 +304,21 @@ __device__ __forceinline__ void to_a_fragments(uint32_t (&pa)[Cfg::kBlockN / 16]
 }
 
 // Ping-pong: a warpgroup issues its product group only on its turn and then hands the turn to
-// the other, so the two groups reach the tensor cores alternately while the other warpgroup
-// runs its softmax. Each warpgroup syncs on its own barrier once per group and arrives on the
-// other's; warpgroup 1 opens the first turn for warpgroup 0 and skips its own last hand-over,
-// so every barrier phase has exactly 128 waiting and 128 arriving threads (per tile: both
-// warpgroups take n + 1 turns, so a persistent CTA starts every tile in the same state).
+// the next (round robin over kWGs), so the groups reach the tensor cores in turn while the
+// other warpgroups run their softmax. Each warpgroup syncs on its own barrier once per group
+// and arrives on the next one's; the last warpgroup opens the first turn for warpgroup 0 and
+// skips its own last hand-over, so every barrier phase has exactly 128 waiting and 128
+// arriving threads (per tile every warpgroup takes n + 1 turns, so a persistent CTA starts
+// every tile in the same state).
+template <int kWGs>
 struct Turns {
   int wg;
   __device__ __forceinline__ void open() const {
-    if (wg == 1) named_barrier_arrive(kTurnBarrier + 0, kConsumerThreads);
+    if (wg == kWGs - 1) named_barrier_arrive(kTurnBarrier + 0, kTurnThreads);
   }
-  __device__ __forceinline__ void take() const { named_barrier_sync(kTurnBarrier + wg, kConsumerThreads); }
+  __device__ __forceinline__ void take() const { named_barrier_sync(kTurnBarrier + wg, kTurnThreads); }
   __device__ __forceinline__ void pass(bool last) const {
-    if (!(last && wg == 1)) named_barrier_arrive(kTurnBarrier + (wg ^ 1), kConsumerThreads);
+    if (!(last && wg == kWGs - 1)) named_barrier_arrive(kTurnBarrier + (wg + 1) % kWGs, kTurnThreads);
   }
 };
 
@@ -324,7 +332,7 @@ __device__ __forceinline__ void consume_overlap(const Ring<Cfg>& ring, int first
                                                 float (&row_max)[1][2], float (&row_sum)[1][2]) {
   const int n = cv.range.count();
   if (n <= 0) return;
-  const Turns turns{cv.wg};
+  const Turns<Cfg::kConsumerWGs> turns{cv.wg};
   turns.open();
   float sc[1][Cfg::kNTiles][4];
   uint32_t pa[Cfg::kBlockN / 16][4];
@@ -429,12 +437,12 @@ __device__ __forceinline__ void fwd_ws_block(const FwdParams& p, const TmaMaps& 
 
   if (threadIdx.x == 0) {
     mbarrier_init(qt.full, 1);
-    mbarrier_init(qt.empty, kConsumerWarps);
+    mbarrier_init(qt.empty, Cfg::kConsumerWarps);
     for (int s = 0; s < kStages; ++s) {
       mbarrier_init(&ring.k_full[s], 1);
       mbarrier_init(&ring.v_full[s], 1);
-      mbarrier_init(&ring.k_empty[s], kConsumerWarps);
-      mbarrier_init(&ring.v_empty[s], kConsumerWarps);
+      mbarrier_init(&ring.k_empty[s], Cfg::kConsumerWarps);
+      mbarrier_init(&ring.v_empty[s], Cfg::kConsumerWarps);
     }
     fence_barrier_init();
   }
@@ -532,8 +540,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 template <typename Cfg, int kVariant>
 bool launch_fwd_sm90_ws(const FwdParams& p, cudaStream_t stream) {
   constexpr bool kModded = kVariant != kPlain;
-  // The ablation configurations (poly exp2, deeper ring) have the overlapped schedule alone.
-  constexpr bool kAblation = Cfg::kPolyEvery > 0 || Cfg::kStages > 2;
+  // The ablation configurations (poly exp2, deeper ring) and the 192-row tiles have the
+  // overlapped schedule alone.
+  constexpr bool kAblation = Cfg::kPolyEvery > 0 || Cfg::kStages > 2 || Cfg::kConsumerWGs > 2;
   constexpr int kOther = kAblation ? sm90::ws::kOverlap : sm90::ws::kSerial;
   const bool overlap = ws_schedule_name() != "serial";
   auto kernel = overlap ? sm90::ws::fwd_sm90_ws_kernel<Cfg, sm90::ws::kOverlap, kModded>
@@ -564,23 +573,30 @@ bool launch_fwd_sm90_ws(const FwdParams& p, cudaStream_t stream) {
 template <int kDType, int kHeadDim, int kVariant>
 bool run_fwd_sm90_ws(const FwdParams& p, cudaStream_t stream) {
   using T = typename ElementOf<kDType>::type;
-  if constexpr (kHeadDim == 64 && kVariant == kPlain) {
-    // The d = 64 ablation (launch.h, FLASH_CUDA_WS_BLOCK_N=192): fewer, longer key steps, so
-    // the per-step waits and turns weigh less against products that are short at this d.
-    if (ws_block_n_override() == 192) return launch_fwd_sm90_ws<sm90::ws::WsConfig<T, 64, 192>, kVariant>(p, stream);
-    // The d = 64 ablation FLASH_CUDA_WS_STAGES=4: a K/V ring of 4 stages instead of 2.
-    if (ws_stages_override() == 4) return launch_fwd_sm90_ws<sm90::ws::WsConfig<T, 64, 128, 0, 4>, kVariant>(p, stream);
-  }
+  using sm90::ws::WsConfig;
   if constexpr ((kHeadDim == 64 || kHeadDim == 128) && kVariant == kPlain) {
-    // The poly-exp2 ablation (launch.h, FLASH_CUDA_WS_EXP2_POLY).
-    using sm90::ws::WsConfig;
+    // The ablation switches of launch.h, each one configuration measured against the default
+    // in OPTIMIZATION.md: the poly-exp2 share (d 64 / 128), and at d = 64 192-key steps and a
+    // 4-stage ring.
     switch (ws_exp2_poly_every()) {
       case 4: return launch_fwd_sm90_ws<WsConfig<T, kHeadDim, sm90::ws::ws_block_n(kHeadDim), 4>, kVariant>(p, stream);
       case 8: return launch_fwd_sm90_ws<WsConfig<T, kHeadDim, sm90::ws::ws_block_n(kHeadDim), 8>, kVariant>(p, stream);
       default: break;
     }
+    if constexpr (kHeadDim == 64) {
+      if (ws_block_n_override() == 192) return launch_fwd_sm90_ws<WsConfig<T, 64, 192>, kVariant>(p, stream);
+      if (ws_stages_override() == 4) return launch_fwd_sm90_ws<WsConfig<T, 64, 128, 0, 4>, kVariant>(p, stream);
+      // 192-row tiles: three consumer warpgroups, so three warps per scheduler interleave
+      // their dependent softmax chains (d = 64 is latency-bound), with 96-key steps (at 160
+      // registers a consumer holds S of 96 keys beside P and O; 128 spill). Measured +5-10%
+      // from Sq = 4k, but -6-8% at 1k (fewer, partly empty tiles), hence the threshold;
+      // FLASH_CUDA_WS_BLOCK_M=128 / 192 forces either (the serial schedule keeps 128).
+      const int block_m = ws_block_m_override();
+      const bool rows192 = block_m == 192 || (block_m == 0 && p.sq >= 4096 && ws_schedule_name() != "serial");
+      if (rows192) return launch_fwd_sm90_ws<WsConfig<T, 64, 96, 0, 2, 3>, kVariant>(p, stream);
+    }
   }
-  return launch_fwd_sm90_ws<sm90::ws::WsConfig<T, kHeadDim>, kVariant>(p, stream);
+  return launch_fwd_sm90_ws<WsConfig<T, kHeadDim>, kVariant>(p, stream);
 }
 
 }  // namespace flash_cuda

@@ -160,10 +160,16 @@ __device__ __forceinline__ void mask_and_block_max(float (&s)[Cfg::kMTiles][Cfg:
   for (int mt = 0; mt < Cfg::kMTiles; ++mt) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      float mx = -INFINITY;
+      // A pairwise tree, not a running max: 4-5 dependent FMNMX instead of kNTiles on the
+      // softmax's critical path (max is exact in any order: same result).
+      float m[Cfg::kNTiles];
 #pragma unroll
-      for (int nt = 0; nt < Cfg::kNTiles; ++nt)
-        mx = fmaxf(mx, fmaxf(s[mt][nt][half * 2], s[mt][nt][half * 2 + 1]));
+      for (int nt = 0; nt < Cfg::kNTiles; ++nt) m[nt] = fmaxf(s[mt][nt][half * 2], s[mt][nt][half * 2 + 1]);
+#pragma unroll
+      for (int stride = 1; stride < Cfg::kNTiles; stride *= 2)
+#pragma unroll
+        for (int nt = 0; nt + stride < Cfg::kNTiles; nt += 2 * stride) m[nt] = fmaxf(m[nt], m[nt + stride]);
+      const float mx = fmaxf(m[0], -INFINITY);  // a row of NaN scores: -inf, as the running max gave
       // Rounding is monotonic, so bm = round(max_j s_j * exp_scale) is also the largest
       // of the rounded per-element products round(s_j * exp_scale): the exact-max path of
       // step 3 relies on this.

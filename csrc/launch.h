@@ -73,7 +73,7 @@ inline int ws_stages_override() {
   return v != nullptr ? std::atoi(v) : 0;
 }
 // FLASH_CUDA_WS_BLOCK_M=128 | 192: the d = 64 kPlain forward's tiles, 128 x 128 or 192 rows
-// (three consumer warpgroups) x 96 keys. 0 when unset: 192 rows from Sq = 4096 on.
+// (three consumer warpgroups) x 96 keys. 0 when unset: 192 rows from Sq = 2048 on.
 inline int ws_block_m_override() {
   const char* v = std::getenv("FLASH_CUDA_WS_BLOCK_M");
   return v != nullptr ? std::atoi(v) : 0;

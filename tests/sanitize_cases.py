@@ -135,7 +135,7 @@ CASES: List[Case] = [
     _varlen_case(BF16, 2, 1, (1, 1, 1), (1, 1, 1), 256, False, dlse=True),
     # ---- more query tiles than an H100/H200 has SMs: persistent Hopper CTAs run several ----
     Case(BF16, 2, 16, 4, 640, 1000, 128, True, "bhsd"),
-    # ---- d = 64 from Sq = 4096: the Hopper forward's 192-row tiles (three consumer warpgroups) ----
+    # ---- d = 64 from Sq = 2048: the Hopper forward's 192-row tiles (three consumer warpgroups) ----
     Case(F16, 1, 2, 1, 4100, 4200, 64, True, "bshd"),
     # ---- d = 192 / 256 and softcap / ALiBi on the warp-specialized Hopper forward ----
     Case(BF16, 1, 4, 2, 700, 900, 256, True, "bhsd"),

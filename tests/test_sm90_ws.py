@@ -38,7 +38,7 @@ CASES = [
     (4, 16, 4, 1000, 1000, 64, True, (-1, -1), "bshd"),
     (2, 32, 8, 640, 1100, 128, False, (-1, -1), "bhsd"),
     (2, 20, 4, 1500, 400, 64, True, (64, -1), "bhsd"),
-    # d = 64 from Sq = 4096: 192-row tiles by default (three consumer warpgroups).
+    # d = 64 from Sq = 2048: 192-row tiles by default (three consumer warpgroups).
     (1, 2, 1, 4200, 4300, 64, True, (-1, -1), "bshd"),
     # Head dims above 128 (64 keys per step; d = 256 writes O from registers), their buckets
     # below the full width, and more tiles than SMs.

@@ -11,7 +11,7 @@
 // counted in bytes on a per-stage mbarrier, and a consumer warpgroup waits only for the stage
 // it needs; the producer refills a stage as soon as both consumer warpgroups released it.
 //
-// CTA: 3 warpgroups (384 threads), one per SM (4 at d = 64 from Sq = 4096: 192-row tiles). Warpgroup 0 is the producer: it gives up
+// CTA: 3 warpgroups (384 threads), one per SM (4 at d = 64 from Sq = 2048: 192-row tiles). Warpgroup 0 is the producer: it gives up
 // registers (setmaxnreg.dec) and one of its threads issues the loads. Warpgroups 1 and 2 own
 // query rows 0-63 and 64-127 of the tile (setmaxnreg.inc): the accumulators of S (64 x kBlockN)
 // and O (64 x kHeadDim) live in their registers. The consumer loop is the four steps of the
@@ -588,11 +588,11 @@ bool run_fwd_sm90_ws(const FwdParams& p, cudaStream_t stream) {
       if (ws_stages_override() == 4) return launch_fwd_sm90_ws<WsConfig<T, 64, 128, 0, 4>, kVariant>(p, stream);
       // 192-row tiles: three consumer warpgroups, so three warps per scheduler interleave
       // their dependent softmax chains (d = 64 is latency-bound), with 96-key steps (at 160
-      // registers a consumer holds S of 96 keys beside P and O; 128 spill). Measured +5-10%
-      // from Sq = 4k, but -6-8% at 1k (fewer, partly empty tiles), hence the threshold;
+      // registers a consumer holds S of 96 keys beside P and O; 128 spill). Measured +3-10%
+      // from Sq = 2k, but -4-11% at 512 and 1k (fewer, partly empty tiles), hence the threshold;
       // FLASH_CUDA_WS_BLOCK_M=128 / 192 forces either (the serial schedule keeps 128).
       const int block_m = ws_block_m_override();
-      const bool rows192 = block_m == 192 || (block_m == 0 && p.sq >= 4096 && ws_schedule_name() != "serial");
+      const bool rows192 = block_m == 192 || (block_m == 0 && p.sq >= 2048 && ws_schedule_name() != "serial");
       if (rows192) return launch_fwd_sm90_ws<WsConfig<T, 64, 96, 0, 2, 3>, kVariant>(p, stream);
     }
   }

@@ -61,32 +61,24 @@ inline bool ws_persistent() {
   const char* v = std::getenv("FLASH_CUDA_WS_PERSISTENT");
   return !(v != nullptr && std::string(v) == "0");
 }
-// FLASH_CUDA_WS_BLOCK_N=192: the d = 64 kPlain forward steps over 192 keys instead of 128
-// (not yet measured). 0 when unset.
-inline int ws_block_n_override() {
-  const char* v = std::getenv("FLASH_CUDA_WS_BLOCK_N");
+// The shape switches below are integers, 0 when unset (the default shape).
+inline int ws_env_int(const char* name) {
+  const char* v = std::getenv(name);
   return v != nullptr ? std::atoi(v) : 0;
 }
+// FLASH_CUDA_WS_BLOCK_N=192: the d = 64 kPlain forward steps over 192 keys instead of 128.
+inline int ws_block_n_override() { return ws_env_int("FLASH_CUDA_WS_BLOCK_N"); }
 // FLASH_CUDA_WS_STAGES=4: the d = 64 kPlain forward with 4 K/V stages in its ring instead of 2.
-inline int ws_stages_override() {
-  const char* v = std::getenv("FLASH_CUDA_WS_STAGES");
-  return v != nullptr ? std::atoi(v) : 0;
-}
+inline int ws_stages_override() { return ws_env_int("FLASH_CUDA_WS_STAGES"); }
 // FLASH_CUDA_WS_BLOCK_M=128 | 192: the d = 64 kPlain forward's tiles, 128 x 128 or 192 rows
-// (three consumer warpgroups) x 96 keys. 0 when unset: 192 rows from Sq = 2048 on.
-inline int ws_block_m_override() {
-  const char* v = std::getenv("FLASH_CUDA_WS_BLOCK_M");
-  return v != nullptr ? std::atoi(v) : 0;
-}
+// (three consumer warpgroups) x 96 keys; unset: 192 rows from Sq = 2048 on.
+inline int ws_block_m_override() { return ws_env_int("FLASH_CUDA_WS_BLOCK_M"); }
 // FLASH_CUDA_WS_EXP2_POLY=N (4 or 8): in the d 64 / 128 kPlain forward every N-th 8-key tile
-// of P is exponentiated on the FMA pipe (poly_exp2) instead of MUFU. 0 when unset.
-inline int ws_exp2_poly_every() {
-  const char* v = std::getenv("FLASH_CUDA_WS_EXP2_POLY");
-  return v != nullptr ? std::atoi(v) : 0;
-}
+// of P is exponentiated on the FMA pipe (poly_exp2) instead of MUFU.
+inline int ws_exp2_poly_every() { return ws_env_int("FLASH_CUDA_WS_EXP2_POLY"); }
 // The Hopper backward's dQ (deterministic=False): FLASH_CUDA_SM90_DQ=atomic adds it
 // from the dK/dV kernel with float atomics into an fp32 workspace (5 products instead of 7);
-// default: the separate dQ kernel. Opt-in until measured (OPTIMIZATION.md).
+// default: the separate dQ kernel. Opt-in: measured slower at d = 128 (OPTIMIZATION.md).
 inline bool sm90_dq_atomic() {
   const char* v = std::getenv("FLASH_CUDA_SM90_DQ");
   return v != nullptr && std::string(v) == "atomic";

@@ -11,10 +11,11 @@
 // counted in bytes on a per-stage mbarrier, and a consumer warpgroup waits only for the stage
 // it needs; the producer refills a stage as soon as both consumer warpgroups released it.
 //
-// CTA: 3 warpgroups (384 threads), one per SM (4 at d = 64 from Sq = 2048: 192-row tiles). Warpgroup 0 is the producer: it gives up
-// registers (setmaxnreg.dec) and one of its threads issues the loads. Warpgroups 1 and 2 own
-// query rows 0-63 and 64-127 of the tile (setmaxnreg.inc): the accumulators of S (64 x kBlockN)
-// and O (64 x kHeadDim) live in their registers. The consumer loop is the four steps of the
+// CTA: 3 warpgroups (384 threads), one per SM; 4 at d = 64 from Sq = 2048 (192-row tiles).
+// Warpgroup 0 is the producer: it gives up registers (setmaxnreg.dec) and one of its threads
+// issues the loads. Consumer warpgroup w (1, 2, and 3 with 192-row tiles) owns query rows
+// 64(w-1) .. 64(w-1)+63 of the tile (setmaxnreg.inc): the accumulators of S (64 x kBlockN)
+// and O (64 x kHeadDim) live in its registers. The consumer loop is the four steps of the
 // online softmax (sm90_fwd.cuh / mma_fwd.cuh's helpers, split where the pipeline needs it):
 //   compute_qk_scores_and_max -> merge_block_stats -> compute_block_softmax(_and_weighted_v)
 //   ... normalize_output.
@@ -84,7 +85,7 @@ struct WsConfig : FwdConfig<T_, kHeadDim_, kBlockN_, /*kWarpGroups=*/kConsumerWG
   static constexpr int kConsumerWarps = kConsumerThreads / 32;
   static constexpr int kThreads = 128 + kConsumerThreads;
   static constexpr int kSlabs = kHeadDim_ / kSlabCols;
-  // Registers per thread after setmaxnreg (128 x producer + 256 x consumers <= 65536). One
+  // Registers per thread after setmaxnreg (128 x producer + consumers <= 65536). One
   // producer thread issues TMA (the rest of its warpgroup exits); its tile loop fits in 24
   // with little to spare (one more live value spilled it), so up to d = 192 it keeps 40, as
   // measured. At d = 256 the consumers need 240 for the 64 x 256 O accumulator (232 spills).

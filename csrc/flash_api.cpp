@@ -363,20 +363,19 @@ void dispatch_fwd(const FwdParams& p, Tier tier, cudaStream_t stream) {
   with_dtype_variant<MmaFwd, MmaBuckets>(p, variant, stream);
 }
 
-// Returns true when the Hopper backward ran (it alone reads params.dq_accum).
-bool dispatch_bwd(const BwdParams& p, Tier tier, cudaStream_t stream) {
+// params.dq_accum is read only by the Hopper backward, which also writes dq from it.
+void dispatch_bwd(const BwdParams& p, Tier tier, cudaStream_t stream) {
   if (tier == Tier::kWgmmaWs) tier = Tier::kAuto;  // the warp-specialized forward has no backward of its own
   if (tier == Tier::kSimt) {
     with_bucket<SimtBwd>(p.d, SimtBuckets{}, p, stream);
-    return false;
+    return;
   }
   const Variant variant = variant_of(p, /*backward=*/true);
   if ((tier == Tier::kAuto || tier == Tier::kWgmma) && variant != kSoftcapGrad) {
-    if (sm90_bucket(p.d) && with_dtype_variant<Sm90Bwd, Sm90Buckets>(p, variant, stream)) return true;
+    if (sm90_bucket(p.d) && with_dtype_variant<Sm90Bwd, Sm90Buckets>(p, variant, stream)) return;
   }
   TORCH_CHECK(tier != Tier::kWgmma, kNoWgmma);
   with_dtype_variant<MmaBwd, MmaBuckets, /*kWithSoftcapGrad=*/true>(p, variant, stream);
-  return false;
 }
 
 MaskArgs mask_args(int64_t window_left, int64_t window_right, double softcap,
@@ -550,22 +549,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(
       p.dkv_accum = workspace.data_ptr<float>();
     }
   }
-  // The Hopper backward's atomic dQ (launch.h: sm90_dq_atomic): an fp32 [rows of lse][d]
-  // workspace, zero-filled, converted into dq below (B * Hq * Sq * D * 4 bytes).
+  // The Hopper backward's dQ accumulated across key blocks (launch.h: sm90_bwd_mode; the
+  // warp-specialized kernel on dense batches by default): a zero-filled fp32 workspace of about
+  // B * Hq * Sq * D * 4 bytes, which the kernels' launcher converts into dq.
   at::Tensor dq_accum;
   if ((t == Tier::kAuto || t == Tier::kWgmma || t == Tier::kWgmmaWs) && !deterministic && p.sm_arch == 90 &&
-      sm90_bucket(p.d) &&
-      variant_of(p, /*backward=*/true) != kSoftcapGrad && sm90_dq_atomic()) {
-    dq_accum = at::zeros({lse.numel() * p.d}, q.options().dtype(at::kFloat));
+      sm90_bucket(p.d) && variant_of(p, /*backward=*/true) != kSoftcapGrad &&
+      ((sm90_bwd_ws() && !s.varlen) || sm90_dq_atomic())) {
+    dq_accum = at::zeros({sm90_dq_accum_floats(p, lse.numel())}, q.options().dtype(at::kFloat));
     p.dq_accum = dq_accum.data_ptr<float>();
   }
-  const bool sm90_ran = dispatch_bwd(p, t, at::cuda::getCurrentCUDAStream().stream());
-  if (dq_accum.defined() && sm90_ran) {
-    std::vector<int64_t> rows(s.lse_shape());
-    rows.push_back(p.d);
-    at::Tensor acc = dq_accum.view(rows).mul_(scale);  // dense (B, Hq, Sq, D); varlen (Hq, total_q, D)
-    dq.copy_(s.varlen ? acc.transpose(0, 1) : acc);
-  }
+  dispatch_bwd(p, t, at::cuda::getCurrentCUDAStream().stream());
   if (negative_scale) dq.neg_();
   return {dq, dk, dv};
 }

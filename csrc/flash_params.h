@@ -134,8 +134,10 @@ struct BwdParams : FwdParams {
 
   // Workspaces, allocated by the binding:
   //   delta    : float32 contiguous [b][hq][sq]; delta = rowsum(dO * O) - dlse
-  //   dq_accum : float32 contiguous [b][hq][sq][d] (row stride d), zero-filled by the
-  //              binding; used only by kernels that accumulate dQ with atomics.
+  //   dq_accum : float32, zero-filled by the binding (launch.h: sm90_dq_accum_floats); the
+  //              Hopper backward accumulates dQ there across key blocks, in the row layout of
+  //              the statistics ([b][hq][sq][d]) or in query-block tiles (sm90_bwd_ws.cuh:
+  //              DqTile), and converts it into dq itself.
   //   dkv_accum: float32, the fp32 dK/dV kernel's split key blocks (the FwdParams split fields
   //              num_splits / split_begin, planned by plan_bwd_simt): each piece, a range of
   //              query steps, leaves its dK in [piece][block rows][d], then all the pieces'

@@ -76,12 +76,30 @@ inline int ws_block_m_override() { return ws_env_int("FLASH_CUDA_WS_BLOCK_M"); }
 // FLASH_CUDA_WS_EXP2_POLY=N (4 or 8): in the d 64 / 128 kPlain forward every N-th 8-key tile
 // of P is exponentiated on the FMA pipe (poly_exp2) instead of MUFU.
 inline int ws_exp2_poly_every() { return ws_env_int("FLASH_CUDA_WS_EXP2_POLY"); }
-// The Hopper backward's dQ (deterministic=False): FLASH_CUDA_SM90_DQ=atomic adds it
-// from the dK/dV kernel with float atomics into an fp32 workspace (5 products instead of 7);
-// default: the separate dQ kernel. Opt-in: measured slower at d = 128 (OPTIMIZATION.md).
-inline bool sm90_dq_atomic() {
-  const char* v = std::getenv("FLASH_CUDA_SM90_DQ");
-  return v != nullptr && std::string(v) == "atomic";
+// The Hopper backward (deterministic=False; deterministic=True always runs the two-kernel path):
+//   FLASH_CUDA_SM90_BWD=ws (default)  the warp-specialized kernel (sm90_bwd_ws.cuh): TMA producer,
+//       5 products per block pair, dQ added into an fp32 workspace (d = 128: a writer warp's bulk
+//       reductions; d = 64: float atomics); packed (varlen) batches run the two-kernel path
+//   FLASH_CUDA_SM90_BWD=atomic        the cp.async dK/dV kernel adding dQ with atomics
+//   FLASH_CUDA_SM90_BWD=split         the cp.async dK/dV kernel and a separate dQ kernel (7 products)
+inline std::string sm90_bwd_mode() {
+  const char* v = std::getenv("FLASH_CUDA_SM90_BWD");
+  return v != nullptr ? std::string(v) : std::string("ws");
+}
+inline bool sm90_bwd_ws() { return sm90_bwd_mode() == "ws"; }
+inline bool sm90_dq_atomic() { return sm90_bwd_mode() == "atomic"; }
+// FLASH_CUDA_SM90_BWD_DQ_RED=1: the warp-specialized backward adds dQ with red.global atomics from
+// the consumers' registers at d = 128 too, instead of staging it for the writer warp's bulk
+// reductions.
+inline bool sm90_bwd_dq_red() { return ws_env_int("FLASH_CUDA_SM90_BWD_DQ_RED") != 0; }
+// The floats of the Hopper backward's dQ workspace (params.dq_accum): the rows of the statistics
+// (lse_rows) x d for the atomic layout, or whole 128-row query blocks of the head-dim bucket's
+// width per (batch, head) for the tile layout of the bulk reductions (sm90_bwd_ws.cuh, DqTile).
+inline int64_t sm90_dq_accum_floats(const BwdParams& p, int64_t lse_rows) {
+  const int64_t bucket_d = (p.d + 63) / 64 * 64;
+  const int64_t tiles = static_cast<int64_t>(p.b) * p.hq * ((p.sq + 127) / 128 * 128) * bucket_d;
+  const int64_t rows = lse_rows * p.d;
+  return p.cu_seqlens_q != nullptr || rows > tiles ? rows : tiles;
 }
 
 }  // namespace flash_cuda

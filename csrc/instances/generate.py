@@ -50,7 +50,7 @@ def instances() -> dict:
                     variant, what = VARIANTS[suffix]
                     files[f"sm90_{direction}{suffix}_{dt}_d{d}.cu"] = _file(
                         f"Hopper (wgmma) {'forward' if direction == 'fwd' else 'backward'}{what}, {dt}, "
-                        f"head dim {d}.", f"sm90_{direction}.cuh",
+                        f"head dim {d}.", "sm90_fwd.cuh" if direction == "fwd" else "sm90_bwd_ws.cuh",
                         [f"template bool run_{direction}_sm90<{dtype}, {d}, {variant}>(const {params}&, "
                          f"cudaStream_t);"])
         for d in SM90_WS_BUCKETS:

@@ -82,6 +82,39 @@ __device__ __forceinline__ void tma_load_4d(void* dst, const CUtensorMap* map, u
 }
 
 // ---------------------------------------------------------------------------------
+// Bulk reduction: shared memory added into global memory by the TMA unit, in L2
+// ---------------------------------------------------------------------------------
+// dst[0 .. bytes / 4) += src[0 .. bytes / 4) (float32), asynchronously; bytes, dst and src are
+// multiples of 16. The source must have been written before (generic-proxy writes fenced with
+// fence_proxy_async and published through a barrier). Completion is tracked per thread in bulk
+// groups: commit, then wait until the source has been read (it may be overwritten) or until the
+// writes are done.
+__device__ __forceinline__ void bulk_reduce_add_f32(float* dst, const void* src, uint32_t bytes) {
+#if FLASH_SM90_ENABLED
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(dst),
+               "r"(smem_addr(src)), "r"(bytes)
+               : "memory");
+#endif
+}
+__device__ __forceinline__ void bulk_commit() {
+#if FLASH_SM90_ENABLED
+  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+#endif
+}
+template <int kPending>
+__device__ __forceinline__ void bulk_wait_read() {
+#if FLASH_SM90_ENABLED
+  asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(kPending) : "memory");
+#endif
+}
+template <int kPending>
+__device__ __forceinline__ void bulk_wait() {
+#if FLASH_SM90_ENABLED
+  asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(kPending) : "memory");
+#endif
+}
+
+// ---------------------------------------------------------------------------------
 // Register reallocation between warpgroups, and barriers over a subset of warps
 // ---------------------------------------------------------------------------------
 // A warpgroup that only issues TMA needs few registers; giving them to the math warpgroups

@@ -18,8 +18,10 @@
 //   3. dQ                     a CTA owns 64 * kWarpGroups queries and walks over the key blocks:
 //        S = Q K^T, dP = dO V^T (A and B in shared memory), P, dS, dQ += dS K (A = dS in
 //        registers, B = K N-major).
-// Or, with params.dq_accum (the binding's opt-in FLASH_CUDA_SM90_DQ=atomic, not deterministic), kernel 2 also computes dQ += dS K per query block from dS^T staged in shared
-// memory and adds it to dq_accum with float atomics; kernel 3 is not launched.
+// Or, with params.dq_accum (FLASH_CUDA_SM90_BWD=atomic, or a call the warp-specialized kernel of
+// sm90_bwd_ws.cuh cannot take; never deterministic), kernel 2 also computes dQ += dS K per query
+// block from dS^T staged in shared memory and adds it to dq_accum with float atomics, and
+// convert_dq_rows writes dq from it instead of kernel 3.
 // The wgmma accumulator has the mma.sync C layout per warp (wgmma_ops.cuh), so the
 // element-wise helpers of mma_bwd.cuh run unchanged with one 16-row tile per warp.
 #pragma once
@@ -87,64 +89,146 @@ __device__ __forceinline__ void red_add_v2(float* addr, float a, float b) {
 // (float32, zero-filled) with atomics, and the dQ kernel is not launched: 5 products per block
 // pair instead of 7, at the price of float atomics (non-deterministic summation order).
 // dS^T goes through shared memory: each warpgroup holds 64 keys of it, the product needs all
-// kBlockN keys for its queries.
-// dQ[m0 .., :] += dS K for one query block (kDqAtomic), after both warpgroups wrote their
-// keys' rows of dS^T (a warpgroup that skipped the block writes zeros). The two warpgroups
-// split the product: kBlockM = 64 queries x two halves of d (d = 128), or two 64-query
-// halves x all of d (d = 64). Each thread then adds its 64 x 64 / 128 accumulator entries to
-// dq_accum, two consecutive floats per atomic; the dQ scale is applied when converting.
-template <typename T, typename Cfg>
-__device__ __forceinline__ void accumulate_dq_atomic(const BwdParams& p, const SeqInfo& seq, T* sdS, const T* sK,
-                                                     bool wg_sees_block, bool cta_sees_block, int h, int m0,
-                                                     int tid) {
-  constexpr int kD = Cfg::kHeadDim;
+// kBlockN keys for its queries. The helpers below are that path's steps; the warp-specialized
+// backward (sm90_bwd_ws.cuh) runs the same ones.
+
+// Writes this warp's rows of dS^T (its keys) from the A fragments of dS^T into the shared tile
+// [kBlockN keys][kBlockM queries], in the swizzled layout the dQ product reads as its
+// (transposed) A operand. A fragment kk holds columns 16kk + 2t (words 0, 1: rows g, g + 8)
+// and 16kk + 8 + 2t (words 2, 3). Rows r and r + 8 share r % 8, so one XOR pattern serves
+// both. The pattern is made opaque per block: hoisted out of the loop, the 4 x kBlockM / 16
+// addresses would stay live next to the accumulators.
+template <typename Cfg>
+__device__ __forceinline__ void stage_ds_transposed(void* sdS, const uint32_t (&a_ds)[Cfg::kKVBlockM / 16][4],
+                                                    int tid) {
   constexpr int kBlockN = Cfg::kKVBlockN;
-  constexpr int kBlockM = Cfg::kKVBlockM;
-  constexpr int kDqN = kD * (kBlockM / 64) / 2;  // dQ columns of one warpgroup
-  static_assert(Cfg::kKVWarpGroups == 2 && (kBlockM / 64) * (kD / kDqN) == 2 && kDqN % 64 == 0,
-                "two warpgroups split the dQ product");
-  const int warp = tid / 32, wg = warp / 4, lane = tid % 32;
-  if (!wg_sees_block) {  // this warpgroup's 64 rows of dS^T are zero
-    unsigned char* base = reinterpret_cast<unsigned char*>(sdS);
+  const int lane = tid % 32, warp = tid / 32;
+  const int r = 16 * warp + lane / 4;  // warp w of the consumers holds keys 16w .. 16w + 15
+  int rx = r % 8;
+  asm volatile("" : "+r"(rx));
+  unsigned char* row = reinterpret_cast<unsigned char*>(sdS) + r * kSwizzleBytes + 4 * (lane % 4);
 #pragma unroll
-    for (int slab = 0; slab < kBlockM / 64; ++slab) {
-      uint4* rows = reinterpret_cast<uint4*>(base + slab * kBlockN * kSwizzleBytes + 64 * wg * kSwizzleBytes);
+  for (int kk = 0; kk < Cfg::kKVBlockM / 16; ++kk) {
 #pragma unroll
-      for (int i = tid % 128; i < 64 * kSwizzleBytes / 16; i += 128) rows[i] = make_uint4(0, 0, 0, 0);
+    for (int half = 0; half < 2; ++half) {  // columns 16kk + 8 half + 2t
+      unsigned char* at = row + (kk / 4) * kBlockN * kSwizzleBytes + (((2 * kk + half) % 8) ^ rx) * 16;
+      *reinterpret_cast<uint32_t*>(at) = a_ds[kk][2 * half];
+      *reinterpret_cast<uint32_t*>(at + 8 * kSwizzleBytes) = a_ds[kk][2 * half + 1];
     }
   }
-  fence_proxy_async();  // the generic-proxy writes of dS^T, before the tensor cores read them
-  __syncthreads();
-  if (!cta_sees_block) return;
+}
 
-  const int q_row0 = kBlockM == 64 ? 0 : 64 * wg;  // this warpgroup's queries within the block
-  const int d0 = kBlockM == 64 ? kDqN * wg : 0;     // and its dQ columns
-  const T* a_tile = sdS + (q_row0 / 64) * kBlockN * 64;  // dS^T slab: keys x 64 queries
-  const T* b_tile = sK + (d0 / 64) * kBlockN * 64;       // K slab(s): keys x kDqN columns
-  float acc[1][kDqN / 8][4];
+// Zeroes warpgroup wg's 64 rows of dS^T: its keys see none of the block's queries.
+template <typename Cfg>
+__device__ __forceinline__ void zero_ds_rows(void* sdS, int wg, int tid) {
+  constexpr int kBlockN = Cfg::kKVBlockN;
+  unsigned char* base = reinterpret_cast<unsigned char*>(sdS);
+#pragma unroll
+  for (int slab = 0; slab < Cfg::kKVBlockM / 64; ++slab) {
+    uint4* rows = reinterpret_cast<uint4*>(base + slab * kBlockN * kSwizzleBytes + 64 * wg * kSwizzleBytes);
+#pragma unroll
+    for (int i = tid % 128; i < 64 * kSwizzleBytes / 16; i += 128) rows[i] = make_uint4(0, 0, 0, 0);
+  }
+}
+
+// The dQ product of one query block, dQ = dS K, split between the two warpgroups: kBlockM = 64
+// queries x two halves of d (d = 128), or two 64-query halves x all of d (d = 64). Issued as
+// one commit group after both warpgroups staged their keys' rows of dS^T (the caller waits).
+template <typename Cfg>
+struct DqSplit {
+  static constexpr int kN = Cfg::kHeadDim * (Cfg::kKVBlockM / 64) / 2;  // dQ columns of one warpgroup
+  static_assert(Cfg::kKVWarpGroups == 2 && (Cfg::kKVBlockM / 64) * (Cfg::kHeadDim / kN) == 2 && kN % 64 == 0,
+                "two warpgroups split the dQ product");
+  __device__ __forceinline__ static int row0(int wg) { return Cfg::kKVBlockM == 64 ? 0 : 64 * wg; }
+  __device__ __forceinline__ static int col0(int wg) { return Cfg::kKVBlockM == 64 ? kN * wg : 0; }
+};
+
+template <typename T, typename Cfg>
+__device__ __forceinline__ void issue_dq_product(float (&acc)[1][DqSplit<Cfg>::kN / 8][4], const T* sdS, const T* sK,
+                                                 int wg) {
+  using Split = DqSplit<Cfg>;
+  constexpr int kBlockN = Cfg::kKVBlockN;
+  const T* a_tile = sdS + (Split::row0(wg) / 64) * kBlockN * 64;  // dS^T slab: keys x 64 queries
+  const T* b_tile = sK + (Split::col0(wg) / 64) * kBlockN * 64;   // K slab(s): keys x kN columns
   wgmma_fence();
 #pragma unroll
   for (int kk = 0; kk < kBlockN / 16; ++kk) {
     // A = dS (M = queries, K = keys) read transposed from dS^T; B = K (N-major).
-    Wgmma<T, kDqN>::template ss<1, 1>(acc[0], desc_mn_major<kBlockN>(a_tile, 0, kk),
-                                      desc_mn_major<kBlockN>(b_tile, 0, kk), kk > 0);
+    Wgmma<T, Split::kN>::template ss<1, 1>(acc[0], desc_mn_major<kBlockN>(a_tile, 0, kk),
+                                           desc_mn_major<kBlockN>(b_tile, 0, kk), kk > 0);
   }
   wgmma_commit();
-  wgmma_wait<0>();
-  fence_accumulator(acc[0]);
+}
 
+// Adds a warpgroup's dQ accumulator (rows of query block m0, unscaled: convert_dq_rows_kernel
+// applies the scale) to dq_accum, two consecutive floats per atomic. The layout: the rows of the
+// statistics (flash_params.h), d floats each.
+template <typename Cfg>
+__device__ __forceinline__ void add_dq_atomic(const BwdParams& p, const SeqInfo& seq,
+                                              const float (&acc)[1][DqSplit<Cfg>::kN / 8][4], int h, int m0, int wg,
+                                              int tid) {
+  using Split = DqSplit<Cfg>;
+  const int lane = tid % 32, warp = tid / 32;
   const int g = lane / 4, t = lane % 4;
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
-    const int q = m0 + q_row0 + 16 * (warp % 4) + g + 8 * half;
+    const int q = m0 + Split::row0(wg) + 16 * (warp % 4) + g + 8 * half;
     if (q >= seq.sq) continue;
-    float* row = p.dq_accum + (seq.stat_offset(p, h) + q) * p.d + d0;
+    float* row = p.dq_accum + (seq.stat_offset(p, h) + q) * p.d + Split::col0(wg);
 #pragma unroll
-    for (int j = 0; j < kDqN / 8; ++j) {
+    for (int j = 0; j < Split::kN / 8; ++j) {
       const int col = 8 * j + 2 * t;
-      if (d0 + col < p.d) red_add_v2(row + col, acc[0][j][2 * half], acc[0][j][2 * half + 1]);
+      if (Split::col0(wg) + col < p.d) red_add_v2(row + col, acc[0][j][2 * half], acc[0][j][2 * half + 1]);
     }
   }
+}
+
+// dq = scale * dq_accum for the row layout of add_dq_atomic, one warp per row; a packed batch
+// is one sequence of total_q rows, as in the delta preprocess.
+template <typename T>
+__global__ void __launch_bounds__(256) convert_dq_rows_kernel(const __grid_constant__ BwdParams p, int rows_per_head) {
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * 8 + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (row >= static_cast<int64_t>(p.b) * p.hq * rows_per_head) return;
+  const int i = static_cast<int>(row % rows_per_head);
+  const int h = static_cast<int>(row / rows_per_head % p.hq);
+  const int bi = static_cast<int>(row / rows_per_head / p.hq);
+  const float* acc = p.dq_accum + (bi * p.stat_batch_stride + h * p.stat_head_stride + i) * p.d;
+  T* dq = static_cast<T*>(p.dq) + bi * p.dq_batch_stride + h * p.dq_head_stride + i * p.dq_row_stride;
+  for (int c = 4 * lane; c < p.d; c += 128) {  // d % 8 == 0
+    const float4 a = *reinterpret_cast<const float4*>(acc + c);
+    *reinterpret_cast<uint32_t*>(dq + c) = pack2<T>(a.x * p.scale, a.y * p.scale);
+    *reinterpret_cast<uint32_t*>(dq + c + 2) = pack2<T>(a.z * p.scale, a.w * p.scale);
+  }
+}
+
+template <typename T>
+void launch_convert_dq_rows(const BwdParams& params, cudaStream_t stream) {
+  BwdParams p = params;
+  if (p.cu_seqlens_q != nullptr) p.b = 1;  // packed: rows [h][0, total_q)
+  const int rows_per_head = p.cu_seqlens_q != nullptr ? p.total_q : p.sq;
+  const int64_t rows = static_cast<int64_t>(p.b) * p.hq * rows_per_head;
+  if (rows == 0) return;
+  convert_dq_rows_kernel<T><<<static_cast<unsigned>((rows + 7) / 8), 256, 0, stream>>>(p, rows_per_head);
+  check_launch("convert_dq_rows");
+}
+
+// dQ[m0 .., :] += dS K for one query block (kDqAtomic), after both warpgroups wrote their
+// keys' rows of dS^T (a warpgroup that skipped the block writes zeros).
+template <typename T, typename Cfg>
+__device__ __forceinline__ void accumulate_dq_atomic(const BwdParams& p, const SeqInfo& seq, T* sdS, const T* sK,
+                                                     bool wg_sees_block, bool cta_sees_block, int h, int m0,
+                                                     int tid) {
+  const int wg = tid / 128;
+  if (!wg_sees_block) zero_ds_rows<Cfg>(sdS, wg, tid);
+  fence_proxy_async();  // the generic-proxy writes of dS^T, before the tensor cores read them
+  __syncthreads();
+  if (!cta_sees_block) return;
+  float acc[1][DqSplit<Cfg>::kN / 8][4];
+  issue_dq_product<T, Cfg>(acc, sdS, sK, wg);
+  wgmma_wait<0>();
+  fence_accumulator(acc[0]);
+  add_dq_atomic<Cfg>(p, seq, acc, h, m0, wg, tid);
 }
 
 template <typename T, typename Cfg, int kVariant, bool kDqAtomic>
@@ -262,28 +346,7 @@ __device__ __forceinline__ void bwd_dkdv_block(const BwdParams& p) {
       uint32_t a_ds[kBlockM / 16][4];
 #pragma unroll
       for (int kk = 0; kk < kBlockM / 16; ++kk) accumulator_to_a<T>(a_ds[kk], dst[0], kk);
-      if constexpr (kDqAtomic) {
-        // dS^T rows of this warp (keys) into the shared tile, in the swizzled layout the dQ
-        // product reads as its (transposed) A operand. A fragment kk holds columns 16kk + 2t
-        // (words 0, 1: rows g, g + 8) and 16kk + 8 + 2t (words 2, 3).
-        // Rows r and r + 8 share r % 8, so one XOR pattern serves both. The pattern is made
-        // opaque per block: hoisted out of the loop, the 4 x kBlockM / 16 addresses would
-        // stay live next to the accumulators.
-        const int lane = tid % 32;
-        const int r = 64 * wg + 16 * (warp % 4) + lane / 4;
-        int rx = r % 8;
-        asm volatile("" : "+r"(rx));
-        unsigned char* row = reinterpret_cast<unsigned char*>(sdS) + r * kSwizzleBytes + 4 * (lane % 4);
-#pragma unroll
-        for (int kk = 0; kk < kBlockM / 16; ++kk) {
-#pragma unroll
-          for (int half = 0; half < 2; ++half) {  // columns 16kk + 8 half + 2t
-            unsigned char* at = row + (kk / 4) * kBlockN * kSwizzleBytes + (((2 * kk + half) % 8) ^ rx) * 16;
-            *reinterpret_cast<uint32_t*>(at) = a_ds[kk][2 * half];
-            *reinterpret_cast<uint32_t*>(at + 8 * kSwizzleBytes) = a_ds[kk][2 * half + 1];
-          }
-        }
-      }
+      if constexpr (kDqAtomic) stage_ds_transposed<Cfg>(sdS, a_ds, tid);
 
       // dV += P^T dO, dK += dS^T Q (B operands N-major: the reduction runs over queries).
       wgmma_fence();
@@ -465,10 +528,11 @@ bool launch_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
   if (p.sm_arch != 90 || !sm90_kernel_built(dkdv)) return false;
   launch_bwd_preprocess<T>(p, stream);
   const dim3 grid(ceil_div(p.sk, Cfg::kKVBlockN), p.hkv, p.b);
-  if (p.dq_accum != nullptr) {  // dQ by atomics (the binding zero-filled dq_accum and converts it)
+  if (p.dq_accum != nullptr) {  // dQ by atomics into the zero-filled dq_accum, then into dq
     set_smem_limit(dkdv_dq, Cfg::kDkdvSmemAtomicDq, "bwd_dkdv_sm90");
     dkdv_dq<<<grid, Cfg::kKVThreads, Cfg::kDkdvSmemAtomicDq, stream>>>(p);
     check_launch("bwd_dkdv_sm90");
+    sm90::launch_convert_dq_rows<T>(p, stream);
     return true;
   }
   set_smem_limit(dkdv, Cfg::kDkdvSmem, "bwd_dkdv_sm90");
@@ -478,14 +542,6 @@ bool launch_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
   dq<<<dim3(ceil_div(p.sq, Cfg::kQBlockM), p.hq, p.b), Cfg::kQThreads, Cfg::kDqSmem, stream>>>(p);
   check_launch("bwd_dq_sm90");
   return true;
-}
-
-// kVariant is kPlain or kExtended: softcap's derivative would need one more register tile than
-// these kernels have room for, so kSoftcapGrad is served by the mma.sync backward (launch.h).
-template <int kDType, int kHeadDim, int kVariant>
-bool run_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
-  static_assert(kVariant != kSoftcapGrad, "the wgmma backward has no softcap derivative");
-  return launch_bwd_sm90<typename ElementOf<kDType>::type, sm90::BwdTraits<kHeadDim>, kVariant>(p, stream);
 }
 
 }  // namespace flash_cuda

@@ -173,6 +173,17 @@ __device__ __forceinline__ void fence_fragments(uint32_t (&a)[kK][4]) {
     for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(a[k][e]));
 }
 
+// Zeroes an accumulator with instructions the compiler keeps in program order among the other
+// asm statements (wgmma, fences): plain zero stores may sink past a wgmma_fence into a window
+// where other products are in flight, and ptxas then serializes every wgmma (C7515).
+template <int kN>
+__device__ __forceinline__ void zero_accumulator(float (&d)[kN][4]) {
+#pragma unroll
+  for (int j = 0; j < kN; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) asm volatile("mov.b32 %0, 0;\n" : "=f"(d[j][e]));
+}
+
 // Packs two neighbouring 8-column accumulator tiles (16 columns: k-step kk of the next
 // product) into the A fragment of a register-sourced wgmma.
 template <typename T, int kN>

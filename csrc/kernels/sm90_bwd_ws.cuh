@@ -1,0 +1,534 @@
+// sm90_bwd_ws.cuh — the Hopper backward, warp-specialized: the dK/dV kernel of sm90_bwd.cuh
+// (read its header first) with its loads moved to a producer warp, and dQ added from the same
+// pass, so that one kernel does the 5 products of each (query block, key block) pair.
+//
+// Why. The cp.async backward runs 7 products per block pair (its dQ kernel recomputes S and dP),
+// and in both of its kernels every warp copies the next block and then meets the others at a
+// block-wide barrier before it computes. Here:
+//   * a producer warp loads K and V of the CTA's keys once (TMA), then Q, dO (TMA) and lse, delta
+//     (its lanes) of each query block into a ring of kStages stages, each guarded by a full and
+//     an empty mbarrier: a consumer waits only for the stage it needs;
+//   * two consumer warpgroups (setmaxnreg: the producer's registers go to them) own 64 keys
+//     each and accumulate dK, dV in registers, as in sm90_bwd.cuh;
+//   * dQ += dS K per query block: both warpgroups stage their keys' rows of dS^T in shared
+//     memory (two buffers, so one warpgroup may stage block i + 1 while the other still reads
+//     block i), meet at one named barrier of the 256 consumer threads and split the product. The
+//     block's dQ is added into the fp32 workspace params.dq_accum, which the launcher then
+//     scales and converts into dq:
+//       kBulkDq (d = 128): the consumers stage it in shared memory (two buffers) in the order of
+//         their accumulators, and a writer thread adds the whole tile with one bulk reduction
+//         (cp.reduce.async.bulk .add.f32: the TMA unit reads shared memory, L2 does the adds);
+//       otherwise (d = 64): each consumer thread adds its accumulator with red.global atomics.
+//     Either way the summation order varies: deterministic=True runs the two-kernel path.
+//
+// Per query block, consumer warpgroup w (keys n0 + 64w ..):
+//   S^T = K Q^T, dP^T = V dO^T (shared operands)  -> P^T, dS^T in registers
+//   dV += P^T dO, dK += dS^T Q (register A operands) ; stage dS^T ; barrier ; dQ = dS K ;
+//   dQ to the writer (kBulkDq) or to atomics
+//
+// Scope: dense batches (kPlain, and kExtended with ALiBi), head dims 64 and 128, fp16 / bf16,
+// causal, windows, Sq != Sk, GQA (the CTA walks the query heads of its KV head), views TMA can
+// address; the launcher returns false otherwise and the caller runs sm90_bwd.cuh.
+#pragma once
+
+#include "sm90_async.cuh"
+#include "sm90_bwd.cuh"
+
+namespace flash_cuda {
+namespace sm90 {
+namespace bwd_ws {
+
+struct TmaMaps {
+  CUtensorMap q, dout, k, v;
+};
+
+// Named barrier 1 (0 is __syncthreads): both consumer warpgroups staged their rows of dS^T.
+constexpr int kDsBarrier = 1;
+constexpr int kConsumerThreads = 256;
+
+// The tiles of sm90_bwd.cuh's dK/dV kernel (BwdTraits), plus the ring's own sizes.
+// kBulkDq: dQ leaves through shared memory, added to dq_accum by a writer warp with the TMA
+// unit's bulk reduction (one instruction per row, the adds done in L2); otherwise each consumer
+// thread adds its accumulator with red.global atomics.
+template <typename Traits, bool kBulkDq_, int kStages_ = 2>
+struct WsBwdConfig : Traits {
+  static constexpr bool kBulkDq = kBulkDq_;
+  static constexpr int kD = Traits::kHeadDim;
+  static constexpr int kBlockN = Traits::kKVBlockN;  // keys of the CTA, 64 per consumer warpgroup
+  static constexpr int kBlockM = Traits::kKVBlockM;  // queries per step
+  static constexpr int kStages = kStages_;
+  static constexpr int kThreads = 128 + kConsumerThreads;
+  static constexpr int kConsumerWarps = kConsumerThreads / 32;
+  static constexpr int kSlabs = kD / kSlabCols;
+  static constexpr uint32_t kTileKV = kBlockN * kD * 2;
+  static constexpr uint32_t kTileQ = kBlockM * kD * 2;
+  static constexpr uint32_t kTileDS = kBlockN * kBlockM * 2;
+  // The consumers hold dK, dV (64 x d each), the P^T and dS^T fragments and the dQ accumulator.
+  // setmaxnreg.inc takes registers only from those the CTA's own warps gave back with
+  // setmaxnreg.dec (the CTA starts at 168 each, 65536 / 384 rounded down to 8), so the
+  // producer's give-back must cover the consumers' gain: 128 x (168 - 24) >= 256 x (240 - 168).
+  static constexpr int kLaunchRegs = 65536 / kThreads / 8 * 8;
+  // With the dQ writer beside the producer, ptxas needs 32 for that warpgroup (it spills at 24),
+  // so the bulk variant splits 32 / 232 (its consumers fit); the atomic one's consumers need 240.
+  static constexpr int kProducerRegs = kBulkDq ? 32 : 24;
+  static constexpr int kConsumerRegs = kBulkDq ? 232 : 240;
+  static_assert(128 * (kLaunchRegs - kProducerRegs) >= kConsumerThreads * (kConsumerRegs - kLaunchRegs),
+                "the consumers' registers come from the producer's");
+  static_assert(Traits::kKVWarpGroups == 2, "two consumer warpgroups of 64 keys");
+  // dQ staging (kBulkDq), two buffers: a query block's kBlockM x d floats in the order of the
+  // accumulator fragments (DqTile), as the workspace holds them.
+  static constexpr uint32_t kTileDQ = kBulkDq ? kBlockM * kD * 4 : 0;
+  // K | V | Q[kStages] | dO[kStages] | dS^T[2] | dQ[2] | lse[kStages] | delta[kStages] | barriers
+  static constexpr size_t kTiles =
+      2 * size_t(kTileKV) + 2 * size_t(kStages) * kTileQ + 2 * size_t(kTileDS) + 2 * size_t(kTileDQ);
+  static constexpr size_t kStats = 2 * size_t(kStages) * kBlockM * sizeof(float);
+  // kv_full, q_full[kStages], q_empty[kStages], dq_full[2], dq_empty[2], and the dQ slots[2]
+  static constexpr int kBarriers = 7 + 2 * kStages;
+  static constexpr size_t kSmemBytes = kTiles + kStats + kBarriers * sizeof(uint64_t) + 1024;
+  static_assert(kTileKV % 1024 == 0 && kTileQ % 1024 == 0 && kTileDS % 1024 == 0, "slabs stay 1024-byte aligned");
+  static_assert(kBlockM % 32 == 0 && kBlockN <= 256 && kBlockM <= 256, "stats by lanes, TMA boxes of <= 256 rows");
+  static_assert(kSmemBytes <= 227 * 1024, "fits a Hopper block");
+};
+
+template <typename T, typename Cfg>
+struct Smem {
+  T* sK;
+  T* sV;
+  T* sQ;    // [kStages]
+  T* sdO;   // [kStages]
+  T* sdS;   // [2]: dS^T [kBlockN keys][kBlockM queries]
+  float* sdQ;    // [2][kBlockM * kD] (kBulkDq), DqTile order
+  float* lse;    // [kStages][kBlockM]
+  float* delta;  // [kStages][kBlockM]
+  uint64_t* kv_full;
+  uint64_t* q_full;   // [kStages]: Q, dO (bytes) and the lanes that wrote lse, delta
+  uint64_t* q_empty;  // [kStages]: one arrival per consumer thread
+  uint64_t* dq_full;   // [2]: one arrival per consumer warp: sdQ[b] holds a block's dQ
+  uint64_t* dq_empty;  // [2]: the writer's arrival: the bulk reduction has read sdQ[b]
+  // Where the block staged in sdQ[b] goes, published with dq_full[b]: its tile of dq_accum
+  // (nullptr: no more blocks).
+  float** dq_dst;  // [2]
+  __device__ __forceinline__ explicit Smem(unsigned char* base) {
+    sK = reinterpret_cast<T*>(base);
+    sV = reinterpret_cast<T*>(base + Cfg::kTileKV);
+    sQ = reinterpret_cast<T*>(base + 2 * Cfg::kTileKV);
+    sdO = reinterpret_cast<T*>(base + 2 * Cfg::kTileKV + Cfg::kStages * Cfg::kTileQ);
+    sdS = reinterpret_cast<T*>(base + 2 * Cfg::kTileKV + 2 * Cfg::kStages * Cfg::kTileQ);
+    sdQ = reinterpret_cast<float*>(base + 2 * Cfg::kTileKV + 2 * Cfg::kStages * Cfg::kTileQ + 2 * Cfg::kTileDS);
+    lse = reinterpret_cast<float*>(base + Cfg::kTiles);
+    delta = lse + Cfg::kStages * Cfg::kBlockM;
+    kv_full = reinterpret_cast<uint64_t*>(base + Cfg::kTiles + Cfg::kStats);
+    q_full = kv_full + 1;
+    q_empty = q_full + Cfg::kStages;
+    dq_full = q_empty + Cfg::kStages;
+    dq_empty = dq_full + 2;
+    dq_dst = reinterpret_cast<float**>(dq_empty + 2);
+  }
+  __device__ __forceinline__ float* dq(int b) const { return sdQ + b * (Cfg::kTileDQ / 4); }
+  __device__ __forceinline__ T* q(int s) const { return sQ + s * (Cfg::kTileQ / 2); }
+  __device__ __forceinline__ T* dout(int s) const { return sdO + s * (Cfg::kTileQ / 2); }
+  __device__ __forceinline__ T* ds(int i) const { return sdS + (i & 1) * (Cfg::kTileDS / 2); }
+};
+
+// The (query head, query block) pairs a CTA walks, heads of its KV group outer: step i.
+struct Steps {
+  BlockRange m_range;
+  int h_begin, h_end;
+  int count;  // m_range.count() * (h_end - h_begin)
+  __device__ __forceinline__ static Steps make(const AttnMask& mask, int n0, int block_n, int block_m, int hkv,
+                                               int group) {
+    Steps st;
+    st.m_range = BlockRange::queries_of(mask, n0, n0 + block_n, block_m);
+    st.h_begin = hkv * group;
+    st.h_end = st.h_begin + group;
+    st.count = st.m_range.count() * group;
+    return st;
+  }
+  __device__ __forceinline__ int head(int i) const { return h_begin + i / m_range.count(); }
+  __device__ __forceinline__ int m_block(int i) const { return m_range.begin + i % m_range.count(); }
+  __device__ __forceinline__ static int stage(int i, int stages) { return i % stages; }
+  __device__ __forceinline__ static int parity(int i, int stages) { return (i / stages) & 1; }
+};
+
+template <typename T, typename Cfg>
+__device__ __forceinline__ void produce(const BwdParams& p, const TmaMaps& maps, const Smem<T, Cfg>& sm,
+                                        const Steps& steps, const SeqInfo& seq, int n0, int hkv, int bi, int lane) {
+#if FLASH_SM90_ENABLED
+  if (steps.count == 0) return;  // no query sees these keys: nothing to load (dK = dV = 0)
+  if (lane == 0) {
+    mbarrier_arrive_expect_tx(sm.kv_full, 2 * Cfg::kTileKV);
+#pragma unroll
+    for (int c = 0; c < Cfg::kSlabs; ++c) {
+      tma_load_4d(sm.sK + c * Cfg::kBlockN * kSlabCols, &maps.k, sm.kv_full, c * kSlabCols, n0, hkv, bi);
+      tma_load_4d(sm.sV + c * Cfg::kBlockN * kSlabCols, &maps.v, sm.kv_full, c * kSlabCols, n0, hkv, bi);
+    }
+  }
+  // Steps in the consumers' order (heads outer), the stage and its parity carried along rather
+  // than divided out: this warp runs on kProducerRegs registers.
+  const uint32_t stats = smem_addr(sm.lse) + lane * 4;
+  int s = 0, phase = 0;
+#pragma unroll 1
+  for (int h = steps.h_begin; h < steps.h_end; ++h) {
+    const float* lse = p.softmax_lse + seq.stat_offset(p, h);
+    const float* delta = p.delta + seq.stat_offset(p, h);
+#pragma unroll 1
+    for (int mb = steps.m_range.begin; mb < steps.m_range.end; ++mb) {
+      const int m0 = mb * Cfg::kBlockM;
+      mbarrier_wait(&sm.q_empty[s], phase ^ 1);  // the first pass finds it free
+      // Rows past the sequence read as lse = delta = 0: their Q and dO rows are zero (TMA's fill),
+      // so P = 1 there multiplies zeros, and their dQ is never added.
+#pragma unroll
+      for (int r = 0; r < Cfg::kBlockM; r += 32) {
+        const bool valid = m0 + r + lane < seq.sq;
+        const float l = valid ? lse[m0 + r + lane] : 0.f, dl = valid ? delta[m0 + r + lane] : 0.f;
+        const uint32_t at = stats + (s * Cfg::kBlockM + r) * 4;
+        asm volatile("st.shared.f32 [%0], %1;\nst.shared.f32 [%0 + %3], %2;\n" ::"r"(at), "f"(l), "f"(dl),
+                     "n"(Cfg::kStages * Cfg::kBlockM * 4)
+                     : "memory");
+      }
+      if (lane == 0) {
+        mbarrier_arrive_expect_tx(&sm.q_full[s], 2 * Cfg::kTileQ);
+#pragma unroll
+        for (int c = 0; c < Cfg::kSlabs; ++c) {
+          tma_load_4d(sm.q(s) + c * Cfg::kBlockM * kSlabCols, &maps.q, &sm.q_full[s], c * kSlabCols, m0, h, bi);
+          tma_load_4d(sm.dout(s) + c * Cfg::kBlockM * kSlabCols, &maps.dout, &sm.q_full[s], c * kSlabCols, m0, h,
+                      bi);
+        }
+      } else {
+        mbarrier_arrive(&sm.q_full[s]);  // releases this lane's lse / delta writes
+      }
+      if (++s == Cfg::kStages) {
+        s = 0;
+        phase ^= 1;
+      }
+    }
+  }
+#endif
+}
+
+// The dQ workspace of the bulk variant: per (batch, query head, query block) one tile of
+// kBlockM x d floats in the order the two consumer warpgroups hold their dQ accumulators, so that
+// a staged block leaves shared memory as one contiguous bulk reduction and each thread writes
+// 16-byte vectors. Tile element (wg, j, ct, e) is fragment j of thread ct of warpgroup wg:
+//   float4 index (wg * kN / 8 + j) * 128 + ct;  e = 0, 1: row g, columns 2t, 2t + 1 of the
+//   fragment's 8 columns; e = 2, 3: row g + 8 (g = lane / 4, t = lane % 4, rows of warp ct / 32).
+// convert_dq_tiles_kernel reads it back into dq.
+template <typename Cfg>
+struct DqTile {
+  using Split = DqSplit<Cfg>;
+  static constexpr int kFloats = Cfg::kBlockM * Cfg::kD;
+  __device__ __forceinline__ static int64_t offset(const BwdParams& p, int bi, int h, int m_block) {
+    const int64_t blocks = (p.sq + Cfg::kBlockM - 1) / Cfg::kBlockM;
+    return ((static_cast<int64_t>(bi) * p.hq + h) * blocks + m_block) * kFloats;
+  }
+  // Where float4 v of a tile sits in the block: its first row and column (the second pair of
+  // floats is 8 rows further down).
+  __device__ __forceinline__ static void place(int v, int& row, int& col) {
+    constexpr int kJ = Split::kN / 8;
+    const int wg = v / (kJ * 128), j = v / 128 % kJ, ct = v % 128;
+    const int lane = ct % 32;
+    row = Split::row0(wg) + 16 * (ct / 32) + lane / 4;
+    col = Split::col0(wg) + 8 * j + 2 * (lane % 4);
+  }
+};
+
+// The dQ writer (kBulkDq), one thread: each time the consumers staged a block's dQ in sdQ[b], it
+// adds the whole tile into dq_accum with one bulk reduction, waits until sdQ[b] has been read
+// and hands it back. Exchange x uses buffer b = x % 2 and phase x / 2 of its barriers.
+template <typename T, typename Cfg>
+__device__ __forceinline__ void write_dq(const Smem<T, Cfg>& sm) {
+#if FLASH_SM90_ENABLED
+  for (int x = 0;; ++x) {
+    const int b = x & 1;
+    mbarrier_wait(&sm.dq_full[b], (x >> 1) & 1);
+    float* dst = sm.dq_dst[b];
+    if (dst == nullptr) break;
+    bulk_reduce_add_f32(dst, sm.dq(b), Cfg::kTileDQ);
+    bulk_commit();
+    bulk_wait_read<0>();
+    mbarrier_arrive(&sm.dq_empty[b]);
+  }
+  bulk_wait<0>();  // the adds themselves are done before the CTA retires
+#endif
+}
+
+// The hand-over of exchange x to the writer: the block staged in sdQ[x % 2] goes to the tile dst
+// (nullptr: no more blocks). Each consumer warp arrives once its part of sdQ is written and fenced.
+template <typename T, typename Cfg>
+__device__ __forceinline__ void hand_over_dq(const Smem<T, Cfg>& sm, float* dst, int x, int ct) {
+  if (ct == 0) sm.dq_dst[x & 1] = dst;
+  __syncwarp();
+  if (ct % 32 == 0) mbarrier_arrive(&sm.dq_full[x & 1]);
+}
+
+// A consumer warpgroup's dQ accumulator into sdQ[x % 2] (DqTile order: 16-byte vectors, 128
+// threads side by side, no bank conflicts), once the writer is done with the block staged there
+// two exchanges ago.
+template <typename T, typename Cfg>
+__device__ __forceinline__ void stage_dq(const Smem<T, Cfg>& sm, const float (&acc)[1][DqSplit<Cfg>::kN / 8][4],
+                                         float* dst, int x, int wg, int ct) {
+#if FLASH_SM90_ENABLED
+  constexpr int kJ = DqSplit<Cfg>::kN / 8;
+  mbarrier_wait(&sm.dq_empty[x & 1], ((x >> 1) & 1) ^ 1);  // the first pass finds both free
+  const uint32_t at = smem_addr(sm.dq(x & 1)) + ((wg * kJ) * 128 + ct % 128) * 16;  // DqTile order
+#pragma unroll
+  for (int j = 0; j < kJ; ++j) {
+    asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(at + j * 128 * 16), "f"(acc[0][j][0]),
+                 "f"(acc[0][j][1]), "f"(acc[0][j][2]), "f"(acc[0][j][3])
+                 : "memory");
+  }
+  fence_proxy_async();  // generic-proxy writes, read next by the bulk reduction (async proxy)
+  hand_over_dq<T, Cfg>(sm, dst, x, ct);
+#endif
+}
+
+template <typename T, typename Cfg, int kVariant>
+__device__ __forceinline__ void bwd_ws_block(const BwdParams& p, const TmaMaps& maps) {
+  constexpr int kD = Cfg::kD;
+  constexpr int kBlockM = Cfg::kBlockM;
+  constexpr int kStages = Cfg::kStages;
+  extern __shared__ unsigned char smem_raw[];
+  const Smem<T, Cfg> sm(aligned_smem_base(smem_raw));
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (threadIdx.x == 0) {
+    mbarrier_init(sm.kv_full, 1);
+    for (int s = 0; s < kStages; ++s) {
+      mbarrier_init(&sm.q_full[s], 32);
+      mbarrier_init(&sm.q_empty[s], kConsumerThreads);
+    }
+    for (int b = 0; b < 2; ++b) {
+      mbarrier_init(&sm.dq_full[b], Cfg::kConsumerWarps);
+      mbarrier_init(&sm.dq_empty[b], 1);
+    }
+    fence_barrier_init();
+  }
+  __syncthreads();  // the only CTA-wide barrier
+
+  // The CTA's keys, its KV head and batch, and the (head, query block) steps: each role derives
+  // them after the split, so that nothing computed before it stays live in the producer's 24
+  // registers.
+  const int n0 = blockIdx.x * Cfg::kBlockN;
+  const int hkv = blockIdx.y, bi = blockIdx.z;
+  if (warp < 4) {
+    setmaxnreg_dec<Cfg::kProducerRegs>();
+    if (warp == 0) {
+      const SeqInfo seq = SeqInfo::make<false>(p, bi);
+      const Steps steps = Steps::make(seq.mask<false>(p), n0, Cfg::kBlockN, kBlockM, hkv, p.hq / p.hkv);
+      produce<T, Cfg>(p, maps, sm, steps, seq, n0, hkv, bi, lane);
+    } else if (Cfg::kBulkDq && warp == 1 && lane == 0) {
+      write_dq<T, Cfg>(sm);
+    }
+    return;
+  }
+
+  // ---- consumers: thread ct of 256; warpgroup wg owns keys n0 + 64 wg .. n0 + 64 wg + 63 ----
+  setmaxnreg_inc<Cfg::kConsumerRegs>();
+  const SeqInfo seq = SeqInfo::make<false>(p, bi);
+  const AttnMask mask = seq.mask<false>(p);
+  const Steps steps = Steps::make(mask, n0, Cfg::kBlockN, kBlockM, hkv, p.hq / p.hkv);
+  const int ct = threadIdx.x - 128;
+  const int cwarp = ct / 32, wg = cwarp / 4;
+  const int wg_key0 = n0 + 64 * wg;
+  const int warp_key0 = n0 + 16 * cwarp;
+
+  float acc_dv[1][kD / 8][4];
+  float acc_dk[1][kD / 8][4];
+  bwd_mma::zero_fill(acc_dv);
+  bwd_mma::zero_fill(acc_dk);
+  if (steps.count > 0) mbarrier_wait(sm.kv_full, 0);
+  int x = 0;  // blocks handed to the dQ writer (kBulkDq)
+
+  for (int i = 0; i < steps.count; ++i) {
+    const int s = Steps::stage(i, kStages);
+    const int h = steps.head(i), m0 = steps.m_block(i) * kBlockM;
+    T* sdS = sm.ds(i);
+    mbarrier_wait(&sm.q_full[s], Steps::parity(i, kStages));
+    const T* sQ_s = sm.q(s);
+    const T* sdO_s = sm.dout(s);
+
+    // Warpgroup-uniform skip (wgmma is a warpgroup instruction); masking is per warp.
+    const bool wg_sees_block = mask.any_visible(m0, m0 + kBlockM, wg_key0, wg_key0 + 64);
+    uint32_t a_pt[kBlockM / 16][4];
+    uint32_t a_ds[kBlockM / 16][4];
+    // The dQ accumulator is defined (zeroed) before its product overwrites it: an accumulator
+    // the asm sees undefined stays live across the whole loop (its registers spill), and one
+    // defined while other products are in flight serializes every wgmma (ptxas C7515). So it is
+    // zeroed after S and dP have landed, before dV and dK are issued.
+    float acc_dq[1][DqSplit<Cfg>::kN / 8][4];
+    if (wg_sees_block) {
+      const bool needs_mask = mask.needs_mask(m0, m0 + kBlockM, warp_key0, warp_key0 + 16);
+      // S^T = K Q^T and dP^T = V dO^T, one commit group.
+      float pt[1][kBlockM / 8][4];
+      float dst[1][kBlockM / 8][4];
+      wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < kD / 16; ++ks) {
+        Wgmma<T, kBlockM>::template ss<0>(pt[0], desc_k_major<Cfg::kBlockN>(sm.sK, 64 * wg, ks),
+                                          desc_k_major<kBlockM>(sQ_s, 0, ks), ks > 0);
+      }
+#pragma unroll
+      for (int ks = 0; ks < kD / 16; ++ks) {
+        Wgmma<T, kBlockM>::template ss<0>(dst[0], desc_k_major<Cfg::kBlockN>(sm.sV, 64 * wg, ks),
+                                          desc_k_major<kBlockM>(sdO_s, 0, ks), ks > 0);
+      }
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_accumulator(pt[0]);
+      fence_accumulator(dst[0]);
+
+      float no_dtanh[1][1][4];  // softcap's derivative runs on the mma.sync backward
+      bwd_mma::compute_probs<true, kVariant>(pt, no_dtanh, sm.lse + s * kBlockM, needs_mask, warp_key0, m0, mask, p,
+                                             seq, h);
+      bwd_mma::compute_ds<true, kVariant>(dst, pt, no_dtanh, sm.delta + s * kBlockM);
+#pragma unroll
+      for (int kk = 0; kk < kBlockM / 16; ++kk) accumulator_to_a<T>(a_pt[kk], pt[0], kk);
+#pragma unroll
+      for (int kk = 0; kk < kBlockM / 16; ++kk) accumulator_to_a<T>(a_ds[kk], dst[0], kk);
+
+      // dV += P^T dO, dK += dS^T Q (B operands N-major: the reduction runs over queries);
+      // they run while dS^T is staged for the dQ product.
+      zero_accumulator(acc_dq[0]);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kBlockM / 16; ++kk)
+        Wgmma<T, kD>::template rs<1>(acc_dv[0], a_pt[kk], desc_mn_major<kBlockM>(sdO_s, 0, kk), 1);
+#pragma unroll
+      for (int kk = 0; kk < kBlockM / 16; ++kk)
+        Wgmma<T, kD>::template rs<1>(acc_dk[0], a_ds[kk], desc_mn_major<kBlockM>(sQ_s, 0, kk), 1);
+      wgmma_commit();
+      stage_ds_transposed<Cfg>(sdS, a_ds, ct);
+    } else {
+      zero_accumulator(acc_dq[0]);
+      zero_ds_rows<Cfg>(sdS, wg, ct);
+    }
+    fence_proxy_async();  // the generic-proxy writes of dS^T, before the tensor cores read them
+    named_barrier_sync(kDsBarrier, kConsumerThreads);
+
+    const bool cta_sees_block = mask.any_visible(m0, m0 + kBlockM, n0, n0 + Cfg::kBlockN);
+    // Unconditional: a block no key of the CTA sees has dS = 0 (both warpgroups zeroed their rows),
+    // and a wgmma under a branch while dV, dK are in flight makes ptxas serialize them all.
+    issue_dq_product<T, Cfg>(acc_dq, sdS, sm.sK, wg);
+    wgmma_wait<0>();  // dV, dK and dQ of this block
+    fence_accumulator(acc_dv[0]);
+    fence_accumulator(acc_dk[0]);
+    if (wg_sees_block) {
+      fence_fragments(a_pt);
+      fence_fragments(a_ds);
+    }
+    // Q, dO, lse, delta of stage s are no longer read. Every thread arrives for its own reads of
+    // lse and delta (the producer rewrites them with ordinary stores): an arrival per warp after
+    // __syncwarp orders them as well, but compute-sanitizer's racecheck does not follow that chain.
+    mbarrier_arrive(&sm.q_empty[s]);
+    if (cta_sees_block) {
+      fence_accumulator(acc_dq[0]);
+      if constexpr (Cfg::kBulkDq) {
+        stage_dq<T, Cfg>(sm, acc_dq, p.dq_accum + DqTile<Cfg>::offset(p, bi, h, m0 / kBlockM), x++, wg, ct);
+      } else {
+        add_dq_atomic<Cfg>(p, seq, acc_dq, h, m0, wg, ct);
+      }
+    }
+  }
+
+  if constexpr (Cfg::kBulkDq) {
+    mbarrier_wait(&sm.dq_empty[x & 1], ((x >> 1) & 1) ^ 1);
+    hand_over_dq<T, Cfg>(sm, nullptr, x, ct);  // tells the writer to stop
+  }
+
+  const int rows_valid = seq.sk - warp_key0;
+  T* dv = seq.k_rows(static_cast<T*>(p.dv), p.dv_batch_stride, p.dv_head_stride, p.dv_row_stride, hkv) +
+          static_cast<int64_t>(warp_key0) * p.dv_row_stride;
+  bwd_mma::store_rows<T, 1, kD>(acc_dv, dv, p.dv_row_stride, rows_valid, p.d, 1.f);
+  T* dk = seq.k_rows(static_cast<T*>(p.dk), p.dk_batch_stride, p.dk_head_stride, p.dk_row_stride, hkv) +
+          static_cast<int64_t>(warp_key0) * p.dk_row_stride;
+  bwd_mma::store_rows<T, 1, kD>(acc_dk, dk, p.dk_row_stride, rows_valid, p.d, p.scale);
+}
+
+template <typename T, typename Cfg, int kVariant>
+__global__ void __launch_bounds__(Cfg::kThreads, 1)
+    bwd_sm90_ws_kernel(const __grid_constant__ BwdParams p, const __grid_constant__ TmaMaps maps) {
+#if FLASH_SM90_ENABLED
+  bwd_ws_block<T, Cfg, kVariant>(p, maps);
+#else
+  __trap();  // never launched: see sm90_kernel_built
+#endif
+}
+
+// dq = scale * dq_accum for the tile layout of the bulk variant (DqTile): grid (query blocks, hq,
+// b), each thread a float4 of the tile at a time, the rows past the sequence and the columns past
+// d (the bucket's padding) left out.
+template <typename T, typename Cfg>
+__global__ void __launch_bounds__(256) convert_dq_tiles_kernel(const __grid_constant__ BwdParams p) {
+  const int mb = blockIdx.x, h = blockIdx.y, bi = blockIdx.z;
+  const float4* tile = reinterpret_cast<const float4*>(p.dq_accum + DqTile<Cfg>::offset(p, bi, h, mb));
+  T* dq = static_cast<T*>(p.dq) + bi * p.dq_batch_stride + h * p.dq_head_stride;
+  const int rows = min(Cfg::kBlockM, p.sq - mb * Cfg::kBlockM);
+  for (int v = threadIdx.x; v < DqTile<Cfg>::kFloats / 4; v += 256) {
+    int row, col;
+    DqTile<Cfg>::place(v, row, col);
+    if (col >= p.d) continue;
+    const float4 a = tile[v];
+    T* out = dq + static_cast<int64_t>(mb * Cfg::kBlockM + row) * p.dq_row_stride + col;
+    if (row < rows) *reinterpret_cast<uint32_t*>(out) = pack2<T>(a.x * p.scale, a.y * p.scale);
+    if (row + 8 < rows) *reinterpret_cast<uint32_t*>(out + 8 * p.dq_row_stride) = pack2<T>(a.z * p.scale, a.w * p.scale);
+  }
+}
+
+}  // namespace bwd_ws
+}  // namespace sm90
+
+// Launches delta's preprocess and the warp-specialized backward and returns true, or returns
+// false having launched nothing: no dq_accum workspace (deterministic=True), a packed batch,
+// or a view TMA cannot address.
+template <typename T, typename Traits, int kVariant, bool kBulkDq>
+bool launch_bwd_sm90_ws(const BwdParams& p, cudaStream_t stream) {
+  using Cfg = sm90::bwd_ws::WsBwdConfig<Traits, kBulkDq>;
+  auto kernel = sm90::bwd_ws::bwd_sm90_ws_kernel<T, Cfg, kVariant>;
+  if (!sm90_bwd_ws() || p.dq_accum == nullptr || p.cu_seqlens_q != nullptr || !sm90_kernel_built(kernel)) {
+    return false;
+  }
+  const bool bf16 = p.dtype == DType::kBFloat16;
+  sm90::bwd_ws::TmaMaps maps;
+  if (!make_row_tensor_map(&maps.q, p.q, bf16, p.d, p.sq, p.hq, p.b, p.q_row_stride, p.q_head_stride,
+                           p.q_batch_stride, Cfg::kBlockM) ||
+      !make_row_tensor_map(&maps.dout, p.dout, bf16, p.d, p.sq, p.hq, p.b, p.do_row_stride, p.do_head_stride,
+                           p.do_batch_stride, Cfg::kBlockM) ||
+      !make_row_tensor_map(&maps.k, p.k, bf16, p.d, p.sk, p.hkv, p.b, p.k_row_stride, p.k_head_stride,
+                           p.k_batch_stride, Cfg::kBlockN) ||
+      !make_row_tensor_map(&maps.v, p.v, bf16, p.d, p.sk, p.hkv, p.b, p.v_row_stride, p.v_head_stride,
+                           p.v_batch_stride, Cfg::kBlockN)) {
+    return false;
+  }
+  launch_bwd_preprocess<T>(p, stream);
+  set_smem_limit(kernel, Cfg::kSmemBytes, "bwd_sm90_ws");
+  kernel<<<dim3(ceil_div(p.sk, Cfg::kBlockN), p.hkv, p.b), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p, maps);
+  check_launch("bwd_sm90_ws");
+  if constexpr (kBulkDq) {
+    sm90::bwd_ws::convert_dq_tiles_kernel<T, Cfg><<<dim3(ceil_div(p.sq, Cfg::kBlockM), p.hq, p.b), 256, 0, stream>>>(p);
+    check_launch("convert_dq_tiles");
+  } else {
+    sm90::launch_convert_dq_rows<T>(p, stream);
+  }
+  return true;
+}
+
+// The Hopper backward of a (dtype, head dim, variant): the warp-specialized kernel where it
+// applies (launch.h: sm90_bwd_ws), else the cp.async kernels of sm90_bwd.cuh. kVariant is kPlain
+// or kExtended: softcap's derivative would need one more register tile than these kernels have
+// room for, so kSoftcapGrad is served by the mma.sync backward (launch.h).
+template <int kDType, int kHeadDim, int kVariant>
+bool run_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
+  static_assert(kVariant != kSoftcapGrad, "the wgmma backward has no softcap derivative");
+  using T = typename ElementOf<kDType>::type;
+  using Traits = sm90::BwdTraits<kHeadDim>;
+  if (p.sm_arch != 90) return false;
+  // dQ by bulk reductions at d = 128, by atomics at d = 64, where the bulk variant measured
+  // slower than both the atomic one and the two-kernel path (OPTIMIZATION.md, backward ladder).
+  if constexpr (kHeadDim >= 128) {
+    if (!sm90_bwd_dq_red() && launch_bwd_sm90_ws<T, Traits, kVariant, true>(p, stream)) return true;
+  }
+  if (launch_bwd_sm90_ws<T, Traits, kVariant, false>(p, stream)) return true;
+  return launch_bwd_sm90<T, Traits, kVariant>(p, stream);
+}
+
+}  // namespace flash_cuda

@@ -725,11 +725,13 @@ _FEATURES_DOC = r"""
             none). ``lse`` is differentiable too: a loss that uses it sends its gradient
             (``dlse``) through the backward kernels.
         deterministic: ``True`` makes every backward bitwise reproducible run to run.
-            The float16 / bfloat16 kernels use no floating-point atomics and are
-            reproducible either way. The float32 backward by default adds dQ with float
-            atomics (unordered, so dq can differ in the last bits between runs; dk, dv do
-            not); ``True`` runs a separate dQ kernel instead, at a cost in speed measured
-            in OPTIMIZATION.md.
+            By default two backwards add dQ across key blocks in an unordered way (so dq
+            can differ in its last bits between runs; dk, dv do not): the float32 one (float
+            atomics) and, on sm_90, the float16 / bfloat16 one for dense batches at head dims
+            33..64 / 97..128 (one warp-specialized kernel adding dQ into an fp32 workspace of
+            B * Hq * Sq * D * 4 bytes). ``True`` runs a separate dQ kernel instead, at a cost
+            in speed measured in OPTIMIZATION.md; the other 16-bit backwards are reproducible
+            either way.
         kernel: ``"auto"`` (default) picks by dtype, GPU and options: ``"simt"`` (float32
             CUDA-core kernels, true fp32 arithmetic) for float32; for float16 / bfloat16
             on sm_90 the Hopper kernels: a warp-specialized forward (TMA, persistent) for

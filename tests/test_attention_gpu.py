@@ -20,8 +20,8 @@ import torch
 import flash_cuda
 from flash_cuda.reference import attention_naive
 
-from attn_check import (ATOL_BASE, LSE_ATOL_BASE, check_attention, dtype_name, make_inputs,
-                        naive_chunked, rule_error)
+from attn_check import (ATOL_BASE, LSE_ATOL_BASE, check_attention, dtype_name, hopper_skip_reason,
+                        make_inputs, naive_chunked, rule_error)
 
 pytestmark = pytest.mark.gpu
 
@@ -234,11 +234,15 @@ def test_bitwise_reproducible(dtype, deterministic):
         out, lse = flash_cuda.attention(qf, kf, vf, is_causal=True, return_lse=True,
                                         deterministic=deterministic)
         runs.append((out, lse) + torch.autograd.grad(out, (qf, kf, vf), dout))
-    atomic_dq = dtype == F32 and not deterministic  # fp32 default: dQ by float atomics
+    # deterministic=False adds dQ across key blocks in a varying order where a kernel does so:
+    # the fp32 backward, and the Hopper backward of fp16 / bf16 (one pass, dQ into an fp32
+    # workspace); dQ then matches to rounding, everything else bitwise.
+    atomic_dq = not deterministic and (dtype == F32 or hopper_skip_reason("") is None)
     for r in runs[1:]:
         for i, (a, b) in enumerate(zip(runs[0], r)):
-            if i == 2 and atomic_dq:
-                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+            if i == 2 and atomic_dq:  # fp32 sums that differ in the last bits, then rounded once
+                ulp = {F32: 1e-5, torch.float16: 2 ** -10, torch.bfloat16: 2 ** -7}[dtype]
+                torch.testing.assert_close(a, b, rtol=2 * ulp, atol=1e-5)
             else:
                 assert torch.equal(a, b)
 

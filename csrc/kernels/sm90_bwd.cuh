@@ -183,6 +183,20 @@ __device__ __forceinline__ void add_dq_atomic(const BwdParams& p, const SeqInfo&
   }
 }
 
+// A warp's 16 keys of dK (scaled) and dV, rows past the sequence left out.
+template <typename T, int kD>
+__device__ __forceinline__ void store_dk_dv(const BwdParams& p, const SeqInfo& seq,
+                                            const float (&acc_dk)[1][kD / 8][4],
+                                            const float (&acc_dv)[1][kD / 8][4], int hkv, int warp_key0) {
+  const int rows_valid = seq.sk - warp_key0;
+  T* dv = seq.k_rows(static_cast<T*>(p.dv), p.dv_batch_stride, p.dv_head_stride, p.dv_row_stride, hkv) +
+          static_cast<int64_t>(warp_key0) * p.dv_row_stride;
+  bwd_mma::store_rows<T, 1, kD>(acc_dv, dv, p.dv_row_stride, rows_valid, p.d, 1.f);
+  T* dk = seq.k_rows(static_cast<T*>(p.dk), p.dk_batch_stride, p.dk_head_stride, p.dk_row_stride, hkv) +
+          static_cast<int64_t>(warp_key0) * p.dk_row_stride;
+  bwd_mma::store_rows<T, 1, kD>(acc_dk, dk, p.dk_row_stride, rows_valid, p.d, p.scale);
+}
+
 // dq = scale * dq_accum for the row layout of add_dq_atomic, one warp per row; a packed batch
 // is one sequence of total_q rows, as in the delta preprocess.
 template <typename T>
@@ -370,13 +384,7 @@ __device__ __forceinline__ void bwd_dkdv_block(const BwdParams& p) {
     stage ^= 1;
   }
 
-  const int rows_valid = seq.sk - warp_key0;
-  T* dv = seq.k_rows(static_cast<T*>(p.dv), p.dv_batch_stride, p.dv_head_stride, p.dv_row_stride, hkv) +
-          static_cast<int64_t>(warp_key0) * p.dv_row_stride;
-  bwd_mma::store_rows<T, 1, kD>(acc_dv, dv, p.dv_row_stride, rows_valid, p.d, 1.f);
-  T* dk = seq.k_rows(static_cast<T*>(p.dk), p.dk_batch_stride, p.dk_head_stride, p.dk_row_stride, hkv) +
-          static_cast<int64_t>(warp_key0) * p.dk_row_stride;
-  bwd_mma::store_rows<T, 1, kD>(acc_dk, dk, p.dk_row_stride, rows_valid, p.d, p.scale);
+  store_dk_dv<T, kD>(p, seq, acc_dk, acc_dv, hkv, warp_key0);
 }
 
 // ---------------------------------------------------------------------------------

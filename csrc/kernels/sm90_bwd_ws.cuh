@@ -435,13 +435,7 @@ __device__ __forceinline__ void bwd_ws_block(const BwdParams& p, const TmaMaps& 
     hand_over_dq<T, Cfg>(sm, nullptr, x, ct);  // tells the writer to stop
   }
 
-  const int rows_valid = seq.sk - warp_key0;
-  T* dv = seq.k_rows(static_cast<T*>(p.dv), p.dv_batch_stride, p.dv_head_stride, p.dv_row_stride, hkv) +
-          static_cast<int64_t>(warp_key0) * p.dv_row_stride;
-  bwd_mma::store_rows<T, 1, kD>(acc_dv, dv, p.dv_row_stride, rows_valid, p.d, 1.f);
-  T* dk = seq.k_rows(static_cast<T*>(p.dk), p.dk_batch_stride, p.dk_head_stride, p.dk_row_stride, hkv) +
-          static_cast<int64_t>(warp_key0) * p.dk_row_stride;
-  bwd_mma::store_rows<T, 1, kD>(acc_dk, dk, p.dk_row_stride, rows_valid, p.d, p.scale);
+  store_dk_dv<T, kD>(p, seq, acc_dk, acc_dv, hkv, warp_key0);
 }
 
 template <typename T, typename Cfg, int kVariant>

@@ -78,8 +78,8 @@ inline int ws_block_m_override() { return ws_env_int("FLASH_CUDA_WS_BLOCK_M"); }
 inline int ws_exp2_poly_every() { return ws_env_int("FLASH_CUDA_WS_EXP2_POLY"); }
 // The Hopper backward (deterministic=False; deterministic=True always runs the two-kernel path):
 //   FLASH_CUDA_SM90_BWD=ws (default)  the warp-specialized kernel (sm90_bwd_ws.cuh): TMA producer,
-//       5 products per block pair, dQ added into an fp32 workspace (d = 128: a writer warp's bulk
-//       reductions; d = 64: float atomics); packed (varlen) batches run the two-kernel path
+//       5 products per block pair, dQ added into an fp32 workspace by a writer warp's bulk
+//       reductions; packed (varlen) batches run the two-kernel path
 //   FLASH_CUDA_SM90_BWD=atomic        the cp.async dK/dV kernel adding dQ with atomics
 //   FLASH_CUDA_SM90_BWD=split         the cp.async dK/dV kernel and a separate dQ kernel (7 products)
 inline std::string sm90_bwd_mode() {
@@ -89,8 +89,7 @@ inline std::string sm90_bwd_mode() {
 inline bool sm90_bwd_ws() { return sm90_bwd_mode() == "ws"; }
 inline bool sm90_dq_atomic() { return sm90_bwd_mode() == "atomic"; }
 // FLASH_CUDA_SM90_BWD_DQ_RED=1: the warp-specialized backward adds dQ with red.global atomics from
-// the consumers' registers at d = 128 too, instead of staging it for the writer warp's bulk
-// reductions.
+// the consumers' registers instead of staging it for the writer warp's bulk reductions.
 inline bool sm90_bwd_dq_red() { return ws_env_int("FLASH_CUDA_SM90_BWD_DQ_RED") != 0; }
 // The floats of the Hopper backward's dQ workspace (params.dq_accum): the rows of the statistics
 // (lse_rows) x d for the atomic layout, or whole 128-row query blocks of the head-dim bucket's

@@ -11,14 +11,16 @@
 //   * two consumer warpgroups (setmaxnreg: the producer's registers go to them) own 64 keys
 //     each and accumulate dK, dV in registers, as in sm90_bwd.cuh;
 //   * dQ += dS K per query block: both warpgroups stage their keys' rows of dS^T in shared
-//     memory (two buffers, so one warpgroup may stage block i + 1 while the other still reads
-//     block i), meet at one named barrier of the 256 consumer threads and split the product. The
-//     block's dQ is added into the fp32 workspace params.dq_accum, which the launcher then
+//     memory, meet at one named barrier of the 256 consumer threads and split the product. Two
+//     dS^T buffers where they fit, so that one warpgroup may stage block i + 1 while the other
+//     still reads block i; else one, which a warpgroup claims for block i + 1 once both have
+//     waited for their dQ products of block i (the ds_empty mbarrier: by then they usually have).
+//     The block's dQ is added into the fp32 workspace params.dq_accum, which the launcher then
 //     scales and converts into dq:
-//       kBulkDq (d = 128): the consumers stage it in shared memory (two buffers) in the order of
+//       kBulkDq (default): the consumers stage it in shared memory (two buffers) in the order of
 //         their accumulators, and a writer thread adds the whole tile with one bulk reduction
 //         (cp.reduce.async.bulk .add.f32: the TMA unit reads shared memory, L2 does the adds);
-//       otherwise (d = 64): each consumer thread adds its accumulator with red.global atomics.
+//       otherwise: each consumer thread adds its accumulator with red.global atomics.
 //     Either way the summation order varies: deterministic=True runs the two-kernel path.
 //
 // Per query block, consumer warpgroup w (keys n0 + 64w ..):
@@ -68,23 +70,41 @@ struct WsBwdConfig : Traits {
   // setmaxnreg.dec (the CTA starts at 168 each, 65536 / 384 rounded down to 8), so the
   // producer's give-back must cover the consumers' gain: 128 x (168 - 24) >= 256 x (240 - 168).
   static constexpr int kLaunchRegs = 65536 / kThreads / 8 * 8;
-  // With the dQ writer beside the producer, ptxas needs 32 for that warpgroup (it spills at 24),
-  // so the bulk variant splits 32 / 232 (its consumers fit); the atomic one's consumers need 240.
-  static constexpr int kProducerRegs = kBulkDq ? 32 : 24;
-  static constexpr int kConsumerRegs = kBulkDq ? 232 : 240;
-  static_assert(128 * (kLaunchRegs - kProducerRegs) >= kConsumerThreads * (kConsumerRegs - kLaunchRegs),
+  // The split, from ptxas -v (no spills): the atomic variant's consumers need 240. With the dQ
+  // writer beside the producer that warpgroup needs 32 (it spills at 24), and at d = 64 (128-query
+  // steps) the plain kernel's needs 40, while its ALiBi variant's consumers need 232.
+  template <int kVariant>
+  static constexpr int producer_regs() {
+    return !kBulkDq ? 24 : (kD == 64 && kVariant == kPlain) ? 40 : 32;
+  }
+  template <int kVariant>
+  static constexpr int consumer_regs() {
+    return !kBulkDq ? 240 : (kD == 64 && kVariant == kPlain) ? 224 : 232;
+  }
+  static_assert(128 * (kLaunchRegs - producer_regs<kPlain>()) >=
+                        kConsumerThreads * (consumer_regs<kPlain>() - kLaunchRegs) &&
+                    128 * (kLaunchRegs - producer_regs<kExtended>()) >=
+                        kConsumerThreads * (consumer_regs<kExtended>() - kLaunchRegs),
                 "the consumers' registers come from the producer's");
   static_assert(Traits::kKVWarpGroups == 2, "two consumer warpgroups of 64 keys");
   // dQ staging (kBulkDq), two buffers: a query block's kBlockM x d floats in the order of the
   // accumulator fragments (DqTile), as the workspace holds them.
   static constexpr uint32_t kTileDQ = kBulkDq ? kBlockM * kD * 4 : 0;
-  // K | V | Q[kStages] | dO[kStages] | dS^T[2] | dQ[2] | lse[kStages] | delta[kStages] | barriers
-  static constexpr size_t kTiles =
-      2 * size_t(kTileKV) + 2 * size_t(kStages) * kTileQ + 2 * size_t(kTileDS) + 2 * size_t(kTileDQ);
   static constexpr size_t kStats = 2 * size_t(kStages) * kBlockM * sizeof(float);
-  // kv_full, q_full[kStages], q_empty[kStages], dq_full[2], dq_empty[2], and the dQ slots[2]
-  static constexpr int kBarriers = 7 + 2 * kStages;
-  static constexpr size_t kSmemBytes = kTiles + kStats + kBarriers * sizeof(uint64_t) + 1024;
+  // kv_full, q_full[kStages], q_empty[kStages], dq_full[2], dq_empty[2], ds_empty, and the dQ slots[2]
+  static constexpr int kBarriers = 8 + 2 * kStages;
+  // K | V | Q[kStages] | dO[kStages] | dS^T[kDsBuffers] | dQ[2] | lse[kStages] | delta[kStages] | barriers
+  static constexpr size_t tiles(int ds_buffers) {
+    return 2 * size_t(kTileKV) + 2 * size_t(kStages) * kTileQ + size_t(ds_buffers) * kTileDS + 2 * size_t(kTileDQ);
+  }
+  static constexpr size_t smem_bytes(int ds_buffers) {
+    return tiles(ds_buffers) + kStats + kBarriers * sizeof(uint64_t) + 1024;
+  }
+  // Two dS^T buffers unless they do not fit: d = 64 with the bulk dQ (128-query steps: its two
+  // 32 KiB dQ buffers and the ring leave 32 KiB for dS^T).
+  static constexpr int kDsBuffers = smem_bytes(2) <= 227 * 1024 ? 2 : 1;
+  static constexpr size_t kTiles = tiles(kDsBuffers);
+  static constexpr size_t kSmemBytes = smem_bytes(kDsBuffers);
   static_assert(kTileKV % 1024 == 0 && kTileQ % 1024 == 0 && kTileDS % 1024 == 0, "slabs stay 1024-byte aligned");
   static_assert(kBlockM % 32 == 0 && kBlockN <= 256 && kBlockM <= 256, "stats by lanes, TMA boxes of <= 256 rows");
   static_assert(kSmemBytes <= 227 * 1024, "fits a Hopper block");
@@ -96,7 +116,7 @@ struct Smem {
   T* sV;
   T* sQ;    // [kStages]
   T* sdO;   // [kStages]
-  T* sdS;   // [2]: dS^T [kBlockN keys][kBlockM queries]
+  T* sdS;   // [kDsBuffers]: dS^T [kBlockN keys][kBlockM queries]
   float* sdQ;    // [2][kBlockM * kD] (kBulkDq), DqTile order
   float* lse;    // [kStages][kBlockM]
   float* delta;  // [kStages][kBlockM]
@@ -105,6 +125,7 @@ struct Smem {
   uint64_t* q_empty;  // [kStages]: one arrival per consumer thread
   uint64_t* dq_full;   // [2]: one arrival per consumer warp: sdQ[b] holds a block's dQ
   uint64_t* dq_empty;  // [2]: the writer's arrival: the bulk reduction has read sdQ[b]
+  uint64_t* ds_empty;  // kDsBuffers == 1: one arrival per consumer thread: its dQ product has read sdS
   // Where the block staged in sdQ[b] goes, published with dq_full[b]: its tile of dq_accum
   // (nullptr: no more blocks).
   float** dq_dst;  // [2]
@@ -114,7 +135,8 @@ struct Smem {
     sQ = reinterpret_cast<T*>(base + 2 * Cfg::kTileKV);
     sdO = reinterpret_cast<T*>(base + 2 * Cfg::kTileKV + Cfg::kStages * Cfg::kTileQ);
     sdS = reinterpret_cast<T*>(base + 2 * Cfg::kTileKV + 2 * Cfg::kStages * Cfg::kTileQ);
-    sdQ = reinterpret_cast<float*>(base + 2 * Cfg::kTileKV + 2 * Cfg::kStages * Cfg::kTileQ + 2 * Cfg::kTileDS);
+    sdQ = reinterpret_cast<float*>(base + 2 * Cfg::kTileKV + 2 * Cfg::kStages * Cfg::kTileQ +
+                                   Cfg::kDsBuffers * Cfg::kTileDS);
     lse = reinterpret_cast<float*>(base + Cfg::kTiles);
     delta = lse + Cfg::kStages * Cfg::kBlockM;
     kv_full = reinterpret_cast<uint64_t*>(base + Cfg::kTiles + Cfg::kStats);
@@ -122,12 +144,13 @@ struct Smem {
     q_empty = q_full + Cfg::kStages;
     dq_full = q_empty + Cfg::kStages;
     dq_empty = dq_full + 2;
-    dq_dst = reinterpret_cast<float**>(dq_empty + 2);
+    ds_empty = dq_empty + 2;
+    dq_dst = reinterpret_cast<float**>(ds_empty + 1);
   }
   __device__ __forceinline__ float* dq(int b) const { return sdQ + b * (Cfg::kTileDQ / 4); }
   __device__ __forceinline__ T* q(int s) const { return sQ + s * (Cfg::kTileQ / 2); }
   __device__ __forceinline__ T* dout(int s) const { return sdO + s * (Cfg::kTileQ / 2); }
-  __device__ __forceinline__ T* ds(int i) const { return sdS + (i & 1) * (Cfg::kTileDS / 2); }
+  __device__ __forceinline__ T* ds(int i) const { return sdS + (i % Cfg::kDsBuffers) * (Cfg::kTileDS / 2); }
 };
 
 // The (query head, query block) pairs a CTA walks, heads of its KV group outer: step i.
@@ -164,7 +187,7 @@ __device__ __forceinline__ void produce(const BwdParams& p, const TmaMaps& maps,
     }
   }
   // Steps in the consumers' order (heads outer), the stage and its parity carried along rather
-  // than divided out: this warp runs on kProducerRegs registers.
+  // than divided out: this warp runs on producer_regs() registers.
   const uint32_t stats = smem_addr(sm.lse) + lane * 4;
   int s = 0, phase = 0;
 #pragma unroll 1
@@ -282,6 +305,17 @@ __device__ __forceinline__ void stage_dq(const Smem<T, Cfg>& sm, const float (&a
 #endif
 }
 
+// A single dS^T buffer is written for step i only after both warpgroups' dQ products of step
+// i - 1 have read it (each thread arrives on ds_empty after its wgmma wait). With two buffers the
+// named barrier of step i - 1 already orders it: a warpgroup past that barrier knows the other
+// has waited for its products of step i - 2.
+template <typename T, typename Cfg>
+__device__ __forceinline__ void claim_ds(const Smem<T, Cfg>& sm, int i) {
+  if constexpr (Cfg::kDsBuffers == 1) {
+    if (i > 0) mbarrier_wait(sm.ds_empty, (i - 1) & 1);
+  }
+}
+
 template <typename T, typename Cfg, int kVariant>
 __device__ __forceinline__ void bwd_ws_block(const BwdParams& p, const TmaMaps& maps) {
   constexpr int kD = Cfg::kD;
@@ -301,6 +335,7 @@ __device__ __forceinline__ void bwd_ws_block(const BwdParams& p, const TmaMaps& 
       mbarrier_init(&sm.dq_full[b], Cfg::kConsumerWarps);
       mbarrier_init(&sm.dq_empty[b], 1);
     }
+    mbarrier_init(sm.ds_empty, kConsumerThreads);
     fence_barrier_init();
   }
   __syncthreads();  // the only CTA-wide barrier
@@ -311,7 +346,7 @@ __device__ __forceinline__ void bwd_ws_block(const BwdParams& p, const TmaMaps& 
   const int n0 = blockIdx.x * Cfg::kBlockN;
   const int hkv = blockIdx.y, bi = blockIdx.z;
   if (warp < 4) {
-    setmaxnreg_dec<Cfg::kProducerRegs>();
+    setmaxnreg_dec<Cfg::template producer_regs<kVariant>()>();
     if (warp == 0) {
       const SeqInfo seq = SeqInfo::make<false>(p, bi);
       const Steps steps = Steps::make(seq.mask<false>(p), n0, Cfg::kBlockN, kBlockM, hkv, p.hq / p.hkv);
@@ -323,7 +358,7 @@ __device__ __forceinline__ void bwd_ws_block(const BwdParams& p, const TmaMaps& 
   }
 
   // ---- consumers: thread ct of 256; warpgroup wg owns keys n0 + 64 wg .. n0 + 64 wg + 63 ----
-  setmaxnreg_inc<Cfg::kConsumerRegs>();
+  setmaxnreg_inc<Cfg::template consumer_regs<kVariant>()>();
   const SeqInfo seq = SeqInfo::make<false>(p, bi);
   const AttnMask mask = seq.mask<false>(p);
   const Steps steps = Steps::make(mask, n0, Cfg::kBlockN, kBlockM, hkv, p.hq / p.hkv);
@@ -397,9 +432,11 @@ __device__ __forceinline__ void bwd_ws_block(const BwdParams& p, const TmaMaps& 
       for (int kk = 0; kk < kBlockM / 16; ++kk)
         Wgmma<T, kD>::template rs<1>(acc_dk[0], a_ds[kk], desc_mn_major<kBlockM>(sQ_s, 0, kk), 1);
       wgmma_commit();
+      claim_ds<T, Cfg>(sm, i);
       stage_ds_transposed<Cfg>(sdS, a_ds, ct);
     } else {
       zero_accumulator(acc_dq[0]);
+      claim_ds<T, Cfg>(sm, i);
       zero_ds_rows<Cfg>(sdS, wg, ct);
     }
     fence_proxy_async();  // the generic-proxy writes of dS^T, before the tensor cores read them
@@ -410,6 +447,7 @@ __device__ __forceinline__ void bwd_ws_block(const BwdParams& p, const TmaMaps& 
     // and a wgmma under a branch while dV, dK are in flight makes ptxas serialize them all.
     issue_dq_product<T, Cfg>(acc_dq, sdS, sm.sK, wg);
     wgmma_wait<0>();  // dV, dK and dQ of this block
+    if constexpr (Cfg::kDsBuffers == 1) mbarrier_arrive(sm.ds_empty);  // this thread's dQ product read sdS
     fence_accumulator(acc_dv[0]);
     fence_accumulator(acc_dk[0]);
     if (wg_sees_block) {
@@ -516,11 +554,8 @@ bool run_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
   using T = typename ElementOf<kDType>::type;
   using Traits = sm90::BwdTraits<kHeadDim>;
   if (p.sm_arch != 90) return false;
-  // dQ by bulk reductions at d = 128, by atomics at d = 64, where the bulk variant measured
-  // slower than both the atomic one and the two-kernel path (OPTIMIZATION.md, backward ladder).
-  if constexpr (kHeadDim >= 128) {
-    if (!sm90_bwd_dq_red() && launch_bwd_sm90_ws<T, Traits, kVariant, true>(p, stream)) return true;
-  }
+  // dQ by bulk reductions (FLASH_CUDA_SM90_BWD_DQ_RED=1: by atomics; OPTIMIZATION.md, backward ladder).
+  if (!sm90_bwd_dq_red() && launch_bwd_sm90_ws<T, Traits, kVariant, true>(p, stream)) return true;
   if (launch_bwd_sm90_ws<T, Traits, kVariant, false>(p, stream)) return true;
   return launch_bwd_sm90<T, Traits, kVariant>(p, stream);
 }

@@ -160,6 +160,22 @@ __device__ __forceinline__ void issue_dq_product(float (&acc)[1][DqSplit<Cfg>::k
   wgmma_commit();
 }
 
+// dV += P^T dO, dK += dS^T Q for one query block, one commit group: A operands are the
+// warpgroup's P^T, dS^T fragments, B operands N-major (the reduction runs over queries).
+template <typename T, int kD, int kBlockM>
+__device__ __forceinline__ void issue_dv_dk(float (&acc_dv)[1][kD / 8][4], float (&acc_dk)[1][kD / 8][4],
+                                            const uint32_t (&a_pt)[kBlockM / 16][4],
+                                            const uint32_t (&a_ds)[kBlockM / 16][4], const T* sdO, const T* sQ) {
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < kBlockM / 16; ++kk)
+    Wgmma<T, kD>::template rs<1>(acc_dv[0], a_pt[kk], desc_mn_major<kBlockM>(sdO, 0, kk), 1);
+#pragma unroll
+  for (int kk = 0; kk < kBlockM / 16; ++kk)
+    Wgmma<T, kD>::template rs<1>(acc_dk[0], a_ds[kk], desc_mn_major<kBlockM>(sQ, 0, kk), 1);
+  wgmma_commit();
+}
+
 // Adds a warpgroup's dQ accumulator (rows of query block m0, unscaled: convert_dq_rows_kernel
 // applies the scale) to dq_accum, two consecutive floats per atomic. The layout: the rows of the
 // statistics (flash_params.h), d floats each.
@@ -362,15 +378,7 @@ __device__ __forceinline__ void bwd_dkdv_block(const BwdParams& p) {
       for (int kk = 0; kk < kBlockM / 16; ++kk) accumulator_to_a<T>(a_ds[kk], dst[0], kk);
       if constexpr (kDqAtomic) stage_ds_transposed<Cfg>(sdS, a_ds, tid);
 
-      // dV += P^T dO, dK += dS^T Q (B operands N-major: the reduction runs over queries).
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < kBlockM / 16; ++kk)
-        Wgmma<T, kD>::template rs<1>(acc_dv[0], a_pt[kk], desc_mn_major<kBlockM>(sdO_s, 0, kk), 1);
-#pragma unroll
-      for (int kk = 0; kk < kBlockM / 16; ++kk)
-        Wgmma<T, kD>::template rs<1>(acc_dk[0], a_ds[kk], desc_mn_major<kBlockM>(sQ_s, 0, kk), 1);
-      wgmma_commit();
+      issue_dv_dk<T, kD, kBlockM>(acc_dv, acc_dk, a_pt, a_ds, sdO_s, sQ_s);
       wgmma_wait<0>();
       fence_accumulator(acc_dv[0]);
       fence_accumulator(acc_dk[0]);

@@ -393,7 +393,8 @@ __device__ __forceinline__ void bwd_ws_block(const BwdParams& p, const TmaMaps& 
     float acc_dq[1][DqSplit<Cfg>::kN / 8][4];
     if (wg_sees_block) {
       const bool needs_mask = mask.needs_mask(m0, m0 + kBlockM, warp_key0, warp_key0 + 16);
-      // S^T = K Q^T and dP^T = V dO^T, one commit group.
+      // S^T = K Q^T and dP^T = V dO^T, one commit group each: P's exponentials run while the
+      // tensor cores still compute dP^T.
       float pt[1][kBlockM / 8][4];
       float dst[1][kBlockM / 8][4];
       wgmma_fence();
@@ -402,36 +403,30 @@ __device__ __forceinline__ void bwd_ws_block(const BwdParams& p, const TmaMaps& 
         Wgmma<T, kBlockM>::template ss<0>(pt[0], desc_k_major<Cfg::kBlockN>(sm.sK, 64 * wg, ks),
                                           desc_k_major<kBlockM>(sQ_s, 0, ks), ks > 0);
       }
+      wgmma_commit();
 #pragma unroll
       for (int ks = 0; ks < kD / 16; ++ks) {
         Wgmma<T, kBlockM>::template ss<0>(dst[0], desc_k_major<Cfg::kBlockN>(sm.sV, 64 * wg, ks),
                                           desc_k_major<kBlockM>(sdO_s, 0, ks), ks > 0);
       }
       wgmma_commit();
-      wgmma_wait<0>();
+      wgmma_wait<1>();
       fence_accumulator(pt[0]);
-      fence_accumulator(dst[0]);
 
       float no_dtanh[1][1][4];  // softcap's derivative runs on the mma.sync backward
       bwd_mma::compute_probs<true, kVariant>(pt, no_dtanh, sm.lse + s * kBlockM, needs_mask, warp_key0, m0, mask, p,
                                              seq, h);
+      wgmma_wait<0>();
+      fence_accumulator(dst[0]);
       bwd_mma::compute_ds<true, kVariant>(dst, pt, no_dtanh, sm.delta + s * kBlockM);
 #pragma unroll
       for (int kk = 0; kk < kBlockM / 16; ++kk) accumulator_to_a<T>(a_pt[kk], pt[0], kk);
 #pragma unroll
       for (int kk = 0; kk < kBlockM / 16; ++kk) accumulator_to_a<T>(a_ds[kk], dst[0], kk);
 
-      // dV += P^T dO, dK += dS^T Q (B operands N-major: the reduction runs over queries);
-      // they run while dS^T is staged for the dQ product.
+      // dV += P^T dO, dK += dS^T Q run while dS^T is staged for the dQ product.
       zero_accumulator(acc_dq[0]);
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < kBlockM / 16; ++kk)
-        Wgmma<T, kD>::template rs<1>(acc_dv[0], a_pt[kk], desc_mn_major<kBlockM>(sdO_s, 0, kk), 1);
-#pragma unroll
-      for (int kk = 0; kk < kBlockM / 16; ++kk)
-        Wgmma<T, kD>::template rs<1>(acc_dk[0], a_ds[kk], desc_mn_major<kBlockM>(sQ_s, 0, kk), 1);
-      wgmma_commit();
+      issue_dv_dk<T, kD, kBlockM>(acc_dv, acc_dk, a_pt, a_ds, sdO_s, sQ_s);
       claim_ds<T, Cfg>(sm, i);
       stage_ds_transposed<Cfg>(sdS, a_ds, ct);
     } else {

@@ -317,15 +317,17 @@ bool with_dtype_variant(const Params& p, Variant variant, cudaStream_t stream) {
   }
 }
 
-// The Hopper tier serves head-dim buckets 64 and 128 (every d in 33..64 and 97..128); it
-// returns false, having launched nothing, where it does not apply (other head dims, a GPU
-// other than sm_90, a build without the 90a target, softcap in the backward).
-bool sm90_bucket(int d) { return (d > 32 && d <= 64) || (d > 96 && d <= 128); }
-bool sm90_ws_bucket(int d) { return (d > 32 && d <= 64) || (d > 96 && d <= 256); }
+// The Hopper tier serves head-dim buckets 64 and 128 (every d in 33..128: d 65..96 runs the
+// 128-wide kernels, TMA filling the columns past d with zeros, which at d = 96 still beats the
+// mma.sync kernels of the 96 bucket by far; OPTIMIZATION.md); it returns false, having launched
+// nothing, where it does not apply (other head dims, a GPU other than sm_90, a build without the
+// 90a target, softcap in the backward).
+bool sm90_bucket(int d) { return d > 32 && d <= 128; }
+bool sm90_ws_bucket(int d) { return d > 32 && d <= 256; }
 
 // Whether the call goes to the warp-specialized forward (its launcher may still decline, having
 // launched nothing: a view TMA cannot address, a build without the 90a target). kernel='auto':
-// dense batches at every head dim it has (33..64, 97..256), plain or with softcap / ALiBi (those
+// dense batches at every head dim it has (33..256), plain or with softcap / ALiBi (those
 // up to d = 192); kernel='wgmma': the head dims the Hopper backward also has; tier 4: always.
 bool ws_fwd_applies(const FwdParams& p, Tier tier, Variant variant) {
   if (p.sm_arch != 90 || p.cu_seqlens_q != nullptr || !sm90_ws_bucket(p.d)) return false;
@@ -337,7 +339,7 @@ bool ws_fwd_applies(const FwdParams& p, Tier tier, Variant variant) {
 
 constexpr const char* kNoWgmma =
     "flash_cuda: kernel='wgmma' needs an sm_90 GPU (H100/H200), a flash_cuda build that includes "
-    "the 90a target, a head dim in 33..64 or 97..128, and softcap == 0 (its backward has no "
+    "the 90a target, a head dim in 33..128, and softcap == 0 (its backward has no "
     "softcap yet); use kernel='auto' or 'mma'";
 
 void dispatch_fwd(const FwdParams& p, Tier tier, cudaStream_t stream) {
@@ -351,7 +353,7 @@ void dispatch_fwd(const FwdParams& p, Tier tier, cudaStream_t stream) {
                           with_dtype_variant<Sm90WsFwd, Sm90WsBuckets>(p, variant, stream);
     TORCH_CHECK(launched,
                 "flash_cuda: the warp-specialized forward (tier 4) needs an sm_90 GPU, a build with the "
-                "90a target, head dim 33..64 or 97..256, a dense batch, and 16-byte aligned strides");
+                "90a target, head dim 33..256, a dense batch, and 16-byte aligned strides");
     return;
   }
   if (tier == Tier::kAuto || tier == Tier::kWgmma) {

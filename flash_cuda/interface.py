@@ -728,16 +728,16 @@ _FEATURES_DOC = r"""
             By default two backwards add dQ across key blocks in an unordered way (so dq
             can differ in its last bits between runs; dk, dv do not): the float32 one (float
             atomics) and, on sm_90, the float16 / bfloat16 one for dense batches at head dims
-            33..64 / 97..128 (one warp-specialized kernel adding dQ into an fp32 workspace of
-            B * Hq * Sq * D * 4 bytes). ``True`` runs a separate dQ kernel instead, at a cost
+            33..128 (one warp-specialized kernel adding dQ into an fp32 workspace of about
+            B * Hq * Sq * D * 4 bytes, D rounded up to 64). ``True`` runs a separate dQ kernel instead, at a cost
             in speed measured in OPTIMIZATION.md; the other 16-bit backwards are reproducible
             either way.
         kernel: ``"auto"`` (default) picks by dtype, GPU and options: ``"simt"`` (float32
             CUDA-core kernels, true fp32 arithmetic) for float32; for float16 / bfloat16
             on sm_90 the Hopper kernels: a warp-specialized forward (TMA, persistent) for
-            dense batches at head dims 33..64 and 97..256 (with softcap / ALiBi up to 192),
-            ``"wgmma"`` (warpgroup MMA) for the other forwards and the backward at 33..64 and
-            97..128 (the backward without softcap); else ``"mma"`` (mma.sync tensor-core
+            dense batches at head dims 33..256 (with softcap / ALiBi up to 192),
+            ``"wgmma"`` (warpgroup MMA) for the other forwards and the backward at 33..128
+            (the backward without softcap; head dims 65..96 run the 128-wide kernels); else ``"mma"`` (mma.sync tensor-core
             kernels, sm_80 and newer, every head dim and option). Both tensor-core tiers accumulate in fp32. Asking for ``"simt"`` with
             16-bit inputs, ``"mma"`` / ``"wgmma"`` with float32 inputs, or ``"wgmma"`` where
             it does not apply is an error."""

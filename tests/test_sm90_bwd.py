@@ -1,5 +1,5 @@
 """The Hopper backward's three shapes (launch.h: sm90_bwd_mode), each held to the float64 rule of
-every other kernel (tests/attn_check.py), head dims 33..64 and 97..128, deterministic=False:
+every other kernel (tests/attn_check.py), head dims 33..128 (65..96 on the 128-wide kernels), deterministic=False:
   ws      (default) the warp-specialized kernel, csrc/kernels/sm90_bwd_ws.cuh: a TMA producer,
           5 products per block pair, dQ into an fp32 workspace (dense batches) by a writer warp's
           bulk reductions (one dS^T buffer at d = 64, two at d = 128)
@@ -50,6 +50,9 @@ CASES = [
     # window), several query heads per CTA with a two-stage ring that wraps many times.
     (1, 4, 1, 1500, 300, 64, True, (-1, -1), None, "bshd"),
     (2, 8, 2, 900, 900, 128, False, (40, 0), None, "bhsd"),
+    # Head dims 65..96 on the 128-wide kernel: the columns past d arrive as TMA's zeros.
+    (2, 4, 2, 1000, 1100, 96, True, (-1, -1), None, "bshd"),
+    (1, 4, 4, 300, 257, 80, False, (-1, -1), "heads", "strided"),
 ]
 
 
@@ -87,7 +90,7 @@ def test_deterministic_ignores_the_switch(mode):
     assert all(torch.equal(a, b) for a, b in zip(*grads))
 
 
-@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("D", [64, 96, 128])
 @pytest.mark.parametrize("unset", [False, True], ids=["set", "unset"])
 def test_each_mode_runs_its_kernels(mode, unset, D, monkeypatch):
     """The route: the profiler sees the kernel each mode names (dQ's own kernel only in split, the

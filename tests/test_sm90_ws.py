@@ -47,6 +47,9 @@ CASES = [
     (1, 2, 2, 300, 500, 160, True, (64, -1), "bhsd"),
     (1, 3, 1, 257, 129, 200, False, (-1, -1), "offset"),
     (2, 20, 4, 600, 600, 256, False, (-1, -1), "bhsd"),
+    # Head dims 65..96 on the 128-wide kernel (TMA fills the columns past d with zeros).
+    (2, 4, 2, 1000, 1100, 96, True, (-1, -1), "bshd"),
+    (1, 3, 3, 300, 257, 72, False, (-1, -1), "offset"),
 ]
 
 
@@ -200,6 +203,6 @@ def test_ws_schedules_agree():
 
 
 def test_ws_forward_rejects_what_it_does_not_serve():
-    q, k, v = make_inputs(1, 2, 2, 64, 64, 96, BF16, "cuda")
+    q, k, v = make_inputs(1, 2, 2, 64, 64, 32, BF16, "cuda")
     with pytest.raises(RuntimeError, match="warp-specialized"):
         _ext.require().fwd(q, k, v, 0.1, -1, -1, 0.0, None, None, None, 0, 0, WS_TIER)

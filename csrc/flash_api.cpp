@@ -248,7 +248,8 @@ auto with_bucket(int d, std::integer_sequence<int, kBuckets...>, Args&&... args)
 }
 using SimtBuckets = std::integer_sequence<int, 32, 64, 128, 256>;
 using MmaBuckets = std::integer_sequence<int, 32, 64, 96, 128, 192, 256>;
-using Sm90Buckets = std::integer_sequence<int, 64, 128>;
+using Sm90Buckets = std::integer_sequence<int, 64, 128>;          // the cp.async forward
+using Sm90BwdBuckets = std::integer_sequence<int, 64, 96, 128>;  // 96: the 128-wide tiles
 using Sm90WsBuckets = std::integer_sequence<int, 64, 128, 192, 256>;  // tier 4 alone
 
 constexpr int kF16 = static_cast<int>(DType::kFloat16);
@@ -374,7 +375,7 @@ void dispatch_bwd(const BwdParams& p, Tier tier, cudaStream_t stream) {
   }
   const Variant variant = variant_of(p, /*backward=*/true);
   if ((tier == Tier::kAuto || tier == Tier::kWgmma) && variant != kSoftcapGrad) {
-    if (sm90_bucket(p.d) && with_dtype_variant<Sm90Bwd, Sm90Buckets>(p, variant, stream)) return;
+    if (sm90_bucket(p.d) && with_dtype_variant<Sm90Bwd, Sm90BwdBuckets>(p, variant, stream)) return;
   }
   TORCH_CHECK(tier != Tier::kWgmma, kNoWgmma);
   with_dtype_variant<MmaBwd, MmaBuckets, /*kWithSoftcapGrad=*/true>(p, variant, stream);

@@ -12,7 +12,8 @@ HERE = Path(__file__).resolve().parent
 DTYPES = {"fp16": "kFloat16", "bf16": "kBFloat16"}
 MMA_BUCKETS = (32, 64, 96, 128, 192, 256)
 SIMT_BUCKETS = (32, 64, 128, 256)
-SM90_BUCKETS = (64, 128)
+SM90_BUCKETS = (64, 128)  # the cp.async forward
+SM90_BWD_BUCKETS = (64, 96, 128)  # the backward (96: the 128-wide tiles, 96-deep products)
 SM90_WS_BUCKETS = (64, 128, 192, 256)  # the warp-specialized forward
 SM90_WS_EXT_BUCKETS = (64, 128, 192)  # its softcap / ALiBi instances (d = 256 would spill)
 
@@ -44,8 +45,8 @@ def instances() -> dict:
                 files[f"mma_bwd{suffix}_{dt}_d{d}.cu"] = _file(
                     f"Tensor-core (mma.sync) backward{what}, {dt}, head-dim bucket {d}.", "mma_bwd.cuh",
                     [f"template void run_bwd_mma<{dtype}, {d}, {variant}>(const BwdParams&, cudaStream_t);"])
-        for d in SM90_BUCKETS:
-            for direction, params in (("fwd", "FwdParams"), ("bwd", "BwdParams")):
+        for direction, params, buckets in (("fwd", "FwdParams", SM90_BUCKETS), ("bwd", "BwdParams", SM90_BWD_BUCKETS)):
+            for d in buckets:
                 for suffix in ("", "_ext"):
                     variant, what = VARIANTS[suffix]
                     files[f"sm90_{direction}{suffix}_{dt}_d{d}.cu"] = _file(

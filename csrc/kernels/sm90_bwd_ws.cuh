@@ -52,10 +52,15 @@ constexpr int kConsumerThreads = 256;
 // kBulkDq: dQ leaves through shared memory, added to dq_accum by a writer warp with the TMA
 // unit's bulk reduction (one instruction per row, the adds done in L2); otherwise each consumer
 // thread adds its accumulator with red.global atomics.
-template <typename Traits, bool kBulkDq_, int kStages_ = 2>
+// kDepth: the head dims the instance serves (<= kD): the products that reduce over d (S^T, dP^T)
+// stop after its k-steps; the tiles keep the bucket's width, TMA filling the columns past d with
+// zeros (d = 96 runs the 128-wide tiles with 6 of their 8 k-steps there).
+template <typename Traits, bool kBulkDq_, int kStages_ = 2, int kDepth = Traits::kHeadDim>
 struct WsBwdConfig : Traits {
   static constexpr bool kBulkDq = kBulkDq_;
   static constexpr int kD = Traits::kHeadDim;
+  static constexpr int kQKSteps = (kDepth + 15) / 16;
+  static_assert(kDepth <= kD, "the tiles hold the instance's head dims");
   static constexpr int kBlockN = Traits::kKVBlockN;  // keys of the CTA, 64 per consumer warpgroup
   static constexpr int kBlockM = Traits::kKVBlockM;  // queries per step
   static constexpr int kStages = kStages_;
@@ -399,13 +404,13 @@ __device__ __forceinline__ void bwd_ws_block(const BwdParams& p, const TmaMaps& 
       float dst[1][kBlockM / 8][4];
       wgmma_fence();
 #pragma unroll
-      for (int ks = 0; ks < kD / 16; ++ks) {
+      for (int ks = 0; ks < Cfg::kQKSteps; ++ks) {
         Wgmma<T, kBlockM>::template ss<0>(pt[0], desc_k_major<Cfg::kBlockN>(sm.sK, 64 * wg, ks),
                                           desc_k_major<kBlockM>(sQ_s, 0, ks), ks > 0);
       }
       wgmma_commit();
 #pragma unroll
-      for (int ks = 0; ks < kD / 16; ++ks) {
+      for (int ks = 0; ks < Cfg::kQKSteps; ++ks) {
         Wgmma<T, kBlockM>::template ss<0>(dst[0], desc_k_major<Cfg::kBlockN>(sm.sV, 64 * wg, ks),
                                           desc_k_major<kBlockM>(sdO_s, 0, ks), ks > 0);
       }
@@ -507,9 +512,9 @@ __global__ void __launch_bounds__(256) convert_dq_tiles_kernel(const __grid_cons
 // Launches delta's preprocess and the warp-specialized backward and returns true, or returns
 // false having launched nothing: no dq_accum workspace (deterministic=True), a packed batch,
 // or a view TMA cannot address.
-template <typename T, typename Traits, int kVariant, bool kBulkDq>
+template <typename T, typename Traits, int kVariant, bool kBulkDq, int kDepth>
 bool launch_bwd_sm90_ws(const BwdParams& p, cudaStream_t stream) {
-  using Cfg = sm90::bwd_ws::WsBwdConfig<Traits, kBulkDq>;
+  using Cfg = sm90::bwd_ws::WsBwdConfig<Traits, kBulkDq, 2, kDepth>;
   auto kernel = sm90::bwd_ws::bwd_sm90_ws_kernel<T, Cfg, kVariant>;
   if (!sm90_bwd_ws() || p.dq_accum == nullptr || p.cu_seqlens_q != nullptr || !sm90_kernel_built(kernel)) {
     return false;
@@ -547,11 +552,12 @@ template <int kDType, int kHeadDim, int kVariant>
 bool run_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
   static_assert(kVariant != kSoftcapGrad, "the wgmma backward has no softcap derivative");
   using T = typename ElementOf<kDType>::type;
-  using Traits = sm90::BwdTraits<kHeadDim>;
+  // Head dims 65..96 run the 128-wide tiles (the cp.async kernels with all their k-steps).
+  using Traits = sm90::BwdTraits<kHeadDim == 96 ? 128 : kHeadDim>;
   if (p.sm_arch != 90) return false;
   // dQ by bulk reductions (FLASH_CUDA_SM90_BWD_DQ_RED=1: by atomics; OPTIMIZATION.md, backward ladder).
-  if (!sm90_bwd_dq_red() && launch_bwd_sm90_ws<T, Traits, kVariant, true>(p, stream)) return true;
-  if (launch_bwd_sm90_ws<T, Traits, kVariant, false>(p, stream)) return true;
+  if (!sm90_bwd_dq_red() && launch_bwd_sm90_ws<T, Traits, kVariant, true, kHeadDim>(p, stream)) return true;
+  if (launch_bwd_sm90_ws<T, Traits, kVariant, false, kHeadDim>(p, stream)) return true;
   return launch_bwd_sm90<T, Traits, kVariant>(p, stream);
 }
 

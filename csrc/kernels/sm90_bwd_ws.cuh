@@ -327,7 +327,7 @@ __device__ __forceinline__ void bwd_ws_block(const BwdParams& p, const TmaMaps& 
   constexpr int kBlockM = Cfg::kBlockM;
   constexpr int kStages = Cfg::kStages;
   extern __shared__ unsigned char smem_raw[];
-  const Smem<T, Cfg> sm(aligned_smem_base(smem_raw));
+  const Smem<T, Cfg> sm(aligned_smem_base<true>(smem_raw));
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   if (threadIdx.x == 0) {

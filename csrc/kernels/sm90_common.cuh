@@ -80,10 +80,22 @@ __device__ __forceinline__ void load_tile_swizzled(T* smem, const T* gmem, int64
 }
 
 // The dynamic shared-memory base rounded up to the 1024-byte alignment of the swizzle
-// pattern (kernels request 1024 bytes more than their tiles need).
+// pattern (kernels request 1024 bytes more than their tiles need). kSharedSpace: as an offset
+// added to raw rather than an integer round trip, so that the compiler still knows every pointer
+// derived from the base is shared memory and emits STS / LDS instead of generic ST.E / LD.E
+// (the backward); the forward keeps the round trip: with the shared form its 160-register
+// configurations (d = 64 with three consumer warpgroups, d = 256) spill 8 bytes. The shared
+// window's address decides the alignment; the generic window is aligned far beyond 1024 bytes,
+// so both forms give the same base.
+template <bool kSharedSpace = false>
 __device__ __forceinline__ unsigned char* aligned_smem_base(unsigned char* raw) {
-  return reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(raw) + 1023) &
-                                          ~static_cast<uintptr_t>(1023));
+  if constexpr (kSharedSpace) {
+    const uint32_t misalign = static_cast<uint32_t>(__cvta_generic_to_shared(raw)) & 1023u;
+    return raw + ((1024u - misalign) & 1023u);
+  } else {
+    return reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(raw) + 1023) &
+                                            ~static_cast<uintptr_t>(1023));
+  }
 }
 
 // ---------------------------------------------------------------------------------

@@ -270,7 +270,7 @@ __device__ __forceinline__ void bwd_dkdv_block(const BwdParams& p) {
   constexpr int kQTile = kBlockM * kD;  // elements of one Q or dO stage
 
   extern __shared__ unsigned char smem_raw[];
-  unsigned char* smem = aligned_smem_base(smem_raw);
+  unsigned char* smem = aligned_smem_base<true>(smem_raw);
   T* sK = reinterpret_cast<T*>(smem);
   T* sV = sK + kBlockN * kD;
   T* sQ = sV + kBlockN * kD;   // [2] stages
@@ -407,7 +407,7 @@ __device__ __forceinline__ void bwd_dq_block(const BwdParams& p) {
   constexpr int kKTile = kBlockN * kD;
 
   extern __shared__ unsigned char smem_raw[];
-  unsigned char* smem = aligned_smem_base(smem_raw);
+  unsigned char* smem = aligned_smem_base<true>(smem_raw);
   T* sQ = reinterpret_cast<T*>(smem);
   T* sdO = sQ + kBlockM * kD;
   T* sK = sdO + kBlockM * kD;  // [2] stages

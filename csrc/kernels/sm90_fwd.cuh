@@ -112,7 +112,7 @@ __device__ __forceinline__ void fwd_sm90_block(const FwdParams& p) {
   using T = typename Cfg::T;
   constexpr int kD = Cfg::kHeadDim;
   extern __shared__ unsigned char smem_raw[];
-  unsigned char* smem = aligned_smem_base(smem_raw);
+  unsigned char* smem = aligned_smem_base<true>(smem_raw);
   T* sQ = reinterpret_cast<T*>(smem);
   T* sK = reinterpret_cast<T*>(smem + Cfg::kTileQ);                               // [kStages] tiles
   T* sV = reinterpret_cast<T*>(smem + Cfg::kTileQ + Cfg::kStages * Cfg::kTileKV);  // [kStages] tiles

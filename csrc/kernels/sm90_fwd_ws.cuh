@@ -94,6 +94,9 @@ struct WsConfig : FwdConfig<T_, kHeadDim_, kBlockN_, /*kWarpGroups=*/kConsumerWG
   static constexpr int kConsumerRegs = kConsumerWGs == 3 ? 160 : (kHeadDim_ <= 192 ? 232 : 240);
   static_assert(kConsumerWGs == 2 || (kConsumerWGs == 3 && kHeadDim_ == 64), "measured shapes");
   static_assert(128 * kProducerRegs + kConsumerThreads * kConsumerRegs <= 65536, "one CTA per SM");
+  // Shared-memory pointers that the compiler knows as such (aligned_smem_base), except where
+  // that form spills (three consumer warpgroups, d = 256: 8 bytes).
+  static constexpr bool kSharedBase = kConsumerWGs == 2 && kHeadDim_ <= 192;
   // q_full, q_empty, k_full / v_full / k_empty / v_empty per stage, then the two tile slots.
   static constexpr size_t kBarrierBytes = sizeof(uint64_t) * (2 + 4 * kStages) + 2 * sizeof(int);
   static constexpr size_t kRingBytes = Base::kTileQ + 2 * kStages * Base::kTileKV;
@@ -418,7 +421,7 @@ __device__ __forceinline__ void fwd_ws_block(const FwdParams& p, const TmaMaps& 
   using T = typename Cfg::T;
   constexpr int kStages = Cfg::kStages;
   extern __shared__ unsigned char smem_raw[];
-  unsigned char* smem = aligned_smem_base(smem_raw);
+  unsigned char* smem = aligned_smem_base<Cfg::kSharedBase>(smem_raw);
   T* sQ = reinterpret_cast<T*>(smem);
   T* sO = reinterpret_cast<T*>(smem + Cfg::kTileQ + 2 * kStages * Cfg::kTileKV);
   uint64_t* bars = reinterpret_cast<uint64_t*>(smem + Cfg::kTileQ + 2 * kStages * Cfg::kTileKV + Cfg::kTileO);

@@ -436,6 +436,38 @@ __device__ __forceinline__ void store_rows(const float (&acc)[kMTiles][kHeadDim 
     }
 }
 
+// store_rows for a warp's 16 rows through its own rows of shared memory (swarp: 16 x
+// kStagedStride elements, padded so that the fragment writes of a warp hit 32 different
+// banks): the global stores become 16-byte vectors, two whole 128-element rows per warp
+// instruction, instead of 4-byte pairs spread over 8 rows (half-used 32-byte sectors). The
+// destination rows must be 16-byte aligned (d and the row stride multiples of 8 elements, as
+// for every output flash_cuda allocates).
+template <int kHeadDim>
+constexpr int kStagedStride = kHeadDim + 8;
+template <typename T, int kHeadDim>
+__device__ __forceinline__ void store_rows_staged(const float (&acc)[1][kHeadDim / 8][4], T* swarp, T* gmem,
+                                                  int64_t row_stride, int rows_valid, int d, float scale) {
+  constexpr int kStride = kStagedStride<kHeadDim>;
+  const int lane = threadIdx.x % 32;
+  const int g = lane / 4, t = lane % 4;
+#pragma unroll
+  for (int j = 0; j < kHeadDim / 8; ++j)
+#pragma unroll
+    for (int half = 0; half < 2; ++half)
+      *reinterpret_cast<uint32_t*>(swarp + (g + 8 * half) * kStride + 8 * j + 2 * t) =
+          pack2<T>(acc[0][j][2 * half] * scale, acc[0][j][2 * half + 1] * scale);
+  __syncwarp();
+  constexpr int kChunks = kHeadDim / 8;
+#pragma unroll
+  for (int c = lane; c < 16 * kChunks; c += 32) {
+    const int r = c / kChunks, col = (c % kChunks) * 8;
+    if (r < rows_valid && col < d) {
+      *reinterpret_cast<uint4*>(gmem + r * row_stride + col) = *reinterpret_cast<const uint4*>(swarp + r * kStride + col);
+    }
+  }
+  __syncwarp();  // the rows are read before the warp writes them again
+}
+
 // ---------------------------------------------------------------------------------
 // dK/dV kernel. grid (ceil(sk / kKVBlockN), hkv, b). kDoDV / kDoDK select what this launch
 // accumulates (both, or one of them when Cfg::kSplitDKDV).

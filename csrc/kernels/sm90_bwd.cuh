@@ -199,18 +199,27 @@ __device__ __forceinline__ void add_dq_atomic(const BwdParams& p, const SeqInfo&
   }
 }
 
-// A warp's 16 keys of dK (scaled) and dV, rows past the sequence left out.
-template <typename T, int kD>
+// A warp's 16 keys of dK (scaled) and dV, rows past the sequence left out; through the warp's
+// own staging rows swarp (bwd_mma::store_rows_staged) where the kernel has them, else straight
+// from registers.
+template <typename T, int kD, bool kStaged = false>
 __device__ __forceinline__ void store_dk_dv(const BwdParams& p, const SeqInfo& seq,
                                             const float (&acc_dk)[1][kD / 8][4],
-                                            const float (&acc_dv)[1][kD / 8][4], int hkv, int warp_key0) {
+                                            const float (&acc_dv)[1][kD / 8][4], int hkv, int warp_key0,
+                                            T* swarp = nullptr) {
   const int rows_valid = seq.sk - warp_key0;
-  T* dv = seq.k_rows(static_cast<T*>(p.dv), p.dv_batch_stride, p.dv_head_stride, p.dv_row_stride, hkv) +
-          static_cast<int64_t>(warp_key0) * p.dv_row_stride;
-  bwd_mma::store_rows<T, 1, kD>(acc_dv, dv, p.dv_row_stride, rows_valid, p.d, 1.f);
-  T* dk = seq.k_rows(static_cast<T*>(p.dk), p.dk_batch_stride, p.dk_head_stride, p.dk_row_stride, hkv) +
-          static_cast<int64_t>(warp_key0) * p.dk_row_stride;
-  bwd_mma::store_rows<T, 1, kD>(acc_dk, dk, p.dk_row_stride, rows_valid, p.d, p.scale);
+  auto store = [&](const float(&acc)[1][kD / 8][4], void* base, int64_t batch_stride, int64_t head_stride,
+                   int64_t row_stride, float scale) {
+    T* rows = seq.k_rows(static_cast<T*>(base), batch_stride, head_stride, row_stride, hkv) +
+              static_cast<int64_t>(warp_key0) * row_stride;
+    if constexpr (kStaged) {
+      bwd_mma::store_rows_staged<T, kD>(acc, swarp, rows, row_stride, rows_valid, p.d, scale);
+    } else {
+      bwd_mma::store_rows<T, 1, kD>(acc, rows, row_stride, rows_valid, p.d, scale);
+    }
+  };
+  store(acc_dv, p.dv, p.dv_batch_stride, p.dv_head_stride, p.dv_row_stride, 1.f);
+  store(acc_dk, p.dk, p.dk_batch_stride, p.dk_head_stride, p.dk_row_stride, p.scale);
 }
 
 // dq = scale * dq_accum for the row layout of add_dq_atomic, one warp per row; a packed batch

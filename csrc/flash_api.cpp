@@ -553,12 +553,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(
     }
   }
   // The Hopper backward's dQ accumulated across key blocks (launch.h: sm90_bwd_mode; the
-  // warp-specialized kernel on dense batches by default): a zero-filled fp32 workspace of about
-  // B * Hq * Sq * D * 4 bytes, which the kernels' launcher converts into dq.
+  // warp-specialized kernel, dense and packed batches, by default): a zero-filled fp32 workspace
+  // of about B * Hq * Sq * D * 4 bytes (packed: Hq * total_q * D * 4 plus a partial tile per
+  // sequence, launch.h: sm90_dq_accum_floats), which the kernels' launcher converts into dq.
   at::Tensor dq_accum;
   if ((t == Tier::kAuto || t == Tier::kWgmma || t == Tier::kWgmmaWs) && !deterministic && p.sm_arch == 90 &&
-      sm90_bucket(p.d) && variant_of(p, /*backward=*/true) != kSoftcapGrad &&
-      ((sm90_bwd_ws() && !s.varlen) || sm90_dq_atomic())) {
+      sm90_bucket(p.d) && variant_of(p, /*backward=*/true) != kSoftcapGrad && (sm90_bwd_ws() || sm90_dq_atomic())) {
     dq_accum = at::zeros({sm90_dq_accum_floats(p, lse.numel())}, q.options().dtype(at::kFloat));
     p.dq_accum = dq_accum.data_ptr<float>();
   }

@@ -79,7 +79,7 @@ inline int ws_exp2_poly_every() { return ws_env_int("FLASH_CUDA_WS_EXP2_POLY"); 
 // The Hopper backward (deterministic=False; deterministic=True always runs the two-kernel path):
 //   FLASH_CUDA_SM90_BWD=ws (default)  the warp-specialized kernel (sm90_bwd_ws.cuh): TMA producer,
 //       5 products per block pair, dQ added into an fp32 workspace by a writer warp's bulk
-//       reductions; packed (varlen) batches run the two-kernel path
+//       reductions; dense and packed (varlen) batches
 //   FLASH_CUDA_SM90_BWD=atomic        the cp.async dK/dV kernel adding dQ with atomics
 //   FLASH_CUDA_SM90_BWD=split         the cp.async dK/dV kernel and a separate dQ kernel (7 products)
 inline std::string sm90_bwd_mode() {
@@ -91,14 +91,45 @@ inline bool sm90_dq_atomic() { return sm90_bwd_mode() == "atomic"; }
 // FLASH_CUDA_SM90_BWD_DQ_RED=1: the warp-specialized backward adds dQ with red.global atomics from
 // the consumers' registers instead of staging it for the writer warp's bulk reductions.
 inline bool sm90_bwd_dq_red() { return ws_env_int("FLASH_CUDA_SM90_BWD_DQ_RED") != 0; }
+// Query rows per step of the Hopper backward's dK/dV kernels at a head-dim bucket (sm90_bwd.cuh:
+// BwdTraits::kKVBlockM, which sm90_bwd_ws.cuh static_asserts against this): the height of the
+// warp-specialized backward's dQ tiles.
+constexpr int sm90_bwd_block_m(int bucket_d) { return bucket_d <= 64 ? 128 : 64; }
+
+// The tiles of the warp-specialized backward's dQ workspace (sm90_bwd_ws.cuh: DqTile, block_m x
+// bucket-d floats each), one per (sequence, query head, query block of block_m rows):
+//   dense:   tile (bi * hq + h) * ceil(sq / block_m) + m_block
+//   packed:  tile h * tiles_per_head + q_start / block_m + bi + m_block,
+//            tiles_per_head = total_q / block_m + b + 1   (integer divisions round down)
+// Packed, with M = block_m: sequence bi (first row a = q_start, n rows) takes ceil(n / M) tiles
+// from a / M + bi on, and a / M + ceil(n / M) <= (a + n) / M + 1 ends them at or before the next
+// sequence's first tile, (a + n) / M + bi + 1. So the tiles are unique without a table of prefix
+// sums, and, as a + n <= total_q also for cu_seqlens clamped into range (core/seqlen.cuh), every
+// index stays below total_q / M + b: tiles_per_head bounds them (the + 1 is slack).
+FLASH_HOST_DEVICE inline int64_t sm90_dq_tile_count(const FwdParams& p, int block_m) {
+  if (p.cu_seqlens_q != nullptr) return static_cast<int64_t>(p.hq) * (p.total_q / block_m + p.b + 1);
+  return static_cast<int64_t>(p.b) * p.hq * ((p.sq + block_m - 1) / block_m);
+}
+// kVarlen = false (a kPlain kernel): dense for sure, as in SeqInfo::make.
+template <bool kVarlen = true>
+FLASH_HOST_DEVICE inline int64_t sm90_dq_tile(const FwdParams& p, int bi, int h, int q_start, int m_block,
+                                              int block_m) {
+  if (kVarlen && p.cu_seqlens_q != nullptr) {
+    return static_cast<int64_t>(h) * (p.total_q / block_m + p.b + 1) + q_start / block_m + bi + m_block;
+  }
+  return (static_cast<int64_t>(bi) * p.hq + h) * ((p.sq + block_m - 1) / block_m) + m_block;
+}
+
 // The floats of the Hopper backward's dQ workspace (params.dq_accum): the rows of the statistics
-// (lse_rows) x d for the atomic layout, or whole 128-row query blocks of the head-dim bucket's
-// width per (batch, head) for the tile layout of the bulk reductions (sm90_bwd_ws.cuh, DqTile).
+// (lse_rows) x d for the atomic layout, or the tiles above at the head-dim bucket's width for
+// the bulk reductions (sm90_bwd_ws.cuh, DqTile), whichever is larger: a launcher that cannot run
+// the tile layout (a view TMA cannot address) falls back to the row layout in the same workspace.
 inline int64_t sm90_dq_accum_floats(const BwdParams& p, int64_t lse_rows) {
-  const int64_t bucket_d = (p.d + 63) / 64 * 64;
-  const int64_t tiles = static_cast<int64_t>(p.b) * p.hq * ((p.sq + 127) / 128 * 128) * bucket_d;
+  const int bucket_d = (p.d + 63) / 64 * 64;
+  const int block_m = sm90_bwd_block_m(bucket_d);
+  const int64_t tiles = sm90_dq_tile_count(p, block_m) * block_m * bucket_d;
   const int64_t rows = lse_rows * p.d;
-  return p.cu_seqlens_q != nullptr || rows > tiles ? rows : tiles;
+  return rows > tiles ? rows : tiles;
 }
 
 }  // namespace flash_cuda

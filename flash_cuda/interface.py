@@ -727,11 +727,12 @@ _FEATURES_DOC = r"""
         deterministic: ``True`` makes every backward bitwise reproducible run to run.
             By default two backwards add dQ across key blocks in an unordered way (so dq
             can differ in its last bits between runs; dk, dv do not): the float32 one (float
-            atomics) and, on sm_90, the float16 / bfloat16 one for dense batches at head dims
-            33..128 (one warp-specialized kernel adding dQ into an fp32 workspace of about
-            B * Hq * Sq * D * 4 bytes, D rounded up to 64). ``True`` runs a separate dQ kernel instead, at a cost
-            in speed measured in OPTIMIZATION.md; the other 16-bit backwards are reproducible
-            either way.
+            atomics) and, on sm_90, the float16 / bfloat16 one at head dims 33..128, dense and
+            packed (:func:`varlen_attention`) batches alike (one warp-specialized kernel adding
+            dQ into an fp32 workspace of about B * Hq * Sq * D * 4 bytes, D rounded up to 64;
+            packed: Hq * (total_q + (B + 1) * M) * D * 4 bytes, M = 128 at D <= 64, else 64).
+            ``True`` runs a separate dQ kernel instead, at a cost in speed measured in
+            OPTIMIZATION.md; the other 16-bit backwards are reproducible either way.
         kernel: ``"auto"`` (default) picks by dtype, GPU and options: ``"simt"`` (float32
             CUDA-core kernels, true fp32 arithmetic) for float32; for float16 / bfloat16
             on sm_90 the Hopper kernels: a warp-specialized forward (TMA, persistent) for

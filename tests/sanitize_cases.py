@@ -140,6 +140,10 @@ CASES: List[Case] = [
     # ---- d = 192 / 256 and softcap / ALiBi on the warp-specialized Hopper forward ----
     Case(BF16, 1, 4, 2, 700, 900, 256, True, "bhsd"),
     Case(F16, 1, 2, 2, 300, 500, 192, False, "bshd", softcap=5.0, alibi="heads"),
+    # ---- a packed batch on the warp-specialized Hopper backward: blocks that run past their
+    # sequence (rows zeroed in shared memory), key blocks past a short sequence, GQA ----
+    _varlen_case(BF16, 4, 2, (100, 0, 1, 77, 200), (90, 3, 1, 150, 260), 128, True, "strided",
+                 window=(64, 0), dlse=True),
 ]
 
 

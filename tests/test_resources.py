@@ -9,7 +9,8 @@
   every dtype): memory_allocated returns to its baseline.
 * Workspace: the peak extra memory of the forward is out + lse, of the backward
   dq + dk + dv + delta (float32, B*H*Sq), each plus a small slack; also for transposed
-  inputs (no hidden contiguous copies).
+  inputs (no hidden contiguous copies); on Hopper plus the fp32 dQ workspace, for dense and
+  packed batches.
 * Streams: the kernels run on the current stream: correct behind a long op enqueued on a
   side stream, and complete (and correct) on a side stream while the default stream is
   still busy; two threads and two streams at once give the bitwise results of a serial
@@ -27,7 +28,7 @@ import torch
 
 import flash_cuda
 
-from attn_check import check_attention, hopper_skip_reason, make_inputs
+from attn_check import check_attention, hopper_skip_reason, make_inputs, make_varlen_inputs
 
 pytestmark = pytest.mark.gpu  # conftest skips these, with the reason, without a usable GPU
 
@@ -40,8 +41,8 @@ def _dt(dtype):
     return DT_IDS[dtype]
 
 
-# The Hopper backward of a dense 16-bit batch adds dQ into an fp32 workspace in a varying order
-# unless deterministic=True (README, "Determinism" and "Resources").
+# The Hopper backward of a 16-bit batch (dense or packed) adds dQ into an fp32 workspace in a
+# varying order unless deterministic=True (README, "Determinism" and "Resources").
 _HOPPER = torch.cuda.is_available() and hopper_skip_reason("") is None
 _ULP = {torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7, torch.float32: 5e-6}
 
@@ -205,6 +206,33 @@ def test_workspace_is_outputs_plus_row_stats(dtype, layout, deterministic):
     bound = grad_bytes + row_stats + dq_accum + SLACK
     assert extra <= bound, (f"backward peak extra {extra / MiB:.2f} MiB > {bound / MiB:.2f} MiB "
                             f"(grads {grad_bytes / MiB:.2f} MiB + delta {row_stats / MiB:.2f} MiB)")
+
+
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
+def test_packed_backward_workspace(D, deterministic):
+    """A packed batch's backward: dq + dk + dv + delta (Hq * total_q floats), and on Hopper
+    without deterministic=True the fp32 dQ tiles of the warp-specialized kernel: per head
+    total_q // M + B + 1 tiles of M rows x the head-dim bucket (M = 128 at D = 64, 64 at D = 128;
+    launch.h, sm90_dq_accum_floats)."""
+    lens_q, lens_k = (300, 1, 0, 700, 129, 64), (200, 64, 5, 700, 1000, 1)
+    Hq, Hkv, dtype = 8, 2, torch.bfloat16
+    q, k, v, cu_q, cu_k, mq, mk = make_varlen_inputs(lens_q, lens_k, Hq, Hkv, D, dtype, "cuda", seed=5)
+    qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
+    out = flash_cuda.varlen_attention(qq, kk, vv, cu_q, cu_k, mq, mk, is_causal=True,
+                                      deterministic=deterministic)
+    dout = torch.randn_like(out)
+    extra, grads = _peak_extra(lambda: torch.autograd.grad(out, (qq, kk, vv), dout))
+    grad_bytes = sum(g.numel() * g.element_size() for g in grads)
+    total_q, B = sum(lens_q), len(lens_q)
+    row_stats = Hq * total_q * 4
+    block_m, bucket_d = (128, 64) if D <= 64 else (64, 128)
+    hopper_dq = _HOPPER and not deterministic
+    dq_accum = Hq * (total_q // block_m + B + 1) * block_m * bucket_d * 4 if hopper_dq else 0
+    bound = grad_bytes + row_stats + dq_accum + SLACK
+    assert extra <= bound, (f"packed backward peak extra {extra / MiB:.2f} MiB > {bound / MiB:.2f} MiB "
+                            f"(grads {grad_bytes / MiB:.2f} MiB + delta {row_stats / MiB:.2f} MiB + "
+                            f"dQ workspace {dq_accum / MiB:.2f} MiB)")
 
 
 # ---------------------------------------------------------------------------------------

@@ -1,8 +1,8 @@
 """The Hopper backward's three shapes (launch.h: sm90_bwd_mode), each held to the float64 rule of
 every other kernel (tests/attn_check.py), head dims 33..128 (65..96 on the 128-wide kernels), deterministic=False:
   ws      (default) the warp-specialized kernel, csrc/kernels/sm90_bwd_ws.cuh: a TMA producer,
-          5 products per block pair, dQ into an fp32 workspace (dense batches) by a writer warp's
-          bulk reductions (one dS^T buffer at d = 64, two at d = 128)
+          5 products per block pair, dQ into an fp32 workspace (dense and packed batches) by a
+          writer warp's bulk reductions (one dS^T buffer at d = 64, two at d = 128)
   ws_red  the same kernel with dQ by atomics (FLASH_CUDA_SM90_BWD_DQ_RED=1)
   atomic  the cp.async dK/dV kernel adding dQ by atomics (sm90_bwd.cuh, accumulate_dq_atomic)
   split   the cp.async dK/dV kernel and a dQ kernel (deterministic=True always runs this one)
@@ -12,8 +12,8 @@ GPU-only, sm_90 only."""
 import pytest
 import torch
 
-from attn_check import check_attention, check_varlen_attention, hopper_skip_reason, make_alibi_slopes, \
-    make_inputs, make_varlen_inputs
+from attn_check import ATOL_BASE, check_attention, check_varlen_attention, hopper_skip_reason, \
+    make_alibi_slopes, make_inputs, make_packed_tensor, make_varlen_inputs, rule_error
 
 
 _SKIP = hopper_skip_reason("the Hopper backward")
@@ -72,6 +72,92 @@ def test_sm90_bwd_packed_batch(mode, dtype):
     check_varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k, is_causal=True, label=f"sm90 bwd {mode} varlen")
 
 
+# Packed batches: (seqlens_q, seqlens_k, Hq, Hkv, D, is_causal, window, alibi, layout). Lengths 0
+# and 1, none a multiple of the 64 / 128-row blocks (a block's box then runs into the next
+# sequence, whose rows the producer zeroes), Sq != Sk both ways within one batch, key blocks that
+# start past a short sequence (max_seqlen_k spans several), many sequences inside one 128-row
+# block (the dQ tiles of each are distinct), GQA, ALiBi per head and per sequence, windows.
+VARLEN_CASES = [
+    ((1, 0, 130, 64, 257), (1, 7, 130, 200, 257), 4, 2, 128, True, (-1, -1), None, "contiguous"),
+    ((300, 17, 129, 0), (200, 517, 129, 5), 4, 1, 64, False, (-1, -1), "heads", "strided"),
+    ((513, 65, 1000), (700, 1, 999), 6, 2, 96, True, (64, 0), None, "offset"),
+    ((127, 128, 129), (129, 128, 127), 2, 2, 128, False, (100, 37), "batch", "contiguous"),
+    ((3, 5, 60, 1, 1, 130, 2, 64, 9), (7, 5, 1, 33, 2, 300, 2, 64, 200), 4, 2, 48, True, (-1, -1), None,
+     "contiguous"),
+    ((900, 40), (100, 300), 2, 1, 128, True, (-1, -1), "heads", "strided"),  # 800 rows see no key
+    ((77, 300), (300, 77), 8, 8, 80, False, (16, 16), None, "contiguous"),
+]
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("seqlens_q,seqlens_k,Hq,Hkv,D,is_causal,window,alibi,layout", VARLEN_CASES)
+def test_sm90_bwd_packed_batches(mode, dtype, seqlens_q, seqlens_k, Hq, Hkv, D, is_causal, window, alibi, layout):
+    seed = sum(seqlens_q) + D
+    q, k, v, cu_q, cu_k, max_q, max_k = make_varlen_inputs(seqlens_q, seqlens_k, Hq, Hkv, D, dtype, "cuda",
+                                                           layout=layout, seed=seed)
+    slopes = None
+    if alibi:
+        slopes = make_alibi_slopes(Hq, batch=len(seqlens_q) if alibi == "batch" else None, device="cuda", seed=seed)
+    check_varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k, is_causal=is_causal, window_size=window,
+                           alibi_slopes=slopes, label=f"sm90 bwd {mode} varlen", seed=seed)
+
+
+# The NaN isolation case: sequence 1 is poisoned; sequence 0's last query block (100 rows) and
+# last key block (90 keys) run into it, and sequences 2, 3 follow it.
+_ISO_Q, _ISO_K = (100, 77, 200, 50), (90, 150, 33, 260)
+
+
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
+@pytest.mark.parametrize("which", ["q", "k", "v", "dout"])
+def test_sm90_bwd_packed_nonfinite_stays_in_its_sequence(mode, which, value, D):
+    """NaN or Inf in every row of one sequence's q, k, v or dout: every other sequence's dq, dk,
+    dv are finite and hold the float64 rule (in the packed tensors a TMA box at a sequence's end
+    reads the next sequence's rows, which must act as zeros)."""
+    import flash_cuda
+    from flash_cuda.reference import attention_varlen_naive
+
+    dtype, Hq, Hkv, poisoned = BF16, 4, 2, 1
+    q, k, v, cu_q, cu_k, max_q, max_k = make_varlen_inputs(_ISO_Q, _ISO_K, Hq, Hkv, D, dtype, "cuda", seed=D)
+    dout = make_packed_tensor(sum(_ISO_Q), Hq, D, dtype, "cuda", seed=D + 1)
+    opts = dict(is_causal=False)
+
+    def rows(cu, b):
+        return slice(int(cu[b]), int(cu[b + 1]))
+
+    bad = {"q": q.clone(), "k": k.clone(), "v": v.clone(), "dout": dout.clone()}
+    bad[which][rows(cu_q if which in ("q", "dout") else cu_k, poisoned)] = value
+    qf, kf, vf = (bad[n].detach().requires_grad_() for n in ("q", "k", "v"))
+    out = flash_cuda.varlen_attention(qf, kf, vf, cu_q, cu_k, max_q, max_k, **opts)
+    grads = torch.autograd.grad(out, (qf, kf, vf), bad["dout"])
+
+    # References on the clean inputs: the other sequences do not depend on sequence 1.
+    refs, lse64 = {}, None
+    for name, rdtype in (("ref64", torch.float64), ("naive", dtype)):
+        qr, kr, vr = (t.detach().to(rdtype).requires_grad_() for t in (q, k, v))
+        o_r, l_r = attention_varlen_naive(qr, kr, vr, cu_q, cu_k, **opts)
+        refs[name] = torch.autograd.grad(o_r, (qr, kr, vr), dout.to(rdtype))
+        lse64 = l_r.detach() if lse64 is None else lse64
+    keep_q = torch.ones(q.shape[0], dtype=torch.bool, device="cuda")
+    keep_k = torch.ones(k.shape[0], dtype=torch.bool, device="cuda")
+    keep_q[rows(cu_q, poisoned)] = False
+    keep_k[rows(cu_k, poisoned)] = False
+    keeps = (keep_q, keep_k, keep_k)
+    grad_mag = max([1.0] + [float(g[m].abs().max()) for g, m in zip(refs["ref64"], keeps)])
+    score_mag = float(lse64[:, keep_q].abs().max())  # every kept row sees a key (not causal)
+    problems = []
+    for name, g, g64, gn, keep in zip(("dq", "dk", "dv"), grads, refs["ref64"], refs["naive"], keeps):
+        if not bool(torch.isfinite(g[keep]).all()):
+            problems.append(f"{name}: {int((~torch.isfinite(g[keep])).sum())} non-finite values outside "
+                            f"sequence {poisoned}")
+            continue
+        _, problem = rule_error(name, g, g64, gn, ATOL_BASE[dtype], mask=keep, min_mag=grad_mag,
+                                score_mag=score_mag, head_dim=D)
+        if problem:
+            problems.append(problem)
+    assert not problems, f"[{mode}] {which} = {value} in sequence {poisoned}, D={D}:\n  " + "\n  ".join(problems)
+
+
 def test_sm90_bwd_negative_scale_and_large_values(mode):
     q, k, v = make_inputs(1, 4, 2, 600, 600, 128, BF16, "cuda", seed=5)
     check_attention(q * 4, k, v, is_causal=False, scale=-0.2, label=f"sm90 bwd {mode} scale<0", seed=5)
@@ -116,3 +202,43 @@ def test_each_mode_runs_its_kernels(mode, unset, D, monkeypatch):
     # WsBwdConfig<BwdTraits<D>, kBulkDq, kStages>: the demangler writes the bool as true or (bool)1.
     bulk = re.search(r"WsBwdConfig<[^<>]*BwdTraits<[^<>]*>\s*,\s*(true|\(bool\)1)", names) is not None
     assert bulk == (mode == "ws"), names
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
+@pytest.mark.parametrize("D", [64, 128])
+def test_packed_batch_runs_its_kernels(mode, deterministic, D):
+    """The route of a packed batch's backward (varlen_attention): the warp-specialized kernel in
+    ws and ws_red (the bulk dQ variant and its tile converter only in ws), the cp.async kernels
+    otherwise; deterministic=True always the two-kernel path, whose dQ kernel runs then."""
+    import re
+
+    import flash_cuda
+
+    q, k, v, cu_q, cu_k, max_q, max_k = make_varlen_inputs((300, 0, 129, 64), (200, 5, 300, 64), 4, 2, D, BF16,
+                                                           "cuda", seed=3)
+    qf, kf, vf = (t.detach().requires_grad_() for t in (q, k, v))
+    out = flash_cuda.varlen_attention(qf, kf, vf, cu_q, cu_k, max_q, max_k, is_causal=True,
+                                      deterministic=deterministic)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        torch.autograd.grad(out, (qf, kf, vf), torch.ones_like(out))
+        torch.cuda.synchronize()
+    names = " ".join(e.name for e in prof.events())
+    ws = mode.startswith("ws") and not deterministic
+    assert ("bwd_sm90_ws_kernel" in names) == ws, names
+    assert ("bwd_dq_sm90_kernel" in names) == (mode == "split" or deterministic), names
+    bulk = re.search(r"WsBwdConfig<[^<>]*BwdTraits<[^<>]*>\s*,\s*(true|\(bool\)1)", names) is not None
+    assert bulk == (ws and mode == "ws"), names
+    assert ("convert_dq_tiles_kernel" in names) == (ws and mode == "ws"), names
+
+
+def test_packed_batch_deterministic_is_bitwise(mode):
+    """deterministic=True on a packed batch keeps the two-kernel path: bitwise equal gradients."""
+    import flash_cuda
+
+    q, k, v, cu_q, cu_k, max_q, max_k = make_varlen_inputs((300, 1, 129), (200, 77, 300), 4, 2, 128, F16, "cuda", seed=4)
+    grads = []
+    for _ in range(2):
+        qf, kf, vf = (t.detach().requires_grad_() for t in (q, k, v))
+        out = flash_cuda.varlen_attention(qf, kf, vf, cu_q, cu_k, max_q, max_k, is_causal=True, deterministic=True)
+        grads.append(torch.autograd.grad(out, (qf, kf, vf), torch.ones_like(out)))
+    assert all(torch.equal(a, b) for a, b in zip(*grads))

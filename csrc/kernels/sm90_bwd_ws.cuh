@@ -28,9 +28,18 @@
 //   dV += P^T dO, dK += dS^T Q (register A operands) ; stage dS^T ; barrier ; dQ = dS K ;
 //   dQ to the writer (kBulkDq) or to atomics
 //
-// Scope: dense batches (kPlain, and kExtended with ALiBi), head dims 64 and 128, fp16 / bf16,
-// causal, windows, Sq != Sk, GQA (the CTA walks the query heads of its KV head), views TMA can
-// address; the launcher returns false otherwise and the caller runs sm90_bwd.cuh.
+// Packed (varlen) batches (kExtended): one CTA per (128 keys of a sequence, KV head, sequence),
+// grid sized by max_seqlen_k; a CTA whose keys start past its sequence's end does nothing but
+// stop the dQ writer. The tensor maps span the packed rows (batch extent 1), so a box at a
+// sequence's end reads the first rows of the next sequence: those rows are zeroed in shared
+// memory before the consumers see the tiles (load_pair), which restores exactly what TMA's zero
+// fill gives a dense batch, and keeps one sequence's NaN / Inf out of every other's gradients.
+// dQ tiles are one per (sequence, head, query block) (launch.h: sm90_dq_tile).
+//
+// Scope: dense batches (kPlain, and kExtended with ALiBi) and packed ones (kExtended), head dims
+// 64 and 128 (33..128 through the buckets), fp16 / bf16, causal, windows, Sq != Sk, GQA (the CTA
+// walks the query heads of its KV head), views TMA can address; the launcher returns false
+// otherwise and the caller runs sm90_bwd.cuh.
 #pragma once
 
 #include "sm90_async.cuh"
@@ -77,10 +86,11 @@ struct WsBwdConfig : Traits {
   static constexpr int kLaunchRegs = 65536 / kThreads / 8 * 8;
   // The split, from ptxas -v (no spills): the atomic variant's consumers need 240. With the dQ
   // writer beside the producer that warpgroup needs 32 (it spills at 24), and at d = 64 (128-query
-  // steps) the plain kernel's needs 40, while its ALiBi variant's consumers need 232.
+  // steps) 40 (the extended variant's, with a packed batch's row zeroing, spills at 32), while the
+  // extended variant's consumers need 232.
   template <int kVariant>
   static constexpr int producer_regs() {
-    return !kBulkDq ? 24 : (kD == 64 && kVariant == kPlain) ? 40 : 32;
+    return !kBulkDq ? 24 : kD == 64 ? 40 : 32;
   }
   template <int kVariant>
   static constexpr int consumer_regs() {
@@ -92,12 +102,14 @@ struct WsBwdConfig : Traits {
                         kConsumerThreads * (consumer_regs<kExtended>() - kLaunchRegs),
                 "the consumers' registers come from the producer's");
   static_assert(Traits::kKVWarpGroups == 2, "two consumer warpgroups of 64 keys");
+  static_assert(kBlockM == sm90_bwd_block_m(kD), "the dQ workspace is sized with this tile height (launch.h)");
   // dQ staging (kBulkDq), two buffers: a query block's kBlockM x d floats in the order of the
   // accumulator fragments (DqTile), as the workspace holds them.
   static constexpr uint32_t kTileDQ = kBulkDq ? kBlockM * kD * 4 : 0;
   static constexpr size_t kStats = 2 * size_t(kStages) * kBlockM * sizeof(float);
-  // kv_full, q_full[kStages], q_empty[kStages], dq_full[2], dq_empty[2], ds_empty, and the dQ slots[2]
-  static constexpr int kBarriers = 8 + 2 * kStages;
+  // kv_full, q_full[kStages], q_empty[kStages], dq_full[2], dq_empty[2], ds_empty, tail, and the
+  // dQ slots[2]
+  static constexpr int kBarriers = 9 + 2 * kStages;
   // K | V | Q[kStages] | dO[kStages] | dS^T[kDsBuffers] | dQ[2] | lse[kStages] | delta[kStages] | barriers
   static constexpr size_t tiles(int ds_buffers) {
     return 2 * size_t(kTileKV) + 2 * size_t(kStages) * kTileQ + size_t(ds_buffers) * kTileDS + 2 * size_t(kTileDQ);
@@ -125,12 +137,13 @@ struct Smem {
   float* sdQ;    // [2][kBlockM * kD] (kBulkDq), DqTile order
   float* lse;    // [kStages][kBlockM]
   float* delta;  // [kStages][kBlockM]
-  uint64_t* kv_full;
-  uint64_t* q_full;   // [kStages]: Q, dO (bytes) and the lanes that wrote lse, delta
+  uint64_t* kv_full;  // K, V (bytes) and the producer's 32 lanes (load_pair)
+  uint64_t* q_full;   // [kStages]: Q, dO (bytes) and the producer's 32 lanes, which wrote lse, delta
   uint64_t* q_empty;  // [kStages]: one arrival per consumer thread
   uint64_t* dq_full;   // [2]: one arrival per consumer warp: sdQ[b] holds a block's dQ
   uint64_t* dq_empty;  // [2]: the writer's arrival: the bulk reduction has read sdQ[b]
   uint64_t* ds_empty;  // kDsBuffers == 1: one arrival per consumer thread: its dQ product has read sdS
+  uint64_t* tail;      // the producer's own: a packed block's tiles landed (bytes), before it zeroes rows
   // Where the block staged in sdQ[b] goes, published with dq_full[b]: its tile of dq_accum
   // (nullptr: no more blocks).
   float** dq_dst;  // [2]
@@ -150,7 +163,8 @@ struct Smem {
     dq_full = q_empty + Cfg::kStages;
     dq_empty = dq_full + 2;
     ds_empty = dq_empty + 2;
-    dq_dst = reinterpret_cast<float**>(ds_empty + 1);
+    tail = ds_empty + 1;
+    dq_dst = reinterpret_cast<float**>(tail + 1);
   }
   __device__ __forceinline__ float* dq(int b) const { return sdQ + b * (Cfg::kTileDQ / 4); }
   __device__ __forceinline__ T* q(int s) const { return sQ + s * (Cfg::kTileQ / 2); }
@@ -162,14 +176,16 @@ struct Smem {
 struct Steps {
   BlockRange m_range;
   int h_begin, h_end;
-  int count;  // m_range.count() * (h_end - h_begin)
+  int count;  // m_range.count() * (h_end - h_begin), 0 when the keys start past the sequence
   __device__ __forceinline__ static Steps make(const AttnMask& mask, int n0, int block_n, int block_m, int hkv,
                                                int group) {
     Steps st;
     st.m_range = BlockRange::queries_of(mask, n0, n0 + block_n, block_m);
     st.h_begin = hkv * group;
     st.h_end = st.h_begin + group;
-    st.count = st.m_range.count() * group;
+    // Keys starting past the sequence (a packed batch's shorter sequences): no step, no load; the
+    // query range alone would not say so (without a left bound every query "sees" key n0).
+    st.count = n0 < mask.sk ? st.m_range.count() * group : 0;
     return st;
   }
   __device__ __forceinline__ int head(int i) const { return h_begin + i / m_range.count(); }
@@ -178,19 +194,78 @@ struct Steps {
   __device__ __forceinline__ static int parity(int i, int stages) { return (i / stages) & 1; }
 };
 
-template <typename T, typename Cfg>
-__device__ __forceinline__ void produce(const BwdParams& p, const TmaMaps& maps, const Smem<T, Cfg>& sm,
-                                        const Steps& steps, const SeqInfo& seq, int n0, int hkv, int bi, int lane) {
+// Zeroes rows [valid, kRows) of a tile of kSlabs slabs, each kRows rows of 128 bytes (64
+// columns). The 128-byte swizzle permutes the 16-byte chunks within a row, never across rows, so
+// whole rows are zeroed whatever the pattern. One producer warp, 16-byte stores.
+template <int kRows, int kSlabs>
+__device__ __forceinline__ void zero_rows(const void* tile, int valid, int lane) {
 #if FLASH_SM90_ENABLED
-  if (steps.count == 0) return;  // no query sees these keys: nothing to load (dK = dV = 0)
-  if (lane == 0) {
-    mbarrier_arrive_expect_tx(sm.kv_full, 2 * Cfg::kTileKV);
+  const uint32_t first = smem_addr(tile) + valid * kSwizzleBytes;
+  const int chunks = (kRows - valid) * (kSwizzleBytes / 16);
 #pragma unroll
-    for (int c = 0; c < Cfg::kSlabs; ++c) {
-      tma_load_4d(sm.sK + c * Cfg::kBlockN * kSlabCols, &maps.k, sm.kv_full, c * kSlabCols, n0, hkv, bi);
-      tma_load_4d(sm.sV + c * Cfg::kBlockN * kSlabCols, &maps.v, sm.kv_full, c * kSlabCols, n0, hkv, bi);
+  for (int slab = 0; slab < kSlabs; ++slab) {
+#pragma unroll 1
+    for (int i = lane; i < chunks; i += 32) {
+      asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(first + slab * kRows * kSwizzleBytes + i * 16),
+                   "r"(0)
+                   : "memory");
     }
   }
+#endif
+}
+
+// Two tiles of kRows rows (K and V, or Q and dO) from row `row` of head h, batch entry b of their
+// maps, published on `full`, which counts the 32 producer lanes (and the bytes). Only the first
+// `valid` rows belong to the block's sequence. valid == kRows (every dense block; a packed one
+// inside its sequence): lane 0 announces the bytes, the TMA completes them on `full`, the other
+// lanes arrive (after their lse / delta stores). valid < kRows (a packed block at its sequence's
+// end): the rows past it are the next sequence's, where a dense batch has TMA's zero fill. The
+// kernel relies on zeros there (zero Q, dO rows with lse = delta = 0 give finite P and dS that
+// the mask then zeroes; zero K, V rows add nothing to dQ), and a NaN or Inf of another sequence
+// would reach this one's gradients through 0 * NaN. So the tiles land on the producer's own
+// `tail` barrier first; the lanes zero those rows, fence them towards the async proxy (the
+// consumers' wgmma reads them) and then arrive on `full`, which carries no bytes this time.
+template <int kRows, typename T, typename Cfg>
+__device__ __forceinline__ void load_pair(T* dst0, const CUtensorMap* map0, T* dst1, const CUtensorMap* map1,
+                                          uint64_t* full, uint64_t* tail, int& tail_phase, int row, int h, int b,
+                                          int valid, int lane) {
+#if FLASH_SM90_ENABLED
+  const bool partial = valid < kRows;
+  uint64_t* bar = partial ? tail : full;
+  if (lane == 0) {
+    mbarrier_arrive_expect_tx(bar, 2 * kRows * Cfg::kD * 2);
+#pragma unroll
+    for (int c = 0; c < Cfg::kSlabs; ++c) {
+      tma_load_4d(dst0 + c * kRows * kSlabCols, map0, bar, c * kSlabCols, row, h, b);
+      tma_load_4d(dst1 + c * kRows * kSlabCols, map1, bar, c * kSlabCols, row, h, b);
+    }
+  }
+  if (partial) {
+    mbarrier_wait(tail, tail_phase);
+    tail_phase ^= 1;
+    zero_rows<kRows, Cfg::kSlabs>(dst0, valid, lane);
+    zero_rows<kRows, Cfg::kSlabs>(dst1, valid, lane);
+    fence_proxy_async();  // generic-proxy zeros, read next by the consumers' wgmma (async proxy)
+    __syncwarp();         // every lane is past this phase of `tail` before lane 0 arms the next
+    mbarrier_arrive(full);
+  } else if (lane != 0) {
+    mbarrier_arrive(full);  // releases this lane's lse / delta stores (Q, dO)
+  }
+#endif
+}
+
+template <typename T, typename Cfg, bool kVarlen>
+__device__ __forceinline__ void produce(const BwdParams& p, const TmaMaps& maps, const Smem<T, Cfg>& sm,
+                                        const Steps& steps, const SeqInfo& seq, int n0, int hkv, int lane) {
+#if FLASH_SM90_ENABLED
+  if (steps.count == 0) return;  // no query sees these keys, or none are left: nothing to load
+  // A packed batch's maps span the packed rows (batch extent 1): rows from the sequence's first,
+  // batch coordinate 0, and the blocks at its end have rows to zero (load_pair).
+  const bool packed = kVarlen && p.cu_seqlens_q != nullptr;
+  const int tb = packed ? 0 : seq.bi;
+  int tail_phase = 0;
+  load_pair<Cfg::kBlockN, T, Cfg>(sm.sK, &maps.k, sm.sV, &maps.v, sm.kv_full, sm.tail, tail_phase,
+                                  seq.k_start + n0, hkv, tb, packed ? seq.sk - n0 : Cfg::kBlockN, lane);
   // Steps in the consumers' order (heads outer), the stage and its parity carried along rather
   // than divided out: this warp runs on producer_regs() registers.
   const uint32_t stats = smem_addr(sm.lse) + lane * 4;
@@ -203,8 +278,9 @@ __device__ __forceinline__ void produce(const BwdParams& p, const TmaMaps& maps,
     for (int mb = steps.m_range.begin; mb < steps.m_range.end; ++mb) {
       const int m0 = mb * Cfg::kBlockM;
       mbarrier_wait(&sm.q_empty[s], phase ^ 1);  // the first pass finds it free
-      // Rows past the sequence read as lse = delta = 0: their Q and dO rows are zero (TMA's fill),
-      // so P = 1 there multiplies zeros, and their dQ is never added.
+      // Rows past the sequence read as lse = delta = 0: their Q and dO rows are zero (TMA's fill,
+      // or load_pair's zeroing in a packed batch), so P = 1 there multiplies zeros, and their dQ
+      // is never added.
 #pragma unroll
       for (int r = 0; r < Cfg::kBlockM; r += 32) {
         const bool valid = m0 + r + lane < seq.sq;
@@ -214,17 +290,8 @@ __device__ __forceinline__ void produce(const BwdParams& p, const TmaMaps& maps,
                      "n"(Cfg::kStages * Cfg::kBlockM * 4)
                      : "memory");
       }
-      if (lane == 0) {
-        mbarrier_arrive_expect_tx(&sm.q_full[s], 2 * Cfg::kTileQ);
-#pragma unroll
-        for (int c = 0; c < Cfg::kSlabs; ++c) {
-          tma_load_4d(sm.q(s) + c * Cfg::kBlockM * kSlabCols, &maps.q, &sm.q_full[s], c * kSlabCols, m0, h, bi);
-          tma_load_4d(sm.dout(s) + c * Cfg::kBlockM * kSlabCols, &maps.dout, &sm.q_full[s], c * kSlabCols, m0, h,
-                      bi);
-        }
-      } else {
-        mbarrier_arrive(&sm.q_full[s]);  // releases this lane's lse / delta writes
-      }
+      load_pair<Cfg::kBlockM, T, Cfg>(sm.q(s), &maps.q, sm.dout(s), &maps.dout, &sm.q_full[s], sm.tail, tail_phase,
+                                      seq.q_start + m0, h, tb, packed ? seq.sq - m0 : Cfg::kBlockM, lane);
       if (++s == Cfg::kStages) {
         s = 0;
         phase ^= 1;
@@ -234,10 +301,11 @@ __device__ __forceinline__ void produce(const BwdParams& p, const TmaMaps& maps,
 #endif
 }
 
-// The dQ workspace of the bulk variant: per (batch, query head, query block) one tile of
-// kBlockM x d floats in the order the two consumer warpgroups hold their dQ accumulators, so that
-// a staged block leaves shared memory as one contiguous bulk reduction and each thread writes
-// 16-byte vectors. Tile element (wg, j, ct, e) is fragment j of thread ct of warpgroup wg:
+// The dQ workspace of the bulk variant: per (sequence, query head, query block) one tile of
+// kBlockM x d floats (which tile, for dense and packed batches: launch.h, sm90_dq_tile) in the
+// order the two consumer warpgroups hold their dQ accumulators, so that a staged block leaves
+// shared memory as one contiguous bulk reduction and each thread writes 16-byte vectors. Tile
+// element (wg, j, ct, e) is fragment j of thread ct of warpgroup wg:
 //   float4 index (wg * kN / 8 + j) * 128 + ct;  e = 0, 1: row g, columns 2t, 2t + 1 of the
 //   fragment's 8 columns; e = 2, 3: row g + 8 (g = lane / 4, t = lane % 4, rows of warp ct / 32).
 // convert_dq_tiles_kernel reads it back into dq.
@@ -245,9 +313,9 @@ template <typename Cfg>
 struct DqTile {
   using Split = DqSplit<Cfg>;
   static constexpr int kFloats = Cfg::kBlockM * Cfg::kD;
-  __device__ __forceinline__ static int64_t offset(const BwdParams& p, int bi, int h, int m_block) {
-    const int64_t blocks = (p.sq + Cfg::kBlockM - 1) / Cfg::kBlockM;
-    return ((static_cast<int64_t>(bi) * p.hq + h) * blocks + m_block) * kFloats;
+  template <bool kVarlen = true>
+  __device__ __forceinline__ static int64_t offset(const BwdParams& p, const SeqInfo& seq, int h, int m_block) {
+    return sm90_dq_tile<kVarlen>(p, seq.bi, h, seq.q_start, m_block, Cfg::kBlockM) * kFloats;
   }
   // Where float4 v of a tile sits in the block: its first row and column (the second pair of
   // floats is 8 rows further down).
@@ -329,9 +397,13 @@ __device__ __forceinline__ void bwd_ws_block(const BwdParams& p, const TmaMaps& 
   extern __shared__ unsigned char smem_raw[];
   const Smem<T, Cfg> sm(aligned_smem_base<true>(smem_raw));
 
+  // Packed batches (kExtended only, flash_params.h: variant_of) read their sequence's offsets
+  // and mask from cu_seqlens; kPlain folds all of it to the dense constants.
+  constexpr bool kVarlen = kVariant != kPlain;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   if (threadIdx.x == 0) {
-    mbarrier_init(sm.kv_full, 1);
+    mbarrier_init(sm.kv_full, 32);
+    mbarrier_init(sm.tail, 1);
     for (int s = 0; s < kStages; ++s) {
       mbarrier_init(&sm.q_full[s], 32);
       mbarrier_init(&sm.q_empty[s], kConsumerThreads);
@@ -353,9 +425,9 @@ __device__ __forceinline__ void bwd_ws_block(const BwdParams& p, const TmaMaps& 
   if (warp < 4) {
     setmaxnreg_dec<Cfg::template producer_regs<kVariant>()>();
     if (warp == 0) {
-      const SeqInfo seq = SeqInfo::make<false>(p, bi);
-      const Steps steps = Steps::make(seq.mask<false>(p), n0, Cfg::kBlockN, kBlockM, hkv, p.hq / p.hkv);
-      produce<T, Cfg>(p, maps, sm, steps, seq, n0, hkv, bi, lane);
+      const SeqInfo seq = SeqInfo::make<kVarlen>(p, bi);
+      const Steps steps = Steps::make(seq.mask<kVarlen>(p), n0, Cfg::kBlockN, kBlockM, hkv, p.hq / p.hkv);
+      produce<T, Cfg, kVarlen>(p, maps, sm, steps, seq, n0, hkv, lane);
     } else if (Cfg::kBulkDq && warp == 1 && lane == 0) {
       write_dq<T, Cfg>(sm);
     }
@@ -364,8 +436,8 @@ __device__ __forceinline__ void bwd_ws_block(const BwdParams& p, const TmaMaps& 
 
   // ---- consumers: thread ct of 256; warpgroup wg owns keys n0 + 64 wg .. n0 + 64 wg + 63 ----
   setmaxnreg_inc<Cfg::template consumer_regs<kVariant>()>();
-  const SeqInfo seq = SeqInfo::make<false>(p, bi);
-  const AttnMask mask = seq.mask<false>(p);
+  const SeqInfo seq = SeqInfo::make<kVarlen>(p, bi);
+  const AttnMask mask = seq.mask<kVarlen>(p);
   const Steps steps = Steps::make(mask, n0, Cfg::kBlockN, kBlockM, hkv, p.hq / p.hkv);
   const int ct = threadIdx.x - 128;
   const int cwarp = ct / 32, wg = cwarp / 4;
@@ -461,7 +533,8 @@ __device__ __forceinline__ void bwd_ws_block(const BwdParams& p, const TmaMaps& 
     if (cta_sees_block) {
       fence_accumulator(acc_dq[0]);
       if constexpr (Cfg::kBulkDq) {
-        stage_dq<T, Cfg>(sm, acc_dq, p.dq_accum + DqTile<Cfg>::offset(p, bi, h, m0 / kBlockM), x++, wg, ct);
+        float* dst = p.dq_accum + DqTile<Cfg>::template offset<kVarlen>(p, seq, h, m0 / kBlockM);
+        stage_dq<T, Cfg>(sm, acc_dq, dst, x++, wg, ct);
       } else {
         add_dq_atomic<Cfg>(p, seq, acc_dq, h, m0, wg, ct);
       }
@@ -483,7 +556,7 @@ __device__ __forceinline__ void bwd_ws_block(const BwdParams& p, const TmaMaps& 
     named_barrier_sync(kDsBarrier, kConsumerThreads);
     store_dk_dv<T, kD, true>(p, seq, acc_dk, acc_dv, hkv, warp_key0, sm.q(0) + cwarp * 16 * bwd_mma::kStagedStride<kD>);
   } else {
-    store_dk_dv<T, kD>(p, seq, acc_dk, acc_dv, hkv, warp_key0);
+    store_dk_dv<T, kD>(p, seq, acc_dk, acc_dv, hkv, warp_key0);  // rows past the sequence left out
   }
 }
 
@@ -497,21 +570,24 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 #endif
 }
 
-// dq = scale * dq_accum for the tile layout of the bulk variant (DqTile): grid (query blocks, hq,
-// b), each thread a float4 of the tile at a time, the rows past the sequence and the columns past
-// d (the bucket's padding) left out.
+// dq = scale * dq_accum for the tile layout of the bulk variant (DqTile): grid (query blocks of
+// the longest sequence, hq, b), each thread a float4 of the tile at a time; blocks past their
+// sequence, the rows past it and the columns past d (the bucket's padding) left out.
 template <typename T, typename Cfg>
 __global__ void __launch_bounds__(256) convert_dq_tiles_kernel(const __grid_constant__ BwdParams p) {
-  const int mb = blockIdx.x, h = blockIdx.y, bi = blockIdx.z;
-  const float4* tile = reinterpret_cast<const float4*>(p.dq_accum + DqTile<Cfg>::offset(p, bi, h, mb));
-  T* dq = static_cast<T*>(p.dq) + bi * p.dq_batch_stride + h * p.dq_head_stride;
-  const int rows = min(Cfg::kBlockM, p.sq - mb * Cfg::kBlockM);
+  const int mb = blockIdx.x, h = blockIdx.y;
+  const SeqInfo seq = SeqInfo::make(p, blockIdx.z);
+  const int m0 = mb * Cfg::kBlockM;
+  if (m0 >= seq.sq) return;  // a packed batch's shorter sequences
+  const float4* tile = reinterpret_cast<const float4*>(p.dq_accum + DqTile<Cfg>::offset(p, seq, h, mb));
+  T* dq = seq.q_rows(static_cast<T*>(p.dq), p.dq_batch_stride, p.dq_head_stride, p.dq_row_stride, h);
+  const int rows = min(Cfg::kBlockM, seq.sq - m0);
   for (int v = threadIdx.x; v < DqTile<Cfg>::kFloats / 4; v += 256) {
     int row, col;
     DqTile<Cfg>::place(v, row, col);
     if (col >= p.d) continue;
     const float4 a = tile[v];
-    T* out = dq + static_cast<int64_t>(mb * Cfg::kBlockM + row) * p.dq_row_stride + col;
+    T* out = dq + static_cast<int64_t>(m0 + row) * p.dq_row_stride + col;
     if (row < rows) *reinterpret_cast<uint32_t*>(out) = pack2<T>(a.x * p.scale, a.y * p.scale);
     if (row + 8 < rows) *reinterpret_cast<uint32_t*>(out + 8 * p.dq_row_stride) = pack2<T>(a.z * p.scale, a.w * p.scale);
   }
@@ -521,24 +597,29 @@ __global__ void __launch_bounds__(256) convert_dq_tiles_kernel(const __grid_cons
 }  // namespace sm90
 
 // Launches delta's preprocess and the warp-specialized backward and returns true, or returns
-// false having launched nothing: no dq_accum workspace (deterministic=True), a packed batch,
-// or a view TMA cannot address.
+// false having launched nothing: no dq_accum workspace (deterministic=True), or a view TMA cannot
+// address.
 template <typename T, typename Traits, int kVariant, bool kBulkDq, int kDepth>
 bool launch_bwd_sm90_ws(const BwdParams& p, cudaStream_t stream) {
   using Cfg = sm90::bwd_ws::WsBwdConfig<Traits, kBulkDq, 2, kDepth>;
   auto kernel = sm90::bwd_ws::bwd_sm90_ws_kernel<T, Cfg, kVariant>;
-  if (!sm90_bwd_ws() || p.dq_accum == nullptr || p.cu_seqlens_q != nullptr || !sm90_kernel_built(kernel)) {
+  const bool packed = p.cu_seqlens_q != nullptr;
+  // A kPlain kernel reads no cu_seqlens: packed batches come as kExtended (variant_of).
+  if (!sm90_bwd_ws() || p.dq_accum == nullptr || (packed && kVariant == kPlain) || !sm90_kernel_built(kernel)) {
     return false;
   }
   const bool bf16 = p.dtype == DType::kBFloat16;
+  // Packed: every sequence's rows in one map of total rows and batch extent 1 (the batch strides,
+  // 0, are then never used); the kernel adds the sequence's first row to its coordinates.
+  const int q_rows = packed ? p.total_q : p.sq, k_rows = packed ? p.total_k : p.sk, batch = packed ? 1 : p.b;
   sm90::bwd_ws::TmaMaps maps;
-  if (!make_row_tensor_map(&maps.q, p.q, bf16, p.d, p.sq, p.hq, p.b, p.q_row_stride, p.q_head_stride,
+  if (!make_row_tensor_map(&maps.q, p.q, bf16, p.d, q_rows, p.hq, batch, p.q_row_stride, p.q_head_stride,
                            p.q_batch_stride, Cfg::kBlockM) ||
-      !make_row_tensor_map(&maps.dout, p.dout, bf16, p.d, p.sq, p.hq, p.b, p.do_row_stride, p.do_head_stride,
+      !make_row_tensor_map(&maps.dout, p.dout, bf16, p.d, q_rows, p.hq, batch, p.do_row_stride, p.do_head_stride,
                            p.do_batch_stride, Cfg::kBlockM) ||
-      !make_row_tensor_map(&maps.k, p.k, bf16, p.d, p.sk, p.hkv, p.b, p.k_row_stride, p.k_head_stride,
+      !make_row_tensor_map(&maps.k, p.k, bf16, p.d, k_rows, p.hkv, batch, p.k_row_stride, p.k_head_stride,
                            p.k_batch_stride, Cfg::kBlockN) ||
-      !make_row_tensor_map(&maps.v, p.v, bf16, p.d, p.sk, p.hkv, p.b, p.v_row_stride, p.v_head_stride,
+      !make_row_tensor_map(&maps.v, p.v, bf16, p.d, k_rows, p.hkv, batch, p.v_row_stride, p.v_head_stride,
                            p.v_batch_stride, Cfg::kBlockN)) {
     return false;
   }

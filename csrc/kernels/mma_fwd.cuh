@@ -439,8 +439,13 @@ __device__ __forceinline__ void normalize_output(float (&acc_o)[Cfg::kMTiles][Cf
   if constexpr (!kStaged) return;
   __syncwarp();
   constexpr int kChunksPerRow = Cfg::kHeadDim / 8;
+  // The lane read again, opaquely: in a persistent kernel (sm90_fwd_ws.cuh) the compiler would
+  // otherwise hoist this copy's per-lane rows and columns out of the tile loop and keep them live
+  // through the main loop (at d = 192, 24 chunks per row, a dozen registers).
+  int copy_lane;
+  asm volatile("mov.u32 %0, %%laneid;" : "=r"(copy_lane));
 #pragma unroll
-  for (int c = lane; c < Cfg::kWarpRows * kChunksPerRow; c += 32) {
+  for (int c = copy_lane; c < Cfg::kWarpRows * kChunksPerRow; c += 32) {
     const int r = c / kChunksPerRow;
     const int col = (c % kChunksPerRow) * 8;
     if (r < rows_valid && col < d) {

@@ -140,6 +140,13 @@ CASES: List[Case] = [
     # ---- d = 192 / 256 and softcap / ALiBi on the warp-specialized Hopper forward ----
     Case(BF16, 1, 4, 2, 700, 900, 256, True, "bhsd"),
     Case(F16, 1, 2, 2, 300, 500, 192, False, "bshd", softcap=5.0, alibi="heads"),
+    # ---- packed batches on the warp-specialized Hopper forward: boxes that read on into the next
+    #      sequence (the producer warp zeroes a partial last V block), tiles past a sequence's end
+    #      (skipped), more tiles than SMs ----
+    _varlen_case(BF16, 8, 2, (700, 1, 0, 129, 300, 64, 513), (650, 3, 5, 200, 129, 64, 1), 128, True,
+                 window=(200, 0)),
+    _varlen_case(F16, 4, 2, (129, 77, 200), (129, 200, 77), 64, False, "strided", softcap=5.0,
+                 alibi="batch"),
 ]
 
 

@@ -12,8 +12,8 @@
 // it needs; the producer refills a stage as soon as both consumer warpgroups released it.
 //
 // CTA: 3 warpgroups (384 threads), one per SM; 4 at d = 64 from Sq = 2048 (192-row tiles).
-// Warpgroup 0 is the producer: it gives up registers (setmaxnreg.dec) and one of its threads
-// issues the loads. Consumer warpgroup w (1, 2, and 3 with 192-row tiles) owns query rows
+// Warpgroup 0 is the producer: it gives up registers (setmaxnreg.dec), one of its warps walks
+// the tiles and that warp's lane 0 issues the loads. Consumer warpgroup w (1, 2, and 3 with 192-row tiles) owns query rows
 // 64(w-1) .. 64(w-1)+63 of the tile (setmaxnreg.inc): the accumulators of S (64 x kBlockN)
 // and O (64 x kHeadDim) live in its registers. The consumer loop is the four steps of the
 // online softmax (sm90_fwd.cuh / mma_fwd.cuh's helpers, split where the pipeline needs it):
@@ -648,7 +648,7 @@ __device__ __forceinline__ void fwd_ws_block(const FwdParams& p, const TmaMaps& 
            static_cast<int64_t>(w.row0) * p.o_row_stride;
     float* lse = p.softmax_lse + w.seq.stat_offset(p, tile.h) + w.row0;
     const int warp_rows_valid = min(16, w.rows_valid - 16 * cwarp);
-    fwd_mma::normalize_output<Cfg, Cfg::kStageO>(acc_o, row_sum, row_max, sO + cwarp * 16 * Cfg::kStride,
+    fwd_mma::normalize_output<Cfg, Cfg::kStageO, /*kInTileLoop=*/true>(acc_o, row_sum, row_max, sO + cwarp * 16 * Cfg::kStride,
                                    o + static_cast<int64_t>(16 * cwarp) * p.o_row_stride, p.o_row_stride,
                                    lse + 16 * cwarp, warp_rows_valid, p.d);
   }

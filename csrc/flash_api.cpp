@@ -287,7 +287,7 @@ template <int kDType, int kVariant> struct Sm90Fwd {
 template <int kDType, int kVariant> struct Sm90WsFwd {
   template <int kD> static bool run(const FwdParams& p, cudaStream_t s) {
     if constexpr (kVariant != kPlain && kD > 192) {
-      return false;  // no softcap / ALiBi instance at d = 256 (csrc/instances/generate.py)
+      return false;  // no extended instance at d = 256 (csrc/instances/generate.py)
     } else {
       return run_fwd_sm90_ws<kDType, kD, kVariant>(p, s);
     }
@@ -328,10 +328,11 @@ bool sm90_ws_bucket(int d) { return d > 32 && d <= 256; }
 
 // Whether the call goes to the warp-specialized forward (its launcher may still decline, having
 // launched nothing: a view TMA cannot address, a build without the 90a target). kernel='auto':
-// dense batches at every head dim it has (33..256), plain or with softcap / ALiBi (those
-// up to d = 192); kernel='wgmma': the head dims the Hopper backward also has; tier 4: always.
+// every head dim it has (33..256), plain dense batches, and packed batches or softcap /
+// ALiBi (the extended instances) up to d = 192; kernel='wgmma': the head dims the Hopper
+// backward also has; tier 4: always.
 bool ws_fwd_applies(const FwdParams& p, Tier tier, Variant variant) {
-  if (p.sm_arch != 90 || p.cu_seqlens_q != nullptr || !sm90_ws_bucket(p.d)) return false;
+  if (p.sm_arch != 90 || !sm90_ws_bucket(p.d)) return false;
   if (tier == Tier::kWgmmaWs) return true;
   if (!ws_enabled()) return false;
   if (tier == Tier::kWgmma) return sm90_bucket(p.d);
@@ -350,11 +351,11 @@ void dispatch_fwd(const FwdParams& p, Tier tier, cudaStream_t stream) {
   }
   const Variant variant = variant_of(p, /*backward=*/false);
   if (tier == Tier::kWgmmaWs) {
-    const bool launched = sm90_ws_bucket(p.d) && p.cu_seqlens_q == nullptr &&
-                          with_dtype_variant<Sm90WsFwd, Sm90WsBuckets>(p, variant, stream);
+    const bool launched = sm90_ws_bucket(p.d) && with_dtype_variant<Sm90WsFwd, Sm90WsBuckets>(p, variant, stream);
     TORCH_CHECK(launched,
                 "flash_cuda: the warp-specialized forward (tier 4) needs an sm_90 GPU, a build with the "
-                "90a target, head dim 33..256, a dense batch, and 16-byte aligned strides");
+                "90a target, head dim 33..256 (33..192 for a packed batch, softcap or ALiBi), and "
+                "16-byte aligned strides");
     return;
   }
   if (tier == Tier::kAuto || tier == Tier::kWgmma) {

@@ -42,8 +42,8 @@ template <int kDType, int kHeadDim, int kVariant> void run_bwd_mma(const BwdPara
 template <int kDType, int kHeadDim, int kVariant> bool run_fwd_sm90(const FwdParams& params, cudaStream_t stream);
 template <int kDType, int kHeadDim, int kVariant> bool run_bwd_sm90(const BwdParams& params, cudaStream_t stream);
 // The warp-specialized forward (TMA + mbarrier ring, producer warp, two consumer warpgroups),
-// dense calls (kPlain, or kExtended with softcap / ALiBi), head dims 64 / 128 / 192 / 256;
-// false (nothing launched) where it does not apply.
+// head dims 64 / 128 / 192 / 256 for kPlain, 64 / 128 / 192 for kExtended (packed batches,
+// softcap, ALiBi); false (nothing launched) where it does not apply.
 template <int kDType, int kHeadDim, int kVariant> bool run_fwd_sm90_ws(const FwdParams& params, cudaStream_t stream);
 
 // Its ablation switches, for the optimization record's ladder (read at every launch, a few

@@ -735,8 +735,8 @@ _FEATURES_DOC = r"""
             OPTIMIZATION.md; the other 16-bit backwards are reproducible either way.
         kernel: ``"auto"`` (default) picks by dtype, GPU and options: ``"simt"`` (float32
             CUDA-core kernels, true fp32 arithmetic) for float32; for float16 / bfloat16
-            on sm_90 the Hopper kernels: a warp-specialized forward (TMA, persistent) for
-            dense batches at head dims 33..256 (with softcap / ALiBi up to 192),
+            on sm_90 the Hopper kernels: a warp-specialized forward (TMA, persistent) at head
+            dims 33..256 (packed batches, softcap and ALiBi up to 192),
             ``"wgmma"`` (warpgroup MMA) for the other forwards and the backward at 33..128
             (the backward without softcap; head dims 65..96 run the 128-wide kernels); else ``"mma"`` (mma.sync tensor-core
             kernels, sm_80 and newer, every head dim and option). Both tensor-core tiers accumulate in fp32. Asking for ``"simt"`` with

@@ -144,6 +144,13 @@ CASES: List[Case] = [
     # sequence (rows zeroed in shared memory), key blocks past a short sequence, GQA ----
     _varlen_case(BF16, 4, 2, (100, 0, 1, 77, 200), (90, 3, 1, 150, 260), 128, True, "strided",
                  window=(64, 0), dlse=True),
+    # ---- packed batches on the warp-specialized Hopper forward: boxes that read on into the next
+    #      sequence (the producer warp zeroes a partial last V block), tiles past a sequence's end
+    #      (skipped), more tiles than SMs ----
+    _varlen_case(BF16, 8, 2, (700, 1, 0, 129, 300, 64, 513), (650, 3, 5, 200, 129, 64, 1), 128, True,
+                 window=(200, 0)),
+    _varlen_case(F16, 4, 2, (129, 77, 200), (129, 200, 77), 64, False, "strided", softcap=5.0,
+                 alibi="batch"),
 ]
 
 

@@ -10,9 +10,10 @@ import os
 import pytest
 import torch
 
-from attn_check import _check_against_references, hopper_skip_reason, make_alibi_slopes, make_inputs
+from attn_check import _check_against_references, check_varlen_attention, hopper_skip_reason, make_alibi_slopes, \
+    make_inputs, make_varlen_inputs
 from flash_cuda import _ext
-from flash_cuda.reference import attention_naive
+from flash_cuda.reference import attention_naive, attention_varlen_naive
 
 F16, BF16 = torch.float16, torch.bfloat16
 WS_TIER = 4
@@ -206,3 +207,152 @@ def test_ws_forward_rejects_what_it_does_not_serve():
     q, k, v = make_inputs(1, 2, 2, 64, 64, 32, BF16, "cuda")
     with pytest.raises(RuntimeError, match="warp-specialized"):
         _ext.require().fwd(q, k, v, 0.1, -1, -1, 0.0, None, None, None, 0, 0, WS_TIER)
+
+
+# ---- packed (varlen) batches: the kExtended instances, head dims 33..64 and 97..192 ----
+# (seqlens_q, seqlens_k, Hq, Hkv, D, is_causal, window, softcap, alibi kind, layout): lengths 1,
+# lengths that are not multiples of the query (128) or key (128; 64 above d = 128) blocks, so
+# that boxes cross into the next sequence, empty sequences (no queries; no keys: rows that see
+# nothing), Sq != Sk per sequence both ways, causal and windows (bottom-right aligned per
+# sequence), GQA / MQA, softcap and ALiBi, head dims below their bucket, strided and offset views.
+VARLEN_CASES = [
+    ((1, 127, 300, 0, 129), (1, 200, 300, 5, 128), 4, 2, 128, False, (-1, -1), 0.0, None, "contiguous"),
+    ((1, 127, 300, 0, 129), (1, 200, 300, 5, 128), 4, 2, 64, True, (-1, -1), 0.0, None, "strided"),
+    ((513, 17, 0, 1000), (200, 129, 3, 1000), 8, 2, 128, True, (-1, -1), 0.0, None, "offset"),
+    ((700, 64, 33), (900, 64, 1), 4, 4, 64, False, (100, 37), 0.0, None, "contiguous"),
+    ((257, 1, 130), (129, 7, 0), 2, 1, 192, True, (64, -1), 0.0, None, "contiguous"),
+    ((300, 45), (301, 400), 2, 2, 160, False, (-1, -1), 0.0, None, "strided"),
+    ((100, 200, 3), (150, 150, 260), 2, 2, 104, True, (-1, -1), 0.0, None, "contiguous"),
+    ((129, 1, 500), (300, 2, 129), 4, 2, 128, True, (-1, -1), 20.0, "heads", "contiguous"),
+    ((64, 191, 7), (65, 190, 300), 2, 2, 64, False, (32, 16), 5.0, "batch", "offset"),
+    ((200, 33), (100, 257), 2, 1, 192, False, (-1, -1), 0.0, "batch", "contiguous"),
+]
+
+
+def _ws_varlen_check(desc, q, k, v, cu_q, cu_k, mq, mk, *, is_causal, window, softcap=0.0, slopes=None):
+    """The warp-specialized forward alone (tier 4: an error if it did not run) on a packed batch,
+    against attention_varlen_naive in float64 with the rule of tests/attn_check.py."""
+    total_q, Hq, D = q.shape
+    scale = 1.0 / math.sqrt(D)
+    wl, wr = window
+    if is_causal:
+        wr = 0
+
+    def flash_fn(qf, kf, vf):
+        out, lse, _ = _ext.require().fwd(qf, kf, vf, scale, wl, wr, softcap, slopes, cu_q, cu_k, mq, mk, WS_TIER)
+        return out, lse
+
+    def ref_fn(qr, kr, vr):
+        return attention_varlen_naive(qr, kr, vr, cu_q, cu_k, is_causal=is_causal, scale=scale,
+                                      window_size=window, softcap=softcap, alibi_slopes=slopes)
+
+    _check_against_references(desc, q, k, v, flash_fn, ref_fn, lse_shape=(Hq, total_q),
+                              out_rows=lambda m: m.transpose(0, 1), check_grad=False, with_dlse=False, seed=0,
+                              what="warp-specialized forward, packed batch")
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("lens_q,lens_k,Hq,Hkv,D,is_causal,window,softcap,alibi,layout", VARLEN_CASES)
+def test_ws_varlen_matches_float64(schedule, dtype, lens_q, lens_k, Hq, Hkv, D, is_causal, window, softcap, alibi,
+                                   layout):
+    q, k, v, cu_q, cu_k, mq, mk = make_varlen_inputs(lens_q, lens_k, Hq, Hkv, D, dtype, "cuda", layout=layout,
+                                                     seed=sum(lens_q) + D)
+    slopes = None
+    if alibi is not None:
+        slopes = make_alibi_slopes(Hq, batch=len(lens_q) if alibi == "batch" else None, device="cuda", seed=D)
+    desc = (f"schedule={schedule} varlen seqlens_q={lens_q} seqlens_k={lens_k} Hq={Hq} Hkv={Hkv} D={D} "
+            f"dtype={dtype} causal={is_causal} window={window} softcap={softcap} alibi={alibi} layout={layout}")
+    _ws_varlen_check(desc, q, k, v, cu_q, cu_k, mq, mk, is_causal=is_causal, window=window, softcap=softcap,
+                     slopes=slopes)
+
+
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+def test_ws_varlen_many_tiles(schedule, is_causal):
+    """More tiles than SMs (persistent CTAs run many, the ring and the tail barrier's phase carry
+    on from tile to tile), most of them past their sequence's end (a max_seqlen_q beyond the
+    longest sequence: tiles the producer skips), and key blocks that end inside a sequence."""
+    gen = torch.Generator().manual_seed(17)
+    lens_q = [int(x) for x in torch.randint(0, 700, (24,), generator=gen)] + [1500]
+    lens_k = [int(x) for x in torch.randint(1, 700, (24,), generator=gen)] + [1300]
+    q, k, v, cu_q, cu_k, mq, mk = make_varlen_inputs(lens_q, lens_k, 16, 4, 128, BF16, "cuda", seed=5)
+    desc = f"schedule={schedule} varlen many tiles causal={is_causal} max_seqlen=({mq + 300}, {mk + 77})"
+    _ws_varlen_check(desc, q, k, v, cu_q, cu_k, mq + 300, mk + 77, is_causal=is_causal, window=(-1, -1))
+
+
+@pytest.mark.parametrize("poison", ["nan", "inf", "-inf"])
+@pytest.mark.parametrize("D,is_causal", [(64, False), (128, True), (192, False), (128, False)])
+def test_ws_varlen_nonfinite_stays_in_its_sequence(schedule, poison, D, is_causal):
+    """A NaN or Inf in one sequence's q, k and v rows never reaches another sequence's output or
+    lse, though the boxes of the sequence before it read those rows (key lengths are not
+    multiples of the key block): its masked keys' P = 0 must not meet them in P V (0 x NaN),
+    and its query rows past its end are never stored. Every other sequence's out and lse stay
+    bitwise those of the clean batch, which itself holds to the float64 rule."""
+    lens_q = (130, 77, 200, 1, 129)
+    lens_k = (129, 200, 77, 65, 300)
+    q, k, v, cu_q, cu_k, mq, mk = make_varlen_inputs(lens_q, lens_k, 4, 2, D, BF16, "cuda", seed=D)
+    scale = 1.0 / math.sqrt(D)
+    wr = 0 if is_causal else -1
+
+    def run(qf, kf, vf):
+        return _ext.require().fwd(qf, kf, vf, scale, -1, wr, 0.0, None, cu_q, cu_k, mq, mk, WS_TIER)[:2]
+
+    _ws_varlen_check(f"schedule={schedule} clean batch D={D} causal={is_causal}", q, k, v, cu_q, cu_k, mq, mk,
+                     is_causal=is_causal, window=(-1, -1))
+    clean_out, clean_lse = run(q, k, v)
+    rows_q, rows_k = cu_q.tolist(), cu_k.tolist()
+    value = float(poison)
+    for j in range(len(lens_q)):
+        qq, kk, vv = q.clone(), k.clone(), v.clone()
+        qq[rows_q[j]:rows_q[j + 1]] = value
+        kk[rows_k[j]:rows_k[j + 1]] = value
+        vv[rows_k[j]:rows_k[j + 1]] = value
+        out, lse = run(qq, kk, vv)
+        for i in range(len(lens_q)):
+            if i == j:
+                continue
+            a, b = rows_q[i], rows_q[i + 1]
+            where = f"{poison} in sequence {j} (schedule={schedule} D={D} causal={is_causal}): sequence {i}"
+            assert bool(torch.isfinite(out[a:b]).all()), f"{where}: non-finite out"
+            assert not bool(torch.isnan(lse[:, a:b]).any()), f"{where}: NaN lse"
+            assert torch.equal(out[a:b], clean_out[a:b]), f"{where}: out differs from the clean batch"
+            assert torch.equal(lse[:, a:b], clean_lse[:, a:b]), f"{where}: lse differs from the clean batch"
+
+
+def _forward_kernels(fn):
+    """The names of the CUDA kernels fn() launches (the profiler's view)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return " ".join(e.name for e in prof.events())
+
+
+@pytest.mark.parametrize("D,kernel,ws", [(64, "auto", True), (128, "auto", True), (192, "auto", True),
+                                         (128, "wgmma", True), (256, "auto", False)])
+def test_ws_varlen_route(monkeypatch, D, kernel, ws):
+    """The route of a packed forward: kernel='auto' (and 'wgmma' at its head dims) runs the
+    warp-specialized kernel up to d = 192 and not the cp.async one; FLASH_CUDA_WS_SCHEDULE=off
+    sends it back to the cp.async kernel (mma.sync above d = 128); d = 256 (no extended
+    instance) runs mma.sync. Each route holds to the float64 rule."""
+    import flash_cuda
+
+    lens_q, lens_k = (300, 1, 129), (257, 64, 1)
+    q, k, v, cu_q, cu_k, mq, mk = make_varlen_inputs(lens_q, lens_k, 4, 2, D, BF16, "cuda", seed=D)
+    monkeypatch.setenv("FLASH_CUDA_WS_SCHEDULE", "overlap")
+    for off in (False, True):
+        if off:
+            monkeypatch.setenv("FLASH_CUDA_WS_SCHEDULE", "off")
+        names = _forward_kernels(lambda: flash_cuda.varlen_attention(q, k, v, cu_q, cu_k, mq, mk, is_causal=True,
+                                                                     kernel=kernel))
+        assert ("fwd_sm90_ws_kernel" in names) == (ws and not off), names
+        assert ("fwd_sm90_kernel" in names) == (off and D <= 128), names
+        assert ("fwd_mma_kernel" in names) == (D > 128 and (off or not ws)), names
+        check_varlen_attention(q, k, v, cu_q, cu_k, mq, mk, is_causal=True, kernel=kernel, check_grad=False,
+                               label=f"route D={D} kernel={kernel} ws_schedule={'off' if off else 'overlap'}")
+
+
+def test_ws_varlen_rejects_d256():
+    """Tier 4 has no packed batches at d = 256 (their per-tile state would spill): an error
+    naming the warp-specialized forward, not a wrong result."""
+    q, k, v, cu_q, cu_k, mq, mk = make_varlen_inputs((100, 30), (90, 40), 2, 2, 256, BF16, "cuda")
+    with pytest.raises(RuntimeError, match="warp-specialized"):
+        _ext.require().fwd(q, k, v, 0.1, -1, -1, 0.0, None, cu_q, cu_k, mq, mk, WS_TIER)

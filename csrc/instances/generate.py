@@ -15,7 +15,7 @@ SIMT_BUCKETS = (32, 64, 128, 256)
 SM90_BUCKETS = (64, 128)  # the cp.async forward
 SM90_BWD_BUCKETS = (64, 96, 128)  # the backward (96: the 128-wide tiles, 96-deep products)
 SM90_WS_BUCKETS = (64, 128, 192, 256)  # the warp-specialized forward
-SM90_WS_EXT_BUCKETS = (64, 128, 192)  # its softcap / ALiBi instances (d = 256 would spill)
+SM90_WS_EXT_BUCKETS = (64, 128, 192)  # its extended instances (d = 256 would spill)
 
 
 def _file(comment: str, header: str, lines: list) -> str:
@@ -57,7 +57,7 @@ def instances() -> dict:
         for d in SM90_WS_BUCKETS:
             for suffix in ("", "_ext") if d in SM90_WS_EXT_BUCKETS else ("",):
                 variant = VARIANTS[suffix][0]
-                what = ", with softcap / ALiBi (dense batches)" if suffix else ""
+                what = VARIANTS[suffix][1]
                 files[f"sm90_fwd_ws{suffix}_{dt}_d{d}.cu"] = _file(
                     f"Hopper warp-specialized (TMA, mbarrier ring) forward{what}, {dt}, head dim {d}.",
                     "sm90_fwd_ws.cuh",

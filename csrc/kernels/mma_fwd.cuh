@@ -399,9 +399,10 @@ __device__ __forceinline__ void compute_block_softmax_and_weighted_v(
 // Step 4: finish the row sums across the quad, divide, write O (through this warp's own
 // rows of the Q tile, so the global stores are 16-byte and coalesced) and the lse.
 // kStaged = false (a kernel without shared memory to spare; sO_warp unused): every thread
-// stores its own pairs of columns, 4 bytes each.
+// stores its own pairs of columns, 4 bytes each. kInTileLoop: called once per tile of a
+// persistent kernel (below).
 // ---------------------------------------------------------------------------------
-template <typename Cfg, bool kStaged = true>
+template <typename Cfg, bool kStaged = true, bool kInTileLoop = false>
 __device__ __forceinline__ void normalize_output(float (&acc_o)[Cfg::kMTiles][Cfg::kDTiles][4],
                                                  float (&row_sum)[Cfg::kMTiles][2],
                                                  const float (&row_max)[Cfg::kMTiles][2],
@@ -439,8 +440,14 @@ __device__ __forceinline__ void normalize_output(float (&acc_o)[Cfg::kMTiles][Cf
   if constexpr (!kStaged) return;
   __syncwarp();
   constexpr int kChunksPerRow = Cfg::kHeadDim / 8;
+  // kInTileLoop: the lane read again, opaquely, so that the compiler cannot hoist this copy's
+  // per-lane rows and columns out of a persistent kernel's tile loop and keep them live through
+  // its main loop (at d = 192, 24 chunks per row, a dozen registers). Elsewhere the lane above
+  // serves (a second one costs a register where there is no loop to hoist from).
+  int copy_lane = lane;
+  if constexpr (kInTileLoop) asm volatile("mov.u32 %0, %%laneid;" : "=r"(copy_lane));
 #pragma unroll
-  for (int c = lane; c < Cfg::kWarpRows * kChunksPerRow; c += 32) {
+  for (int c = copy_lane; c < Cfg::kWarpRows * kChunksPerRow; c += 32) {
     const int r = c / kChunksPerRow;
     const int col = (c % kChunksPerRow) * 8;
     if (r < rows_valid && col < d) {

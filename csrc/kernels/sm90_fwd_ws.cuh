@@ -12,8 +12,8 @@
 // it needs; the producer refills a stage as soon as both consumer warpgroups released it.
 //
 // CTA: 3 warpgroups (384 threads), one per SM; 4 at d = 64 from Sq = 2048 (192-row tiles).
-// Warpgroup 0 is the producer: it gives up registers (setmaxnreg.dec) and one of its threads
-// issues the loads. Consumer warpgroup w (1, 2, and 3 with 192-row tiles) owns query rows
+// Warpgroup 0 is the producer: it gives up registers (setmaxnreg.dec), one of its warps walks
+// the tiles and that warp's lane 0 issues the loads. Consumer warpgroup w (1, 2, and 3 with 192-row tiles) owns query rows
 // 64(w-1) .. 64(w-1)+63 of the tile (setmaxnreg.inc): the accumulators of S (64 x kBlockN)
 // and O (64 x kHeadDim) live in its registers. The consumer loop is the four steps of the
 // online softmax (sm90_fwd.cuh / mma_fwd.cuh's helpers, split where the pipeline needs it):
@@ -25,7 +25,8 @@
 // what TMA's 128-byte swizzle writes for a box of 64 columns (one slab) when the slab starts on
 // a 1024-byte boundary. Barriers: q_full / q_empty (Q of the current tile), and per stage
 // k_full, v_full (producer arrival + transaction bytes: V may still be landing while S = Q K^T
-// runs), k_empty, v_empty (one arrival per consumer warp; K is freed as soon as S is done).
+// runs), k_empty, v_empty (one arrival per consumer warp; K is freed as soon as S is done);
+// v_tail, the producer's own, on which a packed sequence's partial last V block lands.
 //
 // Two consumer schedules (WsSchedule), chosen at launch, so that each rung of the ladder is
 // measured against the one before on the same build (launch.h: the ablation switches):
@@ -36,11 +37,22 @@
 //             barriers order the two warpgroups' product groups (one issues while the other
 //             runs its softmax), so the tensor cores always have a group queued.
 //
-// Scope of this version: dense batches, fp16 / bf16, head dims 64, 128, 192 and 256 (64 keys
-// per step above 128), causal, windows, Sq != Sk, GQA, and in the kExtended instances softcap
-// and ALiBi; views whose base and strides TMA can address (16-byte multiples). The launcher
-// returns false otherwise and the caller runs sm90_fwd.cuh (or, above d = 128, mma_fwd.cuh).
-// kernel='auto' uses every instance (flash_api.cpp, ws_fwd_applies).
+// Packed (varlen) batches, in the kExtended instances. The tensor maps then run over all rows of
+// the packed tensors (batch extent 1): sequence b's boxes start at its q_start / k_start rows
+// (SeqInfo), and each tile takes its sequence's own mask. The scheduler counts max_seqlen_q's
+// query blocks for every sequence; a tile that starts past its sequence's end has no work and
+// the producer skips it (TileWork), so the consumers only ever see tiles with rows. A box that
+// crosses a sequence's end reads the next sequence's rows: their scores are masked by selection
+// (-inf, whatever they were), their Q rows give outputs that are never stored, and the V rows
+// of the one partial key block are zeroed before the consumers see them (load_v_zero_tail), so
+// that a NaN or Inf of one sequence never reaches another's output through 0 x NaN in P V.
+//
+// Scope of this version: fp16 / bf16, head dims 64, 128, 192 and 256 (64 keys per step above
+// 128), causal, windows, Sq != Sk, GQA, and in the kExtended instances (d <= 192: at d = 256
+// their per-tile state spills both roles) packed batches, softcap and ALiBi; views whose base
+// and strides TMA can address (16-byte multiples). The launcher returns false otherwise and
+// the caller runs sm90_fwd.cuh (or, above d = 128, mma_fwd.cuh). kernel='auto' uses every
+// instance (flash_api.cpp, ws_fwd_applies).
 #pragma once
 
 #include <algorithm>
@@ -85,20 +97,26 @@ struct WsConfig : FwdConfig<T_, kHeadDim_, kBlockN_, /*kWarpGroups=*/kConsumerWG
   static constexpr int kConsumerWarps = kConsumerThreads / 32;
   static constexpr int kThreads = 128 + kConsumerThreads;
   static constexpr int kSlabs = kHeadDim_ / kSlabCols;
-  // Registers per thread after setmaxnreg (128 x producer + consumers <= 65536). One
-  // producer thread issues TMA (the rest of its warpgroup exits); its tile loop fits in 24
-  // with little to spare (one more live value spilled it), so up to d = 192 it keeps 40, as
-  // measured. At d = 256 the consumers need 240 for the 64 x 256 O accumulator (232 spills).
-  // Three consumer warpgroups (d = 64): 24 / 160.
+  // Registers per thread after setmaxnreg (see the static_assert below for the total). One
+  // producer warp walks the tile loop (the rest of its warpgroup exits); a dense batch's loop
+  // fits in 24 with little to spare (one more live value spilled it), a packed one's (its
+  // sequence's offsets, lengths and mask per tile) in 40, which up to d = 192 it keeps. At
+  // d = 256 the consumers need 240 for the 64 x 256 O accumulator (232 spills), which leaves
+  // the producer 24: no packed batches there. Three consumer warpgroups (d = 64): 24 / 160.
   static constexpr int kProducerRegs = kConsumerWGs == 3 ? 24 : (kHeadDim_ <= 192 ? 40 : 24);
   static constexpr int kConsumerRegs = kConsumerWGs == 3 ? 160 : (kHeadDim_ <= 192 ? 232 : 240);
   static_assert(kConsumerWGs == 2 || (kConsumerWGs == 3 && kHeadDim_ == 64), "measured shapes");
-  static_assert(128 * kProducerRegs + kConsumerThreads * kConsumerRegs <= 65536, "one CTA per SM");
+  // setmaxnreg moves registers within what the CTA was launched with: kThreads x the per-thread
+  // count that __launch_bounds__(kThreads, 1) allows (65536 / kThreads, a multiple of 8).
+  static_assert(128 * kProducerRegs + kConsumerThreads * kConsumerRegs <= kThreads * (65536 / kThreads / 8 * 8),
+                "the registers the CTA is launched with");
   // Shared-memory pointers that the compiler knows as such (aligned_smem_base), except where
   // that form spills (three consumer warpgroups, d = 256: 8 bytes).
   static constexpr bool kSharedBase = kConsumerWGs == 2 && kHeadDim_ <= 192;
-  // q_full, q_empty, k_full / v_full / k_empty / v_empty per stage, then the two tile slots.
-  static constexpr size_t kBarrierBytes = sizeof(uint64_t) * (2 + 4 * kStages) + 2 * sizeof(int);
+  // q_full, q_empty, k_full / v_full / k_empty / v_empty per stage, v_tail, then the two tile
+  // slots.
+  static constexpr int kBarriers = 3 + 4 * kStages;
+  static constexpr size_t kBarrierBytes = sizeof(uint64_t) * kBarriers + 2 * sizeof(int);
   static constexpr size_t kRingBytes = Base::kTileQ + 2 * kStages * Base::kTileKV;
   // O is staged in its own tile (padded rows, 16-byte coalesced stores), so that a persistent
   // CTA's producer may already fill the ring with the next tile's K/V while the consumers write
@@ -124,6 +142,7 @@ struct Ring {
   uint64_t* v_full;
   uint64_t* k_empty;
   uint64_t* v_empty;
+  uint64_t* v_tail;  // the producer's: a partial V block lands here first (load_v_zero_tail)
   __device__ __forceinline__ const T* k(int s) const { return sK + s * kKVElems; }
   __device__ __forceinline__ const T* v(int s) const { return sV + s * kKVElems; }
   // The i-th key block this CTA loads (counted from 0 over all its tiles) sits in stage
@@ -157,51 +176,114 @@ struct QueryTile {
   }
 };
 
+// The producer warp walks its tile loop together, so that all of it can zero the rows past a
+// packed sequence's end (load_v_zero_tail); lane 0 alone issues the loads and the arrivals.
+__device__ __forceinline__ bool issuing_lane() { return threadIdx.x % 32 == 0; }
+
+// Where a tile's boxes start in the tensor maps: its first query row, the first row of its
+// sequence's keys, the heads and the batch coordinate. A dense map has a batch dimension and
+// rows per sequence; a packed map runs over every row (batch extent 1), where a sequence
+// starts at its q_start / k_start.
+struct TileCoords {
+  int q_row, k_row, h, h_kv, b;
+};
+
 // Loads K or V of key block nb into ring position i, as soon as the consumers freed its stage.
 template <typename Cfg>
 __device__ __forceinline__ void load_kv(const CUtensorMap* map, typename Cfg::T* tiles, uint64_t* full,
-                                        uint64_t* empty, const Ring<Cfg>& ring, int i, int nb, int h_kv, int bi) {
+                                        uint64_t* empty, const Ring<Cfg>& ring, int i, int nb, const TileCoords& at) {
   const int s = ring.stage(i);
   mbarrier_wait(&empty[s], ring.parity(i) ^ 1);  // the first pass finds every stage free
+  if (!issuing_lane()) return;
   mbarrier_arrive_expect_tx(&full[s], Cfg::kTileKV);
 #pragma unroll
   for (int c = 0; c < Cfg::kSlabs; ++c) {
     tma_load_4d(tiles + s * ring.kKVElems + c * Cfg::kBlockN * kSlabCols, map, &full[s], c * kSlabCols,
-                nb * Cfg::kBlockN, h_kv, bi);
+                at.k_row + nb * Cfg::kBlockN, at.h_kv, at.b);
   }
+}
+
+// V of a packed sequence's last key block nb, of which only rows [0, rows) are the sequence's:
+// the box also reads the next sequence's first rows. Their scores are masked by selection, so
+// their P is exactly 0 and K needs nothing; but P V multiplies that 0 by V, and 0 x NaN or
+// 0 x Inf is NaN: one sequence's non-finite values would reach another's output. So V lands
+// on the producer's own barrier, the warp zeroes rows [rows, kBlockN) of every slab, fences
+// the stores for the async proxy (wgmma reads V through it), and only then completes the
+// stage's v_full, with an arrival that carries no bytes. A row of a slab is one 128-byte line
+// and the 128-byte swizzle permutes 16-byte chunks within a line: the whole lines from `rows`
+// on are exactly those rows, whatever the pattern. One block per tile at most, and only where
+// a box crosses into another sequence: full blocks take load_kv.
+template <typename Cfg>
+__device__ __forceinline__ void load_v_zero_tail(const CUtensorMap* map, const Ring<Cfg>& ring, int& tail_phase,
+                                                 int i, int nb, const TileCoords& at, int rows) {
+  const int s = ring.stage(i);
+  typename Cfg::T* tile = ring.sV + s * ring.kKVElems;
+  mbarrier_wait(&ring.v_empty[s], ring.parity(i) ^ 1);
+  if (issuing_lane()) {
+    mbarrier_arrive_expect_tx(ring.v_tail, Cfg::kTileKV);
+#pragma unroll
+    for (int c = 0; c < Cfg::kSlabs; ++c) {
+      tma_load_4d(tile + c * Cfg::kBlockN * kSlabCols, map, ring.v_tail, c * kSlabCols, at.k_row + nb * Cfg::kBlockN,
+                  at.h_kv, at.b);
+    }
+  }
+  mbarrier_wait(ring.v_tail, tail_phase);
+  tail_phase ^= 1;
+  constexpr int kChunksPerLine = kSwizzleBytes / 16;
+#pragma unroll
+  for (int c = 0; c < Cfg::kSlabs; ++c) {
+    uint4* slab = reinterpret_cast<uint4*>(tile + c * Cfg::kBlockN * kSlabCols);
+    for (int j = rows * kChunksPerLine + static_cast<int>(threadIdx.x % 32); j < Cfg::kBlockN * kChunksPerLine;
+         j += 32) {
+      slab[j] = make_uint4(0, 0, 0, 0);
+    }
+  }
+  fence_proxy_async();
+  __syncwarp();
+  if (issuing_lane()) mbarrier_arrive(&ring.v_full[s]);
 }
 
 // The producer of tile k (number t, or t = -1: none left). K of the tile's first block goes
 // first: its stage is usually free well before the consumers are done with the previous tile's
 // Q, so the new tile's first product can start as soon as Q lands. `first`: the ring position
-// of the tile's block 0.
+// of the tile's block 0. A tile without keys (its rows see none) gets no loads at all: the
+// consumers write its zeros and -inf without reading Q. `last_rows`: the rows of the last
+// block that are its sequence's when a box would cross into another sequence, else kBlockN.
 template <typename Cfg>
 __device__ __forceinline__ void produce(const TmaMaps& maps, const Ring<Cfg>& ring, int first, typename Cfg::T* sQ,
-                                        const QueryTile& qt, int k, int t, const BlockRange& range, int row0,
-                                        int h, int h_kv, int bi) {
-  if (range.count() > 0) load_kv<Cfg>(&maps.k, ring.sK, ring.k_full, ring.k_empty, ring, first, range.begin, h_kv, bi);
+                                        const QueryTile& qt, int k, int t, const BlockRange& range,
+                                        const TileCoords& at, int last_rows, int& tail_phase) {
+  const bool loads = t >= 0 && range.count() > 0;
+  if (loads) load_kv<Cfg>(&maps.k, ring.sK, ring.k_full, ring.k_empty, ring, first, range.begin, at);
   mbarrier_wait(qt.empty, (k & 1) ^ 1);
-  // Published by the arrival below (release), read after its wait (acquire). Atomic accesses:
-  // the ordering is the mbarrier's, which compute-sanitizer's racecheck does not model.
-  atomicExch(&qt.slot[k & 1], t);
-  if (t < 0) {
-    mbarrier_arrive(qt.full);
-    return;
-  }
-  mbarrier_arrive_expect_tx(qt.full, Cfg::kTileQ);
+  if (issuing_lane()) {
+    // Published by the arrival below (release), read after its wait (acquire). Atomic accesses:
+    // the ordering is the mbarrier's, which compute-sanitizer's racecheck does not model.
+    atomicExch(&qt.slot[k & 1], t);
+    if (loads) {
+      mbarrier_arrive_expect_tx(qt.full, Cfg::kTileQ);
 #pragma unroll
-  for (int c = 0; c < Cfg::kSlabs; ++c) {
-    tma_load_4d(sQ + c * Cfg::kBlockM * kSlabCols, &maps.q, qt.full, c * kSlabCols, row0, h, bi);
+      for (int c = 0; c < Cfg::kSlabs; ++c) {
+        tma_load_4d(sQ + c * Cfg::kBlockM * kSlabCols, &maps.q, qt.full, c * kSlabCols, at.q_row, at.h, at.b);
+      }
+    } else {
+      mbarrier_arrive(qt.full);
+    }
   }
+  if (!loads) return;
   for (int nb = range.begin, i = first; nb < range.end; ++nb, ++i) {
-    if (nb > range.begin) load_kv<Cfg>(&maps.k, ring.sK, ring.k_full, ring.k_empty, ring, i, nb, h_kv, bi);
-    load_kv<Cfg>(&maps.v, ring.sV, ring.v_full, ring.v_empty, ring, i, nb, h_kv, bi);
+    if (nb > range.begin) load_kv<Cfg>(&maps.k, ring.sK, ring.k_full, ring.k_empty, ring, i, nb, at);
+    if (nb == range.end - 1 && last_rows < Cfg::kBlockN) {
+      load_v_zero_tail<Cfg>(&maps.v, ring, tail_phase, i, nb, at, last_rows);
+    } else {
+      load_kv<Cfg>(&maps.v, ring.sV, ring.v_full, ring.v_empty, ring, i, nb, at);
+    }
   }
 }
 
 // What a consumer warp needs to know about its rows and keys.
 struct ConsumerView {
-  AttnMask mask;
+  AttnMask mask;  // of the tile's sequence
   ScoreMod mod;
   BlockRange range;
   int wg;         // consumer warpgroup: 0 or 1
@@ -405,9 +487,18 @@ struct TileScheduler {
     int m_block, h, b;
   };
   __device__ __forceinline__ int total() const { return m_blocks * heads * batch; }
+  // Unsigned divisions (t, m_blocks, heads > 0): fewer instructions and live registers than
+  // signed ones, which the producer, on few registers, notices.
   __device__ __forceinline__ Tile at(int t) const {
-    const int mi = t % m_blocks, bh = t / m_blocks;
-    return {longest_first ? m_blocks - 1 - mi : mi, bh % heads, bh / heads};
+    const unsigned mi = unsigned(t) % unsigned(m_blocks), bh = unsigned(t) / unsigned(m_blocks);
+    return {longest_first ? m_blocks - 1 - int(mi) : int(mi), int(bh % unsigned(heads)), int(bh / unsigned(heads))};
+  }
+  // Longest first where a later query block sees more keys: a bounded right side (causal, or a
+  // window's right edge), which every sequence of a packed batch shares with the call. Each role
+  // makes its own (after setmaxnreg): nothing computed before the split stays live across it.
+  template <int kBlockM>
+  __device__ __forceinline__ static TileScheduler of(const FwdParams& p) {
+    return {ceil_div(p.sq, kBlockM), p.hq, p.b, p.window_right >= 0, p.tile_counter};
   }
   __device__ __forceinline__ int first() const { return blockIdx.x; }
   __device__ __forceinline__ int next(int t) const {
@@ -415,17 +506,43 @@ struct TileScheduler {
   }
 };
 
-// kModded: the kExtended instances of a dense batch, with softcap and / or ALiBi (per head).
-template <typename Cfg, int kSchedule, bool kModded>
+// What one tile covers, derived alike by the producer and the consumers from its number: its
+// sequence (kVarlen = false: a dense batch, every field a constant or a parameter), that
+// sequence's mask, the tile's first row, how many of its rows the sequence has, and the key
+// blocks those rows see. In a packed batch the scheduler counts max_seqlen_q's query blocks for
+// every sequence, so a tile may start past its sequence's end: rows_valid <= 0, no keys.
+template <typename Cfg, bool kVarlen>
+struct TileWork {
+  SeqInfo seq;
+  AttnMask mask;
+  int row0, rows_valid;
+  BlockRange range;
+  __device__ __forceinline__ static TileWork make(const FwdParams& p, const TileScheduler::Tile& tile) {
+    TileWork w;
+    w.seq = SeqInfo::make<kVarlen>(p, tile.b);
+    w.mask = w.seq.template mask<kVarlen>(p);
+    w.row0 = tile.m_block * Cfg::kBlockM;
+    w.rows_valid = min(Cfg::kBlockM, w.seq.sq - w.row0);
+    // (A dense batch's tiles all have rows: the scheduler counts exactly its query blocks.)
+    w.range = !kVarlen || w.rows_valid > 0 ? BlockRange::keys_of(w.mask, w.row0, w.row0 + w.rows_valid, Cfg::kBlockN)
+                                           : BlockRange{0, 0};
+    return w;
+  }
+};
+
+// kExt: the kExtended instances: packed batches, softcap and ALiBi. A dense call through them
+// reads cu_seqlens_q == nullptr and takes the dense path.
+template <typename Cfg, int kSchedule, bool kExt>
 __device__ __forceinline__ void fwd_ws_block(const FwdParams& p, const TmaMaps& maps) {
   using T = typename Cfg::T;
+  using Work = TileWork<Cfg, kExt>;
   constexpr int kStages = Cfg::kStages;
   extern __shared__ unsigned char smem_raw[];
   unsigned char* smem = aligned_smem_base<Cfg::kSharedBase>(smem_raw);
   T* sQ = reinterpret_cast<T*>(smem);
   T* sO = reinterpret_cast<T*>(smem + Cfg::kTileQ + 2 * kStages * Cfg::kTileKV);
   uint64_t* bars = reinterpret_cast<uint64_t*>(smem + Cfg::kTileQ + 2 * kStages * Cfg::kTileKV + Cfg::kTileO);
-  QueryTile qt{bars, bars + 1, reinterpret_cast<int*>(bars + 2 + 4 * kStages)};
+  QueryTile qt{bars, bars + 1, reinterpret_cast<int*>(bars + Cfg::kBarriers)};
   Ring<Cfg> ring;
   ring.sK = reinterpret_cast<T*>(smem + Cfg::kTileQ);
   ring.sV = reinterpret_cast<T*>(smem + Cfg::kTileQ + kStages * Cfg::kTileKV);
@@ -433,10 +550,8 @@ __device__ __forceinline__ void fwd_ws_block(const FwdParams& p, const TmaMaps& 
   ring.v_full = ring.k_full + kStages;
   ring.k_empty = ring.v_full + kStages;
   ring.v_empty = ring.k_empty + kStages;
+  ring.v_tail = ring.v_empty + kStages;
 
-  // Every tile's mask has the same shape (dense batch): only the rows differ.
-  const AttnMask mask0 = SeqInfo::make<false>(p, 0).mask<false>(p);
-  const TileScheduler sched{ceil_div(p.sq, Cfg::kBlockM), p.hq, p.b, mask0.right_bounded(), p.tile_counter};
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
 
   if (threadIdx.x == 0) {
@@ -448,27 +563,42 @@ __device__ __forceinline__ void fwd_ws_block(const FwdParams& p, const TmaMaps& 
       mbarrier_init(&ring.k_empty[s], Cfg::kConsumerWarps);
       mbarrier_init(&ring.v_empty[s], Cfg::kConsumerWarps);
     }
+    mbarrier_init(ring.v_tail, 1);
     fence_barrier_init();
   }
   __syncthreads();  // the last CTA-wide barrier: from here on the roles never meet all at once
 
   if (warp < 4) {
     setmaxnreg_dec<Cfg::kProducerRegs>();
-    if (warp == 0 && lane == 0) {
-      // One thread loads every tile of this CTA (ring positions run on across tiles) and
-      // finally publishes "no more tiles".
+    if (warp == 0) {
+      const TileScheduler sched = TileScheduler::of<Cfg::kBlockM>(p);
+      // Warp 0 loads every tile of this CTA (ring positions run on across tiles) and finally
+      // publishes "no more tiles". A tile without rows (past its packed sequence's end) is
+      // skipped here and never published: the consumers see only tiles with rows.
+      const bool packed = kExt && p.cu_seqlens_q != nullptr;
       int t = sched.first();
-      for (int k = 0, first = 0;; ++k) {
+      for (int k = 0, first = 0, tail_phase = 0;;) {
         if (t >= sched.total()) {
-          produce<Cfg>(maps, ring, first, sQ, qt, k, -1, BlockRange{0, 0}, 0, 0, 0, 0);
+          produce<Cfg>(maps, ring, first, sQ, qt, k, -1, BlockRange{0, 0}, TileCoords{}, Cfg::kBlockN, tail_phase);
           break;
         }
-        const int t_next = sched.next(t);  // drawn now, used after this tile's loads are issued
+        // Drawn now, used after this tile's loads are issued; lane 0 draws for the warp.
+        const int t_next = __shfl_sync(0xffffffffu, lane == 0 ? sched.next(t) : 0, 0);
         const TileScheduler::Tile tile = sched.at(t);
-        const int row0 = tile.m_block * Cfg::kBlockM;
-        const BlockRange range = BlockRange::keys_of(mask0, row0, min(row0 + Cfg::kBlockM, p.sq), Cfg::kBlockN);
-        produce<Cfg>(maps, ring, first, sQ, qt, k, t, range, row0, tile.h, tile.h / (p.hq / p.hkv), tile.b);
-        first += range.count();
+        const Work w = Work::make(p, tile);
+        if (w.rows_valid > 0) {
+          const int h_kv = int(unsigned(tile.h) / (unsigned(p.hq) / unsigned(p.hkv)));
+          const TileCoords at{w.seq.q_start + w.row0, w.seq.k_start, tile.h, h_kv, packed ? 0 : tile.b};
+          // Rows of the last block that are the sequence's, where its box would read on into
+          // another sequence's rows (rows past the tensor's end TMA fills with zeros itself).
+          const int last_key = w.range.end * Cfg::kBlockN;
+          const int last_rows = packed && last_key > w.seq.sk && w.seq.k_start + w.seq.sk < p.total_k
+                                    ? w.seq.sk - (w.range.end - 1) * Cfg::kBlockN
+                                    : Cfg::kBlockN;
+          produce<Cfg>(maps, ring, first, sQ, qt, k, t, w.range, at, last_rows, tail_phase);
+          first += w.range.count();
+          ++k;
+        }
         t = t_next;
       }
     }
@@ -477,23 +607,22 @@ __device__ __forceinline__ void fwd_ws_block(const FwdParams& p, const TmaMaps& 
 
   // ---- consumers: warps 4..11, warpgroup w = (warp - 4) / 4 owns rows 64w .. 64w + 63 ----
   setmaxnreg_inc<Cfg::kConsumerRegs>();
+  const TileScheduler sched = TileScheduler::of<Cfg::kBlockM>(p);
   const int cwarp = warp - 4;
   for (int k = 0, first = 0;; ++k) {
     mbarrier_wait(qt.full, k & 1);
     const int t = atomicAdd(&qt.slot[k & 1], 0);
     if (t < 0) break;
     const TileScheduler::Tile tile = sched.at(t);
-    const SeqInfo seq = SeqInfo::make<false>(p, tile.b);
-    const int row0 = tile.m_block * Cfg::kBlockM;
-    const int rows_valid = min(Cfg::kBlockM, seq.sq - row0);
+    const Work w = Work::make(p, tile);  // rows_valid > 0: the producer publishes no other tile
     ConsumerView cv;
-    cv.mask = mask0;
-    cv.mod = seq.score_mod<kModded>(p, tile.h);
-    cv.range = BlockRange::keys_of(mask0, row0, row0 + rows_valid, Cfg::kBlockN);
+    cv.mask = w.mask;
+    cv.mod = w.seq.template score_mod<kExt>(p, tile.h);
+    cv.range = w.range;
     cv.wg = cwarp / 4;
     cv.wg_row0 = cv.wg * 64;
-    cv.warp_row0 = row0 + 16 * cwarp;
-    cv.warp_row_end = min(cv.warp_row0 + 16, seq.sq);
+    cv.warp_row0 = w.row0 + 16 * cwarp;
+    cv.warp_row_end = min(cv.warp_row0 + 16, w.seq.sq);
     cv.scale_log2 = p.scale_log2;
     cv.exp_scale = cv.mod.exp_scale(p.scale_log2);
 
@@ -502,7 +631,8 @@ __device__ __forceinline__ void fwd_ws_block(const FwdParams& p, const TmaMaps& 
     fwd_mma::start_online_softmax<Cfg>(acc_o, row_max, row_sum);
 
     // The consume functions release Q after the tile's last S = Q K^T, so that the next
-    // tile's Q loads under the last P V and this epilogue; a tile without keys releases here.
+    // tile's Q loads under the last P V and this epilogue; a tile without keys (for which the
+    // producer loaded no Q) releases here.
     if constexpr (kSchedule == kOverlap) {
       consume_overlap<Cfg>(ring, first, sQ, qt, cv, acc_o, row_max, row_sum);
     } else {
@@ -513,23 +643,25 @@ __device__ __forceinline__ void fwd_ws_block(const FwdParams& p, const TmaMaps& 
 
     // Step 4 through this warp's own 16 rows of the O staging tile (the warp's previous
     // reads of them are ordered before it by normalize_output's __syncwarp and this one), or
-    // straight from registers where that tile does not fit (kStageO).
+    // straight from registers where that tile does not fit (kStageO). Only the sequence's
+    // rows are stored (rows_valid): a packed tile's rows past its end hold another
+    // sequence's queries.
     __syncwarp();
-    T* o = seq.q_rows(static_cast<T*>(p.o), p.o_batch_stride, p.o_head_stride, p.o_row_stride, tile.h) +
-           static_cast<int64_t>(row0) * p.o_row_stride;
-    float* lse = p.softmax_lse + seq.stat_offset(p, tile.h) + row0;
-    const int warp_rows_valid = min(16, rows_valid - 16 * cwarp);
-    fwd_mma::normalize_output<Cfg, Cfg::kStageO>(acc_o, row_sum, row_max, sO + cwarp * 16 * Cfg::kStride,
+    T* o = w.seq.q_rows(static_cast<T*>(p.o), p.o_batch_stride, p.o_head_stride, p.o_row_stride, tile.h) +
+           static_cast<int64_t>(w.row0) * p.o_row_stride;
+    float* lse = p.softmax_lse + w.seq.stat_offset(p, tile.h) + w.row0;
+    const int warp_rows_valid = min(16, w.rows_valid - 16 * cwarp);
+    fwd_mma::normalize_output<Cfg, Cfg::kStageO, /*kInTileLoop=*/true>(acc_o, row_sum, row_max, sO + cwarp * 16 * Cfg::kStride,
                                    o + static_cast<int64_t>(16 * cwarp) * p.o_row_stride, p.o_row_stride,
                                    lse + 16 * cwarp, warp_rows_valid, p.d);
   }
 }
 
-template <typename Cfg, int kSchedule, bool kModded>
+template <typename Cfg, int kSchedule, bool kExt>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
     fwd_sm90_ws_kernel(const __grid_constant__ FwdParams p, const __grid_constant__ TmaMaps maps) {
 #if FLASH_SM90_ENABLED
-  fwd_ws_block<Cfg, kSchedule, kModded>(p, maps);
+  fwd_ws_block<Cfg, kSchedule, kExt>(p, maps);
 #else
   __trap();  // never launched: see sm90_kernel_built
 #endif
@@ -539,27 +671,31 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 }  // namespace sm90
 
 // Launches the warp-specialized forward and returns true, or returns false having launched
-// nothing: not an sm_90 device or not built for sm_90a, a call of another variant, a packed
-// batch (not served yet), or a view TMA cannot address.
+// nothing: not an sm_90 device or not built for sm_90a, a call of another variant, or a view
+// TMA cannot address.
 template <typename Cfg, int kVariant>
 bool launch_fwd_sm90_ws(const FwdParams& p, cudaStream_t stream) {
-  constexpr bool kModded = kVariant != kPlain;
+  constexpr bool kExt = kVariant != kPlain;
   // The ablation configurations (poly exp2, deeper ring) and the 192-row tiles have the
   // overlapped schedule alone.
   constexpr bool kAblation = Cfg::kPolyEvery > 0 || Cfg::kStages > 2 || Cfg::kConsumerWGs > 2;
   constexpr int kOther = kAblation ? sm90::ws::kOverlap : sm90::ws::kSerial;
   const bool overlap = ws_schedule_name() != "serial";
-  auto kernel = overlap ? sm90::ws::fwd_sm90_ws_kernel<Cfg, sm90::ws::kOverlap, kModded>
-                        : sm90::ws::fwd_sm90_ws_kernel<Cfg, kOther, kModded>;
+  auto kernel = overlap ? sm90::ws::fwd_sm90_ws_kernel<Cfg, sm90::ws::kOverlap, kExt>
+                        : sm90::ws::fwd_sm90_ws_kernel<Cfg, kOther, kExt>;
   if (p.sm_arch != 90 || !sm90_kernel_built(kernel)) return false;
-  if (variant_of(p, /*backward=*/false) != kVariant || p.cu_seqlens_q != nullptr) return false;
+  if (variant_of(p, /*backward=*/false) != kVariant) return false;
   const bool bf16 = p.dtype == DType::kBFloat16;
+  // A packed batch: maps over all rows of the packed tensors, batch extent 1 (its batch stride
+  // is 0: the sequences are told apart by cu_seqlens, in the kernel).
+  const bool packed = p.cu_seqlens_q != nullptr;
+  const int q_rows = packed ? p.total_q : p.sq, k_rows = packed ? p.total_k : p.sk, batch = packed ? 1 : p.b;
   sm90::ws::TmaMaps maps;
-  if (!make_row_tensor_map(&maps.q, p.q, bf16, p.d, p.sq, p.hq, p.b, p.q_row_stride, p.q_head_stride,
+  if (!make_row_tensor_map(&maps.q, p.q, bf16, p.d, q_rows, p.hq, batch, p.q_row_stride, p.q_head_stride,
                            p.q_batch_stride, Cfg::kBlockM) ||
-      !make_row_tensor_map(&maps.k, p.k, bf16, p.d, p.sk, p.hkv, p.b, p.k_row_stride, p.k_head_stride,
+      !make_row_tensor_map(&maps.k, p.k, bf16, p.d, k_rows, p.hkv, batch, p.k_row_stride, p.k_head_stride,
                            p.k_batch_stride, Cfg::kBlockN) ||
-      !make_row_tensor_map(&maps.v, p.v, bf16, p.d, p.sk, p.hkv, p.b, p.v_row_stride, p.v_head_stride,
+      !make_row_tensor_map(&maps.v, p.v, bf16, p.d, k_rows, p.hkv, batch, p.v_row_stride, p.v_head_stride,
                            p.v_batch_stride, Cfg::kBlockN)) {
     return false;
   }

@@ -250,7 +250,7 @@ using SimtBuckets = std::integer_sequence<int, 32, 64, 128, 256>;
 using MmaBuckets = std::integer_sequence<int, 32, 64, 96, 128, 192, 256>;
 using Sm90Buckets = std::integer_sequence<int, 64, 128>;          // the cp.async forward
 using Sm90BwdBuckets = std::integer_sequence<int, 64, 96, 128>;  // 96: the 128-wide tiles
-using Sm90WsBuckets = std::integer_sequence<int, 64, 128, 192, 256>;  // tier 4 alone
+using Sm90WsBuckets = std::integer_sequence<int, 64, 96, 128, 192, 256>;  // tier 4 alone
 
 constexpr int kF16 = static_cast<int>(DType::kFloat16);
 constexpr int kBF16 = static_cast<int>(DType::kBFloat16);

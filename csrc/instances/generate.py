@@ -14,8 +14,8 @@ MMA_BUCKETS = (32, 64, 96, 128, 192, 256)
 SIMT_BUCKETS = (32, 64, 128, 256)
 SM90_BUCKETS = (64, 128)  # the cp.async forward
 SM90_BWD_BUCKETS = (64, 96, 128)  # the backward (96: the 128-wide tiles, 96-deep products)
-SM90_WS_BUCKETS = (64, 128, 192, 256)  # the warp-specialized forward
-SM90_WS_EXT_BUCKETS = (64, 128, 192)  # its extended instances (d = 256 would spill)
+SM90_WS_BUCKETS = (64, 96, 128, 192, 256)  # the warp-specialized forward (96: 128-wide tiles, 96 deep)
+SM90_WS_EXT_BUCKETS = (64, 96, 128, 192)  # its extended instances (d = 256 would spill)
 
 
 def _file(comment: str, header: str, lines: list) -> str:

@@ -86,10 +86,14 @@ constexpr int ws_block_n(int head_dim) { return head_dim <= 128 ? 128 : 64; }
 // kPolyEvery_: the share of exponentials taken on the FMA pipe (exponentiate_scores).
 // kStages_: K/V stages of the ring (2 fit every head dim; more only at d = 64).
 // kConsumerWGs_: consumer warpgroups, 64 query rows each (3 only at d = 64: 192-row tiles).
+// kDepth_: the head dims the instance serves (<= kHeadDim_): S = Q K^T stops after its k-steps,
+// the tiles keep the bucket's width with TMA's zeros past d (d = 96: 6 of the 128-wide tile's 8).
 template <typename T_, int kHeadDim_, int kBlockN_ = ws_block_n(kHeadDim_), int kPolyEvery_ = 0, int kStages_ = 2,
-          int kConsumerWGs_ = 2>
+          int kConsumerWGs_ = 2, int kDepth_ = kHeadDim_>
 struct WsConfig : FwdConfig<T_, kHeadDim_, kBlockN_, /*kWarpGroups=*/kConsumerWGs_, /*kMinBlocks=*/1> {
   using Base = FwdConfig<T_, kHeadDim_, kBlockN_, kConsumerWGs_, 1>;
+  static constexpr int kQKSteps = (kDepth_ + 15) / 16;
+  static_assert(kDepth_ <= kHeadDim_, "the tiles hold the instance's head dims");
   static constexpr int kPolyEvery = kPolyEvery_;
   static constexpr int kStages = kStages_;
   static constexpr int kConsumerWGs = kConsumerWGs_;
@@ -324,7 +328,7 @@ __device__ __forceinline__ void issue_qk(float (&sc)[1][Cfg::kNTiles][4], const 
                                          const typename Cfg::T* sK) {
   wgmma_fence();
 #pragma unroll
-  for (int ks = 0; ks < Cfg::kHeadDim / 16; ++ks) {
+  for (int ks = 0; ks < Cfg::kQKSteps; ++ks) {
     Wgmma<typename Cfg::T, Cfg::kBlockN>::template ss<0>(sc[0], desc_k_major<Cfg::kBlockM>(sQ, wg_row0, ks),
                                                           desc_k_major<Cfg::kBlockN>(sK, 0, ks), ks > 0);
   }
@@ -736,7 +740,12 @@ bool run_fwd_sm90_ws(const FwdParams& p, cudaStream_t stream) {
       if (rows192) return launch_fwd_sm90_ws<WsConfig<T, 64, 96, 0, 2, 3>, kVariant>(p, stream);
     }
   }
-  return launch_fwd_sm90_ws<WsConfig<T, kHeadDim>, kVariant>(p, stream);
+  if constexpr (kHeadDim == 96) {
+    // d 65..96: the 128-wide tiles, Q K^T 96 deep.
+    return launch_fwd_sm90_ws<WsConfig<T, 128, sm90::ws::ws_block_n(128), 0, 2, 2, 96>, kVariant>(p, stream);
+  } else {
+    return launch_fwd_sm90_ws<WsConfig<T, kHeadDim>, kVariant>(p, stream);
+  }
 }
 
 }  // namespace flash_cuda

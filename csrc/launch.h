@@ -35,15 +35,16 @@ template <int kHeadDim> void run_bwd_simt(const BwdParams& params, cudaStream_t 
 template <int kDType, int kHeadDim, int kVariant> void run_fwd_mma(const FwdParams& params, cudaStream_t stream);
 template <int kDType, int kHeadDim, int kVariant> void run_bwd_mma(const BwdParams& params, cudaStream_t stream);
 
-// ---- fp16/bf16 Hopper tier (wgmma), head dims 64 and 128 ----
+// ---- fp16/bf16 Hopper tier (wgmma): the cp.async forward at buckets 64 / 128, the backward at 64 / 96 / 128 ----
 // Launch and return true when the device is sm_90 and the kernel was built for sm_90a;
 // return false (nothing launched) otherwise, so the caller can fall back to the MMA tier.
 // kVariant: kPlain or kExtended (the backward has no kSoftcapGrad: the mma.sync tier serves it).
 template <int kDType, int kHeadDim, int kVariant> bool run_fwd_sm90(const FwdParams& params, cudaStream_t stream);
 template <int kDType, int kHeadDim, int kVariant> bool run_bwd_sm90(const BwdParams& params, cudaStream_t stream);
 // The warp-specialized forward (TMA + mbarrier ring, producer warp, two consumer warpgroups),
-// head dims 64 / 128 / 192 / 256 for kPlain, 64 / 128 / 192 for kExtended (packed batches,
-// softcap, ALiBi); false (nothing launched) where it does not apply.
+// head-dim buckets 64 / 96 / 128 / 192 / 256 for kPlain, 64 / 96 / 128 / 192 for kExtended
+// (packed batches, softcap, ALiBi; 96: the 128-wide tiles); false (nothing launched) where it does
+// not apply.
 template <int kDType, int kHeadDim, int kVariant> bool run_fwd_sm90_ws(const FwdParams& params, cudaStream_t stream);
 
 // Its ablation switches, for the optimization record's ladder (read at every launch, a few

@@ -201,4 +201,29 @@ inline bool make_row_tensor_map(CUtensorMap* map, const void* base, bool bf16, i
   return r == CUDA_SUCCESS;
 }
 
+// The row extents of a call's maps. A packed batch's maps cover all rows of the packed tensors
+// with batch extent 1 (the batch strides, 0, are then never used): a kernel tells the sequences
+// apart by cu_seqlens and adds a sequence's first row to its coordinates.
+struct MapRows {
+  int q, k, batch;
+  static MapRows of(const FwdParams& p) {
+    const bool packed = p.cu_seqlens_q != nullptr;
+    return {packed ? p.total_q : p.sq, packed ? p.total_k : p.sk, packed ? 1 : p.b};
+  }
+};
+
+// The maps of a call's Q (boxes of block_m rows), K and V (block_n rows); false where TMA cannot
+// address one of the views.
+inline bool make_qkv_tensor_maps(const FwdParams& p, CUtensorMap* q, CUtensorMap* k, CUtensorMap* v, int block_m,
+                                 int block_n) {
+  const bool bf16 = p.dtype == DType::kBFloat16;
+  const MapRows rows = MapRows::of(p);
+  return make_row_tensor_map(q, p.q, bf16, p.d, rows.q, p.hq, rows.batch, p.q_row_stride, p.q_head_stride,
+                             p.q_batch_stride, block_m) &&
+         make_row_tensor_map(k, p.k, bf16, p.d, rows.k, p.hkv, rows.batch, p.k_row_stride, p.k_head_stride,
+                             p.k_batch_stride, block_n) &&
+         make_row_tensor_map(v, p.v, bf16, p.d, rows.k, p.hkv, rows.batch, p.v_row_stride, p.v_head_stride,
+                             p.v_batch_stride, block_n);
+}
+
 }  // namespace flash_cuda

@@ -608,19 +608,12 @@ bool launch_bwd_sm90_ws(const BwdParams& p, cudaStream_t stream) {
   if (!sm90_bwd_ws() || p.dq_accum == nullptr || (packed && kVariant == kPlain) || !sm90_kernel_built(kernel)) {
     return false;
   }
-  const bool bf16 = p.dtype == DType::kBFloat16;
-  // Packed: every sequence's rows in one map of total rows and batch extent 1 (the batch strides,
-  // 0, are then never used); the kernel adds the sequence's first row to its coordinates.
-  const int q_rows = packed ? p.total_q : p.sq, k_rows = packed ? p.total_k : p.sk, batch = packed ? 1 : p.b;
+  // dO has Q's rows (sm90_async.cuh: MapRows).
+  const MapRows rows = MapRows::of(p);
   sm90::bwd_ws::TmaMaps maps;
-  if (!make_row_tensor_map(&maps.q, p.q, bf16, p.d, q_rows, p.hq, batch, p.q_row_stride, p.q_head_stride,
-                           p.q_batch_stride, Cfg::kBlockM) ||
-      !make_row_tensor_map(&maps.dout, p.dout, bf16, p.d, q_rows, p.hq, batch, p.do_row_stride, p.do_head_stride,
-                           p.do_batch_stride, Cfg::kBlockM) ||
-      !make_row_tensor_map(&maps.k, p.k, bf16, p.d, k_rows, p.hkv, batch, p.k_row_stride, p.k_head_stride,
-                           p.k_batch_stride, Cfg::kBlockN) ||
-      !make_row_tensor_map(&maps.v, p.v, bf16, p.d, k_rows, p.hkv, batch, p.v_row_stride, p.v_head_stride,
-                           p.v_batch_stride, Cfg::kBlockN)) {
+  if (!make_qkv_tensor_maps(p, &maps.q, &maps.k, &maps.v, Cfg::kBlockM, Cfg::kBlockN) ||
+      !make_row_tensor_map(&maps.dout, p.dout, p.dtype == DType::kBFloat16, p.d, rows.q, p.hq, rows.batch,
+                           p.do_row_stride, p.do_head_stride, p.do_batch_stride, Cfg::kBlockM)) {
     return false;
   }
   launch_bwd_preprocess<T>(p, stream);

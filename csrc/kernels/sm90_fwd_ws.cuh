@@ -689,20 +689,8 @@ bool launch_fwd_sm90_ws(const FwdParams& p, cudaStream_t stream) {
                         : sm90::ws::fwd_sm90_ws_kernel<Cfg, kOther, kExt>;
   if (p.sm_arch != 90 || !sm90_kernel_built(kernel)) return false;
   if (variant_of(p, /*backward=*/false) != kVariant) return false;
-  const bool bf16 = p.dtype == DType::kBFloat16;
-  // A packed batch: maps over all rows of the packed tensors, batch extent 1 (its batch stride
-  // is 0: the sequences are told apart by cu_seqlens, in the kernel).
-  const bool packed = p.cu_seqlens_q != nullptr;
-  const int q_rows = packed ? p.total_q : p.sq, k_rows = packed ? p.total_k : p.sk, batch = packed ? 1 : p.b;
-  sm90::ws::TmaMaps maps;
-  if (!make_row_tensor_map(&maps.q, p.q, bf16, p.d, q_rows, p.hq, batch, p.q_row_stride, p.q_head_stride,
-                           p.q_batch_stride, Cfg::kBlockM) ||
-      !make_row_tensor_map(&maps.k, p.k, bf16, p.d, k_rows, p.hkv, batch, p.k_row_stride, p.k_head_stride,
-                           p.k_batch_stride, Cfg::kBlockN) ||
-      !make_row_tensor_map(&maps.v, p.v, bf16, p.d, k_rows, p.hkv, batch, p.v_row_stride, p.v_head_stride,
-                           p.v_batch_stride, Cfg::kBlockN)) {
-    return false;
-  }
+  sm90::ws::TmaMaps maps;  // a packed batch's maps span all its rows (sm90_async.cuh: MapRows)
+  if (!make_qkv_tensor_maps(p, &maps.q, &maps.k, &maps.v, Cfg::kBlockM, Cfg::kBlockN)) return false;
   set_smem_limit(kernel, Cfg::kSmemBytes, "fwd_sm90_ws");
   const int64_t tiles = int64_t(ceil_div(p.sq, Cfg::kBlockM)) * p.hq * p.b;
   if (tiles > INT32_MAX / 2) return false;  // the tile loop steps t past the last tile

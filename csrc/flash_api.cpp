@@ -382,10 +382,9 @@ void dispatch_bwd(const BwdParams& p, Tier tier, cudaStream_t stream) {
     return;
   }
   const Variant variant = variant_of(p, /*backward=*/true);
-  if (tier == Tier::kAuto || tier == Tier::kWgmma) {
-    if (sm90_bucket(p.d) && with_dtype_variant<Sm90Bwd, Sm90BwdBuckets, /*kWithSoftcapGrad=*/true>(p, variant, stream)) {
-      return;
-    }
+  if ((tier == Tier::kAuto || tier == Tier::kWgmma) && sm90_bucket(p.d) &&
+      with_dtype_variant<Sm90Bwd, Sm90BwdBuckets, /*kWithSoftcapGrad=*/true>(p, variant, stream)) {
+    return;
   }
   TORCH_CHECK(tier != Tier::kWgmma, kNoWgmma);
   with_dtype_variant<MmaBwd, MmaBuckets, /*kWithSoftcapGrad=*/true>(p, variant, stream);

@@ -30,19 +30,20 @@
 //
 // Packed (varlen) batches (kExtended, kSoftcapGrad): one CTA per (128 keys of a sequence, KV
 // head, sequence), grid sized by max_seqlen_k; a CTA whose keys start past its sequence's end
-// does nothing but stop the dQ writer. The tensor maps span the packed rows (batch extent 1), so a box at a
-// sequence's end reads the first rows of the next sequence: those rows are zeroed in shared
-// memory before the consumers see the tiles (load_pair), which restores exactly what TMA's zero
-// fill gives a dense batch, and keeps one sequence's NaN / Inf out of every other's gradients.
+// does nothing but stop the dQ writer. The tensor maps span the packed rows (batch extent 1), so
+// a box at a sequence's end reads the first rows of the next sequence: those rows are zeroed in
+// shared memory before the consumers see the tiles (load_pair), which restores exactly what TMA's
+// zero fill gives a dense batch, and keeps one sequence's NaN / Inf out of every other's
+// gradients.
 // dQ tiles are one per (sequence, head, query block) (launch.h: sm90_dq_tile).
 //
 // Softcap (kSoftcapGrad: dS gets the factor dtanh = 1 - tanh^2). A full fp32 tile of dtanh, as
 // the mma.sync backward keeps, would cost kBlockM / 2 registers the consumers do not have; even
 // folded into P (P to the dV product as 16-bit fragments at once, P * dtanh kept in fp32) while
 // dP^T is in flight, ptxas spills 112-196 bytes at d = 64 and 24-32 at d = 128. So S^T and dP^T
-// are both awaited and P^T, dS^T computed 16 queries at a time (softcap_probs_and_ds): the derivative lives in an 8-register slice, and each fp32 slice dies
-// as it is packed into the products' A fragments. The price: P's exponentials no longer run
-// under the dP^T product.
+// are both awaited and P^T, dS^T computed 16 queries at a time (softcap_probs_and_ds): the
+// derivative lives in an 8-register slice, and each fp32 slice dies as it is packed into the
+// products' A fragments. The price: P's exponentials no longer run under the dP^T product.
 //
 // Scope: dense batches (kPlain, and kExtended / kSoftcapGrad with ALiBi, softcap) and packed ones
 // (kExtended, kSoftcapGrad), head dims 64 and 128 (33..128 through the buckets), fp16 / bf16,
@@ -409,7 +410,8 @@ __device__ __forceinline__ void claim_ds(const Smem<T, Cfg>& sm, int i) {
 template <typename T, int kBlockM>
 __device__ __forceinline__ void softcap_probs_and_ds(const float (&pt)[1][kBlockM / 8][4],
                                                      const float (&dst)[1][kBlockM / 8][4],
-                                                     uint32_t (&a_pt)[kBlockM / 16][4], uint32_t (&a_ds)[kBlockM / 16][4],
+                                                     uint32_t (&a_pt)[kBlockM / 16][4],
+                                                     uint32_t (&a_ds)[kBlockM / 16][4],
                                                      const float* sLse, const float* sDelta, bool needs_mask,
                                                      int warp_key0, int m0, const AttnMask& mask, const BwdParams& p,
                                                      const SeqInfo& seq, int h) {
@@ -514,7 +516,7 @@ __device__ __forceinline__ void bwd_ws_block(const BwdParams& p, const TmaMaps& 
     if (wg_sees_block) {
       const bool needs_mask = mask.needs_mask(m0, m0 + kBlockM, warp_key0, warp_key0 + 16);
       // S^T = K Q^T and dP^T = V dO^T, one commit group each: P's exponentials run while the
-      // tensor cores still compute dP^T.
+      // tensor cores still compute dP^T (except with softcap: softcap_probs_and_ds).
       float pt[1][kBlockM / 8][4];
       float dst[1][kBlockM / 8][4];
       wgmma_fence();

@@ -144,6 +144,9 @@ CASES: List[Case] = [
     # sequence (rows zeroed in shared memory), key blocks past a short sequence, GQA ----
     _varlen_case(BF16, 4, 2, (100, 0, 1, 77, 200), (90, 3, 1, 150, 260), 128, True, "strided",
                  window=(64, 0), dlse=True),
+    # ---- softcap's derivative on the warp-specialized Hopper backward: d = 96 (128-wide tiles,
+    # columns past d as TMA's zeros), GQA, a causal window, ALiBi, P^T / dS^T in 16-query slices ----
+    Case(F16, 1, 4, 2, 300, 500, 96, True, "bshd", dlse=True, window=(128, 0), softcap=5.0, alibi="heads"),
 ]
 
 

@@ -298,7 +298,8 @@ template <int kDType, int kVariant> struct Sm90Bwd {
 };
 
 // The static switches over dtype and variant, then the bucket: Entry<kDType, kVariant> is one
-// of the structs above. Only the mma.sync backward has kSoftcapGrad instances (kWithSoftcapGrad).
+// of the structs above. Only the backwards (mma.sync, Hopper) have kSoftcapGrad instances
+// (kWithSoftcapGrad).
 template <template <int, int> class Entry, typename Buckets, bool kWithSoftcapGrad = false, typename Params>
 bool with_dtype_variant(const Params& p, Variant variant, cudaStream_t stream) {
   const bool f16 = p.dtype == DType::kFloat16;
@@ -322,7 +323,7 @@ bool with_dtype_variant(const Params& p, Variant variant, cudaStream_t stream) {
 // 128-wide kernels, TMA filling the columns past d with zeros, which at d = 96 still beats the
 // mma.sync kernels of the 96 bucket by far; OPTIMIZATION.md); it returns false, having launched
 // nothing, where it does not apply (other head dims, a GPU other than sm_90, a build without the
-// 90a target, softcap in the backward).
+// 90a target, softcap's backward where its warp-specialized kernel does not run).
 bool sm90_bucket(int d) { return d > 32 && d <= 128; }
 bool sm90_ws_bucket(int d) { return d > 32 && d <= 256; }
 
@@ -341,8 +342,15 @@ bool ws_fwd_applies(const FwdParams& p, Tier tier, Variant variant) {
 
 constexpr const char* kNoWgmma =
     "flash_cuda: kernel='wgmma' needs an sm_90 GPU (H100/H200), a flash_cuda build that includes "
-    "the 90a target, a head dim in 33..128, and softcap == 0 (its backward has no "
-    "softcap yet); use kernel='auto' or 'mma'";
+    "the 90a target, and a head dim in 33..128 (with softcap > 0 its backward also needs "
+    "deterministic=False, FLASH_CUDA_SM90_BWD unset or 'ws', and inputs TMA can address); "
+    "use kernel='auto' or 'mma'";
+// Softcap's derivative is in the warp-specialized Hopper backward only (sm90_bwd_ws.cuh), which
+// adds dQ in a varying order: not with deterministic=True, nor with the ablation modes.
+constexpr const char* kNoWgmmaSoftcap =
+    "flash_cuda: kernel='wgmma' runs softcap's backward on the warp-specialized Hopper kernel only, "
+    "which needs deterministic=False and FLASH_CUDA_SM90_BWD unset or 'ws'; use kernel='auto' or "
+    "'mma'";
 
 void dispatch_fwd(const FwdParams& p, Tier tier, cudaStream_t stream) {
   if (tier == Tier::kSimt) {
@@ -375,8 +383,9 @@ void dispatch_bwd(const BwdParams& p, Tier tier, cudaStream_t stream) {
     return;
   }
   const Variant variant = variant_of(p, /*backward=*/true);
-  if ((tier == Tier::kAuto || tier == Tier::kWgmma) && variant != kSoftcapGrad) {
-    if (sm90_bucket(p.d) && with_dtype_variant<Sm90Bwd, Sm90BwdBuckets>(p, variant, stream)) return;
+  if ((tier == Tier::kAuto || tier == Tier::kWgmma) && sm90_bucket(p.d) &&
+      with_dtype_variant<Sm90Bwd, Sm90BwdBuckets, /*kWithSoftcapGrad=*/true>(p, variant, stream)) {
+    return;
   }
   TORCH_CHECK(tier != Tier::kWgmma, kNoWgmma);
   with_dtype_variant<MmaBwd, MmaBuckets, /*kWithSoftcapGrad=*/true>(p, variant, stream);
@@ -423,7 +432,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd(
   const Shape s = check_qkv(q_in, k_in, v_in, m);
   TORCH_CHECK(std::isfinite(scale), "flash_cuda: scale must be finite");
   const Tier t = resolve_tier(tier, dtype_of(q_in));
-  TORCH_CHECK(t != Tier::kWgmma || m.softcap == 0, kNoWgmma);
 
   at::Tensor out = at::empty_like(q_in);
   at::Tensor lse = at::empty(s.lse_shape(), q_in.options().dtype(at::kFloat));
@@ -477,7 +485,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(
   const Shape s = check_qkv(q_in, k_in, v_in, m);
   TORCH_CHECK(std::isfinite(scale), "flash_cuda: scale must be finite");
   const Tier t = resolve_tier(tier, dtype_of(q_in));
-  TORCH_CHECK(t != Tier::kWgmma || m.softcap == 0, kNoWgmma);
+  TORCH_CHECK(t != Tier::kWgmma || m.softcap == 0 || (!deterministic && sm90_bwd_ws()), kNoWgmmaSoftcap);
   TORCH_CHECK(dout_in.sizes() == q_in.sizes() && out_in.sizes() == q_in.sizes(),
               "flash_cuda: dout and out must have q's shape");
   TORCH_CHECK(dout_in.scalar_type() == q_in.scalar_type() && out_in.scalar_type() == q_in.scalar_type(),
@@ -557,9 +565,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(
   // warp-specialized kernel, dense and packed batches, by default): a zero-filled fp32 workspace
   // of about B * Hq * Sq * D * 4 bytes (packed: Hq * total_q * D * 4 plus a partial tile per
   // sequence, launch.h: sm90_dq_accum_floats), which the kernels' launcher converts into dq.
+  // Softcap's backward has it in the warp-specialized kernel only (the atomic mode's cp.async
+  // kernel has no softcap derivative: mma.sync runs it, without a workspace).
   at::Tensor dq_accum;
+  const bool softcap_grad = variant_of(p, /*backward=*/true) == kSoftcapGrad;
   if ((t == Tier::kAuto || t == Tier::kWgmma || t == Tier::kWgmmaWs) && !deterministic && p.sm_arch == 90 &&
-      sm90_bucket(p.d) && variant_of(p, /*backward=*/true) != kSoftcapGrad && (sm90_bwd_ws() || sm90_dq_atomic())) {
+      sm90_bucket(p.d) && (sm90_bwd_ws() || (sm90_dq_atomic() && !softcap_grad))) {
     dq_accum = at::zeros({sm90_dq_accum_floats(p, lse.numel())}, q.options().dtype(at::kFloat));
     p.dq_accum = dq_accum.data_ptr<float>();
   }

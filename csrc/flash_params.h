@@ -160,7 +160,8 @@ FLASH_HOST_DEVICE inline bool has_score_mod(const FwdParams& p) {
 // run-time values in every variant (they only move block ranges and the mask's diagonals).
 //   kPlain       dense batch, no score modifier
 //   kExtended    + packed (varlen) batches, ALiBi, softcap
-//   kSoftcapGrad kExtended + softcap's derivative, which the backward keeps in one more tile
+//   kSoftcapGrad kExtended + softcap's derivative, which the mma.sync backward keeps in one more
+//                tile (the warp-specialized Hopper one, short of registers, in 16-query slices)
 enum Variant : int { kPlain = 0, kExtended = 1, kSoftcapGrad = 2 };
 
 inline Variant variant_of(const FwdParams& p, bool backward) {

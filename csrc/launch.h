@@ -38,7 +38,9 @@ template <int kDType, int kHeadDim, int kVariant> void run_bwd_mma(const BwdPara
 // ---- fp16/bf16 Hopper tier (wgmma): the cp.async forward at buckets 64 / 128, the backward at 64 / 96 / 128 ----
 // Launch and return true when the device is sm_90 and the kernel was built for sm_90a;
 // return false (nothing launched) otherwise, so the caller can fall back to the MMA tier.
-// kVariant: kPlain or kExtended (the backward has no kSoftcapGrad: the mma.sync tier serves it).
+// kVariant: kPlain or kExtended, and for the backward kSoftcapGrad, which only its
+// warp-specialized kernel serves (deterministic=False, FLASH_CUDA_SM90_BWD=ws): elsewhere
+// run_bwd_sm90<.., kSoftcapGrad> returns false and the mma.sync tier serves it.
 template <int kDType, int kHeadDim, int kVariant> bool run_fwd_sm90(const FwdParams& params, cudaStream_t stream);
 template <int kDType, int kHeadDim, int kVariant> bool run_bwd_sm90(const BwdParams& params, cudaStream_t stream);
 // The warp-specialized forward (TMA + mbarrier ring, producer warp, two consumer warpgroups),
@@ -77,12 +79,14 @@ inline int ws_block_m_override() { return ws_env_int("FLASH_CUDA_WS_BLOCK_M"); }
 // FLASH_CUDA_WS_EXP2_POLY=N (4 or 8): in the d 64 / 128 kPlain forward every N-th 8-key tile
 // of P is exponentiated on the FMA pipe (poly_exp2) instead of MUFU.
 inline int ws_exp2_poly_every() { return ws_env_int("FLASH_CUDA_WS_EXP2_POLY"); }
-// The Hopper backward (deterministic=False; deterministic=True always runs the two-kernel path):
+// The Hopper backward (deterministic=False; deterministic=True always runs the two-kernel path, or
+// for softcap the mma.sync backward):
 //   FLASH_CUDA_SM90_BWD=ws (default)  the warp-specialized kernel (sm90_bwd_ws.cuh): TMA producer,
 //       5 products per block pair, dQ added into an fp32 workspace by a writer warp's bulk
 //       reductions; dense and packed (varlen) batches
 //   FLASH_CUDA_SM90_BWD=atomic        the cp.async dK/dV kernel adding dQ with atomics
 //   FLASH_CUDA_SM90_BWD=split         the cp.async dK/dV kernel and a separate dQ kernel (7 products)
+// (softcap's backward has only the first: with atomic or split it runs on the mma.sync tier)
 inline std::string sm90_bwd_mode() {
   const char* v = std::getenv("FLASH_CUDA_SM90_BWD");
   return v != nullptr ? std::string(v) : std::string("ws");

@@ -364,7 +364,7 @@ def _check_cu_seqlens_enabled(flag: bool) -> bool:
 def _check_kernel(kernel, dtype: torch.dtype, features: Sequence[str] = (),
                   prefix: str = _PREFIX) -> int:
     """The tier id for ``kernel``; ``features`` names the options in use that the Hopper
-    (wgmma) tier does not support yet (softcap: its backward)."""
+    (wgmma) tier does not support yet (softcap with deterministic=True: its backward)."""
     if not isinstance(kernel, str) or kernel not in KERNELS:
         raise ValueError(
             f"{prefix}kernel must be one of 'auto', 'simt', 'mma', 'wgmma', got {kernel!r}"
@@ -446,7 +446,8 @@ class _Options(NamedTuple):
 
 
 def _validate_options(q: Tensor, *, batch: int, scale, is_causal: bool, window_size, softcap,
-                      alibi_slopes, kernel, varlen: bool, prefix: str) -> _Options:
+                      alibi_slopes, kernel, varlen: bool, prefix: str,
+                      deterministic: bool = False) -> _Options:
     """The checks shared by attention and varlen_attention once the tensors' types, dtypes,
     shapes and strides are known good: scale, window, softcap, ALiBi slopes, kernel."""
     scale = _check_scale(scale, q.shape[-1], prefix)
@@ -454,9 +455,10 @@ def _validate_options(q: Tensor, *, batch: int, scale, is_causal: bool, window_s
     softcap = _check_softcap(softcap, prefix)
     heads = q.shape[-2] if varlen else q.shape[1]
     alibi_slopes = _check_alibi(alibi_slopes, batch, heads, prefix)
-    # The Hopper tier runs windows, ALiBi and packed batches; softcap's backward is the one
-    # feature it lacks (kernel='auto' then takes the mma.sync backward).
-    features = ["softcap"] if softcap > 0 else []
+    # The Hopper tier runs windows, softcap, ALiBi and packed batches; softcap's backward only
+    # on its warp-specialized kernel, which adds dQ in a varying order: not deterministic=True
+    # (kernel='auto' then takes the mma.sync backward).
+    features = ["softcap with deterministic=True"] if softcap > 0 and deterministic else []
     tier = _check_kernel(kernel, q.dtype, features, prefix)
     return _Options(scale, left, right, softcap, alibi_slopes, tier)
 
@@ -475,7 +477,8 @@ def _validate(q, k, v, *, scale=None, is_causal=False, window_size=(-1, -1), sof
     _check_strides(q, k, v)
     opts = _validate_options(q, batch=q.shape[0], scale=scale, is_causal=is_causal,
                              window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-                             kernel=kernel, varlen=False, prefix=_PREFIX)
+                             kernel=kernel, varlen=False, prefix=_PREFIX,
+                             deterministic=deterministic)
     _check_aux_devices(q, alibi_slopes=opts.alibi_slopes)
     _check_device(q, k, v)
     return opts
@@ -498,7 +501,8 @@ def _validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     max_q, max_k = _check_max_seqlen(max_seqlen_q, max_seqlen_k, prefix)
     opts = _validate_options(q, batch=B, scale=scale, is_causal=is_causal,
                              window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-                             kernel=kernel, varlen=True, prefix=prefix)
+                             kernel=kernel, varlen=True, prefix=prefix,
+                             deterministic=deterministic)
     _check_aux_devices(q, prefix, alibi_slopes=opts.alibi_slopes, cu_seqlens_q=cu_seqlens_q,
                        cu_seqlens_k=cu_seqlens_k)
     _check_device(q, k, v, prefix)
@@ -731,14 +735,16 @@ _FEATURES_DOC = r"""
             packed (:func:`varlen_attention`) batches alike (one warp-specialized kernel adding
             dQ into an fp32 workspace of about B * Hq * Sq * D * 4 bytes, D rounded up to 64;
             packed: Hq * (total_q + (B + 1) * M) * D * 4 bytes, M = 128 at D <= 64, else 64).
-            ``True`` runs a separate dQ kernel instead, at a cost in speed measured in
-            OPTIMIZATION.md; the other 16-bit backwards are reproducible either way.
+            ``True`` runs a separate dQ kernel instead (with ``softcap > 0`` the mma.sync
+            backward), at a cost in speed measured in OPTIMIZATION.md; the other 16-bit
+            backwards are reproducible either way.
         kernel: ``"auto"`` (default) picks by dtype, GPU and options: ``"simt"`` (float32
             CUDA-core kernels, true fp32 arithmetic) for float32; for float16 / bfloat16
             on sm_90 the Hopper kernels: a warp-specialized forward (TMA, persistent) at head
             dims 33..256 (packed batches, softcap and ALiBi up to 192),
             ``"wgmma"`` (warpgroup MMA) for the other forwards and the backward at 33..128
-            (the backward without softcap; head dims 65..96 run the 128-wide kernels); else ``"mma"`` (mma.sync tensor-core
+            (softcap's backward only with ``deterministic=False``; head dims 65..96 run the
+            128-wide kernels); else ``"mma"`` (mma.sync tensor-core
             kernels, sm_80 and newer, every head dim and option). Both tensor-core tiers accumulate in fp32. Asking for ``"simt"`` with
             16-bit inputs, ``"mma"`` / ``"wgmma"`` with float32 inputs, or ``"wgmma"`` where
             it does not apply is an error."""

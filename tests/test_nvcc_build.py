@@ -24,7 +24,9 @@ ARCHS = {a: f"-gencode=arch=compute_{a[3:]},code={a}" for a in ("sm_80", "sm_86"
 # variants of the kernels on the performance grid spill nothing.
 # * kSoftcapGrad (mma_bwd_softcap_*): softcap's derivative is one more register tile next to P
 #   and dP, in kernels whose plain variant already sits at 255 registers. Softcap is in no
-#   performance gate; smaller tiles for this variant are the next step.
+#   performance gate; smaller tiles for this variant are the next step. On sm_90 the
+#   warp-specialized backward (sm90_bwd_softcap_*, no spills) serves it at d 33..128 unless
+#   deterministic=True.
 # * kExtended at d = 96 / 128 (forward), 96 / 128 / 256 (backward), on the archs listed below:
 #   ALiBi's slope and the sequence's offsets push 255-register kernels over by a few words. On
 #   sm_90 the wgmma tier serves the extended variants at d = 64 / 128.
@@ -90,6 +92,10 @@ def test_instances_exist():
     for tier in ("sm90_fwd", "sm90_fwd_ext", "sm90_bwd", "sm90_bwd_ext", "sm90_fwd_ws"):
         for dt in ("fp16", "bf16"):
             for d in (64, 128):
+                assert f"{tier}_{dt}_d{d}.cu" in names
+    for tier in ("sm90_bwd", "sm90_bwd_ext", "sm90_bwd_softcap"):
+        for dt in ("fp16", "bf16"):
+            for d in (64, 96, 128):
                 assert f"{tier}_{dt}_d{d}.cu" in names
 
 

@@ -6,6 +6,8 @@ every other kernel (tests/attn_check.py), head dims 33..128 (65..96 on the 128-w
   ws_red  the same kernel with dQ by atomics (FLASH_CUDA_SM90_BWD_DQ_RED=1)
   atomic  the cp.async dK/dV kernel adding dQ by atomics (sm90_bwd.cuh, accumulate_dq_atomic)
   split   the cp.async dK/dV kernel and a dQ kernel (deterministic=True always runs this one)
+Softcap's backward (its derivative, kSoftcapGrad) runs on the warp-specialized kernel alone (ws,
+ws_red); in atomic / split and with deterministic=True it runs on the mma.sync backward.
 GPU-only, sm_90 only."""
 
 
@@ -100,6 +102,76 @@ def test_sm90_bwd_packed_batches(mode, dtype, seqlens_q, seqlens_k, Hq, Hkv, D, 
         slopes = make_alibi_slopes(Hq, batch=len(seqlens_q) if alibi == "batch" else None, device="cuda", seed=seed)
     check_varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k, is_causal=is_causal, window_size=window,
                            alibi_slopes=slopes, label=f"sm90 bwd {mode} varlen", seed=seed)
+
+
+# Softcap (the derivative 1 - tanh^2 in dS): (B, Hq, Hkv, Sq, Sk, D, is_causal, window, softcap,
+# alibi, layout). Large caps (50: nearly the plain softmax) and small ones (5, 2, 1: many logits
+# in tanh's flat part, where the derivative is small), with ALiBi (after the cap), GQA, causal,
+# windows, rows that see no key, each head-dim bucket (64, 96 on the 128-wide tiles, 128) and a
+# head dim below its bucket.
+SOFTCAP_CASES = [
+    (2, 4, 4, 1000, 1000, 128, False, (-1, -1), 50.0, None, "bhsd"),
+    (1, 8, 2, 777, 1029, 128, True, (-1, -1), 5.0, "heads", "bshd"),
+    (2, 4, 2, 1000, 1000, 64, True, (-1, -1), 5.0, None, "bhsd"),
+    (1, 6, 3, 300, 1200, 64, False, (64, 64), 50.0, "heads", "strided"),
+    (2, 4, 2, 1000, 1100, 96, True, (-1, -1), 30.0, None, "bshd"),
+    (1, 4, 4, 300, 257, 80, False, (-1, -1), 5.0, "heads", "strided"),
+    (1, 4, 1, 1500, 300, 48, True, (-1, -1), 2.0, None, "bshd"),  # 1200 rows see no key
+    (2, 8, 2, 900, 900, 128, False, (40, 0), 1.0, "heads", "offset"),
+    (1, 2, 2, 65, 1, 112, False, (-1, -1), 5.0, None, "bhsd"),
+]
+
+
+def _softcap_on_ws(mode):
+    if not mode.startswith("ws"):
+        pytest.skip("softcap's backward runs on the mma.sync kernels in this mode (route test below)")
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("B,Hq,Hkv,Sq,Sk,D,is_causal,window,softcap,alibi,layout", SOFTCAP_CASES)
+def test_sm90_bwd_softcap(mode, dtype, B, Hq, Hkv, Sq, Sk, D, is_causal, window, softcap, alibi, layout):
+    _softcap_on_ws(mode)
+    q, k, v = make_inputs(B, Hq, Hkv, Sq, Sk, D, dtype, "cuda", layout=layout, seed=Sq + Sk + 1)
+    slopes = make_alibi_slopes(Hq, device="cuda", seed=Sq) if alibi else None
+    check_attention(q, k, v, is_causal=is_causal, scale=None, window_size=window, softcap=softcap,
+                    alibi_slopes=slopes, label=f"sm90 bwd {mode} softcap={softcap}", seed=Sq)
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("softcap", [5.0, 50.0])
+def test_sm90_bwd_softcap_large_logits(mode, dtype, D, softcap):
+    """Logits far past the cap (q scaled by 4, scale 0.5): most of tanh saturated, its
+    derivative down to ~1e-6, next to logits in its steep part; dlse too."""
+    _softcap_on_ws(mode)
+    q, k, v = make_inputs(1, 4, 2, 600, 700, D, dtype, "cuda", seed=D + int(softcap))
+    check_attention(q * 4, k, v, is_causal=True, scale=0.5, softcap=softcap, with_dlse=True,
+                    label=f"sm90 bwd {mode} softcap={softcap} large logits", seed=D)
+
+
+# Packed batches with softcap: (seqlens_q, seqlens_k, Hq, Hkv, D, is_causal, window, softcap,
+# alibi, layout), lengths 0 and 1 and blocks running into the next sequence as above.
+SOFTCAP_VARLEN_CASES = [
+    ((1, 0, 130, 64, 257), (1, 7, 130, 200, 257), 4, 2, 128, True, (-1, -1), 5.0, None, "contiguous"),
+    ((300, 17, 129, 0), (200, 517, 129, 5), 4, 1, 64, False, (-1, -1), 50.0, "heads", "strided"),
+    ((513, 65, 1000), (700, 1, 999), 6, 2, 96, True, (64, 0), 2.0, "batch", "offset"),
+]
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("seqlens_q,seqlens_k,Hq,Hkv,D,is_causal,window,softcap,alibi,layout", SOFTCAP_VARLEN_CASES)
+def test_sm90_bwd_softcap_packed_batches(mode, dtype, seqlens_q, seqlens_k, Hq, Hkv, D, is_causal, window, softcap,
+                                         alibi, layout):
+    _softcap_on_ws(mode)
+    seed = sum(seqlens_q) + D + 1
+    q, k, v, cu_q, cu_k, max_q, max_k = make_varlen_inputs(seqlens_q, seqlens_k, Hq, Hkv, D, dtype, "cuda",
+                                                           layout=layout, seed=seed)
+    slopes = None
+    if alibi:
+        slopes = make_alibi_slopes(Hq, batch=len(seqlens_q) if alibi == "batch" else None, device="cuda", seed=seed)
+    check_varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k, is_causal=is_causal, window_size=window,
+                           softcap=softcap, alibi_slopes=slopes, label=f"sm90 bwd {mode} varlen softcap={softcap}",
+                           seed=seed)
 
 
 # The NaN isolation case: sequence 1 is poisoned; sequence 0's last query block (100 rows) and
@@ -202,6 +274,64 @@ def test_each_mode_runs_its_kernels(mode, unset, D, monkeypatch):
     # WsBwdConfig<BwdTraits<D>, kBulkDq, kStages>: the demangler writes the bool as true or (bool)1.
     bulk = re.search(r"WsBwdConfig<[^<>]*BwdTraits<[^<>]*>\s*,\s*(true|\(bool\)1)", names) is not None
     assert bulk == (mode == "ws"), names
+
+
+def _ws_variant(names):
+    """The Variant (flash_params.h: 0 plain, 1 extended, 2 softcap gradient) of the
+    warp-specialized backward kernel the profiler saw, None if it did not run."""
+    import re
+
+    m = re.search(r"bwd_sm90_ws_kernel<.*?,\s*(\d)>\(flash_cuda::BwdParams", names)
+    return int(m.group(1)) if m else None
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
+@pytest.mark.parametrize("D", [64, 96, 128])
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
+def test_softcap_runs_its_kernels(mode, deterministic, D, packed):
+    """The route of softcap's backward: the warp-specialized kernel's softcap variant in ws and
+    ws_red (bulk dQ only in ws), with kernel='auto' and kernel='wgmma'; the mma.sync backward
+    (no Hopper kernel at all) in atomic / split and with deterministic=True, where
+    kernel='wgmma' is an error (ValueError from validation, RuntimeError from the binding)."""
+    import re
+
+    import flash_cuda
+
+    ws = mode.startswith("ws") and not deterministic
+    for kernel in ("auto", "wgmma"):
+        if packed:
+            q, k, v, cu_q, cu_k, max_q, max_k = make_varlen_inputs((300, 0, 129, 64), (200, 5, 300, 64), 4, 2, D, BF16,
+                                                                   "cuda", seed=3)
+            qf, kf, vf = (t.detach().requires_grad_() for t in (q, k, v))
+
+            def call():
+                return flash_cuda.varlen_attention(qf, kf, vf, cu_q, cu_k, max_q, max_k, is_causal=True, softcap=5.0,
+                                                   deterministic=deterministic, kernel=kernel)
+        else:
+            q, k, v = make_inputs(1, 4, 2, 512, 512, D, BF16, "cuda", seed=3)
+            qf, kf, vf = (t.detach().requires_grad_() for t in (q, k, v))
+
+            def call():
+                return flash_cuda.attention(qf, kf, vf, is_causal=True, softcap=5.0, deterministic=deterministic,
+                                            kernel=kernel)
+        if kernel == "wgmma" and deterministic:
+            with pytest.raises(ValueError, match="softcap with deterministic=True"):
+                call()
+            continue
+        out = call()
+        if kernel == "wgmma" and not ws:
+            with pytest.raises(RuntimeError, match="kernel='wgmma'"):
+                torch.autograd.grad(out, (qf, kf, vf), torch.ones_like(out))
+            continue
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            torch.autograd.grad(out, (qf, kf, vf), torch.ones_like(out))
+            torch.cuda.synchronize()
+        names = " ".join(e.name for e in prof.events())
+        assert _ws_variant(names) == (2 if ws else None), (kernel, names)
+        assert "bwd_dkdv_sm90_kernel" not in names and "bwd_dq_sm90_kernel" not in names, (kernel, names)
+        assert ("bwd_dkdv_kernel" in names) == (not ws), (kernel, names)  # the mma.sync backward
+        bulk = re.search(r"WsBwdConfig<[^<>]*BwdTraits<[^<>]*>\s*,\s*(true|\(bool\)1)", names) is not None
+        assert bulk == (ws and mode == "ws"), (kernel, names)
 
 
 @pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])

@@ -181,11 +181,24 @@ def test_alibi_batch_zero():
 # ---------------------------------------------------------------------------------------
 
 
-def test_wgmma_rejects_softcap():
-    """The Hopper tier has no softcap backward yet: asking for it explicitly is an error."""
+def test_wgmma_rejects_deterministic_softcap():
+    """The Hopper tier has softcap's backward in its warp-specialized kernel only, which adds dQ
+    in a varying order: asking for it explicitly with deterministic=True is an error."""
     msg = raises(ValueError, "kernel='wgmma' \\(the Hopper tier\\) does not support", *qkv(),
-                 kernel="wgmma", softcap=10.0)
-    assert "softcap" in msg and "'mma'" in msg
+                 kernel="wgmma", softcap=10.0, deterministic=True)
+    assert "softcap with deterministic=True" in msg and "'mma'" in msg
+    msg = vraises(ValueError, "kernel='wgmma' \\(the Hopper tier\\) does not support", *packed(),
+                  kernel="wgmma", softcap=10.0, deterministic=True)
+    assert "softcap with deterministic=True" in msg
+
+
+@pytest.mark.parametrize("kw", [dict(softcap=10.0), dict(softcap=5.0, deterministic=False),
+                                dict(softcap=0.0, deterministic=True)])
+def test_wgmma_accepts_softcap(kw):
+    """Softcap (its backward on the warp-specialized Hopper kernel) passes validation for the
+    Hopper tier (the CPU tensors then fail the device check)."""
+    raises(RuntimeError, CUDA_CHECK, *qkv(), kernel="wgmma", **kw)
+    vraises(RuntimeError, CUDA_CHECK, *packed(), kernel="wgmma", **kw)
 
 
 @pytest.mark.parametrize("kw", [dict(is_causal=True), dict(window_size=(-1, 0)), dict(softcap=0.0),

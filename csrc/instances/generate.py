@@ -25,7 +25,7 @@ def _file(comment: str, header: str, lines: list) -> str:
 
 
 # Variants (flash_params.h): the plain kernels, the extended ones (varlen, ALiBi, softcap), and
-# for the mma.sync backward the ones with softcap's derivative.
+# for the mma.sync and Hopper backwards the ones with softcap's derivative.
 VARIANTS = {"": ("kPlain", ""), "_ext": ("kExtended", ", extended (varlen, ALiBi, softcap)"),
             "_softcap": ("kSoftcapGrad", ", with softcap's derivative")}
 
@@ -47,7 +47,8 @@ def instances() -> dict:
                     [f"template void run_bwd_mma<{dtype}, {d}, {variant}>(const BwdParams&, cudaStream_t);"])
         for direction, params, buckets in (("fwd", "FwdParams", SM90_BUCKETS), ("bwd", "BwdParams", SM90_BWD_BUCKETS)):
             for d in buckets:
-                for suffix in ("", "_ext"):
+                # The backward's softcap derivative runs on its warp-specialized kernel alone.
+                for suffix in ("", "_ext", "_softcap") if direction == "bwd" else ("", "_ext"):
                     variant, what = VARIANTS[suffix]
                     files[f"sm90_{direction}{suffix}_{dt}_d{d}.cu"] = _file(
                         f"Hopper (wgmma) {'forward' if direction == 'fwd' else 'backward'}{what}, {dt}, "

@@ -375,7 +375,7 @@ __device__ __forceinline__ void bwd_dkdv_block(const BwdParams& p) {
       fence_accumulator(pt[0]);
       fence_accumulator(dst[0]);
 
-      float no_dtanh[1][1][4];  // softcap runs on the mma.sync backward (the binding's choice)
+      float no_dtanh[1][1][4];  // softcap's derivative: sm90_bwd_ws.cuh or mma.sync (run_bwd_sm90)
       bwd_mma::compute_probs<true, kVariant>(pt, no_dtanh, sLse + stage * kBlockM, needs_mask, warp_key0, m0, mask,
                                           p, seq, h);
       uint32_t a_pt[kBlockM / 16][4];
@@ -503,7 +503,7 @@ __device__ __forceinline__ void bwd_dq_block(const BwdParams& p) {
     fence_accumulator(s[0]);
     fence_accumulator(ds[0]);
 
-    float no_dtanh[1][1][4];  // softcap runs on the mma.sync backward (the binding's choice)
+    float no_dtanh[1][1][4];  // softcap's derivative: sm90_bwd_ws.cuh or mma.sync (run_bwd_sm90)
     bwd_mma::compute_probs<false, kVariant>(s, no_dtanh, sLse + 16 * warp, needs_mask, warp_q0, n0, mask, p, seq, h);
     bwd_mma::compute_ds<false, kVariant>(ds, s, no_dtanh, sDelta + 16 * warp);
     uint32_t a_ds[kBlockN / 16][4];

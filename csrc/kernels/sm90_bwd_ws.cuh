@@ -28,18 +28,28 @@
 //   dV += P^T dO, dK += dS^T Q (register A operands) ; stage dS^T ; barrier ; dQ = dS K ;
 //   dQ to the writer (kBulkDq) or to atomics
 //
-// Packed (varlen) batches (kExtended): one CTA per (128 keys of a sequence, KV head, sequence),
-// grid sized by max_seqlen_k; a CTA whose keys start past its sequence's end does nothing but
-// stop the dQ writer. The tensor maps span the packed rows (batch extent 1), so a box at a
-// sequence's end reads the first rows of the next sequence: those rows are zeroed in shared
-// memory before the consumers see the tiles (load_pair), which restores exactly what TMA's zero
-// fill gives a dense batch, and keeps one sequence's NaN / Inf out of every other's gradients.
+// Packed (varlen) batches (kExtended, kSoftcapGrad): one CTA per (128 keys of a sequence, KV
+// head, sequence), grid sized by max_seqlen_k; a CTA whose keys start past its sequence's end
+// does nothing but stop the dQ writer. The tensor maps span the packed rows (batch extent 1), so
+// a box at a sequence's end reads the first rows of the next sequence: those rows are zeroed in
+// shared memory before the consumers see the tiles (load_pair), which restores exactly what TMA's
+// zero fill gives a dense batch, and keeps one sequence's NaN / Inf out of every other's
+// gradients.
 // dQ tiles are one per (sequence, head, query block) (launch.h: sm90_dq_tile).
 //
-// Scope: dense batches (kPlain, and kExtended with ALiBi) and packed ones (kExtended), head dims
-// 64 and 128 (33..128 through the buckets), fp16 / bf16, causal, windows, Sq != Sk, GQA (the CTA
-// walks the query heads of its KV head), views TMA can address; the launcher returns false
-// otherwise and the caller runs sm90_bwd.cuh.
+// Softcap (kSoftcapGrad: dS gets the factor dtanh = 1 - tanh^2). A full fp32 tile of dtanh, as
+// the mma.sync backward keeps, would cost kBlockM / 2 registers the consumers do not have; even
+// folded into P (P to the dV product as 16-bit fragments at once, P * dtanh kept in fp32) while
+// dP^T is in flight, ptxas spills 112-196 bytes at d = 64 and 24-32 at d = 128. So S^T and dP^T
+// are both awaited and P^T, dS^T computed 16 queries at a time (softcap_probs_and_ds): the
+// derivative lives in an 8-register slice, and each fp32 slice dies as it is packed into the
+// products' A fragments. The price: P's exponentials no longer run under the dP^T product.
+//
+// Scope: dense batches (kPlain, and kExtended / kSoftcapGrad with ALiBi, softcap) and packed ones
+// (kExtended, kSoftcapGrad), head dims 64 and 128 (33..128 through the buckets), fp16 / bf16,
+// causal, windows, Sq != Sk, GQA (the CTA walks the query heads of its KV head), views TMA can
+// address; the launcher returns false otherwise and the caller runs sm90_bwd.cuh (kSoftcapGrad:
+// the mma.sync backward, run_bwd_sm90).
 #pragma once
 
 #include "sm90_async.cuh"
@@ -87,7 +97,7 @@ struct WsBwdConfig : Traits {
   // The split, from ptxas -v (no spills): the atomic variant's consumers need 240. With the dQ
   // writer beside the producer that warpgroup needs 32 (it spills at 24), and at d = 64 (128-query
   // steps) 40 (the extended variant's, with a packed batch's row zeroing, spills at 32), while the
-  // extended variant's consumers need 232.
+  // extended and softcap variants' consumers need 232.
   template <int kVariant>
   static constexpr int producer_regs() {
     return !kBulkDq ? 24 : kD == 64 ? 40 : 32;
@@ -96,10 +106,12 @@ struct WsBwdConfig : Traits {
   static constexpr int consumer_regs() {
     return !kBulkDq ? 240 : (kD == 64 && kVariant == kPlain) ? 224 : 232;
   }
-  static_assert(128 * (kLaunchRegs - producer_regs<kPlain>()) >=
-                        kConsumerThreads * (consumer_regs<kPlain>() - kLaunchRegs) &&
-                    128 * (kLaunchRegs - producer_regs<kExtended>()) >=
-                        kConsumerThreads * (consumer_regs<kExtended>() - kLaunchRegs),
+  template <int kVariant>
+  static constexpr bool regs_balance() {
+    return 128 * (kLaunchRegs - producer_regs<kVariant>()) >=
+           kConsumerThreads * (consumer_regs<kVariant>() - kLaunchRegs);
+  }
+  static_assert(regs_balance<kPlain>() && regs_balance<kExtended>() && regs_balance<kSoftcapGrad>(),
                 "the consumers' registers come from the producer's");
   static_assert(Traits::kKVWarpGroups == 2, "two consumer warpgroups of 64 keys");
   static_assert(kBlockM == sm90_bwd_block_m(kD), "the dQ workspace is sized with this tile height (launch.h)");
@@ -389,6 +401,39 @@ __device__ __forceinline__ void claim_ds(const Smem<T, Cfg>& sm, int i) {
   }
 }
 
+// P^T and dS^T of kSoftcapGrad, straight into the A fragments of the dV and dK products, 16
+// queries (two C tiles) at a time: compute_probs / compute_ds with their kSoftcap paths on each
+// slice, so that softcap's derivative lives in an 8-register slice of dtanh instead of the full
+// tile (kBlockM / 2 registers) the consumers have no room for, and each slice of the fp32 P^T and
+// dP^T dies as it is packed. So both S^T and dP^T must have landed first: with softcap the
+// exponentials no longer overlap the dP^T product.
+template <typename T, int kBlockM>
+__device__ __forceinline__ void softcap_probs_and_ds(const float (&pt)[1][kBlockM / 8][4],
+                                                     const float (&dst)[1][kBlockM / 8][4],
+                                                     uint32_t (&a_pt)[kBlockM / 16][4],
+                                                     uint32_t (&a_ds)[kBlockM / 16][4],
+                                                     const float* sLse, const float* sDelta, bool needs_mask,
+                                                     int warp_key0, int m0, const AttnMask& mask, const BwdParams& p,
+                                                     const SeqInfo& seq, int h) {
+#pragma unroll
+  for (int kk = 0; kk < kBlockM / 16; ++kk) {
+    float p_slice[1][2][4], ds_slice[1][2][4], dtanh[1][2][4];
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        p_slice[0][j][e] = pt[0][2 * kk + j][e];
+        ds_slice[0][j][e] = dst[0][2 * kk + j][e];
+      }
+    // Queries m0 + 16 kk .. of the block: their lse and delta from entry 16 kk on.
+    bwd_mma::compute_probs<true, kSoftcapGrad>(p_slice, dtanh, sLse + 16 * kk, needs_mask, warp_key0, m0 + 16 * kk,
+                                               mask, p, seq, h);
+    bwd_mma::compute_ds<true, kSoftcapGrad>(ds_slice, p_slice, dtanh, sDelta + 16 * kk);
+    accumulator_to_a<T>(a_pt[kk], p_slice[0], 0);
+    accumulator_to_a<T>(a_ds[kk], ds_slice[0], 0);
+  }
+}
+
 template <typename T, typename Cfg, int kVariant>
 __device__ __forceinline__ void bwd_ws_block(const BwdParams& p, const TmaMaps& maps) {
   constexpr int kD = Cfg::kD;
@@ -397,8 +442,8 @@ __device__ __forceinline__ void bwd_ws_block(const BwdParams& p, const TmaMaps& 
   extern __shared__ unsigned char smem_raw[];
   const Smem<T, Cfg> sm(aligned_smem_base<true>(smem_raw));
 
-  // Packed batches (kExtended only, flash_params.h: variant_of) read their sequence's offsets
-  // and mask from cu_seqlens; kPlain folds all of it to the dense constants.
+  // Packed batches (kExtended or kSoftcapGrad, flash_params.h: variant_of) read their sequence's
+  // offsets and mask from cu_seqlens; kPlain folds all of it to the dense constants.
   constexpr bool kVarlen = kVariant != kPlain;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   if (threadIdx.x == 0) {
@@ -471,7 +516,7 @@ __device__ __forceinline__ void bwd_ws_block(const BwdParams& p, const TmaMaps& 
     if (wg_sees_block) {
       const bool needs_mask = mask.needs_mask(m0, m0 + kBlockM, warp_key0, warp_key0 + 16);
       // S^T = K Q^T and dP^T = V dO^T, one commit group each: P's exponentials run while the
-      // tensor cores still compute dP^T.
+      // tensor cores still compute dP^T (except with softcap: softcap_probs_and_ds).
       float pt[1][kBlockM / 8][4];
       float dst[1][kBlockM / 8][4];
       wgmma_fence();
@@ -490,16 +535,23 @@ __device__ __forceinline__ void bwd_ws_block(const BwdParams& p, const TmaMaps& 
       wgmma_wait<1>();
       fence_accumulator(pt[0]);
 
-      float no_dtanh[1][1][4];  // softcap's derivative runs on the mma.sync backward
-      bwd_mma::compute_probs<true, kVariant>(pt, no_dtanh, sm.lse + s * kBlockM, needs_mask, warp_key0, m0, mask, p,
-                                             seq, h);
-      wgmma_wait<0>();
-      fence_accumulator(dst[0]);
-      bwd_mma::compute_ds<true, kVariant>(dst, pt, no_dtanh, sm.delta + s * kBlockM);
+      if constexpr (kVariant == kSoftcapGrad) {
+        wgmma_wait<0>();
+        fence_accumulator(dst[0]);
+        softcap_probs_and_ds<T, kBlockM>(pt, dst, a_pt, a_ds, sm.lse + s * kBlockM, sm.delta + s * kBlockM,
+                                         needs_mask, warp_key0, m0, mask, p, seq, h);
+      } else {
+        float no_dtanh[1][1][4];
+        bwd_mma::compute_probs<true, kVariant>(pt, no_dtanh, sm.lse + s * kBlockM, needs_mask, warp_key0, m0, mask,
+                                               p, seq, h);
+        wgmma_wait<0>();
+        fence_accumulator(dst[0]);
+        bwd_mma::compute_ds<true, kVariant>(dst, pt, no_dtanh, sm.delta + s * kBlockM);
 #pragma unroll
-      for (int kk = 0; kk < kBlockM / 16; ++kk) accumulator_to_a<T>(a_pt[kk], pt[0], kk);
+        for (int kk = 0; kk < kBlockM / 16; ++kk) accumulator_to_a<T>(a_pt[kk], pt[0], kk);
 #pragma unroll
-      for (int kk = 0; kk < kBlockM / 16; ++kk) accumulator_to_a<T>(a_ds[kk], dst[0], kk);
+        for (int kk = 0; kk < kBlockM / 16; ++kk) accumulator_to_a<T>(a_ds[kk], dst[0], kk);
+      }
 
       // dV += P^T dO, dK += dS^T Q run while dS^T is staged for the dQ product.
       zero_accumulator(acc_dq[0]);
@@ -604,7 +656,7 @@ bool launch_bwd_sm90_ws(const BwdParams& p, cudaStream_t stream) {
   using Cfg = sm90::bwd_ws::WsBwdConfig<Traits, kBulkDq, 2, kDepth>;
   auto kernel = sm90::bwd_ws::bwd_sm90_ws_kernel<T, Cfg, kVariant>;
   const bool packed = p.cu_seqlens_q != nullptr;
-  // A kPlain kernel reads no cu_seqlens: packed batches come as kExtended (variant_of).
+  // A kPlain kernel reads no cu_seqlens: packed batches come as kExtended or kSoftcapGrad (variant_of).
   if (!sm90_bwd_ws() || p.dq_accum == nullptr || (packed && kVariant == kPlain) || !sm90_kernel_built(kernel)) {
     return false;
   }
@@ -630,12 +682,13 @@ bool launch_bwd_sm90_ws(const BwdParams& p, cudaStream_t stream) {
 }
 
 // The Hopper backward of a (dtype, head dim, variant): the warp-specialized kernel where it
-// applies (launch.h: sm90_bwd_ws), else the cp.async kernels of sm90_bwd.cuh. kVariant is kPlain
-// or kExtended: softcap's derivative would need one more register tile than these kernels have
-// room for, so kSoftcapGrad is served by the mma.sync backward (launch.h).
+// applies (launch.h: sm90_bwd_ws), else the cp.async kernels of sm90_bwd.cuh. kSoftcapGrad runs
+// on the warp-specialized kernel alone: the cp.async kernels have no register room for softcap's
+// derivative (their dQ kernel would need a dtanh tile, or the folded form and a dS rewrite), so
+// where it does not apply (deterministic=True, FLASH_CUDA_SM90_BWD=atomic | split, a view TMA
+// cannot address) this returns false and the caller runs the mma.sync backward.
 template <int kDType, int kHeadDim, int kVariant>
 bool run_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
-  static_assert(kVariant != kSoftcapGrad, "the wgmma backward has no softcap derivative");
   using T = typename ElementOf<kDType>::type;
   // Head dims 65..96 run the 128-wide tiles (the cp.async kernels with all their k-steps).
   using Traits = sm90::BwdTraits<kHeadDim == 96 ? 128 : kHeadDim>;
@@ -643,7 +696,11 @@ bool run_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
   // dQ by bulk reductions (FLASH_CUDA_SM90_BWD_DQ_RED=1: by atomics; OPTIMIZATION.md, backward ladder).
   if (!sm90_bwd_dq_red() && launch_bwd_sm90_ws<T, Traits, kVariant, true, kHeadDim>(p, stream)) return true;
   if (launch_bwd_sm90_ws<T, Traits, kVariant, false, kHeadDim>(p, stream)) return true;
-  return launch_bwd_sm90<T, Traits, kVariant>(p, stream);
+  if constexpr (kVariant == kSoftcapGrad) {
+    return false;  // the caller runs the mma.sync backward
+  } else {
+    return launch_bwd_sm90<T, Traits, kVariant>(p, stream);
+  }
 }
 
 }  // namespace flash_cuda

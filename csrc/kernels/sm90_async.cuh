@@ -81,6 +81,29 @@ __device__ __forceinline__ void tma_load_4d(void* dst, const CUtensorMap* map, u
 #endif
 }
 
+// Zeroes rows [valid, kRows) of a TMA-loaded tile of kSlabs slabs, each kRows rows of 128 bytes
+// (64 columns): the rows a box read past a packed sequence's end, which belong to the next
+// sequence (its NaN or Inf would otherwise reach this one through 0 x NaN). The 128-byte swizzle
+// permutes the 16-byte chunks within a row, never across rows, so whole rows are zeroed whatever
+// the pattern. One warp (lane = 0..31), 16-byte stores; the caller fences them for the async
+// proxy before a wgmma reads the tile.
+template <int kRows, int kSlabs>
+__device__ __forceinline__ void zero_rows(const void* tile, int valid, int lane) {
+#if FLASH_SM90_ENABLED
+  const uint32_t first = smem_addr(tile) + valid * kSwizzleBytes;
+  const int chunks = (kRows - valid) * (kSwizzleBytes / 16);
+#pragma unroll
+  for (int slab = 0; slab < kSlabs; ++slab) {
+#pragma unroll 1
+    for (int i = lane; i < chunks; i += 32) {
+      asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(first + slab * kRows * kSwizzleBytes + i * 16),
+                   "r"(0)
+                   : "memory");
+    }
+  }
+#endif
+}
+
 // ---------------------------------------------------------------------------------
 // Bulk reduction: shared memory added into global memory by the TMA unit, in L2
 // ---------------------------------------------------------------------------------

@@ -206,26 +206,6 @@ struct Steps {
   __device__ __forceinline__ static int parity(int i, int stages) { return (i / stages) & 1; }
 };
 
-// Zeroes rows [valid, kRows) of a tile of kSlabs slabs, each kRows rows of 128 bytes (64
-// columns). The 128-byte swizzle permutes the 16-byte chunks within a row, never across rows, so
-// whole rows are zeroed whatever the pattern. One producer warp, 16-byte stores.
-template <int kRows, int kSlabs>
-__device__ __forceinline__ void zero_rows(const void* tile, int valid, int lane) {
-#if FLASH_SM90_ENABLED
-  const uint32_t first = smem_addr(tile) + valid * kSwizzleBytes;
-  const int chunks = (kRows - valid) * (kSwizzleBytes / 16);
-#pragma unroll
-  for (int slab = 0; slab < kSlabs; ++slab) {
-#pragma unroll 1
-    for (int i = lane; i < chunks; i += 32) {
-      asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(first + slab * kRows * kSwizzleBytes + i * 16),
-                   "r"(0)
-                   : "memory");
-    }
-  }
-#endif
-}
-
 // Two tiles of kRows rows (K and V, or Q and dO) from row `row` of head h, batch entry b of their
 // maps, published on `full`, which counts the 32 producer lanes (and the bytes). Only the first
 // `valid` rows belong to the block's sequence. valid == kRows (every dense block; a packed one

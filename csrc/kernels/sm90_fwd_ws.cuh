@@ -213,10 +213,8 @@ __device__ __forceinline__ void load_kv(const CUtensorMap* map, typename Cfg::T*
 // 0 x Inf is NaN: one sequence's non-finite values would reach another's output. So V lands
 // on the producer's own barrier, the warp zeroes rows [rows, kBlockN) of every slab, fences
 // the stores for the async proxy (wgmma reads V through it), and only then completes the
-// stage's v_full, with an arrival that carries no bytes. A row of a slab is one 128-byte line
-// and the 128-byte swizzle permutes 16-byte chunks within a line: the whole lines from `rows`
-// on are exactly those rows, whatever the pattern. One block per tile at most, and only where
-// a box crosses into another sequence: full blocks take load_kv.
+// stage's v_full, with an arrival that carries no bytes. One block per tile at most, and only
+// where a box crosses into another sequence: full blocks take load_kv.
 template <typename Cfg>
 __device__ __forceinline__ void load_v_zero_tail(const CUtensorMap* map, const Ring<Cfg>& ring, int& tail_phase,
                                                  int i, int nb, const TileCoords& at, int rows) {
@@ -233,15 +231,7 @@ __device__ __forceinline__ void load_v_zero_tail(const CUtensorMap* map, const R
   }
   mbarrier_wait(ring.v_tail, tail_phase);
   tail_phase ^= 1;
-  constexpr int kChunksPerLine = kSwizzleBytes / 16;
-#pragma unroll
-  for (int c = 0; c < Cfg::kSlabs; ++c) {
-    uint4* slab = reinterpret_cast<uint4*>(tile + c * Cfg::kBlockN * kSlabCols);
-    for (int j = rows * kChunksPerLine + static_cast<int>(threadIdx.x % 32); j < Cfg::kBlockN * kChunksPerLine;
-         j += 32) {
-      slab[j] = make_uint4(0, 0, 0, 0);
-    }
-  }
+  zero_rows<Cfg::kBlockN, Cfg::kSlabs>(tile, rows, static_cast<int>(threadIdx.x % 32));
   fence_proxy_async();
   __syncwarp();
   if (issuing_lane()) mbarrier_arrive(&ring.v_full[s]);

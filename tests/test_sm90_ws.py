@@ -177,6 +177,39 @@ def test_ws_forward_with_score_modifiers(schedule, dtype, B, Hq, Hkv, Sq, Sk, D,
                               what="warp-specialized forward with score modifiers")
 
 
+# Scores that climb along the keys by `rise` (log2 units) per 128-key block: the running max
+# lags by up to 2^8 before O is rescaled (update_row_stats' kMaxLag), so a slow climb runs
+# blocks with P up to 2^8 against a stale max, a steep one rescales at every block, a falling
+# one never after the first; all must stay within the float64 rule, O and lse.
+@pytest.mark.parametrize("rise", [3.0, 7.9, 20.0, -4.0])
+@pytest.mark.parametrize("D,is_causal", [(128, False), (64, True), (192, False)])
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=["fp16", "bf16"])
+def test_ws_forward_lagging_max(schedule, dtype, D, is_causal, rise):
+    B, Hq, Hkv, Sq, Sk = 1, 2, 1, 300, 1100
+    q, k, v = make_inputs(B, Hq, Hkv, Sq, Sk, D, dtype, "cuda", seed=int(rise * 10) + D)
+    scale = 1.0 / math.sqrt(D)
+    per_key = rise / 128 / (scale * math.log2(math.e))  # q . k grows by this per key
+    q = q.clone()
+    q[..., 0] = 1.0
+    k = k.clone()
+    k[..., 0] = (per_key * torch.arange(Sk, device="cuda", dtype=torch.float32)).to(dtype)
+    if rise < 0:
+        k[..., 0] -= k[..., 0].min()
+    wr = 0 if is_causal else -1
+
+    def flash_fn(qf, kf, vf):
+        out, lse, _ = _ext.require().fwd(qf, kf, vf, scale, -1, wr, 0.0, None, None, None, 0, 0, WS_TIER)
+        return out, lse
+
+    def ref_fn(qr, kr, vr):
+        return attention_naive(qr, kr, vr, is_causal=is_causal, scale=scale)
+
+    desc = f"schedule={schedule} D={D} dtype={dtype} causal={is_causal} rise={rise}"
+    _check_against_references(desc, q, k, v, flash_fn, ref_fn, lse_shape=(B, Hq, Sq),
+                              out_rows=lambda m: m, check_grad=False, with_dlse=False, seed=0,
+                              what="warp-specialized forward, lagging max")
+
+
 def test_ws_forward_is_deterministic(schedule):
     q, k, v = make_inputs(2, 4, 4, 1000, 1000, 128, BF16, "cuda", seed=3)
     runs = [_ext.require().fwd(q, k, v, 0.1, -1, 0, 0.0, None, None, None, 0, 0, WS_TIER)[0] for _ in range(3)]

@@ -89,6 +89,11 @@ def _wgmma_applies(dtype, D) -> bool:
     return dtype != F32 and _is_sm90() and 32 < D <= 128
 
 
+def _ws_forward_only(dtype, D) -> bool:
+    """Where kernel='auto' runs the warp-specialized Hopper forward, which no kernel name selects."""
+    return dtype != F32 and _is_sm90() and 128 < D <= 256
+
+
 def _auto_kernel(dtype, D) -> str:
     return "simt" if dtype == F32 else ("wgmma" if _wgmma_applies(dtype, D) else "mma")
 
@@ -105,6 +110,14 @@ def test_explicit_kernel(dtype, kernel, D, is_causal):
         q, k, v = make_inputs(*shape, D, dtype, "cuda", layout="bshd", seed=D)
         check_attention(q, k, v, is_causal=is_causal, scale=None, kernel=kernel, label=kernel)
     out_auto = flash_cuda.attention(q, k, v, is_causal=is_causal)
+    if _ws_forward_only(dtype, D):
+        # No kernel name selects the warp-specialized forward above d = 128 (kernel='wgmma' is
+        # the tier of head dims 33..128): auto's forward there is the extension's tier 4.
+        from flash_cuda import _ext
+        out_explicit = _ext.require().fwd(q, k, v, 1.0 / math.sqrt(D), -1, 0 if is_causal else -1, 0.0, None,
+                                          None, None, 0, 0, 4)[0]
+        assert torch.equal(out_auto, out_explicit), "kernel='auto' must run the warp-specialized forward"
+        return
     out_explicit = flash_cuda.attention(q, k, v, is_causal=is_causal, kernel=_auto_kernel(dtype, D))
     assert torch.equal(out_auto, out_explicit), f"kernel='auto' must pick {_auto_kernel(dtype, D)!r}"
 

@@ -59,6 +59,7 @@ __all__ = [
     "make_tensor",
     "make_varlen_inputs",
     "make_alibi_slopes",
+    "climb_scores",
     "cu_seqlens_from_lengths",
     "check_attention",
     "check_varlen_attention",
@@ -165,6 +166,21 @@ def make_inputs(B: int, Hq: int, Hkv: int, Sq: int, Sk: int, D: int, dtype: torc
     k = make_tensor(B, Hkv, Sk, D, dtype, device, layout, seed=3 * seed + 1)
     v = make_tensor(B, Hkv, Sk, D, dtype, device, layout, seed=3 * seed + 2)
     return q, k, v
+
+
+def climb_scores(q: Tensor, k: Tensor, rise: float, scale: float) -> Tuple[Tensor, Tensor]:
+    """q, k whose scores climb along the keys by ``rise`` (log2 units, the kernels' exp2 domain)
+    per 128 keys (falling from a non-negative start for rise < 0): column 0 of q becomes 1 and
+    column 0 of k a ramp. It drives a forward's running max through every case of a lagging
+    reference max: slow climbs (the max kept while P grows), steep ones (rescaled every block),
+    a falling one (never moved after the first block)."""
+    Sk = k.shape[-2]
+    per_key = rise / 128 / (scale * math.log2(math.e))
+    q, k = q.clone(), k.clone()
+    q[..., 0] = 1.0
+    ramp = per_key * torch.arange(Sk, device=k.device, dtype=torch.float32)
+    k[..., 0] = (ramp - ramp.min()).to(k.dtype)
+    return q, k
 
 
 VARLEN_LAYOUTS = ("contiguous", "strided", "offset", "misaligned")

@@ -20,8 +20,8 @@ import torch
 import flash_cuda
 from flash_cuda.reference import attention_naive
 
-from attn_check import (ATOL_BASE, LSE_ATOL_BASE, check_attention, dtype_name, hopper_skip_reason,
-                        make_inputs, naive_chunked, rule_error)
+from attn_check import (ATOL_BASE, LSE_ATOL_BASE, check_attention, climb_scores, dtype_name,
+                        hopper_skip_reason, make_inputs, naive_chunked, rule_error)
 
 pytestmark = pytest.mark.gpu
 
@@ -120,6 +120,21 @@ def test_explicit_kernel(dtype, kernel, D, is_causal):
         return
     out_explicit = flash_cuda.attention(q, k, v, is_causal=is_causal, kernel=_auto_kernel(dtype, D))
     assert torch.equal(out_auto, out_explicit), f"kernel='auto' must pick {_auto_kernel(dtype, D)!r}"
+
+
+# The tensor-core forwards keep a lagging running max (2^8, update_row_stats): scores that climb
+# slowly (P up to 2^8 against a stale max), steeply (rescaled every block) or fall along the
+# keys, on each 16-bit tier, forward and backward against float64.
+@pytest.mark.parametrize("rise", [3.0, 20.0, -4.0])
+@pytest.mark.parametrize("kernel", ["mma", "wgmma"])
+@pytest.mark.parametrize("D,is_causal", [(64, True), (128, False), (256, False)])
+def test_lagging_running_max(kernel, D, is_causal, rise):
+    if kernel == "wgmma" and not _wgmma_applies(BF16, D):
+        pytest.skip("the wgmma tier serves sm_90 GPUs and head dims 33..128")
+    dtype = F16 if rise > 0 else BF16
+    q, k, v = make_inputs(1, 2, 1, 300, 1100, D, dtype, "cuda", layout="bshd", seed=D + int(rise))
+    q, k = climb_scores(q, k, rise, 1.0 / math.sqrt(D))
+    check_attention(q, k, v, is_causal=is_causal, scale=None, kernel=kernel, label=f"{kernel} rise={rise}")
 
 
 @pytest.mark.parametrize("D", [32, 96, 256, 64])

@@ -10,8 +10,8 @@ import os
 import pytest
 import torch
 
-from attn_check import _check_against_references, check_varlen_attention, hopper_skip_reason, make_alibi_slopes, \
-    make_inputs, make_varlen_inputs
+from attn_check import _check_against_references, check_varlen_attention, climb_scores, hopper_skip_reason, \
+    make_alibi_slopes, make_inputs, make_varlen_inputs
 from flash_cuda import _ext
 from flash_cuda.reference import attention_naive, attention_varlen_naive
 
@@ -177,10 +177,8 @@ def test_ws_forward_with_score_modifiers(schedule, dtype, B, Hq, Hkv, Sq, Sk, D,
                               what="warp-specialized forward with score modifiers")
 
 
-# Scores that climb along the keys by `rise` (log2 units) per 128-key block: the running max
-# lags by up to 2^8 before O is rescaled (update_row_stats' kMaxLag), so a slow climb runs
-# blocks with P up to 2^8 against a stale max, a steep one rescales at every block, a falling
-# one never after the first; all must stay within the float64 rule, O and lse.
+# The running max lags by up to 2^8 before O is rescaled (update_row_stats' kMaxLag): scores
+# that climb slowly, steeply or fall along the keys (attn_check.climb_scores).
 @pytest.mark.parametrize("rise", [3.0, 7.9, 20.0, -4.0])
 @pytest.mark.parametrize("D,is_causal", [(128, False), (64, True), (192, False)])
 @pytest.mark.parametrize("dtype", [F16, BF16], ids=["fp16", "bf16"])
@@ -188,13 +186,7 @@ def test_ws_forward_lagging_max(schedule, dtype, D, is_causal, rise):
     B, Hq, Hkv, Sq, Sk = 1, 2, 1, 300, 1100
     q, k, v = make_inputs(B, Hq, Hkv, Sq, Sk, D, dtype, "cuda", seed=int(rise * 10) + D)
     scale = 1.0 / math.sqrt(D)
-    per_key = rise / 128 / (scale * math.log2(math.e))  # q . k grows by this per key
-    q = q.clone()
-    q[..., 0] = 1.0
-    k = k.clone()
-    k[..., 0] = (per_key * torch.arange(Sk, device="cuda", dtype=torch.float32)).to(dtype)
-    if rise < 0:
-        k[..., 0] -= k[..., 0].min()
+    q, k = climb_scores(q, k, rise, scale)
     wr = 0 if is_causal else -1
 
     def flash_fn(qf, kf, vf):

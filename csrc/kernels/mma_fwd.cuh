@@ -252,13 +252,15 @@ __device__ __forceinline__ void start_online_softmax(float (&acc_o)[Cfg::kMTiles
 // statistics while the previous block's P V is still on the tensor cores and rescale O once
 // that product has landed. update_row_stats: m' = max(m, block max), l *= alpha, and alpha
 // per row; returns whether any row of the warp moved (otherwise alpha is 1 everywhere).
-// kMaxLag > 0 (log2 units): a lagging reference max. A row keeps its m while the block's max
-// exceeds it by at most kMaxLag, so its P may reach 2^kMaxLag instead of 1; O and l are then
+// kLag > 0 (log2 units): a lagging reference max. A row keeps its m while the block's max
+// exceeds it by at most kLag, so its P may reach 2^kLag instead of 1; O and l are then
 // both summed against the same stale m and O / l and lse = m + log2(l) stay exact. Once the
 // first block has set m, random-like scores almost never move it again, and O's rescale (a
 // multiply per accumulator, on the turn's critical path in the warp-specialized forward)
-// disappears from the later blocks. 2^8 keeps P far inside fp16's range (65504).
-template <typename Cfg, int kMaxLag = 0>
+// disappears from the later blocks. 2^8 keeps P far inside fp16's range (65504). Every
+// 16-bit forward uses it (kMaxLag = 0: the exact running max).
+constexpr int kMaxLag = 8;
+template <typename Cfg, int kLag = kMaxLag>
 __device__ __forceinline__ bool update_row_stats(float (&row_max)[Cfg::kMTiles][2], float (&row_sum)[Cfg::kMTiles][2],
                                                  const float (&block_max)[Cfg::kMTiles][2],
                                                  float (&alpha)[Cfg::kMTiles][2]) {
@@ -267,9 +269,9 @@ __device__ __forceinline__ bool update_row_stats(float (&row_max)[Cfg::kMTiles][
   for (int mt = 0; mt < Cfg::kMTiles; ++mt) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      // -inf + kMaxLag = -inf: any finite block max replaces a row's first -inf.
-      const bool moves = kMaxLag > 0 ? block_max[mt][half] > row_max[mt][half] + float(kMaxLag)
-                                     : block_max[mt][half] > row_max[mt][half];
+      // -inf + kLag = -inf: any finite block max replaces a row's first -inf.
+      const bool moves = kLag > 0 ? block_max[mt][half] > row_max[mt][half] + float(kLag)
+                                  : block_max[mt][half] > row_max[mt][half];
       const float m_new = moves ? block_max[mt][half] : row_max[mt][half];
       alpha[mt][half] = fast_exp2(row_max[mt][half] - safe_max(m_new));
       grew |= moves;
@@ -292,7 +294,7 @@ __device__ __forceinline__ void rescale_output(float (&acc_o)[Cfg::kMTiles][Cfg:
       for (int e = 0; e < 4; ++e) acc_o[mt][dt][e] *= alpha[mt][e / 2];
 }
 
-template <typename Cfg, int kMaxLag = 0>
+template <typename Cfg, int kLag = kMaxLag>
 __device__ __forceinline__ void merge_block_stats(float (&row_max)[Cfg::kMTiles][2],
                                                   float (&row_sum)[Cfg::kMTiles][2],
                                                   float (&acc_o)[Cfg::kMTiles][Cfg::kDTiles][4],
@@ -300,7 +302,7 @@ __device__ __forceinline__ void merge_block_stats(float (&row_max)[Cfg::kMTiles]
   float alpha[Cfg::kMTiles][2];
   // Once the running maxima settle (after a few blocks on real data) alpha is 1 for every
   // row of the warp; skipping the multiply saves kHeadDim/2 FMULs per row per block.
-  if (update_row_stats<Cfg, kMaxLag>(row_max, row_sum, block_max, alpha)) rescale_output<Cfg>(acc_o, alpha);
+  if (update_row_stats<Cfg, kLag>(row_max, row_sum, block_max, alpha)) rescale_output<Cfg>(acc_o, alpha);
 }
 
 // p = 2^(s * scale_log2 - m) in place, and the per-thread row sums (scale_log2: the exp2

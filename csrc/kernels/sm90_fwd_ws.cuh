@@ -97,9 +97,6 @@ struct WsConfig : FwdConfig<T_, kHeadDim_, kBlockN_, /*kWarpGroups=*/kConsumerWG
   static constexpr int kPolyEvery = kPolyEvery_;
   static constexpr int kStages = kStages_;
   static constexpr int kConsumerWGs = kConsumerWGs_;
-  // The running max lags by up to 2^8 (update_row_stats): O is rescaled only when a row's max
-  // grows by more than that, i.e. almost only after a tile's first block.
-  static constexpr int kMaxLag = 8;
   static constexpr int kConsumerThreads = 128 * kConsumerWGs;
   static constexpr int kConsumerWarps = kConsumerThreads / 32;
   static constexpr int kThreads = 128 + kConsumerThreads;
@@ -307,7 +304,7 @@ __device__ __forceinline__ void consume_serial(const Ring<Cfg>& ring, int first,
                                    cv.warp_row0, nb * Cfg::kBlockN, cv.mask, cv.mod, cv.scale_log2);
     ring.release_k(s);
     if (nb == cv.range.end - 1) qt.release();  // the tile's last product that reads Q is done
-    fwd_mma::merge_block_stats<Cfg, Cfg::kMaxLag>(row_max, row_sum, acc_o, block_max);
+    fwd_mma::merge_block_stats<Cfg>(row_max, row_sum, acc_o, block_max);
     mbarrier_wait(&ring.v_full[s], ring.parity(i));
     compute_block_softmax_and_weighted_v<Cfg>(sc, row_sum, acc_o, row_max, ring.v(s), cv.exp_scale);
     ring.release_v(s);
@@ -368,7 +365,7 @@ struct Rescale {
 template <typename Cfg>
 __device__ __forceinline__ void merge_block_stats(float (&row_max)[1][2], float (&row_sum)[1][2],
                                                   const float (&block_max)[1][2], Rescale& rescale) {
-  rescale.pending = fwd_mma::update_row_stats<Cfg, Cfg::kMaxLag>(row_max, row_sum, block_max, rescale.alpha);
+  rescale.pending = fwd_mma::update_row_stats<Cfg>(row_max, row_sum, block_max, rescale.alpha);
 }
 
 // Step 3 (overlapped), first half: P = 2^(S - m) in place and the row sums, while the previous

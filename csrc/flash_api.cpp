@@ -409,6 +409,17 @@ MaskArgs mask_args(int64_t window_left, int64_t window_right, double softcap,
   return m;
 }
 
+// A zero-filled workspace by one cudaMemsetAsync on the current stream: at::zeros launches a
+// fill kernel through the TensorIterator machinery, which costs the host several times more
+// (a small call's step is bound by the host).
+at::Tensor zeroed_on_stream(at::IntArrayRef shape, const at::TensorOptions& options) {
+  at::Tensor t = at::empty(shape, options);
+  if (t.numel() > 0) {
+    C10_CUDA_CHECK(cudaMemsetAsync(t.data_ptr(), 0, t.nbytes(), at::cuda::getCurrentCUDAStream().stream()));
+  }
+  return t;
+}
+
 // The fp32 tier's per-row softmax statistics (flash_params.h: softmax_stats) travel from the
 // forward to the backward as `aux`: lse's shape + (2,) for float32, empty otherwise.
 at::Tensor make_aux(const Shape& s, const at::Tensor& q) {
@@ -464,7 +475,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd(
   }
   at::Tensor tile_counter;  // the warp-specialized Hopper forward's tile scheduler, where it may run
   if (ws_fwd_applies(p, t, variant_of(p, /*backward=*/false))) {
-    tile_counter = at::zeros({1}, q.options().dtype(at::kInt));
+    tile_counter = zeroed_on_stream({1}, q.options().dtype(at::kInt));
     p.tile_counter = tile_counter.data_ptr<int>();
   }
   dispatch_fwd(p, t, at::cuda::getCurrentCUDAStream().stream());
@@ -571,7 +582,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(
   const bool softcap_grad = variant_of(p, /*backward=*/true) == kSoftcapGrad;
   if ((t == Tier::kAuto || t == Tier::kWgmma || t == Tier::kWgmmaWs) && !deterministic && p.sm_arch == 90 &&
       sm90_bucket(p.d) && (sm90_bwd_ws() || (sm90_dq_atomic() && !softcap_grad))) {
-    dq_accum = at::zeros({sm90_dq_accum_floats(p, lse.numel())}, q.options().dtype(at::kFloat));
+    dq_accum = zeroed_on_stream({sm90_dq_accum_floats(p, lse.numel())}, q.options().dtype(at::kFloat));
     p.dq_accum = dq_accum.data_ptr<float>();
   }
   dispatch_bwd(p, t, at::cuda::getCurrentCUDAStream().stream());

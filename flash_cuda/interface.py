@@ -555,15 +555,57 @@ def _is_empty_varlen(q: Tensor, k: Tensor, cu_seqlens_q: Tensor, max_seqlen_q: i
             or max_seqlen_q == 0 or max_seqlen_k == 0)
 
 
+    if ctx.varlen is None:
+        dq, dk, dv = (_bwd_impl if eager else _bwd)(dout, q, k, v, out, lse, aux, dlse, *options)
+        return (dq, dk, dv) + (None,) * 7
+    dq, dk, dv = (_varlen_bwd_impl if eager else _varlen_bwd)(dout, q, k, v, out, lse, aux, dlse, cu_seqlens_q,
+                                                             cu_seqlens_k, *ctx.varlen, *options)
+    return (dq, dk, dv) + (None,) * 12
+
+# The extension calls behind the ops, shared by the ops and the eager path (below).
+def _fwd_impl(q, k, v, scale, window_left, window_right, softcap, alibi_slopes, tier):
+    if _is_empty(q, k):
+        return _empty_fwd(q, _dense_lse_shape(q))
+    return _ext.require().fwd(q, k, v, float(scale), int(window_left), int(window_right), float(softcap),
+                              alibi_slopes, None, None, 0, 0, int(tier))
+
+
+def _bwd_impl(dout, q, k, v, out, lse, aux, dlse, scale, window_left, window_right, softcap, alibi_slopes,
+              deterministic, tier):
+    if _is_empty(q, k):
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    return _ext.require().bwd(dout, q, k, v, out, lse, aux, dlse, float(scale), int(window_left),
+                              int(window_right), float(softcap), alibi_slopes, None, None, 0, 0,
+                              bool(deterministic), int(tier))
+
+
+def _varlen_fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, window_left,
+                     window_right, softcap, alibi_slopes, tier, check_cu_seqlens):
+    if _check_cu_seqlens_enabled(check_cu_seqlens):
+        _check_cu_seqlens_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0],
+                                 max_seqlen_q, max_seqlen_k)
+    if _is_empty_varlen(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k):
+        return _empty_fwd(q, _varlen_lse_shape(q))
+    return _ext.require().fwd(q, k, v, float(scale), int(window_left), int(window_right), float(softcap),
+                              alibi_slopes, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
+                              int(tier))
+
+
+def _varlen_bwd_impl(dout, q, k, v, out, lse, aux, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                     max_seqlen_k, scale, window_left, window_right, softcap, alibi_slopes, deterministic, tier):
+    if _is_empty_varlen(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k):
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    return _ext.require().bwd(dout, q, k, v, out, lse, aux, dlse, float(scale), int(window_left),
+                              int(window_right), float(softcap), alibi_slopes, cu_seqlens_q, cu_seqlens_k,
+                              int(max_seqlen_q), int(max_seqlen_k), bool(deterministic), int(tier))
+
+
 @torch.library.custom_op("flash_cuda::fwd", mutates_args=())
 def _fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, window_left: int, window_right: int,
          softcap: float, alibi_slopes: Optional[Tensor], deterministic: bool,
          tier: int) -> Tuple[Tensor, Tensor, Tensor]:
     """Forward: returns (out, lse, aux). ``deterministic`` is only read by the backward."""
-    if _is_empty(q, k):
-        return _empty_fwd(q, _dense_lse_shape(q))
-    out, lse, aux = _ext.require().fwd(q, k, v, float(scale), int(window_left), int(window_right),
-                                       float(softcap), alibi_slopes, None, None, 0, 0, int(tier))
+    out, lse, aux = _fwd_impl(q, k, v, scale, window_left, window_right, softcap, alibi_slopes, tier)
     return out, lse, aux
 
 
@@ -579,11 +621,8 @@ def _bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor
          softcap: float, alibi_slopes: Optional[Tensor], deterministic: bool,
          tier: int) -> Tuple[Tensor, Tensor, Tensor]:
     """Backward: returns (dq, dk, dv); ``dlse`` is the optional upstream gradient of lse."""
-    if _is_empty(q, k):
-        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    dq, dk, dv = _ext.require().bwd(dout, q, k, v, out, lse, aux, dlse, float(scale),
-                                    int(window_left), int(window_right), float(softcap),
-                                    alibi_slopes, None, None, 0, 0, bool(deterministic), int(tier))
+    dq, dk, dv = _bwd_impl(dout, q, k, v, out, lse, aux, dlse, scale, window_left, window_right, softcap,
+                           alibi_slopes, deterministic, tier)
     return dq, dk, dv
 
 
@@ -603,14 +642,8 @@ def _varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlen
 
     With ``check_cu_seqlens`` (or FLASH_CUDA_CHECK_CU_SEQLENS=1) the values of cu_seqlens
     are checked here, at run time (also inside a compiled graph), before any launch."""
-    if _check_cu_seqlens_enabled(check_cu_seqlens):
-        _check_cu_seqlens_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0],
-                                 max_seqlen_q, max_seqlen_k)
-    if _is_empty_varlen(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k):
-        return _empty_fwd(q, _varlen_lse_shape(q))
-    out, lse, aux = _ext.require().fwd(q, k, v, float(scale), int(window_left), int(window_right),
-                                       float(softcap), alibi_slopes, cu_seqlens_q, cu_seqlens_k,
-                                       int(max_seqlen_q), int(max_seqlen_k), int(tier))
+    out, lse, aux = _varlen_fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
+                                     window_left, window_right, softcap, alibi_slopes, tier, check_cu_seqlens)
     return out, lse, aux
 
 
@@ -628,12 +661,9 @@ def _varlen_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse:
                 window_right: int, softcap: float, alibi_slopes: Optional[Tensor],
                 deterministic: bool, tier: int) -> Tuple[Tensor, Tensor, Tensor]:
     """Packed backward: returns (dq, dk, dv) shaped like (q, k, v)."""
-    if _is_empty_varlen(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k):
-        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    dq, dk, dv = _ext.require().bwd(dout, q, k, v, out, lse, aux, dlse, float(scale),
-                                    int(window_left), int(window_right), float(softcap),
-                                    alibi_slopes, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
-                                    int(max_seqlen_k), bool(deterministic), int(tier))
+    dq, dk, dv = _varlen_bwd_impl(dout, q, k, v, out, lse, aux, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                  max_seqlen_k, scale, window_left, window_right, softcap, alibi_slopes,
+                                  deterministic, tier)
     return dq, dk, dv
 
 
@@ -677,7 +707,7 @@ def _varlen_setup_context(ctx, inputs, output):
     ctx.varlen = (max_seqlen_q, max_seqlen_k)
 
 
-def _backward(ctx, dout, dlse, daux):
+def _backward(ctx, dout, dlse, daux, eager: bool = False):
     q, k, v, out, lse, aux, alibi_slopes, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
     if dout is None:
         dout = torch.zeros_like(out)
@@ -687,15 +717,60 @@ def _backward(ctx, dout, dlse, daux):
         dlse = dlse.to(torch.float32).contiguous()
     options = (ctx.scale, *ctx.window, ctx.softcap, alibi_slopes, ctx.deterministic, ctx.tier)
     if ctx.varlen is None:
-        dq, dk, dv = _bwd(dout, q, k, v, out, lse, aux, dlse, *options)
+        dq, dk, dv = (_bwd_impl if eager else _bwd)(dout, q, k, v, out, lse, aux, dlse, *options)
         return (dq, dk, dv) + (None,) * 7
-    dq, dk, dv = _varlen_bwd(dout, q, k, v, out, lse, aux, dlse, cu_seqlens_q, cu_seqlens_k,
-                             *ctx.varlen, *options)
+    dq, dk, dv = (_varlen_bwd_impl if eager else _varlen_bwd)(dout, q, k, v, out, lse, aux, dlse, cu_seqlens_q,
+                                                             cu_seqlens_k, *ctx.varlen, *options)
     return (dq, dk, dv) + (None,) * 12
 
 
 _fwd.register_autograd(_backward, setup_context=_setup_context)
 _varlen_fwd.register_autograd(_backward, setup_context=_varlen_setup_context)
+
+
+# ---- the eager path ----
+# Outside torch.compile the ops' dispatch (custom-op wrappers, default filling, the generated
+# autograd node) costs several times what the extension call itself does: on an H100 host a
+# small call's forward + backward spent ~0.7 ms more than SDPA's (OPTIMIZATION.md), so a
+# short sequence's step was bound by the host, not the GPU. Plain eager tensors therefore go
+# through this autograd.Function, which makes the same extension calls, saves the same
+# tensors and runs the same backward; anything the ops exist for (tracing, fake or
+# functional tensors, tensor subclasses, dispatch or function modes) takes the ops.
+def _eager_ok(*tensors) -> bool:
+    if torch.compiler.is_compiling() or torch._C._is_torch_function_mode_enabled():
+        return False
+    if torch._C._len_torch_dispatch_stack() > 0:
+        return False
+    return all(t is None or type(t) is torch.Tensor for t in tensors)
+
+
+class _EagerFwd(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, scale, window_left, window_right, softcap, alibi_slopes, deterministic, tier):
+        output = _fwd_impl(q, k, v, scale, window_left, window_right, softcap, alibi_slopes, tier)
+        _setup_context(ctx, (q, k, v, scale, window_left, window_right, softcap, alibi_slopes, deterministic,
+                             tier), output)
+        return output
+
+    @staticmethod
+    def backward(ctx, dout, dlse, daux):
+        return _backward(ctx, dout, dlse, daux, eager=True)
+
+
+class _EagerVarlenFwd(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, window_left,
+                window_right, softcap, alibi_slopes, deterministic, tier, check_cu_seqlens):
+        inputs = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, window_left,
+                  window_right, softcap, alibi_slopes, deterministic, tier, check_cu_seqlens)
+        output = _varlen_fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
+                                  window_left, window_right, softcap, alibi_slopes, tier, check_cu_seqlens)
+        _varlen_setup_context(ctx, inputs, output)
+        return output
+
+    @staticmethod
+    def backward(ctx, dout, dlse, daux):
+        return _backward(ctx, dout, dlse, daux, eager=True)
 
 
 # ---------------------------------------------------------------------------------------
@@ -810,8 +885,9 @@ def attention(
                      deterministic=deterministic, kernel=kernel)
     if not _ext.is_available():
         raise RuntimeError(_ext.unavailable_message())
-    out, lse, _ = _fwd(q, k, v, opts.scale, opts.window_left, opts.window_right, opts.softcap,
-                       opts.alibi_slopes, deterministic, opts.tier)
+    fwd = _EagerFwd.apply if _eager_ok(q, k, v, opts.alibi_slopes) else _fwd
+    out, lse, _ = fwd(q, k, v, opts.scale, opts.window_left, opts.window_right, opts.softcap,
+                      opts.alibi_slopes, deterministic, opts.tier)
     if return_lse:
         return out, lse
     return out
@@ -888,10 +964,11 @@ def varlen_attention(
         check_cu_seqlens=check_cu_seqlens)
     if not _ext.is_available():
         raise RuntimeError(_ext.unavailable_message())
-    out, lse, _ = _varlen_fwd(q, k, v, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(),
-                              max_q, max_k, opts.scale, opts.window_left, opts.window_right,
-                              opts.softcap, opts.alibi_slopes, deterministic, opts.tier,
-                              check_cu_seqlens)
+    fwd = (_EagerVarlenFwd.apply if _eager_ok(q, k, v, cu_seqlens_q, cu_seqlens_k, opts.alibi_slopes)
+           else _varlen_fwd)
+    out, lse, _ = fwd(q, k, v, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), max_q, max_k, opts.scale,
+                      opts.window_left, opts.window_right, opts.softcap, opts.alibi_slopes, deterministic,
+                      opts.tier, check_cu_seqlens)
     if return_lse:
         return out, lse
     return out

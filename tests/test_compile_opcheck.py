@@ -272,6 +272,57 @@ def test_compile_fullgraph_cpu_mock(mock_extension, dtype, is_causal, layout):
     _compile_vs_eager(q, k, v, is_causal=is_causal, backend="aot_eager")
 
 
+@pytest.mark.parametrize("varlen", [False, True], ids=["dense", "packed"])
+def test_eager_path_matches_ops_cpu_mock(mock_extension, monkeypatch, varlen):
+    """Plain eager tensors take interface._EagerFwd / _EagerVarlenFwd (no custom-op dispatch);
+    the ops, which tracing, fake tensors, subclasses and modes take, must give the same out,
+    lse and gradients, bitwise, with dlse flowing too."""
+    from flash_cuda import interface
+
+    if varlen:
+        q, k, v, cu_q, cu_k, mq, mk = make_varlen_inputs((7, 0, 19), (11, 5, 13), 4, 2, 16, F32, "cpu", seed=4)
+
+        def run(leaves):
+            return flash_cuda.varlen_attention(*leaves, cu_q, cu_k, mq, mk, is_causal=True, window_size=(6, 0),
+                                               return_lse=True)
+    else:
+        q, k, v = make_inputs(2, 4, 2, 19, 23, 16, F32, "cpu", layout="bshd", seed=4)
+
+        def run(leaves):
+            return flash_cuda.attention(*leaves, is_causal=True, softcap=3.0, return_lse=True)
+
+    def outputs_and_grads(eager):
+        monkeypatch.setattr(interface, "_eager_ok", lambda *ts: eager)
+        calls = mock_extension.fwd_calls
+        leaves = _leaf(q, k, v)
+        out, lse = run(leaves)
+        assert mock_extension.fwd_calls == calls + 1
+        assert type(out.grad_fn).__name__.startswith("_Eager") == eager, type(out.grad_fn).__name__
+        g = torch.Generator().manual_seed(0)
+        grads = torch.autograd.grad((out, lse), leaves, (torch.randn(out.shape, generator=g),
+                                                         torch.randn(lse.shape, generator=g)))
+        return out, lse, grads
+
+    eager = outputs_and_grads(True)
+    ops = outputs_and_grads(False)
+    for a, b in zip(eager[:2] + tuple(eager[2]), ops[:2] + tuple(ops[2])):
+        assert torch.equal(a, b)
+    assert len(eager[2]) == 3
+
+
+def test_eager_path_only_for_plain_eager_tensors():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from flash_cuda import interface
+
+    x = torch.zeros(2)
+    assert interface._eager_ok(x, None, x)
+    with FakeTensorMode():
+        assert not interface._eager_ok(torch.zeros(2))
+    with torch.overrides.TorchFunctionMode():
+        assert not interface._eager_ok(x)
+
+
 def test_compile_dynamic_and_scale_argument_cpu_mock(mock_extension):
     def f(q, k, v, scale):
         return flash_cuda.attention(q, k, v, is_causal=True, scale=scale)

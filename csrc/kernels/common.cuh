@@ -13,8 +13,11 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <map>
+#include <mutex>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <type_traits>
 
 #include "../core/exp2.cuh"
@@ -44,17 +47,43 @@ inline void check_launch(const char* kernel_name) {
   }
 }
 
-// Raises the dynamic shared-memory limit of `kernel` when it needs more than 48 KiB.
+// The answer of a per-kernel host query on the current device, computed once per (kernel,
+// device, key) and remembered: cudaFuncGetAttributes and cudaFuncSetAttribute cost
+// microseconds each, and a small call's step is bound by the host, not the GPU. `compute`
+// may throw; nothing is remembered then.
+template <typename Compute>
+inline int memo_per_kernel(const void* kernel, int key, Compute&& compute) {
+  static std::mutex mutex;
+  static std::map<std::tuple<const void*, int, int>, int> memo;
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return compute();
+  }
+  const std::lock_guard<std::mutex> lock(mutex);
+  const auto at = std::make_tuple(kernel, dev, key);
+  const auto it = memo.find(at);
+  if (it != memo.end()) return it->second;
+  const int value = compute();
+  memo.emplace(at, value);
+  return value;
+}
+
+// Raises the dynamic shared-memory limit of `kernel` when it needs more than 48 KiB (once per
+// kernel, device and size).
 template <typename Kernel>
 inline void set_smem_limit(Kernel kernel, size_t smem_bytes, const char* kernel_name) {
   if (smem_bytes > 48 * 1024) {
-    cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           static_cast<int>(smem_bytes));
-    if (err != cudaSuccess) {
-      throw std::runtime_error(std::string("flash_cuda: kernel ") + kernel_name + " needs " +
-                               std::to_string(smem_bytes) +
-                               " bytes of shared memory: " + cudaGetErrorString(err));
-    }
+    memo_per_kernel(reinterpret_cast<const void*>(kernel), static_cast<int>(smem_bytes), [&] {
+      cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                             static_cast<int>(smem_bytes));
+      if (err != cudaSuccess) {
+        throw std::runtime_error(std::string("flash_cuda: kernel ") + kernel_name + " needs " +
+                                 std::to_string(smem_bytes) +
+                                 " bytes of shared memory: " + cudaGetErrorString(err));
+      }
+      return 1;
+    });
   }
 }
 

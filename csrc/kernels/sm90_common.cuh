@@ -212,12 +212,14 @@ __device__ __forceinline__ void accumulator_to_a(uint32_t (&a)[4], const float (
 // device). Builds without the 90a target (FLASH_CUDA_ARCHS="80") keep the portable tiers.
 template <typename Kernel>
 inline bool sm90_kernel_built(Kernel kernel) {
-  cudaFuncAttributes attr;
-  if (cudaFuncGetAttributes(&attr, kernel) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return false;
-  }
-  return attr.binaryVersion == 90;
+  return memo_per_kernel(reinterpret_cast<const void*>(kernel), /*key=*/-1, [&] {
+           cudaFuncAttributes attr;
+           if (cudaFuncGetAttributes(&attr, kernel) != cudaSuccess) {
+             (void)cudaGetLastError();
+             return 0;
+           }
+           return attr.binaryVersion == 90 ? 1 : 0;
+         }) != 0;
 }
 
 }  // namespace flash_cuda

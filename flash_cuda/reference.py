@@ -301,14 +301,20 @@ def compute_qk_scores_and_max(q_blk: Tensor, k_blk: Tensor, scale_log2: float,
 
 
 def merge_block_stats(row_max: Tensor, row_sum: Tensor, acc_o: Tensor,
-                      block_max: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+                      block_max: Tensor, max_lag: float = 0.0) -> Tuple[Tensor, Tensor, Tensor]:
     """Step 2: fold a block's row maxima into the running statistics.
 
     The running sum and the output accumulator were computed against the old max, so both
     are rescaled by alpha = exp2(m_old - m_new). A row that has seen only masked keys keeps
     m = -inf and gets alpha = 0 (its accumulators are still zero).
+
+    ``max_lag`` > 0 (log2 units; the 16-bit tensor-core forwards use 8): a row keeps its max
+    while the block's exceeds it by at most max_lag, so P may reach 2^max_lag; O and l are
+    summed against the same m, so O / l and lse = m + log2 l are unchanged, and O is
+    rescaled only on the rare blocks that move m.
     """
-    m_new = torch.maximum(row_max, block_max)
+    moves = block_max > row_max + max_lag if max_lag > 0 else block_max > row_max
+    m_new = torch.where(moves, block_max, row_max)
     alpha = torch.exp2(row_max - _safe_max(m_new))
     return m_new, row_sum * alpha, acc_o * alpha.unsqueeze(-1)
 
@@ -345,9 +351,10 @@ def attention_forward_blocked(q: Tensor, k: Tensor, v: Tensor, *, is_causal: boo
                               scale: Optional[float] = None,
                               window_size: Sequence[int] = (-1, -1), softcap: float = 0.0,
                               alibi_slopes: Optional[Tensor] = None, block_m: int = 64,
-                              block_n: int = 64) -> Tuple[Tensor, Tensor]:
+                              block_n: int = 64, max_lag: float = 0.0) -> Tuple[Tensor, Tensor]:
     """The kernels' forward: returns (out in q's dtype, lse in float32 — float64 for float64
-    inputs). Memory per step is O(block_m * block_n), never O(Sq * Sk).
+    inputs). Memory per step is O(block_m * block_n), never O(Sq * Sk). ``max_lag``: the
+    running max's lag (:func:`merge_block_stats`).
 
     A query block visits only the key blocks that meet the union of its rows' windows
     (:func:`_key_range`; causal is the window (-1, 0)), and masks only the tiles that a
@@ -393,7 +400,7 @@ def attention_forward_blocked(q: Tensor, k: Tensor, v: Tensor, *, is_causal: boo
 
             s, block_max = compute_qk_scores_and_max(q_blk, k_blk, scale_log2, visible,
                                                      softcap, bias)
-            row_max, row_sum, acc_o = merge_block_stats(row_max, row_sum, acc_o, block_max)
+            row_max, row_sum, acc_o = merge_block_stats(row_max, row_sum, acc_o, block_max, max_lag)
             row_sum, acc_o = compute_block_softmax_and_weighted_v(s, row_sum, acc_o, row_max,
                                                                   v_blk, q.dtype)
 

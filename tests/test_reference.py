@@ -19,7 +19,7 @@ from flash_cuda import reference as R
 from flash_cuda.reference import (attention_backward_blocked, attention_forward_blocked,
                                   attention_naive)
 
-from attn_check import check_attention, make_inputs, naive_chunked
+from attn_check import check_attention, climb_scores, make_inputs, naive_chunked
 
 F64 = torch.float64
 SIZES = (1, 17, 63, 65, 130)
@@ -185,6 +185,26 @@ def test_causal_block_skipping_matches_no_skipping():
     b = attention_forward_blocked(q, k, v, is_causal=True, block_m=130, block_n=130)
     assert_close64(a[0], b[0], "out")
     assert_close64(a[1], b[1], "lse")
+
+
+@pytest.mark.parametrize("rise", [3.0, 20.0, -4.0])
+def test_lagging_max_changes_nothing(rise):
+    """The kernels' lagging running max (merge_block_stats' max_lag) gives the exact result:
+    scores that climb slowly (max kept, P up to 2^8), steeply (moved every block) or fall."""
+    q, k, v = inputs64(1, 2, 1, 70, 300, 16, seed=5)
+    q, k = climb_scores(q, k, rise, 0.25)
+    exact = attention_forward_blocked(q, k, v, scale=0.25, block_m=32, block_n=32)
+    lagged = attention_forward_blocked(q, k, v, scale=0.25, block_m=32, block_n=32, max_lag=8.0)
+    assert_close64(lagged[0], exact[0], "out")
+    assert_close64(lagged[1], exact[1], "lse")
+    # a lag as large as the climb keeps the first block's max to the end
+    m = torch.full((1, 4), -math.inf, dtype=F64)
+    m2, _, _ = R.merge_block_stats(m, torch.zeros(1, 4, dtype=F64), torch.zeros(1, 4, 2, dtype=F64),
+                                   torch.tensor([[1.0, 2.0, 3.0, -math.inf]], dtype=F64), 8.0)
+    assert m2.tolist() == [[1.0, 2.0, 3.0, -math.inf]]
+    m3, _, _ = R.merge_block_stats(m2, torch.ones(1, 4, dtype=F64), torch.ones(1, 4, 2, dtype=F64),
+                                   torch.tensor([[9.0, 10.5, 4.0, 0.0]], dtype=F64), 8.0)
+    assert m3.tolist() == [[1.0, 10.5, 3.0, 0.0]]
 
 
 def test_step_functions_exist():

@@ -870,7 +870,8 @@ def attention(
 
     Gradients flow to q, k and v (autograd); dk / dv are summed over the query heads of a
     group for GQA. The op is a ``torch.library`` custom op (``torch.ops.flash_cuda.fwd`` /
-    ``.bwd``) and works under ``torch.compile(fullgraph=True)``.
+    ``.bwd``) and works under ``torch.compile(fullgraph=True)``; eager calls on plain tensors
+    run the same kernels without the op's dispatch.
 
     Raises:
         TypeError: an argument is not a tensor / bool / int, or a dtype is unsupported or

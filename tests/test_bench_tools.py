@@ -349,3 +349,16 @@ def test_profile_help_and_ncu_command():
     assert cmd.startswith("ncu --profile-from-start off --set full "
                           "--clock-control none -o r -f python bench/ncu_profile.py")
     assert cmd.endswith("--d 64 --seqlen 8k --mode bwd")
+
+
+def test_host_overhead_help_and_no_gpu_message():
+    torch = pytest.importorskip("torch")
+    proc = subprocess.run([sys.executable, str(BENCH / "host_overhead.py"), "--help"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    for opt in ("--seqlen", "--d", "--calls", "--backward"):
+        assert opt in proc.stdout
+    if not torch.cuda.is_available():
+        proc = subprocess.run([sys.executable, str(BENCH / "host_overhead.py")],
+                              capture_output=True, text=True, timeout=120, cwd=ROOT)
+        assert proc.returncode == 2 and "needs a CUDA GPU" in proc.stderr

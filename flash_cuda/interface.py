@@ -735,7 +735,8 @@ _varlen_fwd.register_autograd(_backward, setup_context=_varlen_setup_context)
 # short sequence's step was bound by the host, not the GPU. Plain eager tensors therefore go
 # through this autograd.Function, which makes the same extension calls, saves the same
 # tensors and runs the same backward; anything the ops exist for (tracing, fake or
-# functional tensors, tensor subclasses, dispatch or function modes) takes the ops.
+# functional tensors, tensor subclasses, dispatch or function modes) takes the ops. Its
+# forward / setup_context split lets torch.func's gradient transforms run it too.
 def _eager_ok(*tensors) -> bool:
     if torch.compiler.is_compiling() or torch._C._is_torch_function_mode_enabled():
         return False
@@ -746,11 +747,10 @@ def _eager_ok(*tensors) -> bool:
 
 class _EagerFwd(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, scale, window_left, window_right, softcap, alibi_slopes, deterministic, tier):
-        output = _fwd_impl(q, k, v, scale, window_left, window_right, softcap, alibi_slopes, tier)
-        _setup_context(ctx, (q, k, v, scale, window_left, window_right, softcap, alibi_slopes, deterministic,
-                             tier), output)
-        return output
+    def forward(q, k, v, scale, window_left, window_right, softcap, alibi_slopes, deterministic, tier):
+        return _fwd_impl(q, k, v, scale, window_left, window_right, softcap, alibi_slopes, tier)
+
+    setup_context = staticmethod(_setup_context)
 
     @staticmethod
     def backward(ctx, dout, dlse, daux):
@@ -759,14 +759,12 @@ class _EagerFwd(torch.autograd.Function):
 
 class _EagerVarlenFwd(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, window_left,
+    def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, window_left,
                 window_right, softcap, alibi_slopes, deterministic, tier, check_cu_seqlens):
-        inputs = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, window_left,
-                  window_right, softcap, alibi_slopes, deterministic, tier, check_cu_seqlens)
-        output = _varlen_fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
-                                  window_left, window_right, softcap, alibi_slopes, tier, check_cu_seqlens)
-        _varlen_setup_context(ctx, inputs, output)
-        return output
+        return _varlen_fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
+                                window_left, window_right, softcap, alibi_slopes, tier, check_cu_seqlens)
+
+    setup_context = staticmethod(_varlen_setup_context)
 
     @staticmethod
     def backward(ctx, dout, dlse, daux):

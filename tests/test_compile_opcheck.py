@@ -310,6 +310,21 @@ def test_eager_path_matches_ops_cpu_mock(mock_extension, monkeypatch, varlen):
     assert len(eager[2]) == 3
 
 
+def test_func_grad_matches_autograd_cpu_mock(mock_extension):
+    """torch.func.grad through flash_cuda.attention (the eager path's setup_context) gives the
+    gradients that torch.autograd.grad gives."""
+    q, k, v = make_inputs(1, 2, 1, 9, 13, 16, F32, "cpu", seed=6)
+
+    def loss(q, k, v):
+        return (flash_cuda.attention(q, k, v, is_causal=True) ** 2).sum()
+
+    g_func = torch.func.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    leaves = _leaf(q, k, v)
+    g_auto = torch.autograd.grad(loss(*leaves), leaves)
+    for a, b in zip(g_func, g_auto):
+        assert torch.equal(a, b)
+
+
 def test_eager_path_only_for_plain_eager_tensors():
     from torch._subclasses.fake_tensor import FakeTensorMode
 

@@ -555,13 +555,6 @@ def _is_empty_varlen(q: Tensor, k: Tensor, cu_seqlens_q: Tensor, max_seqlen_q: i
             or max_seqlen_q == 0 or max_seqlen_k == 0)
 
 
-    if ctx.varlen is None:
-        dq, dk, dv = (_bwd_impl if eager else _bwd)(dout, q, k, v, out, lse, aux, dlse, *options)
-        return (dq, dk, dv) + (None,) * 7
-    dq, dk, dv = (_varlen_bwd_impl if eager else _varlen_bwd)(dout, q, k, v, out, lse, aux, dlse, cu_seqlens_q,
-                                                             cu_seqlens_k, *ctx.varlen, *options)
-    return (dq, dk, dv) + (None,) * 12
-
 # The extension calls behind the ops, shared by the ops and the eager path (below).
 def _fwd_impl(q, k, v, scale, window_left, window_right, softcap, alibi_slopes, tier):
     if _is_empty(q, k):

@@ -94,14 +94,21 @@ VARLEN_CASES = [
 @pytest.mark.parametrize("dtype", [F16, BF16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("seqlens_q,seqlens_k,Hq,Hkv,D,is_causal,window,alibi,layout", VARLEN_CASES)
 def test_sm90_bwd_packed_batches(mode, dtype, seqlens_q, seqlens_k, Hq, Hkv, D, is_causal, window, alibi, layout):
-    seed = sum(seqlens_q) + D
+    _check_packed(mode, dtype, seqlens_q, seqlens_k, Hq, Hkv, D, is_causal, window, alibi, layout,
+                  seed=sum(seqlens_q) + D)
+
+
+def _check_packed(mode, dtype, seqlens_q, seqlens_k, Hq, Hkv, D, is_causal, window, alibi, layout, *, seed,
+                  softcap=0.0):
+    """A packed batch of these lengths (alibi: None, "heads" or "batch" slopes) against float64."""
     q, k, v, cu_q, cu_k, max_q, max_k = make_varlen_inputs(seqlens_q, seqlens_k, Hq, Hkv, D, dtype, "cuda",
                                                            layout=layout, seed=seed)
     slopes = None
     if alibi:
         slopes = make_alibi_slopes(Hq, batch=len(seqlens_q) if alibi == "batch" else None, device="cuda", seed=seed)
+    label = f"sm90 bwd {mode} varlen" + (f" softcap={softcap}" if softcap else "")
     check_varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k, is_causal=is_causal, window_size=window,
-                           alibi_slopes=slopes, label=f"sm90 bwd {mode} varlen", seed=seed)
+                           softcap=softcap, alibi_slopes=slopes, label=label, seed=seed)
 
 
 # Softcap (the derivative 1 - tanh^2 in dS): (B, Hq, Hkv, Sq, Sk, D, is_causal, window, softcap,
@@ -163,15 +170,8 @@ SOFTCAP_VARLEN_CASES = [
 def test_sm90_bwd_softcap_packed_batches(mode, dtype, seqlens_q, seqlens_k, Hq, Hkv, D, is_causal, window, softcap,
                                          alibi, layout):
     _softcap_on_ws(mode)
-    seed = sum(seqlens_q) + D + 1
-    q, k, v, cu_q, cu_k, max_q, max_k = make_varlen_inputs(seqlens_q, seqlens_k, Hq, Hkv, D, dtype, "cuda",
-                                                           layout=layout, seed=seed)
-    slopes = None
-    if alibi:
-        slopes = make_alibi_slopes(Hq, batch=len(seqlens_q) if alibi == "batch" else None, device="cuda", seed=seed)
-    check_varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k, is_causal=is_causal, window_size=window,
-                           softcap=softcap, alibi_slopes=slopes, label=f"sm90 bwd {mode} varlen softcap={softcap}",
-                           seed=seed)
+    _check_packed(mode, dtype, seqlens_q, seqlens_k, Hq, Hkv, D, is_causal, window, alibi, layout,
+                  seed=sum(seqlens_q) + D + 1, softcap=softcap)
 
 
 # The NaN isolation case: sequence 1 is poisoned; sequence 0's last query block (100 rows) and

@@ -25,10 +25,12 @@
 //   3. dV[:, cols] += P^T dO[:, cols]   A = P^T  (shared, K-major), B = dO (N-major)
 //      dK[:, cols] += dS^T Q[:, cols]   A = dS^T (shared, K-major), B = Q  (N-major)
 //      dQ[:, cols]  = dS K[:, cols]     A = dS   (shared, dS^T read MN-major), B = K (N-major)
-//      one commit group of 3 x 4 wgmma (k-steps of 16 queries / keys).
-//   4. Q, dO, lse, delta of the stage released (q_empty); dQ added into the fp32 workspace
-//      p.dq_accum (row layout, launch.h: sm90_dq_accum_floats) with red.global.add.v2.f32 from the
-//      registers, and launch_convert_dq_rows scales and converts it into dq.
+//      3 x 4 wgmma (k-steps of 16 queries / keys).
+//      dQ is issued first, as its own commit group, dV and dK after it as a second one.
+//   4. Once dQ has landed (while dV, dK still run) it is added into the fp32 workspace p.dq_accum
+//      (row layout, launch.h: sm90_dq_accum_floats) with red.global.add.v4.f32 from the
+//      registers (add_dq_rows), and launch_convert_dq_rows scales and converts it into dq; then
+//      Q, dO, lse, delta of the stage are released (q_empty).
 // Total tensor work per block pair is the 5 products of sm90_bwd_ws.cuh; nothing is computed twice.
 // The P^T and dS^T exchange costs one barrier per block and 2 x 8 KiB of shared memory per buffer.
 //
@@ -132,23 +134,60 @@ __device__ __forceinline__ void stage_half(T* tile, const float (&acc)[1][4][4],
   }
 }
 
+// red.global.add.v4.f32: four consecutive floats (16-byte aligned) added in L2, no value returned.
+__device__ __forceinline__ void red_add_v4(float* addr, float a, float b, float c, float d) {
+#if FLASH_SM90_ENABLED
+  asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(addr), "f"(a), "f"(b), "f"(c), "f"(d)
+               : "memory");
+#endif
+}
+
 // Adds a warpgroup's dQ accumulator (queries m0 + 16 wq + g (+ 8) of the block, columns
-// col0 + 8 j + 2 t; unscaled: convert_dq_rows_kernel applies the scale) to dq_accum's rows, two
-// floats per atomic; rows past the sequence and columns past d left out.
-template <int kCols>
+// col0 + 8 j + 2 t; unscaled: convert_dq_rows_kernel applies the scale) to dq_accum's rows; rows
+// past the sequence and columns past d left out.
+//   kV4 (default): lanes t and t ^ 1 swap a pair of each fragment (one shuffle per float), so that
+//     the even lane holds 4 consecutive columns of row g and the odd lane the same 4 of row g + 8:
+//     one 16-byte atomic per fragment instead of two 8-byte ones (half the atomic instructions
+//     and L2 requests). Needs d % 4 == 0 (d % 8 == 0 holds) and a 16-byte aligned workspace.
+//   otherwise: two floats per atomic, straight from the fragments.
+template <int kCols, bool kV4 = true>
 __device__ __forceinline__ void add_dq_rows(const BwdParams& p, const SeqInfo& seq,
                                             const float (&acc)[1][kCols / 8][4], int h, int m0, int col0, int ct) {
   const int lane = ct % 32, wq = (ct / 32) % 4;
   const int g = lane / 4, t = lane % 4;
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int q = m0 + 16 * wq + g + 8 * half;
-    if (q >= seq.sq) continue;
-    float* row = p.dq_accum + (seq.stat_offset(p, h) + q) * p.d + col0;
+  if constexpr (kV4) {
+    const bool odd = t & 1;
+    const int q = m0 + 16 * wq + g + (odd ? 8 : 0);
+    const bool row_valid = q < seq.sq;
+    float* row = p.dq_accum + (seq.stat_offset(p, h) + q) * p.d + col0 + 2 * (t & 2);
 #pragma unroll
     for (int j = 0; j < kCols / 8; ++j) {
-      const int col = 8 * j + 2 * t;
-      if (col0 + col < p.d) red_add_v2(row + col, acc[0][j][2 * half], acc[0][j][2 * half + 1]);
+      // Even lanes send their row g + 8 pair and receive the odd neighbour's row g pair, and
+      // the other way round: all 32 lanes take part in both shuffles.
+      const float s0 = odd ? acc[0][j][0] : acc[0][j][2];
+      const float s1 = odd ? acc[0][j][1] : acc[0][j][3];
+      const float r0 = __shfl_xor_sync(0xffffffffu, s0, 1);
+      const float r1 = __shfl_xor_sync(0xffffffffu, s1, 1);
+      const int col = 8 * j + 2 * (t & 2);
+      if (row_valid && col0 + col < p.d) {
+        if (odd) {
+          red_add_v4(row + 8 * j, r0, r1, acc[0][j][2], acc[0][j][3]);
+        } else {
+          red_add_v4(row + 8 * j, acc[0][j][0], acc[0][j][1], r0, r1);
+        }
+      }
+    }
+  } else {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int q = m0 + 16 * wq + g + 8 * half;
+      if (q >= seq.sq) continue;
+      float* row = p.dq_accum + (seq.stat_offset(p, h) + q) * p.d + col0;
+#pragma unroll
+      for (int j = 0; j < kCols / 8; ++j) {
+        const int col = 8 * j + 2 * t;
+        if (col0 + col < p.d) red_add_v2(row + col, acc[0][j][2 * half], acc[0][j][2 * half + 1]);
+      }
     }
   }
 }
@@ -229,12 +268,20 @@ __device__ __forceinline__ void consume(const BwdParams& p, const Smem<T, Cfg>& 
     fence_proxy_async();  // the generic-proxy writes of P^T, dS^T, before the tensor cores read them
     named_barrier_sync(kExchangeBarrier, kConsumerThreads);
 
-    // dV += P^T dO, dK += dS^T Q, dQ = dS K over its columns, one commit group. The dQ
-    // accumulator is defined right before the products (nothing else in flight: no wgmma
+    // dQ = dS K first (its own commit group), then dV += P^T dO and dK += dS^T Q (one group), all
+    // over its columns: the dQ atomics run while the tensor cores still compute dV and dK. The
+    // dQ accumulator is defined right before its product (nothing else in flight then: no wgmma
     // serialization, and it is not live across the loop).
     float acc_dq[1][kCols / 8][4];
     zero_accumulator(acc_dq[0]);
     wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk) {
+      // A = dS (M = queries, K = keys) read transposed from dS^T; B = K (N-major).
+      Wgmma<T, kCols>::template ss<1, 1>(acc_dq[0], desc_mn_major<kBlockN>(sdSt, 0, kk),
+                                         desc_mn_major<kBlockN>(sm.sK + kv_cols, 0, kk), kk > 0);
+    }
+    wgmma_commit();
 #pragma unroll
     for (int kk = 0; kk < kBlockM / 16; ++kk) {
       Wgmma<T, kCols>::template ss<1>(acc_dv[0], desc_k_major<kBlockN>(sPt, 0, kk),
@@ -245,22 +292,17 @@ __device__ __forceinline__ void consume(const BwdParams& p, const Smem<T, Cfg>& 
       Wgmma<T, kCols>::template ss<1>(acc_dk[0], desc_k_major<kBlockN>(sdSt, 0, kk),
                                       desc_mn_major<kBlockM>(sQ_s + q_cols, 0, kk), 1);
     }
-#pragma unroll
-    for (int kk = 0; kk < kBlockN / 16; ++kk) {
-      // A = dS (M = queries, K = keys) read transposed from dS^T; B = K (N-major).
-      Wgmma<T, kCols>::template ss<1, 1>(acc_dq[0], desc_mn_major<kBlockN>(sdSt, 0, kk),
-                                         desc_mn_major<kBlockN>(sm.sK + kv_cols, 0, kk), kk > 0);
-    }
     wgmma_commit();
+    wgmma_wait<1>();
+    fence_accumulator(acc_dq[0]);
+    add_dq_rows<kCols>(p, seq, acc_dq, h, m0, col0, ct);
     wgmma_wait<0>();
     fence_accumulator(acc_dv[0]);
     fence_accumulator(acc_dk[0]);
-    fence_accumulator(acc_dq[0]);
     // Q, dO, lse, delta of stage s are no longer read (each thread arrives for its own reads, as
     // in sm90_bwd_ws.cuh). The exchange buffer is reused two computed blocks later, after the
     // barrier of the block in between.
     mbarrier_arrive(&sm.q_empty[s]);
-    add_dq_rows<kCols>(p, seq, acc_dq, h, m0, col0, ct);
   }
 
   // A warp's 16 keys x its columns of dV and dK (scaled), rows past the sequence and columns

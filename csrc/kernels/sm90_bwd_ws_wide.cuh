@@ -35,13 +35,14 @@
 // The P^T and dS^T exchange costs one barrier per block and 2 x 8 KiB of shared memory per buffer.
 //
 // Shared memory (bytes, bucket 256 / 192):
-//   K, V (64 keys)                        65536 / 49152
-//   Q, dO ring, 2 stages of 64 queries   131072 / 98304
-//   P^T + dS^T, 2 buffers                 32768 / 32768
-//   lse, delta (2 stages)                  1024 /  1024
-//   13 barrier / pointer words              104 /   104
-//   alignment slack                        1024 /  1024
-//   total                                231528 / 182376   (limit 232448)
+//   K, V (64 keys)                        65536 /  49152
+//   Q, dO ring of 64-query stages        131072 / 147456   (2 stages / 3 stages)
+//   P^T + dS^T, 2 buffers                 32768 /  32768
+//   lse, delta (per stage)                 1024 /   1536
+//   barrier / pointer words (13 / 15)       104 /    120
+//   alignment slack                        1024 /   1024
+//   total                                231528 / 232056   (limit 232448)
+// At d = 192 the third stage fits and is taken (WideConfig: kStages); at 256 only two do.
 // Two exchange buffers, so that a warpgroup may stage block i + 1 while the other still reads
 // block i (the argument of sm90_bwd_ws.cuh's claim_ds: between two uses of a buffer there is a
 // barrier the other warpgroup reached only after waiting for its products). Buffers are taken
@@ -49,11 +50,13 @@
 // barrier), so that the argument holds across skipped blocks.
 // dQ cannot leave through the bulk-reduce writer of sm90_bwd_ws.cuh here: its fp32 staging tile
 // (64 x 256 x 4 = 64 KiB, even half of it) does not fit next to the ring, hence atomics. Their
-// traffic per flop is twice that of the 128-key kernel (64 keys per CTA): the first thing to
-// measure.
+// traffic per flop is twice that of the 128-key kernel (64 keys per CTA).
 //
 // Registers: 384 threads launch at 168 each; the producer warpgroup gives back to 24
-// (setmaxnreg.dec) and the consumers take 240: 128 x (168 - 24) = 256 x (240 - 168).
+// (setmaxnreg.dec) and the consumers take 240: 128 x (168 - 24) = 256 x (240 - 168). ptxas -v,
+// nvcc 13.0, sm_90a: no spills at 240 (and at 224; 216 spills), so the consumers have about 16
+// registers of room: not enough to keep the next block's S^T and dP^T (32) in flight under the
+// dQ atomics.
 //
 // Scope: dense batches without score modifiers (kPlain: causal, windows, Sq != Sk, GQA), fp16 /
 // bf16, deterministic=False (the workspace's summation order varies), views TMA can address,
@@ -75,9 +78,17 @@ using bwd_ws::Steps;
 // Named barrier 1 (0 is __syncthreads): both warpgroups wrote their query halves of P^T, dS^T.
 constexpr int kExchangeBarrier = 1;
 
+// The shared-memory bytes of WideConfig<kD> with a ring of `stages` Q / dO stages (layout in
+// the file comment).
+constexpr size_t wide_smem_bytes(int d, int stages) {
+  return 2 * size_t(64) * d * 2 + 2 * size_t(stages) * 64 * d * 2 + 2 * size_t(2) * 64 * 64 * 2 +
+         2 * size_t(stages) * 64 * sizeof(float) + (9 + 2 * size_t(stages)) * sizeof(uint64_t) + 1024;
+}
+
 // kD: the bucket, the width of the Q, dO, K, V tiles (TMA zero-fills the columns past d). The
-// member names are those bwd_ws::Smem and bwd_ws::produce read.
-template <int kD_>
+// member names are those bwd_ws::Smem and bwd_ws::produce read. The ring takes 3 stages where
+// they fit (d = 192: 232056 bytes of 232448), else 2 (d = 256).
+template <int kD_, int kStages_ = wide_smem_bytes(kD_, 3) <= 227 * 1024 ? 3 : 2>
 struct WideConfig {
   static constexpr int kD = kD_;
   static constexpr int kSlabs = kD / kSlabCols;
@@ -85,7 +96,7 @@ struct WideConfig {
   static constexpr int kBlockN = 64;  // keys of the CTA, shared by both warpgroups
   static constexpr int kBlockM = 64;  // queries per step
   static constexpr int kHalfM = kBlockM / 2;  // queries of S^T, dP^T per warpgroup
-  static constexpr int kStages = 2;
+  static constexpr int kStages = kStages_;
   static constexpr int kThreads = 128 + kConsumerThreads;
   static constexpr int kConsumerWarps = kConsumerThreads / 32;
   // Columns of dK, dV, dQ per warpgroup: whole 64-column slabs, the first warpgroup the larger share.
@@ -113,6 +124,7 @@ struct WideConfig {
   static_assert(kBlockM == kSlabCols, "P^T, dS^T tiles are one 64-query slab");
   static_assert(kTileKV % 1024 == 0 && kTileQ % 1024 == 0 && kTileP % 1024 == 0, "slabs stay 1024-byte aligned");
   static_assert(kSmemBytes <= 227 * 1024, "fits a Hopper block");
+  static_assert(kSmemBytes == wide_smem_bytes(kD, kStages), "the stage count was chosen with this layout");
 };
 
 // Writes a warpgroup's query half of an fp32 tile (P^T or dS^T, 64 keys x 32 queries, the n32

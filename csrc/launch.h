@@ -103,8 +103,11 @@ inline bool sm90_bwd_dq_red() { return ws_env_int("FLASH_CUDA_SM90_BWD_DQ_RED") 
 // FLASH_CUDA_SM90_BWD_D256=1: kernel='auto' backwards at d = 129..256 (plain dense batches,
 // deterministic=False) try the wide warp-specialized backward (sm90_bwd_ws_wide.cuh: 64 keys per
 // CTA, the consumer warpgroups splitting dK, dV, dQ by head-dim columns) before the mma.sync one.
+// FLASH_CUDA_SM90_BWD_D256=2: the same kernel with S^T and dP^T computed by both warpgroups
+// (7 products per block pair, no exchange between them; sm90_bwd_ws_wide.cuh: consume_redundant).
 // Off by default until it has been validated and measured on an H100.
 inline bool sm90_bwd_wide() { return ws_env_int("FLASH_CUDA_SM90_BWD_D256") != 0; }
+inline bool sm90_bwd_wide_redundant() { return ws_env_int("FLASH_CUDA_SM90_BWD_D256") == 2; }
 // Query rows per step of the Hopper backward's dK/dV kernels at a head-dim bucket (sm90_bwd.cuh:
 // BwdTraits::kKVBlockM, which sm90_bwd_ws.cuh static_asserts against this): the height of the
 // warp-specialized backward's dQ tiles.

@@ -12,6 +12,9 @@ which must keep the exchange buffers in step), windows, GQA (the CTA walks sever
 through its 2-stage ring), strided views. GPU-only, sm_90 only."""
 
 
+import os
+import re
+
 import pytest
 import torch
 
@@ -26,9 +29,10 @@ F16, BF16 = torch.float16, torch.bfloat16
 SWITCH = "FLASH_CUDA_SM90_BWD_D256"
 
 
-@pytest.fixture(autouse=True)
-def wide_switch(monkeypatch):
-    monkeypatch.setenv(SWITCH, "1")
+# 1: S^T / dP^T split by queries between the warpgroups; 2: computed by both (consume_redundant).
+@pytest.fixture(params=["1", "2"], ids=["split", "redundant"], autouse=True)
+def wide_switch(request, monkeypatch):
+    monkeypatch.setenv(SWITCH, request.param)
     # The other Hopper backward switches do not reach d > 128: the default stays for clarity.
     monkeypatch.delenv("FLASH_CUDA_SM90_BWD", raising=False)
     monkeypatch.delenv("FLASH_CUDA_SM90_BWD_DQ_RED", raising=False)
@@ -98,6 +102,11 @@ def test_wide_bwd_route(route, D, monkeypatch):
         kw["softcap"] = 5.0
     names = _backward_kernels(q, k, v, **kw)
     assert ("bwd_sm90_wide_kernel" in names) == (route == "on"), names
+    if route == "on":
+        # bwd_sm90_wide_kernel<T, WideConfig<d, stages>, kVariant, kRedundant>: the demangler
+        # writes the bool as true / false or (bool)1 / (bool)0.
+        redundant = re.search(r"WideConfig<[^<>]*>\s*,\s*\d+\s*,\s*(true|\(bool\)1)", names) is not None
+        assert redundant == (os.environ[SWITCH] == "2"), names
 
 
 def test_wide_bwd_packed_batch_runs_mma():

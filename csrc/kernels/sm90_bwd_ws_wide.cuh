@@ -32,7 +32,14 @@
 //      registers (add_dq_rows), and launch_convert_dq_rows scales and converts it into dq; then
 //      Q, dO, lse, delta of the stage are released (q_empty).
 // Total tensor work per block pair is the 5 products of sm90_bwd_ws.cuh; nothing is computed twice.
-// The P^T and dS^T exchange costs one barrier per block and 2 x 8 KiB of shared memory per buffer.
+// The P^T and dS^T exchange costs one barrier per block and 2 x 8 KiB of shared memory per buffer,
+// and the two warpgroups run in lockstep: nothing of one hides the other's exponentials, exchange
+// and barrier. Both read all of K and V for S^T, dP^T (wgmma n32 reads as much A per product as
+// n64 for half the work), which makes that phase heavy on shared-memory bandwidth.
+// The alternative (FLASH_CUDA_SM90_BWD_D256=2, consume_redundant) trades 2 extra products per
+// block pair (7 instead of 5) for independent warpgroups: each computes the whole S^T, dP^T and
+// keeps P^T, dS^T in registers, with only a private dS^T copy in shared memory for its dQ. Which
+// one wins is for the H100 to say.
 //
 // Shared memory (bytes, bucket 256 / 192):
 //   K, V (64 keys)                        65536 /  49152
@@ -54,9 +61,9 @@
 //
 // Registers: 384 threads launch at 168 each; the producer warpgroup gives back to 24
 // (setmaxnreg.dec) and the consumers take 240: 128 x (168 - 24) = 256 x (240 - 168). ptxas -v,
-// nvcc 13.0, sm_90a: no spills at 240 (and at 224; 216 spills), so the consumers have about 16
-// registers of room: not enough to keep the next block's S^T and dP^T (32) in flight under the
-// dQ atomics.
+// nvcc 13.0, sm_90a: no spills at 240 (query split: also at 224, 216 spills; redundant: 224
+// spills 12 bytes), so the consumers have at most about 16 registers of room: not enough to keep
+// the next block's S^T and dP^T (32) in flight under the dQ atomics.
 //
 // Scope: dense batches without score modifiers (kPlain: causal, windows, Sq != Sk, GQA), fp16 /
 // bf16, deterministic=False (the workspace's summation order varies), views TMA can address,
@@ -77,6 +84,8 @@ using bwd_ws::Steps;
 
 // Named barrier 1 (0 is __syncthreads): both warpgroups wrote their query halves of P^T, dS^T.
 constexpr int kExchangeBarrier = 1;
+// Named barriers 2, 3 (kRedundant): warpgroup w's 4 warps wrote its own copy of dS^T.
+constexpr int kPrivateBarrier = 2;
 
 // The shared-memory bytes of WideConfig<kD> with a ring of `stages` Q / dO stages (layout in
 // the file comment).
@@ -146,6 +155,24 @@ __device__ __forceinline__ void stage_half(T* tile, const float (&acc)[1][4][4],
   }
 }
 
+// kRedundant: a warpgroup's whole dS^T (64 keys x 64 queries, the A fragments of its dK product)
+// into its own tile [64 keys][64 queries], for its dQ product. Fragment kk holds queries
+// 16 kk + 2 t (words 0, 1: rows g, g + 8) and 16 kk + 8 + 2 t (words 2, 3).
+template <typename T>
+__device__ __forceinline__ void stage_full(T* tile, const uint32_t (&a)[4][4], int ct) {
+  const int lane = ct % 32, wq = (ct / 32) % 4;
+  const int g = lane / 4, t = lane % 4;
+  unsigned char* row = reinterpret_cast<unsigned char*>(tile) + (16 * wq + g) * kSwizzleBytes + 4 * t;
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      unsigned char* at = row + (((2 * kk + half) ^ g) * 16);
+      *reinterpret_cast<uint32_t*>(at) = a[kk][2 * half];
+      *reinterpret_cast<uint32_t*>(at + 8 * kSwizzleBytes) = a[kk][2 * half + 1];
+    }
+}
+
 // red.global.add.v4.f32: four consecutive floats (16-byte aligned) added in L2, no value returned.
 __device__ __forceinline__ void red_add_v4(float* addr, float a, float b, float c, float d) {
 #if FLASH_SM90_ENABLED
@@ -202,6 +229,22 @@ __device__ __forceinline__ void add_dq_rows(const BwdParams& p, const SeqInfo& s
       }
     }
   }
+}
+
+// A warp's 16 keys x columns [col0, col0 + kCols) of dK (scaled) and dV; rows past the sequence
+// and columns past d left out.
+template <typename T, int kCols>
+__device__ __forceinline__ void store_columns(const BwdParams& p, const SeqInfo& seq,
+                                              const float (&acc_dk)[1][kCols / 8][4],
+                                              const float (&acc_dv)[1][kCols / 8][4], int hkv, int warp_key0,
+                                              int col0) {
+  const int rows_valid = seq.sk - warp_key0;
+  T* dv = seq.k_rows(static_cast<T*>(p.dv), p.dv_batch_stride, p.dv_head_stride, p.dv_row_stride, hkv) +
+          static_cast<int64_t>(warp_key0) * p.dv_row_stride + col0;
+  bwd_mma::store_rows<T, 1, kCols>(acc_dv, dv, p.dv_row_stride, rows_valid, p.d - col0, 1.f);
+  T* dk = seq.k_rows(static_cast<T*>(p.dk), p.dk_batch_stride, p.dk_head_stride, p.dk_row_stride, hkv) +
+          static_cast<int64_t>(warp_key0) * p.dk_row_stride + col0;
+  bwd_mma::store_rows<T, 1, kCols>(acc_dk, dk, p.dk_row_stride, rows_valid, p.d - col0, p.scale);
 }
 
 // One consumer warpgroup, owning columns [col0, col0 + kCols) of dK, dV and dQ, and queries
@@ -317,18 +360,125 @@ __device__ __forceinline__ void consume(const BwdParams& p, const Smem<T, Cfg>& 
     mbarrier_arrive(&sm.q_empty[s]);
   }
 
-  // A warp's 16 keys x its columns of dV and dK (scaled), rows past the sequence and columns
-  // past d left out.
-  const int rows_valid = seq.sk - warp_key0;
-  T* dv = seq.k_rows(static_cast<T*>(p.dv), p.dv_batch_stride, p.dv_head_stride, p.dv_row_stride, hkv) +
-          static_cast<int64_t>(warp_key0) * p.dv_row_stride + col0;
-  bwd_mma::store_rows<T, 1, kCols>(acc_dv, dv, p.dv_row_stride, rows_valid, p.d - col0, 1.f);
-  T* dk = seq.k_rows(static_cast<T*>(p.dk), p.dk_batch_stride, p.dk_head_stride, p.dk_row_stride, hkv) +
-          static_cast<int64_t>(warp_key0) * p.dk_row_stride + col0;
-  bwd_mma::store_rows<T, 1, kCols>(acc_dk, dk, p.dk_row_stride, rows_valid, p.d - col0, p.scale);
+  store_columns<T, kCols>(p, seq, acc_dk, acc_dv, hkv, warp_key0, col0);
 }
 
-template <typename T, typename Cfg, int kVariant>
+// kRedundant: the alternative to the query split above, for measuring against it. Each warpgroup
+// computes the whole S^T and dP^T (64 x 64, wgmma n64: 7 products per block pair instead of 5,
+// the two extra ones reading K and V again), keeps P^T and dS^T in registers as the A operands of
+// dV += P^T dO[:, cols] and dK += dS^T Q[:, cols], and stages its own copy of dS^T for its dQ
+// product: the warpgroups never wait for each other (one 128-thread barrier each, no exchange),
+// so one's exponentials and atomics can run under the other's products. The two exchange buffers
+// become two per warpgroup (the same bytes): buffer e % 2 is written again two computed blocks
+// later, after the warpgroup's barrier of the block in between, which each of its warps reached
+// only after waiting for its dQ product.
+// Registers: S^T and dP^T (32 + 32) next to dK, dV (64 + 64); dQ (64) only once dV, dK have landed
+// and the A fragments died, so dQ's product and atomics do not overlap this warpgroup's dV, dK.
+template <typename T, typename Cfg, int kVariant, int kCols>
+__device__ __forceinline__ void consume_redundant(const BwdParams& p, const Smem<T, Cfg>& sm, int n0, int hkv,
+                                                  int bi, int wg, int col0, int ct) {
+  constexpr int kBlockM = Cfg::kBlockM;
+  constexpr int kBlockN = Cfg::kBlockN;
+  constexpr int kStages = Cfg::kStages;
+  static_assert(kCols % kSlabCols == 0, "the N-major operands start on a slab");
+  const SeqInfo seq = SeqInfo::make<false>(p, bi);
+  const AttnMask mask = seq.mask<false>(p);
+  const Steps steps = Steps::make(mask, n0, kBlockN, kBlockM, hkv, p.hq / p.hkv);
+  const int wq = (ct / 32) % 4;  // warp of its warpgroup: keys 16 wq .. 16 wq + 15
+  const int warp_key0 = n0 + 16 * wq;
+  const int kv_cols = col0 * kBlockN, q_cols = col0 * kBlockM;
+
+  float acc_dv[1][kCols / 8][4];
+  float acc_dk[1][kCols / 8][4];
+  bwd_mma::zero_fill(acc_dv);
+  bwd_mma::zero_fill(acc_dk);
+  if (steps.count > 0) mbarrier_wait(sm.kv_full, 0);
+  int e = 0;  // computed blocks: buffer e % 2
+
+  for (int i = 0; i < steps.count; ++i) {
+    const int s = Steps::stage(i, kStages);
+    const int h = steps.head(i), m0 = steps.m_block(i) * kBlockM;
+    mbarrier_wait(&sm.q_full[s], Steps::parity(i, kStages));
+    if (!mask.any_visible(m0, m0 + kBlockM, n0, n0 + kBlockN)) {
+      mbarrier_arrive(&sm.q_empty[s]);
+      continue;
+    }
+    const T* sQ_s = sm.q(s);
+    const T* sdO_s = sm.dout(s);
+    T* sdSt = sm.ds(e) + wg * (Cfg::kTileP / sizeof(T));  // its own dS^T
+    ++e;
+
+    uint32_t a_pt[kBlockM / 16][4];
+    uint32_t a_ds[kBlockM / 16][4];
+    {
+      const bool needs_mask = mask.needs_mask(m0, m0 + kBlockM, warp_key0, warp_key0 + 16);
+      float pt[1][kBlockM / 8][4];
+      float dst[1][kBlockM / 8][4];
+      wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < Cfg::kQKSteps; ++ks) {
+        Wgmma<T, kBlockM>::template ss<0>(pt[0], desc_k_major<kBlockN>(sm.sK, 0, ks),
+                                          desc_k_major<kBlockM>(sQ_s, 0, ks), ks > 0);
+      }
+      wgmma_commit();
+#pragma unroll
+      for (int ks = 0; ks < Cfg::kQKSteps; ++ks) {
+        Wgmma<T, kBlockM>::template ss<0>(dst[0], desc_k_major<kBlockN>(sm.sV, 0, ks),
+                                          desc_k_major<kBlockM>(sdO_s, 0, ks), ks > 0);
+      }
+      wgmma_commit();
+      wgmma_wait<1>();
+      fence_accumulator(pt[0]);
+      float no_dtanh[1][1][4];
+      bwd_mma::compute_probs<true, kVariant>(pt, no_dtanh, sm.lse + s * kBlockM, needs_mask, warp_key0, m0, mask, p,
+                                             seq, h);
+      wgmma_wait<0>();
+      fence_accumulator(dst[0]);
+      bwd_mma::compute_ds<true, kVariant>(dst, pt, no_dtanh, sm.delta + s * kBlockM);
+#pragma unroll
+      for (int kk = 0; kk < kBlockM / 16; ++kk) accumulator_to_a<T>(a_pt[kk], pt[0], kk);
+#pragma unroll
+      for (int kk = 0; kk < kBlockM / 16; ++kk) accumulator_to_a<T>(a_ds[kk], dst[0], kk);
+    }
+    // dV += P^T dO, dK += dS^T Q over its columns (register A operands), one commit group, while
+    // dS^T is staged for the dQ product.
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kBlockM / 16; ++kk)
+      Wgmma<T, kCols>::template rs<1>(acc_dv[0], a_pt[kk], desc_mn_major<kBlockM>(sdO_s + q_cols, 0, kk), 1);
+#pragma unroll
+    for (int kk = 0; kk < kBlockM / 16; ++kk)
+      Wgmma<T, kCols>::template rs<1>(acc_dk[0], a_ds[kk], desc_mn_major<kBlockM>(sQ_s + q_cols, 0, kk), 1);
+    wgmma_commit();
+    stage_full<T>(sdSt, a_ds, ct);
+    fence_proxy_async();  // the generic-proxy writes of dS^T, before the tensor cores read them
+    named_barrier_sync(kPrivateBarrier + wg, 128);
+    wgmma_wait<0>();
+    fence_accumulator(acc_dv[0]);
+    fence_accumulator(acc_dk[0]);
+    fence_fragments(a_pt);
+    fence_fragments(a_ds);
+    // Q, dO, lse, delta of stage s are no longer read (the dQ product reads dS^T and K).
+    mbarrier_arrive(&sm.q_empty[s]);
+
+    float acc_dq[1][kCols / 8][4];
+    zero_accumulator(acc_dq[0]);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk) {
+      Wgmma<T, kCols>::template ss<1, 1>(acc_dq[0], desc_mn_major<kBlockN>(sdSt, 0, kk),
+                                         desc_mn_major<kBlockN>(sm.sK + kv_cols, 0, kk), kk > 0);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_accumulator(acc_dq[0]);
+    add_dq_rows<kCols>(p, seq, acc_dq, h, m0, col0, ct);
+  }
+
+  store_columns<T, kCols>(p, seq, acc_dk, acc_dv, hkv, warp_key0, col0);
+}
+
+template <typename T, typename Cfg, int kVariant, bool kRedundant>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
     bwd_sm90_wide_kernel(const __grid_constant__ BwdParams p, const __grid_constant__ bwd_ws::TmaMaps maps) {
 #if FLASH_SM90_ENABLED
@@ -361,7 +511,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   setmaxnreg_inc<Cfg::kConsumerRegs>();
   const int ct = threadIdx.x - 128;
   const int wg = ct / 128;
-  if (wg == 0) {
+  if constexpr (kRedundant) {
+    if (wg == 0) {
+      consume_redundant<T, Cfg, kVariant, Cfg::kCols0>(p, sm, n0, hkv, bi, 0, 0, ct);
+    } else {
+      consume_redundant<T, Cfg, kVariant, Cfg::kCols1>(p, sm, n0, hkv, bi, 1, Cfg::kCols0, ct);
+    }
+  } else if (wg == 0) {
     consume<T, Cfg, kVariant, Cfg::kCols0>(p, sm, n0, hkv, bi, 0, 0, ct);
   } else {
     consume<T, Cfg, kVariant, Cfg::kCols1>(p, sm, n0, hkv, bi, 1, Cfg::kCols0, ct);
@@ -378,10 +534,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 // true, or returns false having launched nothing: not sm_90 / not built for sm_90a, no dq_accum
 // workspace (deterministic=True, or the switch off when the workspace was sized), a packed batch,
 // or a view TMA cannot address.
-template <typename T, int kD, int kVariant>
+template <typename T, int kD, int kVariant, bool kRedundant>
 bool launch_bwd_sm90_wide(const BwdParams& p, cudaStream_t stream) {
   using Cfg = sm90::bwd_wide::WideConfig<kD>;
-  auto kernel = sm90::bwd_wide::bwd_sm90_wide_kernel<T, Cfg, kVariant>;
+  auto kernel = sm90::bwd_wide::bwd_sm90_wide_kernel<T, Cfg, kVariant, kRedundant>;
   if (p.sm_arch != 90 || p.deterministic || p.dq_accum == nullptr || p.cu_seqlens_q != nullptr ||
       p.d > kD || !sm90_kernel_built(kernel)) {
     return false;
@@ -404,7 +560,9 @@ bool launch_bwd_sm90_wide(const BwdParams& p, cudaStream_t stream) {
 template <int kDType, int kHeadDim>
 bool run_bwd_sm90_wide(const BwdParams& p, cudaStream_t stream) {
   using T = typename ElementOf<kDType>::type;
-  return launch_bwd_sm90_wide<T, kHeadDim, kPlain>(p, stream);
+  // FLASH_CUDA_SM90_BWD_D256=2: S^T, dP^T computed by both warpgroups (consume_redundant).
+  if (sm90_bwd_wide_redundant()) return launch_bwd_sm90_wide<T, kHeadDim, kPlain, true>(p, stream);
+  return launch_bwd_sm90_wide<T, kHeadDim, kPlain, false>(p, stream);
 }
 
 }  // namespace flash_cuda

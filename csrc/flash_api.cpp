@@ -251,6 +251,7 @@ using MmaBuckets = std::integer_sequence<int, 32, 64, 96, 128, 192, 256>;
 using Sm90Buckets = std::integer_sequence<int, 64, 128>;          // the cp.async forward
 using Sm90BwdBuckets = std::integer_sequence<int, 64, 96, 128>;  // 96: the 128-wide tiles
 using Sm90WsBuckets = std::integer_sequence<int, 64, 96, 128, 192, 256>;  // tier 4 alone
+using Sm90WideBwdBuckets = std::integer_sequence<int, 192, 256>;  // FLASH_CUDA_SM90_BWD_D256=1
 
 constexpr int kF16 = static_cast<int>(DType::kFloat16);
 constexpr int kBF16 = static_cast<int>(DType::kBFloat16);
@@ -296,6 +297,9 @@ template <int kDType, int kVariant> struct Sm90WsFwd {
 template <int kDType, int kVariant> struct Sm90Bwd {
   template <int kD> static bool run(const BwdParams& p, cudaStream_t s) { return run_bwd_sm90<kDType, kD, kVariant>(p, s); }
 };
+template <int kDType> struct Sm90WideBwd {
+  template <int kD> static bool run(const BwdParams& p, cudaStream_t s) { return run_bwd_sm90_wide<kDType, kD>(p, s); }
+};
 
 // The static switches over dtype and variant, then the bucket: Entry<kDType, kVariant> is one
 // of the structs above. Only the backwards (mma.sync, Hopper) have kSoftcapGrad instances
@@ -326,6 +330,14 @@ bool with_dtype_variant(const Params& p, Variant variant, cudaStream_t stream) {
 // 90a target, softcap's backward where its warp-specialized kernel does not run).
 bool sm90_bucket(int d) { return d > 32 && d <= 128; }
 bool sm90_ws_bucket(int d) { return d > 32 && d <= 256; }
+// The wide warp-specialized backward (launch.h: sm90_bwd_wide): kernel='auto', plain dense
+// batches, d = 129..256, deterministic=False, behind its switch. It also needs the dq_accum
+// workspace (bwd allocates it under the same condition) and may still decline (a view TMA cannot
+// address, a build without the 90a target): the mma.sync backward runs then.
+bool sm90_wide_bwd_applies(const BwdParams& p, Tier tier, Variant variant) {
+  return tier == Tier::kAuto && variant == kPlain && !p.deterministic && p.sm_arch == 90 && p.d > 128 &&
+         p.d <= 256 && sm90_bwd_wide();
+}
 
 // Whether the call goes to the warp-specialized forward (its launcher may still decline, having
 // launched nothing: a view TMA cannot address, a build without the 90a target). kernel='auto':
@@ -388,6 +400,11 @@ void dispatch_bwd(const BwdParams& p, Tier tier, cudaStream_t stream) {
     return;
   }
   TORCH_CHECK(tier != Tier::kWgmma, kNoWgmma);
+  if (sm90_wide_bwd_applies(p, tier, variant) && p.dq_accum != nullptr) {
+    const bool launched = p.dtype == DType::kFloat16 ? with_bucket<Sm90WideBwd<kF16>>(p.d, Sm90WideBwdBuckets{}, p, stream)
+                                                     : with_bucket<Sm90WideBwd<kBF16>>(p.d, Sm90WideBwdBuckets{}, p, stream);
+    if (launched) return;
+  }
   with_dtype_variant<MmaBwd, MmaBuckets, /*kWithSoftcapGrad=*/true>(p, variant, stream);
 }
 
@@ -580,8 +597,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(
   // kernel has no softcap derivative: mma.sync runs it, without a workspace).
   at::Tensor dq_accum;
   const bool softcap_grad = variant_of(p, /*backward=*/true) == kSoftcapGrad;
+  // The wide backward (d = 129..256, FLASH_CUDA_SM90_BWD_D256=1) adds into the same workspace in
+  // its row layout (dispatch_bwd: sm90_wide_bwd_applies; tier 4 runs kernel='auto's backward).
+  const Tier bwd_tier = t == Tier::kWgmmaWs ? Tier::kAuto : t;
+  const bool wide_bwd = sm90_wide_bwd_applies(p, bwd_tier, variant_of(p, /*backward=*/true));
   if ((t == Tier::kAuto || t == Tier::kWgmma || t == Tier::kWgmmaWs) && !deterministic && p.sm_arch == 90 &&
-      sm90_bucket(p.d) && (sm90_bwd_ws() || (sm90_dq_atomic() && !softcap_grad))) {
+      ((sm90_bucket(p.d) && (sm90_bwd_ws() || (sm90_dq_atomic() && !softcap_grad))) || wide_bwd)) {
     dq_accum = zeroed_on_stream({sm90_dq_accum_floats(p, lse.numel())}, q.options().dtype(at::kFloat));
     p.dq_accum = dq_accum.data_ptr<float>();
   }

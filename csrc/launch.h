@@ -43,6 +43,10 @@ template <int kDType, int kHeadDim, int kVariant> void run_bwd_mma(const BwdPara
 // run_bwd_sm90<.., kSoftcapGrad> returns false and the mma.sync tier serves it.
 template <int kDType, int kHeadDim, int kVariant> bool run_fwd_sm90(const FwdParams& params, cudaStream_t stream);
 template <int kDType, int kHeadDim, int kVariant> bool run_bwd_sm90(const BwdParams& params, cudaStream_t stream);
+// The wide warp-specialized backward (sm90_bwd_ws_wide.cuh), head-dim buckets 192 / 256, dense
+// batches without score modifiers (kPlain), deterministic=False; false (nothing launched) where it
+// does not apply. Only behind FLASH_CUDA_SM90_BWD_D256=1 (sm90_bwd_wide below).
+template <int kDType, int kHeadDim> bool run_bwd_sm90_wide(const BwdParams& params, cudaStream_t stream);
 // The warp-specialized forward (TMA + mbarrier ring, producer warp, two consumer warpgroups),
 // head-dim buckets 64 / 96 / 128 / 192 / 256 for kPlain, 64 / 96 / 128 / 192 for kExtended
 // (packed batches, softcap, ALiBi; 96: the 128-wide tiles); false (nothing launched) where it does
@@ -96,6 +100,14 @@ inline bool sm90_dq_atomic() { return sm90_bwd_mode() == "atomic"; }
 // FLASH_CUDA_SM90_BWD_DQ_RED=1: the warp-specialized backward adds dQ with red.global atomics from
 // the consumers' registers instead of staging it for the writer warp's bulk reductions.
 inline bool sm90_bwd_dq_red() { return ws_env_int("FLASH_CUDA_SM90_BWD_DQ_RED") != 0; }
+// FLASH_CUDA_SM90_BWD_D256=1: kernel='auto' backwards at d = 129..256 (plain dense batches,
+// deterministic=False) try the wide warp-specialized backward (sm90_bwd_ws_wide.cuh: 64 keys per
+// CTA, the consumer warpgroups splitting dK, dV, dQ by head-dim columns) before the mma.sync one.
+// FLASH_CUDA_SM90_BWD_D256=2: the same kernel with S^T and dP^T computed by both warpgroups
+// (7 products per block pair, no exchange between them; sm90_bwd_ws_wide.cuh: consume_redundant).
+// Off by default until it has been validated and measured on an H100.
+inline bool sm90_bwd_wide() { return ws_env_int("FLASH_CUDA_SM90_BWD_D256") != 0; }
+inline bool sm90_bwd_wide_redundant() { return ws_env_int("FLASH_CUDA_SM90_BWD_D256") == 2; }
 // Query rows per step of the Hopper backward's dK/dV kernels at a head-dim bucket (sm90_bwd.cuh:
 // BwdTraits::kKVBlockM, which sm90_bwd_ws.cuh static_asserts against this): the height of the
 // warp-specialized backward's dQ tiles.

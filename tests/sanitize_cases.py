@@ -58,6 +58,8 @@ class Case:
     # Packed batch for varlen_attention: (seqlens_q, seqlens_k); B, Sq, Sk are then the
     # number of sequences and the longest lengths.
     varlen: Optional[Tuple[Tuple[int, ...], Tuple[int, ...]]] = None
+    # Environment switches set for this case only (launch.h), as (name, value) pairs.
+    env: Tuple[Tuple[str, str], ...] = ()
 
     def describe(self) -> str:
         flags = [f"{self.dtype:8s}", f"B={self.B} Hq={self.Hq} Hkv={self.Hkv}",
@@ -75,6 +77,8 @@ class Case:
             flags.append(f"alibi={self.alibi}")
         if self.varlen:
             flags.append(f"varlen q={self.varlen[0]} k={self.varlen[1]}")
+        for name, value in self.env:
+            flags.append(f"{name}={value}")
         return " ".join(flags).rstrip()
 
 
@@ -154,6 +158,14 @@ CASES: List[Case] = [
     # ---- softcap's derivative on the warp-specialized Hopper backward: d = 96 (128-wide tiles,
     # columns past d as TMA's zeros), GQA, a causal window, ALiBi, P^T / dS^T in 16-query slices ----
     Case(F16, 1, 4, 2, 300, 500, 96, True, "bshd", dlse=True, window=(128, 0), softcap=5.0, alibi="heads"),
+    # ---- the wide warp-specialized Hopper backward (FLASH_CUDA_SM90_BWD_D256=1, =2 for S^T / dP^T
+    # on both warpgroups): d = 256 with GQA, causal rows that see no key, partial 64-row key and
+    # query blocks; d = 160 on the 192 bucket (columns past d as TMA's zeros, the second
+    # warpgroup's 64 columns partly past d) ----
+    Case(BF16, 1, 4, 2, 300, 200, 256, True, "bhsd", dlse=True, env=(("FLASH_CUDA_SM90_BWD_D256", "1"),)),
+    Case(F16, 1, 2, 1, 129, 300, 160, False, "bshd", window=(64, 16),
+         env=(("FLASH_CUDA_SM90_BWD_D256", "1"),)),
+    Case(BF16, 2, 2, 1, 200, 129, 192, True, "strided", env=(("FLASH_CUDA_SM90_BWD_D256", "2"),)),
 ]
 
 
@@ -172,6 +184,19 @@ _VARLEN_LAYOUT = {"bhsd": "contiguous", "bshd": "contiguous", "strided": "stride
 
 
 def run_case(case: Case, index: int, check: bool) -> None:
+    saved = {name: os.environ.get(name) for name, _ in case.env}
+    os.environ.update(dict(case.env))
+    try:
+        _run_case(case, index, check)
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def _run_case(case: Case, index: int, check: bool) -> None:
     import torch
 
     import flash_cuda

@@ -1,0 +1,568 @@
+// sm90_bwd_ws_wide.cuh — the warp-specialized Hopper backward at head-dim buckets 192 and 256
+// (d = 129..256). Read sm90_bwd_ws.cuh first: this kernel keeps its producer warp, mbarrier ring,
+// Steps walk and TMA loads (it calls its produce()), and changes how the two consumer warpgroups
+// share the work, because that kernel's split does not fit at these widths.
+//
+// Why a different split. sm90_bwd_ws.cuh gives each consumer warpgroup 64 keys and all d columns
+// of dK and dV in fp32 registers: 2 x 64 x d / 128 = d registers per thread, 512 at d = 256
+// against the 240 a consumer can have; and K, V of 128 keys (128 KiB at d = 256) plus one stage
+// of Q, dO (64 KiB) leave no room for a second stage. Here a CTA owns 64 keys, and the two
+// warpgroups split dK, dV and dQ by HEAD-DIM COLUMNS:
+//   warpgroup w owns columns [col0(w), col0(w) + kCols(w)) of dK, dV (64 keys x kCols fp32) and of
+//   the block's dQ (64 queries x kCols): d = 256: 128 + 128; d = 192: 128 + 64 (a descriptor of an
+//   MN-major operand starts on a 64-column slab: 96 + 96 would need a slab split in two).
+//   Accumulators at kCols = 128: dV 64 + dK 64 + dQ 64 = 192 registers per thread.
+//
+// Per query block (64 queries, heads of the KV group outer, as in sm90_bwd_ws.cuh):
+//   1. S^T = K Q^T and dP^T = V dO^T reduce over all of d, so they cannot be split by columns;
+//      they are split by QUERIES instead: warpgroup w computes the 64 keys x 32 queries
+//      [32w, 32w + 32) (wgmma m64 n32, both operands K-major in shared memory), then P^T and dS^T
+//      of its 32 queries (compute_probs / compute_ds, unchanged: the accumulator of n32 has the
+//      mma.sync C layout per warp).
+//   2. Each warpgroup writes its 16-bit P^T and dS^T halves into shared tiles [64 keys][64
+//      queries] (swizzled like every operand tile); fence.proxy.async; one named barrier of the
+//      256 consumer threads: now both tiles are whole.
+//   3. dV[:, cols] += P^T dO[:, cols]   A = P^T  (shared, K-major), B = dO (N-major)
+//      dK[:, cols] += dS^T Q[:, cols]   A = dS^T (shared, K-major), B = Q  (N-major)
+//      dQ[:, cols]  = dS K[:, cols]     A = dS   (shared, dS^T read MN-major), B = K (N-major)
+//      3 x 4 wgmma (k-steps of 16 queries / keys).
+//      dQ is issued first, as its own commit group, dV and dK after it as a second one.
+//   4. Once dQ has landed (while dV, dK still run) it is added into the fp32 workspace p.dq_accum
+//      (row layout, launch.h: sm90_dq_accum_floats) with red.global.add.v4.f32 from the
+//      registers (add_dq_rows), and launch_convert_dq_rows scales and converts it into dq; then
+//      Q, dO, lse, delta of the stage are released (q_empty).
+// Total tensor work per block pair is the 5 products of sm90_bwd_ws.cuh; nothing is computed twice.
+// The P^T and dS^T exchange costs one barrier per block and 2 x 8 KiB of shared memory per buffer,
+// and the two warpgroups run in lockstep: nothing of one hides the other's exponentials, exchange
+// and barrier. Both read all of K and V for S^T, dP^T (wgmma n32 reads as much A per product as
+// n64 for half the work), which makes that phase heavy on shared-memory bandwidth.
+// The alternative (FLASH_CUDA_SM90_BWD_D256=2, consume_redundant) trades 2 extra products per
+// block pair (7 instead of 5) for independent warpgroups: each computes the whole S^T, dP^T and
+// keeps P^T, dS^T in registers, with only a private dS^T copy in shared memory for its dQ. Which
+// one wins is for the H100 to say.
+//
+// Shared memory (bytes, bucket 256 / 192):
+//   K, V (64 keys)                        65536 /  49152
+//   Q, dO ring of 64-query stages        131072 / 147456   (2 stages / 3 stages)
+//   P^T + dS^T, 2 buffers                 32768 /  32768
+//   lse, delta (per stage)                 1024 /   1536
+//   barrier / pointer words (13 / 15)       104 /    120
+//   alignment slack                        1024 /   1024
+//   total                                231528 / 232056   (limit 232448)
+// At d = 192 the third stage fits and is taken (WideConfig: kStages); at 256 only two do.
+// Two exchange buffers, so that a warpgroup may stage block i + 1 while the other still reads
+// block i (the argument of sm90_bwd_ws.cuh's claim_ds: between two uses of a buffer there is a
+// barrier the other warpgroup reached only after waiting for its products). Buffers are taken
+// per computed block (a block no key of the CTA sees is skipped by both warpgroups, without a
+// barrier), so that the argument holds across skipped blocks.
+// dQ cannot leave through the bulk-reduce writer of sm90_bwd_ws.cuh here: its fp32 staging tile
+// (64 x 256 x 4 = 64 KiB, even half of it) does not fit next to the ring, hence atomics. Their
+// traffic per flop is twice that of the 128-key kernel (64 keys per CTA).
+//
+// Registers: 384 threads launch at 168 each; the producer warpgroup gives back to 24
+// (setmaxnreg.dec) and the consumers take 240: 128 x (168 - 24) = 256 x (240 - 168). ptxas -v,
+// nvcc 13.0, sm_90a: no spills at 240 (query split: also at 224, 216 spills; redundant: 224
+// spills 12 bytes), so the consumers have at most about 16 registers of room: not enough to keep
+// the next block's S^T and dP^T (32) in flight under the dQ atomics.
+//
+// Scope: dense batches without score modifiers (kPlain: causal, windows, Sq != Sk, GQA), fp16 /
+// bf16, deterministic=False (the workspace's summation order varies), views TMA can address,
+// behind FLASH_CUDA_SM90_BWD_D256=1 (launch.h: sm90_bwd_wide). Packed batches, softcap and ALiBi
+// (kExtended, kSoftcapGrad) are not instantiated: the launcher returns false and the caller runs
+// the mma.sync backward, as it does without the switch.
+#pragma once
+
+#include "sm90_bwd_ws.cuh"
+
+namespace flash_cuda {
+namespace sm90 {
+namespace bwd_wide {
+
+using bwd_ws::kConsumerThreads;
+using bwd_ws::Smem;
+using bwd_ws::Steps;
+
+// Named barrier 1 (0 is __syncthreads): both warpgroups wrote their query halves of P^T, dS^T.
+constexpr int kExchangeBarrier = 1;
+// Named barriers 2, 3 (kRedundant): warpgroup w's 4 warps wrote its own copy of dS^T.
+constexpr int kPrivateBarrier = 2;
+
+// The shared-memory bytes of WideConfig<kD> with a ring of `stages` Q / dO stages (layout in
+// the file comment).
+constexpr size_t wide_smem_bytes(int d, int stages) {
+  return 2 * size_t(64) * d * 2 + 2 * size_t(stages) * 64 * d * 2 + 2 * size_t(2) * 64 * 64 * 2 +
+         2 * size_t(stages) * 64 * sizeof(float) + (9 + 2 * size_t(stages)) * sizeof(uint64_t) + 1024;
+}
+
+// kD: the bucket, the width of the Q, dO, K, V tiles (TMA zero-fills the columns past d). The
+// member names are those bwd_ws::Smem and bwd_ws::produce read. The ring takes 3 stages where
+// they fit (d = 192: 232056 bytes of 232448), else 2 (d = 256).
+template <int kD_, int kStages_ = wide_smem_bytes(kD_, 3) <= 227 * 1024 ? 3 : 2>
+struct WideConfig {
+  static constexpr int kD = kD_;
+  static constexpr int kSlabs = kD / kSlabCols;
+  static constexpr int kQKSteps = kD / 16;
+  static constexpr int kBlockN = 64;  // keys of the CTA, shared by both warpgroups
+  static constexpr int kBlockM = 64;  // queries per step
+  static constexpr int kHalfM = kBlockM / 2;  // queries of S^T, dP^T per warpgroup
+  static constexpr int kStages = kStages_;
+  static constexpr int kThreads = 128 + kConsumerThreads;
+  static constexpr int kConsumerWarps = kConsumerThreads / 32;
+  // Columns of dK, dV, dQ per warpgroup: whole 64-column slabs, the first warpgroup the larger share.
+  static constexpr int kCols0 = (kSlabs + 1) / 2 * kSlabCols;
+  static constexpr int kCols1 = kD - kCols0;
+  static constexpr uint32_t kTileKV = kBlockN * kD * 2;
+  static constexpr uint32_t kTileQ = kBlockM * kD * 2;
+  static constexpr uint32_t kTileP = kBlockN * kBlockM * 2;  // one of P^T, dS^T
+  static constexpr uint32_t kTileDS = 2 * kTileP;            // an exchange buffer: P^T | dS^T
+  static constexpr uint32_t kTileDQ = 0;                     // no dQ staging (atomics)
+  static constexpr int kDsBuffers = 2;
+  static constexpr size_t kStats = 2 * size_t(kStages) * kBlockM * sizeof(float);
+  // bwd_ws::Smem's words: kv_full, q_full[kStages], q_empty[kStages], dq_full[2], dq_empty[2],
+  // ds_empty, tail, dq_dst[2] (the last five unused here).
+  static constexpr int kBarriers = 9 + 2 * kStages;
+  static constexpr size_t kTiles =
+      2 * size_t(kTileKV) + 2 * size_t(kStages) * kTileQ + size_t(kDsBuffers) * kTileDS;
+  static constexpr size_t kSmemBytes = kTiles + kStats + kBarriers * sizeof(uint64_t) + 1024;
+  static constexpr int kLaunchRegs = 65536 / kThreads / 8 * 8;
+  static constexpr int kProducerRegs = 24;
+  static constexpr int kConsumerRegs = 240;
+  static_assert(128 * (kLaunchRegs - kProducerRegs) >= kConsumerThreads * (kConsumerRegs - kLaunchRegs),
+                "the consumers' registers come from the producer's");
+  static_assert(kD % kSlabCols == 0 && kCols0 <= 128 && kCols1 > 0 && kCols1 <= kCols0, "two column shares");
+  static_assert(kBlockM == kSlabCols, "P^T, dS^T tiles are one 64-query slab");
+  static_assert(kTileKV % 1024 == 0 && kTileQ % 1024 == 0 && kTileP % 1024 == 0, "slabs stay 1024-byte aligned");
+  static_assert(kSmemBytes <= 227 * 1024, "fits a Hopper block");
+  static_assert(kSmemBytes == wide_smem_bytes(kD, kStages), "the stage count was chosen with this layout");
+};
+
+// Writes a warpgroup's query half of an fp32 tile (P^T or dS^T, 64 keys x 32 queries, the n32
+// accumulator) as 16-bit values into the shared tile [64 keys][64 queries] (one swizzled slab),
+// where the dV / dK products read it K-major and the dQ product MN-major. Element (key r, query
+// c) sits at r * 128 + 16 * ((c / 8) ^ (r % 8)) + 2 * (c % 8); a thread's pair of C tile j is
+// query 32 wg + 8 j + 2 t (rows g and g + 8, which share r % 8 = g). For each j the warp's 32
+// 4-byte stores hit 32 different banks (chunk (4 wg + j) ^ g differs between the 8 rows).
+template <typename T>
+__device__ __forceinline__ void stage_half(T* tile, const float (&acc)[1][4][4], int wg, int ct) {
+  const int lane = ct % 32, wq = (ct / 32) % 4;
+  const int g = lane / 4, t = lane % 4;
+  unsigned char* row = reinterpret_cast<unsigned char*>(tile) + (16 * wq + g) * kSwizzleBytes + 4 * t;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    unsigned char* at = row + (((4 * wg + j) ^ g) * 16);
+    *reinterpret_cast<uint32_t*>(at) = pack2<T>(acc[0][j][0], acc[0][j][1]);
+    *reinterpret_cast<uint32_t*>(at + 8 * kSwizzleBytes) = pack2<T>(acc[0][j][2], acc[0][j][3]);
+  }
+}
+
+// kRedundant: a warpgroup's whole dS^T (64 keys x 64 queries, the A fragments of its dK product)
+// into its own tile [64 keys][64 queries], for its dQ product. Fragment kk holds queries
+// 16 kk + 2 t (words 0, 1: rows g, g + 8) and 16 kk + 8 + 2 t (words 2, 3).
+template <typename T>
+__device__ __forceinline__ void stage_full(T* tile, const uint32_t (&a)[4][4], int ct) {
+  const int lane = ct % 32, wq = (ct / 32) % 4;
+  const int g = lane / 4, t = lane % 4;
+  unsigned char* row = reinterpret_cast<unsigned char*>(tile) + (16 * wq + g) * kSwizzleBytes + 4 * t;
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      unsigned char* at = row + (((2 * kk + half) ^ g) * 16);
+      *reinterpret_cast<uint32_t*>(at) = a[kk][2 * half];
+      *reinterpret_cast<uint32_t*>(at + 8 * kSwizzleBytes) = a[kk][2 * half + 1];
+    }
+}
+
+// red.global.add.v4.f32: four consecutive floats (16-byte aligned) added in L2, no value returned.
+__device__ __forceinline__ void red_add_v4(float* addr, float a, float b, float c, float d) {
+#if FLASH_SM90_ENABLED
+  asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(addr), "f"(a), "f"(b), "f"(c), "f"(d)
+               : "memory");
+#endif
+}
+
+// Adds a warpgroup's dQ accumulator (queries m0 + 16 wq + g (+ 8) of the block, columns
+// col0 + 8 j + 2 t; unscaled: convert_dq_rows_kernel applies the scale) to dq_accum's rows; rows
+// past the sequence and columns past d left out.
+//   kV4 (default): lanes t and t ^ 1 swap a pair of each fragment (one shuffle per float), so that
+//     the even lane holds 4 consecutive columns of row g and the odd lane the same 4 of row g + 8:
+//     one 16-byte atomic per fragment instead of two 8-byte ones (half the atomic instructions
+//     and L2 requests). Needs d % 4 == 0 (d % 8 == 0 holds) and a 16-byte aligned workspace.
+//   otherwise: two floats per atomic, straight from the fragments.
+template <int kCols, bool kV4 = true>
+__device__ __forceinline__ void add_dq_rows(const BwdParams& p, const SeqInfo& seq,
+                                            const float (&acc)[1][kCols / 8][4], int h, int m0, int col0, int ct) {
+  const int lane = ct % 32, wq = (ct / 32) % 4;
+  const int g = lane / 4, t = lane % 4;
+  if constexpr (kV4) {
+    const bool odd = t & 1;
+    const int q = m0 + 16 * wq + g + (odd ? 8 : 0);
+    const bool row_valid = q < seq.sq;
+    float* row = p.dq_accum + (seq.stat_offset(p, h) + q) * p.d + col0 + 2 * (t & 2);
+#pragma unroll
+    for (int j = 0; j < kCols / 8; ++j) {
+      // Even lanes send their row g + 8 pair and receive the odd neighbour's row g pair, and
+      // the other way round: all 32 lanes take part in both shuffles.
+      const float s0 = odd ? acc[0][j][0] : acc[0][j][2];
+      const float s1 = odd ? acc[0][j][1] : acc[0][j][3];
+      const float r0 = __shfl_xor_sync(0xffffffffu, s0, 1);
+      const float r1 = __shfl_xor_sync(0xffffffffu, s1, 1);
+      const int col = 8 * j + 2 * (t & 2);
+      if (row_valid && col0 + col < p.d) {
+        if (odd) {
+          red_add_v4(row + 8 * j, r0, r1, acc[0][j][2], acc[0][j][3]);
+        } else {
+          red_add_v4(row + 8 * j, acc[0][j][0], acc[0][j][1], r0, r1);
+        }
+      }
+    }
+  } else {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int q = m0 + 16 * wq + g + 8 * half;
+      if (q >= seq.sq) continue;
+      float* row = p.dq_accum + (seq.stat_offset(p, h) + q) * p.d + col0;
+#pragma unroll
+      for (int j = 0; j < kCols / 8; ++j) {
+        const int col = 8 * j + 2 * t;
+        if (col0 + col < p.d) red_add_v2(row + col, acc[0][j][2 * half], acc[0][j][2 * half + 1]);
+      }
+    }
+  }
+}
+
+// A warp's 16 keys x columns [col0, col0 + kCols) of dK (scaled) and dV; rows past the sequence
+// and columns past d left out.
+template <typename T, int kCols>
+__device__ __forceinline__ void store_columns(const BwdParams& p, const SeqInfo& seq,
+                                              const float (&acc_dk)[1][kCols / 8][4],
+                                              const float (&acc_dv)[1][kCols / 8][4], int hkv, int warp_key0,
+                                              int col0) {
+  const int rows_valid = seq.sk - warp_key0;
+  T* dv = seq.k_rows(static_cast<T*>(p.dv), p.dv_batch_stride, p.dv_head_stride, p.dv_row_stride, hkv) +
+          static_cast<int64_t>(warp_key0) * p.dv_row_stride + col0;
+  bwd_mma::store_rows<T, 1, kCols>(acc_dv, dv, p.dv_row_stride, rows_valid, p.d - col0, 1.f);
+  T* dk = seq.k_rows(static_cast<T*>(p.dk), p.dk_batch_stride, p.dk_head_stride, p.dk_row_stride, hkv) +
+          static_cast<int64_t>(warp_key0) * p.dk_row_stride + col0;
+  bwd_mma::store_rows<T, 1, kCols>(acc_dk, dk, p.dk_row_stride, rows_valid, p.d - col0, p.scale);
+}
+
+// One consumer warpgroup, owning columns [col0, col0 + kCols) of dK, dV and dQ, and queries
+// [32 wg, 32 wg + 32) of each block's S^T and dP^T. ct: thread of the 256 consumers.
+template <typename T, typename Cfg, int kVariant, int kCols>
+__device__ __forceinline__ void consume(const BwdParams& p, const Smem<T, Cfg>& sm, int n0, int hkv, int bi,
+                                        int wg, int col0, int ct) {
+  constexpr int kBlockM = Cfg::kBlockM;
+  constexpr int kBlockN = Cfg::kBlockN;
+  constexpr int kHalfM = Cfg::kHalfM;
+  constexpr int kStages = Cfg::kStages;
+  static_assert(kCols % kSlabCols == 0, "the N-major operands start on a slab");
+  const SeqInfo seq = SeqInfo::make<false>(p, bi);
+  const AttnMask mask = seq.mask<false>(p);
+  const Steps steps = Steps::make(mask, n0, kBlockN, kBlockM, hkv, p.hq / p.hkv);
+  const int wq = (ct / 32) % 4;             // warp of its warpgroup: keys 16 wq .. 16 wq + 15
+  const int warp_key0 = n0 + 16 * wq;
+  const int q_half = kHalfM * wg;           // first query of its S^T, dP^T columns
+  // Slab offsets (elements) of its columns in the N-major operands.
+  const int kv_cols = col0 * kBlockN, q_cols = col0 * kBlockM;
+
+  float acc_dv[1][kCols / 8][4];
+  float acc_dk[1][kCols / 8][4];
+  bwd_mma::zero_fill(acc_dv);
+  bwd_mma::zero_fill(acc_dk);
+  if (steps.count > 0) mbarrier_wait(sm.kv_full, 0);
+  int e = 0;  // computed blocks: exchange buffer e % 2
+
+  for (int i = 0; i < steps.count; ++i) {
+    const int s = Steps::stage(i, kStages);
+    const int h = steps.head(i), m0 = steps.m_block(i) * kBlockM;
+    mbarrier_wait(&sm.q_full[s], Steps::parity(i, kStages));
+    // CTA-uniform (both warpgroups hold all 64 keys): a block none of the keys sees is skipped by
+    // both, barrier included.
+    if (!mask.any_visible(m0, m0 + kBlockM, n0, n0 + kBlockN)) {
+      mbarrier_arrive(&sm.q_empty[s]);
+      continue;
+    }
+    const T* sQ_s = sm.q(s);
+    const T* sdO_s = sm.dout(s);
+    T* sPt = sm.ds(e);
+    T* sdSt = sPt + Cfg::kTileP / sizeof(T);
+    ++e;
+
+    {
+      const bool needs_mask = mask.needs_mask(m0 + q_half, m0 + q_half + kHalfM, warp_key0, warp_key0 + 16);
+      const float* lse = sm.lse + s * kBlockM + q_half;
+      const float* delta = sm.delta + s * kBlockM + q_half;
+      // S^T, dP^T for its 32 queries, one commit group each: P's exponentials and its staging
+      // run while the tensor cores compute dP^T.
+      float pt[1][kHalfM / 8][4];
+      float dst[1][kHalfM / 8][4];
+      wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < Cfg::kQKSteps; ++ks) {
+        Wgmma<T, kHalfM>::template ss<0>(pt[0], desc_k_major<kBlockN>(sm.sK, 0, ks),
+                                         desc_k_major<kBlockM>(sQ_s, q_half, ks), ks > 0);
+      }
+      wgmma_commit();
+#pragma unroll
+      for (int ks = 0; ks < Cfg::kQKSteps; ++ks) {
+        Wgmma<T, kHalfM>::template ss<0>(dst[0], desc_k_major<kBlockN>(sm.sV, 0, ks),
+                                         desc_k_major<kBlockM>(sdO_s, q_half, ks), ks > 0);
+      }
+      wgmma_commit();
+      wgmma_wait<1>();
+      fence_accumulator(pt[0]);
+      float no_dtanh[1][1][4];
+      bwd_mma::compute_probs<true, kVariant>(pt, no_dtanh, lse, needs_mask, warp_key0, m0 + q_half, mask, p, seq, h);
+      stage_half<T>(sPt, pt, wg, ct);
+      wgmma_wait<0>();
+      fence_accumulator(dst[0]);
+      bwd_mma::compute_ds<true, kVariant>(dst, pt, no_dtanh, delta);
+      stage_half<T>(sdSt, dst, wg, ct);
+    }
+    fence_proxy_async();  // the generic-proxy writes of P^T, dS^T, before the tensor cores read them
+    named_barrier_sync(kExchangeBarrier, kConsumerThreads);
+
+    // dQ = dS K first (its own commit group), then dV += P^T dO and dK += dS^T Q (one group), all
+    // over its columns: the dQ atomics run while the tensor cores still compute dV and dK. The
+    // dQ accumulator is defined right before its product (nothing else in flight then: no wgmma
+    // serialization, and it is not live across the loop).
+    float acc_dq[1][kCols / 8][4];
+    zero_accumulator(acc_dq[0]);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk) {
+      // A = dS (M = queries, K = keys) read transposed from dS^T; B = K (N-major).
+      Wgmma<T, kCols>::template ss<1, 1>(acc_dq[0], desc_mn_major<kBlockN>(sdSt, 0, kk),
+                                         desc_mn_major<kBlockN>(sm.sK + kv_cols, 0, kk), kk > 0);
+    }
+    wgmma_commit();
+#pragma unroll
+    for (int kk = 0; kk < kBlockM / 16; ++kk) {
+      Wgmma<T, kCols>::template ss<1>(acc_dv[0], desc_k_major<kBlockN>(sPt, 0, kk),
+                                      desc_mn_major<kBlockM>(sdO_s + q_cols, 0, kk), 1);
+    }
+#pragma unroll
+    for (int kk = 0; kk < kBlockM / 16; ++kk) {
+      Wgmma<T, kCols>::template ss<1>(acc_dk[0], desc_k_major<kBlockN>(sdSt, 0, kk),
+                                      desc_mn_major<kBlockM>(sQ_s + q_cols, 0, kk), 1);
+    }
+    wgmma_commit();
+    wgmma_wait<1>();
+    fence_accumulator(acc_dq[0]);
+    add_dq_rows<kCols>(p, seq, acc_dq, h, m0, col0, ct);
+    wgmma_wait<0>();
+    fence_accumulator(acc_dv[0]);
+    fence_accumulator(acc_dk[0]);
+    // Q, dO, lse, delta of stage s are no longer read (each thread arrives for its own reads, as
+    // in sm90_bwd_ws.cuh). The exchange buffer is reused two computed blocks later, after the
+    // barrier of the block in between.
+    mbarrier_arrive(&sm.q_empty[s]);
+  }
+
+  store_columns<T, kCols>(p, seq, acc_dk, acc_dv, hkv, warp_key0, col0);
+}
+
+// kRedundant: the alternative to the query split above, for measuring against it. Each warpgroup
+// computes the whole S^T and dP^T (64 x 64, wgmma n64: 7 products per block pair instead of 5,
+// the two extra ones reading K and V again), keeps P^T and dS^T in registers as the A operands of
+// dV += P^T dO[:, cols] and dK += dS^T Q[:, cols], and stages its own copy of dS^T for its dQ
+// product: the warpgroups never wait for each other (one 128-thread barrier each, no exchange),
+// so one's exponentials and atomics can run under the other's products. The two exchange buffers
+// become two per warpgroup (the same bytes): buffer e % 2 is written again two computed blocks
+// later, after the warpgroup's barrier of the block in between, which each of its warps reached
+// only after waiting for its dQ product.
+// Registers: S^T and dP^T (32 + 32) next to dK, dV (64 + 64); dQ (64) only once dV, dK have landed
+// and the A fragments died, so dQ's product and atomics do not overlap this warpgroup's dV, dK.
+template <typename T, typename Cfg, int kVariant, int kCols>
+__device__ __forceinline__ void consume_redundant(const BwdParams& p, const Smem<T, Cfg>& sm, int n0, int hkv,
+                                                  int bi, int wg, int col0, int ct) {
+  constexpr int kBlockM = Cfg::kBlockM;
+  constexpr int kBlockN = Cfg::kBlockN;
+  constexpr int kStages = Cfg::kStages;
+  static_assert(kCols % kSlabCols == 0, "the N-major operands start on a slab");
+  const SeqInfo seq = SeqInfo::make<false>(p, bi);
+  const AttnMask mask = seq.mask<false>(p);
+  const Steps steps = Steps::make(mask, n0, kBlockN, kBlockM, hkv, p.hq / p.hkv);
+  const int wq = (ct / 32) % 4;  // warp of its warpgroup: keys 16 wq .. 16 wq + 15
+  const int warp_key0 = n0 + 16 * wq;
+  const int kv_cols = col0 * kBlockN, q_cols = col0 * kBlockM;
+
+  float acc_dv[1][kCols / 8][4];
+  float acc_dk[1][kCols / 8][4];
+  bwd_mma::zero_fill(acc_dv);
+  bwd_mma::zero_fill(acc_dk);
+  if (steps.count > 0) mbarrier_wait(sm.kv_full, 0);
+  int e = 0;  // computed blocks: buffer e % 2
+
+  for (int i = 0; i < steps.count; ++i) {
+    const int s = Steps::stage(i, kStages);
+    const int h = steps.head(i), m0 = steps.m_block(i) * kBlockM;
+    mbarrier_wait(&sm.q_full[s], Steps::parity(i, kStages));
+    if (!mask.any_visible(m0, m0 + kBlockM, n0, n0 + kBlockN)) {
+      mbarrier_arrive(&sm.q_empty[s]);
+      continue;
+    }
+    const T* sQ_s = sm.q(s);
+    const T* sdO_s = sm.dout(s);
+    T* sdSt = sm.ds(e) + wg * (Cfg::kTileP / sizeof(T));  // its own dS^T
+    ++e;
+
+    uint32_t a_pt[kBlockM / 16][4];
+    uint32_t a_ds[kBlockM / 16][4];
+    {
+      const bool needs_mask = mask.needs_mask(m0, m0 + kBlockM, warp_key0, warp_key0 + 16);
+      float pt[1][kBlockM / 8][4];
+      float dst[1][kBlockM / 8][4];
+      wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < Cfg::kQKSteps; ++ks) {
+        Wgmma<T, kBlockM>::template ss<0>(pt[0], desc_k_major<kBlockN>(sm.sK, 0, ks),
+                                          desc_k_major<kBlockM>(sQ_s, 0, ks), ks > 0);
+      }
+      wgmma_commit();
+#pragma unroll
+      for (int ks = 0; ks < Cfg::kQKSteps; ++ks) {
+        Wgmma<T, kBlockM>::template ss<0>(dst[0], desc_k_major<kBlockN>(sm.sV, 0, ks),
+                                          desc_k_major<kBlockM>(sdO_s, 0, ks), ks > 0);
+      }
+      wgmma_commit();
+      wgmma_wait<1>();
+      fence_accumulator(pt[0]);
+      float no_dtanh[1][1][4];
+      bwd_mma::compute_probs<true, kVariant>(pt, no_dtanh, sm.lse + s * kBlockM, needs_mask, warp_key0, m0, mask, p,
+                                             seq, h);
+      wgmma_wait<0>();
+      fence_accumulator(dst[0]);
+      bwd_mma::compute_ds<true, kVariant>(dst, pt, no_dtanh, sm.delta + s * kBlockM);
+#pragma unroll
+      for (int kk = 0; kk < kBlockM / 16; ++kk) accumulator_to_a<T>(a_pt[kk], pt[0], kk);
+#pragma unroll
+      for (int kk = 0; kk < kBlockM / 16; ++kk) accumulator_to_a<T>(a_ds[kk], dst[0], kk);
+    }
+    // dV += P^T dO, dK += dS^T Q over its columns (register A operands), one commit group, while
+    // dS^T is staged for the dQ product.
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kBlockM / 16; ++kk)
+      Wgmma<T, kCols>::template rs<1>(acc_dv[0], a_pt[kk], desc_mn_major<kBlockM>(sdO_s + q_cols, 0, kk), 1);
+#pragma unroll
+    for (int kk = 0; kk < kBlockM / 16; ++kk)
+      Wgmma<T, kCols>::template rs<1>(acc_dk[0], a_ds[kk], desc_mn_major<kBlockM>(sQ_s + q_cols, 0, kk), 1);
+    wgmma_commit();
+    stage_full<T>(sdSt, a_ds, ct);
+    fence_proxy_async();  // the generic-proxy writes of dS^T, before the tensor cores read them
+    named_barrier_sync(kPrivateBarrier + wg, 128);
+    wgmma_wait<0>();
+    fence_accumulator(acc_dv[0]);
+    fence_accumulator(acc_dk[0]);
+    fence_fragments(a_pt);
+    fence_fragments(a_ds);
+    // Q, dO, lse, delta of stage s are no longer read (the dQ product reads dS^T and K).
+    mbarrier_arrive(&sm.q_empty[s]);
+
+    float acc_dq[1][kCols / 8][4];
+    zero_accumulator(acc_dq[0]);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk) {
+      Wgmma<T, kCols>::template ss<1, 1>(acc_dq[0], desc_mn_major<kBlockN>(sdSt, 0, kk),
+                                         desc_mn_major<kBlockN>(sm.sK + kv_cols, 0, kk), kk > 0);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_accumulator(acc_dq[0]);
+    add_dq_rows<kCols>(p, seq, acc_dq, h, m0, col0, ct);
+  }
+
+  store_columns<T, kCols>(p, seq, acc_dk, acc_dv, hkv, warp_key0, col0);
+}
+
+template <typename T, typename Cfg, int kVariant, bool kRedundant>
+__global__ void __launch_bounds__(Cfg::kThreads, 1)
+    bwd_sm90_wide_kernel(const __grid_constant__ BwdParams p, const __grid_constant__ bwd_ws::TmaMaps maps) {
+#if FLASH_SM90_ENABLED
+  static_assert(kVariant == kPlain, "dense batches without score modifiers");
+  extern __shared__ unsigned char smem_raw[];
+  const Smem<T, Cfg> sm(aligned_smem_base<true>(smem_raw));
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (threadIdx.x == 0) {
+    mbarrier_init(sm.kv_full, 32);
+    mbarrier_init(sm.tail, 1);
+    for (int s = 0; s < Cfg::kStages; ++s) {
+      mbarrier_init(&sm.q_full[s], 32);
+      mbarrier_init(&sm.q_empty[s], kConsumerThreads);
+    }
+    fence_barrier_init();
+  }
+  __syncthreads();  // the only CTA-wide barrier
+
+  const int n0 = blockIdx.x * Cfg::kBlockN;
+  const int hkv = blockIdx.y, bi = blockIdx.z;
+  if (warp < 4) {
+    setmaxnreg_dec<Cfg::kProducerRegs>();
+    if (warp == 0) {
+      const SeqInfo seq = SeqInfo::make<false>(p, bi);
+      const Steps steps = Steps::make(seq.mask<false>(p), n0, Cfg::kBlockN, Cfg::kBlockM, hkv, p.hq / p.hkv);
+      bwd_ws::produce<T, Cfg, false>(p, maps, sm, steps, seq, n0, hkv, lane);
+    }
+    return;
+  }
+  setmaxnreg_inc<Cfg::kConsumerRegs>();
+  const int ct = threadIdx.x - 128;
+  const int wg = ct / 128;
+  if constexpr (kRedundant) {
+    if (wg == 0) {
+      consume_redundant<T, Cfg, kVariant, Cfg::kCols0>(p, sm, n0, hkv, bi, 0, 0, ct);
+    } else {
+      consume_redundant<T, Cfg, kVariant, Cfg::kCols1>(p, sm, n0, hkv, bi, 1, Cfg::kCols0, ct);
+    }
+  } else if (wg == 0) {
+    consume<T, Cfg, kVariant, Cfg::kCols0>(p, sm, n0, hkv, bi, 0, 0, ct);
+  } else {
+    consume<T, Cfg, kVariant, Cfg::kCols1>(p, sm, n0, hkv, bi, 1, Cfg::kCols0, ct);
+  }
+#else
+  __trap();  // never launched: see sm90_kernel_built
+#endif
+}
+
+}  // namespace bwd_wide
+}  // namespace sm90
+
+// Launches delta's preprocess, the wide warp-specialized backward and dq's conversion and returns
+// true, or returns false having launched nothing: not sm_90 / not built for sm_90a, no dq_accum
+// workspace (deterministic=True, or the switch off when the workspace was sized), a packed batch,
+// or a view TMA cannot address.
+template <typename T, int kD, int kVariant, bool kRedundant>
+bool launch_bwd_sm90_wide(const BwdParams& p, cudaStream_t stream) {
+  using Cfg = sm90::bwd_wide::WideConfig<kD>;
+  auto kernel = sm90::bwd_wide::bwd_sm90_wide_kernel<T, Cfg, kVariant, kRedundant>;
+  if (p.sm_arch != 90 || p.deterministic || p.dq_accum == nullptr || p.cu_seqlens_q != nullptr ||
+      p.d > kD || !sm90_kernel_built(kernel)) {
+    return false;
+  }
+  const MapRows rows = MapRows::of(p);
+  sm90::bwd_ws::TmaMaps maps;
+  if (!make_qkv_tensor_maps(p, &maps.q, &maps.k, &maps.v, Cfg::kBlockM, Cfg::kBlockN) ||
+      !make_row_tensor_map(&maps.dout, p.dout, p.dtype == DType::kBFloat16, p.d, rows.q, p.hq, rows.batch,
+                           p.do_row_stride, p.do_head_stride, p.do_batch_stride, Cfg::kBlockM)) {
+    return false;
+  }
+  launch_bwd_preprocess<T>(p, stream);
+  set_smem_limit(kernel, Cfg::kSmemBytes, "bwd_sm90_wide");
+  kernel<<<dim3(ceil_div(p.sk, Cfg::kBlockN), p.hkv, p.b), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p, maps);
+  check_launch("bwd_sm90_wide");
+  sm90::launch_convert_dq_rows<T>(p, stream);
+  return true;
+}
+
+template <int kDType, int kHeadDim>
+bool run_bwd_sm90_wide(const BwdParams& p, cudaStream_t stream) {
+  using T = typename ElementOf<kDType>::type;
+  // FLASH_CUDA_SM90_BWD_D256=2: S^T, dP^T computed by both warpgroups (consume_redundant).
+  if (sm90_bwd_wide_redundant()) return launch_bwd_sm90_wide<T, kHeadDim, kPlain, true>(p, stream);
+  return launch_bwd_sm90_wide<T, kHeadDim, kPlain, false>(p, stream);
+}
+
+}  // namespace flash_cuda

@@ -1,0 +1,124 @@
+"""The wide warp-specialized Hopper backward (csrc/kernels/sm90_bwd_ws_wide.cuh), head dims 129..256
+(buckets 192 and 256), behind FLASH_CUDA_SM90_BWD_D256=1 (launch.h: sm90_bwd_wide): gradients held to
+the float64 rule of every other kernel (tests/attn_check.py), and its route (the profiler sees it
+with the switch, plain dense batches and deterministic=False; the mma.sync backward otherwise).
+
+What the cases aim at: 64 keys per CTA split between two consumer warpgroups by head-dim columns
+(d = 256: 128 + 128; the 192 bucket: 128 + 64, at d = 160 the second share mostly past d, as TMA's
+zero columns), S^T / dP^T split by queries (32 each, exchanged as 16-bit P^T / dS^T through two
+shared buffers), dQ by atomics into the fp32 workspace. Block edges (Sq, Sk not multiples of 64),
+Sq != Sk both ways, causal rows that see no key (whole query blocks skipped by both warpgroups,
+which must keep the exchange buffers in step), windows, GQA (the CTA walks several query heads
+through its 2-stage ring), strided views. GPU-only, sm_90 only."""
+
+
+import os
+import re
+
+import pytest
+import torch
+
+from attn_check import check_attention, hopper_skip_reason, make_alibi_slopes, make_inputs, make_varlen_inputs, \
+    check_varlen_attention
+
+
+_SKIP = hopper_skip_reason("the wide Hopper backward")
+pytestmark = pytest.mark.skipif(_SKIP is not None, reason=str(_SKIP))
+
+F16, BF16 = torch.float16, torch.bfloat16
+SWITCH = "FLASH_CUDA_SM90_BWD_D256"
+
+
+# 1: S^T / dP^T split by queries between the warpgroups; 2: computed by both (consume_redundant).
+@pytest.fixture(params=["1", "2"], ids=["split", "redundant"], autouse=True)
+def wide_switch(request, monkeypatch):
+    monkeypatch.setenv(SWITCH, request.param)
+    # The other Hopper backward switches do not reach d > 128: the default stays for clarity.
+    monkeypatch.delenv("FLASH_CUDA_SM90_BWD", raising=False)
+    monkeypatch.delenv("FLASH_CUDA_SM90_BWD_DQ_RED", raising=False)
+
+
+# (B, Hq, Hkv, Sq, Sk, D, is_causal, window, layout)
+CASES = [
+    (2, 4, 4, 1000, 1000, 256, False, (-1, -1), "bhsd"),
+    (1, 8, 2, 777, 1029, 256, True, (-1, -1), "bshd"),
+    (2, 4, 1, 1029, 300, 256, True, (-1, -1), "strided"),  # 729 rows see no key
+    (1, 4, 2, 513, 700, 192, False, (100, 37), "offset"),
+    (2, 4, 2, 1000, 1100, 192, True, (-1, -1), "bhsd"),
+    (1, 6, 3, 300, 1200, 160, False, (64, 64), "strided"),
+    (1, 4, 4, 300, 257, 160, True, (-1, -1), "bshd"),
+    (1, 2, 2, 65, 1, 256, False, (-1, -1), "bhsd"),
+    (2, 8, 2, 900, 900, 224, False, (40, 0), "bhsd"),  # the 256 bucket below its width
+    (1, 4, 1, 1500, 300, 136, True, (-1, -1), "bshd"),  # 192 bucket: 8 columns of the second share
+]
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("B,Hq,Hkv,Sq,Sk,D,is_causal,window,layout", CASES)
+def test_wide_bwd_gradients(dtype, B, Hq, Hkv, Sq, Sk, D, is_causal, window, layout):
+    q, k, v = make_inputs(B, Hq, Hkv, Sq, Sk, D, dtype, "cuda", layout=layout, seed=Sq + Sk + D)
+    check_attention(q, k, v, is_causal=is_causal, scale=None, window_size=window, kernel="auto",
+                    label="sm90 wide bwd", seed=Sq + D)
+
+
+@pytest.mark.parametrize("D", [192, 256])
+def test_wide_bwd_negative_scale_and_large_values(D):
+    q, k, v = make_inputs(1, 4, 2, 600, 600, D, BF16, "cuda", seed=5)
+    check_attention(q * 4, k, v, is_causal=False, scale=-0.2, kernel="auto", label="sm90 wide bwd scale<0", seed=5)
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=["fp16", "bf16"])
+def test_wide_bwd_with_dlse(dtype):
+    q, k, v = make_inputs(2, 4, 2, 333, 444, 256, dtype, "cuda", seed=8)
+    check_attention(q, k, v, is_causal=True, scale=None, kernel="auto", with_dlse=True, label="sm90 wide bwd dlse",
+                    seed=8)
+
+
+def _backward_kernels(q, k, v, **kw):
+    import flash_cuda
+
+    qf, kf, vf = (t.detach().requires_grad_() for t in (q, k, v))
+    out = flash_cuda.attention(qf, kf, vf, **kw)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        torch.autograd.grad(out, (qf, kf, vf), torch.ones_like(out))
+        torch.cuda.synchronize()
+    return " ".join(e.name for e in prof.events())
+
+
+@pytest.mark.parametrize("D", [136, 192, 256])
+@pytest.mark.parametrize("route", ["on", "off", "deterministic", "alibi", "softcap"])
+def test_wide_bwd_route(route, D, monkeypatch):
+    """With the switch, a plain dense backward at d 129..256 runs the wide kernel; without it, with
+    deterministic=True, or with a score modifier (not instantiated) the mma.sync backward runs."""
+    if route == "off":
+        monkeypatch.delenv(SWITCH)
+    q, k, v = make_inputs(1, 4, 2, 512, 512, D, BF16, "cuda", seed=3)
+    kw = dict(is_causal=True)
+    if route == "deterministic":
+        kw["deterministic"] = True
+    if route == "alibi":
+        kw["alibi_slopes"] = make_alibi_slopes(4, device="cuda", seed=3)
+    if route == "softcap":
+        kw["softcap"] = 5.0
+    names = _backward_kernels(q, k, v, **kw)
+    assert ("bwd_sm90_wide_kernel" in names) == (route == "on"), names
+    if route == "on":
+        # bwd_sm90_wide_kernel<T, WideConfig<d, stages>, kVariant, kRedundant>: the demangler
+        # writes the bool as true / false or (bool)1 / (bool)0.
+        redundant = re.search(r"WideConfig<[^<>]*>\s*,\s*\d+\s*,\s*(true|\(bool\)1)", names) is not None
+        assert redundant == (os.environ[SWITCH] == "2"), names
+
+
+def test_wide_bwd_packed_batch_runs_mma():
+    """Packed batches are not instantiated for the wide kernel: the mma.sync backward serves them,
+    with the switch on, and its gradients still pass."""
+    q, k, v, cu_q, cu_k, max_q, max_k = make_varlen_inputs((300, 0, 517, 64), (129, 5, 700, 64), 4, 2, 256, BF16,
+                                                           seed=11)
+    check_varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k, is_causal=True, label="sm90 wide bwd varlen")
+
+
+def test_wide_bwd_many_heads_per_cta():
+    """GQA 16:1 with short sequences: each CTA's ring wraps many times across query heads, and
+    atomics of 16 heads' blocks meet in the workspace."""
+    q, k, v = make_inputs(1, 16, 1, 200, 130, 256, F16, "cuda", seed=21)
+    check_attention(q, k, v, is_causal=False, scale=None, kernel="auto", label="sm90 wide bwd gqa16", seed=21)

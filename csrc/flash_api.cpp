@@ -251,7 +251,7 @@ using MmaBuckets = std::integer_sequence<int, 32, 64, 96, 128, 192, 256>;
 using Sm90Buckets = std::integer_sequence<int, 64, 128>;          // the cp.async forward
 using Sm90BwdBuckets = std::integer_sequence<int, 64, 96, 128>;  // 96: the 128-wide tiles
 using Sm90WsBuckets = std::integer_sequence<int, 64, 96, 128, 192, 256>;  // tier 4 alone
-using Sm90WideBwdBuckets = std::integer_sequence<int, 192, 256>;  // FLASH_CUDA_SM90_BWD_D256=1
+using Sm90WideBwdBuckets = std::integer_sequence<int, 192, 256>;  // the wide backward (d 129..256)
 
 constexpr int kF16 = static_cast<int>(DType::kFloat16);
 constexpr int kBF16 = static_cast<int>(DType::kBFloat16);
@@ -331,7 +331,7 @@ bool with_dtype_variant(const Params& p, Variant variant, cudaStream_t stream) {
 bool sm90_bucket(int d) { return d > 32 && d <= 128; }
 bool sm90_ws_bucket(int d) { return d > 32 && d <= 256; }
 // The wide warp-specialized backward (launch.h: sm90_bwd_wide): kernel='auto', plain dense
-// batches, d = 129..256, deterministic=False, behind its switch. It also needs the dq_accum
+// batches, d = 129..256, deterministic=False, unless its switch is 0. It also needs the dq_accum
 // workspace (bwd allocates it under the same condition) and may still decline (a view TMA cannot
 // address, a build without the 90a target): the mma.sync backward runs then.
 bool sm90_wide_bwd_applies(const BwdParams& p, Tier tier, Variant variant) {
@@ -597,7 +597,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(
   // kernel has no softcap derivative: mma.sync runs it, without a workspace).
   at::Tensor dq_accum;
   const bool softcap_grad = variant_of(p, /*backward=*/true) == kSoftcapGrad;
-  // The wide backward (d = 129..256, FLASH_CUDA_SM90_BWD_D256=1) adds into the same workspace in
+  // The wide backward (d = 129..256) adds into the same workspace in
   // its row layout (dispatch_bwd: sm90_wide_bwd_applies; tier 4 runs kernel='auto's backward).
   const Tier bwd_tier = t == Tier::kWgmmaWs ? Tier::kAuto : t;
   const bool wide_bwd = sm90_wide_bwd_applies(p, bwd_tier, variant_of(p, /*backward=*/true));

@@ -45,7 +45,7 @@ template <int kDType, int kHeadDim, int kVariant> bool run_fwd_sm90(const FwdPar
 template <int kDType, int kHeadDim, int kVariant> bool run_bwd_sm90(const BwdParams& params, cudaStream_t stream);
 // The wide warp-specialized backward (sm90_bwd_ws_wide.cuh), head-dim buckets 192 / 256, dense
 // batches without score modifiers (kPlain), deterministic=False; false (nothing launched) where it
-// does not apply. Only behind FLASH_CUDA_SM90_BWD_D256=1 (sm90_bwd_wide below).
+// does not apply. Not with FLASH_CUDA_SM90_BWD_D256=0 (sm90_bwd_wide below).
 template <int kDType, int kHeadDim> bool run_bwd_sm90_wide(const BwdParams& params, cudaStream_t stream);
 // The warp-specialized forward (TMA + mbarrier ring, producer warp, two consumer warpgroups),
 // head-dim buckets 64 / 96 / 128 / 192 / 256 for kPlain, 64 / 96 / 128 / 192 for kExtended
@@ -69,9 +69,9 @@ inline bool ws_persistent() {
   return !(v != nullptr && std::string(v) == "0");
 }
 // The shape switches below are integers, 0 when unset (the default shape).
-inline int ws_env_int(const char* name) {
+inline int ws_env_int(const char* name, int unset = 0) {
   const char* v = std::getenv(name);
-  return v != nullptr ? std::atoi(v) : 0;
+  return v != nullptr ? std::atoi(v) : unset;
 }
 // FLASH_CUDA_WS_BLOCK_N=192: the d = 64 kPlain forward steps over 192 keys instead of 128.
 inline int ws_block_n_override() { return ws_env_int("FLASH_CUDA_WS_BLOCK_N"); }
@@ -100,14 +100,14 @@ inline bool sm90_dq_atomic() { return sm90_bwd_mode() == "atomic"; }
 // FLASH_CUDA_SM90_BWD_DQ_RED=1: the warp-specialized backward adds dQ with red.global atomics from
 // the consumers' registers instead of staging it for the writer warp's bulk reductions.
 inline bool sm90_bwd_dq_red() { return ws_env_int("FLASH_CUDA_SM90_BWD_DQ_RED") != 0; }
-// FLASH_CUDA_SM90_BWD_D256=1: kernel='auto' backwards at d = 129..256 (plain dense batches,
-// deterministic=False) try the wide warp-specialized backward (sm90_bwd_ws_wide.cuh: 64 keys per
-// CTA, the consumer warpgroups splitting dK, dV, dQ by head-dim columns) before the mma.sync one.
-// FLASH_CUDA_SM90_BWD_D256=2: the same kernel with S^T and dP^T computed by both warpgroups
-// (7 products per block pair, no exchange between them; sm90_bwd_ws_wide.cuh: consume_redundant).
-// Off by default until it has been validated and measured on an H100.
-inline bool sm90_bwd_wide() { return ws_env_int("FLASH_CUDA_SM90_BWD_D256") != 0; }
-inline bool sm90_bwd_wide_redundant() { return ws_env_int("FLASH_CUDA_SM90_BWD_D256") == 2; }
+// kernel='auto' backwards at d = 129..256 (plain dense batches, deterministic=False) run the wide
+// warp-specialized backward (sm90_bwd_ws_wide.cuh: 64 keys per CTA, the consumer warpgroups
+// splitting dK, dV, dQ by head-dim columns and S^T, dP^T by queries). FLASH_CUDA_SM90_BWD_D256=0
+// runs the mma.sync backward there instead; =2 the wide kernel with S^T and dP^T computed by both
+// warpgroups (7 products per block pair, no exchange between them: consume_redundant), measured
+// 3-7% slower than the default (OPTIMIZATION.md).
+inline bool sm90_bwd_wide() { return ws_env_int("FLASH_CUDA_SM90_BWD_D256", 1) != 0; }
+inline bool sm90_bwd_wide_redundant() { return ws_env_int("FLASH_CUDA_SM90_BWD_D256", 1) == 2; }
 // Query rows per step of the Hopper backward's dK/dV kernels at a head-dim bucket (sm90_bwd.cuh:
 // BwdTraits::kKVBlockM, which sm90_bwd_ws.cuh static_asserts against this): the height of the
 // warp-specialized backward's dQ tiles.

@@ -158,10 +158,10 @@ CASES: List[Case] = [
     # ---- softcap's derivative on the warp-specialized Hopper backward: d = 96 (128-wide tiles,
     # columns past d as TMA's zeros), GQA, a causal window, ALiBi, P^T / dS^T in 16-query slices ----
     Case(F16, 1, 4, 2, 300, 500, 96, True, "bshd", dlse=True, window=(128, 0), softcap=5.0, alibi="heads"),
-    # ---- the wide warp-specialized Hopper backward (FLASH_CUDA_SM90_BWD_D256=1, =2 for S^T / dP^T
-    # on both warpgroups): d = 256 with GQA, causal rows that see no key, partial 64-row key and
-    # query blocks; d = 160 on the 192 bucket (columns past d as TMA's zeros, the second
-    # warpgroup's 64 columns partly past d) ----
+    # ---- the wide warp-specialized Hopper backward (the default at d 129..256, named here by
+    # FLASH_CUDA_SM90_BWD_D256=1; =2 for S^T / dP^T on both warpgroups): d = 256 with GQA, causal
+    # rows that see no key, partial 64-row key and query blocks; d = 160 on the 192 bucket (columns
+    # past d as TMA's zeros, the second warpgroup's 64 columns partly past d) ----
     Case(BF16, 1, 4, 2, 300, 200, 256, True, "bhsd", dlse=True, env=(("FLASH_CUDA_SM90_BWD_D256", "1"),)),
     Case(F16, 1, 2, 1, 129, 300, 160, False, "bshd", window=(64, 16),
          env=(("FLASH_CUDA_SM90_BWD_D256", "1"),)),

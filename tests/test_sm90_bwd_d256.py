@@ -1,7 +1,8 @@
 """The wide warp-specialized Hopper backward (csrc/kernels/sm90_bwd_ws_wide.cuh), head dims 129..256
-(buckets 192 and 256), behind FLASH_CUDA_SM90_BWD_D256=1 (launch.h: sm90_bwd_wide): gradients held to
-the float64 rule of every other kernel (tests/attn_check.py), and its route (the profiler sees it
-with the switch, plain dense batches and deterministic=False; the mma.sync backward otherwise).
+(buckets 192 and 256), kernel='auto''s backward there unless FLASH_CUDA_SM90_BWD_D256=0 (launch.h:
+sm90_bwd_wide): gradients held to the float64 rule of every other kernel (tests/attn_check.py), and
+its route (the profiler sees it by default and with the switch at 1 or 2, for plain dense batches
+with deterministic=False; the mma.sync backward otherwise).
 
 What the cases aim at: 64 keys per CTA split between two consumer warpgroups by head-dim columns
 (d = 256: 128 + 128; the 192 bucket: 128 + 64, at d = 160 the second share mostly past d, as TMA's
@@ -86,11 +87,14 @@ def _backward_kernels(q, k, v, **kw):
 
 
 @pytest.mark.parametrize("D", [136, 192, 256])
-@pytest.mark.parametrize("route", ["on", "off", "deterministic", "alibi", "softcap"])
+@pytest.mark.parametrize("route", ["on", "default", "off", "deterministic", "alibi", "softcap"])
 def test_wide_bwd_route(route, D, monkeypatch):
-    """With the switch, a plain dense backward at d 129..256 runs the wide kernel; without it, with
-    deterministic=True, or with a score modifier (not instantiated) the mma.sync backward runs."""
+    """By default and with the switch at 1 or 2, a plain dense backward at d 129..256 runs the wide
+    kernel; with the switch at 0, with deterministic=True, or with a score modifier (not
+    instantiated) the mma.sync backward runs."""
     if route == "off":
+        monkeypatch.setenv(SWITCH, "0")
+    if route == "default":
         monkeypatch.delenv(SWITCH)
     q, k, v = make_inputs(1, 4, 2, 512, 512, D, BF16, "cuda", seed=3)
     kw = dict(is_causal=True)
@@ -101,17 +105,17 @@ def test_wide_bwd_route(route, D, monkeypatch):
     if route == "softcap":
         kw["softcap"] = 5.0
     names = _backward_kernels(q, k, v, **kw)
-    assert ("bwd_sm90_wide_kernel" in names) == (route == "on"), names
-    if route == "on":
+    assert ("bwd_sm90_wide_kernel" in names) == (route in ("on", "default")), names
+    if route in ("on", "default"):
         # bwd_sm90_wide_kernel<T, WideConfig<d, stages>, kVariant, kRedundant>: the demangler
         # writes the bool as true / false or (bool)1 / (bool)0.
         redundant = re.search(r"WideConfig<[^<>]*>\s*,\s*\d+\s*,\s*(true|\(bool\)1)", names) is not None
-        assert redundant == (os.environ[SWITCH] == "2"), names
+        assert redundant == (os.environ.get(SWITCH) == "2"), names
 
 
 def test_wide_bwd_packed_batch_runs_mma():
     """Packed batches are not instantiated for the wide kernel: the mma.sync backward serves them,
-    with the switch on, and its gradients still pass."""
+    and its gradients still pass."""
     q, k, v, cu_q, cu_k, max_q, max_k = make_varlen_inputs((300, 0, 517, 64), (129, 5, 700, 64), 4, 2, 256, BF16,
                                                            seed=11)
     check_varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k, is_causal=True, label="sm90 wide bwd varlen")

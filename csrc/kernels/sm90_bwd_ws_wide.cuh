@@ -38,8 +38,8 @@
 // n64 for half the work), which makes that phase heavy on shared-memory bandwidth.
 // The alternative (FLASH_CUDA_SM90_BWD_D256=2, consume_redundant) trades 2 extra products per
 // block pair (7 instead of 5) for independent warpgroups: each computes the whole S^T, dP^T and
-// keeps P^T, dS^T in registers, with only a private dS^T copy in shared memory for its dQ. Which
-// one wins is for the H100 to say.
+// keeps P^T, dS^T in registers, with only a private dS^T copy in shared memory for its dQ. On an
+// H100 the query split is 2-7% faster at d 192 / 256 (OPTIMIZATION.md), so it is the default.
 //
 // Shared memory (bytes, bucket 256 / 192):
 //   K, V (64 keys)                        65536 /  49152
@@ -67,9 +67,9 @@
 //
 // Scope: dense batches without score modifiers (kPlain: causal, windows, Sq != Sk, GQA), fp16 /
 // bf16, deterministic=False (the workspace's summation order varies), views TMA can address,
-// behind FLASH_CUDA_SM90_BWD_D256=1 (launch.h: sm90_bwd_wide). Packed batches, softcap and ALiBi
-// (kExtended, kSoftcapGrad) are not instantiated: the launcher returns false and the caller runs
-// the mma.sync backward, as it does without the switch.
+// kernel='auto' unless FLASH_CUDA_SM90_BWD_D256=0 (launch.h: sm90_bwd_wide). Packed batches,
+// softcap and ALiBi (kExtended, kSoftcapGrad) are not instantiated: the launcher returns false and
+// the caller runs the mma.sync backward, as it does with the switch at 0.
 #pragma once
 
 #include "sm90_bwd_ws.cuh"
@@ -82,8 +82,11 @@ using bwd_ws::kConsumerThreads;
 using bwd_ws::Smem;
 using bwd_ws::Steps;
 
-// Named barrier 1 (0 is __syncthreads): both warpgroups wrote their query halves of P^T, dS^T.
-constexpr int kExchangeBarrier = 1;
+// The exchange barrier (both warpgroups wrote their query halves of P^T, dS^T) is an mbarrier,
+// Smem's ds_empty word (free in this layout of two exchange buffers): one arrival per consumer
+// thread, one phase per computed block. Not a named barrier: the warpgroups run different
+// instantiations of consume (their column shares differ at d = 192), so a bar.sync would be two
+// instructions, which compute-sanitizer's synccheck reports as divergent threads of the block.
 // Named barriers 2, 3 (kRedundant): warpgroup w's 4 warps wrote its own copy of dS^T.
 constexpr int kPrivateBarrier = 2;
 
@@ -119,7 +122,7 @@ struct WideConfig {
   static constexpr int kDsBuffers = 2;
   static constexpr size_t kStats = 2 * size_t(kStages) * kBlockM * sizeof(float);
   // bwd_ws::Smem's words: kv_full, q_full[kStages], q_empty[kStages], dq_full[2], dq_empty[2],
-  // ds_empty, tail, dq_dst[2] (the last five unused here).
+  // ds_empty (here the exchange barrier), tail, dq_dst[2] (dq_full, dq_empty, tail, dq_dst unused).
   static constexpr int kBarriers = 9 + 2 * kStages;
   static constexpr size_t kTiles =
       2 * size_t(kTileKV) + 2 * size_t(kStages) * kTileQ + size_t(kDsBuffers) * kTileDS;
@@ -321,7 +324,8 @@ __device__ __forceinline__ void consume(const BwdParams& p, const Smem<T, Cfg>& 
       stage_half<T>(sdSt, dst, wg, ct);
     }
     fence_proxy_async();  // the generic-proxy writes of P^T, dS^T, before the tensor cores read them
-    named_barrier_sync(kExchangeBarrier, kConsumerThreads);
+    mbarrier_arrive(sm.ds_empty);
+    mbarrier_wait(sm.ds_empty, (e - 1) & 1);
 
     // dQ = dS K first (its own commit group), then dV += P^T dO and dK += dS^T Q (one group), all
     // over its columns: the dQ atomics run while the tensor cores still compute dV and dK. The
@@ -493,6 +497,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       mbarrier_init(&sm.q_full[s], 32);
       mbarrier_init(&sm.q_empty[s], kConsumerThreads);
     }
+    if constexpr (!kRedundant) mbarrier_init(sm.ds_empty, kConsumerThreads);
     fence_barrier_init();
   }
   __syncthreads();  // the only CTA-wide barrier

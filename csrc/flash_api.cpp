@@ -297,8 +297,10 @@ template <int kDType, int kVariant> struct Sm90WsFwd {
 template <int kDType, int kVariant> struct Sm90Bwd {
   template <int kD> static bool run(const BwdParams& p, cudaStream_t s) { return run_bwd_sm90<kDType, kD, kVariant>(p, s); }
 };
-template <int kDType> struct Sm90WideBwd {
-  template <int kD> static bool run(const BwdParams& p, cudaStream_t s) { return run_bwd_sm90_wide<kDType, kD>(p, s); }
+template <int kDType, int kVariant> struct Sm90WideBwd {
+  template <int kD> static bool run(const BwdParams& p, cudaStream_t s) {
+    return run_bwd_sm90_wide<kDType, kD, kVariant>(p, s);
+  }
 };
 
 // The static switches over dtype and variant, then the bucket: Entry<kDType, kVariant> is one
@@ -330,12 +332,12 @@ bool with_dtype_variant(const Params& p, Variant variant, cudaStream_t stream) {
 // 90a target, softcap's backward where its warp-specialized kernel does not run).
 bool sm90_bucket(int d) { return d > 32 && d <= 128; }
 bool sm90_ws_bucket(int d) { return d > 32 && d <= 256; }
-// The wide warp-specialized backward (launch.h: sm90_bwd_wide): kernel='auto', plain dense
-// batches, d = 129..256, deterministic=False, unless its switch is 0. It also needs the dq_accum
-// workspace (bwd allocates it under the same condition) and may still decline (a view TMA cannot
-// address, a build without the 90a target): the mma.sync backward runs then.
+// The wide warp-specialized backward (launch.h: sm90_bwd_wide): kernel='auto', dense or packed
+// batches without softcap, d = 129..256, deterministic=False, unless its switch is 0. It also
+// needs the dq_accum workspace (bwd allocates it under the same condition) and may still decline
+// (a view TMA cannot address, a build without the 90a target): the mma.sync backward runs then.
 bool sm90_wide_bwd_applies(const BwdParams& p, Tier tier, Variant variant) {
-  return tier == Tier::kAuto && variant == kPlain && !p.deterministic && p.sm_arch == 90 && p.d > 128 &&
+  return tier == Tier::kAuto && variant != kSoftcapGrad && !p.deterministic && p.sm_arch == 90 && p.d > 128 &&
          p.d <= 256 && sm90_bwd_wide();
 }
 
@@ -400,10 +402,9 @@ void dispatch_bwd(const BwdParams& p, Tier tier, cudaStream_t stream) {
     return;
   }
   TORCH_CHECK(tier != Tier::kWgmma, kNoWgmma);
-  if (sm90_wide_bwd_applies(p, tier, variant) && p.dq_accum != nullptr) {
-    const bool launched = p.dtype == DType::kFloat16 ? with_bucket<Sm90WideBwd<kF16>>(p.d, Sm90WideBwdBuckets{}, p, stream)
-                                                     : with_bucket<Sm90WideBwd<kBF16>>(p.d, Sm90WideBwdBuckets{}, p, stream);
-    if (launched) return;
+  if (sm90_wide_bwd_applies(p, tier, variant) && p.dq_accum != nullptr &&
+      with_dtype_variant<Sm90WideBwd, Sm90WideBwdBuckets>(p, variant, stream)) {
+    return;
   }
   with_dtype_variant<MmaBwd, MmaBuckets, /*kWithSoftcapGrad=*/true>(p, variant, stream);
 }

@@ -43,10 +43,11 @@ template <int kDType, int kHeadDim, int kVariant> void run_bwd_mma(const BwdPara
 // run_bwd_sm90<.., kSoftcapGrad> returns false and the mma.sync tier serves it.
 template <int kDType, int kHeadDim, int kVariant> bool run_fwd_sm90(const FwdParams& params, cudaStream_t stream);
 template <int kDType, int kHeadDim, int kVariant> bool run_bwd_sm90(const BwdParams& params, cudaStream_t stream);
-// The wide warp-specialized backward (sm90_bwd_ws_wide.cuh), head-dim buckets 192 / 256, dense
-// batches without score modifiers (kPlain), deterministic=False; false (nothing launched) where it
-// does not apply. Not with FLASH_CUDA_SM90_BWD_D256=0 (sm90_bwd_wide below).
-template <int kDType, int kHeadDim> bool run_bwd_sm90_wide(const BwdParams& params, cudaStream_t stream);
+// The wide warp-specialized backward (sm90_bwd_ws_wide.cuh), head-dim buckets 192 / 256, kPlain
+// and kExtended (packed batches, ALiBi), deterministic=False; false (nothing launched) where it
+// does not apply (kSoftcapGrad among others). Not with FLASH_CUDA_SM90_BWD_D256=0 (sm90_bwd_wide
+// below).
+template <int kDType, int kHeadDim, int kVariant> bool run_bwd_sm90_wide(const BwdParams& params, cudaStream_t stream);
 // The warp-specialized forward (TMA + mbarrier ring, producer warp, two consumer warpgroups),
 // head-dim buckets 64 / 96 / 128 / 192 / 256 for kPlain, 64 / 96 / 128 / 192 for kExtended
 // (packed batches, softcap, ALiBi; 96: the 128-wide tiles); false (nothing launched) where it does

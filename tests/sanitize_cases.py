@@ -166,6 +166,11 @@ CASES: List[Case] = [
     Case(F16, 1, 2, 1, 129, 300, 160, False, "bshd", window=(64, 16),
          env=(("FLASH_CUDA_SM90_BWD_D256", "1"),)),
     Case(BF16, 2, 2, 1, 200, 129, 192, True, "strided", env=(("FLASH_CUDA_SM90_BWD_D256", "2"),)),
+    # ---- its extended instances: packed sequences ending mid-block (the producer zeroes the next
+    # sequence's rows), an empty one, GQA, ALiBi per batch entry; d = 160 on the 192 bucket with a
+    # window and per-head ALiBi ----
+    _varlen_case(BF16, 4, 2, (300, 0, 129), (129, 5, 300), 256, True, "strided", dlse=True, alibi="batch"),
+    _varlen_case(F16, 2, 1, (65, 200), (300, 64), 160, False, window=(64, 16), alibi="heads"),
 ]
 
 

@@ -1,8 +1,9 @@
 """The wide warp-specialized Hopper backward (csrc/kernels/sm90_bwd_ws_wide.cuh), head dims 129..256
 (buckets 192 and 256), kernel='auto''s backward there unless FLASH_CUDA_SM90_BWD_D256=0 (launch.h:
 sm90_bwd_wide): gradients held to the float64 rule of every other kernel (tests/attn_check.py), and
-its route (the profiler sees it by default and with the switch at 1 or 2, for plain dense batches
-with deterministic=False; the mma.sync backward otherwise).
+its route (the profiler sees it by default and with the switch at 1 or 2, for dense and packed
+batches, ALiBi included, with deterministic=False; the mma.sync backward with softcap,
+deterministic=True or the switch at 0).
 
 What the cases aim at: 64 keys per CTA split between two consumer warpgroups by head-dim columns
 (d = 256: 128 + 128; the 192 bucket: 128 + 64, at d = 160 the second share mostly past d, as TMA's
@@ -89,9 +90,9 @@ def _backward_kernels(q, k, v, **kw):
 @pytest.mark.parametrize("D", [136, 192, 256])
 @pytest.mark.parametrize("route", ["on", "default", "off", "deterministic", "alibi", "softcap"])
 def test_wide_bwd_route(route, D, monkeypatch):
-    """By default and with the switch at 1 or 2, a plain dense backward at d 129..256 runs the wide
-    kernel; with the switch at 0, with deterministic=True, or with a score modifier (not
-    instantiated) the mma.sync backward runs."""
+    """By default and with the switch at 1 or 2, a backward at d 129..256 runs the wide kernel
+    (ALiBi in its extended instance, which has no =2 form); with the switch at 0, with
+    deterministic=True, or with softcap (no derivative instantiated) the mma.sync backward runs."""
     if route == "off":
         monkeypatch.setenv(SWITCH, "0")
     if route == "default":
@@ -105,20 +106,57 @@ def test_wide_bwd_route(route, D, monkeypatch):
     if route == "softcap":
         kw["softcap"] = 5.0
     names = _backward_kernels(q, k, v, **kw)
-    assert ("bwd_sm90_wide_kernel" in names) == (route in ("on", "default")), names
-    if route in ("on", "default"):
+    assert ("bwd_sm90_wide_kernel" in names) == (route in ("on", "default", "alibi")), names
+    if route in ("on", "default", "alibi"):
         # bwd_sm90_wide_kernel<T, WideConfig<d, stages>, kVariant, kRedundant>: the demangler
         # writes the bool as true / false or (bool)1 / (bool)0.
         redundant = re.search(r"WideConfig<[^<>]*>\s*,\s*\d+\s*,\s*(true|\(bool\)1)", names) is not None
-        assert redundant == (os.environ.get(SWITCH) == "2"), names
+        assert redundant == (os.environ.get(SWITCH) == "2" and route != "alibi"), names
 
 
-def test_wide_bwd_packed_batch_runs_mma():
-    """Packed batches are not instantiated for the wide kernel: the mma.sync backward serves them,
-    and its gradients still pass."""
-    q, k, v, cu_q, cu_k, max_q, max_k = make_varlen_inputs((300, 0, 517, 64), (129, 5, 700, 64), 4, 2, 256, BF16,
-                                                           seed=11)
-    check_varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k, is_causal=True, label="sm90 wide bwd varlen")
+# Packed batches (the extended instances): sequences ending mid-block on both sides (the
+# producer zeroes the next sequence's rows of a partial key block), empty ones, a one-row one,
+# GQA, causal and windowed, ALiBi per head or per batch entry, the 192 bucket below its width.
+VARLEN_CASES = [
+    ((300, 0, 517, 64), (129, 5, 700, 64), 4, 2, 256, True, (-1, -1), None, "contiguous"),
+    ((1, 200, 129), (70, 1, 300), 4, 1, 192, False, (-1, -1), "heads", "strided"),
+    ((333, 64, 65), (400, 64, 130), 2, 2, 160, True, (50, 0), "batch", "contiguous"),
+    ((129, 600), (1000, 77), 8, 2, 256, False, (100, 100), None, "strided"),
+]
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("seqlens_q,seqlens_k,Hq,Hkv,D,is_causal,window,alibi,layout", VARLEN_CASES)
+def test_wide_bwd_packed_batch(dtype, seqlens_q, seqlens_k, Hq, Hkv, D, is_causal, window, alibi, layout):
+    q, k, v, cu_q, cu_k, max_q, max_k = make_varlen_inputs(seqlens_q, seqlens_k, Hq, Hkv, D, dtype, layout=layout,
+                                                           seed=D + Hq)
+    slopes = None
+    if alibi is not None:
+        slopes = make_alibi_slopes(Hq, batch=len(seqlens_q) if alibi == "batch" else None, device="cuda", seed=D)
+    check_varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k, is_causal=is_causal, window_size=window,
+                           alibi_slopes=slopes, label="sm90 wide bwd varlen", seed=D)
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("D,is_causal", [(256, True), (192, False), (144, True)])
+def test_wide_bwd_alibi(dtype, D, is_causal):
+    q, k, v = make_inputs(2, 4, 2, 700, 900, D, dtype, "cuda", layout="bshd", seed=D)
+    slopes = make_alibi_slopes(4, batch=2, device="cuda", seed=D)
+    check_attention(q, k, v, is_causal=is_causal, scale=None, alibi_slopes=slopes, kernel="auto",
+                    label="sm90 wide bwd alibi", seed=D)
+
+
+def test_wide_bwd_packed_route():
+    """A packed batch at d 129..256 runs the wide kernel's extended instance."""
+    import flash_cuda
+
+    q, k, v, cu_q, cu_k, max_q, max_k = make_varlen_inputs((300, 64), (129, 700), 4, 2, 256, BF16, seed=11)
+    qf, kf, vf = (t.detach().requires_grad_() for t in (q, k, v))
+    out = flash_cuda.varlen_attention(qf, kf, vf, cu_q, cu_k, max_q, max_k, is_causal=True)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        torch.autograd.grad(out, (qf, kf, vf), torch.ones_like(out))
+        torch.cuda.synchronize()
+    assert "bwd_sm90_wide_kernel" in " ".join(e.name for e in prof.events())
 
 
 def test_wide_bwd_many_heads_per_cta():

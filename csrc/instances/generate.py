@@ -16,7 +16,7 @@ SM90_BUCKETS = (64, 128)  # the cp.async forward
 SM90_BWD_BUCKETS = (64, 96, 128)  # the backward (96: the 128-wide tiles, 96-deep products)
 SM90_WS_BUCKETS = (64, 96, 128, 192, 256)  # the warp-specialized forward (96: 128-wide tiles, 96 deep)
 SM90_WS_EXT_BUCKETS = (64, 96, 128, 192)  # its extended instances (d = 256 would spill)
-SM90_BWD_WIDE_BUCKETS = (192, 256)  # the wide warp-specialized backward (FLASH_CUDA_SM90_BWD_D256=1)
+SM90_BWD_WIDE_BUCKETS = (192, 256)  # the wide warp-specialized backward (d 129..256)
 
 
 def _file(comment: str, header: str, lines: list) -> str:
@@ -65,10 +65,12 @@ def instances() -> dict:
                     "sm90_fwd_ws.cuh",
                     [f"template bool run_fwd_sm90_ws<{dtype}, {d}, {variant}>(const FwdParams&, cudaStream_t);"])
         for d in SM90_BWD_WIDE_BUCKETS:
-            files[f"sm90_bwd_wide_{dt}_d{d}.cu"] = _file(
-                f"Hopper warp-specialized backward, head-dim columns split between the consumers, {dt}, "
-                f"head-dim bucket {d}.", "sm90_bwd_ws_wide.cuh",
-                [f"template bool run_bwd_sm90_wide<{dtype}, {d}>(const BwdParams&, cudaStream_t);"])
+            for suffix in ("", "_ext"):  # no softcap derivative in this kernel
+                variant, what = VARIANTS[suffix]
+                files[f"sm90_bwd_wide{suffix}_{dt}_d{d}.cu"] = _file(
+                    f"Hopper warp-specialized backward, head-dim columns split between the consumers{what}, "
+                    f"{dt}, head-dim bucket {d}.", "sm90_bwd_ws_wide.cuh",
+                    [f"template bool run_bwd_sm90_wide<{dtype}, {d}, {variant}>(const BwdParams&, cudaStream_t);"])
     for d in SIMT_BUCKETS:
         # simt_fwd_outer.cuh holds the run_fwd_simt that picks the kernel of each bucket.
         files[f"simt_fwd_d{d}.cu"] = _file(

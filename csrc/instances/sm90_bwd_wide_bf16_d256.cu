@@ -3,5 +3,5 @@
 #include "../kernels/sm90_bwd_ws_wide.cuh"
 
 namespace flash_cuda {
-template bool run_bwd_sm90_wide<static_cast<int>(DType::kBFloat16), 256>(const BwdParams&, cudaStream_t);
+template bool run_bwd_sm90_wide<static_cast<int>(DType::kBFloat16), 256, kPlain>(const BwdParams&, cudaStream_t);
 }  // namespace flash_cuda

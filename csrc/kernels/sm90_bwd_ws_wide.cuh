@@ -65,11 +65,13 @@
 // spills 12 bytes), so the consumers have at most about 16 registers of room: not enough to keep
 // the next block's S^T and dP^T (32) in flight under the dQ atomics.
 //
-// Scope: dense batches without score modifiers (kPlain: causal, windows, Sq != Sk, GQA), fp16 /
-// bf16, deterministic=False (the workspace's summation order varies), views TMA can address,
-// kernel='auto' unless FLASH_CUDA_SM90_BWD_D256=0 (launch.h: sm90_bwd_wide). Packed batches,
-// softcap and ALiBi (kExtended, kSoftcapGrad) are not instantiated: the launcher returns false and
-// the caller runs the mma.sync backward, as it does with the switch at 0.
+// Scope: dense batches (kPlain: causal, windows, Sq != Sk, GQA) and, in the kExtended instances,
+// packed (varlen) batches and ALiBi; fp16 / bf16, deterministic=False (the workspace's summation
+// order varies), views TMA can address, kernel='auto' unless FLASH_CUDA_SM90_BWD_D256=0
+// (launch.h: sm90_bwd_wide). Softcap's derivative (kSoftcapGrad) is not instantiated: the
+// launcher returns false and the caller runs the mma.sync backward, as it does with the switch
+// at 0. A packed batch is walked as in sm90_bwd_ws.cuh (one CTA per 64 keys of a sequence, the
+// producer zeroing the rows of a partial block that belong to the next sequence).
 #pragma once
 
 #include "sm90_bwd_ws.cuh"
@@ -260,8 +262,9 @@ __device__ __forceinline__ void consume(const BwdParams& p, const Smem<T, Cfg>& 
   constexpr int kHalfM = Cfg::kHalfM;
   constexpr int kStages = Cfg::kStages;
   static_assert(kCols % kSlabCols == 0, "the N-major operands start on a slab");
-  const SeqInfo seq = SeqInfo::make<false>(p, bi);
-  const AttnMask mask = seq.mask<false>(p);
+  constexpr bool kVarlen = kVariant != kPlain;  // packed batches come as kExtended (variant_of)
+  const SeqInfo seq = SeqInfo::make<kVarlen>(p, bi);
+  const AttnMask mask = seq.mask<kVarlen>(p);
   const Steps steps = Steps::make(mask, n0, kBlockN, kBlockM, hkv, p.hq / p.hkv);
   const int wq = (ct / 32) % 4;             // warp of its warpgroup: keys 16 wq .. 16 wq + 15
   const int warp_key0 = n0 + 16 * wq;
@@ -385,8 +388,9 @@ __device__ __forceinline__ void consume_redundant(const BwdParams& p, const Smem
   constexpr int kBlockN = Cfg::kBlockN;
   constexpr int kStages = Cfg::kStages;
   static_assert(kCols % kSlabCols == 0, "the N-major operands start on a slab");
-  const SeqInfo seq = SeqInfo::make<false>(p, bi);
-  const AttnMask mask = seq.mask<false>(p);
+  constexpr bool kVarlen = kVariant != kPlain;  // packed batches come as kExtended (variant_of)
+  const SeqInfo seq = SeqInfo::make<kVarlen>(p, bi);
+  const AttnMask mask = seq.mask<kVarlen>(p);
   const Steps steps = Steps::make(mask, n0, kBlockN, kBlockM, hkv, p.hq / p.hkv);
   const int wq = (ct / 32) % 4;  // warp of its warpgroup: keys 16 wq .. 16 wq + 15
   const int warp_key0 = n0 + 16 * wq;
@@ -486,7 +490,8 @@ template <typename T, typename Cfg, int kVariant, bool kRedundant>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
     bwd_sm90_wide_kernel(const __grid_constant__ BwdParams p, const __grid_constant__ bwd_ws::TmaMaps maps) {
 #if FLASH_SM90_ENABLED
-  static_assert(kVariant == kPlain, "dense batches without score modifiers");
+  static_assert(kVariant == kPlain || kVariant == kExtended, "no softcap derivative");
+  constexpr bool kVarlen = kVariant != kPlain;
   extern __shared__ unsigned char smem_raw[];
   const Smem<T, Cfg> sm(aligned_smem_base<true>(smem_raw));
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -507,9 +512,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   if (warp < 4) {
     setmaxnreg_dec<Cfg::kProducerRegs>();
     if (warp == 0) {
-      const SeqInfo seq = SeqInfo::make<false>(p, bi);
-      const Steps steps = Steps::make(seq.mask<false>(p), n0, Cfg::kBlockN, Cfg::kBlockM, hkv, p.hq / p.hkv);
-      bwd_ws::produce<T, Cfg, false>(p, maps, sm, steps, seq, n0, hkv, lane);
+      const SeqInfo seq = SeqInfo::make<kVarlen>(p, bi);
+      const Steps steps = Steps::make(seq.mask<kVarlen>(p), n0, Cfg::kBlockN, Cfg::kBlockM, hkv, p.hq / p.hkv);
+      bwd_ws::produce<T, Cfg, kVarlen>(p, maps, sm, steps, seq, n0, hkv, lane);
     }
     return;
   }
@@ -537,13 +542,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 
 // Launches delta's preprocess, the wide warp-specialized backward and dq's conversion and returns
 // true, or returns false having launched nothing: not sm_90 / not built for sm_90a, no dq_accum
-// workspace (deterministic=True, or the switch off when the workspace was sized), a packed batch,
-// or a view TMA cannot address.
+// workspace (deterministic=True, or the switch off when the workspace was sized), a packed batch
+// for a kPlain kernel (which reads no cu_seqlens), or a view TMA cannot address.
 template <typename T, int kD, int kVariant, bool kRedundant>
 bool launch_bwd_sm90_wide(const BwdParams& p, cudaStream_t stream) {
   using Cfg = sm90::bwd_wide::WideConfig<kD>;
   auto kernel = sm90::bwd_wide::bwd_sm90_wide_kernel<T, Cfg, kVariant, kRedundant>;
-  if (p.sm_arch != 90 || p.deterministic || p.dq_accum == nullptr || p.cu_seqlens_q != nullptr ||
+  const bool packed = p.cu_seqlens_q != nullptr;
+  if (p.sm_arch != 90 || p.deterministic || p.dq_accum == nullptr || (packed && kVariant == kPlain) ||
       p.d > kD || !sm90_kernel_built(kernel)) {
     return false;
   }
@@ -562,12 +568,19 @@ bool launch_bwd_sm90_wide(const BwdParams& p, cudaStream_t stream) {
   return true;
 }
 
-template <int kDType, int kHeadDim>
+template <int kDType, int kHeadDim, int kVariant>
 bool run_bwd_sm90_wide(const BwdParams& p, cudaStream_t stream) {
   using T = typename ElementOf<kDType>::type;
-  // FLASH_CUDA_SM90_BWD_D256=2: S^T, dP^T computed by both warpgroups (consume_redundant).
-  if (sm90_bwd_wide_redundant()) return launch_bwd_sm90_wide<T, kHeadDim, kPlain, true>(p, stream);
-  return launch_bwd_sm90_wide<T, kHeadDim, kPlain, false>(p, stream);
+  if constexpr (kVariant == kSoftcapGrad) {
+    return false;  // not instantiated: the caller runs the mma.sync backward
+  } else {
+    // FLASH_CUDA_SM90_BWD_D256=2: S^T, dP^T computed by both warpgroups (consume_redundant), an
+    // A/B of dense batches without score modifiers only.
+    if constexpr (kVariant == kPlain) {
+      if (sm90_bwd_wide_redundant()) return launch_bwd_sm90_wide<T, kHeadDim, kPlain, true>(p, stream);
+    }
+    return launch_bwd_sm90_wide<T, kHeadDim, kVariant, false>(p, stream);
+  }
 }
 
 }  // namespace flash_cuda

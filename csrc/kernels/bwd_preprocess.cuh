@@ -3,27 +3,32 @@
 // delta is the row-wise correction of dS = P * (dP - delta). Computing it once here means
 // neither the dK/dV kernel nor the dQ kernel has to read O.
 //
-// One warp per query row: each lane reads 16-byte vectors of dO and O (coalesced along
-// the row), accumulates in fp32 and the warp reduces with shuffles. The rows are walked as
-// [b][hq][sq] of the row-statistics layout (flash_params.h); a packed (varlen) batch is one
-// long sequence of total_q rows here (launch_bwd_preprocess), as delta needs no boundaries.
+// kLanes lanes per query row (8, 16 or 32: the fewest that cover a row of d elements in one
+// 16-byte vector each, so that no lane idles at d = 64 and 128), 32 / kLanes rows per warp: each
+// lane reads 16-byte vectors of dO and O (coalesced along the row), accumulates in fp32 and the
+// row's lanes reduce with shuffles. The rows are walked as [b][hq][sq] of the row-statistics
+// layout (flash_params.h); a packed (varlen) batch is one long sequence of total_q rows here
+// (launch_bwd_preprocess), as delta needs no boundaries.
 #pragma once
 
 #include "common.cuh"
 
 namespace flash_cuda {
 
-template <typename T>
+template <typename T, int kLanes>
 __global__ void __launch_bounds__(256) bwd_preprocess_delta_kernel(BwdParams p) {
   constexpr int kVec = 16 / sizeof(T);  // elements per 16-byte vector
-  const int warps_per_block = blockDim.x / 32;
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * warps_per_block + threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
+  constexpr int kRowsPerBlock = 256 / kLanes;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / kLanes;
+  const int lane = threadIdx.x % kLanes;
   const int64_t total_rows = static_cast<int64_t>(p.b) * p.hq * p.sq;
-  if (row >= total_rows) return;
+  // Rows past the end still take part in the shuffles (every lane of the warp must), reading
+  // nothing.
+  const bool valid = row < total_rows;
+  const int64_t r = valid ? row : 0;
 
-  const int i = static_cast<int>(row % p.sq);
-  const int64_t bh = row / p.sq;
+  const int i = static_cast<int>(r % p.sq);
+  const int64_t bh = r / p.sq;
   const int h = static_cast<int>(bh % p.hq);
   const int bi = static_cast<int>(bh / p.hq);
   const int64_t stat = bi * p.stat_batch_stride + h * p.stat_head_stride + i;
@@ -36,7 +41,7 @@ __global__ void __launch_bounds__(256) bwd_preprocess_delta_kernel(BwdParams p) 
   float acc = 0.f;
   // d is a multiple of 8, so a 16-byte vector never straddles the row end for 16-bit
   // types; fp32 uses 4-element vectors, and d % 4 == 0 as well.
-  for (int c = lane * kVec; c < p.d; c += 32 * kVec) {
+  for (int c = lane * kVec; valid && c < p.d; c += kLanes * kVec) {
     const uint4 ov = *reinterpret_cast<const uint4*>(o_row + c);
     const uint4 dv = *reinterpret_cast<const uint4*>(do_row + c);
     const T* oe = reinterpret_cast<const T*>(&ov);
@@ -44,8 +49,8 @@ __global__ void __launch_bounds__(256) bwd_preprocess_delta_kernel(BwdParams p) 
 #pragma unroll
     for (int e = 0; e < kVec; ++e) acc += to_float(oe[e]) * to_float(de[e]);
   }
-  acc = group_sum<32>(acc);
-  if (lane == 0) {
+  acc = group_sum<kLanes>(acc);
+  if (valid && lane == 0) {
     const float dl = p.dlse != nullptr ? p.dlse[stat] : 0.f;
     // A row that saw no key has lse = -inf and O = 0; its delta is irrelevant but finite.
     p.delta[stat] = acc - dl;
@@ -63,10 +68,20 @@ inline void launch_bwd_preprocess(const BwdParams& params, cudaStream_t stream) 
   }
   const int64_t total_rows = static_cast<int64_t>(p.b) * p.hq * p.sq;
   if (total_rows == 0) return;
-  constexpr int kThreads = 256;
-  constexpr int kRowsPerBlock = kThreads / 32;
-  const int64_t blocks = (total_rows + kRowsPerBlock - 1) / kRowsPerBlock;
-  bwd_preprocess_delta_kernel<T><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(p);
+  constexpr int kVec = 16 / sizeof(T);
+  const int vectors = (p.d + kVec - 1) / kVec;  // per row
+  auto launch = [&](auto kernel, int lanes) {
+    const int64_t rows_per_block = 256 / lanes;
+    const int64_t blocks = (total_rows + rows_per_block - 1) / rows_per_block;
+    kernel<<<static_cast<unsigned>(blocks), 256, 0, stream>>>(p);
+  };
+  if (vectors <= 8) {
+    launch(bwd_preprocess_delta_kernel<T, 8>, 8);
+  } else if (vectors <= 16) {
+    launch(bwd_preprocess_delta_kernel<T, 16>, 16);
+  } else {
+    launch(bwd_preprocess_delta_kernel<T, 32>, 32);
+  }
   check_launch("bwd_preprocess_delta");
 }
 

@@ -603,25 +603,60 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 }
 
 // dq = scale * dq_accum for the tile layout of the bulk variant (DqTile): grid (query blocks of
-// the longest sequence, hq, b), each thread a float4 of the tile at a time; blocks past their
-// sequence, the rows past it and the columns past d (the bucket's padding) left out.
+// the longest sequence, hq, b); blocks past their sequence, the rows past it and the columns past
+// d (the bucket's padding) left out. The tile is in fragment order, in which 8 consecutive
+// columns of a row are 4 consecutive float4 (lanes 4g .. 4g + 3 of one C tile, their .x / .y; .z
+// / .w are the row 8 further down) and one warp's float4 span 64 rows: written straight to dq,
+// every warp store touches 64 rows with 16 bytes each (the first form of this kernel moved half
+// the bandwidth the row-layout convert does). So it goes through shared memory: each thread
+// converts 4 consecutive float4 into two 16-byte row pieces of a 16-bit row-major tile (rows
+// padded by 16 bytes: the 8 rows a quarter-warp writes fall in different banks), then the block
+// writes whole rows, 16 bytes per thread, consecutive threads along a row.
 template <typename T, typename Cfg>
 __global__ void __launch_bounds__(256) convert_dq_tiles_kernel(const __grid_constant__ BwdParams p) {
+  constexpr int kRowElems = Cfg::kD + 8;  // padded row of the staging tile
+  constexpr int kChunksPerRow = Cfg::kD / 8;
+  static_assert(DqTile<Cfg>::kFloats % 16 == 0, "whole groups of 4 float4");
+  __shared__ __align__(16) T stage[Cfg::kBlockM * kRowElems];
   const int mb = blockIdx.x, h = blockIdx.y;
   const SeqInfo seq = SeqInfo::make(p, blockIdx.z);
   const int m0 = mb * Cfg::kBlockM;
-  if (m0 >= seq.sq) return;  // a packed batch's shorter sequences
+  if (m0 >= seq.sq) return;  // a packed batch's shorter sequences (the whole block returns)
   const float4* tile = reinterpret_cast<const float4*>(p.dq_accum + DqTile<Cfg>::offset(p, seq, h, mb));
-  T* dq = seq.q_rows(static_cast<T*>(p.dq), p.dq_batch_stride, p.dq_head_stride, p.dq_row_stride, h);
-  const int rows = min(Cfg::kBlockM, seq.sq - m0);
-  for (int v = threadIdx.x; v < DqTile<Cfg>::kFloats / 4; v += 256) {
+  for (int u = threadIdx.x; u < DqTile<Cfg>::kFloats / 16; u += 256) {
     int row, col;
-    DqTile<Cfg>::place(v, row, col);
+    DqTile<Cfg>::place(4 * u, row, col);  // lane t = 0 of the group: columns col .. col + 7
+    float4 a[4];
+#pragma unroll
+    for (int t = 0; t < 4; ++t) a[t] = tile[4 * u + t];
+    uint32_t lo[4], hi[4];
+#pragma unroll
+    for (int t = 0; t < 4; ++t) {
+      lo[t] = pack2<T>(a[t].x * p.scale, a[t].y * p.scale);
+      hi[t] = pack2<T>(a[t].z * p.scale, a[t].w * p.scale);
+    }
+    *reinterpret_cast<uint4*>(stage + row * kRowElems + col) = make_uint4(lo[0], lo[1], lo[2], lo[3]);
+    *reinterpret_cast<uint4*>(stage + (row + 8) * kRowElems + col) = make_uint4(hi[0], hi[1], hi[2], hi[3]);
+  }
+  __syncthreads();
+  T* dq = seq.q_rows(static_cast<T*>(p.dq), p.dq_batch_stride, p.dq_head_stride, p.dq_row_stride, h) +
+          static_cast<int64_t>(m0) * p.dq_row_stride;
+  const int rows = min(Cfg::kBlockM, seq.sq - m0);
+  // dq is allocated by the binding (rows of d elements, d % 8 == 0): 16-byte aligned rows; the
+  // 4-byte form keeps any other view correct.
+  const bool wide_stores = reinterpret_cast<uintptr_t>(dq) % 16 == 0 && p.dq_row_stride % 8 == 0;
+  for (int c = threadIdx.x; c < rows * kChunksPerRow; c += 256) {
+    const int row = c / kChunksPerRow, col = (c % kChunksPerRow) * 8;
     if (col >= p.d) continue;
-    const float4 a = tile[v];
-    T* out = dq + static_cast<int64_t>(m0 + row) * p.dq_row_stride + col;
-    if (row < rows) *reinterpret_cast<uint32_t*>(out) = pack2<T>(a.x * p.scale, a.y * p.scale);
-    if (row + 8 < rows) *reinterpret_cast<uint32_t*>(out + 8 * p.dq_row_stride) = pack2<T>(a.z * p.scale, a.w * p.scale);
+    const uint4 v = *reinterpret_cast<const uint4*>(stage + row * kRowElems + col);
+    T* dst = dq + static_cast<int64_t>(row) * p.dq_row_stride + col;
+    if (wide_stores) {
+      *reinterpret_cast<uint4*>(dst) = v;
+    } else {
+      const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+      for (int t = 0; t < 4; ++t) *reinterpret_cast<uint32_t*>(dst + 2 * t) = w[t];
+    }
   }
 }
 

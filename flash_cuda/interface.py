@@ -797,8 +797,9 @@ _FEATURES_DOC = r"""
         deterministic: ``True`` makes every backward bitwise reproducible run to run.
             By default two backwards add dQ across key blocks in an unordered way (so dq
             can differ in its last bits between runs; dk, dv do not): the float32 one (float
-            atomics) and, on sm_90, the float16 / bfloat16 one at head dims 33..128, dense and
-            packed (:func:`varlen_attention`) batches alike (one warp-specialized kernel adding
+            atomics) and, on sm_90, the float16 / bfloat16 one at head dims 33..256 (129..256
+            without softcap), dense and packed (:func:`varlen_attention`) batches alike (one
+            warp-specialized kernel adding
             dQ into an fp32 workspace of about B * Hq * Sq * D * 4 bytes, D rounded up to 64;
             packed: Hq * (total_q + (B + 1) * M) * D * 4 bytes, M = 128 at D <= 64, else 64).
             ``True`` runs a separate dQ kernel instead (with ``softcap > 0`` the mma.sync
@@ -810,7 +811,8 @@ _FEATURES_DOC = r"""
             dims 33..256 (packed batches, softcap and ALiBi up to 192),
             ``"wgmma"`` (warpgroup MMA) for the other forwards and the backward at 33..128
             (softcap's backward only with ``deterministic=False``; head dims 65..96 run the
-            128-wide kernels); else ``"mma"`` (mma.sync tensor-core
+            128-wide kernels), and a warp-specialized backward at 129..256 with
+            ``deterministic=False`` and no softcap; else ``"mma"`` (mma.sync tensor-core
             kernels, sm_80 and newer, every head dim and option). Both tensor-core tiers accumulate in fp32. Asking for ``"simt"`` with
             16-bit inputs, ``"mma"`` / ``"wgmma"`` with float32 inputs, or ``"wgmma"`` where
             it does not apply is an error."""

@@ -81,6 +81,9 @@ inline int ws_stages_override() { return ws_env_int("FLASH_CUDA_WS_STAGES"); }
 // FLASH_CUDA_WS_BLOCK_M=128 | 192: the d = 64 kPlain forward's tiles, 128 x 128 or 192 rows
 // (three consumer warpgroups) x 96 keys; unset: 192 rows from Sq = 2048 on.
 inline int ws_block_m_override() { return ws_env_int("FLASH_CUDA_WS_BLOCK_M"); }
+// FLASH_CUDA_WS_TMA_STORE=0: the forward's consumer warps copy their staged O rows to global
+// memory lane by lane (16-byte stores) instead of one TMA store per 64-column slab (the default, 1).
+inline bool ws_tma_store() { return ws_env_int("FLASH_CUDA_WS_TMA_STORE", 1) != 0; }
 // FLASH_CUDA_WS_EXP2_POLY=N (4 or 8): in the d 64 / 128 kPlain forward every N-th 8-key tile
 // of P is exponentiated on the FMA pipe (poly_exp2) instead of MUFU.
 inline int ws_exp2_poly_every() { return ws_env_int("FLASH_CUDA_WS_EXP2_POLY"); }

@@ -228,6 +228,76 @@ def test_ws_schedules_agree():
     assert len(set(outs)) == 1, outs
 
 
+# (B, Hq, Hkv, Sq, Sk, D, is_causal, layout): the O store, by TMA (FLASH_CUDA_WS_TMA_STORE=1, the
+# default) or lane by lane from the same staging tile (=0): last query tiles and last warps'
+# 16 rows cut by Sq (the TMA store leaves out the rows past the sequence), head dims below their
+# bucket's width (columns left out), GQA, strided views, the 192-row tiles at d = 64, more tiles
+# than SMs (the staging rows rewritten while earlier stores may still be reading them), and
+# d = 256, where O is not staged and the switch changes nothing.
+TMA_STORE_CASES = [
+    (2, 4, 2, 1000, 1100, 128, True, "bshd"),
+    (1, 4, 4, 777, 900, 64, False, "bhsd"),
+    (1, 3, 1, 4200, 4300, 64, True, "bshd"),
+    (2, 4, 2, 300, 500, 96, False, "strided"),
+    (1, 3, 3, 129, 257, 72, True, "offset"),
+    (1, 6, 2, 1000, 700, 192, True, "offset"),
+    (1, 2, 1, 250, 300, 160, False, "bhsd"),
+    (4, 16, 4, 1000, 1000, 128, False, "bhsd"),
+    (3, 20, 4, 601, 650, 64, False, "bshd"),
+    (2, 4, 2, 700, 900, 256, True, "bshd"),
+]
+
+
+@pytest.mark.parametrize("B,Hq,Hkv,Sq,Sk,D,is_causal,layout", TMA_STORE_CASES)
+def test_ws_tma_store_matches_lane_copy(monkeypatch, schedule, B, Hq, Hkv, Sq, Sk, D, is_causal, layout):
+    """FLASH_CUDA_WS_TMA_STORE=1 and =0 write the same bits (out and lse), and both hold to the
+    float64 rule."""
+    q, k, v = make_inputs(B, Hq, Hkv, Sq, Sk, D, BF16, "cuda", layout=layout, seed=Sq + D)
+    wr = 0 if is_causal else -1
+    results = {}
+    for tma in ("1", "0"):
+        monkeypatch.setenv("FLASH_CUDA_WS_TMA_STORE", tma)
+        test_ws_forward_matches_float64(f"{schedule}-tma_store{tma}", BF16, B, Hq, Hkv, Sq, Sk, D, is_causal,
+                                        (-1, -1), layout)
+        out, lse, _ = _ext.require().fwd(q, k, v, 1.0 / math.sqrt(D), -1, wr, 0.0, None, None, None, 0, 0, WS_TIER)
+        results[tma] = (out, lse)
+    assert torch.equal(results["1"][0], results["0"][0]), "out differs between the TMA store and the lane copy"
+    assert torch.equal(results["1"][1], results["0"][1]), "lse differs between the TMA store and the lane copy"
+
+
+# (seqlens_q, seqlens_k, Hq, Hkv, D): packed batches whose sequences end inside a query tile and
+# inside a warp's 16 rows (that warp copies lane by lane: a TMA store would write the next
+# sequence's rows), sequences of 1 and 0 rows, one that fills whole tiles, GQA, head dims
+# 64 / 96 / 128 / 192 and below their buckets.
+TMA_STORE_VARLEN_CASES = [
+    ((130, 77, 200, 1, 129, 0, 256), (129, 200, 77, 65, 300, 5, 256), 4, 2, 128),
+    ((130, 77, 200, 1, 129, 0, 256), (129, 200, 77, 65, 300, 5, 256), 4, 1, 64),
+    ((300, 17, 128, 45), (301, 400, 129, 60), 2, 2, 96),
+    ((257, 1, 130, 33), (129, 7, 0, 90), 4, 2, 192),
+    ((100, 200, 3), (150, 150, 260), 2, 2, 104),
+    ((70, 190, 5), (65, 190, 300), 2, 1, 40),
+]
+
+
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("lens_q,lens_k,Hq,Hkv,D", TMA_STORE_VARLEN_CASES)
+def test_ws_varlen_tma_store_matches_lane_copy(monkeypatch, schedule, lens_q, lens_k, Hq, Hkv, D, is_causal):
+    """On packed batches too, FLASH_CUDA_WS_TMA_STORE=1 and =0 write the same bits, both to the
+    float64 rule: no sequence's stores reach another's rows."""
+    q, k, v, cu_q, cu_k, mq, mk = make_varlen_inputs(lens_q, lens_k, Hq, Hkv, D, BF16, "cuda", seed=sum(lens_q) + D)
+    scale = 1.0 / math.sqrt(D)
+    wr = 0 if is_causal else -1
+    results = {}
+    for tma in ("1", "0"):
+        monkeypatch.setenv("FLASH_CUDA_WS_TMA_STORE", tma)
+        desc = f"schedule={schedule} tma_store={tma} varlen seqlens_q={lens_q} seqlens_k={lens_k} D={D}"
+        _ws_varlen_check(desc, q, k, v, cu_q, cu_k, mq, mk, is_causal=is_causal, window=(-1, -1))
+        out, lse, _ = _ext.require().fwd(q, k, v, scale, -1, wr, 0.0, None, cu_q, cu_k, mq, mk, WS_TIER)
+        results[tma] = (out, lse)
+    assert torch.equal(results["1"][0], results["0"][0]), "out differs between the TMA store and the lane copy"
+    assert torch.equal(results["1"][1], results["0"][1]), "lse differs between the TMA store and the lane copy"
+
+
 def test_ws_forward_rejects_what_it_does_not_serve():
     q, k, v = make_inputs(1, 2, 2, 64, 64, 32, BF16, "cuda")
     with pytest.raises(RuntimeError, match="warp-specialized"):

@@ -411,15 +411,23 @@ __device__ __forceinline__ void compute_block_softmax_and_weighted_v(
 // rows of the Q tile, so the global stores are 16-byte and coalesced) and the lse.
 // kStaged = false (a kernel without shared memory to spare; sO_warp unused): every thread
 // stores its own pairs of columns, 4 bytes each. kInTileLoop: called once per tile of a
-// persistent kernel (below).
+// persistent kernel (below). Stage: where element (r, col) of the warp's staged rows lives,
+// sO_warp + Stage::at(r, col) (16-byte chunks stay whole); padded rows by default. copy =
+// false: the rows are only staged, and the caller moves them to global memory itself (the
+// warp-specialized Hopper forward's TMA store; it orders the staging writes before it).
 // ---------------------------------------------------------------------------------
-template <typename Cfg, bool kStaged = true, bool kInTileLoop = false>
+template <typename Cfg>
+struct PaddedRows {
+  __device__ __forceinline__ static int at(int r, int col) { return r * Cfg::kStride + col; }
+};
+
+template <typename Cfg, bool kStaged = true, bool kInTileLoop = false, typename Stage = PaddedRows<Cfg>>
 __device__ __forceinline__ void normalize_output(float (&acc_o)[Cfg::kMTiles][Cfg::kDTiles][4],
                                                  float (&row_sum)[Cfg::kMTiles][2],
                                                  const float (&row_max)[Cfg::kMTiles][2],
                                                  typename Cfg::T* sO_warp, typename Cfg::T* o_rows,
                                                  int64_t o_row_stride, float* lse_rows,
-                                                 int rows_valid, int d) {
+                                                 int rows_valid, int d, bool copy = true) {
   using T = typename Cfg::T;
   const int lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
@@ -438,7 +446,7 @@ __device__ __forceinline__ void normalize_output(float (&acc_o)[Cfg::kMTiles][Cf
         const uint32_t packed =
             pack2<T>(acc_o[mt][dt][half * 2] * inv, acc_o[mt][dt][half * 2 + 1] * inv);
         if constexpr (kStaged) {
-          *reinterpret_cast<uint32_t*>(sO_warp + r * Cfg::kStride + dt * 8 + 2 * t) = packed;
+          *reinterpret_cast<uint32_t*>(sO_warp + Stage::at(r, dt * 8 + 2 * t)) = packed;
         } else if (r < rows_valid && dt * 8 + 2 * t < d) {
           *reinterpret_cast<uint32_t*>(o_rows + r * o_row_stride + dt * 8 + 2 * t) = packed;
         }
@@ -449,6 +457,7 @@ __device__ __forceinline__ void normalize_output(float (&acc_o)[Cfg::kMTiles][Cf
     }
   }
   if constexpr (!kStaged) return;
+  if (!copy) return;
   __syncwarp();
   constexpr int kChunksPerRow = Cfg::kHeadDim / 8;
   // kInTileLoop: the lane read again, opaquely, so that the compiler cannot hoist this copy's
@@ -463,7 +472,7 @@ __device__ __forceinline__ void normalize_output(float (&acc_o)[Cfg::kMTiles][Cf
     const int col = (c % kChunksPerRow) * 8;
     if (r < rows_valid && col < d) {
       *reinterpret_cast<uint4*>(o_rows + r * o_row_stride + col) =
-          *reinterpret_cast<const uint4*>(sO_warp + r * Cfg::kStride + col);
+          *reinterpret_cast<const uint4*>(sO_warp + Stage::at(r, col));
     }
   }
 }

@@ -67,7 +67,7 @@ __device__ __forceinline__ void mbarrier_wait(uint64_t* bar, int parity) {
 }
 
 // ---------------------------------------------------------------------------------
-// TMA: one box of a 4-d tensor map into shared memory, completing on an mbarrier
+// TMA: one box of a 4-d tensor map into shared memory, completing on an mbarrier, and back
 // ---------------------------------------------------------------------------------
 // (c0, c1, c2, c3): the box's first element, innermost dimension first.
 __device__ __forceinline__ void tma_load_4d(void* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1,
@@ -78,6 +78,21 @@ __device__ __forceinline__ void tma_load_4d(void* dst, const CUtensorMap* map, u
       "[%6];\n" ::"r"(smem_addr(dst)),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(smem_addr(bar))
       : "memory");
+#endif
+}
+
+// The reverse: one box of shared memory (in the map's swizzled layout) into a 4-d tensor, as a
+// bulk group of this thread (bulk_commit, then bulk_wait_read before the source is written
+// again). The box's elements outside the tensor's extent are not written. The source must have
+// been written before: generic-proxy writes fenced with fence_proxy_async by every writing
+// thread, then a barrier with the issuing one.
+__device__ __forceinline__ void tma_store_4d(const CUtensorMap* map, const void* src, int c0, int c1, int c2,
+                                             int c3) {
+#if FLASH_SM90_ENABLED
+  asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n" ::"l"(
+                   reinterpret_cast<uint64_t>(map)),
+               "r"(smem_addr(src)), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+               : "memory");
 #endif
 }
 
@@ -247,6 +262,14 @@ inline bool make_qkv_tensor_maps(const FwdParams& p, CUtensorMap* q, CUtensorMap
                              p.k_batch_stride, block_n) &&
          make_row_tensor_map(v, p.v, bf16, p.d, rows.k, p.hkv, rows.batch, p.v_row_stride, p.v_head_stride,
                              p.v_batch_stride, block_n);
+}
+
+// The map of a call's O, written in boxes of box_rows rows (TMA stores); false where TMA cannot
+// address the view.
+inline bool make_o_tensor_map(const FwdParams& p, CUtensorMap* o, int box_rows) {
+  const MapRows rows = MapRows::of(p);
+  return make_row_tensor_map(o, p.o, p.dtype == DType::kBFloat16, p.d, rows.q, p.hq, rows.batch, p.o_row_stride,
+                             p.o_head_stride, p.o_batch_stride, box_rows);
 }
 
 }  // namespace flash_cuda

@@ -21,12 +21,14 @@
 //   ... normalize_output.
 //
 // Shared memory: Q (kBlockM x kHeadDim) | K[kStages] | V[kStages] | O staging | mbarriers |
-// tile slots. Q, K, V are in the 128-byte-swizzled slab layout of sm90_common.cuh, which is
-// what TMA's 128-byte swizzle writes for a box of 64 columns (one slab) when the slab starts on
-// a 1024-byte boundary. Barriers: q_full / q_empty (Q of the current tile), and per stage
-// k_full, v_full (producer arrival + transaction bytes: V may still be landing while S = Q K^T
-// runs), k_empty, v_empty (one arrival per consumer warp; K is freed as soon as S is done);
-// v_tail, the producer's own, on which a packed sequence's partial last V block lands.
+// tile slots. Q, K, V and O are in the 128-byte-swizzled slab layout of sm90_common.cuh, which
+// is what TMA's 128-byte swizzle writes (and reads) for a box of 64 columns (one slab) when the
+// slab starts on a 1024-byte boundary. O leaves the way Q came in: each consumer warp stages its
+// normalized rows there and one of its lanes stores them with TMA (store_o_tma). Barriers:
+// q_full / q_empty (Q of the current tile), and per stage k_full, v_full (producer arrival +
+// transaction bytes: V may still be landing while S = Q K^T runs), k_empty, v_empty (one
+// arrival per consumer warp; K is freed as soon as S is done); v_tail, the producer's own, on
+// which a packed sequence's partial last V block lands.
 //
 // Two consumer schedules (WsSchedule), chosen at launch, so that each rung of the ladder is
 // measured against the one before on the same build (launch.h: the ablation switches):
@@ -66,9 +68,12 @@ namespace sm90 {
 namespace ws {
 
 // The tensor maps of one call (a kernel parameter, read by the TMA unit; CUtensorMap carries
-// its own alignment).
+// its own alignment). o_by_tma: O leaves the staging tile through TMA stores on map o (16-row
+// boxes: one consumer warp's rows); 0 where O is not staged, where its view is one TMA cannot
+// address, and with FLASH_CUDA_WS_TMA_STORE=0: the warps' lanes copy it (normalize_output).
 struct TmaMaps {
-  CUtensorMap q, k, v;
+  CUtensorMap q, k, v, o;
+  int o_by_tma;
 };
 
 // Named barriers (0 is __syncthreads): warpgroup w's turn to issue its products (kOverlap) is
@@ -122,15 +127,18 @@ struct WsConfig : FwdConfig<T_, kHeadDim_, kBlockN_, /*kWarpGroups=*/kConsumerWG
   static constexpr int kBarriers = 3 + 4 * kStages;
   static constexpr size_t kBarrierBytes = sizeof(uint64_t) * kBarriers + 2 * sizeof(int);
   static constexpr size_t kRingBytes = Base::kTileQ + 2 * kStages * Base::kTileKV;
-  // O is staged in its own tile (padded rows, 16-byte coalesced stores), so that a persistent
-  // CTA's producer may already fill the ring with the next tile's K/V while the consumers write
-  // this tile's O. Where that tile does not fit (d = 256), each thread stores its own pairs.
-  static constexpr size_t kStagedO = size_t(Base::kBlockM) * Base::kStride * sizeof(T_);
+  // O is staged in its own tile, so that a persistent CTA's producer may already fill the ring
+  // with the next tile's K/V while the consumers write this tile's O. The tile has Q's swizzled
+  // slab layout (no padding: the swizzle keeps the fragment writes conflict-free), which is
+  // what a TMA store of 64-column boxes reads; the lanes' 16-byte copies (a packed sequence's
+  // last rows, FLASH_CUDA_WS_TMA_STORE=0) read it too. Where that tile does not fit (d = 256),
+  // each thread stores its own pairs.
+  static constexpr size_t kStagedO = size_t(Base::kBlockM) * kHeadDim_ * sizeof(T_);
   static constexpr bool kStageO = kRingBytes + kStagedO + kBarrierBytes + 1024 <= 227 * 1024;
   static constexpr size_t kTileO = kStageO ? kStagedO : 0;
   static constexpr size_t kSmemBytes = kRingBytes + kTileO + kBarrierBytes + 1024;
   static_assert(Base::kTileQ % 1024 == 0 && Base::kTileKV % 1024 == 0, "slabs stay 1024-byte aligned");
-  static_assert(kTileO % 16 == 0, "the barriers after the O tile stay 8-byte aligned");
+  static_assert(kTileO % 1024 == 0, "the O tile's slabs stay 1024-byte aligned, and the barriers after it 8");
   static_assert(Base::kBlockM <= 256 && Base::kBlockN <= 256, "a TMA box has at most 256 rows");
   static_assert(kSmemBytes <= 227 * 1024, "fits a Hopper block");
 };
@@ -179,6 +187,44 @@ struct QueryTile {
     if (threadIdx.x % 32 == 0) mbarrier_arrive(empty);
   }
 };
+
+// A consumer warp's 16 rows of the O staging tile (whose slabs hold all kBlockM rows): row r of
+// the warp is row 16 w + r of the tile, which has the same swizzle phase (r % 8), so the warp's
+// rows are addressed as those of a kBlockM-row tile from its first row on.
+template <typename Cfg>
+struct SwizzledRows {
+  __device__ __forceinline__ static int at(int r, int col) {
+    return static_cast<int>(swizzled_offset<Cfg::kBlockM>(r, col) / sizeof(typename Cfg::T));
+  }
+};
+
+// Moves a consumer warp's staged O rows to global memory: one TMA store per 64-column slab (box:
+// 64 columns x 16 rows, at coordinates (column, row, head, batch) of map o), one bulk group,
+// issued by lane 0. The TMA unit leaves out the box's rows and columns past the tensor's extent
+// (a dense batch's last rows, d below the tile's width). Per warp rather than per warpgroup: the
+// staged rows are the warp's own, so a __syncwarp orders every lane's writes before the issuing
+// lane, and no warp waits at a named barrier for the slowest of its warpgroup. Before the rows
+// are written again (the next tile's normalize_output) that lane waits until the unit has read
+// them (wait_o_staging), and before the CTA retires until the stores are done.
+template <typename Cfg>
+__device__ __forceinline__ void store_o_tma(const CUtensorMap* map, const typename Cfg::T* sO_warp, int row, int h,
+                                            int b) {
+  fence_proxy_async();  // this lane's staging writes, before the async proxy reads them
+  __syncwarp();
+  if (threadIdx.x % 32 != 0) return;
+#pragma unroll
+  for (int c = 0; c < Cfg::kSlabs; ++c) {
+    tma_store_4d(map, sO_warp + c * Cfg::kBlockM * kSlabCols, c * kSlabCols, row, h, b);
+  }
+  bulk_commit();
+}
+
+// The previous tile's TMA store of this warp's staged rows has read them (lane 0 issued it and
+// waits; the __syncwarp holds the other lanes' writes back until then). Nothing pending: at once.
+__device__ __forceinline__ void wait_o_staging() {
+  if (threadIdx.x % 32 == 0) bulk_wait_read<0>();
+  __syncwarp();
+}
 
 // The producer warp walks its tile loop together, so that all of it can zero the rows past a
 // packed sequence's end (load_v_zero_tail); lane 0 alone issues the loads and the arrivals.
@@ -635,19 +681,38 @@ __device__ __forceinline__ void fwd_ws_block(const FwdParams& p, const TmaMaps& 
     if (cv.range.count() == 0) qt.release();
     first += cv.range.count();
 
-    // Step 4 through this warp's own 16 rows of the O staging tile (the warp's previous
-    // reads of them are ordered before it by normalize_output's __syncwarp and this one), or
-    // straight from registers where that tile does not fit (kStageO). Only the sequence's
-    // rows are stored (rows_valid): a packed tile's rows past its end hold another
-    // sequence's queries.
-    __syncwarp();
+    // Step 4 through this warp's own 16 rows of the O staging tile, or straight from registers
+    // where that tile does not fit (kStageO). Before the rows are rewritten, the previous
+    // tile's reads of them are done: the lanes' copies (normalize_output's __syncwarp and the
+    // one in wait_o_staging), the TMA unit's (wait_o_staging). Only the sequence's rows are
+    // stored (rows_valid): a packed tile's rows past its end hold another sequence's queries,
+    // so a warp whose rows cross its sequence's end copies lane by lane; a TMA store would
+    // write all 16 rows (its map runs over every packed row). A dense batch's map ends with
+    // the sequence: the store leaves out the rows past it.
+    if constexpr (Cfg::kStageO) {
+      wait_o_staging();
+    } else {
+      __syncwarp();
+    }
     T* o = w.seq.q_rows(static_cast<T*>(p.o), p.o_batch_stride, p.o_head_stride, p.o_row_stride, tile.h) +
            static_cast<int64_t>(w.row0) * p.o_row_stride;
     float* lse = p.softmax_lse + w.seq.stat_offset(p, tile.h) + w.row0;
     const int warp_rows_valid = min(16, w.rows_valid - 16 * cwarp);
-    fwd_mma::normalize_output<Cfg, Cfg::kStageO, /*kInTileLoop=*/true>(acc_o, row_sum, row_max, sO + cwarp * 16 * Cfg::kStride,
-                                   o + static_cast<int64_t>(16 * cwarp) * p.o_row_stride, p.o_row_stride,
-                                   lse + 16 * cwarp, warp_rows_valid, p.d);
+    const bool packed = kExt && p.cu_seqlens_q != nullptr;
+    const bool by_tma =
+        Cfg::kStageO && maps.o_by_tma != 0 && (warp_rows_valid == 16 || (!packed && warp_rows_valid > 0));
+    T* sO_warp = sO + cwarp * 16 * kSlabCols;
+    fwd_mma::normalize_output<Cfg, Cfg::kStageO, /*kInTileLoop=*/true, SwizzledRows<Cfg>>(
+        acc_o, row_sum, row_max, sO_warp, o + static_cast<int64_t>(16 * cwarp) * p.o_row_stride, p.o_row_stride,
+        lse + 16 * cwarp, warp_rows_valid, p.d, /*copy=*/!by_tma);
+    if (by_tma) {
+      store_o_tma<Cfg>(&maps.o, sO_warp, w.seq.q_start + w.row0 + 16 * cwarp, tile.h, packed ? 0 : tile.b);
+    }
+  }
+  // The last tile's stores are done (not only their reads of shared memory) before the CTA
+  // retires.
+  if constexpr (Cfg::kStageO) {
+    if (threadIdx.x % 32 == 0) bulk_wait<0>();
   }
 }
 
@@ -681,6 +746,8 @@ bool launch_fwd_sm90_ws(const FwdParams& p, cudaStream_t stream) {
   if (variant_of(p, /*backward=*/false) != kVariant) return false;
   sm90::ws::TmaMaps maps;  // a packed batch's maps span all its rows (sm90_async.cuh: MapRows)
   if (!make_qkv_tensor_maps(p, &maps.q, &maps.k, &maps.v, Cfg::kBlockM, Cfg::kBlockN)) return false;
+  // O's map is optional: without it the lanes copy the staged rows.
+  maps.o_by_tma = Cfg::kStageO && ws_tma_store() && make_o_tensor_map(p, &maps.o, /*box_rows=*/16) ? 1 : 0;
   set_smem_limit(kernel, Cfg::kSmemBytes, "fwd_sm90_ws");
   const int64_t tiles = int64_t(ceil_div(p.sq, Cfg::kBlockM)) * p.hq * p.b;
   if (tiles > INT32_MAX / 2) return false;  // the tile loop steps t past the last tile

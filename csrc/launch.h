@@ -90,14 +90,14 @@ inline int ws_block_m_override() { return ws_env_int("FLASH_CUDA_WS_BLOCK_M"); }
 // of P is exponentiated on the FMA pipe (poly_exp2) instead of MUFU.
 inline int ws_exp2_poly_every() { return ws_env_int("FLASH_CUDA_WS_EXP2_POLY"); }
 // FLASH_CUDA_WS_PACK_GQA=1 | 0: GQA packing in the kPlain forward (run_fwd_sm90_ws_gqa) wherever
-// it can run, or never; unset: where it at least halves the tiles. A tile of one head holds
-// min(Sq, 128) of its 128 rows in its last query block, and the G heads of a group stream the
-// same K/V, G * ceil(Sq / 128) tiles per group; packed, ceil(Sq * G / 128) tiles do the same
-// work with full rows. Every Sq <= 64 halves them (at most G / 2 tiles), as does a last block of
-// a few rows (Sq = 129, G = 8: 9 tiles for 16); a smaller saving, a fraction of the work, is
-// left to the kernel without packing, whose O and lse stores stay whole rows of one head. It
-// can run for hq / hkv = G > 1 dividing 128, d <= 128, a dense batch without softcap or ALiBi,
-// the overlapped schedule and the default tile shape (no ablation switch above set).
+// it can run, or never; unset: for Sq <= 64. A tile of one head holds min(Sq, 128) of its 128
+// rows in its last query block, and the G heads of a group stream the same K/V: G * ceil(Sq / 128)
+// tiles per group, where ceil(Sq * G / 128) packed tiles do the same work with full rows. That
+// at least halves the tiles exactly when Sq <= 64; beyond, packing saves at most the partial
+// last query blocks (G = 4 at Sq = 65..96: 3 tiles for 4), a share left to the kernel without
+// packing, whose O and lse stores stay whole rows of one head. Packing can run for
+// hq / hkv = G > 1 dividing 128, d <= 128, a dense batch without softcap or ALiBi, the
+// overlapped schedule and the default tile shape (no ablation switch above set).
 inline bool ws_pack_gqa(const FwdParams& p) {
   if (p.hkv <= 0 || p.hq % p.hkv != 0 || p.d > 128 || variant_of(p, /*backward=*/false) != kPlain) return false;
   const int g = p.hq / p.hkv;
@@ -107,10 +107,7 @@ inline bool ws_pack_gqa(const FwdParams& p) {
     return false;
   }
   const int force = ws_env_int("FLASH_CUDA_WS_PACK_GQA", -1);
-  if (force >= 0) return force != 0;
-  const int64_t packed = (static_cast<int64_t>(p.sq) * g + 127) / 128;
-  const int64_t single = static_cast<int64_t>(g) * ((p.sq + 127) / 128);
-  return 2 * packed <= single;
+  return force >= 0 ? force != 0 : p.sq <= 64;
 }
 // The Hopper backward (deterministic=False; deterministic=True always runs the two-kernel path, or
 // for softcap the mma.sync backward):

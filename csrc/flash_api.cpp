@@ -290,6 +290,10 @@ template <int kDType, int kVariant> struct Sm90WsFwd {
     if constexpr (kVariant != kPlain && kD > 192) {
       return false;  // no extended instance at d = 256 (csrc/instances/generate.py)
     } else {
+      if constexpr (kVariant == kPlain && kD <= 128) {
+        // GQA-packed tiles where they pay (launch.h: ws_pack_gqa); the launcher may decline.
+        if (ws_pack_gqa(p) && run_fwd_sm90_ws_gqa<kDType, kD>(p, s)) return true;
+      }
       return run_fwd_sm90_ws<kDType, kD, kVariant>(p, s);
     }
   }

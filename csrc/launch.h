@@ -53,6 +53,11 @@ template <int kDType, int kHeadDim, int kVariant> bool run_bwd_sm90_wide(const B
 // (packed batches, softcap, ALiBi; 96: the 128-wide tiles); false (nothing launched) where it does
 // not apply.
 template <int kDType, int kHeadDim, int kVariant> bool run_fwd_sm90_ws(const FwdParams& params, cudaStream_t stream);
+// Its GQA-packed tiles (a tile holds 128 / G queries of all G = hq / hkv query heads of a KV
+// group), head-dim buckets 64 / 96 / 128, kPlain: false (nothing launched) where they do not
+// apply (G not a divisor > 1 of 128, a packed batch or a score modifier). The binding tries it
+// first where ws_pack_gqa (below) says packing pays, then run_fwd_sm90_ws.
+template <int kDType, int kHeadDim> bool run_fwd_sm90_ws_gqa(const FwdParams& params, cudaStream_t stream);
 
 // Its ablation switches, for the optimization record's ladder (read at every launch, a few
 // tens of nanoseconds):
@@ -87,6 +92,26 @@ inline bool ws_tma_store() { return ws_env_int("FLASH_CUDA_WS_TMA_STORE", 1) != 
 // FLASH_CUDA_WS_EXP2_POLY=N (4 or 8): in the d 64 / 128 kPlain forward every N-th 8-key tile
 // of P is exponentiated on the FMA pipe (poly_exp2) instead of MUFU.
 inline int ws_exp2_poly_every() { return ws_env_int("FLASH_CUDA_WS_EXP2_POLY"); }
+// FLASH_CUDA_WS_PACK_GQA=1 | 0: GQA packing in the kPlain forward (run_fwd_sm90_ws_gqa) wherever
+// it can run, or never; unset: for Sq <= 64. A tile of one head holds min(Sq, 128) of its 128
+// rows in its last query block, and the G heads of a group stream the same K/V: G * ceil(Sq / 128)
+// tiles per group, where ceil(Sq * G / 128) packed tiles do the same work with full rows. That
+// at least halves the tiles exactly when Sq <= 64; beyond, packing saves at most the partial
+// last query blocks (G = 4 at Sq = 65..96: 3 tiles for 4), a share left to the kernel without
+// packing, whose O and lse stores stay whole rows of one head. Packing can run for
+// hq / hkv = G > 1 dividing 128, d <= 128, a dense batch without softcap or ALiBi, the
+// overlapped schedule and the default tile shape (no ablation switch above set).
+inline bool ws_pack_gqa(const FwdParams& p) {
+  if (p.hkv <= 0 || p.hq % p.hkv != 0 || p.d > 128 || variant_of(p, /*backward=*/false) != kPlain) return false;
+  const int g = p.hq / p.hkv;
+  if (g < 2 || 128 % g != 0 || ws_schedule_name() == "serial") return false;
+  if (ws_exp2_poly_every() != 0 || ws_block_n_override() != 0 || ws_stages_override() != 0 ||
+      ws_block_m_override() != 0) {
+    return false;
+  }
+  const int force = ws_env_int("FLASH_CUDA_WS_PACK_GQA", -1);
+  return force >= 0 ? force != 0 : p.sq <= 64;
+}
 // The Hopper backward (deterministic=False; deterministic=True always runs the two-kernel path, or
 // for softcap the mma.sync backward):
 //   FLASH_CUDA_SM90_BWD=ws (default)  the warp-specialized kernel (sm90_bwd_ws.cuh): TMA producer,

@@ -5,6 +5,7 @@
 //   * which key blocks can a block of queries see?                   AttnMask::key_begin / key_end
 //   * which query blocks can see a block of keys? (backward)         AttnMask::query_begin / query_end
 //   * does a (query range x key range) tile need the per-element test at all?  AttnMask::needs_mask
+//   * which query does a row of a tile hold? (GQA-packed tiles)      OneQueryPerRow / GqaPackedRows
 //   * softcap and ALiBi on a score, and softcap's derivative        ScoreMod
 //
 // The rule (FlashAttention's, bottom-right aligned). Query i of a sequence with sq queries and
@@ -89,6 +90,21 @@ struct AttnMask {
   FLASH_HOST_DEVICE bool needs_mask(int r0, int r1, int c0, int c1) const {
     return r1 > sq || c1 > sk || (c1 - 1) - r0 > diag_hi || c0 - (r1 - 1) < diag_lo;
   }
+};
+
+// Which query a row of a kernel's tile holds: the mask and the score modifiers of a row are
+// those of its query. Every kernel that gives each query head its own tiles has one query per
+// row and counts rows in query indices (OneQueryPerRow, the helpers' default). The Hopper
+// forward's packed GQA tiles (sm90_fwd_ws.cuh) hold the G = 2^shift query heads of one KV group
+// side by side: tile row r is query q0 + r / G of the group's head r % G, so rows [r0, r1) of a
+// tile cover the queries [query(r0), query(r1 - 1) + 1).
+struct OneQueryPerRow {
+  FLASH_HOST_DEVICE int query(int row) const { return row; }
+};
+struct GqaPackedRows {
+  int q0;     // the tile's first query
+  int shift;  // log2 G: G is a power of two (it divides the tile's rows)
+  FLASH_HOST_DEVICE int query(int row) const { return q0 + (row >> shift); }
 };
 
 // Block-index ranges derived from AttnMask, for a kernel that walks key blocks of kBlockN for a

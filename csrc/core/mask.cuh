@@ -165,8 +165,15 @@ struct ScoreMod {
   FLASH_HOST_DEVICE static ScoreMod make(const FwdParams& p, int bi, int h, int seq_offset) {
     constexpr float kLog2e = 1.4426950408889634f;
     ScoreMod mod;
-    if (p.softcap > 0.f) {
-      mod.softcap_log2 = p.softcap * kLog2e;
+    // softcap read opaquely: the backwards build their modifiers per tile inside their loops
+    // (mma_bwd.cuh: compute_probs), and this keeps the compiler from hoisting C and 1 / C out of
+    // those loops into registers the warp-specialized consumers do not have.
+    float softcap = p.softcap;
+#if defined(__CUDA_ARCH__)
+    asm volatile("" : "+f"(softcap));
+#endif
+    if (softcap > 0.f) {
+      mod.softcap_log2 = softcap * kLog2e;
       mod.inv_softcap_log2 = 1.f / mod.softcap_log2;
     }
     if (p.alibi_slopes != nullptr) {

@@ -70,6 +70,9 @@
 // dS^T are computed a few queries at a time (softcap_stage) and each slice goes straight into the
 // exchange tiles where the other variants' staging puts it (stage_tiles); from the exchange
 // barrier on nothing differs. The exponentials then no longer run under the dP^T product.
+// The slices are 8 queries wide: with 16 the consumers spill at 240 registers, as they do unless
+// softcap's constants are built per slice rather than kept across the loop (core/mask.cuh:
+// ScoreMod::make) and a packed sequence's key rows are read again for the final stores.
 //
 // Scope: dense batches (kPlain: causal, windows, Sq != Sk, GQA) and, in the kExtended and
 // kSoftcapGrad instances, packed (varlen) batches, ALiBi and softcap; fp16 / bf16,

@@ -43,10 +43,9 @@ template <int kDType, int kHeadDim, int kVariant> void run_bwd_mma(const BwdPara
 // run_bwd_sm90<.., kSoftcapGrad> returns false and the mma.sync tier serves it.
 template <int kDType, int kHeadDim, int kVariant> bool run_fwd_sm90(const FwdParams& params, cudaStream_t stream);
 template <int kDType, int kHeadDim, int kVariant> bool run_bwd_sm90(const BwdParams& params, cudaStream_t stream);
-// The wide warp-specialized backward (sm90_bwd_ws_wide.cuh), head-dim buckets 192 / 256, kPlain
-// and kExtended (packed batches, ALiBi), deterministic=False; false (nothing launched) where it
-// does not apply (kSoftcapGrad among others). Not with FLASH_CUDA_SM90_BWD_D256=0 (sm90_bwd_wide
-// below).
+// The wide warp-specialized backward (sm90_bwd_ws_wide.cuh), head-dim buckets 192 / 256, kPlain,
+// kExtended (packed batches, ALiBi) and kSoftcapGrad, deterministic=False; false (nothing
+// launched) where it does not apply. Not with FLASH_CUDA_SM90_BWD_D256=0 (sm90_bwd_wide below).
 template <int kDType, int kHeadDim, int kVariant> bool run_bwd_sm90_wide(const BwdParams& params, cudaStream_t stream);
 // The warp-specialized forward (TMA + mbarrier ring, producer warp, two consumer warpgroups),
 // head-dim buckets 64 / 96 / 128 / 192 / 256 for kPlain, 64 / 96 / 128 / 192 for kExtended
@@ -129,12 +128,13 @@ inline bool sm90_dq_atomic() { return sm90_bwd_mode() == "atomic"; }
 // FLASH_CUDA_SM90_BWD_DQ_RED=1: the warp-specialized backward adds dQ with red.global atomics from
 // the consumers' registers instead of staging it for the writer warp's bulk reductions.
 inline bool sm90_bwd_dq_red() { return ws_env_int("FLASH_CUDA_SM90_BWD_DQ_RED") != 0; }
-// kernel='auto' backwards at d = 129..256 (plain dense batches, deterministic=False) run the wide
+// kernel='auto' backwards at d = 129..256 (dense or packed, deterministic=False) run the wide
 // warp-specialized backward (sm90_bwd_ws_wide.cuh: 64 keys per CTA, the consumer warpgroups
 // splitting dK, dV, dQ by head-dim columns and S^T, dP^T by queries). FLASH_CUDA_SM90_BWD_D256=0
 // runs the mma.sync backward there instead; =2 the wide kernel with S^T and dP^T computed by both
 // warpgroups (7 products per block pair, no exchange between them: consume_redundant), measured
-// 3-7% slower than the default (OPTIMIZATION.md).
+// 3-7% slower than the default (OPTIMIZATION.md); packed batches, ALiBi and softcap run the
+// query split there too.
 inline bool sm90_bwd_wide() { return ws_env_int("FLASH_CUDA_SM90_BWD_D256", 1) != 0; }
 inline bool sm90_bwd_wide_redundant() { return ws_env_int("FLASH_CUDA_SM90_BWD_D256", 1) == 2; }
 // Query rows per step of the Hopper backward's dK/dV kernels at a head-dim bucket (sm90_bwd.cuh:

@@ -178,11 +178,20 @@ struct ScoreMod {
 #endif
 
   // The modifiers of (batch bi, head h); `seq_offset` = sk - sq of that sequence.
+  // kOpaqueSoftcap: softcap read through an empty asm, for a caller that builds the modifiers per
+  // tile inside its loop (mma_bwd.cuh: compute_probs with softcap's derivative): it keeps the
+  // compiler from hoisting C and 1 / C out of that loop into registers the warp-specialized
+  // consumers do not have.
+  template <bool kOpaqueSoftcap = false>
   FLASH_HOST_DEVICE static ScoreMod make(const FwdParams& p, int bi, int h, int seq_offset) {
     constexpr float kLog2e = 1.4426950408889634f;
     ScoreMod mod;
-    if (p.softcap > 0.f) {
-      mod.softcap_log2 = p.softcap * kLog2e;
+    float softcap = p.softcap;
+#if defined(__CUDA_ARCH__)
+    if constexpr (kOpaqueSoftcap) asm volatile("" : "+f"(softcap));
+#endif
+    if (softcap > 0.f) {
+      mod.softcap_log2 = softcap * kLog2e;
       mod.inv_softcap_log2 = 1.f / mod.softcap_log2;
     }
     if (p.alibi_slopes != nullptr) {

@@ -71,7 +71,7 @@ def instances() -> dict:
                 f"{dt}, head dim {d}.", "sm90_fwd_ws.cuh",
                 [f"template bool run_fwd_sm90_ws_gqa<{dtype}, {d}>(const FwdParams&, cudaStream_t);"])
         for d in SM90_BWD_WIDE_BUCKETS:
-            for suffix in ("", "_ext"):  # no softcap derivative in this kernel
+            for suffix in ("", "_ext", "_softcap"):
                 variant, what = VARIANTS[suffix]
                 files[f"sm90_bwd_wide{suffix}_{dt}_d{d}.cu"] = _file(
                     f"Hopper warp-specialized backward, head-dim columns split between the consumers{what}, "

@@ -297,6 +297,19 @@ __device__ __forceinline__ void store_columns(const BwdParams& p, const SeqInfo&
   bwd_mma::store_rows<T, 1, kCols>(acc_dk, dk, p.dk_row_stride, rows_valid, p.d - col0, p.scale);
 }
 
+// Waits for step i's Q, dO, lse, delta (stage i % kStages) and says whether any of the CTA's 64
+// keys sees query block m0; a block none sees is released at once. CTA-uniform (both warpgroups
+// hold all 64 keys): both skip it, the exchange barrier included.
+template <typename T, typename Cfg>
+__device__ __forceinline__ bool wait_visible_block(const Smem<T, Cfg>& sm, const AttnMask& mask, int i, int m0,
+                                                   int n0) {
+  const int s = Steps::stage(i, Cfg::kStages);
+  mbarrier_wait(&sm.q_full[s], Steps::parity(i, Cfg::kStages));
+  if (mask.any_visible(m0, m0 + Cfg::kBlockM, n0, n0 + Cfg::kBlockN)) return true;
+  mbarrier_arrive(&sm.q_empty[s]);
+  return false;
+}
+
 // One consumer warpgroup, owning columns [col0, col0 + kCols) of dK, dV and dQ, and queries
 // [32 wg, 32 wg + 32) of each block's S^T and dP^T. ct: thread of the 256 consumers.
 template <typename T, typename Cfg, int kVariant, int kCols>
@@ -327,13 +340,7 @@ __device__ __forceinline__ void consume(const BwdParams& p, const Smem<T, Cfg>& 
   for (int i = 0; i < steps.count; ++i) {
     const int s = Steps::stage(i, kStages);
     const int h = steps.head(i), m0 = steps.m_block(i) * kBlockM;
-    mbarrier_wait(&sm.q_full[s], Steps::parity(i, kStages));
-    // CTA-uniform (both warpgroups hold all 64 keys): a block none of the keys sees is skipped by
-    // both, barrier included.
-    if (!mask.any_visible(m0, m0 + kBlockM, n0, n0 + kBlockN)) {
-      mbarrier_arrive(&sm.q_empty[s]);
-      continue;
-    }
+    if (!wait_visible_block(sm, mask, i, m0, n0)) continue;
     const T* sQ_s = sm.q(s);
     const T* sdO_s = sm.dout(s);
     T* sPt = sm.ds(e);
@@ -462,11 +469,7 @@ __device__ __forceinline__ void consume_redundant(const BwdParams& p, const Smem
   for (int i = 0; i < steps.count; ++i) {
     const int s = Steps::stage(i, kStages);
     const int h = steps.head(i), m0 = steps.m_block(i) * kBlockM;
-    mbarrier_wait(&sm.q_full[s], Steps::parity(i, kStages));
-    if (!mask.any_visible(m0, m0 + kBlockM, n0, n0 + kBlockN)) {
-      mbarrier_arrive(&sm.q_empty[s]);
-      continue;
-    }
+    if (!wait_visible_block(sm, mask, i, m0, n0)) continue;
     const T* sQ_s = sm.q(s);
     const T* sdO_s = sm.dout(s);
     T* sdSt = sm.ds(e) + wg * (Cfg::kTileP / sizeof(T));  // its own dS^T
@@ -610,13 +613,8 @@ bool launch_bwd_sm90_wide(const BwdParams& p, cudaStream_t stream) {
       p.d > kD || !sm90_kernel_built(kernel)) {
     return false;
   }
-  const MapRows rows = MapRows::of(p);
   sm90::bwd_ws::TmaMaps maps;
-  if (!make_qkv_tensor_maps(p, &maps.q, &maps.k, &maps.v, Cfg::kBlockM, Cfg::kBlockN) ||
-      !make_row_tensor_map(&maps.dout, p.dout, p.dtype == DType::kBFloat16, p.d, rows.q, p.hq, rows.batch,
-                           p.do_row_stride, p.do_head_stride, p.do_batch_stride, Cfg::kBlockM)) {
-    return false;
-  }
+  if (!maps.make(p, Cfg::kBlockM, Cfg::kBlockN)) return false;
   launch_bwd_preprocess<T>(p, stream);
   set_smem_limit(kernel, Cfg::kSmemBytes, "bwd_sm90_wide");
   kernel<<<dim3(ceil_div(p.sk, Cfg::kBlockN), p.hkv, p.b), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p, maps);

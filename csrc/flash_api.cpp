@@ -290,6 +290,10 @@ template <int kDType, int kVariant> struct Sm90WsFwd {
     if constexpr (kVariant != kPlain && kD > 192) {
       return false;  // no extended instance at d = 256 (csrc/instances/generate.py)
     } else {
+      if constexpr (kVariant == kPlain && kD <= 128) {
+        // GQA-packed tiles where they pay (launch.h: ws_pack_gqa); the launcher may decline.
+        if (ws_pack_gqa(p) && run_fwd_sm90_ws_gqa<kDType, kD>(p, s)) return true;
+      }
       return run_fwd_sm90_ws<kDType, kD, kVariant>(p, s);
     }
   }
@@ -333,12 +337,12 @@ bool with_dtype_variant(const Params& p, Variant variant, cudaStream_t stream) {
 bool sm90_bucket(int d) { return d > 32 && d <= 128; }
 bool sm90_ws_bucket(int d) { return d > 32 && d <= 256; }
 // The wide warp-specialized backward (launch.h: sm90_bwd_wide): kernel='auto', dense or packed
-// batches without softcap, d = 129..256, deterministic=False, unless its switch is 0. It also
-// needs the dq_accum workspace (bwd allocates it under the same condition) and may still decline
-// (a view TMA cannot address, a build without the 90a target): the mma.sync backward runs then.
-bool sm90_wide_bwd_applies(const BwdParams& p, Tier tier, Variant variant) {
-  return tier == Tier::kAuto && variant != kSoftcapGrad && !p.deterministic && p.sm_arch == 90 && p.d > 128 &&
-         p.d <= 256 && sm90_bwd_wide();
+// batches, softcap and ALiBi included, d = 129..256, deterministic=False, unless its switch is 0.
+// It also needs the dq_accum workspace (bwd allocates it under the same condition) and may still
+// decline (a view TMA cannot address, a build without the 90a target): the mma.sync backward runs
+// then.
+bool sm90_wide_bwd_applies(const BwdParams& p, Tier tier) {
+  return tier == Tier::kAuto && !p.deterministic && p.sm_arch == 90 && p.d > 128 && p.d <= 256 && sm90_bwd_wide();
 }
 
 // Whether the call goes to the warp-specialized forward (its launcher may still decline, having
@@ -402,8 +406,8 @@ void dispatch_bwd(const BwdParams& p, Tier tier, cudaStream_t stream) {
     return;
   }
   TORCH_CHECK(tier != Tier::kWgmma, kNoWgmma);
-  if (sm90_wide_bwd_applies(p, tier, variant) && p.dq_accum != nullptr &&
-      with_dtype_variant<Sm90WideBwd, Sm90WideBwdBuckets>(p, variant, stream)) {
+  if (sm90_wide_bwd_applies(p, tier) && p.dq_accum != nullptr &&
+      with_dtype_variant<Sm90WideBwd, Sm90WideBwdBuckets, /*kWithSoftcapGrad=*/true>(p, variant, stream)) {
     return;
   }
   with_dtype_variant<MmaBwd, MmaBuckets, /*kWithSoftcapGrad=*/true>(p, variant, stream);
@@ -601,7 +605,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(
   // The wide backward (d = 129..256) adds into the same workspace in
   // its row layout (dispatch_bwd: sm90_wide_bwd_applies; tier 4 runs kernel='auto's backward).
   const Tier bwd_tier = t == Tier::kWgmmaWs ? Tier::kAuto : t;
-  const bool wide_bwd = sm90_wide_bwd_applies(p, bwd_tier, variant_of(p, /*backward=*/true));
+  const bool wide_bwd = sm90_wide_bwd_applies(p, bwd_tier);
   if ((t == Tier::kAuto || t == Tier::kWgmma || t == Tier::kWgmmaWs) && !deterministic && p.sm_arch == 90 &&
       ((sm90_bucket(p.d) && (sm90_bwd_ws() || (sm90_dq_atomic() && !softcap_grad))) || wide_bwd)) {
     dq_accum = zeroed_on_stream({sm90_dq_accum_floats(p, lse.numel())}, q.options().dtype(at::kFloat));

@@ -43,16 +43,20 @@ template <int kDType, int kHeadDim, int kVariant> void run_bwd_mma(const BwdPara
 // run_bwd_sm90<.., kSoftcapGrad> returns false and the mma.sync tier serves it.
 template <int kDType, int kHeadDim, int kVariant> bool run_fwd_sm90(const FwdParams& params, cudaStream_t stream);
 template <int kDType, int kHeadDim, int kVariant> bool run_bwd_sm90(const BwdParams& params, cudaStream_t stream);
-// The wide warp-specialized backward (sm90_bwd_ws_wide.cuh), head-dim buckets 192 / 256, kPlain
-// and kExtended (packed batches, ALiBi), deterministic=False; false (nothing launched) where it
-// does not apply (kSoftcapGrad among others). Not with FLASH_CUDA_SM90_BWD_D256=0 (sm90_bwd_wide
-// below).
+// The wide warp-specialized backward (sm90_bwd_ws_wide.cuh), head-dim buckets 192 / 256, kPlain,
+// kExtended (packed batches, ALiBi) and kSoftcapGrad, deterministic=False; false (nothing
+// launched) where it does not apply. Not with FLASH_CUDA_SM90_BWD_D256=0 (sm90_bwd_wide below).
 template <int kDType, int kHeadDim, int kVariant> bool run_bwd_sm90_wide(const BwdParams& params, cudaStream_t stream);
 // The warp-specialized forward (TMA + mbarrier ring, producer warp, two consumer warpgroups),
 // head-dim buckets 64 / 96 / 128 / 192 / 256 for kPlain, 64 / 96 / 128 / 192 for kExtended
 // (packed batches, softcap, ALiBi; 96: the 128-wide tiles); false (nothing launched) where it does
 // not apply.
 template <int kDType, int kHeadDim, int kVariant> bool run_fwd_sm90_ws(const FwdParams& params, cudaStream_t stream);
+// Its GQA-packed tiles (a tile holds 128 / G queries of all G = hq / hkv query heads of a KV
+// group), head-dim buckets 64 / 96 / 128, kPlain: false (nothing launched) where they do not
+// apply (G not a divisor > 1 of 128, a packed batch or a score modifier). The binding tries it
+// first where ws_pack_gqa (below) says packing pays, then run_fwd_sm90_ws.
+template <int kDType, int kHeadDim> bool run_fwd_sm90_ws_gqa(const FwdParams& params, cudaStream_t stream);
 
 // Its ablation switches, for the optimization record's ladder (read at every launch, a few
 // tens of nanoseconds):
@@ -81,9 +85,32 @@ inline int ws_stages_override() { return ws_env_int("FLASH_CUDA_WS_STAGES"); }
 // FLASH_CUDA_WS_BLOCK_M=128 | 192: the d = 64 kPlain forward's tiles, 128 x 128 or 192 rows
 // (three consumer warpgroups) x 96 keys; unset: 192 rows from Sq = 2048 on.
 inline int ws_block_m_override() { return ws_env_int("FLASH_CUDA_WS_BLOCK_M"); }
+// FLASH_CUDA_WS_TMA_STORE=0: the forward's consumer warps copy their staged O rows to global
+// memory lane by lane (16-byte stores) instead of one TMA store per 64-column slab (the default, 1).
+inline bool ws_tma_store() { return ws_env_int("FLASH_CUDA_WS_TMA_STORE", 1) != 0; }
 // FLASH_CUDA_WS_EXP2_POLY=N (4 or 8): in the d 64 / 128 kPlain forward every N-th 8-key tile
 // of P is exponentiated on the FMA pipe (poly_exp2) instead of MUFU.
 inline int ws_exp2_poly_every() { return ws_env_int("FLASH_CUDA_WS_EXP2_POLY"); }
+// FLASH_CUDA_WS_PACK_GQA=1 | 0: GQA packing in the kPlain forward (run_fwd_sm90_ws_gqa) wherever
+// it can run, or never; unset: for Sq <= 64. A tile of one head holds min(Sq, 128) of its 128
+// rows in its last query block, and the G heads of a group stream the same K/V: G * ceil(Sq / 128)
+// tiles per group, where ceil(Sq * G / 128) packed tiles do the same work with full rows. That
+// at least halves the tiles exactly when Sq <= 64; beyond, packing saves at most the partial
+// last query blocks (G = 4 at Sq = 65..96: 3 tiles for 4), a share left to the kernel without
+// packing, whose O and lse stores stay whole rows of one head. Packing can run for
+// hq / hkv = G > 1 dividing 128, d <= 128, a dense batch without softcap or ALiBi, the
+// overlapped schedule and the default tile shape (no ablation switch above set).
+inline bool ws_pack_gqa(const FwdParams& p) {
+  if (p.hkv <= 0 || p.hq % p.hkv != 0 || p.d > 128 || variant_of(p, /*backward=*/false) != kPlain) return false;
+  const int g = p.hq / p.hkv;
+  if (g < 2 || 128 % g != 0 || ws_schedule_name() == "serial") return false;
+  if (ws_exp2_poly_every() != 0 || ws_block_n_override() != 0 || ws_stages_override() != 0 ||
+      ws_block_m_override() != 0) {
+    return false;
+  }
+  const int force = ws_env_int("FLASH_CUDA_WS_PACK_GQA", -1);
+  return force >= 0 ? force != 0 : p.sq <= 64;
+}
 // The Hopper backward (deterministic=False; deterministic=True always runs the two-kernel path, or
 // for softcap the mma.sync backward):
 //   FLASH_CUDA_SM90_BWD=ws (default)  the warp-specialized kernel (sm90_bwd_ws.cuh): TMA producer,
@@ -101,12 +128,13 @@ inline bool sm90_dq_atomic() { return sm90_bwd_mode() == "atomic"; }
 // FLASH_CUDA_SM90_BWD_DQ_RED=1: the warp-specialized backward adds dQ with red.global atomics from
 // the consumers' registers instead of staging it for the writer warp's bulk reductions.
 inline bool sm90_bwd_dq_red() { return ws_env_int("FLASH_CUDA_SM90_BWD_DQ_RED") != 0; }
-// kernel='auto' backwards at d = 129..256 (plain dense batches, deterministic=False) run the wide
+// kernel='auto' backwards at d = 129..256 (dense or packed, deterministic=False) run the wide
 // warp-specialized backward (sm90_bwd_ws_wide.cuh: 64 keys per CTA, the consumer warpgroups
 // splitting dK, dV, dQ by head-dim columns and S^T, dP^T by queries). FLASH_CUDA_SM90_BWD_D256=0
 // runs the mma.sync backward there instead; =2 the wide kernel with S^T and dP^T computed by both
 // warpgroups (7 products per block pair, no exchange between them: consume_redundant), measured
-// 3-7% slower than the default (OPTIMIZATION.md).
+// 3-7% slower than the default (OPTIMIZATION.md); packed batches, ALiBi and softcap run the
+// query split there too.
 inline bool sm90_bwd_wide() { return ws_env_int("FLASH_CUDA_SM90_BWD_D256", 1) != 0; }
 inline bool sm90_bwd_wide_redundant() { return ws_env_int("FLASH_CUDA_SM90_BWD_D256", 1) == 2; }
 // Query rows per step of the Hopper backward's dK/dV kernels at a head-dim bucket (sm90_bwd.cuh:

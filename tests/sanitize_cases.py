@@ -171,6 +171,9 @@ CASES: List[Case] = [
     # window and per-head ALiBi ----
     _varlen_case(BF16, 4, 2, (300, 0, 129), (129, 5, 300), 256, True, "strided", dlse=True, alibi="batch"),
     _varlen_case(F16, 2, 1, (65, 200), (300, 64), 160, False, window=(64, 16), alibi="heads"),
+    # ---- its softcap instances: P^T / dS^T in 8-query slices written into the exchange tiles,
+    # packed sequences ending mid-block, an empty one, GQA, with ALiBi per head ----
+    _varlen_case(BF16, 4, 2, (200, 0, 129), (129, 5, 300), 256, True, dlse=True, softcap=5.0, alibi="heads"),
 ]
 
 

@@ -2,7 +2,7 @@
 (buckets 192 and 256), kernel='auto''s backward there unless FLASH_CUDA_SM90_BWD_D256=0 (launch.h:
 sm90_bwd_wide): gradients held to the float64 rule of every other kernel (tests/attn_check.py), and
 its route (the profiler sees it by default and with the switch at 1 or 2, for dense and packed
-batches, ALiBi included, with deterministic=False; the mma.sync backward with softcap,
+batches, ALiBi and softcap included, with deterministic=False; the mma.sync backward with
 deterministic=True or the switch at 0).
 
 What the cases aim at: 64 keys per CTA split between two consumer warpgroups by head-dim columns
@@ -11,7 +11,9 @@ zero columns), S^T / dP^T split by queries (32 each, exchanged as 16-bit P^T / d
 shared buffers), dQ by atomics into the fp32 workspace. Block edges (Sq, Sk not multiples of 64),
 Sq != Sk both ways, causal rows that see no key (whole query blocks skipped by both warpgroups,
 which must keep the exchange buffers in step), windows, GQA (the CTA walks several query heads
-through its 2-stage ring), strided views. GPU-only, sm_90 only."""
+through its 2-stage ring), strided views. Softcap's derivative (kSoftcapGrad: P^T and dS^T computed
+8 queries at a time once both S^T and dP^T have landed, each slice written into the exchange
+tiles), alone and with ALiBi, dense and packed. GPU-only, sm_90 only."""
 
 
 import os
@@ -91,8 +93,9 @@ def _backward_kernels(q, k, v, **kw):
 @pytest.mark.parametrize("route", ["on", "default", "off", "deterministic", "alibi", "softcap"])
 def test_wide_bwd_route(route, D, monkeypatch):
     """By default and with the switch at 1 or 2, a backward at d 129..256 runs the wide kernel
-    (ALiBi in its extended instance, which has no =2 form); with the switch at 0, with
-    deterministic=True, or with softcap (no derivative instantiated) the mma.sync backward runs."""
+    (ALiBi in its extended instance, softcap in its kSoftcapGrad one: neither has the =2 form, so
+    both run the query split there); with the switch at 0 or with deterministic=True the mma.sync
+    backward runs."""
     if route == "off":
         monkeypatch.setenv(SWITCH, "0")
     if route == "default":
@@ -106,12 +109,13 @@ def test_wide_bwd_route(route, D, monkeypatch):
     if route == "softcap":
         kw["softcap"] = 5.0
     names = _backward_kernels(q, k, v, **kw)
-    assert ("bwd_sm90_wide_kernel" in names) == (route in ("on", "default", "alibi")), names
-    if route in ("on", "default", "alibi"):
+    wide = route in ("on", "default", "alibi", "softcap")
+    assert ("bwd_sm90_wide_kernel" in names) == wide, names
+    if wide:
         # bwd_sm90_wide_kernel<T, WideConfig<d, stages>, kVariant, kRedundant>: the demangler
         # writes the bool as true / false or (bool)1 / (bool)0.
         redundant = re.search(r"WideConfig<[^<>]*>\s*,\s*\d+\s*,\s*(true|\(bool\)1)", names) is not None
-        assert redundant == (os.environ.get(SWITCH) == "2" and route != "alibi"), names
+        assert redundant == (os.environ.get(SWITCH) == "2" and route not in ("alibi", "softcap")), names
 
 
 # Packed batches (the extended instances): sequences ending mid-block on both sides (the
@@ -164,3 +168,41 @@ def test_wide_bwd_many_heads_per_cta():
     atomics of 16 heads' blocks meet in the workspace."""
     q, k, v = make_inputs(1, 16, 1, 200, 130, 256, F16, "cuda", seed=21)
     check_attention(q, k, v, is_causal=False, scale=None, kernel="auto", label="sm90 wide bwd gqa16", seed=21)
+
+
+# Softcap's derivative (the kSoftcapGrad instances): both buckets, d = 160 with the second
+# warpgroup's columns mostly past d, causal and not, GQA, a window, with ALiBi, a tight softcap
+# (5: tanh saturates, dtanh far from 1) and a loose one (30), Sq != Sk both ways.
+# (B, Hq, Hkv, Sq, Sk, D, is_causal, window, softcap, alibi, layout)
+SOFTCAP_CASES = [
+    (2, 4, 4, 700, 700, 256, False, (-1, -1), 5.0, None, "bhsd"),
+    (1, 8, 2, 777, 1029, 256, True, (-1, -1), 30.0, None, "bshd"),
+    (2, 4, 2, 1029, 300, 256, True, (-1, -1), 5.0, "heads", "strided"),  # rows that see no key
+    (1, 4, 2, 513, 700, 192, False, (100, 37), 30.0, None, "offset"),
+    (2, 4, 1, 600, 650, 192, True, (-1, -1), 5.0, "batch", "bhsd"),
+    (1, 6, 3, 300, 1200, 160, False, (64, 64), 5.0, None, "strided"),
+    (1, 4, 4, 300, 257, 160, True, (-1, -1), 30.0, "heads", "bshd"),
+]
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("B,Hq,Hkv,Sq,Sk,D,is_causal,window,softcap,alibi,layout", SOFTCAP_CASES)
+def test_wide_bwd_softcap(dtype, B, Hq, Hkv, Sq, Sk, D, is_causal, window, softcap, alibi, layout):
+    q, k, v = make_inputs(B, Hq, Hkv, Sq, Sk, D, dtype, "cuda", layout=layout, seed=Sq + Sk + D)
+    slopes = None
+    if alibi is not None:
+        slopes = make_alibi_slopes(Hq, batch=B if alibi == "batch" else None, device="cuda", seed=D)
+    check_attention(q, k, v, is_causal=is_causal, scale=None, window_size=window, softcap=softcap,
+                    alibi_slopes=slopes, kernel="auto", label="sm90 wide bwd softcap", seed=Sq + D)
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("D,alibi", [(256, None), (192, "heads")])
+def test_wide_bwd_softcap_packed_batch(dtype, D, alibi):
+    """A packed batch with softcap: sequences ending mid-block on both sides, an empty one, GQA,
+    causal (the kSoftcapGrad instance reads cu_seqlens like the extended one)."""
+    seqlens_q, seqlens_k = (300, 0, 517, 64), (129, 5, 700, 64)
+    q, k, v, cu_q, cu_k, max_q, max_k = make_varlen_inputs(seqlens_q, seqlens_k, 4, 2, D, dtype, seed=D + 7)
+    slopes = make_alibi_slopes(4, device="cuda", seed=D) if alibi is not None else None
+    check_varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k, is_causal=True, softcap=10.0, alibi_slopes=slopes,
+                           label="sm90 wide bwd varlen softcap", seed=D)

@@ -10,8 +10,8 @@ import os
 import pytest
 import torch
 
-from attn_check import _check_against_references, check_varlen_attention, climb_scores, hopper_skip_reason, \
-    make_alibi_slopes, make_inputs, make_varlen_inputs
+from attn_check import _check_against_references, check_attention, check_varlen_attention, climb_scores, \
+    hopper_skip_reason, make_alibi_slopes, make_inputs, make_varlen_inputs
 from flash_cuda import _ext
 from flash_cuda.reference import attention_naive, attention_varlen_naive
 
@@ -228,6 +228,76 @@ def test_ws_schedules_agree():
     assert len(set(outs)) == 1, outs
 
 
+# (B, Hq, Hkv, Sq, Sk, D, is_causal, layout): the O store, by TMA (FLASH_CUDA_WS_TMA_STORE=1, the
+# default) or lane by lane from the same staging tile (=0): last query tiles and last warps'
+# 16 rows cut by Sq (the TMA store leaves out the rows past the sequence), head dims below their
+# bucket's width (columns left out), GQA, strided views, the 192-row tiles at d = 64, more tiles
+# than SMs (the staging rows rewritten while earlier stores may still be reading them), and
+# d = 256, where O is not staged and the switch changes nothing.
+TMA_STORE_CASES = [
+    (2, 4, 2, 1000, 1100, 128, True, "bshd"),
+    (1, 4, 4, 777, 900, 64, False, "bhsd"),
+    (1, 3, 1, 4200, 4300, 64, True, "bshd"),
+    (2, 4, 2, 300, 500, 96, False, "strided"),
+    (1, 3, 3, 129, 257, 72, True, "offset"),
+    (1, 6, 2, 1000, 700, 192, True, "offset"),
+    (1, 2, 1, 250, 300, 160, False, "bhsd"),
+    (4, 16, 4, 1000, 1000, 128, False, "bhsd"),
+    (3, 20, 4, 601, 650, 64, False, "bshd"),
+    (2, 4, 2, 700, 900, 256, True, "bshd"),
+]
+
+
+@pytest.mark.parametrize("B,Hq,Hkv,Sq,Sk,D,is_causal,layout", TMA_STORE_CASES)
+def test_ws_tma_store_matches_lane_copy(monkeypatch, schedule, B, Hq, Hkv, Sq, Sk, D, is_causal, layout):
+    """FLASH_CUDA_WS_TMA_STORE=1 and =0 write the same bits (out and lse), and both hold to the
+    float64 rule."""
+    q, k, v = make_inputs(B, Hq, Hkv, Sq, Sk, D, BF16, "cuda", layout=layout, seed=Sq + D)
+    wr = 0 if is_causal else -1
+    results = {}
+    for tma in ("1", "0"):
+        monkeypatch.setenv("FLASH_CUDA_WS_TMA_STORE", tma)
+        test_ws_forward_matches_float64(f"{schedule}-tma_store{tma}", BF16, B, Hq, Hkv, Sq, Sk, D, is_causal,
+                                        (-1, -1), layout)
+        out, lse, _ = _ext.require().fwd(q, k, v, 1.0 / math.sqrt(D), -1, wr, 0.0, None, None, None, 0, 0, WS_TIER)
+        results[tma] = (out, lse)
+    assert torch.equal(results["1"][0], results["0"][0]), "out differs between the TMA store and the lane copy"
+    assert torch.equal(results["1"][1], results["0"][1]), "lse differs between the TMA store and the lane copy"
+
+
+# (seqlens_q, seqlens_k, Hq, Hkv, D): packed batches whose sequences end inside a query tile and
+# inside a warp's 16 rows (that warp copies lane by lane: a TMA store would write the next
+# sequence's rows), sequences of 1 and 0 rows, one that fills whole tiles, GQA, head dims
+# 64 / 96 / 128 / 192 and below their buckets.
+TMA_STORE_VARLEN_CASES = [
+    ((130, 77, 200, 1, 129, 0, 256), (129, 200, 77, 65, 300, 5, 256), 4, 2, 128),
+    ((130, 77, 200, 1, 129, 0, 256), (129, 200, 77, 65, 300, 5, 256), 4, 1, 64),
+    ((300, 17, 128, 45), (301, 400, 129, 60), 2, 2, 96),
+    ((257, 1, 130, 33), (129, 7, 0, 90), 4, 2, 192),
+    ((100, 200, 3), (150, 150, 260), 2, 2, 104),
+    ((70, 190, 5), (65, 190, 300), 2, 1, 40),
+]
+
+
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("lens_q,lens_k,Hq,Hkv,D", TMA_STORE_VARLEN_CASES)
+def test_ws_varlen_tma_store_matches_lane_copy(monkeypatch, schedule, lens_q, lens_k, Hq, Hkv, D, is_causal):
+    """On packed batches too, FLASH_CUDA_WS_TMA_STORE=1 and =0 write the same bits, both to the
+    float64 rule: no sequence's stores reach another's rows."""
+    q, k, v, cu_q, cu_k, mq, mk = make_varlen_inputs(lens_q, lens_k, Hq, Hkv, D, BF16, "cuda", seed=sum(lens_q) + D)
+    scale = 1.0 / math.sqrt(D)
+    wr = 0 if is_causal else -1
+    results = {}
+    for tma in ("1", "0"):
+        monkeypatch.setenv("FLASH_CUDA_WS_TMA_STORE", tma)
+        desc = f"schedule={schedule} tma_store={tma} varlen seqlens_q={lens_q} seqlens_k={lens_k} D={D}"
+        _ws_varlen_check(desc, q, k, v, cu_q, cu_k, mq, mk, is_causal=is_causal, window=(-1, -1))
+        out, lse, _ = _ext.require().fwd(q, k, v, scale, -1, wr, 0.0, None, cu_q, cu_k, mq, mk, WS_TIER)
+        results[tma] = (out, lse)
+    assert torch.equal(results["1"][0], results["0"][0]), "out differs between the TMA store and the lane copy"
+    assert torch.equal(results["1"][1], results["0"][1]), "lse differs between the TMA store and the lane copy"
+
+
 def test_ws_forward_rejects_what_it_does_not_serve():
     q, k, v = make_inputs(1, 2, 2, 64, 64, 32, BF16, "cuda")
     with pytest.raises(RuntimeError, match="warp-specialized"):
@@ -381,3 +451,156 @@ def test_ws_varlen_rejects_d256():
     q, k, v, cu_q, cu_k, mq, mk = make_varlen_inputs((100, 30), (90, 40), 2, 2, 256, BF16, "cuda")
     with pytest.raises(RuntimeError, match="warp-specialized"):
         _ext.require().fwd(q, k, v, 0.1, -1, -1, 0.0, None, cu_q, cu_k, mq, mk, WS_TIER)
+
+
+# ---- GQA packing (sm90_fwd_ws.cuh, fwd_sm90_ws_gqa_kernel): the query heads of a KV group in one
+# 128-row tile, row r = query q0 + r / G of head r % G; dense kPlain batches at d 33..128 ----
+def _gqa_cases():
+    """(B, Hq, Hkv, Sq, Sk, D, is_causal, window, layout, dtype): every group size G in 2, 4, 8, 16
+    with every short Sq (1, 7, 16, 33, 64 and 100, which a tile of 128 / G queries splits
+    unevenly), the key lengths, masks, head dims and layouts spread over them: a single key,
+    key lengths at and around the 128-key blocks, causal with Sq > Sk (rows that see no key),
+    windows on either side, head dims below their bucket, bshd (a group's heads adjacent in
+    memory), strided and offset views."""
+    sks = (1, 1000, 129, 37, 128, 517, 300, 7, 999, 64, 255, 130)
+    masks = ((False, (-1, -1)), (True, (-1, -1)), (False, (48, 16)), (True, (100, -1)), (False, (-1, 0)),
+             (False, (0, 300)))
+    dims = (128, 64, 96, 72, 128, 64, 40, 128)
+    layouts = ("bshd", "bhsd", "strided", "offset")
+    cases = []
+    for gi, G in enumerate((2, 4, 8, 16)):
+        for si, Sq in enumerate((1, 7, 16, 33, 64, 100)):
+            n = 6 * gi + si
+            Hkv = 1 + n % 3
+            causal, window = masks[(si + gi) % len(masks)]
+            cases.append((1 + n % 2, G * Hkv, Hkv, Sq, sks[(si + 5 * gi) % len(sks)], dims[(si + 3 * gi) % len(dims)],
+                          causal, window, layouts[(si + 3 * gi) % len(layouts)], F16 if n % 2 else BF16))
+    # G = 32 and 128 (one query per tile: the box is 1 row of 128 heads), MQA.
+    cases.append((1, 32, 1, 50, 700, 128, True, (-1, -1), "bshd", BF16))
+    cases.append((2, 128, 1, 3, 200, 64, False, (-1, -1), "bhsd", F16))
+    return cases
+
+
+GQA_CASES = _gqa_cases()
+
+
+def _ws_pack_expected(Hq, Hkv, Sq, D, pack):
+    """Whether the packed kernel should run (launch.h: ws_pack_gqa) for a plain dense call under the
+    default shape switches and the overlapped schedule."""
+    G = Hq // Hkv
+    if G < 2 or 128 % G != 0 or D > 128 or pack == "0":
+        return False
+    return pack == "1" or Sq <= 64
+
+
+def _ws_gqa_run_and_check(desc, B, Hq, Hkv, Sq, Sk, D, is_causal, window, layout, dtype, seed):
+    q, k, v = make_inputs(B, Hq, Hkv, Sq, Sk, D, dtype, "cuda", layout=layout, seed=seed)
+    scale = 1.0 / math.sqrt(D)
+    wl, wr = window
+    if is_causal:
+        wr = 0
+
+    def flash_fn(qf, kf, vf):
+        out, lse, _ = _ext.require().fwd(qf, kf, vf, scale, wl, wr, 0.0, None, None, None, 0, 0, WS_TIER)
+        return out, lse
+
+    def ref_fn(qr, kr, vr):
+        return attention_naive(qr, kr, vr, is_causal=is_causal, scale=scale, window_size=window)
+
+    _check_against_references(desc, q, k, v, flash_fn, ref_fn, lse_shape=(B, Hq, Sq),
+                              out_rows=lambda m: m, check_grad=False, with_dlse=False, seed=0,
+                              what="warp-specialized forward, GQA packing")
+    return q, k, v, flash_fn
+
+
+@pytest.mark.parametrize("pack", ["1", "0"], ids=["packed", "unpacked"])
+@pytest.mark.parametrize("B,Hq,Hkv,Sq,Sk,D,is_causal,window,layout,dtype", GQA_CASES)
+def test_ws_gqa_packing_matches_float64(monkeypatch, pack, B, Hq, Hkv, Sq, Sk, D, is_causal, window, layout, dtype):
+    """Packed (FLASH_CUDA_WS_PACK_GQA=1) and unpacked (=0) alike hold to the float64 rule: the mask
+    of each row is its query's, O and lse land at each row's own head and query, rows past Sq are
+    never stored, and rows that see no key get 0 and -inf."""
+    monkeypatch.setenv("FLASH_CUDA_WS_PACK_GQA", pack)
+    monkeypatch.setenv("FLASH_CUDA_WS_SCHEDULE", "overlap")
+    desc = (f"pack={pack} B={B} Hq={Hq} Hkv={Hkv} Sq={Sq} Sk={Sk} D={D} dtype={dtype} causal={is_causal} "
+            f"window={window} layout={layout}")
+    _ws_gqa_run_and_check(desc, B, Hq, Hkv, Sq, Sk, D, is_causal, window, layout, dtype, seed=Sq * 7 + Sk + Hq)
+
+
+@pytest.mark.parametrize("persistent", ["1", "0"])
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+def test_ws_gqa_packing_many_tiles(monkeypatch, persistent, is_causal):
+    """More packed tiles than SMs (persistent CTAs run several, the ring and the turns carry on from
+    one tile to the next), and one CTA per tile."""
+    monkeypatch.setenv("FLASH_CUDA_WS_PACK_GQA", "1")
+    monkeypatch.setenv("FLASH_CUDA_WS_SCHEDULE", "overlap")
+    monkeypatch.setenv("FLASH_CUDA_WS_PERSISTENT", persistent)
+    desc = f"many packed tiles persistent={persistent} causal={is_causal}"
+    _ws_gqa_run_and_check(desc, 16, 64, 8, 33, 900, 128, is_causal, (-1, -1), "bshd", BF16, seed=41)
+
+
+@pytest.mark.parametrize("D,is_causal,window", [(128, False, (-1, -1)), (64, True, (-1, -1)), (96, False, (70, 3))])
+def test_ws_gqa_packing_is_bitwise_unpacked(monkeypatch, D, is_causal, window):
+    """A row's arithmetic does not depend on the rows it shares a tile with: the same key blocks in
+    the same order (a block that only the other tile layout visits is fully masked for the row and
+    adds exact zeros), the same products and exponentials. So packed and unpacked outputs and lse
+    are bitwise equal."""
+    monkeypatch.setenv("FLASH_CUDA_WS_SCHEDULE", "overlap")
+    q, k, v = make_inputs(2, 16, 2, 45, 700, D, BF16, "cuda", layout="bshd", seed=D)
+    wl, wr = window
+    if is_causal:
+        wr = 0
+    runs = []
+    for pack in ("1", "0"):
+        monkeypatch.setenv("FLASH_CUDA_WS_PACK_GQA", pack)
+        out, lse, _ = _ext.require().fwd(q, k, v, 0.125, wl, wr, 0.0, None, None, None, 0, 0, WS_TIER)
+        runs.append((out, lse))
+    assert torch.equal(runs[0][0], runs[1][0]), "out: packed != unpacked"
+    assert torch.equal(runs[0][1], runs[1][1]), "lse: packed != unpacked"
+
+
+# (B, Hq, Hkv, Sq, Sk, D, FLASH_CUDA_WS_PACK_GQA or None, extra env): the route of a forward.
+GQA_ROUTES = [
+    (2, 16, 4, 16, 500, 128, None, {}),        # G = 4, Sq = 16: packed by default
+    (2, 16, 4, 16, 500, 128, "0", {}),         # ... unless switched off
+    (1, 8, 1, 64, 300, 64, None, {}),          # G = 8, Sq = 64
+    (1, 16, 2, 65, 300, 96, None, {}),         # G = 8, Sq = 65: 5 tiles for 8, not half
+    (1, 16, 2, 129, 300, 96, "1", {}),         # ... packed when asked
+    (1, 8, 2, 1000, 1000, 128, None, {}),      # long Sq: not by default ...
+    (1, 8, 2, 1000, 1000, 128, "1", {}),       # ... but when asked
+    (1, 4, 4, 16, 300, 128, "1", {}),          # MHA: nothing to pack
+    (1, 6, 2, 16, 300, 64, "1", {}),           # G = 3 does not divide the tile
+    (1, 8, 2, 16, 300, 192, "1", {}),          # d > 128: no packed instance
+    (1, 8, 2, 16, 300, 128, "1", {"FLASH_CUDA_WS_SCHEDULE": "serial"}),  # the overlapped schedule only
+    (1, 8, 2, 16, 300, 64, "1", {"FLASH_CUDA_WS_STAGES": "4"}),          # nor with a shape ablation
+]
+
+
+@pytest.mark.parametrize("kernel", ["auto", "tier4"])
+@pytest.mark.parametrize("B,Hq,Hkv,Sq,Sk,D,pack,env", GQA_ROUTES)
+def test_ws_gqa_route(monkeypatch, kernel, B, Hq, Hkv, Sq, Sk, D, pack, env):
+    """The profiler sees fwd_sm90_ws_gqa_kernel exactly where launch.h's ws_pack_gqa takes it
+    (kernel='auto' and tier 4 alike), the unpacked warp-specialized kernel otherwise, and each
+    route holds to the float64 rule. Softcap (an extended call) never packs."""
+    import flash_cuda
+
+    if pack is None:
+        monkeypatch.delenv("FLASH_CUDA_WS_PACK_GQA", raising=False)
+    else:
+        monkeypatch.setenv("FLASH_CUDA_WS_PACK_GQA", pack)
+    monkeypatch.setenv("FLASH_CUDA_WS_SCHEDULE", "overlap")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    q, k, v = make_inputs(B, Hq, Hkv, Sq, Sk, D, BF16, "cuda", layout="bshd", seed=Sq + D)
+    expected = _ws_pack_expected(Hq, Hkv, Sq, D, pack) and not env
+    for softcap in (0.0, 5.0):
+        if kernel == "auto":
+            run = lambda: flash_cuda.attention(q, k, v, is_causal=True, softcap=softcap)  # noqa: E731
+        else:
+            run = lambda: _ext.require().fwd(q, k, v, 0.1, -1, 0, softcap, None, None, None, 0, 0,  # noqa: E731
+                                             WS_TIER)
+        names = _forward_kernels(run)
+        packed = expected and softcap == 0.0
+        assert ("fwd_sm90_ws_gqa_kernel" in names) == packed, names
+        assert ("fwd_sm90_ws_kernel" in names) == (not packed), names
+        check_attention(q, k, v, is_causal=True, scale=None, softcap=softcap, check_grad=False,
+                        label=f"GQA route pack={pack} env={env} softcap={softcap}")

@@ -5,6 +5,7 @@
 //   * which key blocks can a block of queries see?                   AttnMask::key_begin / key_end
 //   * which query blocks can see a block of keys? (backward)         AttnMask::query_begin / query_end
 //   * does a (query range x key range) tile need the per-element test at all?  AttnMask::needs_mask
+//   * which query does a row of a tile hold? (GQA-packed tiles)      OneQueryPerRow / GqaPackedRows
 //   * softcap and ALiBi on a score, and softcap's derivative        ScoreMod
 //
 // The rule (FlashAttention's, bottom-right aligned). Query i of a sequence with sq queries and
@@ -91,6 +92,21 @@ struct AttnMask {
   }
 };
 
+// Which query a row of a kernel's tile holds: the mask and the score modifiers of a row are
+// those of its query. Every kernel that gives each query head its own tiles has one query per
+// row and counts rows in query indices (OneQueryPerRow, the helpers' default). The Hopper
+// forward's packed GQA tiles (sm90_fwd_ws.cuh) hold the G = 2^shift query heads of one KV group
+// side by side: tile row r is query q0 + r / G of the group's head r % G, so rows [r0, r1) of a
+// tile cover the queries [query(r0), query(r1 - 1) + 1).
+struct OneQueryPerRow {
+  FLASH_HOST_DEVICE int query(int row) const { return row; }
+};
+struct GqaPackedRows {
+  int q0;     // the tile's first query
+  int shift;  // log2 G: G is a power of two (it divides the tile's rows)
+  FLASH_HOST_DEVICE int query(int row) const { return q0 + (row >> shift); }
+};
+
 // Block-index ranges derived from AttnMask, for a kernel that walks key blocks of kBlockN for a
 // query block [r0, r1) (forward, dQ), or query blocks of kBlockM for a key block (dK/dV).
 struct BlockRange {
@@ -162,11 +178,20 @@ struct ScoreMod {
 #endif
 
   // The modifiers of (batch bi, head h); `seq_offset` = sk - sq of that sequence.
+  // kOpaqueSoftcap: softcap read through an empty asm, for a caller that builds the modifiers per
+  // tile inside its loop (mma_bwd.cuh: compute_probs with softcap's derivative): it keeps the
+  // compiler from hoisting C and 1 / C out of that loop into registers the warp-specialized
+  // consumers do not have.
+  template <bool kOpaqueSoftcap = false>
   FLASH_HOST_DEVICE static ScoreMod make(const FwdParams& p, int bi, int h, int seq_offset) {
     constexpr float kLog2e = 1.4426950408889634f;
     ScoreMod mod;
-    if (p.softcap > 0.f) {
-      mod.softcap_log2 = p.softcap * kLog2e;
+    float softcap = p.softcap;
+#if defined(__CUDA_ARCH__)
+    if constexpr (kOpaqueSoftcap) asm volatile("" : "+f"(softcap));
+#endif
+    if (softcap > 0.f) {
+      mod.softcap_log2 = softcap * kLog2e;
       mod.inv_softcap_log2 = 1.f / mod.softcap_log2;
     }
     if (p.alibi_slopes != nullptr) {

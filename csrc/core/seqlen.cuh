@@ -73,9 +73,10 @@ struct SeqInfo {
     return AttnMask{sq, sk, p.diag_lo, p.diag_hi};
   }
   // The modifiers of head h; the inactive default for a kPlain kernel (folds away).
-  template <bool kModded = true>
+  // kOpaqueSoftcap: ScoreMod::make's.
+  template <bool kModded = true, bool kOpaqueSoftcap = false>
   FLASH_HOST_DEVICE ScoreMod score_mod(const FwdParams& p, int h) const {
-    return kModded ? ScoreMod::make(p, bi, h, sk - sq) : ScoreMod{};
+    return kModded ? ScoreMod::make<kOpaqueSoftcap>(p, bi, h, sk - sq) : ScoreMod{};
   }
 };
 

@@ -16,6 +16,7 @@ SM90_BUCKETS = (64, 128)  # the cp.async forward
 SM90_BWD_BUCKETS = (64, 96, 128)  # the backward (96: the 128-wide tiles, 96-deep products)
 SM90_WS_BUCKETS = (64, 96, 128, 192, 256)  # the warp-specialized forward (96: 128-wide tiles, 96 deep)
 SM90_WS_EXT_BUCKETS = (64, 96, 128, 192)  # its extended instances (d = 256 would spill)
+SM90_WS_GQA_BUCKETS = (64, 96, 128)  # its GQA-packed tiles (kPlain)
 SM90_BWD_WIDE_BUCKETS = (192, 256)  # the wide warp-specialized backward (d 129..256)
 
 
@@ -64,8 +65,13 @@ def instances() -> dict:
                     f"Hopper warp-specialized (TMA, mbarrier ring) forward{what}, {dt}, head dim {d}.",
                     "sm90_fwd_ws.cuh",
                     [f"template bool run_fwd_sm90_ws<{dtype}, {d}, {variant}>(const FwdParams&, cudaStream_t);"])
+        for d in SM90_WS_GQA_BUCKETS:
+            files[f"sm90_fwd_ws_gqa_{dt}_d{d}.cu"] = _file(
+                f"Hopper warp-specialized forward, GQA-packed tiles (the query heads of a KV group in one tile), "
+                f"{dt}, head dim {d}.", "sm90_fwd_ws.cuh",
+                [f"template bool run_fwd_sm90_ws_gqa<{dtype}, {d}>(const FwdParams&, cudaStream_t);"])
         for d in SM90_BWD_WIDE_BUCKETS:
-            for suffix in ("", "_ext"):  # no softcap derivative in this kernel
+            for suffix in ("", "_ext", "_softcap"):
                 variant, what = VARIANTS[suffix]
                 files[f"sm90_bwd_wide{suffix}_{dt}_d{d}.cu"] = _file(
                     f"Hopper warp-specialized backward, head-dim columns split between the consumers{what}, "

@@ -335,7 +335,7 @@ __device__ __forceinline__ void compute_probs(float (&s)[kMTiles][kNTiles][4],
   // registers across the caller's loop: the backward kernels have none to spare.
   const bool modded = kVariant != kPlain && has_score_mod(p);
   if (modded) {
-    const ScoreMod mod = seq.score_mod(p, h);
+    const ScoreMod mod = seq.score_mod<true, kSoftcap>(p, h);
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll

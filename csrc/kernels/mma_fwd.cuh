@@ -138,21 +138,23 @@ __device__ __forceinline__ void for_each_element(float (&s)[Cfg::kMTiles][Cfg::k
 // here and once per element inside the exp2's FFMA (the scale is positive: the binding folds
 // a negative scale into q, so max(scale * s) = scale * max(s)). With modifiers S becomes the
 // modified logit in log2 units and exp_scale is 1 (ScoreMod::exp_scale).
-template <typename Cfg>
+// `rows` maps the warp's rows (row_base + ...) to their queries (core/mask.cuh): the identity
+// except in the GQA-packed Hopper forward, whose row_base counts tile rows.
+template <typename Cfg, typename Rows = OneQueryPerRow>
 __device__ __forceinline__ void mask_and_block_max(float (&s)[Cfg::kMTiles][Cfg::kNTiles][4],
                                                    float (&block_max)[Cfg::kMTiles][2], bool needs_mask,
                                                    int row_base, int key_base, const AttnMask& mask,
-                                                   const ScoreMod& mod, float scale_log2) {
+                                                   const ScoreMod& mod, float scale_log2, const Rows& rows = {}) {
   // Both passes are one warp-uniform branch around the whole tile: the plain, unmasked block
   // (the common case) runs no per-element test.
   if (mod.active()) {
     for_each_element<Cfg>(s, row_base, key_base, [&](float& x, int row, int col) {
-      x = mod.apply(x * scale_log2, row, col);
+      x = mod.apply(x * scale_log2, rows.query(row), col);
     });
   }
   if (needs_mask) {
     for_each_element<Cfg>(s, row_base, key_base, [&](float& x, int row, int col) {
-      if (!mask.visible(row, col)) x = -INFINITY;
+      if (!mask.visible(rows.query(row), col)) x = -INFINITY;
     });
   }
   const float exp_scale = mod.exp_scale(scale_log2);
@@ -411,15 +413,31 @@ __device__ __forceinline__ void compute_block_softmax_and_weighted_v(
 // rows of the Q tile, so the global stores are 16-byte and coalesced) and the lse.
 // kStaged = false (a kernel without shared memory to spare; sO_warp unused): every thread
 // stores its own pairs of columns, 4 bytes each. kInTileLoop: called once per tile of a
-// persistent kernel (below).
+// persistent kernel (below). Stage: where element (r, col) of the warp's staged rows lives,
+// sO_warp + Stage::at(r, col) (16-byte chunks stay whole); padded rows by default. copy =
+// false: the rows are only staged, and the caller moves them to global memory itself (the
+// warp-specialized Hopper forward's TMA store; it orders the staging writes before it).
+// `out` places the warp's row r in o and lse: row r of a head (StridedRows), or of a GQA-packed
+// tile (sm90_fwd_ws.cuh: GqaOutRows).
 // ---------------------------------------------------------------------------------
-template <typename Cfg, bool kStaged = true, bool kInTileLoop = false>
+template <typename Cfg>
+struct PaddedRows {
+  __device__ __forceinline__ static int at(int r, int col) { return r * Cfg::kStride + col; }
+};
+struct StridedRows {
+  __device__ __forceinline__ int64_t o(int r, int64_t o_row_stride) const { return r * o_row_stride; }
+  __device__ __forceinline__ int lse(int r) const { return r; }
+};
+
+template <typename Cfg, bool kStaged = true, bool kInTileLoop = false, typename Stage = PaddedRows<Cfg>,
+          typename OutRows = StridedRows>
 __device__ __forceinline__ void normalize_output(float (&acc_o)[Cfg::kMTiles][Cfg::kDTiles][4],
                                                  float (&row_sum)[Cfg::kMTiles][2],
                                                  const float (&row_max)[Cfg::kMTiles][2],
                                                  typename Cfg::T* sO_warp, typename Cfg::T* o_rows,
                                                  int64_t o_row_stride, float* lse_rows,
-                                                 int rows_valid, int d) {
+                                                 int rows_valid, int d, bool copy = true,
+                                                 const OutRows& out = {}) {
   using T = typename Cfg::T;
   const int lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
@@ -438,17 +456,18 @@ __device__ __forceinline__ void normalize_output(float (&acc_o)[Cfg::kMTiles][Cf
         const uint32_t packed =
             pack2<T>(acc_o[mt][dt][half * 2] * inv, acc_o[mt][dt][half * 2 + 1] * inv);
         if constexpr (kStaged) {
-          *reinterpret_cast<uint32_t*>(sO_warp + r * Cfg::kStride + dt * 8 + 2 * t) = packed;
+          *reinterpret_cast<uint32_t*>(sO_warp + Stage::at(r, dt * 8 + 2 * t)) = packed;
         } else if (r < rows_valid && dt * 8 + 2 * t < d) {
-          *reinterpret_cast<uint32_t*>(o_rows + r * o_row_stride + dt * 8 + 2 * t) = packed;
+          *reinterpret_cast<uint32_t*>(o_rows + out.o(r, o_row_stride) + dt * 8 + 2 * t) = packed;
         }
       }
       if (t == 0 && r < rows_valid) {
-        lse_rows[r] = l == 0.f ? -INFINITY : (row_max[mt][half] + __log2f(l)) * kLn2;
+        lse_rows[out.lse(r)] = l == 0.f ? -INFINITY : (row_max[mt][half] + __log2f(l)) * kLn2;
       }
     }
   }
   if constexpr (!kStaged) return;
+  if (!copy) return;
   __syncwarp();
   constexpr int kChunksPerRow = Cfg::kHeadDim / 8;
   // kInTileLoop: the lane read again, opaquely, so that the compiler cannot hoist this copy's
@@ -462,8 +481,8 @@ __device__ __forceinline__ void normalize_output(float (&acc_o)[Cfg::kMTiles][Cf
     const int r = c / kChunksPerRow;
     const int col = (c % kChunksPerRow) * 8;
     if (r < rows_valid && col < d) {
-      *reinterpret_cast<uint4*>(o_rows + r * o_row_stride + col) =
-          *reinterpret_cast<const uint4*>(sO_warp + r * Cfg::kStride + col);
+      *reinterpret_cast<uint4*>(o_rows + out.o(r, o_row_stride) + col) =
+          *reinterpret_cast<const uint4*>(sO_warp + Stage::at(r, col));
     }
   }
 }

@@ -67,7 +67,7 @@ __device__ __forceinline__ void mbarrier_wait(uint64_t* bar, int parity) {
 }
 
 // ---------------------------------------------------------------------------------
-// TMA: one box of a 4-d tensor map into shared memory, completing on an mbarrier
+// TMA: one box of a 4-d tensor map into shared memory, completing on an mbarrier, and back
 // ---------------------------------------------------------------------------------
 // (c0, c1, c2, c3): the box's first element, innermost dimension first.
 __device__ __forceinline__ void tma_load_4d(void* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1,
@@ -78,6 +78,21 @@ __device__ __forceinline__ void tma_load_4d(void* dst, const CUtensorMap* map, u
       "[%6];\n" ::"r"(smem_addr(dst)),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(smem_addr(bar))
       : "memory");
+#endif
+}
+
+// The reverse: one box of shared memory (in the map's swizzled layout) into a 4-d tensor, as a
+// bulk group of this thread (bulk_commit, then bulk_wait_read before the source is written
+// again). The box's elements outside the tensor's extent are not written. The source must have
+// been written before: generic-proxy writes fenced with fence_proxy_async by every writing
+// thread, then a barrier with the issuing one.
+__device__ __forceinline__ void tma_store_4d(const CUtensorMap* map, const void* src, int c0, int c1, int c2,
+                                             int c3) {
+#if FLASH_SM90_ENABLED
+  asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n" ::"l"(
+                   reinterpret_cast<uint64_t>(map)),
+               "r"(smem_addr(src)), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+               : "memory");
 #endif
 }
 
@@ -197,9 +212,15 @@ inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
 // exactly one column slab of the swizzled tile layout (sm90_common.cuh). Rows past `rows` and
 // columns past `d` are filled with zeros. Returns false (nothing to use) when TMA cannot
 // address the view: a base or a stride that is not a multiple of 16 bytes.
+// box_heads > 1 (the GQA-packed Q of sm90_fwd_ws.cuh): the map orders the dimensions
+// (d, head, row, batch) instead, and a box is 64 columns x box_heads heads x box_rows / box_heads
+// rows, with its first head and row given as coordinates 1 and 2. TMA writes a box innermost
+// dimension first, so its 128-byte lines land as tile rows q * box_heads + g (row q of the box,
+// head g): box_rows lines, the same slab as above. (The strides may be in any order here too:
+// TMA steps each dimension by its own stride, as the (d, row, head) map of a bshd view relies on.)
 inline bool make_row_tensor_map(CUtensorMap* map, const void* base, bool bf16, int d, int rows, int heads,
                                 int batch, int64_t row_stride, int64_t head_stride, int64_t batch_stride,
-                                int box_rows) {
+                                int box_rows, int box_heads = 1) {
   const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
   if (encode == nullptr || reinterpret_cast<uintptr_t>(base) % 16 != 0) return false;
   constexpr int64_t kElem = 2;
@@ -208,14 +229,19 @@ inline bool make_row_tensor_map(CUtensorMap* map, const void* base, bool bf16, i
   const int64_t row_bytes = rows > 1 ? row_stride * kElem : (d * kElem + 15) / 16 * 16;
   const int64_t head_bytes = heads > 1 ? head_stride * kElem : row_bytes * rows;
   const int64_t batch_bytes = batch > 1 ? batch_stride * kElem : head_bytes * heads;
-  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(d), static_cast<cuuint64_t>(rows),
-                              static_cast<cuuint64_t>(heads), static_cast<cuuint64_t>(batch)};
-  const cuuint64_t strides[3] = {static_cast<cuuint64_t>(row_bytes), static_cast<cuuint64_t>(head_bytes),
+  const bool heads_inside = box_heads > 1;
+  if (heads_inside && (box_rows % box_heads != 0 || heads % box_heads != 0)) return false;
+  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(d),
+                              static_cast<cuuint64_t>(heads_inside ? heads : rows),
+                              static_cast<cuuint64_t>(heads_inside ? rows : heads), static_cast<cuuint64_t>(batch)};
+  const cuuint64_t strides[3] = {static_cast<cuuint64_t>(heads_inside ? head_bytes : row_bytes),
+                                 static_cast<cuuint64_t>(heads_inside ? row_bytes : head_bytes),
                                  static_cast<cuuint64_t>(batch_bytes)};
   for (cuuint64_t s : strides) {
     if (s % 16 != 0 || s >= (cuuint64_t{1} << 40)) return false;
   }
-  const cuuint32_t box[4] = {64, static_cast<cuuint32_t>(box_rows), 1, 1};
+  const cuuint32_t box[4] = {64, static_cast<cuuint32_t>(heads_inside ? box_heads : box_rows),
+                             static_cast<cuuint32_t>(heads_inside ? box_rows / box_heads : 1), 1};
   const cuuint32_t unit[4] = {1, 1, 1, 1};
   const CUresult r = encode(map, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 4,
                             const_cast<void*>(base), dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
@@ -235,18 +261,27 @@ struct MapRows {
   }
 };
 
-// The maps of a call's Q (boxes of block_m rows), K and V (block_n rows); false where TMA cannot
+// The maps of a call's Q (boxes of block_m rows; q_group > 1: of block_m / q_group rows of
+// q_group heads each, the GQA-packed tiles), K and V (block_n rows); false where TMA cannot
 // address one of the views.
 inline bool make_qkv_tensor_maps(const FwdParams& p, CUtensorMap* q, CUtensorMap* k, CUtensorMap* v, int block_m,
-                                 int block_n) {
+                                 int block_n, int q_group = 1) {
   const bool bf16 = p.dtype == DType::kBFloat16;
   const MapRows rows = MapRows::of(p);
   return make_row_tensor_map(q, p.q, bf16, p.d, rows.q, p.hq, rows.batch, p.q_row_stride, p.q_head_stride,
-                             p.q_batch_stride, block_m) &&
+                             p.q_batch_stride, block_m, q_group) &&
          make_row_tensor_map(k, p.k, bf16, p.d, rows.k, p.hkv, rows.batch, p.k_row_stride, p.k_head_stride,
                              p.k_batch_stride, block_n) &&
          make_row_tensor_map(v, p.v, bf16, p.d, rows.k, p.hkv, rows.batch, p.v_row_stride, p.v_head_stride,
                              p.v_batch_stride, block_n);
+}
+
+// The map of a call's O, written in boxes of box_rows rows (TMA stores); false where TMA cannot
+// address the view.
+inline bool make_o_tensor_map(const FwdParams& p, CUtensorMap* o, int box_rows) {
+  const MapRows rows = MapRows::of(p);
+  return make_row_tensor_map(o, p.o, p.dtype == DType::kBFloat16, p.d, rows.q, p.hq, rows.batch, p.o_row_stride,
+                             p.o_head_stride, p.o_batch_stride, box_rows);
 }
 
 }  // namespace flash_cuda

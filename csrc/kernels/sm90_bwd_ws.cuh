@@ -61,6 +61,14 @@ namespace bwd_ws {
 
 struct TmaMaps {
   CUtensorMap q, dout, k, v;
+  // Q and dO in boxes of block_m rows (dO has Q's rows: sm90_async.cuh, MapRows), K and V of
+  // block_n; false where TMA cannot address a view (the launcher then launches nothing).
+  bool make(const BwdParams& p, int block_m, int block_n) {
+    const MapRows rows = MapRows::of(p);
+    return make_qkv_tensor_maps(p, &q, &k, &v, block_m, block_n) &&
+           make_row_tensor_map(&dout, p.dout, p.dtype == DType::kBFloat16, p.d, rows.q, p.hq, rows.batch,
+                               p.do_row_stride, p.do_head_stride, p.do_batch_stride, block_m);
+  }
 };
 
 // Named barrier 1 (0 is __syncthreads): both consumer warpgroups staged their rows of dS^T.
@@ -675,14 +683,8 @@ bool launch_bwd_sm90_ws(const BwdParams& p, cudaStream_t stream) {
   if (!sm90_bwd_ws() || p.dq_accum == nullptr || (packed && kVariant == kPlain) || !sm90_kernel_built(kernel)) {
     return false;
   }
-  // dO has Q's rows (sm90_async.cuh: MapRows).
-  const MapRows rows = MapRows::of(p);
   sm90::bwd_ws::TmaMaps maps;
-  if (!make_qkv_tensor_maps(p, &maps.q, &maps.k, &maps.v, Cfg::kBlockM, Cfg::kBlockN) ||
-      !make_row_tensor_map(&maps.dout, p.dout, p.dtype == DType::kBFloat16, p.d, rows.q, p.hq, rows.batch,
-                           p.do_row_stride, p.do_head_stride, p.do_batch_stride, Cfg::kBlockM)) {
-    return false;
-  }
+  if (!maps.make(p, Cfg::kBlockM, Cfg::kBlockN)) return false;
   launch_bwd_preprocess<T>(p, stream);
   set_smem_limit(kernel, Cfg::kSmemBytes, "bwd_sm90_ws");
   kernel<<<dim3(ceil_div(p.sk, Cfg::kBlockN), p.hkv, p.b), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p, maps);

@@ -65,13 +65,22 @@
 // spills 12 bytes), so the consumers have at most about 16 registers of room: not enough to keep
 // the next block's S^T and dP^T (32) in flight under the dQ atomics.
 //
-// Scope: dense batches (kPlain: causal, windows, Sq != Sk, GQA) and, in the kExtended instances,
-// packed (varlen) batches and ALiBi; fp16 / bf16, deterministic=False (the workspace's summation
-// order varies), views TMA can address, kernel='auto' unless FLASH_CUDA_SM90_BWD_D256=0
-// (launch.h: sm90_bwd_wide). Softcap's derivative (kSoftcapGrad) is not instantiated: the
-// launcher returns false and the caller runs the mma.sync backward, as it does with the switch
-// at 0. A packed batch is walked as in sm90_bwd_ws.cuh (one CTA per 64 keys of a sequence, the
-// producer zeroing the rows of a partial block that belong to the next sequence).
+// Softcap (kSoftcapGrad: dS gets the factor dtanh = 1 - tanh^2), query split only. As in
+// sm90_bwd_ws.cuh, no whole tile of dtanh is kept: S^T and dP^T are both awaited, then P^T and
+// dS^T are computed a few queries at a time (softcap_stage) and each slice goes straight into the
+// exchange tiles where the other variants' staging puts it (stage_tiles); from the exchange
+// barrier on nothing differs. The exponentials then no longer run under the dP^T product.
+// The slices are 8 queries wide: with 16 the consumers spill at 240 registers, as they do unless
+// softcap's constants are built per slice rather than kept across the loop (core/mask.cuh:
+// ScoreMod::make) and a packed sequence's key rows are read again for the final stores.
+//
+// Scope: dense batches (kPlain: causal, windows, Sq != Sk, GQA) and, in the kExtended and
+// kSoftcapGrad instances, packed (varlen) batches, ALiBi and softcap; fp16 / bf16,
+// deterministic=False (the workspace's summation order varies), views TMA can address,
+// kernel='auto' unless FLASH_CUDA_SM90_BWD_D256=0 (launch.h: sm90_bwd_wide); the launcher returns
+// false otherwise and the caller runs the mma.sync backward. A packed batch is walked as in
+// sm90_bwd_ws.cuh (one CTA per 64 keys of a sequence, the producer zeroing the rows of a partial
+// block that belong to the next sequence).
 #pragma once
 
 #include "sm90_bwd_ws.cuh"
@@ -91,6 +100,9 @@ using bwd_ws::Steps;
 // instructions, which compute-sanitizer's synccheck reports as divergent threads of the block.
 // Named barriers 2, 3 (kRedundant): warpgroup w's 4 warps wrote its own copy of dS^T.
 constexpr int kPrivateBarrier = 2;
+
+// kSoftcapGrad: C tiles (8 queries each) of P^T, dS^T computed per slice (softcap_stage).
+constexpr int kSoftcapSliceTiles = 1;
 
 // The shared-memory bytes of WideConfig<kD> with a ring of `stages` Q / dO stages (layout in
 // the file comment).
@@ -141,22 +153,55 @@ struct WideConfig {
   static_assert(kSmemBytes == wide_smem_bytes(kD, kStages), "the stage count was chosen with this layout");
 };
 
-// Writes a warpgroup's query half of an fp32 tile (P^T or dS^T, 64 keys x 32 queries, the n32
-// accumulator) as 16-bit values into the shared tile [64 keys][64 queries] (one swizzled slab),
-// where the dV / dK products read it K-major and the dQ product MN-major. Element (key r, query
-// c) sits at r * 128 + 16 * ((c / 8) ^ (r % 8)) + 2 * (c % 8); a thread's pair of C tile j is
-// query 32 wg + 8 j + 2 t (rows g and g + 8, which share r % 8 = g). For each j the warp's 32
-// 4-byte stores hit 32 different banks (chunk (4 wg + j) ^ g differs between the 8 rows).
-template <typename T>
-__device__ __forceinline__ void stage_half(T* tile, const float (&acc)[1][4][4], int wg, int ct) {
+// Writes C tiles [j0, j0 + kTiles) of a warpgroup's query half of an fp32 tile (P^T or dS^T, 64
+// keys x 32 queries, the n32 accumulator; a slice of it with softcap) as 16-bit values into the
+// shared tile [64 keys][64 queries] (one swizzled slab), where the dV / dK products read it
+// K-major and the dQ product MN-major. Element (key r, query c) sits at
+// r * 128 + 16 * ((c / 8) ^ (r % 8)) + 2 * (c % 8); a thread's pair of C tile j0 + j is query
+// 32 wg + 8 (j0 + j) + 2 t (rows g and g + 8, which share r % 8 = g). For each tile the warp's 32
+// 4-byte stores hit 32 different banks (chunk (4 wg + j0 + j) ^ g differs between the 8 rows).
+template <typename T, int kTiles>
+__device__ __forceinline__ void stage_tiles(T* tile, const float (&acc)[1][kTiles][4], int wg, int j0, int ct) {
   const int lane = ct % 32, wq = (ct / 32) % 4;
   const int g = lane / 4, t = lane % 4;
   unsigned char* row = reinterpret_cast<unsigned char*>(tile) + (16 * wq + g) * kSwizzleBytes + 4 * t;
 #pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    unsigned char* at = row + (((4 * wg + j) ^ g) * 16);
+  for (int j = 0; j < kTiles; ++j) {
+    unsigned char* at = row + (((4 * wg + j0 + j) ^ g) * 16);
     *reinterpret_cast<uint32_t*>(at) = pack2<T>(acc[0][j][0], acc[0][j][1]);
     *reinterpret_cast<uint32_t*>(at + 8 * kSwizzleBytes) = pack2<T>(acc[0][j][2], acc[0][j][3]);
+  }
+}
+
+// P^T and dS^T of kSoftcapGrad for a warpgroup's 32 queries, kSliceTiles C tiles (8 queries each)
+// at a time: compute_probs / compute_ds with their kSoftcap paths on each slice, then the slice
+// straight into the exchange tiles. Softcap's derivative then lives in a slice of dtanh
+// (4 registers per tile) instead of a whole one the consumers have no room for beside dK, dV.
+// Both S^T and dP^T must have landed first: with softcap the exponentials no longer overlap the
+// dP^T product. lse, delta: the warpgroup's first query's entries; q0: that query.
+template <typename T, int kSliceTiles, int kHalfM>
+__device__ __forceinline__ void softcap_stage(T* sPt, T* sdSt, const float (&pt)[1][kHalfM / 8][4],
+                                              const float (&dst)[1][kHalfM / 8][4], const float* lse,
+                                              const float* delta, bool needs_mask, int warp_key0, int q0,
+                                              const AttnMask& mask, const BwdParams& p, const SeqInfo& seq,
+                                              int h, int wg, int ct) {
+  static_assert((kHalfM / 8) % kSliceTiles == 0, "whole slices");
+#pragma unroll
+  for (int j0 = 0; j0 < kHalfM / 8; j0 += kSliceTiles) {
+    float p_slice[1][kSliceTiles][4], ds_slice[1][kSliceTiles][4], dtanh[1][kSliceTiles][4];
+#pragma unroll
+    for (int j = 0; j < kSliceTiles; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        p_slice[0][j][e] = pt[0][j0 + j][e];
+        ds_slice[0][j][e] = dst[0][j0 + j][e];
+      }
+    // Queries q0 + 8 j0 ..: their lse and delta from entry 8 j0 on.
+    bwd_mma::compute_probs<true, kSoftcapGrad>(p_slice, dtanh, lse + 8 * j0, needs_mask, warp_key0, q0 + 8 * j0,
+                                               mask, p, seq, h);
+    bwd_mma::compute_ds<true, kSoftcapGrad>(ds_slice, p_slice, dtanh, delta + 8 * j0);
+    stage_tiles<T, kSliceTiles>(sPt, p_slice, wg, j0, ct);
+    stage_tiles<T, kSliceTiles>(sdSt, ds_slice, wg, j0, ct);
   }
 }
 
@@ -252,6 +297,19 @@ __device__ __forceinline__ void store_columns(const BwdParams& p, const SeqInfo&
   bwd_mma::store_rows<T, 1, kCols>(acc_dk, dk, p.dk_row_stride, rows_valid, p.d - col0, p.scale);
 }
 
+// Waits for step i's Q, dO, lse, delta (stage i % kStages) and says whether any of the CTA's 64
+// keys sees query block m0; a block none sees is released at once. CTA-uniform (both warpgroups
+// hold all 64 keys): both skip it, the exchange barrier included.
+template <typename T, typename Cfg>
+__device__ __forceinline__ bool wait_visible_block(const Smem<T, Cfg>& sm, const AttnMask& mask, int i, int m0,
+                                                   int n0) {
+  const int s = Steps::stage(i, Cfg::kStages);
+  mbarrier_wait(&sm.q_full[s], Steps::parity(i, Cfg::kStages));
+  if (mask.any_visible(m0, m0 + Cfg::kBlockM, n0, n0 + Cfg::kBlockN)) return true;
+  mbarrier_arrive(&sm.q_empty[s]);
+  return false;
+}
+
 // One consumer warpgroup, owning columns [col0, col0 + kCols) of dK, dV and dQ, and queries
 // [32 wg, 32 wg + 32) of each block's S^T and dP^T. ct: thread of the 256 consumers.
 template <typename T, typename Cfg, int kVariant, int kCols>
@@ -282,13 +340,7 @@ __device__ __forceinline__ void consume(const BwdParams& p, const Smem<T, Cfg>& 
   for (int i = 0; i < steps.count; ++i) {
     const int s = Steps::stage(i, kStages);
     const int h = steps.head(i), m0 = steps.m_block(i) * kBlockM;
-    mbarrier_wait(&sm.q_full[s], Steps::parity(i, kStages));
-    // CTA-uniform (both warpgroups hold all 64 keys): a block none of the keys sees is skipped by
-    // both, barrier included.
-    if (!mask.any_visible(m0, m0 + kBlockM, n0, n0 + kBlockN)) {
-      mbarrier_arrive(&sm.q_empty[s]);
-      continue;
-    }
+    if (!wait_visible_block(sm, mask, i, m0, n0)) continue;
     const T* sQ_s = sm.q(s);
     const T* sdO_s = sm.dout(s);
     T* sPt = sm.ds(e);
@@ -300,7 +352,7 @@ __device__ __forceinline__ void consume(const BwdParams& p, const Smem<T, Cfg>& 
       const float* lse = sm.lse + s * kBlockM + q_half;
       const float* delta = sm.delta + s * kBlockM + q_half;
       // S^T, dP^T for its 32 queries, one commit group each: P's exponentials and its staging
-      // run while the tensor cores compute dP^T.
+      // run while the tensor cores compute dP^T (except with softcap: softcap_stage).
       float pt[1][kHalfM / 8][4];
       float dst[1][kHalfM / 8][4];
       wgmma_fence();
@@ -316,15 +368,24 @@ __device__ __forceinline__ void consume(const BwdParams& p, const Smem<T, Cfg>& 
                                          desc_k_major<kBlockM>(sdO_s, q_half, ks), ks > 0);
       }
       wgmma_commit();
-      wgmma_wait<1>();
-      fence_accumulator(pt[0]);
-      float no_dtanh[1][1][4];
-      bwd_mma::compute_probs<true, kVariant>(pt, no_dtanh, lse, needs_mask, warp_key0, m0 + q_half, mask, p, seq, h);
-      stage_half<T>(sPt, pt, wg, ct);
-      wgmma_wait<0>();
-      fence_accumulator(dst[0]);
-      bwd_mma::compute_ds<true, kVariant>(dst, pt, no_dtanh, delta);
-      stage_half<T>(sdSt, dst, wg, ct);
+      if constexpr (kVariant == kSoftcapGrad) {
+        wgmma_wait<0>();
+        fence_accumulator(pt[0]);
+        fence_accumulator(dst[0]);
+        softcap_stage<T, kSoftcapSliceTiles, kHalfM>(sPt, sdSt, pt, dst, lse, delta, needs_mask, warp_key0,
+                                                     m0 + q_half, mask, p, seq, h, wg, ct);
+      } else {
+        wgmma_wait<1>();
+        fence_accumulator(pt[0]);
+        float no_dtanh[1][1][4];
+        bwd_mma::compute_probs<true, kVariant>(pt, no_dtanh, lse, needs_mask, warp_key0, m0 + q_half, mask, p, seq,
+                                               h);
+        stage_tiles<T, kHalfM / 8>(sPt, pt, wg, 0, ct);
+        wgmma_wait<0>();
+        fence_accumulator(dst[0]);
+        bwd_mma::compute_ds<true, kVariant>(dst, pt, no_dtanh, delta);
+        stage_tiles<T, kHalfM / 8>(sdSt, dst, wg, 0, ct);
+      }
     }
     fence_proxy_async();  // the generic-proxy writes of P^T, dS^T, before the tensor cores read them
     mbarrier_arrive(sm.ds_empty);
@@ -367,7 +428,9 @@ __device__ __forceinline__ void consume(const BwdParams& p, const Smem<T, Cfg>& 
     mbarrier_arrive(&sm.q_empty[s]);
   }
 
-  store_columns<T, kCols>(p, seq, acc_dk, acc_dv, hkv, warp_key0, col0);
+  // A packed sequence's key rows are read again for the stores rather than kept across the loop,
+  // where the consumers have no register to spare for them (softcap's derivative spills it).
+  store_columns<T, kCols>(p, SeqInfo::make<kVarlen>(p, bi), acc_dk, acc_dv, hkv, warp_key0, col0);
 }
 
 // kRedundant: the alternative to the query split above, for measuring against it. Each warpgroup
@@ -406,11 +469,7 @@ __device__ __forceinline__ void consume_redundant(const BwdParams& p, const Smem
   for (int i = 0; i < steps.count; ++i) {
     const int s = Steps::stage(i, kStages);
     const int h = steps.head(i), m0 = steps.m_block(i) * kBlockM;
-    mbarrier_wait(&sm.q_full[s], Steps::parity(i, kStages));
-    if (!mask.any_visible(m0, m0 + kBlockM, n0, n0 + kBlockN)) {
-      mbarrier_arrive(&sm.q_empty[s]);
-      continue;
-    }
+    if (!wait_visible_block(sm, mask, i, m0, n0)) continue;
     const T* sQ_s = sm.q(s);
     const T* sdO_s = sm.dout(s);
     T* sdSt = sm.ds(e) + wg * (Cfg::kTileP / sizeof(T));  // its own dS^T
@@ -490,7 +549,8 @@ template <typename T, typename Cfg, int kVariant, bool kRedundant>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
     bwd_sm90_wide_kernel(const __grid_constant__ BwdParams p, const __grid_constant__ bwd_ws::TmaMaps maps) {
 #if FLASH_SM90_ENABLED
-  static_assert(kVariant == kPlain || kVariant == kExtended, "no softcap derivative");
+  static_assert(kVariant == kPlain || kVariant == kExtended || (kVariant == kSoftcapGrad && !kRedundant),
+                "softcap's derivative in the query split only");
   constexpr bool kVarlen = kVariant != kPlain;
   extern __shared__ unsigned char smem_raw[];
   const Smem<T, Cfg> sm(aligned_smem_base<true>(smem_raw));
@@ -553,13 +613,8 @@ bool launch_bwd_sm90_wide(const BwdParams& p, cudaStream_t stream) {
       p.d > kD || !sm90_kernel_built(kernel)) {
     return false;
   }
-  const MapRows rows = MapRows::of(p);
   sm90::bwd_ws::TmaMaps maps;
-  if (!make_qkv_tensor_maps(p, &maps.q, &maps.k, &maps.v, Cfg::kBlockM, Cfg::kBlockN) ||
-      !make_row_tensor_map(&maps.dout, p.dout, p.dtype == DType::kBFloat16, p.d, rows.q, p.hq, rows.batch,
-                           p.do_row_stride, p.do_head_stride, p.do_batch_stride, Cfg::kBlockM)) {
-    return false;
-  }
+  if (!maps.make(p, Cfg::kBlockM, Cfg::kBlockN)) return false;
   launch_bwd_preprocess<T>(p, stream);
   set_smem_limit(kernel, Cfg::kSmemBytes, "bwd_sm90_wide");
   kernel<<<dim3(ceil_div(p.sk, Cfg::kBlockN), p.hkv, p.b), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p, maps);
@@ -571,16 +626,13 @@ bool launch_bwd_sm90_wide(const BwdParams& p, cudaStream_t stream) {
 template <int kDType, int kHeadDim, int kVariant>
 bool run_bwd_sm90_wide(const BwdParams& p, cudaStream_t stream) {
   using T = typename ElementOf<kDType>::type;
-  if constexpr (kVariant == kSoftcapGrad) {
-    return false;  // not instantiated: the caller runs the mma.sync backward
-  } else {
-    // FLASH_CUDA_SM90_BWD_D256=2: S^T, dP^T computed by both warpgroups (consume_redundant), an
-    // A/B of dense batches without score modifiers only.
-    if constexpr (kVariant == kPlain) {
-      if (sm90_bwd_wide_redundant()) return launch_bwd_sm90_wide<T, kHeadDim, kPlain, true>(p, stream);
-    }
-    return launch_bwd_sm90_wide<T, kHeadDim, kVariant, false>(p, stream);
+  // FLASH_CUDA_SM90_BWD_D256=2: S^T, dP^T computed by both warpgroups (consume_redundant), an
+  // A/B of dense batches without score modifiers only; the others (kExtended, kSoftcapGrad) run
+  // the query split.
+  if constexpr (kVariant == kPlain) {
+    if (sm90_bwd_wide_redundant()) return launch_bwd_sm90_wide<T, kHeadDim, kPlain, true>(p, stream);
   }
+  return launch_bwd_sm90_wide<T, kHeadDim, kVariant, false>(p, stream);
 }
 
 }  // namespace flash_cuda

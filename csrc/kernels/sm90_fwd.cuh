@@ -64,14 +64,15 @@ struct FwdConfig {
                 "the O staging tile fits in the K/V ring");
 };
 
-// Step 1: S = Q K^T (wgmma), then the shared mask / row-max helper.
-template <typename Cfg>
+// Step 1: S = Q K^T (wgmma), then the shared mask / row-max helper (`rows`: as there).
+template <typename Cfg, typename Rows = OneQueryPerRow>
 __device__ __forceinline__ void compute_qk_scores_and_max(float (&s)[1][Cfg::kNTiles][4],
                                                           float (&block_max)[1][2],
                                                           const typename Cfg::T* sQ, int wg_row0,
                                                           const typename Cfg::T* sK, bool needs_mask,
                                                           int row_base, int key_base, const AttnMask& mask,
-                                                          const ScoreMod& mod, float scale_log2) {
+                                                          const ScoreMod& mod, float scale_log2,
+                                                          const Rows& rows = {}) {
   using T = typename Cfg::T;
   wgmma_fence();
 #pragma unroll
@@ -82,7 +83,7 @@ __device__ __forceinline__ void compute_qk_scores_and_max(float (&s)[1][Cfg::kNT
   wgmma_commit();
   wgmma_wait<0>();
   fence_accumulator(s[0]);
-  fwd_mma::mask_and_block_max<Cfg>(s, block_max, needs_mask, row_base, key_base, mask, mod, scale_log2);
+  fwd_mma::mask_and_block_max<Cfg>(s, block_max, needs_mask, row_base, key_base, mask, mod, scale_log2, rows);
 }
 
 // Step 3: P = exp2(S - m), row sums, O += P V (wgmma, P from registers).

@@ -21,12 +21,14 @@
 //   ... normalize_output.
 //
 // Shared memory: Q (kBlockM x kHeadDim) | K[kStages] | V[kStages] | O staging | mbarriers |
-// tile slots. Q, K, V are in the 128-byte-swizzled slab layout of sm90_common.cuh, which is
-// what TMA's 128-byte swizzle writes for a box of 64 columns (one slab) when the slab starts on
-// a 1024-byte boundary. Barriers: q_full / q_empty (Q of the current tile), and per stage
-// k_full, v_full (producer arrival + transaction bytes: V may still be landing while S = Q K^T
-// runs), k_empty, v_empty (one arrival per consumer warp; K is freed as soon as S is done);
-// v_tail, the producer's own, on which a packed sequence's partial last V block lands.
+// tile slots. Q, K, V and O are in the 128-byte-swizzled slab layout of sm90_common.cuh, which
+// is what TMA's 128-byte swizzle writes (and reads) for a box of 64 columns (one slab) when the
+// slab starts on a 1024-byte boundary. O leaves the way Q came in: each consumer warp stages its
+// normalized rows there and one of its lanes stores them with TMA (store_o_tma). Barriers:
+// q_full / q_empty (Q of the current tile), and per stage k_full, v_full (producer arrival +
+// transaction bytes: V may still be landing while S = Q K^T runs), k_empty, v_empty (one
+// arrival per consumer warp; K is freed as soon as S is done); v_tail, the producer's own, on
+// which a packed sequence's partial last V block lands.
 //
 // Two consumer schedules (WsSchedule), chosen at launch, so that each rung of the ladder is
 // measured against the one before on the same build (launch.h: the ablation switches):
@@ -47,6 +49,19 @@
 // of the one partial key block are zeroed before the consumers see them (load_v_zero_tail), so
 // that a NaN or Inf of one sequence never reaches another's output through 0 x NaN in P V.
 //
+// GQA packing (kPackGqa, the kernel fwd_sm90_ws_gqa_kernel). With G = hq / hkv query heads per
+// KV group and a short Sq (chunked prefill, speculative decoding), a tile of one head has only
+// Sq of its 128 rows, and the G heads of a group each stream the same K and V. A packed tile
+// holds 128 / G queries of all G heads instead: tile row r is query q0 + r / G of the group's
+// head r % G (core/mask.cuh: GqaPackedRows). The scheduler counts (batch, KV head, packed query
+// block); the producer loads the group's K/V once per tile, and Q with one box per slab from a
+// map whose dimensions run (d, head, row, batch) (sm90_async.cuh: make_row_tensor_map's
+// box_heads), which lands exactly as those rows. A row's mask is its query's; the tile's key
+// blocks are those of its queries [q0, q0 + 128 / G); O and lse go out row by row to their head
+// and query (GqaOutRows). G is a power of two (it divides 128), so r / G and r % G are a shift
+// and a mask. Dense kPlain batches only (ALiBi's slope is per head, i.e. per row here), with the
+// overlapped schedule; launch.h (ws_pack_gqa) says when the binding takes it.
+//
 // Scope of this version: fp16 / bf16, head dims 64, 128, 192 and 256 (64 keys per step above
 // 128), causal, windows, Sq != Sk, GQA, and in the kExtended instances (d <= 192: at d = 256
 // their per-tile state spills both roles) packed batches, softcap and ALiBi; views whose base
@@ -57,6 +72,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "sm90_async.cuh"
 #include "sm90_fwd.cuh"
@@ -66,9 +82,12 @@ namespace sm90 {
 namespace ws {
 
 // The tensor maps of one call (a kernel parameter, read by the TMA unit; CUtensorMap carries
-// its own alignment).
+// its own alignment). o_by_tma: O leaves the staging tile through TMA stores on map o (16-row
+// boxes: one consumer warp's rows); 0 where O is not staged, where its view is one TMA cannot
+// address, and with FLASH_CUDA_WS_TMA_STORE=0: the warps' lanes copy it (normalize_output).
 struct TmaMaps {
-  CUtensorMap q, k, v;
+  CUtensorMap q, k, v, o;
+  int o_by_tma;
 };
 
 // Named barriers (0 is __syncthreads): warpgroup w's turn to issue its products (kOverlap) is
@@ -122,15 +141,18 @@ struct WsConfig : FwdConfig<T_, kHeadDim_, kBlockN_, /*kWarpGroups=*/kConsumerWG
   static constexpr int kBarriers = 3 + 4 * kStages;
   static constexpr size_t kBarrierBytes = sizeof(uint64_t) * kBarriers + 2 * sizeof(int);
   static constexpr size_t kRingBytes = Base::kTileQ + 2 * kStages * Base::kTileKV;
-  // O is staged in its own tile (padded rows, 16-byte coalesced stores), so that a persistent
-  // CTA's producer may already fill the ring with the next tile's K/V while the consumers write
-  // this tile's O. Where that tile does not fit (d = 256), each thread stores its own pairs.
-  static constexpr size_t kStagedO = size_t(Base::kBlockM) * Base::kStride * sizeof(T_);
+  // O is staged in its own tile, so that a persistent CTA's producer may already fill the ring
+  // with the next tile's K/V while the consumers write this tile's O. The tile has Q's swizzled
+  // slab layout (no padding: the swizzle keeps the fragment writes conflict-free), which is
+  // what a TMA store of 64-column boxes reads; the lanes' 16-byte copies (a packed sequence's
+  // last rows, FLASH_CUDA_WS_TMA_STORE=0) read it too. Where that tile does not fit (d = 256),
+  // each thread stores its own pairs.
+  static constexpr size_t kStagedO = size_t(Base::kBlockM) * kHeadDim_ * sizeof(T_);
   static constexpr bool kStageO = kRingBytes + kStagedO + kBarrierBytes + 1024 <= 227 * 1024;
   static constexpr size_t kTileO = kStageO ? kStagedO : 0;
   static constexpr size_t kSmemBytes = kRingBytes + kTileO + kBarrierBytes + 1024;
   static_assert(Base::kTileQ % 1024 == 0 && Base::kTileKV % 1024 == 0, "slabs stay 1024-byte aligned");
-  static_assert(kTileO % 16 == 0, "the barriers after the O tile stay 8-byte aligned");
+  static_assert(kTileO % 1024 == 0, "the O tile's slabs stay 1024-byte aligned, and the barriers after it 8");
   static_assert(Base::kBlockM <= 256 && Base::kBlockN <= 256, "a TMA box has at most 256 rows");
   static_assert(kSmemBytes <= 227 * 1024, "fits a Hopper block");
 };
@@ -179,6 +201,44 @@ struct QueryTile {
     if (threadIdx.x % 32 == 0) mbarrier_arrive(empty);
   }
 };
+
+// A consumer warp's 16 rows of the O staging tile (whose slabs hold all kBlockM rows): row r of
+// the warp is row 16 w + r of the tile, which has the same swizzle phase (r % 8), so the warp's
+// rows are addressed as those of a kBlockM-row tile from its first row on.
+template <typename Cfg>
+struct SwizzledRows {
+  __device__ __forceinline__ static int at(int r, int col) {
+    return static_cast<int>(swizzled_offset<Cfg::kBlockM>(r, col) / sizeof(typename Cfg::T));
+  }
+};
+
+// Moves a consumer warp's staged O rows to global memory: one TMA store per 64-column slab (box:
+// 64 columns x 16 rows, at coordinates (column, row, head, batch) of map o), one bulk group,
+// issued by lane 0. The TMA unit leaves out the box's rows and columns past the tensor's extent
+// (a dense batch's last rows, d below the tile's width). Per warp rather than per warpgroup: the
+// staged rows are the warp's own, so a __syncwarp orders every lane's writes before the issuing
+// lane, and no warp waits at a named barrier for the slowest of its warpgroup. Before the rows
+// are written again (the next tile's normalize_output) that lane waits until the unit has read
+// them (wait_o_staging), and before the CTA retires until the stores are done.
+template <typename Cfg>
+__device__ __forceinline__ void store_o_tma(const CUtensorMap* map, const typename Cfg::T* sO_warp, int row, int h,
+                                            int b) {
+  fence_proxy_async();  // this lane's staging writes, before the async proxy reads them
+  __syncwarp();
+  if (threadIdx.x % 32 != 0) return;
+#pragma unroll
+  for (int c = 0; c < Cfg::kSlabs; ++c) {
+    tma_store_4d(map, sO_warp + c * Cfg::kBlockM * kSlabCols, c * kSlabCols, row, h, b);
+  }
+  bulk_commit();
+}
+
+// The previous tile's TMA store of this warp's staged rows has read them (lane 0 issued it and
+// waits; the __syncwarp holds the other lanes' writes back until then). Nothing pending: at once.
+__device__ __forceinline__ void wait_o_staging() {
+  if (threadIdx.x % 32 == 0) bulk_wait_read<0>();
+  __syncwarp();
+}
 
 // The producer warp walks its tile loop together, so that all of it can zero the rows past a
 // packed sequence's end (load_v_zero_tail); lane 0 alone issues the loads and the arrivals.
@@ -243,7 +303,9 @@ __device__ __forceinline__ void load_v_zero_tail(const CUtensorMap* map, const R
 // of the tile's block 0. A tile without keys (its rows see none) gets no loads at all: the
 // consumers write its zeros and -inf without reading Q. `last_rows`: the rows of the last
 // block that are its sequence's when a box would cross into another sequence, else kBlockN.
-template <typename Cfg>
+// kPackGqa: the Q map runs (d, head, row, batch) (make_row_tensor_map's box_heads), and at.h is
+// the group's first query head.
+template <typename Cfg, bool kPackGqa = false>
 __device__ __forceinline__ void produce(const TmaMaps& maps, const Ring<Cfg>& ring, int first, typename Cfg::T* sQ,
                                         const QueryTile& qt, int k, int t, const BlockRange& range,
                                         const TileCoords& at, int last_rows, int& tail_phase) {
@@ -258,7 +320,11 @@ __device__ __forceinline__ void produce(const TmaMaps& maps, const Ring<Cfg>& ri
       mbarrier_arrive_expect_tx(qt.full, Cfg::kTileQ);
 #pragma unroll
       for (int c = 0; c < Cfg::kSlabs; ++c) {
-        tma_load_4d(sQ + c * Cfg::kBlockM * kSlabCols, &maps.q, qt.full, c * kSlabCols, at.q_row, at.h, at.b);
+        if constexpr (kPackGqa) {
+          tma_load_4d(sQ + c * Cfg::kBlockM * kSlabCols, &maps.q, qt.full, c * kSlabCols, at.h, at.q_row, at.b);
+        } else {
+          tma_load_4d(sQ + c * Cfg::kBlockM * kSlabCols, &maps.q, qt.full, c * kSlabCols, at.q_row, at.h, at.b);
+        }
       }
     } else {
       mbarrier_arrive(qt.full);
@@ -275,15 +341,19 @@ __device__ __forceinline__ void produce(const TmaMaps& maps, const Ring<Cfg>& ri
   }
 }
 
-// What a consumer warp needs to know about its rows and keys.
+// What a consumer warp needs to know about its rows and keys. Rows: which query each row holds
+// (core/mask.cuh): OneQueryPerRow, or GqaPackedRows in the GQA-packed kernel.
+template <typename Rows>
 struct ConsumerView {
   AttnMask mask;  // of the tile's sequence
   ScoreMod mod;
   BlockRange range;
+  Rows rows;
   int wg;         // consumer warpgroup: 0 or 1
   int wg_row0;    // its first row within the CTA's tile
-  int warp_row0;  // this warp's first query row (sequence index)
-  int warp_row_end;
+  int row_base;   // this warp's first row as `rows` counts them (the query itself, or the tile row)
+  int warp_row0;  // the first query of this warp's rows (sequence index)
+  int warp_row_end;  // one past the last (at most the sequence's end)
   float scale_log2, exp_scale;
   __device__ __forceinline__ bool needs_mask(int nb, int block_n) const {
     return mask.needs_mask(warp_row0, warp_row_end, nb * block_n, (nb + 1) * block_n);
@@ -291,9 +361,9 @@ struct ConsumerView {
 };
 
 // kSerial: the four steps of sm90_fwd.cuh per key block, each product waited for at once.
-template <typename Cfg>
+template <typename Cfg, typename View>
 __device__ __forceinline__ void consume_serial(const Ring<Cfg>& ring, int first, const typename Cfg::T* sQ,
-                                               const QueryTile& qt, const ConsumerView& cv, float (&acc_o)[1][Cfg::kDTiles][4],
+                                               const QueryTile& qt, const View& cv, float (&acc_o)[1][Cfg::kDTiles][4],
                                                float (&row_max)[1][2], float (&row_sum)[1][2]) {
   for (int nb = cv.range.begin, i = first; nb < cv.range.end; ++nb, ++i) {
     const int s = ring.stage(i);
@@ -301,7 +371,7 @@ __device__ __forceinline__ void consume_serial(const Ring<Cfg>& ring, int first,
     float block_max[1][2];
     mbarrier_wait(&ring.k_full[s], ring.parity(i));
     compute_qk_scores_and_max<Cfg>(sc, block_max, sQ, cv.wg_row0, ring.k(s), cv.needs_mask(nb, Cfg::kBlockN),
-                                   cv.warp_row0, nb * Cfg::kBlockN, cv.mask, cv.mod, cv.scale_log2);
+                                   cv.row_base, nb * Cfg::kBlockN, cv.mask, cv.mod, cv.scale_log2, cv.rows);
     ring.release_k(s);
     if (nb == cv.range.end - 1) qt.release();  // the tile's last product that reads Q is done
     fwd_mma::merge_block_stats<Cfg>(row_max, row_sum, acc_o, block_max);
@@ -341,13 +411,13 @@ __device__ __forceinline__ void issue_weighted_v(float (&acc_o)[1][Cfg::kDTiles]
 
 // Step 1 (overlapped): S was issued earlier, possibly followed by kNewer more groups (the
 // previous block's P V); wait for S alone, then the mask and the block's row maxima.
-template <typename Cfg, int kNewer>
+template <typename Cfg, int kNewer, typename View>
 __device__ __forceinline__ void compute_qk_scores_and_max(float (&sc)[1][Cfg::kNTiles][4], float (&block_max)[1][2],
-                                                          const ConsumerView& cv, int nb) {
+                                                          const View& cv, int nb) {
   wgmma_wait<kNewer>();
   fence_accumulator(sc[0]);
-  fwd_mma::mask_and_block_max<Cfg>(sc, block_max, cv.needs_mask(nb, Cfg::kBlockN), cv.warp_row0,
-                                   nb * Cfg::kBlockN, cv.mask, cv.mod, cv.scale_log2);
+  fwd_mma::mask_and_block_max<Cfg>(sc, block_max, cv.needs_mask(nb, Cfg::kBlockN), cv.row_base,
+                                   nb * Cfg::kBlockN, cv.mask, cv.mod, cv.scale_log2, cv.rows);
 }
 
 // Step 2 (overlapped): the new running statistics now; O, which the previous block's P V may
@@ -406,9 +476,9 @@ struct Turns {
 // block i-1's statistics, issue P(i-1) V(i-1); wait for S(i) alone and run its mask, max,
 // statistics and exponentials while P V is on the tensor cores; then wait for P V, free the
 // stage and round P(i) into A fragments. `first`: the ring position of this tile's block 0.
-template <typename Cfg>
+template <typename Cfg, typename View>
 __device__ __forceinline__ void consume_overlap(const Ring<Cfg>& ring, int first, const typename Cfg::T* sQ,
-                                                const QueryTile& qt, const ConsumerView& cv, float (&acc_o)[1][Cfg::kDTiles][4],
+                                                const QueryTile& qt, const View& cv, float (&acc_o)[1][Cfg::kDTiles][4],
                                                 float (&row_max)[1][2], float (&row_sum)[1][2]) {
   const int n = cv.range.count();
   if (n <= 0) return;
@@ -490,9 +560,11 @@ struct TileScheduler {
   // Longest first where a later query block sees more keys: a bounded right side (causal, or a
   // window's right edge), which every sequence of a packed batch shares with the call. Each role
   // makes its own (after setmaxnreg): nothing computed before the split stays live across it.
-  template <int kBlockM>
-  __device__ __forceinline__ static TileScheduler of(const FwdParams& p) {
-    return {ceil_div(p.sq, kBlockM), p.hq, p.b, p.window_right >= 0, p.tile_counter};
+  // kPackGqa: tiles of kBlockM >> shift queries of the 2^shift heads of a KV group; Tile::h is
+  // then the KV head.
+  template <int kBlockM, bool kPackGqa = false>
+  __device__ __forceinline__ static TileScheduler of(const FwdParams& p, int shift = 0) {
+    return {ceil_div(p.sq, kBlockM >> shift), kPackGqa ? p.hkv : p.hq, p.b, p.window_right >= 0, p.tile_counter};
   }
   __device__ __forceinline__ int first() const { return blockIdx.x; }
   __device__ __forceinline__ int next(int t) const {
@@ -502,34 +574,61 @@ struct TileScheduler {
 
 // What one tile covers, derived alike by the producer and the consumers from its number: its
 // sequence (kVarlen = false: a dense batch, every field a constant or a parameter), that
-// sequence's mask, the tile's first row, how many of its rows the sequence has, and the key
-// blocks those rows see. In a packed batch the scheduler counts max_seqlen_q's query blocks for
-// every sequence, so a tile may start past its sequence's end: rows_valid <= 0, no keys.
+// sequence's mask, the tile's first query, how many of its rows hold one of the sequence's
+// queries, and the key blocks those queries see. In a packed batch the scheduler counts
+// max_seqlen_q's query blocks for every sequence, so a tile may start past its sequence's end:
+// rows_valid <= 0, no keys. shift: log2 of the query heads a tile packs (GQA packing; 0: one
+// head per tile, row i is query q0 + i).
 template <typename Cfg, bool kVarlen>
 struct TileWork {
   SeqInfo seq;
   AttnMask mask;
-  int row0, rows_valid;
+  int q0, rows_valid;
   BlockRange range;
-  __device__ __forceinline__ static TileWork make(const FwdParams& p, const TileScheduler::Tile& tile) {
+  __device__ __forceinline__ static TileWork make(const FwdParams& p, const TileScheduler::Tile& tile, int shift = 0) {
     TileWork w;
     w.seq = SeqInfo::make<kVarlen>(p, tile.b);
     w.mask = w.seq.template mask<kVarlen>(p);
-    w.row0 = tile.m_block * Cfg::kBlockM;
-    w.rows_valid = min(Cfg::kBlockM, w.seq.sq - w.row0);
+    w.q0 = tile.m_block * (Cfg::kBlockM >> shift);
+    const int queries = min(Cfg::kBlockM >> shift, w.seq.sq - w.q0);
+    w.rows_valid = queries * (1 << shift);  // (a multiplication: queries may be < 0 in a packed batch)
     // (A dense batch's tiles all have rows: the scheduler counts exactly its query blocks.)
-    w.range = !kVarlen || w.rows_valid > 0 ? BlockRange::keys_of(w.mask, w.row0, w.row0 + w.rows_valid, Cfg::kBlockN)
-                                           : BlockRange{0, 0};
+    w.range = !kVarlen || queries > 0 ? BlockRange::keys_of(w.mask, w.q0, w.q0 + queries, Cfg::kBlockN)
+                                      : BlockRange{0, 0};
     return w;
   }
 };
 
+// log2 G, G = hq / hkv query heads per KV group (a power of two where packing runs).
+__device__ __forceinline__ int gqa_shift(const FwdParams& p) {
+  return __ffs(static_cast<int>(unsigned(p.hq) / unsigned(p.hkv))) - 1;
+}
+
+// Where row r of a consumer warp's output goes in the GQA-packed kernel, counted from the tile's
+// first query of the group's first head: the warp's tile row t = row0 + r is query t >> shift
+// of head t & (G - 1) (normalize_output's `out`; StridedRows for one head per tile).
+struct GqaOutRows {
+  int row0, shift;
+  int64_t o_head_stride, lse_head_stride;
+  __device__ __forceinline__ int64_t o(int r, int64_t o_row_stride) const {
+    const int t = row0 + r;
+    return (t >> shift) * o_row_stride + (t & ((1 << shift) - 1)) * o_head_stride;
+  }
+  __device__ __forceinline__ int64_t lse(int r) const {
+    const int t = row0 + r;
+    return (t & ((1 << shift) - 1)) * lse_head_stride + (t >> shift);
+  }
+};
+
 // kExt: the kExtended instances: packed batches, softcap and ALiBi. A dense call through them
-// reads cu_seqlens_q == nullptr and takes the dense path.
-template <typename Cfg, int kSchedule, bool kExt>
+// reads cu_seqlens_q == nullptr and takes the dense path. kPackGqa: GQA-packed tiles (the head
+// comment), dense kPlain batches only.
+template <typename Cfg, int kSchedule, bool kExt, bool kPackGqa = false>
 __device__ __forceinline__ void fwd_ws_block(const FwdParams& p, const TmaMaps& maps) {
+  static_assert(!(kPackGqa && kExt), "a packed tile's rows share no per-head modifier, nor one sequence's offsets");
   using T = typename Cfg::T;
   using Work = TileWork<Cfg, kExt>;
+  using Rows = std::conditional_t<kPackGqa, GqaPackedRows, OneQueryPerRow>;
   constexpr int kStages = Cfg::kStages;
   extern __shared__ unsigned char smem_raw[];
   unsigned char* smem = aligned_smem_base<Cfg::kSharedBase>(smem_raw);
@@ -565,7 +664,8 @@ __device__ __forceinline__ void fwd_ws_block(const FwdParams& p, const TmaMaps& 
   if (warp < 4) {
     setmaxnreg_dec<Cfg::kProducerRegs>();
     if (warp == 0) {
-      const TileScheduler sched = TileScheduler::of<Cfg::kBlockM>(p);
+      const int shift = kPackGqa ? gqa_shift(p) : 0;
+      const TileScheduler sched = TileScheduler::of<Cfg::kBlockM, kPackGqa>(p, shift);
       // Warp 0 loads every tile of this CTA (ring positions run on across tiles) and finally
       // publishes "no more tiles". A tile without rows (past its packed sequence's end) is
       // skipped here and never published: the consumers see only tiles with rows.
@@ -573,23 +673,26 @@ __device__ __forceinline__ void fwd_ws_block(const FwdParams& p, const TmaMaps& 
       int t = sched.first();
       for (int k = 0, first = 0, tail_phase = 0;;) {
         if (t >= sched.total()) {
-          produce<Cfg>(maps, ring, first, sQ, qt, k, -1, BlockRange{0, 0}, TileCoords{}, Cfg::kBlockN, tail_phase);
+          produce<Cfg, kPackGqa>(maps, ring, first, sQ, qt, k, -1, BlockRange{0, 0}, TileCoords{}, Cfg::kBlockN,
+                                 tail_phase);
           break;
         }
         // Drawn now, used after this tile's loads are issued; lane 0 draws for the warp.
         const int t_next = __shfl_sync(0xffffffffu, lane == 0 ? sched.next(t) : 0, 0);
         const TileScheduler::Tile tile = sched.at(t);
-        const Work w = Work::make(p, tile);
+        const Work w = Work::make(p, tile, shift);
         if (w.rows_valid > 0) {
-          const int h_kv = int(unsigned(tile.h) / (unsigned(p.hq) / unsigned(p.hkv)));
-          const TileCoords at{w.seq.q_start + w.row0, w.seq.k_start, tile.h, h_kv, packed ? 0 : tile.b};
+          // A GQA-packed tile's h is its KV head; its Q box starts at the group's first query head.
+          const int h_kv = kPackGqa ? tile.h : int(unsigned(tile.h) / (unsigned(p.hq) / unsigned(p.hkv)));
+          const TileCoords at{w.seq.q_start + w.q0, w.seq.k_start, kPackGqa ? tile.h << shift : tile.h, h_kv,
+                              packed ? 0 : tile.b};
           // Rows of the last block that are the sequence's, where its box would read on into
           // another sequence's rows (rows past the tensor's end TMA fills with zeros itself).
           const int last_key = w.range.end * Cfg::kBlockN;
           const int last_rows = packed && last_key > w.seq.sk && w.seq.k_start + w.seq.sk < p.total_k
                                     ? w.seq.sk - (w.range.end - 1) * Cfg::kBlockN
                                     : Cfg::kBlockN;
-          produce<Cfg>(maps, ring, first, sQ, qt, k, t, w.range, at, last_rows, tail_phase);
+          produce<Cfg, kPackGqa>(maps, ring, first, sQ, qt, k, t, w.range, at, last_rows, tail_phase);
           first += w.range.count();
           ++k;
         }
@@ -601,22 +704,29 @@ __device__ __forceinline__ void fwd_ws_block(const FwdParams& p, const TmaMaps& 
 
   // ---- consumers: warps 4..11, warpgroup w = (warp - 4) / 4 owns rows 64w .. 64w + 63 ----
   setmaxnreg_inc<Cfg::kConsumerRegs>();
-  const TileScheduler sched = TileScheduler::of<Cfg::kBlockM>(p);
+  const int shift = kPackGqa ? gqa_shift(p) : 0;
+  const TileScheduler sched = TileScheduler::of<Cfg::kBlockM, kPackGqa>(p, shift);
   const int cwarp = warp - 4;
   for (int k = 0, first = 0;; ++k) {
     mbarrier_wait(qt.full, k & 1);
     const int t = atomicAdd(&qt.slot[k & 1], 0);
     if (t < 0) break;
     const TileScheduler::Tile tile = sched.at(t);
-    const Work w = Work::make(p, tile);  // rows_valid > 0: the producer publishes no other tile
-    ConsumerView cv;
+    const Work w = Work::make(p, tile, shift);  // rows_valid > 0: the producer publishes no other tile
+    ConsumerView<Rows> cv;
     cv.mask = w.mask;
     cv.mod = w.seq.template score_mod<kExt>(p, tile.h);
     cv.range = w.range;
     cv.wg = cwarp / 4;
     cv.wg_row0 = cv.wg * 64;
-    cv.warp_row0 = w.row0 + 16 * cwarp;
-    cv.warp_row_end = min(cv.warp_row0 + 16, w.seq.sq);
+    if constexpr (kPackGqa) {
+      cv.rows = GqaPackedRows{w.q0, shift};
+      cv.row_base = 16 * cwarp;
+    } else {
+      cv.row_base = w.q0 + 16 * cwarp;
+    }
+    cv.warp_row0 = cv.rows.query(cv.row_base);
+    cv.warp_row_end = min(cv.rows.query(cv.row_base + 15) + 1, w.seq.sq);
     cv.scale_log2 = p.scale_log2;
     cv.exp_scale = cv.mod.exp_scale(p.scale_log2);
 
@@ -635,19 +745,46 @@ __device__ __forceinline__ void fwd_ws_block(const FwdParams& p, const TmaMaps& 
     if (cv.range.count() == 0) qt.release();
     first += cv.range.count();
 
-    // Step 4 through this warp's own 16 rows of the O staging tile (the warp's previous
-    // reads of them are ordered before it by normalize_output's __syncwarp and this one), or
-    // straight from registers where that tile does not fit (kStageO). Only the sequence's
-    // rows are stored (rows_valid): a packed tile's rows past its end hold another
-    // sequence's queries.
-    __syncwarp();
-    T* o = w.seq.q_rows(static_cast<T*>(p.o), p.o_batch_stride, p.o_head_stride, p.o_row_stride, tile.h) +
-           static_cast<int64_t>(w.row0) * p.o_row_stride;
-    float* lse = p.softmax_lse + w.seq.stat_offset(p, tile.h) + w.row0;
+    // Step 4 through this warp's own 16 rows of the O staging tile, or straight from registers
+    // where that tile does not fit (kStageO). Before the rows are rewritten, the previous
+    // tile's reads of them are done: the lanes' copies (normalize_output's __syncwarp and the
+    // one in wait_o_staging), the TMA unit's (wait_o_staging). Only the sequence's rows are
+    // stored (rows_valid): a packed tile's rows past its end hold another sequence's queries,
+    // so a warp whose rows cross its sequence's end copies lane by lane; a TMA store would
+    // write all 16 rows (its map runs over every packed row). A dense batch's map ends with
+    // the sequence: the store leaves out the rows past it. A GQA-packed tile's rows go to their
+    // own heads and queries, lane by lane (O's map has one head per box).
+    if constexpr (Cfg::kStageO) {
+      wait_o_staging();
+    } else {
+      __syncwarp();
+    }
+    const int h = kPackGqa ? tile.h << shift : tile.h;  // the tile's (first) query head
+    T* o = w.seq.q_rows(static_cast<T*>(p.o), p.o_batch_stride, p.o_head_stride, p.o_row_stride, h) +
+           static_cast<int64_t>(w.q0) * p.o_row_stride;
+    float* lse = p.softmax_lse + w.seq.stat_offset(p, h) + w.q0;
     const int warp_rows_valid = min(16, w.rows_valid - 16 * cwarp);
-    fwd_mma::normalize_output<Cfg, Cfg::kStageO, /*kInTileLoop=*/true>(acc_o, row_sum, row_max, sO + cwarp * 16 * Cfg::kStride,
-                                   o + static_cast<int64_t>(16 * cwarp) * p.o_row_stride, p.o_row_stride,
-                                   lse + 16 * cwarp, warp_rows_valid, p.d);
+    T* sO_warp = sO + cwarp * 16 * kSlabCols;
+    if constexpr (kPackGqa) {
+      fwd_mma::normalize_output<Cfg, Cfg::kStageO, /*kInTileLoop=*/true, SwizzledRows<Cfg>>(
+          acc_o, row_sum, row_max, sO_warp, o, p.o_row_stride, lse, warp_rows_valid, p.d, /*copy=*/true,
+          GqaOutRows{16 * cwarp, shift, p.o_head_stride, p.stat_head_stride});
+    } else {
+      const bool packed = kExt && p.cu_seqlens_q != nullptr;
+      const bool by_tma =
+          Cfg::kStageO && maps.o_by_tma != 0 && (warp_rows_valid == 16 || (!packed && warp_rows_valid > 0));
+      fwd_mma::normalize_output<Cfg, Cfg::kStageO, /*kInTileLoop=*/true, SwizzledRows<Cfg>>(
+          acc_o, row_sum, row_max, sO_warp, o + static_cast<int64_t>(16 * cwarp) * p.o_row_stride, p.o_row_stride,
+          lse + 16 * cwarp, warp_rows_valid, p.d, /*copy=*/!by_tma);
+      if (by_tma) {
+        store_o_tma<Cfg>(&maps.o, sO_warp, w.seq.q_start + w.q0 + 16 * cwarp, tile.h, packed ? 0 : tile.b);
+      }
+    }
+  }
+  // The last tile's stores are done (not only their reads of shared memory) before the CTA
+  // retires.
+  if constexpr (Cfg::kStageO) {
+    if (threadIdx.x % 32 == 0) bulk_wait<0>();
   }
 }
 
@@ -661,8 +798,40 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 #endif
 }
 
+// The GQA-packed tiles (kPlain, the overlapped schedule), under a name of its own so that a
+// profile tells the two routes apart.
+template <typename Cfg>
+__global__ void __launch_bounds__(Cfg::kThreads, 1)
+    fwd_sm90_ws_gqa_kernel(const __grid_constant__ FwdParams p, const __grid_constant__ TmaMaps maps) {
+#if FLASH_SM90_ENABLED
+  fwd_ws_block<Cfg, kOverlap, /*kExt=*/false, /*kPackGqa=*/true>(p, maps);
+#else
+  __trap();  // never launched: see sm90_kernel_built
+#endif
+}
+
 }  // namespace ws
 }  // namespace sm90
+
+// The maps, shared memory and grid of either kernel, whose tiles hold kBlockM / group queries of
+// `group` query heads each (group 1: one head per tile), and the launch; false, having launched
+// nothing, where TMA cannot address a view.
+template <typename Cfg, typename Kernel>
+bool launch_ws_tiles(Kernel kernel, const FwdParams& p, cudaStream_t stream, int group) {
+  sm90::ws::TmaMaps maps;  // a packed batch's maps span all its rows (sm90_async.cuh: MapRows)
+  if (!make_qkv_tensor_maps(p, &maps.q, &maps.k, &maps.v, Cfg::kBlockM, Cfg::kBlockN, group)) return false;
+  // O's map (one head per box) serves the unpacked tiles; without it the lanes copy the staged rows.
+  maps.o_by_tma = group == 1 && Cfg::kStageO && ws_tma_store() && make_o_tensor_map(p, &maps.o, /*box_rows=*/16) ? 1 : 0;
+  set_smem_limit(kernel, Cfg::kSmemBytes, "fwd_sm90_ws");
+  const int64_t tiles = int64_t(ceil_div(p.sq, Cfg::kBlockM / group)) * (p.hq / group) * p.b;
+  if (tiles > INT32_MAX / 2) return false;  // the tile loop steps t past the last tile
+  // One CTA per SM fits (shared memory and registers): a persistent grid of num_sms CTAs.
+  const int grid = ws_persistent() && p.num_sms > 0 ? static_cast<int>(std::min<int64_t>(tiles, p.num_sms))
+                                                  : static_cast<int>(tiles);
+  kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p, maps);
+  check_launch("fwd_sm90_ws");
+  return true;
+}
 
 // Launches the warp-specialized forward and returns true, or returns false having launched
 // nothing: not an sm_90 device or not built for sm_90a, a call of another variant, or a view
@@ -679,17 +848,19 @@ bool launch_fwd_sm90_ws(const FwdParams& p, cudaStream_t stream) {
                         : sm90::ws::fwd_sm90_ws_kernel<Cfg, kOther, kExt>;
   if (p.sm_arch != 90 || !sm90_kernel_built(kernel)) return false;
   if (variant_of(p, /*backward=*/false) != kVariant) return false;
-  sm90::ws::TmaMaps maps;  // a packed batch's maps span all its rows (sm90_async.cuh: MapRows)
-  if (!make_qkv_tensor_maps(p, &maps.q, &maps.k, &maps.v, Cfg::kBlockM, Cfg::kBlockN)) return false;
-  set_smem_limit(kernel, Cfg::kSmemBytes, "fwd_sm90_ws");
-  const int64_t tiles = int64_t(ceil_div(p.sq, Cfg::kBlockM)) * p.hq * p.b;
-  if (tiles > INT32_MAX / 2) return false;  // the tile loop steps t past the last tile
-  // One CTA per SM fits (shared memory and registers): a persistent grid of num_sms CTAs.
-  const int grid = ws_persistent() && p.num_sms > 0 ? static_cast<int>(std::min<int64_t>(tiles, p.num_sms))
-                                                  : static_cast<int>(tiles);
-  kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p, maps);
-  check_launch("fwd_sm90_ws");
-  return true;
+  return launch_ws_tiles<Cfg>(kernel, p, stream, /*group=*/1);
+}
+
+// The GQA-packed forward (kPlain only): false, having launched nothing, where G = hq / hkv is
+// not a divisor > 1 of the tile's rows or the call is not a plain dense one.
+template <typename Cfg>
+bool launch_fwd_sm90_ws_gqa(const FwdParams& p, cudaStream_t stream) {
+  auto kernel = sm90::ws::fwd_sm90_ws_gqa_kernel<Cfg>;
+  if (p.sm_arch != 90 || !sm90_kernel_built(kernel)) return false;
+  if (variant_of(p, /*backward=*/false) != kPlain || p.hkv <= 0 || p.hq % p.hkv != 0) return false;
+  const int group = p.hq / p.hkv;
+  if (group < 2 || Cfg::kBlockM % group != 0) return false;
+  return launch_ws_tiles<Cfg>(kernel, p, stream, group);
 }
 
 template <int kDType, int kHeadDim, int kVariant>
@@ -724,6 +895,17 @@ bool run_fwd_sm90_ws(const FwdParams& p, cudaStream_t stream) {
   } else {
     return launch_fwd_sm90_ws<WsConfig<T, kHeadDim>, kVariant>(p, stream);
   }
+}
+
+// The GQA-packed tiles at the default shape of each bucket: 128 x 128 tiles, two consumer
+// warpgroups (d 65..96: the 128-wide tiles, Q K^T 96 deep).
+template <int kDType, int kHeadDim>
+bool run_fwd_sm90_ws_gqa(const FwdParams& p, cudaStream_t stream) {
+  using T = typename ElementOf<kDType>::type;
+  static_assert(kHeadDim == 64 || kHeadDim == 96 || kHeadDim == 128, "the buckets with packed instances");
+  constexpr int kWidth = kHeadDim == 96 ? 128 : kHeadDim;
+  return launch_fwd_sm90_ws_gqa<sm90::ws::WsConfig<T, kWidth, sm90::ws::ws_block_n(kWidth), 0, 2, 2, kHeadDim>>(
+      p, stream);
 }
 
 }  // namespace flash_cuda

@@ -174,6 +174,10 @@ CASES: List[Case] = [
     # ---- its softcap instances: P^T / dS^T in 8-query slices written into the exchange tiles,
     # packed sequences ending mid-block, an empty one, GQA, with ALiBi per head ----
     _varlen_case(BF16, 4, 2, (200, 0, 129), (129, 5, 300), 256, True, dlse=True, softcap=5.0, alibi="heads"),
+    # ---- GQA-packed tiles of the Hopper forward (the default for Sq <= 64): row r of a tile is
+    # query r / G of head r % G; a partial last tile, causal rows that see no key, G = 4 and 8 ----
+    Case(BF16, 2, 8, 2, 50, 700, 64, True, "bhsd", dlse=True),
+    Case(F16, 1, 16, 2, 64, 300, 128, False, "bshd"),
 ]
 
 

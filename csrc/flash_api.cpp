@@ -287,15 +287,11 @@ template <int kDType, int kVariant> struct Sm90Fwd {
 };
 template <int kDType, int kVariant> struct Sm90WsFwd {
   template <int kD> static bool run(const FwdParams& p, cudaStream_t s) {
-    if constexpr (kVariant != kPlain && kD > 192) {
-      return false;  // no extended instance at d = 256 (csrc/instances/generate.py)
-    } else {
-      if constexpr (kVariant == kPlain && kD <= 128) {
-        // GQA-packed tiles where they pay (launch.h: ws_pack_gqa); the launcher may decline.
-        if (ws_pack_gqa(p) && run_fwd_sm90_ws_gqa<kDType, kD>(p, s)) return true;
-      }
-      return run_fwd_sm90_ws<kDType, kD, kVariant>(p, s);
+    if constexpr (kVariant == kPlain && kD <= 128) {
+      // GQA-packed tiles where they pay (launch.h: ws_pack_gqa); the launcher may decline.
+      if (ws_pack_gqa(p) && run_fwd_sm90_ws_gqa<kDType, kD>(p, s)) return true;
     }
+    return run_fwd_sm90_ws<kDType, kD, kVariant>(p, s);
   }
 };
 template <int kDType, int kVariant> struct Sm90Bwd {
@@ -347,15 +343,14 @@ bool sm90_wide_bwd_applies(const BwdParams& p, Tier tier) {
 
 // Whether the call goes to the warp-specialized forward (its launcher may still decline, having
 // launched nothing: a view TMA cannot address, a build without the 90a target). kernel='auto':
-// every head dim it has (33..256), plain dense batches, and packed batches or softcap /
-// ALiBi (the extended instances) up to d = 192; kernel='wgmma': the head dims the Hopper
-// backward also has; tier 4: always.
-bool ws_fwd_applies(const FwdParams& p, Tier tier, Variant variant) {
+// every head dim it has (33..256), dense and packed batches, softcap, ALiBi; kernel='wgmma': the
+// head dims the Hopper backward also has; tier 4: always.
+bool ws_fwd_applies(const FwdParams& p, Tier tier) {
   if (p.sm_arch != 90 || !sm90_ws_bucket(p.d)) return false;
   if (tier == Tier::kWgmmaWs) return true;
   if (!ws_enabled()) return false;
   if (tier == Tier::kWgmma) return sm90_bucket(p.d);
-  return tier == Tier::kAuto && (variant == kPlain || p.d <= 192);
+  return tier == Tier::kAuto;
 }
 
 constexpr const char* kNoWgmma =
@@ -380,13 +375,13 @@ void dispatch_fwd(const FwdParams& p, Tier tier, cudaStream_t stream) {
     const bool launched = sm90_ws_bucket(p.d) && with_dtype_variant<Sm90WsFwd, Sm90WsBuckets>(p, variant, stream);
     TORCH_CHECK(launched,
                 "flash_cuda: the warp-specialized forward (tier 4) needs an sm_90 GPU, a build with the "
-                "90a target, head dim 33..256 (33..192 for a packed batch, softcap or ALiBi), and "
+                "90a target, head dim 33..256, and "
                 "16-byte aligned strides");
     return;
   }
   if (tier == Tier::kAuto || tier == Tier::kWgmma) {
     // The warp-specialized forward where it applies, else the cp.async one.
-    if (ws_fwd_applies(p, tier, variant) && with_dtype_variant<Sm90WsFwd, Sm90WsBuckets>(p, variant, stream)) return;
+    if (ws_fwd_applies(p, tier) && with_dtype_variant<Sm90WsFwd, Sm90WsBuckets>(p, variant, stream)) return;
     if (sm90_bucket(p.d) && with_dtype_variant<Sm90Fwd, Sm90Buckets>(p, variant, stream)) return;
     TORCH_CHECK(tier == Tier::kAuto, kNoWgmma);
   }
@@ -496,7 +491,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd(
     }
   }
   at::Tensor tile_counter;  // the warp-specialized Hopper forward's tile scheduler, where it may run
-  if (ws_fwd_applies(p, t, variant_of(p, /*backward=*/false))) {
+  if (ws_fwd_applies(p, t)) {
     tile_counter = zeroed_on_stream({1}, q.options().dtype(at::kInt));
     p.tile_counter = tile_counter.data_ptr<int>();
   }

@@ -140,9 +140,12 @@ def test_ws_forward_poly_exp2_keeps_nan(monkeypatch, every):
 
 
 # (B, Hq, Hkv, Sq, Sk, D, is_causal, window, softcap, alibi kind): the kExtended instances
-# (dense batches), head dims 64 / 128 / 192, more tiles than SMs in the last case.
+# (dense batches), head dims 64 / 128 / 192 / 256 (and 160 on the 192 bucket, 224 on the 256
+# one: tile columns past d as TMA's zeros), more tiles than SMs in the last case.
 MOD_CASES = [
     (2, 4, 2, 700, 900, 128, True, (-1, -1), 30.0, None),
+    (1, 4, 2, 300, 500, 256, True, (128, 0), 50.0, "heads"),
+    (2, 2, 2, 200, 129, 224, False, (-1, -1), 5.0, "batch"),
     (1, 4, 4, 513, 1000, 64, False, (128, 64), 0.0, "heads"),
     (2, 2, 1, 300, 300, 192, True, (-1, -1), 5.0, "batch"),
     (2, 20, 4, 600, 700, 128, False, (-1, -1), 2.0, "heads"),
@@ -304,7 +307,7 @@ def test_ws_forward_rejects_what_it_does_not_serve():
         _ext.require().fwd(q, k, v, 0.1, -1, -1, 0.0, None, None, None, 0, 0, WS_TIER)
 
 
-# ---- packed (varlen) batches: the kExtended instances, head dims 33..64 and 97..192 ----
+# ---- packed (varlen) batches: the kExtended instances, head dims 33..256 ----
 # (seqlens_q, seqlens_k, Hq, Hkv, D, is_causal, window, softcap, alibi kind, layout): lengths 1,
 # lengths that are not multiples of the query (128) or key (128; 64 above d = 128) blocks, so
 # that boxes cross into the next sequence, empty sequences (no queries; no keys: rows that see
@@ -321,6 +324,8 @@ VARLEN_CASES = [
     ((129, 1, 500), (300, 2, 129), 4, 2, 128, True, (-1, -1), 20.0, "heads", "contiguous"),
     ((64, 191, 7), (65, 190, 300), 2, 2, 64, False, (32, 16), 5.0, "batch", "offset"),
     ((200, 33), (100, 257), 2, 1, 192, False, (-1, -1), 0.0, "batch", "contiguous"),
+    ((257, 1, 0, 130), (129, 7, 3, 200), 4, 2, 256, True, (-1, -1), 50.0, "heads", "contiguous"),
+    ((100, 65), (150, 64), 2, 1, 200, False, (32, 8), 0.0, None, "strided"),
 ]
 
 
@@ -422,12 +427,11 @@ def _forward_kernels(fn):
 
 
 @pytest.mark.parametrize("D,kernel,ws", [(64, "auto", True), (128, "auto", True), (192, "auto", True),
-                                         (128, "wgmma", True), (256, "auto", False)])
+                                         (128, "wgmma", True), (256, "auto", True)])
 def test_ws_varlen_route(monkeypatch, D, kernel, ws):
     """The route of a packed forward: kernel='auto' (and 'wgmma' at its head dims) runs the
-    warp-specialized kernel up to d = 192 and not the cp.async one; FLASH_CUDA_WS_SCHEDULE=off
-    sends it back to the cp.async kernel (mma.sync above d = 128); d = 256 (no extended
-    instance) runs mma.sync. Each route holds to the float64 rule."""
+    warp-specialized kernel and not the cp.async one; FLASH_CUDA_WS_SCHEDULE=off sends it back
+    to the cp.async kernel (mma.sync above d = 128). Each route holds to the float64 rule."""
     import flash_cuda
 
     lens_q, lens_k = (300, 1, 129), (257, 64, 1)
@@ -443,14 +447,6 @@ def test_ws_varlen_route(monkeypatch, D, kernel, ws):
         assert ("fwd_mma_kernel" in names) == (D > 128 and (off or not ws)), names
         check_varlen_attention(q, k, v, cu_q, cu_k, mq, mk, is_causal=True, kernel=kernel, check_grad=False,
                                label=f"route D={D} kernel={kernel} ws_schedule={'off' if off else 'overlap'}")
-
-
-def test_ws_varlen_rejects_d256():
-    """Tier 4 has no packed batches at d = 256 (their per-tile state would spill): an error
-    naming the warp-specialized forward, not a wrong result."""
-    q, k, v, cu_q, cu_k, mq, mk = make_varlen_inputs((100, 30), (90, 40), 2, 2, 256, BF16, "cuda")
-    with pytest.raises(RuntimeError, match="warp-specialized"):
-        _ext.require().fwd(q, k, v, 0.1, -1, -1, 0.0, None, cu_q, cu_k, mq, mk, WS_TIER)
 
 
 # ---- GQA packing (sm90_fwd_ws.cuh, fwd_sm90_ws_gqa_kernel): the query heads of a KV group in one

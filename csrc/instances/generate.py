@@ -15,7 +15,7 @@ SIMT_BUCKETS = (32, 64, 128, 256)
 SM90_BUCKETS = (64, 128)  # the cp.async forward
 SM90_BWD_BUCKETS = (64, 96, 128)  # the backward (96: the 128-wide tiles, 96-deep products)
 SM90_WS_BUCKETS = (64, 96, 128, 192, 256)  # the warp-specialized forward (96: 128-wide tiles, 96 deep)
-SM90_WS_EXT_BUCKETS = (64, 96, 128, 192)  # its extended instances (d = 256 would spill)
+SM90_WS_EXT_BUCKETS = (64, 96, 128, 192, 256)  # its extended instances (d = 256: serial schedule)
 SM90_WS_GQA_BUCKETS = (64, 96, 128)  # its GQA-packed tiles (kPlain)
 SM90_BWD_WIDE_BUCKETS = (192, 256)  # the wide warp-specialized backward (d 129..256)
 

@@ -63,9 +63,9 @@
 // overlapped schedule; launch.h (ws_pack_gqa) says when the binding takes it.
 //
 // Scope of this version: fp16 / bf16, head dims 64, 128, 192 and 256 (64 keys per step above
-// 128), causal, windows, Sq != Sk, GQA, and in the kExtended instances (d <= 192: at d = 256
-// their per-tile state spills both roles) packed batches, softcap and ALiBi; views whose base
-// and strides TMA can address (16-byte multiples). The launcher returns false otherwise and
+// 128), causal, windows, Sq != Sk, GQA, and in the kExtended instances packed batches, softcap
+// and ALiBi (at d = 256 with the serial schedule: launch_fwd_sm90_ws); views whose base and
+// strides TMA can address (16-byte multiples). The launcher returns false otherwise and
 // the caller runs sm90_fwd.cuh (or, above d = 128, mma_fwd.cuh). kernel='auto' uses every
 // instance (flash_api.cpp, ws_fwd_applies).
 #pragma once
@@ -125,7 +125,8 @@ struct WsConfig : FwdConfig<T_, kHeadDim_, kBlockN_, /*kWarpGroups=*/kConsumerWG
   // fits in 24 with little to spare (one more live value spilled it), a packed one's (its
   // sequence's offsets, lengths and mask per tile) in 40, which up to d = 192 it keeps. At
   // d = 256 the consumers need 240 for the 64 x 256 O accumulator (232 spills), which leaves
-  // the producer 24: no packed batches there. Three consumer warpgroups (d = 64): 24 / 160.
+  // the producer 24: there a packed batch's loop keeps two words in local memory (the one
+  // spill tests/test_nvcc_build.py allows this kernel). Three consumer warpgroups (d = 64): 24 / 160.
   static constexpr int kProducerRegs = kConsumerWGs == 3 ? 24 : (kHeadDim_ <= 192 ? 40 : 24);
   static constexpr int kConsumerRegs = kConsumerWGs == 3 ? 160 : (kHeadDim_ <= 192 ? 232 : 240);
   static_assert(kConsumerWGs == 2 || (kConsumerWGs == 3 && kHeadDim_ == 64), "measured shapes");
@@ -843,9 +844,14 @@ bool launch_fwd_sm90_ws(const FwdParams& p, cudaStream_t stream) {
   // overlapped schedule alone.
   constexpr bool kAblation = Cfg::kPolyEvery > 0 || Cfg::kStages > 2 || Cfg::kConsumerWGs > 2;
   constexpr int kOther = kAblation ? sm90::ws::kOverlap : sm90::ws::kSerial;
-  const bool overlap = ws_schedule_name() != "serial";
-  auto kernel = overlap ? sm90::ws::fwd_sm90_ws_kernel<Cfg, sm90::ws::kOverlap, kExt>
-                        : sm90::ws::fwd_sm90_ws_kernel<Cfg, kOther, kExt>;
+  // d = 256 with the extended state (softcap's C and 1 / C, ALiBi's slope, a sequence's offsets)
+  // has the serial schedule alone: the overlapped one keeps a second S tile live beside O's 128
+  // accumulator registers per thread, and with those words on top it spills.
+  constexpr bool kSerialOnly = kExt && Cfg::kHeadDim > 192;
+  auto kernel = sm90::ws::fwd_sm90_ws_kernel<Cfg, kOther, kExt>;
+  if constexpr (!kSerialOnly) {
+    if (ws_schedule_name() != "serial") kernel = sm90::ws::fwd_sm90_ws_kernel<Cfg, sm90::ws::kOverlap, kExt>;
+  }
   if (p.sm_arch != 90 || !sm90_kernel_built(kernel)) return false;
   if (variant_of(p, /*backward=*/false) != kVariant) return false;
   return launch_ws_tiles<Cfg>(kernel, p, stream, /*group=*/1);

@@ -738,7 +738,20 @@ def _eager_ok(*tensors) -> bool:
     return all(t is None or type(t) is torch.Tensor for t in tensors)
 
 
-class _EagerFwd(torch.autograd.Function):
+class _EagerFunction(torch.autograd.Function):
+    """Function.apply binds its arguments through inspect.signature on every call once
+    setup_context is defined: about 40 us of host time per call, more than the rest of this
+    layer. The callers pass every argument positionally, so outside torch.func transforms
+    `run` calls the C++ apply directly (it runs forward, then setup_context, the same way)."""
+
+    @classmethod
+    def run(cls, *args):
+        if torch._C._are_functorch_transforms_active():
+            return cls.apply(*args)
+        return super(torch.autograd.Function, cls).apply(*args)
+
+
+class _EagerFwd(_EagerFunction):
     @staticmethod
     def forward(q, k, v, scale, window_left, window_right, softcap, alibi_slopes, deterministic, tier):
         return _fwd_impl(q, k, v, scale, window_left, window_right, softcap, alibi_slopes, tier)
@@ -750,7 +763,7 @@ class _EagerFwd(torch.autograd.Function):
         return _backward(ctx, dout, dlse, daux, eager=True)
 
 
-class _EagerVarlenFwd(torch.autograd.Function):
+class _EagerVarlenFwd(_EagerFunction):
     @staticmethod
     def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, window_left,
                 window_right, softcap, alibi_slopes, deterministic, tier, check_cu_seqlens):
@@ -879,7 +892,7 @@ def attention(
                      deterministic=deterministic, kernel=kernel)
     if not _ext.is_available():
         raise RuntimeError(_ext.unavailable_message())
-    fwd = _EagerFwd.apply if _eager_ok(q, k, v, opts.alibi_slopes) else _fwd
+    fwd = _EagerFwd.run if _eager_ok(q, k, v, opts.alibi_slopes) else _fwd
     out, lse, _ = fwd(q, k, v, opts.scale, opts.window_left, opts.window_right, opts.softcap,
                       opts.alibi_slopes, deterministic, opts.tier)
     if return_lse:
@@ -958,7 +971,7 @@ def varlen_attention(
         check_cu_seqlens=check_cu_seqlens)
     if not _ext.is_available():
         raise RuntimeError(_ext.unavailable_message())
-    fwd = (_EagerVarlenFwd.apply if _eager_ok(q, k, v, cu_seqlens_q, cu_seqlens_k, opts.alibi_slopes)
+    fwd = (_EagerVarlenFwd.run if _eager_ok(q, k, v, cu_seqlens_q, cu_seqlens_k, opts.alibi_slopes)
            else _varlen_fwd)
     out, lse, _ = fwd(q, k, v, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), max_q, max_k, opts.scale,
                       opts.window_left, opts.window_right, opts.softcap, opts.alibi_slopes, deterministic,

@@ -821,11 +821,11 @@ _FEATURES_DOC = r"""
         kernel: ``"auto"`` (default) picks by dtype, GPU and options: ``"simt"`` (float32
             CUDA-core kernels, true fp32 arithmetic) for float32; for float16 / bfloat16
             on sm_90 the Hopper kernels: a warp-specialized forward (TMA, persistent) at head
-            dims 33..256 (packed batches, softcap and ALiBi up to 192),
+            dims 33..256 (dense and packed batches, softcap, ALiBi),
             ``"wgmma"`` (warpgroup MMA) for the other forwards and the backward at 33..128
             (softcap's backward only with ``deterministic=False``; head dims 65..96 run the
             128-wide kernels), and a warp-specialized backward at 129..256 with
-            ``deterministic=False`` and no softcap; else ``"mma"`` (mma.sync tensor-core
+            ``deterministic=False``; else ``"mma"`` (mma.sync tensor-core
             kernels, sm_80 and newer, every head dim and option). Both tensor-core tiers accumulate in fp32. Asking for ``"simt"`` with
             16-bit inputs, ``"mma"`` / ``"wgmma"`` with float32 inputs, or ``"wgmma"`` where
             it does not apply is an error."""

@@ -810,9 +810,9 @@ _FEATURES_DOC = r"""
         deterministic: ``True`` makes every backward bitwise reproducible run to run.
             By default two backwards add dQ across key blocks in an unordered way (so dq
             can differ in its last bits between runs; dk, dv do not): the float32 one (float
-            atomics) and, on sm_90, the float16 / bfloat16 one at head dims 33..256 (129..256
-            without softcap), dense and packed (:func:`varlen_attention`) batches alike (one
-            warp-specialized kernel adding
+            atomics) and, on sm_90, the float16 / bfloat16 one at head dims 33..256, dense
+            and packed (:func:`varlen_attention`) batches alike (one warp-specialized kernel
+            adding
             dQ into an fp32 workspace of about B * Hq * Sq * D * 4 bytes, D rounded up to 64;
             packed: Hq * (total_q + (B + 1) * M) * D * 4 bytes, M = 128 at D <= 64, else 64).
             ``True`` runs a separate dQ kernel instead (with ``softcap > 0`` the mma.sync

@@ -31,9 +31,6 @@ ARCHS = {a: f"-gencode=arch=compute_{a[3:]},code={a}" for a in ("sm_80", "sm_86"
 #   ALiBi's slope and the sequence's offsets push 255-register kernels over by a few words. On
 #   sm_90 the wgmma tier serves the extended variants at d = 64 / 128.
 # * The plain mma.sync backward at d = 64 on sm_90a (8 bytes): sm_90 runs the wgmma backward there.
-# * The warp-specialized forward's kExtended instances at d = 256 (sm90_fwd_ws_ext_*_d256): 16
-#   bytes in its producer warp, which setmaxnreg leaves 24 registers beside the consumers' 240
-#   (a packed batch's per-tile state); the consumers spill nothing.
 _DTS = ("fp16", "bf16")
 _EXTENDED_SPILLS = {("fwd_ext", 96): ("sm_90a",), ("fwd_ext", 128): ("sm_80", "sm_86", "sm_90a"),
                     ("bwd_ext", 96): ("sm_120",), ("bwd_ext", 128): ("sm_80", "sm_86", "sm_90a"),
@@ -44,7 +41,6 @@ SPILL_ALLOW = {
     **{(f"mma_{name}_{dt}_d{d}.cu", arch): "extended variant (ALiBi / varlen state)"
        for dt in _DTS for (name, d), archs in _EXTENDED_SPILLS.items() for arch in archs},
     **{(f"mma_bwd_{dt}_d64.cu", "sm_90a"): "wgmma serves d = 64 on sm_90" for dt in _DTS},
-    **{(f"sm90_fwd_ws_ext_{dt}_d256.cu", "sm_90a"): "producer warp at 24 registers" for dt in _DTS},
 }
 
 NVCC = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if os.path.exists("/usr/local/cuda/bin/nvcc") else None)

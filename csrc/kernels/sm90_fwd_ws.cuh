@@ -64,7 +64,7 @@
 //
 // Scope of this version: fp16 / bf16, head dims 64, 128, 192 and 256 (64 keys per step above
 // 128), causal, windows, Sq != Sk, GQA, and in the kExtended instances packed batches, softcap
-// and ALiBi (at d = 256 with the serial schedule: launch_fwd_sm90_ws); views whose base and
+// and ALiBi (at d = 256 with the serial schedule: run_fwd_sm90_ws); views whose base and
 // strides TMA can address (16-byte multiples). The launcher returns false otherwise and
 // the caller runs sm90_fwd.cuh (or, above d = 128, mma_fwd.cuh). kernel='auto' uses every
 // instance (flash_api.cpp, ws_fwd_applies).
@@ -107,8 +107,10 @@ constexpr int ws_block_n(int head_dim) { return head_dim <= 128 ? 128 : 64; }
 // kConsumerWGs_: consumer warpgroups, 64 query rows each (3 only at d = 64: 192-row tiles).
 // kDepth_: the head dims the instance serves (<= kHeadDim_): S = Q K^T stops after its k-steps,
 // the tiles keep the bucket's width with TMA's zeros past d (d = 96: 6 of the 128-wide tile's 8).
+// kSerialOnly_: the instance has the serial schedule alone (launch_fwd_sm90_ws), whose consumers
+// hold one S tile, not two: at d = 256 they fit in 232 registers and the producer gets 40.
 template <typename T_, int kHeadDim_, int kBlockN_ = ws_block_n(kHeadDim_), int kPolyEvery_ = 0, int kStages_ = 2,
-          int kConsumerWGs_ = 2, int kDepth_ = kHeadDim_>
+          int kConsumerWGs_ = 2, int kDepth_ = kHeadDim_, bool kSerialOnly_ = false>
 struct WsConfig : FwdConfig<T_, kHeadDim_, kBlockN_, /*kWarpGroups=*/kConsumerWGs_, /*kMinBlocks=*/1> {
   using Base = FwdConfig<T_, kHeadDim_, kBlockN_, kConsumerWGs_, 1>;
   static constexpr int kQKSteps = (kDepth_ + 15) / 16;
@@ -116,6 +118,7 @@ struct WsConfig : FwdConfig<T_, kHeadDim_, kBlockN_, /*kWarpGroups=*/kConsumerWG
   static constexpr int kPolyEvery = kPolyEvery_;
   static constexpr int kStages = kStages_;
   static constexpr int kConsumerWGs = kConsumerWGs_;
+  static constexpr bool kSerialOnly = kSerialOnly_;
   static constexpr int kConsumerThreads = 128 * kConsumerWGs;
   static constexpr int kConsumerWarps = kConsumerThreads / 32;
   static constexpr int kThreads = 128 + kConsumerThreads;
@@ -124,11 +127,13 @@ struct WsConfig : FwdConfig<T_, kHeadDim_, kBlockN_, /*kWarpGroups=*/kConsumerWG
   // producer warp walks the tile loop (the rest of its warpgroup exits); a dense batch's loop
   // fits in 24 with little to spare (one more live value spilled it), a packed one's (its
   // sequence's offsets, lengths and mask per tile) in 40, which up to d = 192 it keeps. At
-  // d = 256 the consumers need 240 for the 64 x 256 O accumulator (232 spills), which leaves
-  // the producer 24: there a packed batch's loop keeps two words in local memory (the one
-  // spill tests/test_nvcc_build.py allows this kernel). Three consumer warpgroups (d = 64): 24 / 160.
-  static constexpr int kProducerRegs = kConsumerWGs == 3 ? 24 : (kHeadDim_ <= 192 ? 40 : 24);
-  static constexpr int kConsumerRegs = kConsumerWGs == 3 ? 160 : (kHeadDim_ <= 192 ? 232 : 240);
+  // d = 256 the overlapped consumers need 240 for the 64 x 256 O accumulator beside two S tiles
+  // (232 spills), which leaves the producer 24, enough for a dense batch only; the serial-only
+  // instances (the extended ones, packed batches among them) keep 232 / 40. Three consumer
+  // warpgroups (d = 64): 24 / 160.
+  static constexpr bool kWideOverlap = kHeadDim_ > 192 && !kSerialOnly_;
+  static constexpr int kProducerRegs = kConsumerWGs == 3 ? 24 : (kWideOverlap ? 24 : 40);
+  static constexpr int kConsumerRegs = kConsumerWGs == 3 ? 160 : (kWideOverlap ? 240 : 232);
   static_assert(kConsumerWGs == 2 || (kConsumerWGs == 3 && kHeadDim_ == 64), "measured shapes");
   // setmaxnreg moves registers within what the CTA was launched with: kThreads x the per-thread
   // count that __launch_bounds__(kThreads, 1) allows (65536 / kThreads, a multiple of 8).
@@ -844,10 +849,7 @@ bool launch_fwd_sm90_ws(const FwdParams& p, cudaStream_t stream) {
   // overlapped schedule alone.
   constexpr bool kAblation = Cfg::kPolyEvery > 0 || Cfg::kStages > 2 || Cfg::kConsumerWGs > 2;
   constexpr int kOther = kAblation ? sm90::ws::kOverlap : sm90::ws::kSerial;
-  // d = 256 with the extended state (softcap's C and 1 / C, ALiBi's slope, a sequence's offsets)
-  // has the serial schedule alone: the overlapped one keeps a second S tile live beside O's 128
-  // accumulator registers per thread, and with those words on top it spills.
-  constexpr bool kSerialOnly = kExt && Cfg::kHeadDim > 192;
+  constexpr bool kSerialOnly = Cfg::kSerialOnly;
   auto kernel = sm90::ws::fwd_sm90_ws_kernel<Cfg, kOther, kExt>;
   if constexpr (!kSerialOnly) {
     if (ws_schedule_name() != "serial") kernel = sm90::ws::fwd_sm90_ws_kernel<Cfg, sm90::ws::kOverlap, kExt>;
@@ -898,6 +900,11 @@ bool run_fwd_sm90_ws(const FwdParams& p, cudaStream_t stream) {
   if constexpr (kHeadDim == 96) {
     // d 65..96: the 128-wide tiles, Q K^T 96 deep.
     return launch_fwd_sm90_ws<WsConfig<T, 128, sm90::ws::ws_block_n(128), 0, 2, 2, 96>, kVariant>(p, stream);
+  } else if constexpr (kHeadDim == 256 && kVariant != kPlain) {
+    // d = 256 with the extended state (softcap's C and 1 / C, ALiBi's slope, a sequence's
+    // offsets): the overlapped schedule's second S tile beside O's 128 accumulator registers
+    // and those words spill, so the serial schedule alone (WsConfig: kSerialOnly_).
+    return launch_fwd_sm90_ws<WsConfig<T, 256, 64, 0, 2, 2, 256, true>, kVariant>(p, stream);
   } else {
     return launch_fwd_sm90_ws<WsConfig<T, kHeadDim>, kVariant>(p, stream);
   }

@@ -66,10 +66,11 @@ def schedule(request, monkeypatch):
     return "-".join(request.param)
 
 
-@pytest.mark.parametrize("dtype", [F16, BF16], ids=["fp16", "bf16"])
-@pytest.mark.parametrize("B,Hq,Hkv,Sq,Sk,D,is_causal,window,layout", CASES)
-def test_ws_forward_matches_float64(schedule, dtype, B, Hq, Hkv, Sq, Sk, D, is_causal, window, layout):
-    q, k, v = make_inputs(B, Hq, Hkv, Sq, Sk, D, dtype, "cuda", layout=layout, seed=Sq + Sk + D)
+def _ws_dense_run_and_check(desc, q, k, v, is_causal, window, what):
+    """The warp-specialized forward alone (tier 4: an error if it did not run) on a dense batch
+    without score modifiers, against float64 with the rule of tests/attn_check.py; returns the
+    call for further use."""
+    B, Hq, Sq, D = q.shape
     scale = 1.0 / math.sqrt(D)
     wl, wr = window
     if is_causal:
@@ -82,11 +83,18 @@ def test_ws_forward_matches_float64(schedule, dtype, B, Hq, Hkv, Sq, Sk, D, is_c
     def ref_fn(qr, kr, vr):
         return attention_naive(qr, kr, vr, is_causal=is_causal, scale=scale, window_size=window)
 
+    _check_against_references(desc, q, k, v, flash_fn, ref_fn, lse_shape=(B, Hq, Sq),
+                              out_rows=lambda m: m, check_grad=False, with_dlse=False, seed=0, what=what)
+    return flash_fn
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("B,Hq,Hkv,Sq,Sk,D,is_causal,window,layout", CASES)
+def test_ws_forward_matches_float64(schedule, dtype, B, Hq, Hkv, Sq, Sk, D, is_causal, window, layout):
+    q, k, v = make_inputs(B, Hq, Hkv, Sq, Sk, D, dtype, "cuda", layout=layout, seed=Sq + Sk + D)
     desc = (f"schedule={schedule} B={B} Hq={Hq} Hkv={Hkv} Sq={Sq} Sk={Sk} D={D} dtype={dtype} "
             f"causal={is_causal} window={window} layout={layout}")
-    _check_against_references(desc, q, k, v, flash_fn, ref_fn, lse_shape=(B, Hq, Sq),
-                              out_rows=lambda m: m, check_grad=False, with_dlse=False, seed=0,
-                              what="warp-specialized forward")
+    _ws_dense_run_and_check(desc, q, k, v, is_causal, window, "warp-specialized forward")
 
 
 @pytest.mark.parametrize("sched", ["overlap", "serial"])
@@ -491,21 +499,7 @@ def _ws_pack_expected(Hq, Hkv, Sq, D, pack):
 
 def _ws_gqa_run_and_check(desc, B, Hq, Hkv, Sq, Sk, D, is_causal, window, layout, dtype, seed):
     q, k, v = make_inputs(B, Hq, Hkv, Sq, Sk, D, dtype, "cuda", layout=layout, seed=seed)
-    scale = 1.0 / math.sqrt(D)
-    wl, wr = window
-    if is_causal:
-        wr = 0
-
-    def flash_fn(qf, kf, vf):
-        out, lse, _ = _ext.require().fwd(qf, kf, vf, scale, wl, wr, 0.0, None, None, None, 0, 0, WS_TIER)
-        return out, lse
-
-    def ref_fn(qr, kr, vr):
-        return attention_naive(qr, kr, vr, is_causal=is_causal, scale=scale, window_size=window)
-
-    _check_against_references(desc, q, k, v, flash_fn, ref_fn, lse_shape=(B, Hq, Sq),
-                              out_rows=lambda m: m, check_grad=False, with_dlse=False, seed=0,
-                              what="warp-specialized forward, GQA packing")
+    flash_fn = _ws_dense_run_and_check(desc, q, k, v, is_causal, window, "warp-specialized forward, GQA packing")
     return q, k, v, flash_fn
 
 

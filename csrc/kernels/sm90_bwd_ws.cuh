@@ -671,6 +671,20 @@ __global__ void __launch_bounds__(256) convert_dq_tiles_kernel(const __grid_cons
 }  // namespace bwd_ws
 }  // namespace sm90
 
+// The warp-specialized backwards' main launch (this kernel and the wide one): the TMA maps of Q,
+// dO, K and V, delta's preprocess, then one CTA per key block of each (kv head, batch entry).
+// False, having launched nothing, where a view TMA cannot address.
+template <typename T, typename Cfg, typename Kernel>
+bool launch_bwd_ws_main(Kernel kernel, const BwdParams& p, const char* name, cudaStream_t stream) {
+  sm90::bwd_ws::TmaMaps maps;
+  if (!maps.make(p, Cfg::kBlockM, Cfg::kBlockN)) return false;
+  launch_bwd_preprocess<T>(p, stream);
+  set_smem_limit(kernel, Cfg::kSmemBytes, name);
+  kernel<<<dim3(ceil_div(p.sk, Cfg::kBlockN), p.hkv, p.b), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p, maps);
+  check_launch(name);
+  return true;
+}
+
 // Launches delta's preprocess and the warp-specialized backward and returns true, or returns
 // false having launched nothing: no dq_accum workspace (deterministic=True), or a view TMA cannot
 // address.
@@ -683,12 +697,7 @@ bool launch_bwd_sm90_ws(const BwdParams& p, cudaStream_t stream) {
   if (!sm90_bwd_ws() || p.dq_accum == nullptr || (packed && kVariant == kPlain) || !sm90_kernel_built(kernel)) {
     return false;
   }
-  sm90::bwd_ws::TmaMaps maps;
-  if (!maps.make(p, Cfg::kBlockM, Cfg::kBlockN)) return false;
-  launch_bwd_preprocess<T>(p, stream);
-  set_smem_limit(kernel, Cfg::kSmemBytes, "bwd_sm90_ws");
-  kernel<<<dim3(ceil_div(p.sk, Cfg::kBlockN), p.hkv, p.b), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p, maps);
-  check_launch("bwd_sm90_ws");
+  if (!launch_bwd_ws_main<T, Cfg>(kernel, p, "bwd_sm90_ws", stream)) return false;
   if constexpr (kBulkDq) {
     sm90::bwd_ws::convert_dq_tiles_kernel<T, Cfg><<<dim3(ceil_div(p.sq, Cfg::kBlockM), p.hq, p.b), 256, 0, stream>>>(p);
     check_launch("convert_dq_tiles");

@@ -613,12 +613,7 @@ bool launch_bwd_sm90_wide(const BwdParams& p, cudaStream_t stream) {
       p.d > kD || !sm90_kernel_built(kernel)) {
     return false;
   }
-  sm90::bwd_ws::TmaMaps maps;
-  if (!maps.make(p, Cfg::kBlockM, Cfg::kBlockN)) return false;
-  launch_bwd_preprocess<T>(p, stream);
-  set_smem_limit(kernel, Cfg::kSmemBytes, "bwd_sm90_wide");
-  kernel<<<dim3(ceil_div(p.sk, Cfg::kBlockN), p.hkv, p.b), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p, maps);
-  check_launch("bwd_sm90_wide");
+  if (!launch_bwd_ws_main<T, Cfg>(kernel, p, "bwd_sm90_wide", stream)) return false;
   sm90::launch_convert_dq_rows<T>(p, stream);
   return true;
 }

@@ -9,6 +9,10 @@ sm_90 is always built as the sm_90a target. The newest target also embeds PTX (w
 arch-specific "a" features), so that GPUs newer than every target can compile it at load time;
 the Hopper-only kernels are inside the sm_90a feature guard and never run from it. ninja
 compiles the kernel instances in parallel (MAX_JOBS limits it).
+
+FLASH_CUDA_ABLATIONS=1 also builds the ablation rungs of OPTIMIZATION.md (the kernels each
+optimization was measured against) and their environment switches (csrc/include/ablation.h);
+production builds leave them out.
 """
 
 import glob
@@ -66,7 +70,7 @@ def gencode_flags(archs):
 def extensions():
     from torch.utils.cpp_extension import CUDAExtension
 
-    sources = ["csrc/flash_api.cpp"] + sorted(glob.glob("csrc/instances/*.cu"))
+    sources = ["csrc/api/flash_api.cpp"] + sorted(glob.glob("csrc/instances/*.cu"))
     nvcc_flags = [
         "-O3",
         "-std=c++17",
@@ -79,12 +83,16 @@ def extensions():
     ] + gencode_flags(cuda_archs())
     if os.environ.get("FLASH_CUDA_PTXAS_VERBOSE"):
         nvcc_flags.append("-Xptxas=-v")
+    cxx_flags = ["-O3", "-std=c++17"]
+    if os.environ.get("FLASH_CUDA_ABLATIONS", "0") not in ("", "0"):
+        nvcc_flags.append("-DFLASH_CUDA_ABLATIONS")
+        cxx_flags.append("-DFLASH_CUDA_ABLATIONS")
     return [
         CUDAExtension(
             name="flash_cuda._C",
             sources=sources,
             include_dirs=[os.path.join(ROOT, "csrc")],
-            extra_compile_args={"cxx": ["-O3", "-std=c++17"], "nvcc": nvcc_flags},
+            extra_compile_args={"cxx": cxx_flags, "nvcc": nvcc_flags},
         )
     ]
 

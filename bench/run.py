@@ -27,7 +27,8 @@ Providers (columns):
   flash_cuda_det    kernel="auto", deterministic=True (not in the default set)
   flash_cuda_ws     the warp-specialized Hopper forward alone (extension tier 4; forward only,
                     sm_90, not in the default set). kernel="auto" runs it too where it applies;
-                    its ablation switches (csrc/launch.h): FLASH_CUDA_WS_SCHEDULE=serial|off,
+                    a build with FLASH_CUDA_ABLATIONS=1 reads its ablation switches
+                    (csrc/tiers/wgmma/config.h), e.g. FLASH_CUDA_WS_SCHEDULE=serial,
                     FLASH_CUDA_WS_PERSISTENT=0
   sdpa              torch.nn.functional.scaled_dot_product_attention, no backend forced
   sdpa_flash / sdpa_cudnn / sdpa_efficient / sdpa_math
@@ -102,7 +103,7 @@ ALL_PROVIDERS = FLASH_PROVIDERS + SDPA_PROVIDERS + ["naive"]
 # flash_cuda.attention(kernel=...) per provider.
 FLASH_KERNEL = {"flash_cuda": "auto", "flash_cuda_simt": "simt", "flash_cuda_mma": "mma",
                 "flash_cuda_det": "auto", "flash_cuda_ws": None}
-WS_TIER = 4  # the extension's tier number of the warp-specialized forward (csrc/flash_params.h)
+WS_TIER = 4  # the extension's tier number of the warp-specialized forward (csrc/include/params.h)
 # Providers whose memory grows with S^2 (they materialise the score matrix).
 QUADRATIC_PROVIDERS = {"naive", "sdpa_math"}
 # Short labels for the ratio columns of the table.

@@ -56,6 +56,12 @@ def unavailable_message() -> str:
     return msg
 
 
+def ablations() -> bool:
+    """True when the extension was built with the ablation rungs of OPTIMIZATION.md
+    (``FLASH_CUDA_ABLATIONS=1``), whose environment switches it then reads."""
+    return _C is not None and bool(getattr(_C, "ablations", False))
+
+
 def require() -> ModuleType:
     """Returns the extension module or raises RuntimeError with build instructions."""
     if _C is None:

@@ -58,7 +58,7 @@ class Case:
     # Packed batch for varlen_attention: (seqlens_q, seqlens_k); B, Sq, Sk are then the
     # number of sequences and the longest lengths.
     varlen: Optional[Tuple[Tuple[int, ...], Tuple[int, ...]]] = None
-    # Environment switches set for this case only (launch.h), as (name, value) pairs.
+    # Environment switches set for this case only (csrc/tiers/*/config.h), as (name, value) pairs.
     env: Tuple[Tuple[str, str], ...] = ()
 
     def describe(self) -> str:
@@ -158,14 +158,12 @@ CASES: List[Case] = [
     # ---- softcap's derivative on the warp-specialized Hopper backward: d = 96 (128-wide tiles,
     # columns past d as TMA's zeros), GQA, a causal window, ALiBi, P^T / dS^T in 16-query slices ----
     Case(F16, 1, 4, 2, 300, 500, 96, True, "bshd", dlse=True, window=(128, 0), softcap=5.0, alibi="heads"),
-    # ---- the wide warp-specialized Hopper backward (the default at d 129..256, named here by
-    # FLASH_CUDA_SM90_BWD_D256=1; =2 for S^T / dP^T on both warpgroups): d = 256 with GQA, causal
-    # rows that see no key, partial 64-row key and query blocks; d = 160 on the 192 bucket (columns
-    # past d as TMA's zeros, the second warpgroup's 64 columns partly past d) ----
-    Case(BF16, 1, 4, 2, 300, 200, 256, True, "bhsd", dlse=True, env=(("FLASH_CUDA_SM90_BWD_D256", "1"),)),
-    Case(F16, 1, 2, 1, 129, 300, 160, False, "bshd", window=(64, 16),
-         env=(("FLASH_CUDA_SM90_BWD_D256", "1"),)),
-    Case(BF16, 2, 2, 1, 200, 129, 192, True, "strided", env=(("FLASH_CUDA_SM90_BWD_D256", "2"),)),
+    # ---- the wide warp-specialized Hopper backward (the default at d 129..256): d = 256 with GQA,
+    # causal rows that see no key, partial 64-row key and query blocks; d = 160 on the 192 bucket
+    # (columns past d as TMA's zeros, the second warpgroup's 64 columns partly past d) ----
+    Case(BF16, 1, 4, 2, 300, 200, 256, True, "bhsd", dlse=True),
+    Case(F16, 1, 2, 1, 129, 300, 160, False, "bshd", window=(64, 16)),
+    Case(BF16, 2, 2, 1, 200, 129, 192, True, "strided"),
     # ---- its extended instances: packed sequences ending mid-block (the producer zeroes the next
     # sequence's rows), an empty one, GQA, ALiBi per batch entry; d = 160 on the 192 bucket with a
     # window and per-head ALiBi ----

@@ -1,14 +1,12 @@
-"""The Hopper backward's three shapes (launch.h: sm90_bwd_mode), each held to the float64 rule of
-every other kernel (tests/attn_check.py), head dims 33..128 (65..96 on the 128-wide kernels), deterministic=False:
-  ws      (default) the warp-specialized kernel, csrc/kernels/sm90_bwd_ws.cuh: a TMA producer,
-          5 products per block pair, dQ into an fp32 workspace (dense and packed batches) by a
-          writer warp's bulk reductions (one dS^T buffer at d = 64, two at d = 128)
-  ws_red  the same kernel with dQ by atomics (FLASH_CUDA_SM90_BWD_DQ_RED=1)
-  atomic  the cp.async dK/dV kernel adding dQ by atomics (sm90_bwd.cuh, accumulate_dq_atomic)
-  split   the cp.async dK/dV kernel and a dQ kernel (deterministic=True always runs this one)
-Softcap's backward (its derivative, kSoftcapGrad) runs on the warp-specialized kernel alone (ws,
-ws_red); in atomic / split and with deterministic=True it runs on the mma.sync backward.
-GPU-only, sm_90 only."""
+"""The Hopper backward's two routes (csrc/tiers/wgmma/family.h), each held to the float64 rule of
+every other kernel (tests/attn_check.py), head dims 33..128 (65..96 on the 128-wide kernels):
+  ws             deterministic=False: the warp-specialized kernel, csrc/tiers/wgmma/bwd_ws.cuh: a
+                 TMA producer, 5 products per block pair, dQ into an fp32 workspace (dense and
+                 packed batches) by a writer warp's bulk reductions (one dS^T buffer at d = 64,
+                 two at d = 128)
+  deterministic  deterministic=True: the cp.async dK/dV kernel and a dQ kernel (bwd.cuh)
+Softcap's backward (its derivative, kSoftcapGrad) runs on the warp-specialized kernel alone; with
+deterministic=True it runs on the mma.sync backward. GPU-only, sm_90 only."""
 
 
 import pytest
@@ -24,17 +22,16 @@ pytestmark = pytest.mark.skipif(_SKIP is not None, reason=str(_SKIP))
 F16, BF16 = torch.float16, torch.bfloat16
 
 
-MODES = ["ws", "ws_red", "atomic", "split"]
+MODES = ["ws", "deterministic"]
 
 
 @pytest.fixture(params=MODES, autouse=True)
-def mode(request, monkeypatch):
-    monkeypatch.setenv("FLASH_CUDA_SM90_BWD", request.param.replace("_red", ""))
-    if request.param == "ws_red":
-        monkeypatch.setenv("FLASH_CUDA_SM90_BWD_DQ_RED", "1")
-    else:
-        monkeypatch.delenv("FLASH_CUDA_SM90_BWD_DQ_RED", raising=False)
+def mode(request):
     return request.param
+
+
+def _det(mode):
+    return mode == "deterministic"
 
 
 # (B, Hq, Hkv, Sq, Sk, D, is_causal, window, alibi, layout): block edges, Sq != Sk both ways,
@@ -64,14 +61,15 @@ def test_sm90_bwd_gradients(mode, dtype, B, Hq, Hkv, Sq, Sk, D, is_causal, windo
     q, k, v = make_inputs(B, Hq, Hkv, Sq, Sk, D, dtype, "cuda", layout=layout, seed=Sq + Sk)
     slopes = make_alibi_slopes(Hq, device="cuda", seed=Sq) if alibi else None
     check_attention(q, k, v, is_causal=is_causal, scale=None, window_size=window, alibi_slopes=slopes,
-                    label=f"sm90 bwd {mode}", seed=Sq)
+                    deterministic=_det(mode), label=f"sm90 bwd {mode}", seed=Sq)
 
 
 @pytest.mark.parametrize("dtype", [F16, BF16], ids=["fp16", "bf16"])
 def test_sm90_bwd_packed_batch(mode, dtype):
     q, k, v, cu_q, cu_k, max_q, max_k = make_varlen_inputs((300, 0, 517, 64), (129, 5, 700, 64), 4, 2, 128, dtype,
                                                            seed=11)
-    check_varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k, is_causal=True, label=f"sm90 bwd {mode} varlen")
+    check_varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k, is_causal=True, deterministic=_det(mode),
+                           label=f"sm90 bwd {mode} varlen")
 
 
 # Packed batches: (seqlens_q, seqlens_k, Hq, Hkv, D, is_causal, window, alibi, layout). Lengths 0
@@ -108,7 +106,7 @@ def _check_packed(mode, dtype, seqlens_q, seqlens_k, Hq, Hkv, D, is_causal, wind
         slopes = make_alibi_slopes(Hq, batch=len(seqlens_q) if alibi == "batch" else None, device="cuda", seed=seed)
     label = f"sm90 bwd {mode} varlen" + (f" softcap={softcap}" if softcap else "")
     check_varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k, is_causal=is_causal, window_size=window,
-                           softcap=softcap, alibi_slopes=slopes, label=label, seed=seed)
+                           softcap=softcap, alibi_slopes=slopes, deterministic=_det(mode), label=label, seed=seed)
 
 
 # Softcap (the derivative 1 - tanh^2 in dS): (B, Hq, Hkv, Sq, Sk, D, is_causal, window, softcap,
@@ -130,8 +128,8 @@ SOFTCAP_CASES = [
 
 
 def _softcap_on_ws(mode):
-    if not mode.startswith("ws"):
-        pytest.skip("softcap's backward runs on the mma.sync kernels in this mode (route test below)")
+    if mode != "ws":
+        pytest.skip("softcap's backward runs on the mma.sync kernels with deterministic=True (route test below)")
 
 
 @pytest.mark.parametrize("dtype", [F16, BF16], ids=["fp16", "bf16"])
@@ -200,7 +198,7 @@ def test_sm90_bwd_packed_nonfinite_stays_in_its_sequence(mode, which, value, D):
     bad = {"q": q.clone(), "k": k.clone(), "v": v.clone(), "dout": dout.clone()}
     bad[which][rows(cu_q if which in ("q", "dout") else cu_k, poisoned)] = value
     qf, kf, vf = (bad[n].detach().requires_grad_() for n in ("q", "k", "v"))
-    out = flash_cuda.varlen_attention(qf, kf, vf, cu_q, cu_k, max_q, max_k, **opts)
+    out = flash_cuda.varlen_attention(qf, kf, vf, cu_q, cu_k, max_q, max_k, deterministic=_det(mode), **opts)
     grads = torch.autograd.grad(out, (qf, kf, vf), bad["dout"])
 
     # References on the clean inputs: the other sequences do not depend on sequence 1.
@@ -232,13 +230,16 @@ def test_sm90_bwd_packed_nonfinite_stays_in_its_sequence(mode, which, value, D):
 
 def test_sm90_bwd_negative_scale_and_large_values(mode):
     q, k, v = make_inputs(1, 4, 2, 600, 600, 128, BF16, "cuda", seed=5)
-    check_attention(q * 4, k, v, is_causal=False, scale=-0.2, label=f"sm90 bwd {mode} scale<0", seed=5)
+    check_attention(q * 4, k, v, is_causal=False, scale=-0.2, deterministic=_det(mode), label=f"sm90 bwd {mode} scale<0",
+                    seed=5)
 
 
-def test_deterministic_ignores_the_switch(mode):
-    """deterministic=True keeps the two-kernel path: bitwise equal gradients across runs."""
+def test_deterministic_is_bitwise(mode):
+    """deterministic=True runs the two-kernel path: bitwise equal gradients across runs."""
     import flash_cuda
 
+    if mode != "deterministic":
+        pytest.skip("one run is enough")
     q, k, v = make_inputs(1, 4, 2, 1000, 1000, 128, BF16, "cuda", seed=9)
     grads = []
     for _ in range(2):
@@ -248,36 +249,33 @@ def test_deterministic_ignores_the_switch(mode):
     assert all(torch.equal(a, b) for a, b in zip(*grads))
 
 
-@pytest.mark.parametrize("D", [64, 96, 128])
-@pytest.mark.parametrize("unset", [False, True], ids=["set", "unset"])
-def test_each_mode_runs_its_kernels(mode, unset, D, monkeypatch):
-    """The route: the profiler sees the kernel each mode names (dQ's own kernel only in split, the
-    bulk-reduction variant of the warp-specialized kernel only in ws); with the
-    switch unset the warp-specialized kernel runs."""
-    import re
+def _backward_kernels(out, inputs):
+    """The names of the CUDA kernels one backward of `out` ran."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        torch.autograd.grad(out, inputs, torch.ones_like(out))
+        torch.cuda.synchronize()
+    return " ".join(e.name for e in prof.events())
 
+
+@pytest.mark.parametrize("D", [64, 96, 128])
+def test_each_mode_runs_its_kernels(mode, D):
+    """The route: the warp-specialized kernel and its dQ tile converter with deterministic=False,
+    the dK/dV and dQ kernels of the cp.async path with deterministic=True."""
     import flash_cuda
 
-    if unset:
-        if mode != "ws":
-            pytest.skip("the unset switch is the ws default")
-        monkeypatch.delenv("FLASH_CUDA_SM90_BWD")
     q, k, v = make_inputs(1, 4, 2, 512, 512, D, BF16, "cuda", seed=3)
     qf, kf, vf = (t.detach().requires_grad_() for t in (q, k, v))
-    out = flash_cuda.attention(qf, kf, vf, is_causal=True)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        torch.autograd.grad(out, (qf, kf, vf), torch.ones_like(out))
-        torch.cuda.synchronize()
-    names = " ".join(e.name for e in prof.events())
-    assert ("bwd_sm90_ws_kernel" in names) == mode.startswith("ws"), names
-    assert ("bwd_dq_sm90_kernel" in names) == (mode == "split"), names
-    # WsBwdConfig<BwdTraits<D>, kBulkDq, kStages>: the demangler writes the bool as true or (bool)1.
-    bulk = re.search(r"WsBwdConfig<[^<>]*BwdTraits<[^<>]*>\s*,\s*(true|\(bool\)1)", names) is not None
-    assert bulk == (mode == "ws"), names
+    out = flash_cuda.attention(qf, kf, vf, is_causal=True, deterministic=_det(mode))
+    names = _backward_kernels(out, (qf, kf, vf))
+    ws = mode == "ws"
+    assert ("bwd_sm90_ws_kernel" in names) == ws, names
+    assert ("convert_dq_tiles_kernel" in names) == ws, names
+    assert ("bwd_dkdv_sm90_kernel" in names) == (not ws), names
+    assert ("bwd_dq_sm90_kernel" in names) == (not ws), names
 
 
 def _ws_variant(names):
-    """The Variant (flash_params.h: 0 plain, 1 extended, 2 softcap gradient) of the
+    """The Variant (csrc/include/params.h: 0 plain, 1 extended, 2 softcap gradient) of the
     warp-specialized backward kernel the profiler saw, None if it did not run."""
     import re
 
@@ -285,19 +283,16 @@ def _ws_variant(names):
     return int(m.group(1)) if m else None
 
 
-@pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
 @pytest.mark.parametrize("D", [64, 96, 128])
 @pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
-def test_softcap_runs_its_kernels(mode, deterministic, D, packed):
-    """The route of softcap's backward: the warp-specialized kernel's softcap variant in ws and
-    ws_red (bulk dQ only in ws), with kernel='auto' and kernel='wgmma'; the mma.sync backward
-    (no Hopper kernel at all) in atomic / split and with deterministic=True, where
-    kernel='wgmma' is an error (ValueError from validation, RuntimeError from the binding)."""
-    import re
-
+def test_softcap_runs_its_kernels(mode, D, packed):
+    """The route of softcap's backward: the warp-specialized kernel's softcap variant with
+    deterministic=False, with kernel='auto' and kernel='wgmma'; the mma.sync backward (no Hopper
+    kernel at all) with deterministic=True, where kernel='wgmma' is an error (ValueError from
+    validation)."""
     import flash_cuda
 
-    ws = mode.startswith("ws") and not deterministic
+    deterministic = _det(mode)
     for kernel in ("auto", "wgmma"):
         if packed:
             q, k, v, cu_q, cu_k, max_q, max_k = make_varlen_inputs((300, 0, 129, 64), (200, 5, 300, 64), 4, 2, D, BF16,
@@ -318,53 +313,37 @@ def test_softcap_runs_its_kernels(mode, deterministic, D, packed):
             with pytest.raises(ValueError, match="softcap with deterministic=True"):
                 call()
             continue
-        out = call()
-        if kernel == "wgmma" and not ws:
-            with pytest.raises(RuntimeError, match="kernel='wgmma'"):
-                torch.autograd.grad(out, (qf, kf, vf), torch.ones_like(out))
-            continue
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            torch.autograd.grad(out, (qf, kf, vf), torch.ones_like(out))
-            torch.cuda.synchronize()
-        names = " ".join(e.name for e in prof.events())
-        assert _ws_variant(names) == (2 if ws else None), (kernel, names)
+        names = _backward_kernels(call(), (qf, kf, vf))
+        assert _ws_variant(names) == (None if deterministic else 2), (kernel, names)
         assert "bwd_dkdv_sm90_kernel" not in names and "bwd_dq_sm90_kernel" not in names, (kernel, names)
-        assert ("bwd_dkdv_kernel" in names) == (not ws), (kernel, names)  # the mma.sync backward
-        bulk = re.search(r"WsBwdConfig<[^<>]*BwdTraits<[^<>]*>\s*,\s*(true|\(bool\)1)", names) is not None
-        assert bulk == (ws and mode == "ws"), (kernel, names)
+        assert ("bwd_dkdv_kernel" in names) == deterministic, (kernel, names)  # the mma.sync backward
 
 
-@pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
 @pytest.mark.parametrize("D", [64, 128])
-def test_packed_batch_runs_its_kernels(mode, deterministic, D):
-    """The route of a packed batch's backward (varlen_attention): the warp-specialized kernel in
-    ws and ws_red (the bulk dQ variant and its tile converter only in ws), the cp.async kernels
-    otherwise; deterministic=True always the two-kernel path, whose dQ kernel runs then."""
-    import re
-
+def test_packed_batch_runs_its_kernels(mode, D):
+    """The route of a packed batch's backward (varlen_attention): the warp-specialized kernel and
+    its dQ tile converter with deterministic=False, the two-kernel cp.async path with
+    deterministic=True."""
     import flash_cuda
 
     q, k, v, cu_q, cu_k, max_q, max_k = make_varlen_inputs((300, 0, 129, 64), (200, 5, 300, 64), 4, 2, D, BF16,
                                                            "cuda", seed=3)
     qf, kf, vf = (t.detach().requires_grad_() for t in (q, k, v))
     out = flash_cuda.varlen_attention(qf, kf, vf, cu_q, cu_k, max_q, max_k, is_causal=True,
-                                      deterministic=deterministic)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        torch.autograd.grad(out, (qf, kf, vf), torch.ones_like(out))
-        torch.cuda.synchronize()
-    names = " ".join(e.name for e in prof.events())
-    ws = mode.startswith("ws") and not deterministic
+                                      deterministic=_det(mode))
+    names = _backward_kernels(out, (qf, kf, vf))
+    ws = mode == "ws"
     assert ("bwd_sm90_ws_kernel" in names) == ws, names
-    assert ("bwd_dq_sm90_kernel" in names) == (mode == "split" or deterministic), names
-    bulk = re.search(r"WsBwdConfig<[^<>]*BwdTraits<[^<>]*>\s*,\s*(true|\(bool\)1)", names) is not None
-    assert bulk == (ws and mode == "ws"), names
-    assert ("convert_dq_tiles_kernel" in names) == (ws and mode == "ws"), names
+    assert ("bwd_dq_sm90_kernel" in names) == (not ws), names
+    assert ("convert_dq_tiles_kernel" in names) == ws, names
 
 
 def test_packed_batch_deterministic_is_bitwise(mode):
     """deterministic=True on a packed batch keeps the two-kernel path: bitwise equal gradients."""
     import flash_cuda
 
+    if mode != "deterministic":
+        pytest.skip("one run is enough")
     q, k, v, cu_q, cu_k, max_q, max_k = make_varlen_inputs((300, 1, 129), (200, 77, 300), 4, 2, 128, F16, "cuda", seed=4)
     grads = []
     for _ in range(2):

@@ -1,8 +1,10 @@
-"""The warp-specialized Hopper forward (csrc/kernels/sm90_fwd_ws.cuh: TMA loads into an mbarrier
+"""The warp-specialized Hopper forward (csrc/tiers/wgmma/fwd.cuh: TMA loads into an mbarrier
 ring, a producer warp, two consumer warpgroups, persistent CTAs). kernel='auto' runs it on sm_90
 wherever it applies, so every GPU test file exercises it; these tests reach it directly through
-the extension's tier 4, under each of its ablation switches, and hold it to the same float64
-rule as every other kernel (tests/attn_check.py). GPU-only, sm_90 only."""
+the extension's tier 4 and hold it to the same float64 rule as every other kernel
+(tests/attn_check.py). In a build with the ablation rungs (FLASH_CUDA_ABLATIONS=1) they also run
+under each ablation switch (csrc/tiers/wgmma/config.h); elsewhere those cases skip.
+GPU-only, sm_90 only."""
 
 import math
 import os
@@ -22,6 +24,14 @@ WS_TIER = 4
 _SKIP = hopper_skip_reason("the warp-specialized forward")
 pytestmark = pytest.mark.skipif(_SKIP is not None, reason=str(_SKIP))
 
+
+def _ablation(monkeypatch, **env):
+    """Sets ablation switches (csrc/include/ablation.h), or skips where the build has no rungs."""
+    if not _ext.ablations():
+        pytest.skip("an ablation rung: this build has none (FLASH_CUDA_ABLATIONS=1 builds them)")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+
 # (B, Hq, Hkv, Sq, Sk, D, is_causal, window, layout): block edges (Sq, Sk not multiples of
 # 128), Sq != Sk both ways, GQA, windows, strided and offset views, several key blocks so the
 # two-stage ring wraps.
@@ -39,8 +49,11 @@ CASES = [
     (4, 16, 4, 1000, 1000, 64, True, (-1, -1), "bshd"),
     (2, 32, 8, 640, 1100, 128, False, (-1, -1), "bhsd"),
     (2, 20, 4, 1500, 400, 64, True, (64, -1), "bhsd"),
-    # d = 64 from Sq = 2048: 192-row tiles by default (three consumer warpgroups).
+    # d = 64 from Sq = 2048: 192-row tiles by default (three consumer warpgroups), with GQA,
+    # windows, Sq != Sk and the views above.
     (1, 2, 1, 4200, 4300, 64, True, (-1, -1), "bshd"),
+    (2, 6, 2, 2100, 2300, 64, False, (-1, -1), "strided"),
+    (1, 2, 2, 2500, 2048, 64, True, (100, -1), "offset"),
     # Head dims above 128 (64 keys per step; d = 256 writes O from registers), their buckets
     # below the full width, and more tiles than SMs.
     (1, 4, 4, 1000, 1000, 192, False, (-1, -1), "strided"),
@@ -54,15 +67,15 @@ CASES = [
 ]
 
 
-# (FLASH_CUDA_WS_SCHEDULE, FLASH_CUDA_WS_PERSISTENT): both consumer schedules, and one CTA per
-# tile beside the persistent grid (both read at every launch).
+# (FLASH_CUDA_WS_SCHEDULE, FLASH_CUDA_WS_PERSISTENT): the default (the overlapped schedule, a
+# persistent grid), and as ablation rungs the serial schedule and one CTA per tile.
 SWITCHES = [("overlap", "1"), ("serial", "1"), ("overlap", "0")]
 
 
 @pytest.fixture(params=SWITCHES, ids=lambda sw: f"{sw[0]}-persistent{sw[1]}")
 def schedule(request, monkeypatch):
-    monkeypatch.setenv("FLASH_CUDA_WS_SCHEDULE", request.param[0])
-    monkeypatch.setenv("FLASH_CUDA_WS_PERSISTENT", request.param[1])
+    if request.param != SWITCHES[0]:
+        _ablation(monkeypatch, FLASH_CUDA_WS_SCHEDULE=request.param[0], FLASH_CUDA_WS_PERSISTENT=request.param[1])
     return "-".join(request.param)
 
 
@@ -101,8 +114,7 @@ def test_ws_forward_matches_float64(schedule, dtype, B, Hq, Hkv, Sq, Sk, D, is_c
 @pytest.mark.parametrize("B,Hq,Hkv,Sq,Sk,D,is_causal,window,layout", [c for c in CASES if c[5] == 64])
 def test_ws_forward_d64_192_key_steps(monkeypatch, sched, B, Hq, Hkv, Sq, Sk, D, is_causal, window, layout):
     """The d = 64 ablation FLASH_CUDA_WS_BLOCK_N=192 (192 keys per step) under the same rule."""
-    monkeypatch.setenv("FLASH_CUDA_WS_BLOCK_N", "192")
-    monkeypatch.setenv("FLASH_CUDA_WS_SCHEDULE", sched)
+    _ablation(monkeypatch, FLASH_CUDA_WS_BLOCK_N="192", FLASH_CUDA_WS_SCHEDULE=sched)
     test_ws_forward_matches_float64(sched, BF16, B, Hq, Hkv, Sq, Sk, D, is_causal, window, layout)
 
 
@@ -110,7 +122,7 @@ def test_ws_forward_d64_192_key_steps(monkeypatch, sched, B, Hq, Hkv, Sq, Sk, D,
 @pytest.mark.parametrize("B,Hq,Hkv,Sq,Sk,D,is_causal,window,layout", [c for c in CASES if c[5] == 64])
 def test_ws_forward_d64_four_stages(monkeypatch, dtype, B, Hq, Hkv, Sq, Sk, D, is_causal, window, layout):
     """The d = 64 ablation FLASH_CUDA_WS_STAGES=4 (a deeper K/V ring) under the same rule."""
-    monkeypatch.setenv("FLASH_CUDA_WS_STAGES", "4")
+    _ablation(monkeypatch, FLASH_CUDA_WS_STAGES="4")
     test_ws_forward_matches_float64("stages4", dtype, B, Hq, Hkv, Sq, Sk, D, is_causal, window, layout)
 
 
@@ -118,8 +130,8 @@ def test_ws_forward_d64_four_stages(monkeypatch, dtype, B, Hq, Hkv, Sq, Sk, D, i
 @pytest.mark.parametrize("B,Hq,Hkv,Sq,Sk,D,is_causal,window,layout", [c for c in CASES if c[5] == 64])
 def test_ws_forward_d64_192_row_tiles(monkeypatch, dtype, B, Hq, Hkv, Sq, Sk, D, is_causal, window, layout):
     """The d = 64 ablation FLASH_CUDA_WS_BLOCK_M=192 (three consumer warpgroups, round-robin
-    turns) under the same rule."""
-    monkeypatch.setenv("FLASH_CUDA_WS_BLOCK_M", "192")
+    turns) at every Sq, under the same rule (the default takes them from Sq = 2048)."""
+    _ablation(monkeypatch, FLASH_CUDA_WS_BLOCK_M="192")
     test_ws_forward_matches_float64("rows192", dtype, B, Hq, Hkv, Sq, Sk, D, is_causal, window, layout)
 
 
@@ -129,7 +141,7 @@ def test_ws_forward_d64_192_row_tiles(monkeypatch, dtype, B, Hq, Hkv, Sq, Sk, D,
 def test_ws_forward_poly_exp2(monkeypatch, every, dtype, B, Hq, Hkv, Sq, Sk, D, is_causal, window, layout):
     """The ablation FLASH_CUDA_WS_EXP2_POLY (a share of the exponentials as a polynomial on the
     FMA pipe) under the same float64 rule."""
-    monkeypatch.setenv("FLASH_CUDA_WS_EXP2_POLY", every)
+    _ablation(monkeypatch, FLASH_CUDA_WS_EXP2_POLY=every)
     test_ws_forward_matches_float64(f"poly{every}", dtype, B, Hq, Hkv, Sq, Sk, D, is_causal, window, layout)
 
 
@@ -138,7 +150,8 @@ def test_ws_forward_poly_exp2_keeps_nan(monkeypatch, every):
     """A NaN key row poisons every output row (its P is NaN, and 0 * NaN in P V too), whichever
     unit exponentiates it: keys 0..127 in steps of 4 reach every 8-key tile, the polynomial's
     included. (-inf scores, the masked keys, are covered by the causal and window cases.)"""
-    monkeypatch.setenv("FLASH_CUDA_WS_EXP2_POLY", every)
+    if every != "0":
+        _ablation(monkeypatch, FLASH_CUDA_WS_EXP2_POLY=every)
     q, k, v = make_inputs(1, 2, 2, 128, 256, 128, BF16, "cuda", seed=11)
     for key in range(0, 128, 4):
         kk = k.clone()
@@ -225,6 +238,8 @@ def test_ws_schedules_agree():
     import subprocess
     import sys
 
+    if not _ext.ablations():
+        pytest.skip("the schedules and grids other than the default are ablation rungs: this build has none")
     code = ("import torch, flash_cuda; from flash_cuda import _ext; from attn_check import make_inputs; "
             "q, k, v = make_inputs(4, 16, 4, 1000, 1100, 128, torch.bfloat16, 'cuda', seed=5); "
             f"o = _ext.require().fwd(q, k, v, 0.1, -1, 0, 0.0, None, None, None, 0, 0, {WS_TIER})[0]; "
@@ -259,10 +274,12 @@ TMA_STORE_CASES = [
 ]
 
 
+
+
 @pytest.mark.parametrize("B,Hq,Hkv,Sq,Sk,D,is_causal,layout", TMA_STORE_CASES)
 def test_ws_tma_store_matches_lane_copy(monkeypatch, schedule, B, Hq, Hkv, Sq, Sk, D, is_causal, layout):
-    """FLASH_CUDA_WS_TMA_STORE=1 and =0 write the same bits (out and lse), and both hold to the
-    float64 rule."""
+    """FLASH_CUDA_WS_TMA_STORE=1 (the TMA store, the default) and =0 (the lane copy, a diagnostics
+    switch) write the same bits (out and lse), and both hold to the float64 rule."""
     q, k, v = make_inputs(B, Hq, Hkv, Sq, Sk, D, BF16, "cuda", layout=layout, seed=Sq + D)
     wr = 0 if is_causal else -1
     results = {}
@@ -272,8 +289,9 @@ def test_ws_tma_store_matches_lane_copy(monkeypatch, schedule, B, Hq, Hkv, Sq, S
                                         (-1, -1), layout)
         out, lse, _ = _ext.require().fwd(q, k, v, 1.0 / math.sqrt(D), -1, wr, 0.0, None, None, None, 0, 0, WS_TIER)
         results[tma] = (out, lse)
-    assert torch.equal(results["1"][0], results["0"][0]), "out differs between the TMA store and the lane copy"
-    assert torch.equal(results["1"][1], results["0"][1]), "lse differs between the TMA store and the lane copy"
+    for tma, (out, lse) in results.items():
+        assert torch.equal(results["1"][0], out), "out differs between the TMA store and the lane copy"
+        assert torch.equal(results["1"][1], lse), "lse differs between the TMA store and the lane copy"
 
 
 # (seqlens_q, seqlens_k, Hq, Hkv, D): packed batches whose sequences end inside a query tile and
@@ -305,8 +323,9 @@ def test_ws_varlen_tma_store_matches_lane_copy(monkeypatch, schedule, lens_q, le
         _ws_varlen_check(desc, q, k, v, cu_q, cu_k, mq, mk, is_causal=is_causal, window=(-1, -1))
         out, lse, _ = _ext.require().fwd(q, k, v, scale, -1, wr, 0.0, None, cu_q, cu_k, mq, mk, WS_TIER)
         results[tma] = (out, lse)
-    assert torch.equal(results["1"][0], results["0"][0]), "out differs between the TMA store and the lane copy"
-    assert torch.equal(results["1"][1], results["0"][1]), "lse differs between the TMA store and the lane copy"
+    for tma, (out, lse) in results.items():
+        assert torch.equal(results["1"][0], out), "out differs between the TMA store and the lane copy"
+        assert torch.equal(results["1"][1], lse), "lse differs between the TMA store and the lane copy"
 
 
 def test_ws_forward_rejects_what_it_does_not_serve():
@@ -434,30 +453,23 @@ def _forward_kernels(fn):
     return " ".join(e.name for e in prof.events())
 
 
-@pytest.mark.parametrize("D,kernel,ws", [(64, "auto", True), (128, "auto", True), (192, "auto", True),
-                                         (128, "wgmma", True), (256, "auto", True)])
-def test_ws_varlen_route(monkeypatch, D, kernel, ws):
+@pytest.mark.parametrize("D,kernel", [(64, "auto"), (128, "auto"), (192, "auto"), (128, "wgmma"), (256, "auto")])
+def test_ws_varlen_route(D, kernel):
     """The route of a packed forward: kernel='auto' (and 'wgmma' at its head dims) runs the
-    warp-specialized kernel and not the cp.async one; FLASH_CUDA_WS_SCHEDULE=off sends it back
-    to the cp.async kernel (mma.sync above d = 128). Each route holds to the float64 rule."""
+    warp-specialized kernel, not the mma.sync one, and holds to the float64 rule."""
     import flash_cuda
 
     lens_q, lens_k = (300, 1, 129), (257, 64, 1)
     q, k, v, cu_q, cu_k, mq, mk = make_varlen_inputs(lens_q, lens_k, 4, 2, D, BF16, "cuda", seed=D)
-    monkeypatch.setenv("FLASH_CUDA_WS_SCHEDULE", "overlap")
-    for off in (False, True):
-        if off:
-            monkeypatch.setenv("FLASH_CUDA_WS_SCHEDULE", "off")
-        names = _forward_kernels(lambda: flash_cuda.varlen_attention(q, k, v, cu_q, cu_k, mq, mk, is_causal=True,
-                                                                     kernel=kernel))
-        assert ("fwd_sm90_ws_kernel" in names) == (ws and not off), names
-        assert ("fwd_sm90_kernel" in names) == (off and D <= 128), names
-        assert ("fwd_mma_kernel" in names) == (D > 128 and (off or not ws)), names
-        check_varlen_attention(q, k, v, cu_q, cu_k, mq, mk, is_causal=True, kernel=kernel, check_grad=False,
-                               label=f"route D={D} kernel={kernel} ws_schedule={'off' if off else 'overlap'}")
+    names = _forward_kernels(lambda: flash_cuda.varlen_attention(q, k, v, cu_q, cu_k, mq, mk, is_causal=True,
+                                                                 kernel=kernel))
+    assert "fwd_sm90_ws_kernel" in names, names
+    assert "fwd_mma_kernel" not in names, names
+    check_varlen_attention(q, k, v, cu_q, cu_k, mq, mk, is_causal=True, kernel=kernel, check_grad=False,
+                           label=f"route D={D} kernel={kernel}")
 
 
-# ---- GQA packing (sm90_fwd_ws.cuh, fwd_sm90_ws_gqa_kernel): the query heads of a KV group in one
+# ---- GQA packing (csrc/tiers/wgmma/fwd.cuh, fwd_sm90_ws_gqa_kernel): the query heads of a KV group in one
 # 128-row tile, row r = query q0 + r / G of head r % G; dense kPlain batches at d 33..128 ----
 def _gqa_cases():
     """(B, Hq, Hkv, Sq, Sk, D, is_causal, window, layout, dtype): every group size G in 2, 4, 8, 16
@@ -489,8 +501,8 @@ GQA_CASES = _gqa_cases()
 
 
 def _ws_pack_expected(Hq, Hkv, Sq, D, pack):
-    """Whether the packed kernel should run (launch.h: ws_pack_gqa) for a plain dense call under the
-    default shape switches and the overlapped schedule."""
+    """Whether the packed kernel should run (csrc/tiers/wgmma/config.h: pack_gqa) for a plain dense
+    call under the default shape and schedule, FLASH_CUDA_WS_PACK_GQA = pack (None: unset)."""
     G = Hq // Hkv
     if G < 2 or 128 % G != 0 or D > 128 or pack == "0":
         return False
@@ -503,14 +515,15 @@ def _ws_gqa_run_and_check(desc, B, Hq, Hkv, Sq, Sk, D, is_causal, window, layout
     return q, k, v, flash_fn
 
 
-@pytest.mark.parametrize("pack", ["1", "0"], ids=["packed", "unpacked"])
+@pytest.mark.parametrize("pack", [None, "1", "0"], ids=["default", "packed", "unpacked"])
 @pytest.mark.parametrize("B,Hq,Hkv,Sq,Sk,D,is_causal,window,layout,dtype", GQA_CASES)
 def test_ws_gqa_packing_matches_float64(monkeypatch, pack, B, Hq, Hkv, Sq, Sk, D, is_causal, window, layout, dtype):
-    """Packed (FLASH_CUDA_WS_PACK_GQA=1) and unpacked (=0) alike hold to the float64 rule: the mask
-    of each row is its query's, O and lse land at each row's own head and query, rows past Sq are
+    """By default (packed up to Sq = 64) and, in an ablation build, packed everywhere
+    (FLASH_CUDA_WS_PACK_GQA=1) or nowhere (=0), the forward holds to the float64 rule: the mask of
+    each row is its query's, O and lse land at each row's own head and query, rows past Sq are
     never stored, and rows that see no key get 0 and -inf."""
-    monkeypatch.setenv("FLASH_CUDA_WS_PACK_GQA", pack)
-    monkeypatch.setenv("FLASH_CUDA_WS_SCHEDULE", "overlap")
+    if pack is not None:
+        _ablation(monkeypatch, FLASH_CUDA_WS_PACK_GQA=pack)
     desc = (f"pack={pack} B={B} Hq={Hq} Hkv={Hkv} Sq={Sq} Sk={Sk} D={D} dtype={dtype} causal={is_causal} "
             f"window={window} layout={layout}")
     _ws_gqa_run_and_check(desc, B, Hq, Hkv, Sq, Sk, D, is_causal, window, layout, dtype, seed=Sq * 7 + Sk + Hq)
@@ -519,11 +532,10 @@ def test_ws_gqa_packing_matches_float64(monkeypatch, pack, B, Hq, Hkv, Sq, Sk, D
 @pytest.mark.parametrize("persistent", ["1", "0"])
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
 def test_ws_gqa_packing_many_tiles(monkeypatch, persistent, is_causal):
-    """More packed tiles than SMs (persistent CTAs run several, the ring and the turns carry on from
-    one tile to the next), and one CTA per tile."""
-    monkeypatch.setenv("FLASH_CUDA_WS_PACK_GQA", "1")
-    monkeypatch.setenv("FLASH_CUDA_WS_SCHEDULE", "overlap")
-    monkeypatch.setenv("FLASH_CUDA_WS_PERSISTENT", persistent)
+    """More packed tiles than SMs (Sq = 33: packed by default; persistent CTAs run several, the ring
+    and the turns carry on from one tile to the next), and in an ablation build one CTA per tile."""
+    if persistent != "1":
+        _ablation(monkeypatch, FLASH_CUDA_WS_PERSISTENT=persistent)
     desc = f"many packed tiles persistent={persistent} causal={is_causal}"
     _ws_gqa_run_and_check(desc, 16, 64, 8, 33, 900, 128, is_causal, (-1, -1), "bshd", BF16, seed=41)
 
@@ -533,8 +545,8 @@ def test_ws_gqa_packing_is_bitwise_unpacked(monkeypatch, D, is_causal, window):
     """A row's arithmetic does not depend on the rows it shares a tile with: the same key blocks in
     the same order (a block that only the other tile layout visits is fully masked for the row and
     adds exact zeros), the same products and exponentials. So packed and unpacked outputs and lse
-    are bitwise equal."""
-    monkeypatch.setenv("FLASH_CUDA_WS_SCHEDULE", "overlap")
+    are bitwise equal (an ablation build forces either)."""
+    _ablation(monkeypatch)
     q, k, v = make_inputs(2, 16, 2, 45, 700, D, BF16, "cuda", layout="bshd", seed=D)
     wl, wr = window
     if is_causal:
@@ -568,18 +580,14 @@ GQA_ROUTES = [
 @pytest.mark.parametrize("kernel", ["auto", "tier4"])
 @pytest.mark.parametrize("B,Hq,Hkv,Sq,Sk,D,pack,env", GQA_ROUTES)
 def test_ws_gqa_route(monkeypatch, kernel, B, Hq, Hkv, Sq, Sk, D, pack, env):
-    """The profiler sees fwd_sm90_ws_gqa_kernel exactly where launch.h's ws_pack_gqa takes it
+    """The profiler sees fwd_sm90_ws_gqa_kernel exactly where config.h's pack_gqa takes it
     (kernel='auto' and tier 4 alike), the unpacked warp-specialized kernel otherwise, and each
-    route holds to the float64 rule. Softcap (an extended call) never packs."""
+    route holds to the float64 rule. Softcap (an extended call) never packs. The routes with
+    switches run in an ablation build."""
     import flash_cuda
 
-    if pack is None:
-        monkeypatch.delenv("FLASH_CUDA_WS_PACK_GQA", raising=False)
-    else:
-        monkeypatch.setenv("FLASH_CUDA_WS_PACK_GQA", pack)
-    monkeypatch.setenv("FLASH_CUDA_WS_SCHEDULE", "overlap")
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
+    if pack is not None or env:
+        _ablation(monkeypatch, **({} if pack is None else {"FLASH_CUDA_WS_PACK_GQA": pack}), **env)
     q, k, v = make_inputs(B, Hq, Hkv, Sq, Sk, D, BF16, "cuda", layout="bshd", seed=Sq + D)
     expected = _ws_pack_expected(Hq, Hkv, Sq, D, pack) and not env
     for softcap in (0.0, 5.0):

@@ -1,21 +1,15 @@
-// core/exp2.cuh — the two ways a kernel computes 2^x: the MUFU unit's ex2.approx (one
-// instruction, the default everywhere) and a polynomial on the FMA pipe, for where the MUFU
-// unit would be the bound (measured as an ablation of the Hopper forward's softmax, and for
-// softcap's tanh: OPTIMIZATION.md has both; neither is a default).
+// core/exp2.cuh — 2^x as a polynomial on the FMA pipe, beside the MUFU unit's ex2.approx (one
+// instruction, arch/sm80.cuh: ex2_approx, the default everywhere), for where the MUFU unit would
+// be the bound (measured as an ablation of the Hopper forward's softmax, and for softcap's tanh:
+// OPTIMIZATION.md has both; neither is a default).
 #pragma once
 
 #if defined(__CUDACC__)
 #include <cuda_runtime.h>
 
-namespace flash_cuda {
+#include "../arch/sm80.cuh"
 
-// exp2 through the hardware MUFU.EX2 unit (ex2.approx.ftz): the scale is folded into
-// the argument as log2(e) * scale, so softmax needs one FFMA + one MUFU per element.
-__device__ __forceinline__ float fast_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
+namespace flash_cuda {
 
 // exp2 on the FMA pipe, for a share of the softmax's elements where the MUFU unit is the
 // bound (at d <= 128 one key block's exponentials take the MUFU about as long as the block's
@@ -28,9 +22,7 @@ __device__ __forceinline__ float fast_exp2(float x) {
 template <int kDegree>
 __device__ __forceinline__ float poly_exp2(float x) {
   static_assert(kDegree == 3 || kDegree == 4, "fitted degrees");
-  float xc;  // x clamped to [-127, 127], NaN kept
-  asm("max.NaN.f32 %0, %1, %2;\n" : "=f"(xc) : "f"(x), "f"(-127.f));
-  asm("min.NaN.f32 %0, %1, %2;\n" : "=f"(xc) : "f"(xc), "f"(127.f));
+  const float xc = min_nan(max_nan(x, -127.f), 127.f);  // x clamped to [-127, 127], NaN kept
   // 1.5 * 2^23 + floor(x): the sum's last mantissa bits are floor(x) (two's complement),
   // so its bits shifted left by 23 are floor(x) << 23.
   const float t = __fadd_rd(xc, 0x1.8p23f);

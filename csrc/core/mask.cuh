@@ -2,11 +2,13 @@
 //
 // Every tier asks these questions through this file and nothing else:
 //   * is the pair (query i, key j) visible?                         AttnMask::visible
-//   * which key blocks can a block of queries see?                   AttnMask::key_begin / key_end
-//   * which query blocks can see a block of keys? (backward)         AttnMask::query_begin / query_end
+//   * which keys can a range of queries see?                          AttnMask::key_begin / key_end
+//   * which queries can see a range of keys? (backward)               AttnMask::query_begin / query_end
+//     (in blocks: core/block.cuh)
 //   * does a (query range x key range) tile need the per-element test at all?  AttnMask::needs_mask
 //   * which query does a row of a tile hold? (GQA-packed tiles)      OneQueryPerRow / GqaPackedRows
 //   * softcap and ALiBi on a score, and softcap's derivative        ScoreMod
+//   * both on a whole accumulator fragment (core/fragment.cuh)     modify_and_mask
 //
 // The rule (FlashAttention's, bottom-right aligned). Query i of a sequence with sq queries and
 // sk keys sits at key position i + (sk - sq). With a window (left, right), -1 meaning unbounded:
@@ -20,8 +22,12 @@
 #include <climits>
 #include <cstdint>
 
-#include "../flash_params.h"
-#include "exp2.cuh"
+#include "../include/params.h"
+
+#if defined(__CUDACC__)
+#include "../arch/sm80.cuh"
+#include "fragment.cuh"
+#endif
 
 namespace flash_cuda {
 
@@ -50,7 +56,6 @@ struct AttnMask {
   // The right side is bounded (causal, or a window): later query blocks see more keys.
   FLASH_HOST_DEVICE bool right_bounded() const { return diag_hi != INT_MAX; }
 
-  // i, j >= 0 and < 2^31, so j - i cannot overflow an int (nor can the differences below).
   // i, j >= 0 and < 2^31, so j - i cannot overflow an int (nor can the differences below).
   FLASH_HOST_DEVICE bool visible(int i, int j) const {
     const int dij = j - i;
@@ -95,7 +100,7 @@ struct AttnMask {
 // Which query a row of a kernel's tile holds: the mask and the score modifiers of a row are
 // those of its query. Every kernel that gives each query head its own tiles has one query per
 // row and counts rows in query indices (OneQueryPerRow, the helpers' default). The Hopper
-// forward's packed GQA tiles (sm90_fwd_ws.cuh) hold the G = 2^shift query heads of one KV group
+// forward's packed GQA tiles (tiers/wgmma/fwd.cuh) hold the G = 2^shift query heads of one KV group
 // side by side: tile row r is query q0 + r / G of the group's head r % G, so rows [r0, r1) of a
 // tile cover the queries [query(r0), query(r1 - 1) + 1).
 struct OneQueryPerRow {
@@ -105,22 +110,6 @@ struct GqaPackedRows {
   int q0;     // the tile's first query
   int shift;  // log2 G: G is a power of two (it divides the tile's rows)
   FLASH_HOST_DEVICE int query(int row) const { return q0 + (row >> shift); }
-};
-
-// Block-index ranges derived from AttnMask, for a kernel that walks key blocks of kBlockN for a
-// query block [r0, r1) (forward, dQ), or query blocks of kBlockM for a key block (dK/dV).
-struct BlockRange {
-  int begin, end;  // block indices [begin, end); empty when begin >= end
-  FLASH_HOST_DEVICE int count() const { return end > begin ? end - begin : 0; }
-
-  FLASH_HOST_DEVICE static BlockRange keys_of(const AttnMask& m, int r0, int r1, int block_n) {
-    const int kb = m.key_begin(r0), ke = m.key_end(r1);
-    return {kb / block_n, ke > kb ? (ke + block_n - 1) / block_n : kb / block_n};
-  }
-  FLASH_HOST_DEVICE static BlockRange queries_of(const AttnMask& m, int c0, int c1, int block_m) {
-    const int qb = m.query_begin(c0), qe = m.query_end(c1);
-    return {qb / block_m, qe > qb ? (qe + block_m - 1) / block_m : qb / block_m};
-  }
 };
 
 // ---------------------------------------------------------------------------------
@@ -156,7 +145,7 @@ struct ScoreMod {
     if constexpr (kPrecise) {
       return tanhf(y);
     } else {
-      return 1.f - __fdividef(2.f, fast_exp2(y * 2.8853900817779268f) + 1.f);  // 2^(2y log2 e)
+      return 1.f - __fdividef(2.f, ex2_approx(y * 2.8853900817779268f) + 1.f);  // 2^(2y log2 e)
     }
   }
 
@@ -178,8 +167,8 @@ struct ScoreMod {
 #endif
 
   // The modifiers of (batch bi, head h); `seq_offset` = sk - sq of that sequence.
-  // kOpaqueSoftcap: softcap read through an empty asm, for a caller that builds the modifiers per
-  // tile inside its loop (mma_bwd.cuh: compute_probs with softcap's derivative): it keeps the
+  // kOpaqueSoftcap: softcap read opaquely (arch/sm80.cuh), for a caller that builds the modifiers per
+  // tile inside its loop (core/softmax.cuh: compute_probs with softcap's derivative): it keeps the
   // compiler from hoisting C and 1 / C out of that loop into registers the warp-specialized
   // consumers do not have.
   template <bool kOpaqueSoftcap = false>
@@ -188,7 +177,7 @@ struct ScoreMod {
     ScoreMod mod;
     float softcap = p.softcap;
 #if defined(__CUDA_ARCH__)
-    if constexpr (kOpaqueSoftcap) asm volatile("" : "+f"(softcap));
+    if constexpr (kOpaqueSoftcap) opaque(softcap);
 #endif
     if (softcap > 0.f) {
       mod.softcap_log2 = softcap * kLog2e;
@@ -201,5 +190,30 @@ struct ScoreMod {
     return mod;
   }
 };
+
+#if defined(__CUDACC__)
+// The score modifiers (softcap, ALiBi) and the mask on a warp's C fragment of S (core/
+// fragment.cuh), rows from row_base and keys from key_base. Without modifiers S stays the raw
+// q.k; with them each score becomes the modified logit in log2 units (scale_log2 applied first:
+// ScoreMod::exp_scale is then 1). Masked scores become -inf. Each pass is one warp-uniform branch
+// around the whole tile: the plain, unmasked block (the common case) runs no per-element test.
+// `rows` maps the warp's rows (row_base + ...) to their queries: the identity except in the
+// GQA-packed Hopper forward, whose row_base counts tile rows.
+template <int kM, int kN, typename Rows = OneQueryPerRow>
+__device__ __forceinline__ void modify_and_mask(float (&s)[kM][kN][4], bool needs_mask, int row_base, int key_base,
+                                                const AttnMask& mask, const ScoreMod& mod, float scale_log2,
+                                                const Rows& rows = {}) {
+  if (mod.active()) {
+    for_each_element(s, row_base, key_base, [&](float& x, int row, int col) {
+      x = mod.apply(x * scale_log2, rows.query(row), col);
+    });
+  }
+  if (needs_mask) {
+    for_each_element(s, row_base, key_base, [&](float& x, int row, int col) {
+      if (!mask.visible(rows.query(row), col)) x = -INFINITY;
+    });
+  }
+}
+#endif  // __CUDACC__
 
 }  // namespace flash_cuda

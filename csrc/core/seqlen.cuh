@@ -16,7 +16,7 @@
 
 #include <cstdint>
 
-#include "../flash_params.h"
+#include "../include/params.h"
 #include "mask.cuh"
 
 namespace flash_cuda {

@@ -1,0 +1,457 @@
+// api/flash_api.cpp — the one file of flash_cuda that sees torch tensors.
+//
+// It checks the tensors once more (the Python layer validates first, with friendlier
+// messages), makes sure every row is 16-byte aligned, allocates outputs and the workspaces the
+// families plan, fills the plain FwdParams / BwdParams structs and picks the kernel family
+// (tiers/<family>/family.h: each one answers whether it applies, what workspace it needs, and
+// runs). Nothing here knows a tile, a bucket or a kernel.
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <vector>
+
+#include "../arch/gpu_class.h"
+#include "../core/mask.cuh"
+#include "../include/ablation.h"
+#include "../include/params.h"
+#include "../tiers/mma/family.h"
+#include "../tiers/simt/family.h"
+#include "../tiers/wgmma/family.h"
+
+namespace flash_cuda {
+namespace {
+
+DType dtype_of(const at::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return DType::kFloat32;
+    case at::kHalf: return DType::kFloat16;
+    case at::kBFloat16: return DType::kBFloat16;
+    default:
+      TORCH_CHECK(false, "flash_cuda: unsupported dtype ", t.scalar_type(),
+                  "; accepted: float16, bfloat16, float32");
+  }
+}
+
+// kAuto stays kAuto for 16-bit inputs: dispatch tries the Hopper tier first.
+Tier resolve_tier(int64_t tier, DType dtype) {
+  TORCH_CHECK(tier >= 0 && tier <= 4, "flash_cuda: unknown kernel tier ", tier);
+  Tier t = static_cast<Tier>(tier);
+  if (t == Tier::kAuto && dtype == DType::kFloat32) t = Tier::kSimt;
+  TORCH_CHECK(t != Tier::kSimt || dtype == DType::kFloat32,
+              "flash_cuda: the 'simt' kernel takes float32 inputs only");
+  TORCH_CHECK((t != Tier::kMma && t != Tier::kWgmma && t != Tier::kWgmmaWs) || dtype != DType::kFloat32,
+              "flash_cuda: the 'mma' and 'wgmma' kernels take float16 or bfloat16 inputs only");
+  return t;
+}
+
+// Every kernel reads rows with 16-byte vectors: the base pointer and every stride that
+// matters (of a dimension longer than 1) must be 16-byte multiples. Views that are not
+// get a packed copy (the common layouts — contiguous, (B,S,H,D).transpose(1,2) — never do).
+at::Tensor aligned(const at::Tensor& t) {
+  const int64_t esize = t.element_size();
+  bool ok = reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
+  for (int i = 0; i + 1 < t.dim() && ok; ++i) {
+    if (t.size(i) > 1 && (t.stride(i) * esize) % 16 != 0) ok = false;
+  }
+  return ok ? t : t.clone(at::MemoryFormat::Contiguous);
+}
+
+// The two layouts a call can have. Dense: q (B, Hq, Sq, D), k / v (B, Hkv, Sk, D). Varlen (packed):
+// q (total_q, Hq, D), k / v (total_k, Hkv, D) and cu_seqlens of B + 1 int32 entries; Sq / Sk are
+// then max_seqlen_q / max_seqlen_k. Every dimension is read through these names, never by index.
+struct Shape {
+  bool varlen = false;
+  int64_t B = 0, Hq = 0, Hkv = 0, Sq = 0, Sk = 0, D = 0;
+  int64_t rows_q = 0, rows_k = 0;  // rows of q and k per head: Sq / Sk dense, total_q / total_k varlen
+  // The (batch, head, row) strides of a q-like or k-like tensor, as the params want them: a
+  // packed tensor has no batch stride (its sequences are told apart by cu_seqlens).
+  void strides(const at::Tensor& t, int64_t& batch, int64_t& head, int64_t& row) const {
+    batch = varlen ? 0 : t.stride(0);
+    head = t.stride(1);
+    row = varlen ? t.stride(0) : t.stride(2);
+  }
+  // A params view: the tensor's pointer and its strides.
+  template <typename Ptr>
+  void view(const at::Tensor& t, Ptr& ptr, int64_t& batch, int64_t& head, int64_t& row) const {
+    ptr = t.data_ptr();
+    strides(t, batch, head, row);
+  }
+  // Shape of lse (and of the row statistics): dense (B, Hq, Sq), varlen (Hq, total_q).
+  std::vector<int64_t> lse_shape() const {
+    return varlen ? std::vector<int64_t>{Hq, rows_q} : std::vector<int64_t>{B, Hq, Sq};
+  }
+  bool empty() const { return B == 0 || Hq == 0 || rows_q == 0 || rows_k == 0 || Sq == 0 || Sk == 0; }
+};
+
+// The masking and modifier arguments of a call, as the Python layer passes them.
+struct MaskArgs {
+  int64_t window_left = -1, window_right = -1;
+  double softcap = 0.0;
+  std::optional<at::Tensor> alibi_slopes, cu_seqlens_q, cu_seqlens_k;
+  int64_t max_seqlen_q = 0, max_seqlen_k = 0;
+  bool varlen() const { return cu_seqlens_q.has_value(); }
+  bool any_feature() const {
+    return window_left >= 0 || (window_right >= 0) || softcap > 0 || alibi_slopes.has_value() || varlen();
+  }
+};
+
+Shape check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const MaskArgs& m) {
+  TORCH_CHECK(q.is_cuda() && k.is_cuda() && v.is_cuda(), "flash_cuda: q, k, v must be CUDA tensors");
+  TORCH_CHECK(q.device() == k.device() && q.device() == v.device(),
+              "flash_cuda: q, k, v must be on the same device");
+  TORCH_CHECK(m.cu_seqlens_q.has_value() == m.cu_seqlens_k.has_value(),
+              "flash_cuda: pass both cu_seqlens_q and cu_seqlens_k, or neither");
+  const bool varlen = m.varlen();
+  const int64_t ndim = varlen ? 3 : 4;
+  TORCH_CHECK(q.dim() == ndim && k.dim() == ndim && v.dim() == ndim,
+              varlen ? "flash_cuda: varlen q, k, v must be 3-d (total_rows, heads, head_dim)"
+                     : "flash_cuda: q, k, v must be 4-d (batch, heads, seq, head_dim)");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
+              "flash_cuda: q, k, v must share one dtype");
+  dtype_of(q);
+  TORCH_CHECK(q.stride(-1) == 1 && k.stride(-1) == 1 && v.stride(-1) == 1,
+              "flash_cuda: the last dimension of q, k, v must be contiguous (stride 1)");
+  TORCH_CHECK(k.sizes() == v.sizes(), "flash_cuda: k and v shapes differ");
+  Shape s;
+  s.varlen = varlen;
+  s.D = q.size(-1);
+  TORCH_CHECK(k.size(-1) == s.D, "flash_cuda: q, k, v head dims differ");
+  if (varlen) {
+    const at::Tensor& cq = *m.cu_seqlens_q;
+    const at::Tensor& ck = *m.cu_seqlens_k;
+    for (const at::Tensor* c : {&cq, &ck}) {
+      TORCH_CHECK(c->scalar_type() == at::kInt && c->dim() == 1 && c->is_contiguous(),
+                  "flash_cuda: cu_seqlens must be contiguous 1-d int32 tensors");
+      TORCH_CHECK(c->device() == q.device(), "flash_cuda: cu_seqlens must be on q's device");
+    }
+    TORCH_CHECK(cq.size(0) == ck.size(0) && cq.size(0) >= 2,
+                "flash_cuda: cu_seqlens_q and cu_seqlens_k must both have batch + 1 >= 2 entries");
+    TORCH_CHECK(m.max_seqlen_q >= 0 && m.max_seqlen_k >= 0, "flash_cuda: max_seqlen must be >= 0");
+    s.B = cq.size(0) - 1;
+    s.Hq = q.size(1);
+    s.Hkv = k.size(1);
+    s.rows_q = q.size(0);
+    s.rows_k = k.size(0);
+    s.Sq = std::min(m.max_seqlen_q, s.rows_q);  // no sequence is longer than its tensor
+    s.Sk = std::min(m.max_seqlen_k, s.rows_k);
+    TORCH_CHECK(s.rows_q < (int64_t(1) << 31) && s.rows_k < (int64_t(1) << 31),
+                "flash_cuda: varlen row counts must be < 2^31");
+  } else {
+    s.B = q.size(0);
+    s.Hq = q.size(1);
+    s.Hkv = k.size(1);
+    s.Sq = q.size(2);
+    s.Sk = k.size(2);
+    s.rows_q = s.Sq;
+    s.rows_k = s.Sk;
+    TORCH_CHECK(k.size(0) == s.B, "flash_cuda: q, k, v batch sizes differ");
+  }
+  TORCH_CHECK(s.Hkv > 0 || s.Hq == 0, "flash_cuda: k/v have zero heads");
+  TORCH_CHECK(s.Hkv == 0 || s.Hq % s.Hkv == 0, "flash_cuda: query heads (", s.Hq,
+              ") must be a multiple of key/value heads (", s.Hkv, ")");
+  TORCH_CHECK(s.D % 8 == 0 && s.D >= 8 && s.D <= 256,
+              "flash_cuda: head dim must be a multiple of 8 in [8, 256], got ", s.D);
+  TORCH_CHECK(s.B < 65536 && s.Hq < 65536, "flash_cuda: batch and heads must be < 65536");
+  TORCH_CHECK(s.Sq < (int64_t(1) << 31) && s.Sk < (int64_t(1) << 31),
+              "flash_cuda: sequence lengths must be < 2^31");
+  TORCH_CHECK(m.window_left >= -1 && m.window_right >= -1, "flash_cuda: window sizes must be >= -1");
+  TORCH_CHECK(std::isfinite(m.softcap) && m.softcap >= 0, "flash_cuda: softcap must be finite and >= 0");
+  if (m.alibi_slopes.has_value()) {
+    const at::Tensor& a = *m.alibi_slopes;
+    TORCH_CHECK(a.scalar_type() == at::kFloat && a.is_contiguous() && a.device() == q.device(),
+                "flash_cuda: alibi_slopes must be a contiguous float32 tensor on q's device");
+    TORCH_CHECK((a.dim() == 1 && a.size(0) == s.Hq) || (a.dim() == 2 && a.size(0) == s.B && a.size(1) == s.Hq),
+                "flash_cuda: alibi_slopes must have shape (heads,) or (batch, heads)");
+  }
+  const auto prop = at::cuda::getDeviceProperties(q.device().index());
+  TORCH_CHECK(prop->major >= 8, "flash_cuda: needs a GPU of compute capability 8.0 or newer, got ",
+              prop->major, ".", prop->minor);
+  return s;
+}
+
+void fill_fwd(FwdParams& p, const Shape& s, const MaskArgs& m, const at::Tensor& q, const at::Tensor& k,
+              const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse, double scale) {
+  const bool vl = s.varlen;
+  s.view(q, p.q, p.q_batch_stride, p.q_head_stride, p.q_row_stride);
+  s.view(k, p.k, p.k_batch_stride, p.k_head_stride, p.k_row_stride);
+  s.view(v, p.v, p.v_batch_stride, p.v_head_stride, p.v_row_stride);
+  s.view(out, p.o, p.o_batch_stride, p.o_head_stride, p.o_row_stride);
+  p.softmax_lse = lse.data_ptr<float>();
+  // Row statistics: dense [b][hq][sq], varlen [hq][total_q] (include/params.h).
+  p.stat_batch_stride = vl ? 0 : s.Hq * s.Sq;
+  p.stat_head_stride = vl ? s.rows_q : s.Sq;
+  p.b = static_cast<int>(s.B);
+  p.hq = static_cast<int>(s.Hq);
+  p.hkv = static_cast<int>(s.Hkv);
+  p.sq = static_cast<int>(s.Sq);
+  p.sk = static_cast<int>(s.Sk);
+  p.d = static_cast<int>(s.D);
+  // Kernels take the row max of the raw scores and fold the scale into the exp2's FFMA,
+  // which needs scale >= 0 (callers fold a negative scale into q). scale_log2 stays a
+  // normal float so that masked (-inf) scores times it stay -inf, never NaN; the exact
+  // p.scale (0 included) is what the gradients use.
+  TORCH_CHECK(scale >= 0, "flash_cuda: internal error: negative scale reached the kernels");
+  p.scale = static_cast<float>(scale);
+  p.scale_log2 = std::max(static_cast<float>(scale * M_LOG2E), 1e-30f);
+  // Window sides beyond every key are the same as unbounded: keeps the int arithmetic small.
+  const int64_t span = s.Sq + s.Sk;
+  p.window_left = m.window_left < 0 ? -1 : static_cast<int>(std::min(m.window_left, span));
+  p.window_right = m.window_right < 0 ? -1 : static_cast<int>(std::min(m.window_right, span));
+  const AttnMask dense_mask = AttnMask::make(p.sq, p.sk, p.window_left, p.window_right);
+  p.diag_lo = dense_mask.diag_lo;
+  p.diag_hi = dense_mask.diag_hi;
+  p.softcap = static_cast<float>(m.softcap);
+  if (m.alibi_slopes.has_value()) {
+    p.alibi_slopes = m.alibi_slopes->data_ptr<float>();
+    p.alibi_batch_stride = m.alibi_slopes->dim() == 2 ? s.Hq : 0;
+  }
+  if (vl) {
+    p.cu_seqlens_q = m.cu_seqlens_q->data_ptr<int32_t>();
+    p.cu_seqlens_k = m.cu_seqlens_k->data_ptr<int32_t>();
+    p.total_q = static_cast<int>(s.rows_q);
+    p.total_k = static_cast<int>(s.rows_k);
+  }
+  p.dtype = dtype_of(q);
+  const auto prop = at::cuda::getDeviceProperties(q.device().index());
+  // Under FLASH_CUDA_EMULATE_ARCH (arch/gpu_class.h) the dispatcher sees that GPU class.
+  p.sm_arch = emulated_arch() > 0 ? emulated_arch() : prop->major * 10 + prop->minor;
+  p.num_sms = prop->multiProcessorCount;
+}
+
+// FLASH_CUDA_POISON_OUTPUTS=1 (set by the test suite) fills every output with NaN before
+// the kernels run, so an element a kernel forgets to write fails the comparison instead of
+// silently keeping whatever the caching allocator left there (often the right answer of an
+// identical earlier call).
+bool poison_outputs() {
+  static const bool poison = [] {
+    const char* env = std::getenv("FLASH_CUDA_POISON_OUTPUTS");
+    return env != nullptr && env[0] != '\0' && env[0] != '0';
+  }();
+  return poison;
+}
+
+constexpr const char* kNoWgmma =
+    "flash_cuda: kernel='wgmma' needs an sm_90 GPU (H100/H200), a flash_cuda build that includes "
+    "the 90a target, and a head dim in 33..128 (with softcap > 0 its backward also needs "
+    "deterministic=False and inputs TMA can address); use kernel='auto' or 'mma'";
+// Softcap's derivative is in the warp-specialized Hopper backward only (tiers/wgmma/bwd_ws.cuh),
+// which adds dQ in a varying order: not with deterministic=True.
+constexpr const char* kNoWgmmaSoftcap =
+    "flash_cuda: kernel='wgmma' runs softcap's backward on the warp-specialized Hopper kernel only, "
+    "which needs deterministic=False; use kernel='auto' or 'mma'";
+
+// A zero-filled tensor by one cudaMemsetAsync on the current stream: at::zeros launches a fill
+// kernel through the TensorIterator machinery, which costs the host several times more (a small
+// call's step is bound by the host).
+at::Tensor zeroed_on_stream(at::IntArrayRef shape, const at::TensorOptions& options) {
+  at::Tensor t = at::empty(shape, options);
+  if (t.numel() > 0) {
+    C10_CUDA_CHECK(cudaMemsetAsync(t.data_ptr(), 0, t.nbytes(), at::cuda::getCurrentCUDAStream().stream()));
+  }
+  return t;
+}
+
+// The call on family F (include/dispatch.h: the contract) if it applies: its plan's workspace
+// allocated and attached, then its launch. False where it does not apply or declines.
+template <typename F, typename Params>
+bool run_family(Params& p, Tier tier, const at::TensorOptions& options) {
+  if (!F::applies(p, tier)) return false;
+  const Workspace ws = F::plan(p, tier);
+  at::Tensor floats, ints;  // alive until the launch is enqueued (stream-ordered reuse after)
+  if (ws.floats > 0) {
+    floats = ws.zero_floats ? zeroed_on_stream({ws.floats}, options.dtype(at::kFloat))
+                            : at::empty({ws.floats}, options.dtype(at::kFloat));
+  }
+  if (ws.ints > 0) ints = zeroed_on_stream({ws.ints}, options.dtype(at::kInt));
+  F::attach(p, floats.defined() ? floats.data_ptr<float>() : nullptr, ints.defined() ? ints.data_ptr<int>() : nullptr);
+  return F::run(p, tier, at::cuda::getCurrentCUDAStream().stream());
+}
+
+// The families in the order they are asked: fp32 -> simt; fp16 / bf16 -> the Hopper family where
+// it applies, else mma.sync. kernel='wgmma' and tier 4 allow the Hopper family alone (tier 4's
+// backward is kernel='auto''s).
+template <typename Params>
+void dispatch(Params& p, Tier tier, const at::TensorOptions& options) {
+  constexpr bool kBackward = std::is_same<Params, BwdParams>::value;
+  if (run_family<SimtFamily>(p, tier, options) || run_family<WgmmaFamily>(p, tier, options)) return;
+  TORCH_CHECK(kBackward || tier != Tier::kWgmmaWs,
+              "flash_cuda: the warp-specialized forward (tier 4) needs an sm_90 GPU, a build with the 90a target, "
+              "head dim 33..256, and 16-byte aligned strides");
+  TORCH_CHECK(tier != Tier::kWgmma, kNoWgmma);
+  TORCH_CHECK(run_family<MmaFamily>(p, kBackward && tier == Tier::kWgmmaWs ? Tier::kAuto : tier, options),
+              "flash_cuda: internal error: no kernel family ran the call");
+}
+
+MaskArgs mask_args(int64_t window_left, int64_t window_right, double softcap,
+                   const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& cu_seqlens_q,
+                   const std::optional<at::Tensor>& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k) {
+  MaskArgs m;
+  m.window_left = window_left;
+  m.window_right = window_right;
+  m.softcap = softcap;
+  auto defined = [](const std::optional<at::Tensor>& t) {
+    return t.has_value() && t->defined() ? t : std::optional<at::Tensor>{};
+  };
+  m.alibi_slopes = defined(alibi_slopes);
+  m.cu_seqlens_q = defined(cu_seqlens_q);
+  m.cu_seqlens_k = defined(cu_seqlens_k);
+  m.max_seqlen_q = max_seqlen_q;
+  m.max_seqlen_k = max_seqlen_k;
+  return m;
+}
+
+// The fp32 family's per-row softmax statistics (include/params.h: softmax_stats) travel from the
+// forward to the backward as `aux`: lse's shape + (2,) for float32, empty otherwise.
+at::Tensor make_aux(const Shape& s, const at::Tensor& q) {
+  if (q.scalar_type() != at::kFloat) return at::empty({0}, q.options().dtype(at::kFloat));
+  std::vector<int64_t> shape = s.lse_shape();
+  shape.push_back(2);
+  return at::zeros(shape, q.options().dtype(at::kFloat));
+}
+
+}  // namespace
+
+// out, lse, aux = fwd(q, k, v, scale, window_left, window_right, softcap, alibi_slopes,
+//                     cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, tier)
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd(
+    const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, double scale, int64_t window_left,
+    int64_t window_right, double softcap, const std::optional<at::Tensor>& alibi_slopes,
+    const std::optional<at::Tensor>& cu_seqlens_q, const std::optional<at::Tensor>& cu_seqlens_k,
+    int64_t max_seqlen_q, int64_t max_seqlen_k, int64_t tier) {
+  const MaskArgs m = mask_args(window_left, window_right, softcap, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
+                               max_seqlen_q, max_seqlen_k);
+  const Shape s = check_qkv(q_in, k_in, v_in, m);
+  TORCH_CHECK(std::isfinite(scale), "flash_cuda: scale must be finite");
+  const Tier t = resolve_tier(tier, dtype_of(q_in));
+
+  at::Tensor out = at::empty_like(q_in);
+  at::Tensor lse = at::empty(s.lse_shape(), q_in.options().dtype(at::kFloat));
+  at::Tensor aux = make_aux(s, q_in);
+  if (s.empty()) {  // no query, or no key at all: every row is empty
+    out.zero_();
+    lse.fill_(-INFINITY);
+    return {out, lse, aux};
+  }
+
+  const c10::cuda::CUDAGuard guard(q_in.device());
+  // softmax(scale * q.k) with scale < 0 is softmax(|scale| * (-q).k).
+  const at::Tensor q = aligned(scale < 0 ? q_in.neg() : q_in);
+  const at::Tensor k = aligned(k_in), v = aligned(v_in);
+  scale = std::abs(scale);
+  if (poison_outputs()) {
+    out.fill_(NAN);
+    lse.fill_(NAN);
+  }
+  FwdParams p;
+  fill_fwd(p, s, m, q, k, v, out, lse, scale);
+  if (aux.numel() > 0) p.softmax_stats = aux.data_ptr<float>();
+  dispatch(p, t, q.options());
+  return {out, lse, aux};
+}
+
+// dq, dk, dv = bwd(dout, q, k, v, out, lse, aux, dlse, scale, window_left, window_right, softcap,
+//                  alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, deterministic, tier)
+std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(
+    const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+    const at::Tensor& out_in, const at::Tensor& lse_in, const at::Tensor& aux_in,
+    const std::optional<at::Tensor>& dlse_in, double scale, int64_t window_left, int64_t window_right,
+    double softcap, const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& cu_seqlens_q,
+    const std::optional<at::Tensor>& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
+    bool deterministic, int64_t tier) {
+  const MaskArgs m = mask_args(window_left, window_right, softcap, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
+                               max_seqlen_q, max_seqlen_k);
+  const Shape s = check_qkv(q_in, k_in, v_in, m);
+  TORCH_CHECK(std::isfinite(scale), "flash_cuda: scale must be finite");
+  const Tier t = resolve_tier(tier, dtype_of(q_in));
+  TORCH_CHECK(t != Tier::kWgmma || m.softcap == 0 || (!deterministic && !wgmma::bwd_split()), kNoWgmmaSoftcap);
+  TORCH_CHECK(dout_in.sizes() == q_in.sizes() && out_in.sizes() == q_in.sizes(),
+              "flash_cuda: dout and out must have q's shape");
+  TORCH_CHECK(dout_in.scalar_type() == q_in.scalar_type() && out_in.scalar_type() == q_in.scalar_type(),
+              "flash_cuda: dout and out must have q's dtype");
+  TORCH_CHECK(dout_in.device() == q_in.device() && out_in.device() == q_in.device() &&
+                  lse_in.device() == q_in.device(),
+              "flash_cuda: dout, out, lse must be on q's device");
+  TORCH_CHECK(lse_in.scalar_type() == at::kFloat && lse_in.sizes() == at::IntArrayRef(s.lse_shape()),
+              "flash_cuda: lse must be float32 of shape (B, Hq, Sq), or (Hq, total_q) for varlen");
+
+  // The fp32 tier's default backward adds dQ with float atomics straight into dq (fp32):
+  // dq starts at zero. Every other path writes each gradient element exactly once.
+  const bool dq_atomic = t == Tier::kSimt && !deterministic;
+  at::Tensor dq = dq_atomic ? at::zeros_like(q_in) : at::empty_like(q_in);
+  at::Tensor dk = at::empty_like(k_in);
+  at::Tensor dv = at::empty_like(v_in);
+  if (s.empty()) {
+    dq.zero_();
+    dk.zero_();
+    dv.zero_();
+    return {dq, dk, dv};
+  }
+
+  const c10::cuda::CUDAGuard guard(q_in.device());
+  const bool negative_scale = scale < 0;  // see fwd: the kernels saw -q and |scale|
+  const at::Tensor q = aligned(negative_scale ? q_in.neg() : q_in);
+  const at::Tensor k = aligned(k_in), v = aligned(v_in);
+  const at::Tensor out = aligned(out_in);
+  scale = std::abs(scale);
+  // dout comes from autograd and may be any view: only stride(-1) == 1 plus alignment
+  // matter to the kernels.
+  at::Tensor dout = dout_in.stride(-1) == 1 ? aligned(dout_in) : dout_in.contiguous();
+  const at::Tensor lse = lse_in.contiguous();
+  at::Tensor dlse;
+  if (dlse_in.has_value() && dlse_in->defined()) {
+    TORCH_CHECK(dlse_in->sizes() == lse_in.sizes(), "flash_cuda: dlse must have lse's shape");
+    dlse = dlse_in->to(at::kFloat).contiguous();
+  }
+  at::Tensor delta = at::empty(s.lse_shape(), q.options().dtype(at::kFloat));
+  if (poison_outputs()) {
+    if (!dq_atomic) dq.fill_(NAN);
+    dk.fill_(NAN);
+    dv.fill_(NAN);
+    delta.fill_(NAN);
+  }
+
+  BwdParams p;
+  fill_fwd(p, s, m, q, k, v, out, lse, scale);
+  p.softmax_lse = const_cast<float*>(lse.data_ptr<float>());
+  if (q_in.scalar_type() == at::kFloat) {
+    TORCH_CHECK(aux_in.scalar_type() == at::kFloat && aux_in.is_contiguous() &&
+                    aux_in.numel() == 2 * lse_in.numel() && aux_in.device() == q_in.device(),
+                "flash_cuda: aux must be the float32 statistics the forward returned");
+    p.softmax_stats = const_cast<float*>(aux_in.data_ptr<float>());
+  }
+  s.view(dout, p.dout, p.do_batch_stride, p.do_head_stride, p.do_row_stride);
+  p.dlse = dlse.defined() ? dlse.data_ptr<float>() : nullptr;
+  s.view(dq, p.dq, p.dq_batch_stride, p.dq_head_stride, p.dq_row_stride);
+  s.view(dk, p.dk, p.dk_batch_stride, p.dk_head_stride, p.dk_row_stride);
+  s.view(dv, p.dv, p.dv_batch_stride, p.dv_head_stride, p.dv_row_stride);
+  p.delta = delta.data_ptr<float>();
+  p.deterministic = deterministic;
+  dispatch(p, t, q.options());
+  if (negative_scale) dq.neg_();
+  return {dq, dk, dv};
+}
+
+}  // namespace flash_cuda
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "flash_cuda kernels (use flash_cuda.attention / varlen_attention, not this module)";
+  // Whether this build has the ablation rungs of the optimization record (include/ablation.h).
+  m.attr("ablations") = pybind11::bool_(flash_cuda::kAblations);
+  m.def("fwd", &flash_cuda::fwd, "attention forward: (out, lse, aux)", py::arg("q"), py::arg("k"),
+        py::arg("v"), py::arg("scale"), py::arg("window_left"), py::arg("window_right"), py::arg("softcap"),
+        py::arg("alibi_slopes"), py::arg("cu_seqlens_q"), py::arg("cu_seqlens_k"), py::arg("max_seqlen_q"),
+        py::arg("max_seqlen_k"), py::arg("tier"));
+  m.def("bwd", &flash_cuda::bwd, "attention backward: (dq, dk, dv)", py::arg("dout"), py::arg("q"),
+        py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("aux"), py::arg("dlse"),
+        py::arg("scale"), py::arg("window_left"), py::arg("window_right"), py::arg("softcap"),
+        py::arg("alibi_slopes"), py::arg("cu_seqlens_q"), py::arg("cu_seqlens_k"), py::arg("max_seqlen_q"),
+        py::arg("max_seqlen_k"), py::arg("deterministic"), py::arg("tier"));
+}

@@ -1,0 +1,75 @@
+// core/fragment.cuh — the accumulator fragment of the tensor-core tiers as a type, and what every
+// kernel does with it element by element.
+//
+// mma.sync m16n8k16 and wgmma leave their fp32 results in the same per-warp layout (the C
+// fragment; wgmma's m64nN accumulator is that layout per warp, repeated over N / 8 column tiles).
+// A warp's accumulator is float[kM][kN][4]: kM 16-row tiles by kN 8-column tiles, and with
+// g = lane / 4, t = lane % 4, element e of tile (mt, nt) is
+//     row 16 mt + g + 8 (e / 2),   column 8 nt + 2 t + (e % 2)
+// so each thread holds two rows per 16-row tile (g and g + 8). Two neighbouring 8-column tiles,
+// rounded to 16 bits, are exactly the A fragment of a 16-deep k-step of the next product: P, dS
+// and P^T, dS^T go from the registers of one product to the tensor cores of the next without
+// touching shared memory (accumulator_to_a).
+#pragma once
+
+#include <cstdint>
+
+#include "../arch/types.cuh"
+
+namespace flash_cuda {
+
+#if defined(__CUDACC__)
+
+// Calls f(mt, j) for every C tile (16-row tile mt, 8-column tile j) of a [kM][kN] fragment.
+template <int kM, int kN, typename F>
+__device__ __forceinline__ void for_each_tile(F&& f) {
+#pragma unroll
+  for (int mt = 0; mt < kM; ++mt)
+#pragma unroll
+    for (int j = 0; j < kN; ++j) f(mt, j);
+}
+
+// Calls f(element, row, column) for every element a thread holds, rows counted from row_base
+// and columns from col_base.
+template <int kM, int kN, typename F>
+__device__ __forceinline__ void for_each_element(float (&s)[kM][kN][4], int row_base, int col_base, F&& f) {
+  const int lane = threadIdx.x % 32;
+  const int g = lane / 4, t = lane % 4;
+#pragma unroll
+  for (int mt = 0; mt < kM; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < kN; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) f(s[mt][nt][e], row_base + mt * 16 + g + (e / 2) * 8, col_base + nt * 8 + 2 * t + (e % 2));
+}
+
+template <int kM, int kN>
+__device__ __forceinline__ void zero_fill(float (&acc)[kM][kN][4]) {
+#pragma unroll
+  for (int mt = 0; mt < kM; ++mt)
+#pragma unroll
+    for (int j = 0; j < kN; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[mt][j][e] = 0.f;
+}
+
+// The A fragment of k-step kk of the next product: 8-column tiles 2 kk and 2 kk + 1 of one
+// 16-row tile, rounded to T.
+template <typename T, int kN>
+__device__ __forceinline__ void accumulator_to_a(uint32_t (&a)[4], const float (&d)[kN][4], int kk) {
+  a[0] = pack2<T>(d[2 * kk][0], d[2 * kk][1]);          // row g,     k 2t, 2t + 1
+  a[1] = pack2<T>(d[2 * kk][2], d[2 * kk][3]);          // row g + 8, k 2t, 2t + 1
+  a[2] = pack2<T>(d[2 * kk + 1][0], d[2 * kk + 1][1]);  // row g,     k 2t + 8, + 9
+  a[3] = pack2<T>(d[2 * kk + 1][2], d[2 * kk + 1][3]);  // row g + 8, k 2t + 8, + 9
+}
+
+// Every k-step's A fragment of one 16-row tile (kN 8-column tiles: kN / 2 k-steps of 16).
+template <typename T, int kN>
+__device__ __forceinline__ void accumulator_to_a(uint32_t (&a)[kN / 2][4], const float (&d)[kN][4]) {
+#pragma unroll
+  for (int kk = 0; kk < kN / 2; ++kk) accumulator_to_a<T>(a[kk], d, kk);
+}
+
+#endif  // __CUDACC__
+
+}  // namespace flash_cuda

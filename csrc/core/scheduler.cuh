@@ -1,0 +1,172 @@
+// core/scheduler.cuh — the order in which CTAs take their tiles: longest first where tiles
+// differ in length, the tiles of one head adjacent so that they share its K / V in L2, a
+// persistent loop drawing tiles from a counter, and GQA packing (the query heads of a KV group
+// in one tile).
+#pragma once
+
+#include <algorithm>
+#include <climits>
+#include <cstdint>
+
+#include "../arch/host.h"
+#include "../include/params.h"
+#include "mask.cuh"
+
+namespace flash_cuda {
+
+#if defined(__CUDACC__)
+
+// The tiles of a call and how persistent CTAs take them. Order: (batch, head) outer, query blocks
+// inner, so the CTAs running at one time share a head's K and V in L2; with a bounded right side
+// (causal, window) a head's last query blocks, which see the most keys, come first. Each CTA
+// starts with tile blockIdx.x; then, given a zeroed counter (FwdParams::tile_counter), it draws
+// the next unclaimed tile (gridDim.x + counter++): the CTA that finishes first takes more, which
+// is what balances causal tiles of very different lengths. Without a counter it takes every
+// gridDim.x-th tile. With one CTA per tile both are the plain grid.
+struct TileScheduler {
+  int m_blocks, heads, batch;
+  bool longest_first;
+  int* counter;
+  struct Tile {
+    int m_block, h, b;
+  };
+  __device__ __forceinline__ int total() const { return m_blocks * heads * batch; }
+  // Unsigned divisions (t, m_blocks, heads > 0): fewer instructions and live registers than
+  // signed ones, which a producer warp on few registers notices.
+  __device__ __forceinline__ Tile at(int t) const {
+    const unsigned mi = unsigned(t) % unsigned(m_blocks), bh = unsigned(t) / unsigned(m_blocks);
+    return {longest_first ? m_blocks - 1 - int(mi) : int(mi), int(bh % unsigned(heads)), int(bh / unsigned(heads))};
+  }
+  // Longest first where a later query block sees more keys: a bounded right side (causal, or a
+  // window's right edge), which every sequence of a packed batch shares with the call. Each role
+  // of a warp-specialized kernel makes its own (after setmaxnreg): nothing computed before the
+  // split stays live across it. kPackGqa: tiles of kBlockM >> shift queries of the 2^shift heads
+  // of a KV group; Tile::h is then the KV head.
+  template <int kBlockM, bool kPackGqa = false>
+  __device__ __forceinline__ static TileScheduler of(const FwdParams& p, int shift = 0) {
+    return {ceil_div(p.sq, kBlockM >> shift), kPackGqa ? p.hkv : p.hq, p.b, p.window_right >= 0, p.tile_counter};
+  }
+  __device__ __forceinline__ int first() const { return blockIdx.x; }
+  __device__ __forceinline__ int next(int t) const {
+    return counter != nullptr ? static_cast<int>(gridDim.x) + atomicAdd(counter, 1) : t + static_cast<int>(gridDim.x);
+  }
+};
+
+// log2 G, G = hq / hkv query heads per KV group (a power of two where packing runs).
+__device__ __forceinline__ int gqa_shift(const FwdParams& p) {
+  return __ffs(static_cast<int>(unsigned(p.hq) / unsigned(p.hkv))) - 1;
+}
+
+#endif  // __CUDACC__
+
+// The CTAs of a persistent launch over `tiles` tiles: one per SM (each fits one CTA per SM), or
+// one per tile when `persistent` is off; 0 when the tile loop's numbers would not fit an int.
+inline int persistent_grid(int64_t tiles, int num_sms, bool persistent) {
+  if (tiles > INT32_MAX / 2) return 0;  // the tile loop steps t past the last tile
+  return persistent && num_sms > 0 ? static_cast<int>(std::min<int64_t>(tiles, num_sms)) : static_cast<int>(tiles);
+}
+
+// ---------------------------------------------------------------------------------
+// A 1-D grid of one CTA per block (the fp32 kernels): the order of its blocks, and the split of
+// its last wave.
+// ---------------------------------------------------------------------------------
+
+// Whether a launch orders its blocks longest first: with a right-bounded mask (causal, or a
+// window with a right side) later query blocks see more keys, and earlier key blocks are seen by
+// more queries. Decided from the launch's parameters (for varlen, max_seqlen_q / k): a block
+// needs its place in the order before it knows its sequence.
+FLASH_HOST_DEVICE inline bool longest_first(const FwdParams& p) {
+  return AttnMask::make(p.sq, p.sk, p.window_left, p.window_right).right_bounded();
+}
+
+#if defined(__CUDACC__)
+
+// Grid order of the kernels whose CTA owns a block of query rows (forward, dQ, the merge of
+// split blocks). The grid is 1-D (batch * heads * blocks can pass 65535). With a right-bounded
+// mask the late query blocks see the most keys: they get the low block indices so the GPU
+// starts them first and the short blocks fill the tail. Otherwise every block costs about the
+// same, and the blocks of one (batch, head) are kept adjacent so they share its K/V in L2.
+// `idx` is the block's place in that order (blockIdx.x unless the grid also runs pieces of
+// blocks).
+__device__ __forceinline__ void query_block_order(int idx, int num_m_blocks, int bh_count,
+                                                  bool longest_first, int& m_block, int& bh) {
+  if (longest_first) {
+    m_block = num_m_blocks - 1 - idx / bh_count;
+    bh = idx % bh_count;
+  } else {
+    bh = idx / num_m_blocks;
+    m_block = idx % num_m_blocks;
+  }
+}
+
+#endif  // __CUDACC__
+
+// Splitting the last wave (host). A kernel that runs one CTA per slot (one or two per SM), and
+// whose blocks cost the same without masking: with num_blocks = W * slots + T (0 < T < slots)
+// the GPU runs W full waves and then T blocks while slots - T slots idle (the fp32 forward's
+// 2048 query blocks on 132 SMs: T = 68, half a wave, ~3% of the run; the fp32 backward's 4096
+// key blocks: T = 4, a whole extra CTA time for 4 blocks). The last T blocks are cut into s
+// ranges of their steps each (s * T pieces of about 1/s the work: key blocks of a query block in
+// the forward, query blocks of a key block in the backward), and a small kernel merges the
+// ranges (core/combine.cuh for the forward). s is chosen with a cost model in units of one step:
+// a piece costs ceil(n / s) steps plus kPieceOverhead (its prologue and partial output), the
+// pieces run in ceil(s T / slots) rounds, and the merge costs kMergeCost. Under a causal mask or
+// a window blocks differ in cost (and causal ones go longest first, so the hardware scheduler
+// already packs the tail with the shortest ones), and varlen sequences differ in length: the
+// model does not hold, no split there (split_allowed). Softcap and ALiBi are not split either:
+// those calls run the kExtended kernels, which the plan does not model.
+struct SplitPlan {
+  int split_begin;  // first split block (num_blocks: none)
+  int num_splits;   // step ranges per split block (1: none)
+};
+
+inline SplitPlan plan_tail_split(int num_blocks, int n_steps, int slots) {
+  constexpr double kPieceOverhead = 0.25, kMergeCost = 1.0;
+  constexpr int kMaxSplits = 8;
+  SplitPlan plan{num_blocks, 1};
+  if (slots <= 0 || n_steps < 2) return plan;
+  const int tail = num_blocks % slots;
+  if (tail == 0) return plan;
+  double best = n_steps + kPieceOverhead;  // the unsplit tail: one round of whole blocks
+  for (int s = 2; s <= std::min(kMaxSplits, n_steps); ++s) {
+    const int64_t rounds = (static_cast<int64_t>(tail) * s + slots - 1) / slots;
+    const double cost = static_cast<double>(rounds) * (ceil_div(n_steps, s) + kPieceOverhead) +
+                        kMergeCost;
+    if (cost < best) {
+      best = cost;
+      plan = SplitPlan{num_blocks - tail, s};
+    }
+  }
+  return plan;
+}
+
+// Only the plain dense case splits: no window (causal included), no softcap or ALiBi, no
+// packed batch.
+inline bool split_allowed(const FwdParams& p) {
+  return p.window_left < 0 && p.window_right < 0 && variant_of(p, false) == kPlain;
+}
+
+// plan_tail_split for one launch of `kernel` (num_blocks CTAs of n_steps steps each, where
+// split_allowed): its slots come from the occupancy the device gives it. Sets p.split_begin and
+// p.num_splits (none: INT_MAX and 1) and returns the number of split pieces (0: none).
+template <typename Kernel>
+int64_t plan_launch_split(FwdParams& p, Kernel kernel, int threads, size_t smem,
+                          int64_t num_blocks, int n_steps, const char* name) {
+  p.split_begin = INT_MAX;
+  p.num_splits = 1;
+  if (!split_allowed(p) || num_blocks <= 0 || num_blocks > 0x7fffffffLL) return 0;
+  set_smem_limit(kernel, smem, name);
+  int per_sm = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem) !=
+      cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  const SplitPlan plan = plan_tail_split(static_cast<int>(num_blocks), n_steps, p.num_sms * per_sm);
+  if (plan.num_splits == 1) return 0;
+  p.split_begin = plan.split_begin;
+  p.num_splits = plan.num_splits;
+  return (num_blocks - plan.split_begin) * plan.num_splits;
+}
+
+}  // namespace flash_cuda

@@ -1,0 +1,171 @@
+// include/params.h — the plain parameter structs every flash_cuda kernel receives.
+//
+// No torch header here or in any kernel: the binding (csrc/api/flash_api.cpp) is the only
+// file that sees tensors. It fills these structs (pointers, strides, sizes, scale,
+// flags) and dispatches on dtype / head dim / arch. nvcc alone compiles every kernel.
+//
+// Layout convention, for every 4-d tensor X in [batch][head][row][dim] order:
+//   element (b, h, i, d) lives at X + b*x_batch_stride + h*x_head_stride + i*x_row_stride + d
+// i.e. the last dimension is always contiguous (stride 1) and every other stride is an
+// element count (int64: offsets can pass 2^31).
+#pragma once
+
+#include <climits>
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define FLASH_HOST_DEVICE __host__ __device__
+#else
+#define FLASH_HOST_DEVICE
+#endif
+
+namespace flash_cuda {
+
+enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+
+// Which kernel family runs the call (csrc/tiers/<family>/, the user's kernel= option).
+enum class Tier : int {
+  kAuto = 0,  // the binding picks: fp32 -> kSimt; fp16/bf16 -> kWgmma where it applies, else kMma
+  kSimt = 1,  // fp32 on the CUDA cores (true fp32 FMA arithmetic): tiers/simt
+  kMma = 2,   // fp16/bf16 on the tensor cores of every GPU (mma.sync, ldmatrix, cp.async): tiers/mma
+  kWgmma = 3, // fp16/bf16 on Hopper (wgmma, TMA, swizzled shared memory), sm_90 only: tiers/wgmma
+  // The Hopper forward alone, an error where it does not apply (for its tests and benchmarks);
+  // its backward is kAuto's.
+  kWgmmaWs = 4,
+};
+
+struct FwdParams {
+  // ---- inputs (element type given by `dtype`) ----
+  const void* q = nullptr;  // [b][hq][sq][d]
+  const void* k = nullptr;  // [b][hkv][sk][d]
+  const void* v = nullptr;  // [b][hkv][sk][d]
+  int64_t q_batch_stride = 0, q_head_stride = 0, q_row_stride = 0;
+  int64_t k_batch_stride = 0, k_head_stride = 0, k_row_stride = 0;
+  int64_t v_batch_stride = 0, v_head_stride = 0, v_row_stride = 0;
+
+  // ---- outputs ----
+  void* o = nullptr;  // [b][hq][sq][d], dtype of q
+  int64_t o_batch_stride = 0, o_head_stride = 0, o_row_stride = 0;
+  // Log-sum-exp of the (modified) logits, natural log, float32. A row that sees no key gets -inf.
+  // Row statistics (lse here; delta, the fp32 softmax stats and dq_accum rows in BwdParams) are
+  // indexed by SeqInfo::stat_offset(h) + row (core/seqlen.cuh):
+  //   dense  [b][hq][sq]:   stat_batch_stride = hq * sq, stat_head_stride = sq
+  //   varlen [hq][total_q]: stat_batch_stride = 0,       stat_head_stride = total_q
+  float* softmax_lse = nullptr;
+  int64_t stat_batch_stride = 0, stat_head_stride = 0;
+  // fp32 tier only (nullptr otherwise): the forward's own row max m (log2 units) and log2 of its
+  // row sum l, two floats per row at 2 * (stat_offset + row); a row that saw no key stores
+  // (+inf, 0). The backward recomputes P = 2^((s * scale_log2 - m) - log2 l) from them:
+  // going through lse instead (m + log2 l rounded at the size of the logits) would put an
+  // error of ulp(|m|) on every P of the row (tiers/simt/fwd.cuh: store_row_stats).
+  float* softmax_stats = nullptr;
+
+  // ---- sizes ----
+  int b = 0;     // batch
+  int hq = 0;    // query heads
+  int hkv = 0;   // key/value heads; hq % hkv == 0, query head h reads kv head h / (hq/hkv)
+  int sq = 0;    // query length  (>= 1 when a kernel is launched)
+  int sk = 0;    // key length    (>= 1 when a kernel is launched)
+  int d = 0;     // head dim: a multiple of 8 in [8, 256]
+
+  // ---- softmax ----
+  float scale = 0.f;       // multiplies q.k
+  float scale_log2 = 0.f;  // scale * log2(e): kernels work with exp2
+
+  // ---- masking and score modifiers (core/mask.cuh has the rule and its derivation) ----
+  // Query i sees key j iff 0 <= j < sk and i + sk - sq - window_left <= j <= i + sk - sq +
+  // window_right; -1 leaves a side unbounded. Causal is window_right = 0. A query row that sees
+  // no key gets output 0 and lse -inf.
+  int window_left = -1;
+  int window_right = -1;
+  // The same rule on the diagonal index j - i of a dense batch, diag_lo <= j - i <= diag_hi
+  // (core/mask.cuh derives them; the binding fills them). Kernels of a dense batch read them
+  // here, where they cost no register; a packed batch derives them per sequence.
+  int diag_lo = INT_MIN;
+  int diag_hi = INT_MAX;
+  float softcap = 0.f;                  // logits = softcap * tanh(logits / softcap); 0: off
+  const float* alibi_slopes = nullptr;  // logits -= slope[bi, h] * |i + sk - sq - j|; nullptr: off
+  int64_t alibi_batch_stride = 0;       // 0 for slopes of shape (hq,), hq for (b, hq)
+
+  // ---- variable-length (packed) batches: core/seqlen.cuh (nullptr: dense) ----
+  // sq / sk above then hold max_seqlen_q / max_seqlen_k; total_q / total_k are the row counts
+  // of the packed q and k / v tensors, the bounds every sequence is clamped to.
+  const int32_t* cu_seqlens_q = nullptr;  // [b + 1]
+  const int32_t* cu_seqlens_k = nullptr;  // [b + 1]
+  int total_q = 0, total_k = 0;
+
+  // ---- split key ranges (fp32 forward: the last, partial wave; later: split-KV decode) ----
+  // Query blocks from split_begin on (in the kernel's block order) are each cut into
+  // num_splits key ranges; every range (a "piece") leaves its normalized O and its row
+  // statistics (m, log2 l) in fp32 workspace, o_accum [piece][block rows][d] then stats_accum
+  // [piece][block rows][2], and a merge kernel writes o, softmax_lse and softmax_stats.
+  // Off: num_splits = 1. The tier's plan function sets split_begin and num_splits and sizes the
+  // workspace; the caller allocates it and sets o_accum; the launcher derives stats_accum.
+  int num_splits = 1;
+  int split_begin = INT_MAX;
+  float* o_accum = nullptr;
+  float* stats_accum = nullptr;
+
+  // ---- dispatch facts ----
+  DType dtype = DType::kFloat16;
+  int sm_arch = 0;  // e.g. 80, 90
+  int num_sms = 0;
+  // A zeroed int from which the CTAs of the warp-specialized Hopper forward draw their tiles
+  // (dynamic persistent scheduling); nullptr: each CTA takes every gridDim.x-th tile.
+  int* tile_counter = nullptr;
+};
+
+struct BwdParams : FwdParams {
+  // Upstream gradient of o, same layout rules, dtype of q.
+  const void* dout = nullptr;
+  int64_t do_batch_stride = 0, do_head_stride = 0, do_row_stride = 0;
+
+  // Optional upstream gradient of lse, float32 contiguous [b][hq][sq] (nullptr: none).
+  const float* dlse = nullptr;
+
+  // Gradients, dtype of q; dk/dv are [b][hkv][sk][d] (summed over the query heads of a group).
+  void* dq = nullptr;
+  void* dk = nullptr;
+  void* dv = nullptr;
+  int64_t dq_batch_stride = 0, dq_head_stride = 0, dq_row_stride = 0;
+  int64_t dk_batch_stride = 0, dk_head_stride = 0, dk_row_stride = 0;
+  int64_t dv_batch_stride = 0, dv_head_stride = 0, dv_row_stride = 0;
+
+  // Workspaces, allocated by the binding:
+  //   delta    : float32 contiguous [b][hq][sq]; delta = rowsum(dO * O) - dlse
+  //   dq_accum : float32, zero-filled by the binding (tiers/wgmma/family.h sizes it); the
+  //              Hopper backward accumulates dQ there across key blocks, in the row layout of
+  //              the statistics ([b][hq][sq][d]) or in query-block tiles (tiers/wgmma/bwd_ws.cuh:
+  //              DqTile), and converts it into dq itself.
+  //   dkv_accum: float32, the fp32 dK/dV kernel's split key blocks (the FwdParams split fields
+  //              num_splits / split_begin, planned by plan_bwd_simt): each piece, a range of
+  //              query steps, leaves its dK in [piece][block rows][d], then all the pieces'
+  //              dV in the same layout, and a kernel sums them in range order.
+  float* delta = nullptr;
+  float* dq_accum = nullptr;
+  float* dkv_accum = nullptr;
+
+  // true: no floating-point atomics anywhere, gradients are bitwise reproducible.
+  bool deterministic = false;
+};
+
+// Any score modifier (softcap, ALiBi) at all?
+FLASH_HOST_DEVICE inline bool has_score_mod(const FwdParams& p) {
+  return p.softcap > 0.f || p.alibi_slopes != nullptr;
+}
+
+// Which per-call features a kernel instance handles: a template parameter (static switch), so
+// that the plain kernels carry none of the others' registers. Causal and sliding windows are
+// run-time values in every variant (they only move block ranges and the mask's diagonals).
+//   kPlain       dense batch, no score modifier
+//   kExtended    + packed (varlen) batches, ALiBi, softcap
+//   kSoftcapGrad kExtended + softcap's derivative, which the mma.sync backward keeps in one more
+//                tile (the warp-specialized Hopper one, short of registers, in 16-query slices)
+enum Variant : int { kPlain = 0, kExtended = 1, kSoftcapGrad = 2 };
+
+inline Variant variant_of(const FwdParams& p, bool backward) {
+  if (p.cu_seqlens_q == nullptr && !has_score_mod(p)) return kPlain;
+  return backward && p.softcap > 0.f ? kSoftcapGrad : kExtended;
+}
+
+}  // namespace flash_cuda

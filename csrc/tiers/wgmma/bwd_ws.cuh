@@ -1,0 +1,721 @@
+// tiers/wgmma/bwd_ws.cuh — the Hopper backward, warp-specialized: the dK/dV kernel of bwd.cuh
+// (read its header first) with its loads moved to a producer warp, and dQ added from the same
+// pass, so that one kernel does the 5 products of each (query block, key block) pair.
+//
+// Why. The cp.async backward runs 7 products per block pair (its dQ kernel recomputes S and dP),
+// and in both of its kernels every warp copies the next block and then meets the others at a
+// block-wide barrier before it computes. Here:
+//   * a producer warp loads K and V of the CTA's keys once (TMA), then Q, dO (TMA) and lse, delta
+//     (its lanes) of each query block into a ring of kStages stages, each guarded by a full and
+//     an empty mbarrier: a consumer waits only for the stage it needs;
+//   * two consumer warpgroups (setmaxnreg: the producer's registers go to them) own 64 keys
+//     each and accumulate dK, dV in registers, as in bwd.cuh;
+//   * dQ += dS K per query block: both warpgroups stage their keys' rows of dS^T in shared
+//     memory, meet at one named barrier of the 256 consumer threads and split the product. Two
+//     dS^T buffers where they fit, so that one warpgroup may stage block i + 1 while the other
+//     still reads block i; else one, which a warpgroup claims for block i + 1 once both have
+//     waited for their dQ products of block i (the ds_empty mbarrier: by then they usually have).
+//     The block's dQ is added into the fp32 workspace params.dq_accum, which the launcher then
+//     scales and converts into dq: the consumers stage it in shared memory (two buffers) in the
+//     order of their accumulators, and a writer thread adds the whole tile with one bulk
+//     reduction (cp.reduce.async.bulk .add.f32: the TMA unit reads shared memory, L2 does the
+//     adds). The summation order varies: deterministic=True runs the two-kernel path (bwd.cuh).
+//
+// Per query block, consumer warpgroup w (keys n0 + 64w ..):
+//   S^T = K Q^T, dP^T = V dO^T (shared operands)  -> P^T, dS^T in registers
+//   dV += P^T dO, dK += dS^T Q (register A operands) ; stage dS^T ; barrier ; dQ = dS K ;
+//   dQ to the writer
+//
+// Packed (varlen) batches (kExtended, kSoftcapGrad): one CTA per (128 keys of a sequence, KV
+// head, sequence), grid sized by max_seqlen_k; a CTA whose keys start past its sequence's end
+// does nothing but stop the dQ writer. The tensor maps span the packed rows (batch extent 1), so
+// a box at a sequence's end reads the first rows of the next sequence: those rows are zeroed in
+// shared memory before the consumers see the tiles (load_pair), which restores exactly what TMA's
+// zero fill gives a dense batch, and keeps one sequence's NaN / Inf out of every other's
+// gradients.
+// dQ tiles are one per (sequence, head, query block) (config.h: dq_tile).
+//
+// Softcap (kSoftcapGrad: dS gets the factor dtanh = 1 - tanh^2). A full fp32 tile of dtanh, as
+// the mma.sync backward keeps, would cost kBlockM / 2 registers the consumers do not have; even
+// folded into P (P to the dV product as 16-bit fragments at once, P * dtanh kept in fp32) while
+// dP^T is in flight, ptxas spills 112-196 bytes at d = 64 and 24-32 at d = 128. So S^T and dP^T
+// are both awaited and P^T, dS^T computed 16 queries at a time (softcap_probs_and_ds): the
+// derivative lives in an 8-register slice, and each fp32 slice dies as it is packed into the
+// products' A fragments. The price: P's exponentials no longer run under the dP^T product.
+//
+// Scope: dense batches (kPlain, and kExtended / kSoftcapGrad with ALiBi, softcap) and packed ones
+// (kExtended, kSoftcapGrad), head dims 64 and 128 (33..128 through the buckets), fp16 / bf16,
+// causal, windows, Sq != Sk, GQA (the CTA walks the query heads of its KV head), views TMA can
+// address; the launcher returns false otherwise and the caller runs bwd.cuh (kSoftcapGrad:
+// the mma.sync backward, run_bwd_sm90).
+#pragma once
+
+#include "../../arch/tma.h"
+#include "bwd.cuh"
+
+namespace flash_cuda {
+namespace sm90 {
+namespace bwd_ws {
+
+struct TmaMaps {
+  CUtensorMap q, dout, k, v;
+  // Q and dO in boxes of block_m rows (dO has Q's rows: arch/tma.h, MapRows), K and V of
+  // block_n; false where TMA cannot address a view (the launcher then launches nothing).
+  bool make(const BwdParams& p, int block_m, int block_n) {
+    const MapRows rows = MapRows::of(p);
+    return make_qkv_tensor_maps(p, &q, &k, &v, block_m, block_n) &&
+           make_row_tensor_map(&dout, p.dout, p.dtype == DType::kBFloat16, p.d, rows.q, p.hq, rows.batch,
+                               p.do_row_stride, p.do_head_stride, p.do_batch_stride, block_m);
+  }
+};
+
+// Named barrier 1 (0 is __syncthreads): both consumer warpgroups staged their rows of dS^T.
+constexpr int kDsBarrier = 1;
+constexpr int kConsumerThreads = 256;
+
+// The tiles of bwd.cuh's dK/dV kernel (BwdTraits), plus the ring's own sizes.
+// kDepth: the head dims the instance serves (<= kD): the products that reduce over d (S^T, dP^T)
+// stop after its k-steps; the tiles keep the bucket's width, TMA filling the columns past d with
+// zeros (d = 96 runs the 128-wide tiles with 6 of their 8 k-steps there).
+template <typename Traits, int kStages_ = 2, int kDepth = Traits::kHeadDim>
+struct WsBwdConfig : Traits {
+  static constexpr int kD = Traits::kHeadDim;
+  static constexpr int kQKSteps = (kDepth + 15) / 16;
+  static_assert(kDepth <= kD, "the tiles hold the instance's head dims");
+  static constexpr int kBlockN = Traits::kKVBlockN;  // keys of the CTA, 64 per consumer warpgroup
+  static constexpr int kBlockM = Traits::kKVBlockM;  // queries per step
+  static constexpr int kStages = kStages_;
+  static constexpr int kThreads = 128 + kConsumerThreads;
+  static constexpr int kConsumerWarps = kConsumerThreads / 32;
+  static constexpr int kSlabs = kD / kSlabCols;
+  static constexpr uint32_t kTileKV = kBlockN * kD * 2;
+  static constexpr uint32_t kTileQ = kBlockM * kD * 2;
+  static constexpr uint32_t kTileDS = kBlockN * kBlockM * 2;
+  // The consumers hold dK, dV (64 x d each), the P^T and dS^T fragments and the dQ accumulator.
+  // setmaxnreg.inc takes registers only from those the CTA's own warps gave back with
+  // setmaxnreg.dec (the CTA starts at 168 each, 65536 / 384 rounded down to 8), so the
+  // producer's give-back must cover the consumers' gain: 128 x (168 - 24) >= 256 x (240 - 168).
+  static constexpr int kLaunchRegs = 65536 / kThreads / 8 * 8;
+  // The split, from ptxas -v (no spills): with the dQ writer beside the producer that warpgroup
+  // needs 32 (it spills at 24), and at d = 64 (128-query steps) 40 (the extended variant's, with
+  // a packed batch's row zeroing, spills at 32), while the extended and softcap variants'
+  // consumers need 232.
+  template <int kVariant>
+  static constexpr int producer_regs() {
+    return kD == 64 ? 40 : 32;
+  }
+  template <int kVariant>
+  static constexpr int consumer_regs() {
+    return (kD == 64 && kVariant == kPlain) ? 224 : 232;
+  }
+  template <int kVariant>
+  static constexpr bool regs_balance() {
+    return 128 * (kLaunchRegs - producer_regs<kVariant>()) >=
+           kConsumerThreads * (consumer_regs<kVariant>() - kLaunchRegs);
+  }
+  static_assert(regs_balance<kPlain>() && regs_balance<kExtended>() && regs_balance<kSoftcapGrad>(),
+                "the consumers' registers come from the producer's");
+  static_assert(Traits::kKVWarpGroups == 2, "two consumer warpgroups of 64 keys");
+  static_assert(kBlockM == wgmma::bwd_block_m(kD), "the dQ workspace is sized with this tile height (config.h)");
+  // dQ staging, two buffers: a query block's kBlockM x d floats in the order of the accumulator
+  // fragments (DqTile), as the workspace holds them.
+  static constexpr uint32_t kTileDQ = kBlockM * kD * 4;
+  static constexpr size_t kStats = 2 * size_t(kStages) * kBlockM * sizeof(float);
+  // kv_full, q_full[kStages], q_empty[kStages], dq_full[2], dq_empty[2], ds_empty, tail, and the
+  // dQ slots[2]
+  static constexpr int kBarriers = 9 + 2 * kStages;
+  // K | V | Q[kStages] | dO[kStages] | dS^T[kDsBuffers] | dQ[2] | lse[kStages] | delta[kStages] | barriers
+  static constexpr size_t tiles(int ds_buffers) {
+    return 2 * size_t(kTileKV) + 2 * size_t(kStages) * kTileQ + size_t(ds_buffers) * kTileDS + 2 * size_t(kTileDQ);
+  }
+  static constexpr size_t smem_bytes(int ds_buffers) {
+    return tiles(ds_buffers) + kStats + kBarriers * sizeof(uint64_t) + 1024;
+  }
+  // Two dS^T buffers unless they do not fit: d = 64 (128-query steps: its two 32 KiB dQ buffers
+  // and the ring leave 32 KiB for dS^T).
+  static constexpr int kDsBuffers = smem_bytes(2) <= kSmemHopper ? 2 : 1;
+  static constexpr size_t kTiles = tiles(kDsBuffers);
+  static constexpr size_t kSmemBytes = smem_bytes(kDsBuffers);
+  static_assert(kTileKV % 1024 == 0 && kTileQ % 1024 == 0 && kTileDS % 1024 == 0, "slabs stay 1024-byte aligned");
+  static_assert(kBlockM % 32 == 0 && kBlockN <= 256 && kBlockM <= 256, "stats by lanes, TMA boxes of <= 256 rows");
+  static_assert(kSmemBytes <= kSmemHopper, "fits a Hopper block");
+};
+
+template <typename T, typename Cfg>
+struct Smem {
+  T* sK;
+  T* sV;
+  T* sQ;    // [kStages]
+  T* sdO;   // [kStages]
+  T* sdS;   // [kDsBuffers]: dS^T [kBlockN keys][kBlockM queries]
+  float* sdQ;    // [2][kBlockM * kD], DqTile order
+  float* lse;    // [kStages][kBlockM]
+  float* delta;  // [kStages][kBlockM]
+  uint64_t* kv_full;  // K, V (bytes) and the producer's 32 lanes (load_pair)
+  uint64_t* q_full;   // [kStages]: Q, dO (bytes) and the producer's 32 lanes, which wrote lse, delta
+  uint64_t* q_empty;  // [kStages]: one arrival per consumer thread
+  uint64_t* dq_full;   // [2]: one arrival per consumer warp: sdQ[b] holds a block's dQ
+  uint64_t* dq_empty;  // [2]: the writer's arrival: the bulk reduction has read sdQ[b]
+  uint64_t* ds_empty;  // kDsBuffers == 1: one arrival per consumer thread: its dQ product has read sdS
+  uint64_t* tail;      // the producer's own: a packed block's tiles landed (bytes), before it zeroes rows
+  // Where the block staged in sdQ[b] goes, published with dq_full[b]: its tile of dq_accum
+  // (nullptr: no more blocks).
+  float** dq_dst;  // [2]
+  __device__ __forceinline__ explicit Smem(unsigned char* base) {
+    sK = reinterpret_cast<T*>(base);
+    sV = reinterpret_cast<T*>(base + Cfg::kTileKV);
+    sQ = reinterpret_cast<T*>(base + 2 * Cfg::kTileKV);
+    sdO = reinterpret_cast<T*>(base + 2 * Cfg::kTileKV + Cfg::kStages * Cfg::kTileQ);
+    sdS = reinterpret_cast<T*>(base + 2 * Cfg::kTileKV + 2 * Cfg::kStages * Cfg::kTileQ);
+    sdQ = reinterpret_cast<float*>(base + 2 * Cfg::kTileKV + 2 * Cfg::kStages * Cfg::kTileQ +
+                                   Cfg::kDsBuffers * Cfg::kTileDS);
+    lse = reinterpret_cast<float*>(base + Cfg::kTiles);
+    delta = lse + Cfg::kStages * Cfg::kBlockM;
+    kv_full = reinterpret_cast<uint64_t*>(base + Cfg::kTiles + Cfg::kStats);
+    q_full = kv_full + 1;
+    q_empty = q_full + Cfg::kStages;
+    dq_full = q_empty + Cfg::kStages;
+    dq_empty = dq_full + 2;
+    ds_empty = dq_empty + 2;
+    tail = ds_empty + 1;
+    dq_dst = reinterpret_cast<float**>(tail + 1);
+  }
+  // The barriers, by thread 0 before the CTA's one __syncthreads (kDqWriter: with the dQ writer's
+  // hand-over pair).
+  template <bool kDqWriter>
+  __device__ __forceinline__ void init_barriers() const {
+    mbarrier_init(kv_full, 32);
+    mbarrier_init(tail, 1);
+    for (int s = 0; s < Cfg::kStages; ++s) {
+      mbarrier_init(&q_full[s], 32);
+      mbarrier_init(&q_empty[s], kConsumerThreads);
+    }
+    if constexpr (kDqWriter) {
+      for (int b = 0; b < 2; ++b) {
+        mbarrier_init(&dq_full[b], Cfg::kConsumerWarps);
+        mbarrier_init(&dq_empty[b], 1);
+      }
+    }
+    mbarrier_init(ds_empty, kConsumerThreads);
+    fence_barrier_init();
+  }
+  __device__ __forceinline__ float* dq(int b) const { return sdQ + b * (Cfg::kTileDQ / 4); }
+  __device__ __forceinline__ T* q(int s) const { return sQ + s * (Cfg::kTileQ / 2); }
+  __device__ __forceinline__ T* dout(int s) const { return sdO + s * (Cfg::kTileQ / 2); }
+  __device__ __forceinline__ T* ds(int i) const { return sdS + (i % Cfg::kDsBuffers) * (Cfg::kTileDS / 2); }
+};
+
+// Two tiles of kRows rows (K and V, or Q and dO) from row `row` of head h, batch entry b of their
+// maps, published on `full`, which counts the 32 producer lanes (and the bytes). Only the first
+// `valid` rows belong to the block's sequence. valid == kRows (every dense block; a packed one
+// inside its sequence): lane 0 announces the bytes, the TMA completes them on `full`, the other
+// lanes arrive (after their lse / delta stores). valid < kRows (a packed block at its sequence's
+// end): the rows past it are the next sequence's, where a dense batch has TMA's zero fill. The
+// kernel relies on zeros there (zero Q, dO rows with lse = delta = 0 give finite P and dS that
+// the mask then zeroes; zero K, V rows add nothing to dQ), and a NaN or Inf of another sequence
+// would reach this one's gradients through 0 * NaN. So the tiles land on the producer's own
+// `tail` barrier first; the lanes zero those rows, fence them towards the async proxy (the
+// consumers' wgmma reads them) and then arrive on `full`, which carries no bytes this time.
+template <int kRows, typename T, typename Cfg>
+__device__ __forceinline__ void load_pair(T* dst0, const CUtensorMap* map0, T* dst1, const CUtensorMap* map1,
+                                          uint64_t* full, uint64_t* tail, int& tail_phase, int row, int h, int b,
+                                          int valid, int lane) {
+#if FLASH_SM90_ENABLED
+  const bool partial = valid < kRows;
+  uint64_t* bar = partial ? tail : full;
+  if (lane == 0) {
+    mbarrier_arrive_expect_tx(bar, 2 * kRows * Cfg::kD * 2);
+#pragma unroll
+    for (int c = 0; c < Cfg::kSlabs; ++c) {
+      tma_load_4d(dst0 + c * kRows * kSlabCols, map0, bar, c * kSlabCols, row, h, b);
+      tma_load_4d(dst1 + c * kRows * kSlabCols, map1, bar, c * kSlabCols, row, h, b);
+    }
+  }
+  if (partial) {
+    mbarrier_wait(tail, tail_phase);
+    tail_phase ^= 1;
+    zero_rows<kRows, Cfg::kSlabs>(dst0, valid, lane);
+    zero_rows<kRows, Cfg::kSlabs>(dst1, valid, lane);
+    fence_proxy_async();  // generic-proxy zeros, read next by the consumers' wgmma (async proxy)
+    __syncwarp();         // every lane is past this phase of `tail` before lane 0 arms the next
+    mbarrier_arrive(full);
+  } else if (lane != 0) {
+    mbarrier_arrive(full);  // releases this lane's lse / delta stores (Q, dO)
+  }
+#endif
+}
+
+// The producer warp of the CTA of keys n0.. of KV head hkv, sequence bi. It derives its sequence
+// and steps itself, after the register split, so that nothing computed before the split stays
+// live in its few registers.
+template <typename T, typename Cfg, bool kVarlen>
+__device__ __forceinline__ void produce(const BwdParams& p, const TmaMaps& maps, const Smem<T, Cfg>& sm, int n0,
+                                        int hkv, int bi, int lane) {
+#if FLASH_SM90_ENABLED
+  const SeqInfo seq = SeqInfo::make<kVarlen>(p, bi);
+  const KeyTileSteps steps = KeyTileSteps::make(seq.mask<kVarlen>(p), n0, Cfg::kBlockN, Cfg::kBlockM, hkv, p.hq / p.hkv);
+  if (steps.count == 0) return;  // no query sees these keys, or none are left: nothing to load
+  // A packed batch's maps span the packed rows (batch extent 1): rows from the sequence's first,
+  // batch coordinate 0, and the blocks at its end have rows to zero (load_pair).
+  const bool packed = kVarlen && p.cu_seqlens_q != nullptr;
+  const int tb = packed ? 0 : seq.bi;
+  int tail_phase = 0;
+  load_pair<Cfg::kBlockN, T, Cfg>(sm.sK, &maps.k, sm.sV, &maps.v, sm.kv_full, sm.tail, tail_phase,
+                                  seq.k_start + n0, hkv, tb, packed ? seq.sk - n0 : Cfg::kBlockN, lane);
+  // Steps in the consumers' order (heads outer), the stage and its parity carried along rather
+  // than divided out: this warp runs on producer_regs() registers.
+  const uint32_t stats = smem_addr(sm.lse) + lane * 4;
+  int s = 0, phase = 0;
+#pragma unroll 1
+  for (int h = steps.h_begin; h < steps.h_end; ++h) {
+    const float* lse = p.softmax_lse + seq.stat_offset(p, h);
+    const float* delta = p.delta + seq.stat_offset(p, h);
+#pragma unroll 1
+    for (int mb = steps.m_range.begin; mb < steps.m_range.end; ++mb) {
+      const int m0 = mb * Cfg::kBlockM;
+      mbarrier_wait(&sm.q_empty[s], phase ^ 1);  // the first pass finds it free
+      // Rows past the sequence read as lse = delta = 0: their Q and dO rows are zero (TMA's fill,
+      // or load_pair's zeroing in a packed batch), so P = 1 there multiplies zeros, and their dQ
+      // is never added.
+#pragma unroll
+      for (int r = 0; r < Cfg::kBlockM; r += 32) {
+        const bool valid = m0 + r + lane < seq.sq;
+        const float l = valid ? lse[m0 + r + lane] : 0.f, dl = valid ? delta[m0 + r + lane] : 0.f;
+        const uint32_t at = stats + (s * Cfg::kBlockM + r) * 4;
+        st_shared_f32_pair<Cfg::kStages * Cfg::kBlockM * 4>(at, l, dl);
+      }
+      load_pair<Cfg::kBlockM, T, Cfg>(sm.q(s), &maps.q, sm.dout(s), &maps.dout, &sm.q_full[s], sm.tail, tail_phase,
+                                      seq.q_start + m0, h, tb, packed ? seq.sq - m0 : Cfg::kBlockM, lane);
+      if (++s == Cfg::kStages) {
+        s = 0;
+        phase ^= 1;
+      }
+    }
+  }
+#endif
+}
+
+// The dQ product: dS^T goes through shared memory, where each warpgroup holds 64 keys of it
+// while the product needs all kBlockN keys for its queries. stage_ds_transposed writes this warp's rows of dS^T (its keys) from the A fragments of dS^T into the shared tile
+// [kBlockN keys][kBlockM queries], in the swizzled layout the dQ product reads as its
+// (transposed) A operand. A fragment kk holds columns 16kk + 2t (words 0, 1: rows g, g + 8)
+// and 16kk + 8 + 2t (words 2, 3). Rows r and r + 8 share r % 8, so one XOR pattern serves
+// both. The pattern is made opaque per block: hoisted out of the loop, the 4 x kBlockM / 16
+// addresses would stay live next to the accumulators.
+template <typename Cfg>
+__device__ __forceinline__ void stage_ds_transposed(void* sdS, const uint32_t (&a_ds)[Cfg::kKVBlockM / 16][4],
+                                                    int tid) {
+  constexpr int kBlockN = Cfg::kKVBlockN;
+  const int lane = tid % 32, warp = tid / 32;
+  const int r = 16 * warp + lane / 4;  // warp w of the consumers holds keys 16w .. 16w + 15
+  int rx = r % 8;
+  opaque(rx);
+  unsigned char* row = reinterpret_cast<unsigned char*>(sdS) + r * kSwizzleBytes + 4 * (lane % 4);
+#pragma unroll
+  for (int kk = 0; kk < Cfg::kKVBlockM / 16; ++kk) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {  // columns 16kk + 8 half + 2t
+      unsigned char* at = row + (kk / 4) * kBlockN * kSwizzleBytes + (((2 * kk + half) % 8) ^ rx) * 16;
+      *reinterpret_cast<uint32_t*>(at) = a_ds[kk][2 * half];
+      *reinterpret_cast<uint32_t*>(at + 8 * kSwizzleBytes) = a_ds[kk][2 * half + 1];
+    }
+  }
+}
+
+// Zeroes warpgroup wg's 64 rows of dS^T: its keys see none of the block's queries.
+template <typename Cfg>
+__device__ __forceinline__ void zero_ds_rows(void* sdS, int wg, int tid) {
+  constexpr int kBlockN = Cfg::kKVBlockN;
+  unsigned char* base = reinterpret_cast<unsigned char*>(sdS);
+#pragma unroll
+  for (int slab = 0; slab < Cfg::kKVBlockM / 64; ++slab) {
+    uint4* rows = reinterpret_cast<uint4*>(base + slab * kBlockN * kSwizzleBytes + 64 * wg * kSwizzleBytes);
+#pragma unroll
+    for (int i = tid % 128; i < 64 * kSwizzleBytes / 16; i += 128) rows[i] = make_uint4(0, 0, 0, 0);
+  }
+}
+
+// The dQ product of one query block, dQ = dS K, split between the two warpgroups: kBlockM = 64
+// queries x two halves of d (d = 128), or two 64-query halves x all of d (d = 64). Issued as
+// one commit group after both warpgroups staged their keys' rows of dS^T (the caller waits).
+template <typename Cfg>
+struct DqSplit {
+  static constexpr int kN = Cfg::kHeadDim * (Cfg::kKVBlockM / 64) / 2;  // dQ columns of one warpgroup
+  static_assert(Cfg::kKVWarpGroups == 2 && (Cfg::kKVBlockM / 64) * (Cfg::kHeadDim / kN) == 2 && kN % 64 == 0,
+                "two warpgroups split the dQ product");
+  __device__ __forceinline__ static int row0(int wg) { return Cfg::kKVBlockM == 64 ? 0 : 64 * wg; }
+  __device__ __forceinline__ static int col0(int wg) { return Cfg::kKVBlockM == 64 ? kN * wg : 0; }
+};
+
+template <typename T, typename Cfg>
+__device__ __forceinline__ void issue_dq_product(float (&acc)[1][DqSplit<Cfg>::kN / 8][4], const T* sdS, const T* sK,
+                                                 int wg) {
+  using Split = DqSplit<Cfg>;
+  constexpr int kBlockN = Cfg::kKVBlockN;
+  const T* a_tile = sdS + (Split::row0(wg) / 64) * kBlockN * 64;  // dS^T slab: keys x 64 queries
+  const T* b_tile = sK + (Split::col0(wg) / 64) * kBlockN * 64;   // K slab(s): keys x kN columns
+  wgmma_fence();
+#pragma unroll
+  // A = dS (M = queries, K = keys) read transposed from dS^T; B = K (N-major).
+  wgmma_ss<kBlockN / 16, false, T>(acc[0], MNMajor<kBlockN>{a_tile, 0}, MNMajor<kBlockN>{b_tile, 0});
+  wgmma_commit();
+}
+
+// The dQ workspace: per (sequence, query head, query block) one tile of kBlockM x d floats
+// (which tile, for dense and packed batches: config.h, dq_tile) in the
+// order the two consumer warpgroups hold their dQ accumulators, so that a staged block leaves
+// shared memory as one contiguous bulk reduction and each thread writes 16-byte vectors. Tile
+// element (wg, j, ct, e) is fragment j of thread ct of warpgroup wg:
+//   float4 index (wg * kN / 8 + j) * 128 + ct;  e = 0, 1: row g, columns 2t, 2t + 1 of the
+//   fragment's 8 columns; e = 2, 3: row g + 8 (g = lane / 4, t = lane % 4, rows of warp ct / 32).
+// convert_dq_tiles_kernel reads it back into dq.
+template <typename Cfg>
+struct DqTile {
+  using Split = DqSplit<Cfg>;
+  static constexpr int kFloats = Cfg::kBlockM * Cfg::kD;
+  template <bool kVarlen = true>
+  __device__ __forceinline__ static int64_t offset(const BwdParams& p, const SeqInfo& seq, int h, int m_block) {
+    return wgmma::dq_tile<kVarlen>(p, seq.bi, h, seq.q_start, m_block, Cfg::kBlockM) * kFloats;
+  }
+  // Where float4 v of a tile sits in the block: its first row and column (the second pair of
+  // floats is 8 rows further down).
+  __device__ __forceinline__ static void place(int v, int& row, int& col) {
+    constexpr int kJ = Split::kN / 8;
+    const int wg = v / (kJ * 128), j = v / 128 % kJ, ct = v % 128;
+    const int lane = ct % 32;
+    row = Split::row0(wg) + 16 * (ct / 32) + lane / 4;
+    col = Split::col0(wg) + 8 * j + 2 * (lane % 4);
+  }
+};
+
+// The dQ writer, one thread: each time the consumers staged a block's dQ in sdQ[b], it
+// adds the whole tile into dq_accum with one bulk reduction, waits until sdQ[b] has been read
+// and hands it back. Exchange x uses buffer b = x % 2 and phase x / 2 of its barriers.
+template <typename T, typename Cfg>
+__device__ __forceinline__ void write_dq(const Smem<T, Cfg>& sm) {
+#if FLASH_SM90_ENABLED
+  for (int x = 0;; ++x) {
+    const int b = x & 1;
+    mbarrier_wait(&sm.dq_full[b], (x >> 1) & 1);
+    float* dst = sm.dq_dst[b];
+    if (dst == nullptr) break;
+    bulk_reduce_add_f32(dst, sm.dq(b), Cfg::kTileDQ);
+    bulk_commit();
+    bulk_wait_read<0>();
+    mbarrier_arrive(&sm.dq_empty[b]);
+  }
+  bulk_wait<0>();  // the adds themselves are done before the CTA retires
+#endif
+}
+
+// The hand-over of exchange x to the writer: the block staged in sdQ[x % 2] goes to the tile dst
+// (nullptr: no more blocks). Each consumer warp arrives once its part of sdQ is written and fenced.
+template <typename T, typename Cfg>
+__device__ __forceinline__ void hand_over_dq(const Smem<T, Cfg>& sm, float* dst, int x, int ct) {
+  if (ct == 0) sm.dq_dst[x & 1] = dst;
+  __syncwarp();
+  if (ct % 32 == 0) mbarrier_arrive(&sm.dq_full[x & 1]);
+}
+
+// A consumer warpgroup's dQ accumulator into sdQ[x % 2] (DqTile order: 16-byte vectors, 128
+// threads side by side, no bank conflicts), once the writer is done with the block staged there
+// two exchanges ago.
+template <typename T, typename Cfg>
+__device__ __forceinline__ void stage_dq(const Smem<T, Cfg>& sm, const float (&acc)[1][DqSplit<Cfg>::kN / 8][4],
+                                         float* dst, int x, int wg, int ct) {
+#if FLASH_SM90_ENABLED
+  constexpr int kJ = DqSplit<Cfg>::kN / 8;
+  mbarrier_wait(&sm.dq_empty[x & 1], ((x >> 1) & 1) ^ 1);  // the first pass finds both free
+  const uint32_t at = smem_addr(sm.dq(x & 1)) + ((wg * kJ) * 128 + ct % 128) * 16;  // DqTile order
+#pragma unroll
+  for (int j = 0; j < kJ; ++j) {
+    st_shared_v4_f32(at + j * 128 * 16, acc[0][j][0], acc[0][j][1], acc[0][j][2], acc[0][j][3]);
+  }
+  fence_proxy_async();  // generic-proxy writes, read next by the bulk reduction (async proxy)
+  hand_over_dq<T, Cfg>(sm, dst, x, ct);
+#endif
+}
+
+// A single dS^T buffer is written for step i only after both warpgroups' dQ products of step
+// i - 1 have read it (each thread arrives on ds_empty after its wgmma wait). With two buffers the
+// named barrier of step i - 1 already orders it: a warpgroup past that barrier knows the other
+// has waited for its products of step i - 2.
+template <typename T, typename Cfg>
+__device__ __forceinline__ void claim_ds(const Smem<T, Cfg>& sm, int i) {
+  if constexpr (Cfg::kDsBuffers == 1) {
+    if (i > 0) mbarrier_wait(sm.ds_empty, (i - 1) & 1);
+  }
+}
+
+template <typename T, typename Cfg, int kVariant>
+__device__ __forceinline__ void bwd_ws_block(const BwdParams& p, const TmaMaps& maps) {
+  constexpr int kD = Cfg::kD;
+  constexpr int kBlockM = Cfg::kBlockM;
+  constexpr int kStages = Cfg::kStages;
+  extern __shared__ unsigned char smem_raw[];
+  const Smem<T, Cfg> sm(aligned_smem_base<true>(smem_raw));
+
+  // Packed batches (kExtended or kSoftcapGrad, include/params.h: variant_of) read their sequence's
+  // offsets and mask from cu_seqlens; kPlain folds all of it to the dense constants.
+  constexpr bool kVarlen = kVariant != kPlain;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (threadIdx.x == 0) sm.template init_barriers</*kDqWriter=*/true>();
+  __syncthreads();  // the only CTA-wide barrier
+
+  // The CTA's keys, its KV head and batch, and the (head, query block) steps: each role derives
+  // them after the split, so that nothing computed before it stays live in the producer's 24
+  // registers.
+  const int n0 = blockIdx.x * Cfg::kBlockN;
+  const int hkv = blockIdx.y, bi = blockIdx.z;
+  if (warp < 4) {
+    setmaxnreg_dec<Cfg::template producer_regs<kVariant>()>();
+    if (warp == 0) {
+      produce<T, Cfg, kVarlen>(p, maps, sm, n0, hkv, bi, lane);
+    } else if (warp == 1 && lane == 0) {
+      write_dq<T, Cfg>(sm);
+    }
+    return;
+  }
+
+  // ---- consumers: thread ct of 256; warpgroup wg owns keys n0 + 64 wg .. n0 + 64 wg + 63 ----
+  setmaxnreg_inc<Cfg::template consumer_regs<kVariant>()>();
+  const SeqInfo seq = SeqInfo::make<kVarlen>(p, bi);
+  const AttnMask mask = seq.mask<kVarlen>(p);
+  const KeyTileSteps steps = KeyTileSteps::make(mask, n0, Cfg::kBlockN, kBlockM, hkv, p.hq / p.hkv);
+  const int ct = threadIdx.x - 128;
+  const int cwarp = ct / 32, wg = cwarp / 4;
+  const int wg_key0 = n0 + 64 * wg;
+  const int warp_key0 = n0 + 16 * cwarp;
+
+  float acc_dv[1][kD / 8][4];
+  float acc_dk[1][kD / 8][4];
+  zero_fill(acc_dv);
+  zero_fill(acc_dk);
+  if (steps.count > 0) mbarrier_wait(sm.kv_full, 0);
+  int x = 0;  // blocks handed to the dQ writer
+
+  for (int i = 0; i < steps.count; ++i) {
+    const int s = KeyTileSteps::stage(i, kStages);
+    const int h = steps.head(i), m0 = steps.m_block(i) * kBlockM;
+    T* sdS = sm.ds(i);
+    mbarrier_wait(&sm.q_full[s], KeyTileSteps::parity(i, kStages));
+    const T* sQ_s = sm.q(s);
+    const T* sdO_s = sm.dout(s);
+
+    // Warpgroup-uniform skip (wgmma is a warpgroup instruction); masking is per warp.
+    const bool wg_sees_block = mask.any_visible(m0, m0 + kBlockM, wg_key0, wg_key0 + 64);
+    uint32_t a_pt[kBlockM / 16][4];
+    uint32_t a_ds[kBlockM / 16][4];
+    // The dQ accumulator is defined (zeroed) before its product overwrites it: an accumulator
+    // the asm sees undefined stays live across the whole loop (its registers spill), and one
+    // defined while other products are in flight serializes every wgmma (ptxas C7515). So it is
+    // zeroed after S and dP have landed, before dV and dK are issued.
+    float acc_dq[1][DqSplit<Cfg>::kN / 8][4];
+    if (wg_sees_block) {
+      const bool needs_mask = mask.needs_mask(m0, m0 + kBlockM, warp_key0, warp_key0 + 16);
+      // S^T = K Q^T and dP^T = V dO^T, one commit group each: P's exponentials run while the
+      // tensor cores still compute dP^T (except with softcap: softcap_probs_and_ds).
+      float pt[1][kBlockM / 8][4];
+      float dst[1][kBlockM / 8][4];
+      wgmma_fence();
+      wgmma_ss<Cfg::kQKSteps, false, T>(pt[0], KMajor<Cfg::kBlockN>{sm.sK, 64 * wg}, KMajor<kBlockM>{sQ_s, 0});
+      wgmma_commit();
+      wgmma_ss<Cfg::kQKSteps, false, T>(dst[0], KMajor<Cfg::kBlockN>{sm.sV, 64 * wg}, KMajor<kBlockM>{sdO_s, 0});
+      wgmma_commit();
+      wgmma_wait<1>();
+      fence_accumulator(pt[0]);
+
+      if constexpr (kVariant == kSoftcapGrad) {
+        wgmma_wait<0>();
+        fence_accumulator(dst[0]);
+        // P^T and dS^T straight into the A fragments of the dV and dK products, 16 queries (two
+        // C tiles) at a time: softcap's derivative lives in an 8-register slice of dtanh instead
+        // of the full tile (kBlockM / 2 registers) the consumers have no room for.
+        softcap_probs_and_ds_by_slices<2>(pt, dst, sm.lse + s * kBlockM, sm.delta + s * kBlockM, needs_mask,
+                                          warp_key0, m0, mask, p, seq, h,
+                                          [&](int j0, const float (&p_slice)[1][2][4], const float (&ds_slice)[1][2][4]) {
+                                            accumulator_to_a<T>(a_pt[j0 / 2], p_slice[0], 0);
+                                            accumulator_to_a<T>(a_ds[j0 / 2], ds_slice[0], 0);
+                                          });
+      } else {
+        DtanhTile<kVariant, 1, 1> no_dtanh;
+        compute_probs<true, kVariant>(pt, no_dtanh, sm.lse + s * kBlockM, needs_mask, warp_key0, m0, mask,
+                                               p, seq, h);
+        wgmma_wait<0>();
+        fence_accumulator(dst[0]);
+        compute_ds<true, kVariant>(dst, pt, no_dtanh, sm.delta + s * kBlockM);
+        accumulator_to_a<T>(a_pt, pt[0]);
+        accumulator_to_a<T>(a_ds, dst[0]);
+      }
+
+      // dV += P^T dO, dK += dS^T Q run while dS^T is staged for the dQ product.
+      zero_accumulator(acc_dq[0]);
+      issue_dv_dk<T, kD, kBlockM>(acc_dv, acc_dk, a_pt, a_ds, sdO_s, sQ_s);
+      claim_ds<T, Cfg>(sm, i);
+      stage_ds_transposed<Cfg>(sdS, a_ds, ct);
+    } else {
+      zero_accumulator(acc_dq[0]);
+      claim_ds<T, Cfg>(sm, i);
+      zero_ds_rows<Cfg>(sdS, wg, ct);
+    }
+    fence_proxy_async();  // the generic-proxy writes of dS^T, before the tensor cores read them
+    named_barrier_sync(kDsBarrier, kConsumerThreads);
+
+    const bool cta_sees_block = mask.any_visible(m0, m0 + kBlockM, n0, n0 + Cfg::kBlockN);
+    // Unconditional: a block no key of the CTA sees has dS = 0 (both warpgroups zeroed their rows),
+    // and a wgmma under a branch while dV, dK are in flight makes ptxas serialize them all.
+    issue_dq_product<T, Cfg>(acc_dq, sdS, sm.sK, wg);
+    wgmma_wait<0>();  // dV, dK and dQ of this block
+    if constexpr (Cfg::kDsBuffers == 1) mbarrier_arrive(sm.ds_empty);  // this thread's dQ product read sdS
+    fence_accumulator(acc_dv[0]);
+    fence_accumulator(acc_dk[0]);
+    if (wg_sees_block) {
+      fence_fragments(a_pt);
+      fence_fragments(a_ds);
+    }
+    // Q, dO, lse, delta of stage s are no longer read. Every thread arrives for its own reads of
+    // lse and delta (the producer rewrites them with ordinary stores): an arrival per warp after
+    // __syncwarp orders them as well, but compute-sanitizer's racecheck does not follow that chain.
+    mbarrier_arrive(&sm.q_empty[s]);
+    if (cta_sees_block) {
+      fence_accumulator(acc_dq[0]);
+      float* dst = p.dq_accum + DqTile<Cfg>::template offset<kVarlen>(p, seq, h, m0 / kBlockM);
+      stage_dq<T, Cfg>(sm, acc_dq, dst, x++, wg, ct);
+    }
+  }
+
+  mbarrier_wait(&sm.dq_empty[x & 1], ((x >> 1) & 1) ^ 1);
+  hand_over_dq<T, Cfg>(sm, nullptr, x, ct);  // tells the writer to stop
+
+  // At d = 128 the epilogue stages each warp's rows in the Q / dO ring, free once both
+  // warpgroups are past their last products (every load they waited for has landed; the
+  // producer issues no more), so the stores are whole 16-byte rows. At d = 64 (half the
+  // stores) the extra barrier costs as much as the wider stores gain: direct stores there.
+  if constexpr (kD > 64) {
+    static_assert(Cfg::kConsumerWarps * 16 * kStagedPitch<kD> * sizeof(T) <= 2 * Cfg::kStages * Cfg::kTileQ,
+                  "the staged dK / dV rows fit the Q / dO ring");
+    named_barrier_sync(kDsBarrier, kConsumerThreads);
+    store_dk_dv<T, kD, true>(p, seq, acc_dk, acc_dv, hkv, warp_key0, sm.q(0) + cwarp * 16 * kStagedPitch<kD>);
+  } else {
+    store_dk_dv<T, kD>(p, seq, acc_dk, acc_dv, hkv, warp_key0);  // rows past the sequence left out
+  }
+}
+
+template <typename T, typename Cfg, int kVariant>
+__global__ void __launch_bounds__(Cfg::kThreads, 1)
+    bwd_sm90_ws_kernel(const __grid_constant__ BwdParams p, const __grid_constant__ TmaMaps maps) {
+  FLASH_SM90_KERNEL_BODY(bwd_ws_block<T, Cfg, kVariant>(p, maps));  // (sm90_kernel_built)
+}
+
+// dq = scale * dq_accum for the tile layout of the workspace (DqTile): grid (query blocks of
+// the longest sequence, hq, b); blocks past their sequence, the rows past it and the columns past
+// d (the bucket's padding) left out. The tile is in fragment order, in which 8 consecutive
+// columns of a row are 4 consecutive float4 (lanes 4g .. 4g + 3 of one C tile, their .x / .y; .z
+// / .w are the row 8 further down) and one warp's float4 span 64 rows: written straight to dq,
+// every warp store touches 64 rows with 16 bytes each (the first form of this kernel moved half
+// the bandwidth the row-layout convert does). So it goes through shared memory: each thread
+// converts 4 consecutive float4 into two 16-byte row pieces of a 16-bit row-major tile (rows
+// padded by 16 bytes: the 8 rows a quarter-warp writes fall in different banks), then the block
+// writes whole rows, 16 bytes per thread, consecutive threads along a row.
+template <typename T, typename Cfg>
+__global__ void __launch_bounds__(256) convert_dq_tiles_kernel(const __grid_constant__ BwdParams p) {
+  constexpr int kPitch = Cfg::kD + 8;  // padded row of the staging tile
+  constexpr int kChunksPerRow = Cfg::kD / 8;
+  static_assert(DqTile<Cfg>::kFloats % 16 == 0, "whole groups of 4 float4");
+  __shared__ __align__(16) T stage[Cfg::kBlockM * kPitch];
+  const int mb = blockIdx.x, h = blockIdx.y;
+  const SeqInfo seq = SeqInfo::make(p, blockIdx.z);
+  const int m0 = mb * Cfg::kBlockM;
+  if (m0 >= seq.sq) return;  // a packed batch's shorter sequences (the whole block returns)
+  const float4* tile = reinterpret_cast<const float4*>(p.dq_accum + DqTile<Cfg>::offset(p, seq, h, mb));
+  for (int u = threadIdx.x; u < DqTile<Cfg>::kFloats / 16; u += 256) {
+    int row, col;
+    DqTile<Cfg>::place(4 * u, row, col);  // lane t = 0 of the group: columns col .. col + 7
+    float4 a[4];
+#pragma unroll
+    for (int t = 0; t < 4; ++t) a[t] = tile[4 * u + t];
+    uint32_t lo[4], hi[4];
+#pragma unroll
+    for (int t = 0; t < 4; ++t) {
+      lo[t] = pack2<T>(a[t].x * p.scale, a[t].y * p.scale);
+      hi[t] = pack2<T>(a[t].z * p.scale, a[t].w * p.scale);
+    }
+    *reinterpret_cast<uint4*>(stage + row * kPitch + col) = make_uint4(lo[0], lo[1], lo[2], lo[3]);
+    *reinterpret_cast<uint4*>(stage + (row + 8) * kPitch + col) = make_uint4(hi[0], hi[1], hi[2], hi[3]);
+  }
+  __syncthreads();
+  T* dq = seq.q_rows(static_cast<T*>(p.dq), p.dq_batch_stride, p.dq_head_stride, p.dq_row_stride, h) +
+          static_cast<int64_t>(m0) * p.dq_row_stride;
+  const int rows = min(Cfg::kBlockM, seq.sq - m0);
+  // dq is allocated by the binding (rows of d elements, d % 8 == 0): 16-byte aligned rows; the
+  // 4-byte form keeps any other view correct.
+  const bool wide_stores = reinterpret_cast<uintptr_t>(dq) % 16 == 0 && p.dq_row_stride % 8 == 0;
+  for (int c = threadIdx.x; c < rows * kChunksPerRow; c += 256) {
+    const int row = c / kChunksPerRow, col = (c % kChunksPerRow) * 8;
+    if (col >= p.d) continue;
+    const uint4 v = *reinterpret_cast<const uint4*>(stage + row * kPitch + col);
+    T* dst = dq + static_cast<int64_t>(row) * p.dq_row_stride + col;
+    if (wide_stores) {
+      *reinterpret_cast<uint4*>(dst) = v;
+    } else {
+      const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+      for (int t = 0; t < 4; ++t) *reinterpret_cast<uint32_t*>(dst + 2 * t) = w[t];
+    }
+  }
+}
+
+}  // namespace bwd_ws
+}  // namespace sm90
+
+// The warp-specialized backwards' main launch (this kernel and the wide one): the TMA maps of Q,
+// dO, K and V, delta's preprocess, then one CTA per key block of each (kv head, batch entry).
+// False, having launched nothing, where a view TMA cannot address.
+template <typename T, typename Cfg, typename Kernel>
+bool launch_bwd_ws_main(Kernel kernel, const BwdParams& p, const char* name, cudaStream_t stream) {
+  sm90::bwd_ws::TmaMaps maps;
+  if (!maps.make(p, Cfg::kBlockM, Cfg::kBlockN)) return false;
+  launch_bwd_preprocess<T>(p, stream);
+  set_smem_limit(kernel, Cfg::kSmemBytes, name);
+  kernel<<<dim3(ceil_div(p.sk, Cfg::kBlockN), p.hkv, p.b), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p, maps);
+  check_launch(name);
+  return true;
+}
+
+// Launches delta's preprocess and the warp-specialized backward and returns true, or returns
+// false having launched nothing: no dq_accum workspace (deterministic=True), or a view TMA cannot
+// address.
+template <typename T, typename Traits, int kVariant, int kDepth>
+bool launch_bwd_sm90_ws(const BwdParams& p, cudaStream_t stream) {
+  using Cfg = sm90::bwd_ws::WsBwdConfig<Traits, 2, kDepth>;
+  auto kernel = sm90::bwd_ws::bwd_sm90_ws_kernel<T, Cfg, kVariant>;
+  const bool packed = p.cu_seqlens_q != nullptr;
+  // A kPlain kernel reads no cu_seqlens: packed batches come as kExtended or kSoftcapGrad (variant_of).
+  if (p.dq_accum == nullptr || (packed && kVariant == kPlain) || !sm90_kernel_built(kernel)) return false;
+  if (!launch_bwd_ws_main<T, Cfg>(kernel, p, "bwd_sm90_ws", stream)) return false;
+  sm90::bwd_ws::convert_dq_tiles_kernel<T, Cfg><<<dim3(ceil_div(p.sq, Cfg::kBlockM), p.hq, p.b), 256, 0, stream>>>(p);
+  check_launch("convert_dq_tiles");
+  return true;
+}
+
+// The Hopper backward of a (dtype, head dim, variant): the warp-specialized kernel where it
+// applies (deterministic=False: family.h gives it the dQ workspace), else the cp.async kernels
+// of bwd.cuh. kSoftcapGrad runs on the warp-specialized kernel alone: the cp.async kernels have no
+// register room for softcap's derivative (their dQ kernel would need a dtanh tile, or the folded
+// form and a dS rewrite), so where it does not apply (deterministic=True, a view TMA cannot
+// address) this returns false and the caller runs the mma.sync backward.
+template <int kDType, int kHeadDim, int kVariant>
+bool run_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
+  using T = typename ElementOf<kDType>::type;
+  // Head dims 65..96 run the 128-wide tiles (the cp.async kernels with all their k-steps).
+  using Traits = sm90::BwdTraits<kHeadDim>;
+  if (p.sm_arch != 90) return false;
+  if (launch_bwd_sm90_ws<T, Traits, kVariant, kHeadDim>(p, stream)) return true;
+  if constexpr (kVariant == kSoftcapGrad) {
+    return false;  // the caller runs the mma.sync backward
+  } else {
+    return launch_bwd_sm90<T, Traits, kVariant>(p, stream);
+  }
+}
+
+}  // namespace flash_cuda

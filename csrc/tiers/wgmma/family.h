@@ -1,0 +1,119 @@
+// tiers/wgmma/family.h — the Hopper (sm_90a) family: its entry points, the contract the binding
+// calls (applies / plan / run), its dQ workspace, and its ablation switches. Host code only.
+//
+//   forward   fwd.cuh       warp-specialized: TMA producer warp, consumer warpgroups, ping-pong,
+//                           persistent tiles, GQA packing; head dims 33..256
+//   backward  bwd_ws.cuh    warp-specialized, dQ by bulk reductions into an fp32 workspace;
+//                           head dims 33..128 (deterministic=False)
+//             bwd_wide.cuh  warp-specialized, head-dim columns split between the consumers;
+//                           head dims 129..256 (deterministic=False, kernel='auto')
+//             bwd.cuh       cp.async, dK/dV and dQ kernels, no atomics (deterministic=True);
+//                           head dims 33..128
+// Every launcher returns false, having launched nothing, where it does not apply (a GPU other
+// than sm_90, a build without the 90a target, a view TMA cannot address): the caller falls back
+// to the mma.sync family.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "../../include/dispatch.h"
+#include "../../include/params.h"
+#include "config.h"
+
+namespace flash_cuda {
+
+// ---- entry points (csrc/instances/wgmma_*.cu): kVariant kPlain or kExtended, and for the
+//      backwards kSoftcapGrad ----
+template <int kDType, int kHeadDim, int kVariant> bool run_fwd_sm90_ws(const FwdParams& params, cudaStream_t stream);
+// The forward's GQA-packed tiles (a tile holds 128 / G queries of all G = hq / hkv query heads of a
+// KV group), kPlain.
+template <int kDType, int kHeadDim> bool run_fwd_sm90_ws_gqa(const FwdParams& params, cudaStream_t stream);
+template <int kDType, int kHeadDim, int kVariant> bool run_bwd_sm90(const BwdParams& params, cudaStream_t stream);
+template <int kDType, int kHeadDim, int kVariant> bool run_bwd_sm90_wide(const BwdParams& params, cudaStream_t stream);
+
+namespace wgmma {
+
+template <int kDType, int kVariant> struct FwdEntry {
+  template <int kD> static bool run(const FwdParams& p, cudaStream_t s) {
+    if constexpr (kVariant == kPlain && kD <= 128) {
+      // GQA-packed tiles where they pay; the launcher may decline.
+      if (pack_gqa(p) && run_fwd_sm90_ws_gqa<kDType, kD>(p, s)) return true;
+    }
+    return run_fwd_sm90_ws<kDType, kD, kVariant>(p, s);
+  }
+};
+template <int kDType, int kVariant> struct BwdEntry {
+  template <int kD> static bool run(const BwdParams& p, cudaStream_t s) { return run_bwd_sm90<kDType, kD, kVariant>(p, s); }
+};
+template <int kDType, int kVariant> struct WideBwdEntry {
+  template <int kD> static bool run(const BwdParams& p, cudaStream_t s) {
+    return run_bwd_sm90_wide<kDType, kD, kVariant>(p, s);
+  }
+};
+
+}  // namespace wgmma
+
+// fp16 / bf16 on sm_90.
+//   Forward: kernel='auto' at every head dim it has, kernel='wgmma' at the head dims its backward
+//   also has, tier 4 (the Hopper forward alone) always. Workspace: the tile scheduler's counter
+//   (FwdParams::tile_counter), one zeroed int.
+//   Backward (tier 4 runs kernel='auto''s): kernel='auto' and 'wgmma' at d 33..128, kernel='auto'
+//   at d 129..256 with deterministic=False (the wide kernel). Workspace, with deterministic=False:
+//   the fp32 dQ the warp-specialized kernels add into, zero-filled: the rows of the statistics x d
+//   for the wide kernel's row layout, or the tiles of bwd_ws.cuh (DqTile) at the head-dim bucket's
+//   width, whichever is larger. Softcap's derivative with deterministic=True is declined (the
+//   mma.sync family has it).
+struct WgmmaFamily {
+  static bool applies(const FwdParams& p, Tier tier) {
+    if (p.sm_arch != 90 || !wgmma::fwd_head_dim(p.d)) return false;
+    if (tier == Tier::kWgmma) return wgmma::bwd_head_dim(p.d);
+    return tier == Tier::kAuto || tier == Tier::kWgmmaWs;
+  }
+  static bool applies(const BwdParams& p, Tier tier) {
+    tier = bwd_tier(tier);
+    return p.sm_arch == 90 &&
+           (((tier == Tier::kAuto || tier == Tier::kWgmma) && wgmma::bwd_head_dim(p.d)) ||
+            wgmma::wide_bwd_applies(p, tier));
+  }
+  static Workspace plan(FwdParams&, Tier) {
+    Workspace ws;
+    ws.ints = 1;
+    return ws;
+  }
+  static Workspace plan(BwdParams& p, Tier) {
+    Workspace ws;
+    if (p.deterministic || wgmma::bwd_split()) return ws;
+    const int bucket_d = (p.d + 63) / 64 * 64;
+    const int block_m = wgmma::bwd_block_m(bucket_d);
+    const int64_t tiles = wgmma::dq_tile_count(p, block_m) * block_m * bucket_d;
+    const int64_t stat_rows =
+        p.cu_seqlens_q != nullptr ? int64_t(p.hq) * p.total_q : int64_t(p.b) * p.hq * p.sq;
+    ws.floats = std::max(stat_rows * p.d, tiles);
+    ws.zero_floats = true;
+    return ws;
+  }
+  static void attach(FwdParams& p, float*, int* ints) { p.tile_counter = ints; }
+  static void attach(BwdParams& p, float* floats, int*) { p.dq_accum = floats; }
+  static bool run(const FwdParams& p, Tier, cudaStream_t stream) {
+    return with_dtype_variant<wgmma::FwdEntry, tiles::WgmmaFwdBuckets>(p, variant_of(p, /*backward=*/false), stream);
+  }
+  static bool run(const BwdParams& p, Tier tier, cudaStream_t stream) {
+    tier = bwd_tier(tier);
+    const Variant variant = variant_of(p, /*backward=*/true);
+    if ((tier == Tier::kAuto || tier == Tier::kWgmma) && wgmma::bwd_head_dim(p.d) &&
+        with_dtype_variant<wgmma::BwdEntry, tiles::WgmmaBwdBuckets, /*kWithSoftcapGrad=*/true>(p, variant, stream)) {
+      return true;
+    }
+    return wgmma::wide_bwd_applies(p, tier) && p.dq_accum != nullptr &&
+           with_dtype_variant<wgmma::WideBwdEntry, tiles::WgmmaBwdWideBuckets, /*kWithSoftcapGrad=*/true>(
+               p, variant, stream);
+  }
+
+ private:
+  static Tier bwd_tier(Tier tier) { return tier == Tier::kWgmmaWs ? Tier::kAuto : tier; }
+};
+
+}  // namespace flash_cuda

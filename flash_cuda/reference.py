@@ -96,6 +96,15 @@ def _default_scale(scale: Optional[float], head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
 
 
+def _forward_setup(q: Tensor, scale: Optional[float], is_causal: bool, window_size,
+                   Hkv: int) -> Tuple[float, int, int, torch.dtype, int]:
+    """What every forward derives from its options: (scale * log2 e, the window's left and
+    right sides, the accumulation dtype, query heads per KV head)."""
+    scale_log2 = _default_scale(scale, q.shape[-1]) * LOG2E
+    wl, wr = normalize_window(is_causal, window_size)
+    return scale_log2, wl, wr, _acc_dtype(q.dtype), q.shape[1] // Hkv
+
+
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     """Accumulation dtype of the kernels: float32, or float64 for float64 inputs."""
     return torch.float64 if dtype == torch.float64 else torch.float32
@@ -361,11 +370,7 @@ def attention_forward_blocked(q: Tensor, k: Tensor, v: Tensor, *, is_causal: boo
     window edge or the end of the keys cuts (:func:`_needs_mask`).
     """
     B, Hq, Hkv, Sq, Sk, D = _sizes(q, k, v)
-    scale = _default_scale(scale, D)
-    scale_log2 = scale * LOG2E
-    wl, wr = normalize_window(is_causal, window_size)
-    acc = _acc_dtype(q.dtype)
-    G = Hq // Hkv
+    scale_log2, wl, wr, acc, G = _forward_setup(q, scale, is_causal, window_size, Hkv)
     dev = q.device
     slopes = _slopes_view(alibi_slopes, B, Hq, Hkv, acc)
 
@@ -632,3 +637,252 @@ def attention_varlen_backward_blocked(dout: Tensor, q: Tensor, k: Tensor, v: Ten
         dk[ka:kb] = g[1][0].transpose(0, 1)
         dv[ka:kb] = g[2][0].transpose(0, 1)
     return dq, dk, dv
+
+
+# ---------------------------------------------------------------------------------------
+# KV cache: in-place append, paged storage, split-KV and its combine
+# ---------------------------------------------------------------------------------------
+
+
+def _kvcache_lengths(cache_seqlens, batch: int) -> List[int]:
+    """cache_seqlens (an int, or an integer tensor (B,)) as one Python int per sequence."""
+    if isinstance(cache_seqlens, Tensor):
+        assert not cache_seqlens.is_floating_point() and not cache_seqlens.is_complex(), \
+            "cache_seqlens must hold integers"
+        assert tuple(cache_seqlens.shape) == (batch,), \
+            f"cache_seqlens must be ({batch},), got {tuple(cache_seqlens.shape)}"
+        return [int(x) for x in cache_seqlens.tolist()]
+    assert isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool), \
+        "cache_seqlens must be an int or an integer tensor"
+    return [int(cache_seqlens)] * batch
+
+
+def _paged_slots(block_table: Tensor, b: int, pos: Tensor, page_size: int) -> Tuple[Tensor, Tensor]:
+    """(page, row) of the logical positions ``pos`` of sequence b: position p lives in page
+    block_table[b, p // page_size], row p % page_size. Only the entries that ``pos`` needs
+    are looked up, so the table's entries past a sequence's length may hold anything."""
+    pages = block_table[b].to(device=pos.device, dtype=torch.long)[pos // page_size]
+    return pages, pos % page_size
+
+
+def _read_kvcache(cache: Tensor, block_table: Optional[Tensor], b: int, start: int, end: int) -> Tensor:
+    """Logical rows [start, end) of sequence b's cache as (Hkv, end - start, D), from a dense
+    (B, Hkv, S_max, D) cache or through the block table from a paged
+    (num_pages, Hkv, page_size, D) pool (a key block may straddle pages)."""
+    if block_table is None:
+        return cache[b, :, start:end]
+    pos = torch.arange(start, end, device=cache.device)
+    pages, rows = _paged_slots(block_table, b, pos, cache.shape[2])
+    return cache[pages, :, rows].transpose(0, 1)  # the gather is (rows, Hkv, D)
+
+
+def _write_kvcache(cache: Tensor, block_table: Optional[Tensor], b: int, start: int, x: Tensor) -> None:
+    """Writes x (Hkv, n, D) in place at logical rows [start, start + n) of sequence b.
+    Indexed assignment writes through views, so a pool seen through a transpose (or any
+    other strided view) receives the rows in its own storage."""
+    n = x.shape[1]
+    if n == 0:
+        return
+    if block_table is None:
+        cache[b, :, start:start + n] = x
+        return
+    pos = torch.arange(start, start + n, device=cache.device)
+    pages, rows = _paged_slots(block_table, b, pos, cache.shape[2])
+    cache[pages, :, rows] = x.transpose(0, 1)
+
+
+def split_key_ranges(num_keys: int, num_splits: int, block_n: int) -> List[Tuple[int, int]]:
+    """[(first_key, end_key)] of each of the ``num_splits`` ranges that split-KV cuts
+    [0, num_keys) into: the ceil(num_keys / block_n) key blocks are dealt out as
+    count * r // num_splits .. count * (r + 1) // num_splits, as the fp32 forward deals out a
+    split query block's key steps. Boundaries fall on key blocks, so a range needs no mask
+    of its own (the tiles it visits are those of the unsplit loop); with more splits than
+    key blocks some ranges are empty and contribute nothing to the combine."""
+    assert num_splits >= 1 and block_n >= 1
+    count = -(-num_keys // block_n)
+    return [(min(num_keys, count * r // num_splits * block_n),
+             min(num_keys, count * (r + 1) // num_splits * block_n)) for r in range(num_splits)]
+
+
+def combine_splits(o_parts: Sequence[Tensor], lse_parts: Sequence[Tensor],
+                   out_dtype: torch.dtype) -> Tuple[Tensor, Tensor]:
+    """Merges the partial results of a split key range (the combine after split-KV).
+
+    Range r left O_r normalized by its own row sum and lse_r = log(sum of its exp(x_ij))
+    (natural log; -inf where its rows saw no key). Then lse = log(sum_r exp(lse_r)) and
+    O = sum_r exp(lse_r - lse) * O_r: the weights are range r's share of the row's total
+    softmax mass. Ranges with lse_r = -inf get weight 0 (computed against a finite
+    reference, never as exp(-inf - (-inf)) = NaN); a row that no range saw gets O = 0 and
+    lse = -inf. The merge runs in the parts' dtype (the accumulation dtype): O is rounded to
+    ``out_dtype`` once, at the end, as the kernel writes its fp32 workspace out once.
+    Returns (out in ``out_dtype``, lse in the parts' dtype).
+    """
+    assert len(o_parts) == len(lse_parts) and len(o_parts) >= 1
+    lse_r = torch.stack(list(lse_parts))  # (n, ...)
+    o_r = torch.stack(list(o_parts))  # (n, ..., D)
+    m = _safe_max(lse_r.amax(dim=0))
+    mass = torch.exp(lse_r - m).sum(dim=0)  # in units of exp(m); 0 for a row no range saw
+    has_keys = mass != 0  # NaN stays NaN, as in normalize_output
+    lse = torch.where(has_keys, m + torch.log(torch.where(has_keys, mass, torch.ones_like(mass))),
+                      torch.full_like(mass, NEG_INF))
+    lse_safe = torch.where(has_keys, lse, torch.zeros_like(lse))
+    w = torch.where(has_keys.unsqueeze(0), torch.exp(lse_r - lse_safe), torch.zeros_like(lse_r))
+    out = (w.unsqueeze(-1) * o_r).sum(dim=0)
+    return out.to(out_dtype), lse
+
+
+def _kvcache_range_forward(qg: Tensor, k_cache: Tensor, v_cache: Tensor,
+                           block_table: Optional[Tensor], b: int, num_keys: int,
+                           key_first: int, key_end: int, scale_log2: float, wl: int, wr: int,
+                           softcap: float, slopes: Optional[Tensor], block_m: int, block_n: int,
+                           in_dtype: torch.dtype) -> Tuple[Tensor, Tensor]:
+    """One sequence's queries qg (1, Hkv, G, Sq, D) against the keys [key_first, key_end)
+    of its cache (block aligned, see :func:`split_key_ranges`), num_keys = L_b being the
+    sequence's length for the mask and ALiBi. The loop of :func:`attention_forward_blocked`
+    with the key blocks read from the cache and clipped to the range. Returns O normalized
+    by the range's own row sum and its lse, both in the accumulation dtype (a split's
+    partial stays unrounded until the combine); rows that saw no key: O = 0, lse = -inf."""
+    _, Hkv, G, Sq, D = qg.shape
+    acc = _acc_dtype(in_dtype)
+    dev = qg.device
+    out = torch.zeros((1, Hkv, G, Sq, D), dtype=acc, device=dev)
+    lse = torch.full((1, Hkv, G, Sq), NEG_INF, dtype=acc, device=dev)
+    for row0 in range(0, Sq, block_m):
+        rows = min(block_m, Sq - row0)
+        row_idx = torch.arange(row0, row0 + block_m, device=dev)
+        q_blk = qg[:, :, :, row0:row0 + rows].to(acc)
+        if rows < block_m:
+            q_blk = torch.nn.functional.pad(q_blk, (0, 0, 0, block_m - rows))
+
+        row_max = torch.full((1, Hkv, G, block_m), NEG_INF, dtype=acc, device=dev)
+        row_sum = torch.zeros((1, Hkv, G, block_m), dtype=acc, device=dev)
+        acc_o = torch.zeros((1, Hkv, G, block_m, D), dtype=acc, device=dev)
+
+        # The blocks of the range that meet the union of the block's rows' windows.
+        key_lo, key_hi = _key_range(row0, row0 + rows - 1, Sq, num_keys, wl, wr)
+        first = max(key_first, (key_lo // block_n) * block_n)
+        for key_base in range(first, min(key_end, key_hi), block_n):
+            cols = min(block_n, num_keys - key_base)
+            col_idx = torch.arange(key_base, key_base + block_n, device=dev)
+            # Only rows below L_b are read: rows past it (stale or never written cache rows)
+            # may hold anything, NaN included, and a masked P = 0 would not cancel them in
+            # P @ V (0 * NaN = NaN); the padding is zeros, as in the kernels.
+            k_blk = _read_kvcache(k_cache, block_table, b, key_base, key_base + cols).to(acc)
+            v_blk = _read_kvcache(v_cache, block_table, b, key_base, key_base + cols).to(acc)
+            k_blk = k_blk.unsqueeze(0).unsqueeze(2)  # (1, Hkv, 1, cols, D)
+            v_blk = v_blk.unsqueeze(0).unsqueeze(2)
+            if cols < block_n:
+                k_blk = torch.nn.functional.pad(k_blk, (0, 0, 0, block_n - cols))
+                v_blk = torch.nn.functional.pad(v_blk, (0, 0, 0, block_n - cols))
+            visible = None
+            if _needs_mask(row0, row0 + rows - 1, key_base, key_base + block_n - 1, Sq, num_keys,
+                           wl, wr):
+                visible = key_visible(row_idx, col_idx, Sq, num_keys, wl, wr)
+            bias = _tile_bias_log2(slopes, row_idx, col_idx, Sq, num_keys)
+
+            s, block_max = compute_qk_scores_and_max(q_blk, k_blk, scale_log2, visible, softcap, bias)
+            row_max, row_sum, acc_o = merge_block_stats(row_max, row_sum, acc_o, block_max)
+            row_sum, acc_o = compute_block_softmax_and_weighted_v(s, row_sum, acc_o, row_max,
+                                                                  v_blk, in_dtype)
+
+        o_blk, lse_blk = normalize_output(acc_o, row_sum, row_max, acc)
+        out[:, :, :, row0:row0 + rows] = o_blk[..., :rows, :]
+        lse[:, :, :, row0:row0 + rows] = lse_blk[..., :rows]
+    return out, lse
+
+
+def attention_with_kvcache_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor,
+                                     k: Optional[Tensor] = None, v: Optional[Tensor] = None, *,
+                                     cache_seqlens, block_table: Optional[Tensor] = None,
+                                     is_causal: bool = False, scale: Optional[float] = None,
+                                     window_size: Sequence[int] = (-1, -1), softcap: float = 0.0,
+                                     alibi_slopes: Optional[Tensor] = None, num_splits: int = 1,
+                                     return_lse: bool = False, block_m: int = 64,
+                                     block_n: int = 64):
+    """Attention over a KV cache (FlashAttention's flash_attn_with_kvcache, in the (B, H, S, D)
+    layout): append the new keys / values to the cache in place, then attend to the cache.
+
+    * q (B, Hq, Sq, D). The cache is dense, k_cache / v_cache (B, Hkv, S_max, D), or paged
+      when ``block_table`` (integer (B, max_pages)) is given: a pool (num_pages, Hkv,
+      page_size, D) where position p of sequence b is row p % page_size of page
+      block_table[b, p // page_size]. Any strides (a (num_pages, page_size, Hkv, D) pool
+      seen through ``.transpose(1, 2)`` included). GQA as everywhere: Hq % Hkv == 0.
+    * ``cache_seqlens`` (int, or integer tensor (B,)): tokens already in each sequence's
+      cache. The optional k / v (B, Hkv, S_new, D) are written into the cache at positions
+      cache_seqlens[b] .. cache_seqlens[b] + S_new - 1 (through the block table when paged)
+      before attending; ``cache_seqlens`` itself is not changed (the caller advances it).
+    * Sequence b attends to its positions [0, L_b), L_b = cache_seqlens[b] + S_new, and to
+      nothing past them (those rows are never read). Every option means what it means for
+      :func:`attention_naive` with Sk = L_b: the mask, ALiBi distance and causal diagonal
+      are bottom-right aligned to L_b (query i sits at position i + L_b - Sq, so new
+      queries that came with the new keys line up with them).
+    * ``num_splits`` (split-KV): [0, L_b) is cut into num_splits ranges of whole key blocks
+      (:func:`split_key_ranges`); each range runs the blocked loop alone, leaving O_r
+      normalized by its own row sum and lse_r, and :func:`combine_splits` merges them.
+      num_splits = 1 runs the one range and writes it out without a combine.
+    * ``block_m`` / ``block_n``: the query and key block sizes of the loop (they move only
+      rounding, and the split boundaries).
+
+    Computed in float32 (float64 for float64 inputs), P rounded to the 16-bit input dtype
+    before P @ V as in the kernels. Returns out (B, Hq, Sq, D) in q's dtype, and with
+    ``return_lse`` also lse (B, Hq, Sq) (natural log, in the accumulation dtype as
+    :func:`attention_forward_blocked` returns it); a row that sees no key (L_b = 0, or
+    the mask hides every key from it) has out 0 and lse -inf.
+    """
+    assert q.dim() == 4 and k_cache.dim() == 4 and k_cache.shape == v_cache.shape, \
+        "q must be (B, Hq, Sq, D) and k_cache / v_cache one 4-D shape"
+    assert q.dtype == k_cache.dtype == v_cache.dtype, "q and the cache must have one dtype"
+    B, Hq, Sq, D = q.shape
+    if block_table is None:
+        Bc, Hkv, capacity, Dc = k_cache.shape
+        assert Bc == B, f"dense cache batch {Bc} != q batch {B}"
+    else:
+        _, Hkv, page_size, Dc = k_cache.shape
+        assert block_table.dim() == 2 and block_table.shape[0] == B, \
+            f"block_table must be (B={B}, max_pages)"
+        assert not block_table.is_floating_point(), "block_table must hold integers"
+        capacity = block_table.shape[1] * page_size
+    assert Dc == D and Hkv >= 1 and Hq % Hkv == 0, "head dims differ or Hq % Hkv != 0"
+    assert (k is None) == (v is None), "k and v come together"
+    S_new = 0 if k is None else k.shape[2]
+    if k is not None:
+        assert k.shape == v.shape == (B, Hkv, S_new, D), "k / v must be (B, Hkv, S_new, D)"
+    cached = _kvcache_lengths(cache_seqlens, B)
+    assert all(0 <= c and c + S_new <= capacity for c in cached), \
+        f"cache_seqlens + S_new must lie in [0, {capacity}], got {cached} + {S_new}"
+    assert isinstance(num_splits, int) and num_splits >= 1, "num_splits must be an int >= 1"
+    if alibi_slopes is not None:
+        assert tuple(alibi_slopes.shape) in ((Hq,), (B, Hq)), "alibi_slopes must be (Hq,) or (B, Hq)"
+    scale_log2, wl, wr, acc, G = _forward_setup(q, scale, is_causal, window_size, Hkv)
+    dev = q.device
+
+    # The append comes first: the new keys are part of what the queries see.
+    if S_new > 0:
+        for b, c in enumerate(cached):
+            _write_kvcache(k_cache, block_table, b, c, k[b].to(k_cache.dtype))
+            _write_kvcache(v_cache, block_table, b, c, v[b].to(v_cache.dtype))
+
+    qg = _group_view(q, Hkv)
+    out = torch.empty((B, Hkv, G, Sq, D), dtype=q.dtype, device=dev)
+    lse = torch.empty((B, Hkv, G, Sq), dtype=acc, device=dev)
+    for b in range(B):  # each sequence has its own length, hence its own mask and blocks
+        L = cached[b] + S_new
+        slopes = _slopes_view(_seq_slopes(alibi_slopes, b), 1, Hq, Hkv, acc)
+        parts = [_kvcache_range_forward(qg[b:b + 1], k_cache, v_cache, block_table, b, L, lo, hi,
+                                        scale_log2, wl, wr, softcap, slopes, block_m, block_n,
+                                        q.dtype)
+                 for lo, hi in split_key_ranges(L, num_splits, block_n)]
+        if num_splits == 1:
+            o_b, lse_b = parts[0][0].to(q.dtype), parts[0][1]
+        else:
+            o_b, lse_b = combine_splits([p[0] for p in parts], [p[1] for p in parts], q.dtype)
+        out[b:b + 1] = o_b
+        lse[b:b + 1] = lse_b
+
+    out = out.reshape(B, Hq, Sq, D)
+    if return_lse:
+        return out, lse.reshape(B, Hq, Sq)
+    return out
+
+
+__all__ += ["attention_with_kvcache_reference", "split_key_ranges", "combine_splits"]

@@ -7,6 +7,12 @@ bound (short sequences, many small layers, decoding).
 
     python bench/host_overhead.py                  # B = H = 1, S = 128, D = 64, bf16, causal
     python bench/host_overhead.py --seqlen 512 --d 128 --calls 2000
+    python bench/host_overhead.py --decode          # one new token against a KV cache
+
+``--decode`` times a decode step instead (forward only, no autograd): q (B, 32, 1, D) against a
+cache of ``--seqlen`` tokens with 8 KV heads, through attention_with_kvcache (with and without
+appending the new key), attention() on the cache's filled rows, and SDPA (enable_gqa) on the
+same rows.
 
 Both modes are measured: the forward under torch.no_grad(), and forward + backward:
 ``--backward sum`` (default; the numbers in OPTIMIZATION.md) runs ``out.sum().backward()``,
@@ -33,6 +39,7 @@ def main(argv=None) -> int:
     ap.add_argument("--calls", type=int, default=500, help="timed calls per measurement")
     ap.add_argument("--warmup", type=int, default=50)
     ap.add_argument("--backward", choices=["sum", "dout"], default="sum")
+    ap.add_argument("--decode", action="store_true", help="time a decode step against a KV cache")
     args = ap.parse_args(argv)
 
     import torch
@@ -44,6 +51,8 @@ def main(argv=None) -> int:
     import flash_cuda
 
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
+    if args.decode:
+        return decode(args, torch, F, flash_cuda, dtype)
     shape = (args.batch, args.heads, args.seqlen, args.d)
     q, k, v = (torch.randn(shape, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
     dout = torch.randn(shape, device="cuda", dtype=dtype)
@@ -78,6 +87,42 @@ def main(argv=None) -> int:
                 torch.autograd.grad(fn(), (q, k, v), dout)
 
         print(f"{name:12s} {timed(fwd):12.1f} {timed(fwd_bwd):16.1f}")
+    return 0
+
+
+def _per_call(torch, step, calls: int, warmup: int) -> float:
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        step()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+def decode(args, torch, F, flash_cuda, dtype) -> int:
+    B, Hq, Hkv, L, D = args.batch, 32, 8, args.seqlen, args.d
+    k_cache = torch.randn(B, Hkv, L + 1, D, device="cuda", dtype=dtype)
+    v_cache = torch.randn_like(k_cache)
+    q = torch.randn(B, Hq, 1, D, device="cuda", dtype=dtype)
+    k_new = torch.randn(B, Hkv, 1, D, device="cuda", dtype=dtype)
+    v_new = torch.randn_like(k_new)
+    lens = torch.full((B,), L, dtype=torch.int32, device="cuda")
+    k, v = k_cache[:, :, :L], v_cache[:, :, :L]
+    providers = {
+        "flash_cuda.attention_with_kvcache (+append)": lambda: flash_cuda.attention_with_kvcache(
+            q, k_cache, v_cache, k_new, v_new, cache_seqlens=lens),
+        "flash_cuda.attention_with_kvcache": lambda: flash_cuda.attention_with_kvcache(
+            q, k_cache, v_cache, cache_seqlens=lens),
+        "flash_cuda.attention": lambda: flash_cuda.attention(q, k, v),
+        "sdpa (enable_gqa)": lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True),
+    }
+    print(f"decode: B={B} Hq={Hq} Hkv={Hkv} cache={L} D={D} {args.dtype}, {args.calls} calls, one synchronize")
+    print(f"{'provider':46s} {'us/call':>8s}")
+    with torch.no_grad():
+        for name, fn in providers.items():
+            print(f"{name:46s} {_per_call(torch, fn, args.calls, args.warmup):8.1f}")
     return 0
 
 

@@ -6,6 +6,8 @@
     out = flash_cuda.attention(q, k, v, is_causal=True, window_size=(255, 0), softcap=30.0)
     out = flash_cuda.varlen_attention(q_packed, k_packed, v_packed, cu_seqlens_q, cu_seqlens_k,
                                       max_seqlen_q, max_seqlen_k, is_causal=True)
+    out = flash_cuda.attention_with_kvcache(q, k_cache, v_cache, k_new, v_new,
+                                            cache_seqlens=lengths, is_causal=True)
 
 ``import flash_cuda`` works without the compiled extension (e.g. on a CPU-only machine);
 :func:`is_available` tells whether it is loaded, and :func:`attention` raises a
@@ -16,6 +18,7 @@ the pure-PyTorch specification of the kernels (runs anywhere).
 from ._ext import is_available
 from .interface import (KERNELS, MAX_HEAD_DIM, MIN_HEAD_DIM, SUPPORTED_DTYPES, attention,
                         varlen_attention)
+from .kvcache import attention_with_kvcache
 from . import reference
 
 __version__ = "0.1.0"
@@ -23,6 +26,7 @@ __version__ = "0.1.0"
 __all__ = [
     "attention",
     "varlen_attention",
+    "attention_with_kvcache",
     "is_available",
     "reference",
     "KERNELS",

@@ -450,11 +450,19 @@ def _validate_options(q: Tensor, *, batch: int, scale, is_causal: bool, window_s
                       deterministic: bool = False) -> _Options:
     """The checks shared by attention and varlen_attention once the tensors' types, dtypes,
     shapes and strides are known good: scale, window, softcap, ALiBi slopes, kernel."""
-    scale = _check_scale(scale, q.shape[-1], prefix)
-    left, right = _check_window(window_size, is_causal, prefix)
-    softcap = _check_softcap(softcap, prefix)
-    heads = q.shape[-2] if varlen else q.shape[1]
-    alibi_slopes = _check_alibi(alibi_slopes, batch, heads, prefix)
+    # The defaults take the short way: a small call (a decode step) pays for every microsecond.
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else _check_scale(scale, q.shape[-1], prefix)
+    if type(window_size) is tuple and window_size == (-1, -1):
+        left, right = -1, 0 if is_causal else -1
+    else:
+        left, right = _check_window(window_size, is_causal, prefix)
+    if softcap != 0.0 or type(softcap) is not float:
+        softcap = _check_softcap(softcap, prefix)
+    if alibi_slopes is not None:
+        heads = q.shape[-2] if varlen else q.shape[1]
+        alibi_slopes = _check_alibi(alibi_slopes, batch, heads, prefix)
+    if kernel == "auto" and type(kernel) is str:
+        return _Options(scale, left, right, softcap, alibi_slopes, 0)
     # The Hopper tier runs windows, softcap, ALiBi and packed batches; softcap's backward only
     # on its warp-specialized kernel, which adds dQ in a varying order: not deterministic=True
     # (kernel='auto' then takes the mma.sync backward).
@@ -561,6 +569,10 @@ def _fwd_impl(q, k, v, scale, window_left, window_right, softcap, alibi_slopes, 
         return _empty_fwd(q, _dense_lse_shape(q))
     return _ext.require().fwd(q, k, v, float(scale), int(window_left), int(window_right), float(softcap),
                               alibi_slopes, None, None, 0, 0, int(tier))
+
+
+def _fwd_impl_inference(q, k, v, scale, window_left, window_right, softcap, alibi_slopes, deterministic, tier):
+    return _fwd_impl(q, k, v, scale, window_left, window_right, softcap, alibi_slopes, tier)
 
 
 def _bwd_impl(dout, q, k, v, out, lse, aux, dlse, scale, window_left, window_right, softcap, alibi_slopes,
@@ -892,7 +904,13 @@ def attention(
                      deterministic=deterministic, kernel=kernel)
     if not _ext.is_available():
         raise RuntimeError(_ext.unavailable_message())
-    fwd = _EagerFwd.run if _eager_ok(q, k, v, opts.alibi_slopes) else _fwd
+    if _eager_ok(q, k, v, opts.alibi_slopes):
+        # Inference (no gradient wanted, e.g. a decode step under torch.no_grad()): the extension
+        # call alone, without the autograd Function's bookkeeping.
+        needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+        fwd = _EagerFwd.run if needs_grad else _fwd_impl_inference
+    else:
+        fwd = _fwd
     out, lse, _ = fwd(q, k, v, opts.scale, opts.window_left, opts.window_right, opts.softcap,
                       opts.alibi_slopes, deterministic, opts.tier)
     if return_lse:

@@ -560,6 +560,10 @@ def test_ws_gqa_packing_is_bitwise_unpacked(monkeypatch, D, is_causal, window):
     assert torch.equal(runs[0][1], runs[1][1]), "lse: packed != unpacked"
 
 
+# attention() calls with at most this many queries go to the split-KV decode kernels
+# (tiers/mma/family.h: decode::kMaxDecodeQueries) under kernel='auto'.
+DECODE_MAX_QUERIES = 16
+
 # (B, Hq, Hkv, Sq, Sk, D, FLASH_CUDA_WS_PACK_GQA or None, extra env): the route of a forward.
 GQA_ROUTES = [
     (2, 16, 4, 16, 500, 128, None, {}),        # G = 4, Sq = 16: packed by default
@@ -597,8 +601,12 @@ def test_ws_gqa_route(monkeypatch, kernel, B, Hq, Hkv, Sq, Sk, D, pack, env):
             run = lambda: _ext.require().fwd(q, k, v, 0.1, -1, 0, softcap, None, None, None, 0, 0,  # noqa: E731
                                              WS_TIER)
         names = _forward_kernels(run)
-        packed = expected and softcap == 0.0
-        assert ("fwd_sm90_ws_gqa_kernel" in names) == packed, names
-        assert ("fwd_sm90_ws_kernel" in names) == (not packed), names
+        if kernel == "auto" and Sq <= DECODE_MAX_QUERIES:
+            # kernel='auto' sends decode-shaped calls to the split-KV decode kernels instead.
+            assert "decode_kernel" in names, names
+        else:
+            packed = expected and softcap == 0.0
+            assert ("fwd_sm90_ws_gqa_kernel" in names) == packed, names
+            assert ("fwd_sm90_ws_kernel" in names) == (not packed), names
         check_attention(q, k, v, is_causal=True, scale=None, softcap=softcap, check_grad=False,
                         label=f"GQA route pack={pack} env={env} softcap={softcap}")

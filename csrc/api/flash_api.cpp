@@ -219,6 +219,7 @@ void fill_fwd(FwdParams& p, const Shape& s, const MaskArgs& m, const at::Tensor&
     p.total_q = static_cast<int>(s.rows_q);
     p.total_k = static_cast<int>(s.rows_k);
   }
+  p.cache_len = p.sk;  // (the decode family's view of attention(): every key is cached)
   p.dtype = dtype_of(q);
   const auto prop = at::cuda::getDeviceProperties(q.device().index());
   // Under FLASH_CUDA_EMULATE_ARCH (arch/gpu_class.h) the dispatcher sees that GPU class.
@@ -275,13 +276,16 @@ bool run_family(Params& p, Tier tier, const at::TensorOptions& options) {
   return F::run(p, tier, at::cuda::getCurrentCUDAStream().stream());
 }
 
-// The families in the order they are asked: fp32 -> simt; fp16 / bf16 -> the Hopper family where
-// it applies, else mma.sync. kernel='wgmma' and tier 4 allow the Hopper family alone (tier 4's
+// The families in the order they are asked: fp32 -> simt; fp16 / bf16 -> split-KV decode for
+// decode-shaped calls, the Hopper family where it applies, else mma.sync. kernel='wgmma' and tier 4 allow the Hopper family alone (tier 4's
 // backward is kernel='auto''s).
 template <typename Params>
 void dispatch(Params& p, Tier tier, const at::TensorOptions& options) {
   constexpr bool kBackward = std::is_same<Params, BwdParams>::value;
-  if (run_family<SimtFamily>(p, tier, options) || run_family<WgmmaFamily>(p, tier, options)) return;
+  if (run_family<SimtFamily>(p, tier, options) || run_family<DecodeFamily>(p, tier, options) ||
+      run_family<WgmmaFamily>(p, tier, options)) {
+    return;
+  }
   TORCH_CHECK(kBackward || tier != Tier::kWgmmaWs,
               "flash_cuda: the warp-specialized forward (tier 4) needs an sm_90 GPU, a build with the 90a target, "
               "head dim 33..256, and 16-byte aligned strides");
@@ -439,6 +443,165 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(
   return {dq, dk, dv};
 }
 
+// out, lse = fwd_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens, cache_len, block_table,
+//                        scale, window_left, window_right, softcap, alibi_slopes, num_splits, return_lse)
+// (lse is None unless return_lse.)
+// Attention of q against a KV cache (include/params.h: the KV-cache fields), after writing the
+// new keys k_new / v_new into it in place. flash_cuda.attention_with_kvcache validates every
+// argument first; the checks here are the ones memory safety rests on. The cache is never
+// copied (it is written in place): its rows must be 16-byte aligned as given.
+std::tuple<at::Tensor, at::Tensor> fwd_kvcache(
+    const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
+    const std::optional<at::Tensor>& k_new_in, const std::optional<at::Tensor>& v_new_in,
+    const std::optional<at::Tensor>& cache_seqlens, int64_t cache_len, const std::optional<at::Tensor>& block_table,
+    double scale, int64_t window_left, int64_t window_right, double softcap,
+    const std::optional<at::Tensor>& alibi_slopes, int64_t num_splits, bool return_lse) {
+  TORCH_CHECK(q_in.dim() == 4 && k_cache.dim() == 4 && v_cache.dim() == 4,
+              "flash_cuda: q, k_cache, v_cache must be 4-d");
+  TORCH_CHECK(q_in.is_cuda() && k_cache.device() == q_in.device() && v_cache.device() == q_in.device(),
+              "flash_cuda: q and the caches must be on one CUDA device");
+  TORCH_CHECK(q_in.scalar_type() == k_cache.scalar_type() && q_in.scalar_type() == v_cache.scalar_type() &&
+                  q_in.scalar_type() != at::kFloat,
+              "flash_cuda: q and the caches must share one dtype, float16 or bfloat16");
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "flash_cuda: k_cache and v_cache shapes differ");
+  TORCH_CHECK(q_in.stride(-1) == 1 && k_cache.stride(-1) == 1 && v_cache.stride(-1) == 1,
+              "flash_cuda: the last dimension of q and the caches must be contiguous");
+  const int64_t esize = q_in.element_size();
+  for (const at::Tensor* c : {&k_cache, &v_cache}) {
+    bool ok = reinterpret_cast<uintptr_t>(c->data_ptr()) % 16 == 0;
+    for (int i = 0; i < 3; ++i) ok = ok && (c->size(i) <= 1 || (c->stride(i) * esize) % 16 == 0);
+    TORCH_CHECK(ok, "flash_cuda: the caches' rows must be 16-byte aligned (they are written in place)");
+  }
+  const bool paged = block_table.has_value() && block_table->defined();
+  const int64_t B = q_in.size(0), Hq = q_in.size(1), Sq = q_in.size(2), D = q_in.size(3);
+  const int64_t Hkv = k_cache.size(1);
+  TORCH_CHECK(k_cache.size(3) == D && Hkv > 0 && Hq % Hkv == 0 && D % 8 == 0 && D >= 8 && D <= 256,
+              "flash_cuda: bad head counts or head dim");
+  int64_t capacity = k_cache.size(2);
+  if (paged) {
+    const at::Tensor& bt = *block_table;
+    TORCH_CHECK(bt.scalar_type() == at::kInt && bt.dim() == 2 && bt.size(0) == B && bt.stride(1) == 1 &&
+                    bt.device() == q_in.device(),
+                "flash_cuda: block_table must be int32 (batch, max_pages) on q's device, rows contiguous");
+    TORCH_CHECK(k_cache.size(2) % 16 == 0 && k_cache.size(0) > 0, "flash_cuda: page size must be a multiple of 16");
+    capacity = bt.size(1) * k_cache.size(2);
+  } else {
+    TORCH_CHECK(k_cache.size(0) == B, "flash_cuda: a dense cache has q's batch size");
+  }
+  const bool has_new = k_new_in.has_value() && k_new_in->defined();
+  TORCH_CHECK(has_new == (v_new_in.has_value() && v_new_in->defined()), "flash_cuda: pass both k and v, or neither");
+  int64_t s_new = 0;
+  at::Tensor k_new, v_new;
+  if (has_new) {
+    TORCH_CHECK(k_new_in->dim() == 4 && k_new_in->sizes() == v_new_in->sizes() && k_new_in->size(0) == B &&
+                    k_new_in->size(1) == Hkv && k_new_in->size(3) == D &&
+                    k_new_in->scalar_type() == q_in.scalar_type() && v_new_in->scalar_type() == q_in.scalar_type() &&
+                    k_new_in->device() == q_in.device() && v_new_in->device() == q_in.device(),
+                "flash_cuda: k and v must be (batch, kv_heads, seqlen_new, head_dim) in q's dtype and device");
+    TORCH_CHECK(k_new_in->stride(-1) == 1 && v_new_in->stride(-1) == 1,
+                "flash_cuda: the last dimension of k and v must be contiguous");
+    k_new = aligned(*k_new_in);
+    v_new = aligned(*v_new_in);
+    s_new = k_new.size(2);
+  }
+  const bool lens_on_device = cache_seqlens.has_value() && cache_seqlens->defined();
+  if (lens_on_device) {
+    TORCH_CHECK(cache_seqlens->scalar_type() == at::kInt && cache_seqlens->dim() == 1 &&
+                    cache_seqlens->size(0) == B && cache_seqlens->is_contiguous() &&
+                    cache_seqlens->device() == q_in.device(),
+                "flash_cuda: cache_seqlens must be a contiguous int32 (batch,) tensor on q's device");
+  } else {
+    TORCH_CHECK(cache_len >= 0 && cache_len + s_new <= capacity, "flash_cuda: cache_seqlens + seqlen_new exceeds the cache");
+  }
+  TORCH_CHECK(s_new <= capacity && capacity < (int64_t(1) << 31) && Sq < (int64_t(1) << 31) && B < 65536 &&
+                  Hq < 65536,
+              "flash_cuda: sizes out of range");
+  TORCH_CHECK(std::isfinite(scale) && std::isfinite(softcap) && softcap >= 0 && num_splits >= 0,
+              "flash_cuda: bad scale, softcap or num_splits");
+
+  at::Tensor out = at::empty_like(q_in);
+  // lse only when asked for (None otherwise): one allocation less on every decode step.
+  at::Tensor lse = return_lse ? at::empty({B, Hq, Sq}, q_in.options().dtype(at::kFloat)) : at::Tensor();
+  if (B == 0 || Sq == 0) return {out, lse};
+  const c10::cuda::CUDAGuard guard(q_in.device());
+  const at::Tensor q = aligned(scale < 0 ? q_in.neg() : q_in);
+  if (poison_outputs()) {
+    out.fill_(NAN);
+    if (return_lse) lse.fill_(NAN);
+  }
+
+  FwdParams p;
+  p.q = q.data_ptr();
+  p.q_batch_stride = q.stride(0);
+  p.q_head_stride = q.stride(1);
+  p.q_row_stride = q.stride(2);
+  p.k = k_cache.data_ptr();
+  p.k_batch_stride = k_cache.stride(0);
+  p.k_head_stride = k_cache.stride(1);
+  p.k_row_stride = k_cache.stride(2);
+  p.v = v_cache.data_ptr();
+  p.v_batch_stride = v_cache.stride(0);
+  p.v_head_stride = v_cache.stride(1);
+  p.v_row_stride = v_cache.stride(2);
+  p.o = out.data_ptr();
+  p.o_batch_stride = out.stride(0);
+  p.o_head_stride = out.stride(1);
+  p.o_row_stride = out.stride(2);
+  p.softmax_lse = return_lse ? lse.data_ptr<float>() : nullptr;
+  p.stat_batch_stride = Hq * Sq;
+  p.stat_head_stride = Sq;
+  p.b = static_cast<int>(B);
+  p.hq = static_cast<int>(Hq);
+  p.hkv = static_cast<int>(Hkv);
+  p.sq = static_cast<int>(Sq);
+  p.sk = static_cast<int>(capacity);
+  p.d = static_cast<int>(D);
+  scale = std::abs(scale);
+  p.scale = static_cast<float>(scale);
+  p.scale_log2 = std::max(static_cast<float>(scale * M_LOG2E), 1e-30f);
+  const int64_t span = Sq + capacity;
+  p.window_left = window_left < 0 ? -1 : static_cast<int>(std::min(window_left, span));
+  p.window_right = window_right < 0 ? -1 : static_cast<int>(std::min(window_right, span));
+  p.softcap = static_cast<float>(softcap);
+  if (alibi_slopes.has_value() && alibi_slopes->defined()) {
+    const at::Tensor& a = *alibi_slopes;
+    TORCH_CHECK(a.scalar_type() == at::kFloat && a.is_contiguous() && a.device() == q_in.device() &&
+                    ((a.dim() == 1 && a.size(0) == Hq) || (a.dim() == 2 && a.size(0) == B && a.size(1) == Hq)),
+                "flash_cuda: alibi_slopes must be contiguous float32 (heads,) or (batch, heads) on q's device");
+    p.alibi_slopes = a.data_ptr<float>();
+    p.alibi_batch_stride = a.dim() == 2 ? Hq : 0;
+  }
+  p.cache_seqlens = lens_on_device ? cache_seqlens->data_ptr<int32_t>() : nullptr;
+  p.cache_len = lens_on_device ? 0 : static_cast<int>(cache_len);
+  if (paged) {
+    p.block_table = block_table->data_ptr<int32_t>();
+    p.block_table_stride = block_table->stride(0);
+    p.page_size = static_cast<int>(k_cache.size(2));
+    p.num_pages = static_cast<int>(k_cache.size(0));
+  }
+  if (has_new) {
+    p.k_new = k_new.data_ptr();
+    p.v_new = v_new.data_ptr();
+    p.knew_batch_stride = k_new.stride(0);
+    p.knew_head_stride = k_new.stride(1);
+    p.knew_row_stride = k_new.stride(2);
+    p.vnew_batch_stride = v_new.stride(0);
+    p.vnew_head_stride = v_new.stride(1);
+    p.vnew_row_stride = v_new.stride(2);
+    p.s_new = static_cast<int>(s_new);
+  }
+  p.splits_wanted = static_cast<int>(std::min<int64_t>(num_splits, 1024));
+  p.dtype = dtype_of(q);
+  const auto prop = at::cuda::getDeviceProperties(q.device().index());
+  p.sm_arch = emulated_arch() > 0 ? emulated_arch() : prop->major * 10 + prop->minor;
+  p.num_sms = prop->multiProcessorCount;
+  TORCH_CHECK(p.sm_arch >= 80, "flash_cuda: needs a GPU of compute capability 8.0 or newer");
+  TORCH_CHECK(run_family<DecodeFamily>(p, Tier::kAuto, q.options()),
+              "flash_cuda: attention_with_kvcache: no decode kernel fits this GPU's shared memory at head dim ", D,
+              " (head dims up to 128 run on every supported GPU)");
+  return {out, lse};
+}
+
 }  // namespace flash_cuda
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -454,4 +617,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("scale"), py::arg("window_left"), py::arg("window_right"), py::arg("softcap"),
         py::arg("alibi_slopes"), py::arg("cu_seqlens_q"), py::arg("cu_seqlens_k"), py::arg("max_seqlen_q"),
         py::arg("max_seqlen_k"), py::arg("deterministic"), py::arg("tier"));
+  m.def("fwd_kvcache", &flash_cuda::fwd_kvcache, "attention against a KV cache, new keys appended: (out, lse)");
 }

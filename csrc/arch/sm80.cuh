@@ -99,6 +99,22 @@ __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool v
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(smem)),
                "l"(gmem), "r"(src_size));
 }
+// cp_async_16 for a stream read once (the decode's keys): kPrefetchBytes = 128 or 256 lets the L2
+// fetch that much around each 16-byte request from DRAM at once (fewer, larger DRAM requests for
+// the same bytes in flight); 0 is cp_async_16.
+template <int kPrefetchBytes>
+__device__ __forceinline__ void cp_async_16_stream(void* smem, const void* gmem, bool valid) {
+  const int src_size = valid ? 16 : 0;
+  if constexpr (kPrefetchBytes == 256) {
+    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(smem_addr(smem)),
+                 "l"(gmem), "r"(src_size));
+  } else if constexpr (kPrefetchBytes == 128) {
+    asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(smem_addr(smem)),
+                 "l"(gmem), "r"(src_size));
+  } else {
+    cp_async_16(smem, gmem, valid);
+  }
+}
 // 4 bytes (.ca: the only variant that allows 4), zero-filling when !valid: the per-row
 // statistics start at arbitrary offsets, so 16-byte copies would not be aligned.
 __device__ __forceinline__ void cp_async_4(void* smem, const void* gmem, bool valid) {
@@ -110,6 +126,21 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int kPending>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
+}
+
+// Programmatic dependent launch (sm_90; no-ops before): a grid launched with the programmatic
+// stream-serialization attribute may start once every CTA of the grid before it has called
+// launch_dependent_grids (or exited), and waits in grid_dependency_wait until that grid has
+// finished and its writes are visible.
+__device__ __forceinline__ void launch_dependent_grids() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void grid_dependency_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
 }
 
 // ---------------------------------------------------------------------------------

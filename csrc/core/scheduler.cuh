@@ -140,6 +140,23 @@ inline SplitPlan plan_tail_split(int num_blocks, int n_steps, int slots) {
   return plan;
 }
 
+// Split-KV ("flash-decoding", tiers/decode): a launch of `ctas` CTAs per key range, each of up
+// to n_blocks key blocks (from the shapes alone: the cache's capacity, never the lengths in it,
+// so that one plan serves every step of a captured decode loop). When those CTAs leave slots of
+// the GPU (num_sms * ctas_per_sm) idle, every row's keys are cut into s ranges so that s * ctas
+// fills one wave, each range keeping at least kMinKeysPerSplit keys (a range also pays a
+// prologue, a partial output and its share of the merge). A few CTAs per SM cannot reach the
+// memory's speed alone: the split is what lets B = 1 with 8 KV heads stream a long cache at full
+// bandwidth. n_blocks counts steps of block_n keys.
+inline int plan_key_splits(int64_t ctas, int n_blocks, int block_n, int num_sms, int ctas_per_sm) {
+  constexpr int kMinKeysPerSplit = 512, kMaxSplits = 128;
+  const int64_t slots = static_cast<int64_t>(num_sms) * std::max(ctas_per_sm, 1);
+  if (ctas <= 0 || 2 * ctas > slots) return 1;  // at least half a wave already
+  const int64_t by_slots = slots / ctas;
+  const int64_t by_blocks = std::max<int64_t>(int64_t(n_blocks) * block_n / kMinKeysPerSplit, 1);
+  return static_cast<int>(std::min<int64_t>({by_slots, by_blocks, kMaxSplits}));
+}
+
 // Only the plain dense case splits: no window (causal included), no softcap or ALiBi, no
 // packed batch.
 inline bool split_allowed(const FwdParams& p) {

@@ -80,4 +80,52 @@ struct SeqInfo {
   }
 };
 
+// The rows of the row statistics (lse) of a call: dense b * hq * sq, packed hq * total_q.
+FLASH_HOST_DEVICE inline int64_t decode_stat_rows(const FwdParams& p) {
+  return p.cu_seqlens_q != nullptr ? static_cast<int64_t>(p.hq) * p.total_q : static_cast<int64_t>(p.b) * p.hq * p.sq;
+}
+
+// ---------------------------------------------------------------------------------
+// A KV cache (FwdParams' KV-cache fields): the tokens a sequence already holds, the keys a call
+// attends, and where a key position lives in a dense or a paged cache.
+// ---------------------------------------------------------------------------------
+#if defined(__CUDACC__)
+// Where key position `pos` of sequence bi, KV head h lives in the cache (a row of d elements).
+template <typename T>
+__device__ __forceinline__ T* cache_row(const FwdParams& p, T* base, int64_t batch_stride, int64_t head_stride,
+                                        int64_t row_stride, int bi, int h, int pos) {
+  if (p.block_table == nullptr) {  // (a packed batch passes pos counted from its first row)
+    return base + bi * batch_stride + h * head_stride + static_cast<int64_t>(pos) * row_stride;
+  }
+  const int page = min(max(p.block_table[bi * p.block_table_stride + pos / p.page_size], 0), p.num_pages - 1);
+  return base + page * batch_stride + h * head_stride + static_cast<int64_t>(pos % p.page_size) * row_stride;
+}
+
+// What a decode CTA knows about its sequence: its queries, the tokens already cached, and the
+// keys attended. A packed batch (varlen_attention's decode-shaped calls) has no cache: sequence
+// bi's keys are its rows of the packed k / v, all of them "cached", its queries its rows of q.
+struct CacheSeq {
+  int sq;       // this sequence's queries
+  int len;      // tokens cached before this call (len_b)
+  int total;    // len + s_new: the keys attended
+  int q_start;  // first row of q / o (packed batch; 0 when dense)
+  int k_start;  // first row of k / v (packed batch; 0 when dense)
+  __device__ __forceinline__ static CacheSeq make(const FwdParams& p, int bi) {
+    if (p.cu_seqlens_q != nullptr) {
+      const SeqInfo seq = SeqInfo::make<true>(p, bi);
+      return {seq.sq, seq.sk, seq.sk, seq.q_start, seq.k_start};
+    }
+    const int cached = p.cache_seqlens != nullptr ? p.cache_seqlens[bi] : p.cache_len;
+    const int len = min(max(cached, 0), p.sk - p.s_new);
+    return {p.sq, len, len + p.s_new, 0, 0};
+  }
+  // Row statistics' index of query i of head h (lse; the split pieces' rows): dense [b][hq][sq],
+  // packed [hq][total_q].
+  __device__ __forceinline__ int64_t stat_row(const FwdParams& p, int bi, int h, int i) const {
+    return static_cast<int64_t>(bi) * p.stat_batch_stride + static_cast<int64_t>(h) * p.stat_head_stride + q_start + i;
+  }
+};
+
+#endif  // __CUDACC__
+
 }  // namespace flash_cuda

@@ -94,17 +94,48 @@ struct FwdParams {
   const int32_t* cu_seqlens_k = nullptr;  // [b + 1]
   int total_q = 0, total_k = 0;
 
-  // ---- split key ranges (fp32 forward: the last, partial wave; later: split-KV decode) ----
+  // ---- split key ranges (fp32 forward: the last, partial wave; split-KV decode) ----
   // Query blocks from split_begin on (in the kernel's block order) are each cut into
   // num_splits key ranges; every range (a "piece") leaves its normalized O and its row
   // statistics (m, log2 l) in fp32 workspace, o_accum [piece][block rows][d] then stats_accum
   // [piece][block rows][2], and a merge kernel writes o, softmax_lse and softmax_stats.
+  // The decode family splits every row's keys (split_begin = 0): o_accum [split][row][d] and
+  // stats_accum [split][row][2] over the rows (bi, h, i) of lse's dense layout.
   // Off: num_splits = 1. The tier's plan function sets split_begin and num_splits and sizes the
   // workspace; the caller allocates it and sets o_accum; the launcher derives stats_accum.
   int num_splits = 1;
   int split_begin = INT_MAX;
   float* o_accum = nullptr;
   float* stats_accum = nullptr;
+
+  // ---- KV cache and split-KV decode (tiers/decode) ----
+  // The decode family reads keys through these fields; the others leave them at their defaults.
+  // k / v above are then the cache: dense [b][hkv][sk][d] with sk = its capacity S_max, or paged
+  // [num_pages][hkv][page_size][d] (k_batch_stride is then the page stride) with sk = the
+  // capacity of one sequence's block_table row (max_pages * page_size). Sequence bi holds
+  // len_b = cache_seqlens[bi] (or cache_len for every bi when cache_seqlens is nullptr) tokens,
+  // then the s_new rows of k_new / v_new ([b][hkv][s_new][d]), which the kernel also writes
+  // into the cache at positions len_b .. len_b + s_new - 1; attention covers positions
+  // 0 .. len_b + s_new - 1, masks bottom-right aligned to that length. Values from the device
+  // are trusted but clamped (lengths to the capacity, page ids to [0, num_pages)): wrong ones
+  // give wrong results, never an access outside the tensors.
+  const int32_t* cache_seqlens = nullptr;
+  int cache_len = 0;
+  const int32_t* block_table = nullptr;  // [b][block_table_stride]: page ids; nullptr: dense cache
+  int64_t block_table_stride = 0;
+  int page_size = 0;
+  int num_pages = 0;
+  const void* k_new = nullptr;
+  const void* v_new = nullptr;
+  int64_t knew_batch_stride = 0, knew_head_stride = 0, knew_row_stride = 0;
+  int64_t vnew_batch_stride = 0, vnew_head_stride = 0, vnew_row_stride = 0;
+  int s_new = 0;
+  // Query heads per decode tile: hq / hkv (a KV group's heads packed with their Sq rows, so
+  // that K and V are read once per group), or 1 (ALiBi: one slope per tile).
+  int decode_heads = 1;
+  // The caller's number of key ranges: 0 = the planner's choice (core/scheduler.cuh:
+  // plan_key_splits), n >= 1 = n. The plan turns it into num_splits.
+  int splits_wanted = 0;
 
   // ---- dispatch facts ----
   DType dtype = DType::kFloat16;

@@ -13,6 +13,7 @@ using MmaBuckets = std::integer_sequence<int, 32, 64, 96, 128, 192, 256>;
 using WgmmaFwdBuckets = std::integer_sequence<int, 64, 96, 128, 192, 256>;
 using WgmmaBwdBuckets = std::integer_sequence<int, 64, 96, 128>;
 using WgmmaBwdWideBuckets = std::integer_sequence<int, 192, 256>;
+using DecodeBuckets = std::integer_sequence<int, 64, 128, 256>;
 
 // ---- fp32 (tiers/simt) ----
 template <int kHeadDim_, int kRows_, int kCols_, int kTM_, int kG_, int kMinBlocksPerSm_>

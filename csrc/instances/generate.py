@@ -68,6 +68,13 @@ def instances() -> dict:
                     files[f"{prefix}{suffix or ''}_{dt}_d{d}.cu"] = _file(
                         f"{what}{which}, {dt}, head-dim bucket {d}.", header,
                         [f"template {ret} {entry}<{args}>(const {params}&, cudaStream_t);"])
+    for dt, enum in t.DTYPES.items():
+        dtype = f"static_cast<int>(DType::{enum})"
+        for d in t.DECODE_BUCKETS:
+            files[f"decode_{dt}_d{d}.cu"] = _file(
+                f"split-KV decode (KV cache), {dt}, head-dim bucket {d}.", "mma/decode.cuh",
+                [f"template int plan_decode<{dtype}, {d}>(const FwdParams&);",
+                 f"template bool run_decode<{dtype}, {d}>(const FwdParams&, cudaStream_t);"])
     for d in t.SIMT_BUCKETS:
         # fwd_outer.cuh holds the run_fwd_simt that picks the kernel of each bucket.
         for direction, header, params, what in (("fwd", "simt/fwd_outer.cuh", "FwdParams", "forward"),
@@ -117,6 +124,7 @@ def tiles_header() -> str:
     out.append(_sequence("WgmmaFwdBuckets", tuple(t.WGMMA_FWD)))
     out.append(_sequence("WgmmaBwdBuckets", tuple(t.WGMMA_BWD)))
     out.append(_sequence("WgmmaBwdWideBuckets", t.WGMMA_BWD_WIDE))
+    out.append(_sequence("DecodeBuckets", t.DECODE_BUCKETS))
 
     out.append("\n// ---- fp32 (tiers/simt) ----\n" + _shape("SimtShape", SIMT_SHAPE))
     out.append("template <int kHeadDim> struct SimtFwd;\n")

@@ -67,5 +67,10 @@ WGMMA_BWD = {64: dict(tile=(2, 128, 2, 128)), 96: dict(width=128), 128: dict(til
 # The wide backward (bwd_wide.cuh, head dims 129..256).
 WGMMA_BWD_WIDE = (192, 256)
 
+# ---- fp16 / bf16, split-KV decode (tiers/decode) ----
+# Head-dim buckets; the tile shapes follow from the rows of a call (decode.cuh: Config, 16, 32 or
+# 64 packed query rows, 16 keys per warp per step) and the 96 KiB shared-memory budget.
+DECODE_BUCKETS = (64, 128, 256)
+
 SIMT_BUCKETS = tuple(SIMT_FWD)
 MMA_BUCKETS = tuple(MMA_FWD)

@@ -52,6 +52,35 @@ __device__ __forceinline__ void gemm_rows_by_rows_t(float (&acc)[kMTiles][kN / 8
   }
 }
 
+// The A fragments of one 16-row tile over all kK / 16 k-steps (a warp's rows of a padded shared
+// tile at sA), for a product that reuses them across many B tiles (the decode's Q).
+template <int kK, int kPitch, typename T>
+__device__ __forceinline__ void load_a_frags(uint32_t (&a)[kK / 16][4], const T* sA) {
+  const int lane = threadIdx.x % 32;
+  const T* a_row = sA + (lane % 16) * kPitch + (lane / 16) * 8;  // as in gemm_rows_by_rows_t
+#pragma unroll
+  for (int ks = 0; ks < kK / 16; ++ks) ldmatrix_x4(a[ks], a_row + ks * 16);
+}
+
+// acc[16 x kN] += A[16 x kK] * B[kN x kK]^T with A's fragments in registers (load_a_frags) and B
+// as in gemm_rows_by_rows_t.
+template <typename T, int kK, int kN, int kPitch>
+__device__ __forceinline__ void gemm_frags_by_rows_t(float (&acc)[1][kN / 8][4], const uint32_t (&a)[kK / 16][4],
+                                                     const T* sB) {
+  const int lane = threadIdx.x % 32;
+  const T* b_row = sB + ((lane / 16) * 8 + lane % 8) * kPitch + ((lane / 8) % 2) * 8;
+#pragma unroll
+  for (int ks = 0; ks < kK / 16; ++ks) {
+    const uint32_t (&ak)[1][4] = *reinterpret_cast<const uint32_t(*)[1][4]>(&a[ks]);
+#pragma unroll
+    for (int np = 0; np < kN / 16; ++np) {
+      uint32_t b[4];
+      ldmatrix_x4(b, b_row + np * 16 * kPitch + ks * 16);
+      mma_tile_pair<T>(acc, ak, b, np);
+    }
+  }
+}
+
 // acc[16 kMTiles x kN] += A[16 kMTiles x kK] * B[kK x kN], where A is held as fp32 C
 // fragments (P^T, dS^T or dS) and B is kK consecutive rows of a padded shared tile starting
 // at sB (row-major along kN).

@@ -1,0 +1,145 @@
+#!/usr/bin/env python
+"""Decode against a KV cache: K+V bytes streamed per second by flash_cuda.attention_with_kvcache
+(dense and paged caches), against the GPU's copy bandwidth measured in the same run and SDPA's
+default backend on the same (dense) keys; and the time of the step captured in a CUDA graph.
+
+    python bench/decode.py                              # the default grid, markdown to stdout
+    python bench/decode.py --batch 1 --seqlen 32k --sq 1 --csv out.csv
+    python bench/decode.py --quick                      # a few cells
+
+Per cell: q (B, Hq, Sq, D) with Hq = 32 (64 for B = 64's GQA-8 row of the issue is --hq 64),
+Hkv = Hq / ratio, every sequence holding Sk tokens, one new token per query row appended
+(k / v of Sq rows, as speculative decoding verifies Sq drafted tokens). GB/s counts the cache's
+K + V bytes read (B * Hkv * (Sk + Sq) * D * 2 * 2) over the median time of
+triton.testing.do_bench (its L2 flush between calls; fresh random inputs). "copy" is a
+device-to-device copy of 2 GiB, (read + write bytes) / time. SDPA runs
+F.scaled_dot_product_attention(q, k, v, enable_gqa=True) on the dense cache's first Sk + Sq rows
+(no append, no mask: at Sq = 1 causal changes nothing; for Sq > 1 both run unmasked). "graph us"
+is flash_cuda's step (append + attention) captured once in a CUDA graph, per replay.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+
+
+def parse_len(text: str) -> int:
+    text = text.lower()
+    return int(text[:-1]) * 1024 if text.endswith("k") else int(text)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dtype", nargs="+", default=["bf16", "fp16"], choices=["bf16", "fp16"])
+    ap.add_argument("--d", nargs="+", type=int, default=[64, 128])
+    ap.add_argument("--ratio", nargs="+", type=int, default=[1, 4, 8], help="Hq / Hkv")
+    ap.add_argument("--hq", type=int, default=32)
+    ap.add_argument("--batch", nargs="+", type=int, default=[1, 8, 64])
+    ap.add_argument("--seqlen", nargs="+", type=parse_len, default=[2048, 8192, 32768, 131072])
+    ap.add_argument("--sq", nargs="+", type=int, default=[1, 4, 8])
+    ap.add_argument("--cache", nargs="+", default=["dense", "paged16", "paged256"])
+    ap.add_argument("--max-gib", type=float, default=16.0, help="skip cells whose K+V exceeds this")
+    ap.add_argument("--rep", type=int, default=40, help="do_bench rep (ms)")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--csv", default=None)
+    args = ap.parse_args(argv)
+
+    import pandas as pd
+    import torch
+    import torch.nn.functional as F
+    from triton.testing import do_bench
+
+    import flash_cuda
+
+    if not torch.cuda.is_available():
+        print("decode.py: needs a CUDA GPU (nothing measured)", file=sys.stderr)
+        return 2
+    if args.quick:
+        args.dtype, args.d, args.ratio, args.batch = ["bf16"], [128], [8], [1, 8]
+        args.seqlen, args.sq, args.cache = [8192, 32768], [1], ["dense", "paged16"]
+
+    buf = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(buf)
+    copy_ms = do_bench(lambda: dst.copy_(buf), rep=200, return_mode="median")
+    copy_gbs = 2 * buf.numel() / copy_ms / 1e6
+    del buf, dst
+    dev = torch.cuda.get_device_name()
+    print(f"{dev}; copy bandwidth {copy_gbs:.0f} GB/s (read + write of a 2 GiB device copy)")
+
+    rows = []
+    for dt, D, ratio, B, Sk, Sq, cache in itertools.product(args.dtype, args.d, args.ratio, args.batch,
+                                                            args.seqlen, args.sq, args.cache):
+        dtype = torch.bfloat16 if dt == "bf16" else torch.float16
+        Hq = args.hq
+        Hkv = Hq // ratio
+        L = Sk + Sq
+        kv_bytes = B * Hkv * L * D * 2 * 2
+        if kv_bytes > args.max_gib * (1 << 30):
+            continue
+        page = int(cache[5:]) if cache.startswith("paged") else None
+        cap = -(-L // 256) * 256
+        if page is None:
+            k_cache = torch.randn(B, Hkv, cap, D, device="cuda", dtype=dtype)
+            v_cache = torch.randn_like(k_cache)
+            table = None
+        else:
+            pages = B * cap // page
+            # pages of one sequence scattered over the pool, as an allocator leaves them
+            k_cache = torch.randn(pages, page, Hkv, D, device="cuda", dtype=dtype).transpose(1, 2)
+            v_cache = torch.randn(pages, page, Hkv, D, device="cuda", dtype=dtype).transpose(1, 2)
+            table = torch.randperm(pages, device="cuda").to(torch.int32).view(B, cap // page)
+        q = torch.randn(B, Hq, Sq, D, device="cuda", dtype=dtype)
+        k_new = torch.randn(B, Hkv, Sq, D, device="cuda", dtype=dtype)
+        v_new = torch.randn_like(k_new)
+        lens = torch.full((B,), Sk, dtype=torch.int32, device="cuda")
+
+        def step():
+            return flash_cuda.attention_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=lens,
+                                                     block_table=table, is_causal=True)
+
+        ms = do_bench(step, rep=args.rep, return_mode="median")
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            step()
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        graph_ms = do_bench(graph.replay, rep=args.rep, return_mode="median")
+        sdpa_ms = float("nan")
+        if page is None:
+            k, v = k_cache[:, :, :L], v_cache[:, :, :L]
+            try:
+                sdpa_ms = do_bench(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), rep=args.rep,
+                                   return_mode="median")
+            except RuntimeError as exc:  # e.g. out of memory for a backend's workspace
+                print(f"sdpa failed: {exc}", file=sys.stderr)
+        gbs = kv_bytes / ms / 1e6
+        rows.append(dict(dtype=dt, D=D, ratio=ratio, B=B, Sk=Sk, Sq=Sq, cache=cache,
+                         kv_mib=kv_bytes / (1 << 20), us=ms * 1e3, gbs=gbs, pct_copy=100 * gbs / copy_gbs,
+                         sdpa_us=sdpa_ms * 1e3, vs_sdpa=sdpa_ms / ms, graph_us=graph_ms * 1e3))
+        r = rows[-1]
+        print(f"{dt} D={D} G={ratio} B={B} Sk={Sk} Sq={Sq} {cache}: {r['us']:.1f} us {gbs:.0f} GB/s "
+              f"({r['pct_copy']:.0f}% copy) sdpa x{r['vs_sdpa']:.2f} graph {r['graph_us']:.1f} us", flush=True)
+        del k_cache, v_cache, q, k_new, v_new, graph
+        torch.cuda.empty_cache()
+
+    df = pd.DataFrame(rows)
+    if args.csv:
+        df.to_csv(args.csv, index=False)
+    print(df.to_markdown(index=False, floatfmt=".2f"))
+    big = df[df.kv_mib >= 64]
+    if len(big):
+        print(f"\nK+V >= 64 MiB: {len(big)} cells, % of copy bandwidth min {big.pct_copy.min():.1f} "
+              f"median {big.pct_copy.median():.1f}")
+    dense = df[df.cache == "dense"]
+    if len(dense):
+        print(f"dense cells: vs SDPA min {dense.vs_sdpa.min():.2f} median {dense.vs_sdpa.median():.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

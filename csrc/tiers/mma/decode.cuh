@@ -1,0 +1,475 @@
+// tiers/mma/decode.cuh — split-KV decode ("flash-decoding") on the tensor cores of every GPU
+// (mma.sync, ldmatrix, cp.async): few query rows against a long key range, the shape of serving,
+// where the work is streaming K and V once at the memory's speed.
+//
+// Rows. A CTA owns the rows of one KV group: the decode_heads query heads that share a KV head,
+// each with its Sq queries, packed into one tile (tile row R is query R / decode_heads of head
+// h0 + R % decode_heads), so K and V are read once per group instead of once per query head. A
+// tile holds kRows = 16 kWarpsM rows; more rows (long speculative drafts, prefill through the
+// cache) take several row chunks.
+//
+// Keys. Each step brings kBlockN keys into shared memory through a cp.async ring of kStages
+// stages, and the kWarpsN warps that share a 16-row slice split the step's keys, 16 each: with
+// one 16-row tile (Sq * G <= 16, the common decode) all four warps stream keys. Each warp runs
+// the online softmax on its own keys (core/softmax.cuh, the four named steps), and at the end
+// the warps of a slice merge their (m, l, O) through shared memory. The key range of a row chunk
+// is cut into num_splits ranges (core/scheduler.cuh: plan_key_splits), one CTA each; with more
+// than one, every range leaves its normalized O and (m, log2 l) in fp32 and core/combine.cuh
+// merges them.
+//
+// The cache. Position pos of sequence bi is row pos of the dense cache, or row pos % page_size of
+// page block_table[bi][pos / page_size]; positions from len_b on are the new keys k_new / v_new,
+// read from there (and written into the cache by this kernel, once, by the CTAs of split s for
+// their share of the new rows) so that no CTA reads a cache row another one is writing.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+
+#include "../../arch/host.h"
+#include "../../arch/sm80.cuh"
+#include "../../arch/tile.cuh"
+#include "../../arch/types.cuh"
+#include "../../core/block.cuh"
+#include "../../core/combine.cuh"
+#include "../../core/mask.cuh"
+#include "../../core/scheduler.cuh"
+#include "../../core/softmax.cuh"
+#include "gemm.cuh"
+
+namespace flash_cuda {
+namespace decode {
+
+// Shared memory for the K / V ring: 96 KiB, two steps of 64 keys at d = 128. It fits the 99 KiB
+// of consumer GPUs (sm_86 / 89 / 120) at every head dim up to 128, and an H100 runs three CTAs
+// (twelve warps) per SM. Warps, not ring depth, set the speed: a three-step ring with two CTAs
+// per SM, or four steps with one, streamed the cache more slowly (OPTIMIZATION.md).
+constexpr size_t kRingBytes = 96 * 1024;
+constexpr int kMaxStages = 4;
+
+template <typename T_, int kHeadDim_, int kWarpsM_>
+struct Config {
+  // The key copies ask the L2 for 256 bytes around each 16-byte request (cp_async_16_stream):
+  // whole rows of keys come from DRAM in one request.
+  static constexpr int kPrefetch = 256;
+  using T = T_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kWarpsM = kWarpsM_;         // 16-row slices of the tile
+  static constexpr int kWarpsN = 4 / kWarpsM;      // warps sharing a slice, splitting its keys
+  static constexpr int kThreads = 128;
+  static constexpr int kRows = 16 * kWarpsM;
+  static constexpr int kSubN = 16;                 // keys per warp per step
+  static constexpr int kBlockN = kSubN * kWarpsN;  // keys per step
+  static constexpr int kPitch = kHeadDim + 8;      // padded rows: conflict-free ldmatrix
+  static constexpr size_t kStageBytes = size_t(2) * kBlockN * kPitch * sizeof(T);  // K and V
+  static constexpr int kStages =
+      static_cast<int>(std::min<size_t>(kMaxStages, std::max<size_t>(2, kRingBytes / kStageBytes)));
+  static constexpr size_t kSmemQ = size_t(kRows) * kPitch * sizeof(T);
+  // The warps' final (m, l) and O, fp32, over the K / V ring once the keys are done.
+  static constexpr int kMergePitch = kHeadDim + 4;
+  static constexpr size_t kSmemMerge = size_t(kWarpsN) * kRows * (kMergePitch + 2) * sizeof(float);
+  static constexpr size_t kSmemBytes = kSmemQ + std::max(size_t(kStages) * kStageBytes, kSmemMerge);
+  // Q's A fragments stay in registers for the whole key loop where they fit next to O's
+  // accumulators (d <= 128: 32 registers); at d = 256 they are read from shared memory per step.
+  static constexpr bool kQInRegs = kHeadDim <= 128;
+  static_assert(kWarpsM * kWarpsN == 4, "four warps");
+};
+
+// The decode tile config for Sq * decode_heads rows: the fewest 16-row slices that hold them (up
+// to 4; more rows take several chunks of 64).
+inline int warps_m_for(int rows) { return rows <= 16 ? 1 : rows <= 32 ? 2 : 4; }
+
+// The new rows [r0, r1) of k_new / v_new into the cache at positions len + r, 16 bytes a thread.
+template <typename Cfg>
+__device__ __forceinline__ void append_new_rows(const FwdParams& p, const CacheSeq& seq, int bi, int h_kv, int r0,
+                                                int r1) {
+  using T = typename Cfg::T;
+  constexpr int kChunks = Cfg::kHeadDim / 8;
+  const int chunks = p.d / 8;
+  for (int idx = threadIdx.x; idx < (r1 - r0) * kChunks; idx += Cfg::kThreads) {
+    const int r = r0 + idx / kChunks, c = (idx % kChunks) * 8;
+    if (c >= chunks * 8) continue;
+    const int pos = seq.len + r;
+    const T* kn = static_cast<const T*>(p.k_new) + bi * p.knew_batch_stride + h_kv * p.knew_head_stride +
+                  r * p.knew_row_stride + c;
+    const T* vn = static_cast<const T*>(p.v_new) + bi * p.vnew_batch_stride + h_kv * p.vnew_head_stride +
+                  r * p.vnew_row_stride + c;
+    T* kc = cache_row(p, static_cast<T*>(const_cast<void*>(p.k)), p.k_batch_stride, p.k_head_stride, p.k_row_stride,
+                      bi, h_kv, pos) + c;
+    T* vc = cache_row(p, static_cast<T*>(const_cast<void*>(p.v)), p.v_batch_stride, p.v_head_stride, p.v_row_stride,
+                      bi, h_kv, pos) + c;
+    *reinterpret_cast<uint4*>(kc) = *reinterpret_cast<const uint4*>(kn);
+    *reinterpret_cast<uint4*>(vc) = *reinterpret_cast<const uint4*>(vn);
+  }
+}
+
+// Where this thread's copies of a step start: its 16-byte column chunk c of key rows r_first,
+// r_first + kRowsPerPass, ... (kRowsPerPass = threads / chunks per row).
+template <typename Cfg>
+struct KeyCopier {
+  static constexpr int kChunks = Cfg::kHeadDim / 8;
+  static constexpr int kRowsPerPass = Cfg::kThreads / kChunks;
+  static constexpr int kPasses = Cfg::kBlockN / kRowsPerPass;
+  static_assert(Cfg::kThreads % kChunks == 0 && Cfg::kBlockN % kRowsPerPass == 0, "whole rows, whole passes");
+  int r_first, c;
+  bool col_valid;
+  __device__ __forceinline__ static KeyCopier make(const FwdParams& p) {
+    KeyCopier k;
+    k.r_first = threadIdx.x / kChunks;
+    k.c = (threadIdx.x % kChunks) * 8;
+    k.col_valid = k.c < p.d;
+    return k;
+  }
+};
+
+// Keys [n0, n0 + kBlockN) of KV head h_kv into a stage: cached positions from the cache, new ones
+// from k_new / v_new, positions past the sequence (and columns past d) as zeros. Steps wholly
+// inside the cached tokens (all but the last) take the short paths: one pointer per step for a
+// dense cache and for pages that hold whole steps, a page lookup per row otherwise.
+template <typename Cfg>
+__device__ __forceinline__ void load_key_block(const FwdParams& p, const CacheSeq& seq, const KeyCopier<Cfg>& cp,
+                                               int bi, int h_kv, int n0, typename Cfg::T* sK, typename Cfg::T* sV) {
+  using T = typename Cfg::T;
+  using Copier = KeyCopier<Cfg>;
+  const T* k = static_cast<const T*>(p.k);
+  const T* v = static_cast<const T*>(p.v);
+  T* sk = sK + cp.r_first * Cfg::kPitch + cp.c;
+  T* sv = sV + cp.r_first * Cfg::kPitch + cp.c;
+  const bool cached = n0 + Cfg::kBlockN <= seq.len;
+  const bool whole_pages = p.block_table == nullptr || p.page_size % Cfg::kBlockN == 0;
+  if (cached && whole_pages && cp.col_valid) {
+    // One base for the step: rows r_first + pass * kRowsPerPass are equally spaced from it.
+    int64_t kb, vb;
+    const int row0 = n0 + cp.r_first;
+    if (p.block_table == nullptr) {  // (dense rows; a packed batch's from its first row)
+      const int64_t row = row0 + seq.k_start;
+      kb = bi * p.k_batch_stride + row * p.k_row_stride;
+      vb = bi * p.v_batch_stride + row * p.v_row_stride;
+    } else {
+      const int page = min(max(p.block_table[bi * p.block_table_stride + n0 / p.page_size], 0), p.num_pages - 1);
+      const int row = row0 % p.page_size;
+      kb = page * p.k_batch_stride + static_cast<int64_t>(row) * p.k_row_stride;
+      vb = page * p.v_batch_stride + static_cast<int64_t>(row) * p.v_row_stride;
+    }
+    const T* ks = k + kb + h_kv * p.k_head_stride + cp.c;
+    const T* vs = v + vb + h_kv * p.v_head_stride + cp.c;
+#pragma unroll
+    for (int pass = 0; pass < Copier::kPasses; ++pass) {
+      cp_async_16_stream<Cfg::kPrefetch>(sk + pass * Copier::kRowsPerPass * Cfg::kPitch, ks + pass * Copier::kRowsPerPass * p.k_row_stride,
+                  true);
+      cp_async_16_stream<Cfg::kPrefetch>(sv + pass * Copier::kRowsPerPass * Cfg::kPitch, vs + pass * Copier::kRowsPerPass * p.v_row_stride,
+                  true);
+    }
+    return;
+  }
+#pragma unroll
+  for (int pass = 0; pass < Copier::kPasses; ++pass) {
+    const int pos = n0 + cp.r_first + pass * Copier::kRowsPerPass;
+    const T* ksrc = k;
+    const T* vsrc = v;
+    const bool valid = cp.col_valid && pos < seq.total;
+    if (valid) {
+      if (pos < seq.len) {
+        const int row = pos + seq.k_start;
+        ksrc = cache_row(p, k, p.k_batch_stride, p.k_head_stride, p.k_row_stride, bi, h_kv, row) + cp.c;
+        vsrc = cache_row(p, v, p.v_batch_stride, p.v_head_stride, p.v_row_stride, bi, h_kv, row) + cp.c;
+      } else {
+        const int r_new = pos - seq.len;
+        ksrc = static_cast<const T*>(p.k_new) + bi * p.knew_batch_stride + h_kv * p.knew_head_stride +
+               r_new * p.knew_row_stride + cp.c;
+        vsrc = static_cast<const T*>(p.v_new) + bi * p.vnew_batch_stride + h_kv * p.vnew_head_stride +
+               r_new * p.vnew_row_stride + cp.c;
+      }
+    }
+    cp_async_16_stream<Cfg::kPrefetch>(sk + pass * Copier::kRowsPerPass * Cfg::kPitch, ksrc, valid);
+    cp_async_16_stream<Cfg::kPrefetch>(sv + pass * Copier::kRowsPerPass * Cfg::kPitch, vsrc, valid);
+  }
+}
+
+// Tile rows counted in packed rows R: R holds query R / heads (of head h0 + R % heads).
+struct PackedRows {
+  int heads;
+  __device__ __forceinline__ int query(int row) const { return row / heads; }
+};
+
+// Step 1: S = Q K^T for this warp's 16 rows and its 16 keys of the step, modifiers and mask,
+// and the rows' block maxima (log2 units).
+template <typename Cfg>
+__device__ __forceinline__ void compute_qk_scores_and_max(float (&s)[1][Cfg::kSubN / 8][4], float (&block_max)[1][2],
+                                                          const typename Cfg::T* sQ_warp,
+                                                          const uint32_t (&q_frags)[Cfg::kQInRegs ? Cfg::kHeadDim / 16 : 1][4],
+                                                          const typename Cfg::T* sK_warp, bool needs_mask,
+                                                          int row_base, int key_base, const AttnMask& mask,
+                                                          const ScoreMod& mod, float scale_log2,
+                                                          const PackedRows& rows) {
+  zero_fill(s);
+  if constexpr (Cfg::kQInRegs) {
+    gemm_frags_by_rows_t<typename Cfg::T, Cfg::kHeadDim, Cfg::kSubN, Cfg::kPitch>(s, q_frags, sK_warp);
+  } else {
+    gemm_rows_by_rows_t<typename Cfg::T, 1, Cfg::kHeadDim, Cfg::kSubN, Cfg::kPitch>(s, sQ_warp, sK_warp);
+  }
+  modify_and_mask(s, needs_mask, row_base, key_base, mask, mod, scale_log2, rows);
+  block_row_max(s, block_max, mod.exp_scale(scale_log2));
+}
+
+// Step 3: P = exp2(S - m), l += rowsum(P), O += P V for the warp's 16 keys.
+template <typename Cfg>
+__device__ __forceinline__ void compute_block_softmax_and_weighted_v(float (&s)[1][Cfg::kSubN / 8][4],
+                                                                    RowStats<1>& stats,
+                                                                    float (&acc_o)[1][Cfg::kHeadDim / 8][4],
+                                                                    const typename Cfg::T* sV_warp,
+                                                                    float exp_scale) {
+  exponentiate_block<typename Cfg::T>(s, stats, exp_scale);
+  gemm_regs_by_rows<typename Cfg::T, 1, Cfg::kSubN, Cfg::kHeadDim, Cfg::kPitch>(acc_o, s, sV_warp);
+}
+
+// Step 4, after the warps of a slice left their (m, l) and O rows in shared memory: the rows'
+// merged statistics, then O / l and lse into the output (one range), or the range's normalized
+// O and (m, log2 l) into the split workspace.
+template <typename Cfg>
+__device__ __forceinline__ void normalize_output(const FwdParams& p, const CacheSeq& seq, const float* sO,
+                                                 const float* sStats, int bi, int h0, int r0, int rows_valid,
+                                                 int split) {
+  using T = typename Cfg::T;
+  constexpr int kRowStride = Cfg::kMergePitch;
+  constexpr int kSliceFloats = Cfg::kRows * kRowStride;
+  const int heads = p.decode_heads;
+  const int64_t all_rows = decode_stat_rows(p);
+  // A warp per row, its lanes over the 4-column chunks.
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int r = warp; r < rows_valid; r += Cfg::kThreads / 32) {
+    float m = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < Cfg::kWarpsN; ++w) m = fmaxf(m, sStats[(w * Cfg::kRows + r) * 2]);
+    float weight[Cfg::kWarpsN];
+    float l = 0.f;
+#pragma unroll
+    for (int w = 0; w < Cfg::kWarpsN; ++w) {
+      const float mw = sStats[(w * Cfg::kRows + r) * 2], lw = sStats[(w * Cfg::kRows + r) * 2 + 1];
+      weight[w] = lw == 0.f ? 0.f : ex2_approx(mw - safe_max(m));
+      l += lw * weight[w];
+    }
+    const float inv = l == 0.f ? 0.f : 1.f / l;
+    const int R = r0 + r, i = R / heads, h = h0 + R % heads;
+    const int64_t row = seq.stat_row(p, bi, h, i);
+    const bool split_out = p.num_splits > 1;
+    T* o = static_cast<T*>(p.o) + bi * p.o_batch_stride + h * p.o_head_stride +
+           static_cast<int64_t>(seq.q_start + i) * p.o_row_stride;
+    float* o_piece = p.o_accum + (split * all_rows + row) * p.d;
+    for (int c = 4 * lane; c < p.d; c += 128) {
+      float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+      for (int w = 0; w < Cfg::kWarpsN; ++w) {
+        const float4 x = *reinterpret_cast<const float4*>(sO + w * kSliceFloats + r * kRowStride + c);
+        acc.x = fmaf(weight[w], x.x, acc.x);
+        acc.y = fmaf(weight[w], x.y, acc.y);
+        acc.z = fmaf(weight[w], x.z, acc.z);
+        acc.w = fmaf(weight[w], x.w, acc.w);
+      }
+      acc = make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv);
+      if (split_out) {
+        *reinterpret_cast<float4*>(o_piece + c) = acc;
+      } else {
+        store4(o + c, acc);
+      }
+    }
+    if (lane == 0) {
+      if (split_out) {
+        // (m, log2 l) as store_row_stats writes pairs: (+inf, 0) for a range that saw no key.
+        reinterpret_cast<float2*>(p.stats_accum)[split * all_rows + row] =
+            l == 0.f ? make_float2(INFINITY, 0.f) : make_float2(m, log2f(l));
+      } else if (p.softmax_lse != nullptr) {  // (KV-cache calls that do not return it pass none)
+        p.softmax_lse[row] = l == 0.f ? -INFINITY : (m + log2f(l)) * 0.69314718055994531f;
+      }
+    }
+  }
+}
+
+// Grid: (row chunks * num_splits, hq / decode_heads, b).
+template <typename Cfg>
+__global__ void __launch_bounds__(Cfg::kThreads) decode_kernel(const FwdParams p) {
+  using T = typename Cfg::T;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* sQ = reinterpret_cast<T*>(smem_raw);
+  T* sKV = sQ + Cfg::kRows * Cfg::kPitch;  // [kStages][K, V][kBlockN][kPitch]
+  constexpr int kStageElems = 2 * Cfg::kBlockN * Cfg::kPitch;
+
+  const int split = blockIdx.x % p.num_splits, chunk = blockIdx.x / p.num_splits;
+  const int heads = p.decode_heads;
+  const int h0 = blockIdx.y * heads, bi = blockIdx.z;
+  const int group = p.hq / p.hkv;
+  const int h_kv = h0 / group;
+  const CacheSeq seq = CacheSeq::make(p, bi);
+
+  // The new rows go into the cache first: split s of row chunk 0 of the group's first tile
+  // writes its share; every CTA reads new positions from k_new / v_new, never from the cache.
+  if (p.s_new > 0 && chunk == 0 && h0 % group == 0) {
+    append_new_rows<Cfg>(p, seq, bi, h_kv, static_cast<int>(int64_t(p.s_new) * split / p.num_splits),
+                         static_cast<int>(int64_t(p.s_new) * (split + 1) / p.num_splits));
+  }
+
+  const int r0 = chunk * Cfg::kRows;
+  const int rows_valid = min(Cfg::kRows, seq.sq * heads - r0);
+  if (rows_valid <= 0) return;  // a packed batch's shorter sequence: no rows in this chunk
+  const AttnMask mask = AttnMask::make(seq.sq, seq.total, p.window_left, p.window_right);
+  const int q_lo = r0 / heads, q_hi = (r0 + rows_valid - 1) / heads + 1;
+  const BlockRange all = BlockRange::keys_of(mask, q_lo, q_hi, Cfg::kBlockN);
+  const int count = all.count();
+  const int nb_begin = all.begin + static_cast<int>(int64_t(count) * split / p.num_splits);
+  const int nb_end = all.begin + static_cast<int>(int64_t(count) * (split + 1) / p.num_splits);
+
+  // Q: tile row R = r0 + r is query R / heads of head h0 + R % heads.
+  {
+    constexpr int kChunks = Cfg::kHeadDim / 8;
+    const T* q = static_cast<const T*>(p.q);
+    for (int idx = threadIdx.x; idx < Cfg::kRows * kChunks; idx += Cfg::kThreads) {
+      const int r = idx / kChunks, c = (idx % kChunks) * 8;
+      const int R = r0 + r;
+      const bool valid = r < rows_valid && c < p.d;
+      const T* src = valid ? q + bi * p.q_batch_stride + (h0 + R % heads) * p.q_head_stride +
+                                 static_cast<int64_t>(seq.q_start + R / heads) * p.q_row_stride + c
+                           : q;
+      cp_async_16(sQ + r * Cfg::kPitch + c, src, valid);
+    }
+  }
+  const KeyCopier<Cfg> copier = KeyCopier<Cfg>::make(p);
+  auto load = [&](int nb) {
+    T* stage = sKV + (nb % Cfg::kStages) * kStageElems;
+    load_key_block<Cfg>(p, seq, copier, bi, h_kv, nb * Cfg::kBlockN, stage, stage + Cfg::kBlockN * Cfg::kPitch);
+  };
+  // Prologue: Q with the first step, then kStages - 2 more steps in flight.
+#pragma unroll
+  for (int i = 0; i < Cfg::kStages - 1; ++i) {
+    if (nb_begin + i < nb_end) load(nb_begin + i);
+    cp_async_commit();
+  }
+
+  const int warp = threadIdx.x / 32;
+  const int wm = warp / Cfg::kWarpsN, wn = warp % Cfg::kWarpsN;
+  const ScoreMod mod = ScoreMod::make(p, bi, h0, seq.total - seq.sq);
+  const float exp_scale = mod.exp_scale(p.scale_log2);
+  const PackedRows rows{heads};
+  const int row_base = r0 + wm * 16;  // packed rows of this warp's slice
+  const int warp_q_lo = row_base / heads;
+  const int warp_q_hi = min((row_base + 15) / heads + 1, seq.sq);
+  const T* sQ_warp = sQ + wm * 16 * Cfg::kPitch;
+
+  float acc_o[1][Cfg::kHeadDim / 8][4];
+  RowStats<1> stats;
+  start_online_softmax(acc_o, stats);
+
+  uint32_t q_frags[Cfg::kQInRegs ? Cfg::kHeadDim / 16 : 1][4];
+  for (int nb = nb_begin; nb < nb_end; ++nb) {
+    cp_async_wait<Cfg::kStages - 2>();  // one commit group per step, empty ones included
+    __syncthreads();  // step nb landed for all; step nb - 1's stage is free
+    if (nb + Cfg::kStages - 1 < nb_end) load(nb + Cfg::kStages - 1);
+    cp_async_commit();
+    if constexpr (Cfg::kQInRegs) {
+      if (nb == nb_begin) load_a_frags<Cfg::kHeadDim, Cfg::kPitch>(q_frags, sQ_warp);  // Q landed with step 0
+    }
+
+    const T* stage = sKV + (nb % Cfg::kStages) * kStageElems;
+    const int key_base = nb * Cfg::kBlockN + wn * Cfg::kSubN;
+    const bool needs_mask = mask.needs_mask(warp_q_lo, warp_q_hi, key_base, key_base + Cfg::kSubN);
+    float s[1][Cfg::kSubN / 8][4];
+    float block_max[1][2];
+    compute_qk_scores_and_max<Cfg>(s, block_max, sQ_warp, q_frags, stage + wn * Cfg::kSubN * Cfg::kPitch, needs_mask,
+                                   row_base, key_base, mask, mod, p.scale_log2, rows);
+    merge_block_stats(stats, block_max, acc_o);
+    compute_block_softmax_and_weighted_v<Cfg>(s, stats, acc_o,
+                                              stage + (Cfg::kBlockN + wn * Cfg::kSubN) * Cfg::kPitch, exp_scale);
+  }
+  cp_async_wait<0>();
+  // The keys are read: the merge of the split ranges may launch now (it waits for this grid's
+  // results before reading them: grid_dependency_wait), so its launch overlaps this tail.
+  launch_dependent_grids();
+  __syncthreads();  // the ring is free for the merge
+
+  // Each warp's rows: (m, l) and its unnormalized O, fp32, in its slot of the merge area.
+  float* sO = reinterpret_cast<float*>(sKV);
+  float* sStats = sO + Cfg::kWarpsN * Cfg::kRows * Cfg::kMergePitch;
+  {
+    const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    float* o_slot = sO + wn * Cfg::kRows * Cfg::kMergePitch;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = wm * 16 + g + 8 * half;
+      const float l = group_sum<4>(stats.sum[0][half]);
+#pragma unroll
+      for (int dt = 0; dt < Cfg::kHeadDim / 8; ++dt) {
+        *reinterpret_cast<float2*>(o_slot + r * Cfg::kMergePitch + dt * 8 + 2 * t) =
+            make_float2(acc_o[0][dt][2 * half], acc_o[0][dt][2 * half + 1]);
+      }
+      if (t == 0) {
+        sStats[(wn * Cfg::kRows + r) * 2] = stats.max[0][half];
+        sStats[(wn * Cfg::kRows + r) * 2 + 1] = l;
+      }
+    }
+  }
+  __syncthreads();
+  normalize_output<Cfg>(p, seq, sO, sStats, bi, h0, r0, rows_valid, split);
+}
+
+}  // namespace decode
+
+// Row chunks and splits of a decode launch with config Cfg (the split count from the shapes: the
+// cache's capacity p.sk, never its lengths).
+template <typename Cfg>
+int plan_decode_splits(const FwdParams& p) {
+  auto kernel = decode::decode_kernel<Cfg>;
+  const int chunks = ceil_div(p.sq * p.decode_heads, Cfg::kRows);
+  const int64_t ctas = int64_t(chunks) * (p.hq / p.decode_heads) * p.b;
+  const int per_sm = memo_per_kernel(reinterpret_cast<const void*>(kernel), static_cast<int>(Cfg::kSmemBytes), [&] {
+    set_smem_limit(kernel, Cfg::kSmemBytes, "flash_decode");
+    int n = 0;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, Cfg::kThreads, Cfg::kSmemBytes) != cudaSuccess) {
+      (void)cudaGetLastError();
+      n = 1;
+    }
+    return n;
+  });
+  return plan_key_splits(ctas, ceil_div(p.sk, Cfg::kBlockN), Cfg::kBlockN, p.num_sms, per_sm);
+}
+
+template <typename Cfg>
+void launch_decode(const FwdParams& p, cudaStream_t stream) {
+  auto kernel = decode::decode_kernel<Cfg>;
+  set_smem_limit(kernel, Cfg::kSmemBytes, "flash_decode");
+  const int chunks = ceil_div(p.sq * p.decode_heads, Cfg::kRows);
+  const dim3 grid(static_cast<unsigned>(chunks * p.num_splits), p.hq / p.decode_heads, p.b);
+  kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
+  check_launch("flash_decode");
+  if (p.num_splits > 1) launch_combine_key_splits<typename Cfg::T>(p, stream);
+}
+
+// Calls f(Cfg{}) with the decode config for this call's rows, if the device's shared memory
+// holds it (returns `none` otherwise: d = 256 needs more than the consumer GPUs' 99 KiB).
+template <typename T, int kHeadDim, typename F, typename R>
+R with_decode_config(const FwdParams& p, R none, F&& f) {
+  auto fits = [&](auto cfg) -> R { return device_smem_optin() >= decltype(cfg)::kSmemBytes ? f(cfg) : none; };
+  switch (decode::warps_m_for(p.sq * p.decode_heads)) {
+    case 1: return fits(decode::Config<T, kHeadDim, 1>{});
+    case 2: return fits(decode::Config<T, kHeadDim, 2>{});
+    default: return fits(decode::Config<T, kHeadDim, 4>{});
+  }
+}
+
+// The decode family's two entry points per (dtype, head-dim bucket): the split count its launch
+// will use (0: no config fits this device's shared memory), and the launch itself, which takes
+// the num_splits and workspace the caller set from it.
+template <int kDType, int kHeadDim>
+int plan_decode(const FwdParams& p) {
+  using T = typename ElementOf<kDType>::type;
+  return with_decode_config<T, kHeadDim>(p, 0, [&](auto cfg) { return plan_decode_splits<decltype(cfg)>(p); });
+}
+
+template <int kDType, int kHeadDim>
+bool run_decode(const FwdParams& p, cudaStream_t stream) {
+  using T = typename ElementOf<kDType>::type;
+  return with_decode_config<T, kHeadDim>(p, false, [&](auto cfg) {
+    launch_decode<decltype(cfg)>(p, stream);
+    return true;
+  });
+}
+
+}  // namespace flash_cuda

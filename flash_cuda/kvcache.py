@@ -1,0 +1,309 @@
+"""The KV-cache entry point :func:`attention_with_kvcache`: decode and prefill against a dense or
+paged cache, with the new keys appended in place (FlashAttention's ``flash_attn_with_kvcache``
+semantics in flash_cuda's (batch, heads, seq, head_dim) layout).
+
+Inference only: no autograd graph is recorded. The launch plan depends on shapes alone (the
+cache's capacity, never the lengths in ``cache_seqlens``), so one CUDA graph captured around a
+decode step serves every later step. :func:`flash_cuda.reference.attention_with_kvcache_reference`
+is the executable specification (pure PyTorch, runs on CPU).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Optional, Tuple, Union
+
+import torch
+from torch import Tensor
+
+from . import _ext
+from .interface import (MAX_GRID_YZ, MAX_HEAD_DIM, MAX_SEQLEN, MIN_CAPABILITY, MIN_HEAD_DIM,
+                        _capability_cache, _check_alibi, _check_capability, _check_scale,
+                        _check_softcap, _check_window, _dtype_name, _fwd_impl)
+
+__all__ = ["attention_with_kvcache", "PAGE_SIZE_MULTIPLE", "MAX_NUM_SPLITS"]
+
+_PREFIX = "flash_cuda.attention_with_kvcache: "
+_DTYPES = (torch.float16, torch.bfloat16)
+PAGE_SIZE_MULTIPLE = 16  # a paged cache's page size: any multiple of this
+MAX_NUM_SPLITS = 256
+# Queries per head up to which the split-KV decode kernels run a call (tiers/mma/family.h:
+# decode::kMaxDecodeQueries); longer prompts against a dense cache take attention()'s forward.
+_DECODE_MAX_QUERIES = 16
+
+
+def _fail(kind, msg: str):
+    raise kind(_PREFIX + msg)
+
+
+def _check_tensor(name: str, t, ndim: int, layout: str) -> None:
+    if not isinstance(t, Tensor):
+        _fail(TypeError, f"{name} must be a torch.Tensor {layout}, got {type(t).__name__}")
+    if t.dim() != ndim:
+        _fail(ValueError, f"{name} must be a {ndim}-D tensor {layout}, got {t.dim()}-D with shape "
+                          f"{tuple(t.shape)}")
+    if t.stride(-1) != 1:
+        _fail(ValueError, f"{name} must have a contiguous last dimension (stride(-1) == 1), got strides "
+                          f"{tuple(t.stride())}")
+
+
+def _device_capability_of(index: int) -> Tuple[int, int]:
+    cap = _capability_cache.get(index)
+    if cap is None:
+        cap = _capability_cache[index] = tuple(torch.cuda.get_device_capability(index))
+    return cap
+
+
+def _check_same(name: str, t: Tensor, q: Tensor) -> None:
+    if t.dtype != q.dtype:
+        _fail(TypeError, f"{name} must have q's dtype {_dtype_name(q.dtype)}, got {_dtype_name(t.dtype)}")
+    if t.device != q.device:
+        _fail(RuntimeError, f"{name} must be on q's device {q.device}, got {t.device}")
+
+
+def _aligned_rows(t: Tensor) -> bool:
+    """Every row starts 16 bytes apart from the base, which is 16-byte aligned."""
+    es = t.element_size()
+    n0, n1, n2, _ = t.shape
+    s0, s1, s2, _ = t.stride()
+    return (t.data_ptr() % 16 == 0 and (n0 <= 1 or s0 * es % 16 == 0) and (n1 <= 1 or s1 * es % 16 == 0)
+            and (n2 <= 1 or s2 * es % 16 == 0))
+
+
+_ENV_CHECK = "FLASH_CUDA_CHECK_KVCACHE"
+
+
+def _check_enabled(flag: bool) -> bool:
+    env = os.environ.get(_ENV_CHECK, "").strip().lower()
+    return bool(flag) or env not in ("", "0", "false", "no", "off")
+
+
+def _check_values(lens: list, block_table: Optional[Tensor], s_new: int, capacity: int,
+                  num_pages: int) -> None:
+    """The device values the kernels otherwise trust, read back to the host (a device sync)."""
+    for b, n in enumerate(lens):
+        if n < 0 or n + s_new > capacity:
+            _fail(ValueError, f"cache_seqlens[{b}] = {n}: with {s_new} new tokens the sequence needs "
+                              f"{n + s_new} positions, but the cache holds {capacity} per sequence "
+                              f"(cache_seqlens must be >= 0)")
+    if block_table is not None:
+        page_size = capacity // max(block_table.shape[1], 1)
+        for b, n in enumerate(lens):
+            used = -(-(n + s_new) // page_size) if page_size else 0
+            ids = block_table[b, :used].tolist()
+            bad = [p for p in ids if not 0 <= p < num_pages]
+            if bad:
+                _fail(ValueError, f"block_table[{b}] names page {bad[0]}, outside [0, {num_pages}) "
+                                  f"(the cache has {num_pages} pages)")
+
+
+def attention_with_kvcache(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    k: Optional[Tensor] = None,
+    v: Optional[Tensor] = None,
+    *,
+    cache_seqlens: Union[int, Tensor],
+    block_table: Optional[Tensor] = None,
+    is_causal: bool = False,
+    scale: Optional[float] = None,
+    window_size: Tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Optional[Tensor] = None,
+    num_splits: int = 0,
+    return_lse: bool = False,
+    check_inputs: bool = False,
+) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    r"""Attention of new queries against a KV cache, appending the new keys to it first.
+
+    For each batch entry ``b`` with ``L_b = cache_seqlens[b] + seqlen_new`` this writes ``k[b]``
+    / ``v[b]`` (if given) into the cache at positions ``cache_seqlens[b] .. L_b - 1`` (in place)
+    and returns ``attention(q[b], K_b, V_b)`` over the cache's positions ``0 .. L_b - 1``; masks
+    are bottom-right aligned to ``L_b``: with ``is_causal`` query ``i`` sees key ``j <= i + L_b -
+    seqlen_q``. ``cache_seqlens`` itself is not modified (advance it yourself).
+
+    Args:
+        q: ``(batch, heads, seqlen_q, head_dim)``, float16 or bfloat16; ``seqlen_q >= 1`` (1 for
+            plain decoding, a few for speculative decoding, the prompt for prefill).
+        k_cache, v_cache: the cache, q's dtype and device, the same shape. Dense:
+            ``(batch, kv_heads, max_seqlen, head_dim)``. Paged (with ``block_table``):
+            ``(num_pages, kv_heads, page_size, head_dim)``, ``page_size`` a multiple of 16.
+            Any strides with ``stride(-1) == 1`` and rows 16-byte aligned, e.g. a pool allocated
+            as ``(num_pages, page_size, kv_heads, head_dim)`` and passed as ``.transpose(1, 2)``.
+            ``heads`` must be a multiple of ``kv_heads`` (GQA).
+        k, v: ``None``, or the new keys / values ``(batch, kv_heads, seqlen_new, head_dim)``,
+            both or neither.
+        cache_seqlens: the tokens already in the cache: a Python int (every sequence) or an int32
+            tensor ``(batch,)`` on q's device. Tensor values are trusted (see ``check_inputs``):
+            the kernels clamp them to the cache, so wrong ones give wrong results, never an
+            access outside it.
+        block_table: ``None`` (dense cache) or an int32 tensor ``(batch, max_pages_per_seq)`` on
+            q's device: position ``p`` of sequence ``b`` lives in page ``block_table[b, p //
+            page_size]``, row ``p % page_size``.
+        is_causal, scale, window_size, softcap, alibi_slopes: as in :func:`flash_cuda.attention`
+            (bottom-right aligned to ``L_b``).
+        num_splits: key ranges per query row: ``0`` (default) picks from the shapes alone (more
+            ranges when few (batch, KV head) pairs would leave the GPU idle), ``1`` none, ``n``
+            exactly ``n`` (at most 256).
+        return_lse: also return ``lse`` float32 ``(batch, heads, seqlen_q)``, natural log.
+        check_inputs: also read ``cache_seqlens`` and ``block_table`` back to the host and check
+            that every sequence fits the cache and every page id used exists (a device sync).
+            Also switched on by ``FLASH_CUDA_CHECK_KVCACHE=1``.
+
+    Returns:
+        ``out`` with q's shape and dtype, or ``(out, lse)`` with ``return_lse``.
+
+    Raises:
+        TypeError, ValueError, RuntimeError: a bad argument, named with what is accepted, before
+            anything is written or launched.
+    """
+    # Every check below is on the path of each decode step: they are written as plain
+    # comparisons on the tensors' metadata, and the error helpers build a message only on failure.
+    paged = block_table is not None
+    cache_layout = ("(num_pages, kv_heads, page_size, head_dim)" if paged
+                    else "(batch, kv_heads, max_seqlen, head_dim)")
+    for name, t, layout in (("q", q, "(batch, heads, seqlen_q, head_dim)"), ("k_cache", k_cache, cache_layout),
+                            ("v_cache", v_cache, cache_layout)):
+        if not isinstance(t, Tensor) or t.dim() != 4 or t.stride(-1) != 1:
+            _check_tensor(name, t, 4, layout)
+    dt = q.dtype
+    if dt is not torch.float16 and dt is not torch.bfloat16:
+        _fail(TypeError, f"q has dtype {_dtype_name(dt)}; the KV-cache kernels take float16 or bfloat16")
+    dev = q.get_device()
+    if k_cache.dtype is not dt or k_cache.get_device() != dev:
+        _check_same("k_cache", k_cache, q)
+    if v_cache.dtype is not dt or v_cache.get_device() != dev:
+        _check_same("v_cache", v_cache, q)
+    B, Hq, Sq, D = q.shape
+    cshape = k_cache.shape
+    if cshape != v_cache.shape:
+        _fail(ValueError, f"k_cache and v_cache must have the same shape, got {tuple(k_cache.shape)} and "
+                          f"{tuple(v_cache.shape)}")
+    Hkv = cshape[1]
+    if cshape[3] != D:
+        _fail(ValueError, f"the caches' head dim {cshape[3]} differs from q's {D}")
+    if Hkv < 1 or Hq % Hkv:
+        _fail(ValueError, f"the number of query heads ({Hq}) must be a multiple of the caches' kv heads "
+                          f"({Hkv}) (dim 1)")
+    if D < MIN_HEAD_DIM or D > MAX_HEAD_DIM or D % 8:
+        _fail(ValueError, f"unsupported head dim {D}; the head dim must be a multiple of 8 in "
+                          f"[{MIN_HEAD_DIM}, {MAX_HEAD_DIM}]")
+    if Sq < 1:
+        _fail(ValueError, "q must hold at least one query (seqlen_q >= 1, dim 2)")
+    if B > MAX_GRID_YZ or Hq > MAX_GRID_YZ:
+        _fail(ValueError, f"batch size ({B}) and query heads ({Hq}) must each be at most {MAX_GRID_YZ}")
+    if not (_aligned_rows(k_cache) and _aligned_rows(v_cache)):
+        _fail(ValueError, "the caches are written in place, so their rows must be 16-byte aligned: a base "
+                          "address and strides (in bytes) that are multiples of 16")
+    if paged:
+        if not isinstance(block_table, Tensor):
+            _fail(TypeError, f"block_table must be None or an int32 tensor (batch, max_pages), got "
+                             f"{type(block_table).__name__}")
+        if block_table.dtype != torch.int32:
+            _fail(TypeError, f"block_table must be an int32 tensor, got {_dtype_name(block_table.dtype)}")
+        if block_table.dim() != 2 or block_table.shape[0] != B:
+            _fail(ValueError, f"block_table must have shape ({B}, max_pages_per_sequence), got "
+                              f"{tuple(block_table.shape)}")
+        if block_table.get_device() != dev:
+            _fail(RuntimeError, f"block_table must be on q's device {q.device}, got {block_table.device}")
+        page_size = cshape[2]
+        if page_size % PAGE_SIZE_MULTIPLE or page_size == 0:
+            _fail(ValueError, f"the page size (k_cache dim 2) must be a positive multiple of "
+                              f"{PAGE_SIZE_MULTIPLE}, got {page_size}")
+        if cshape[0] < 1:
+            _fail(ValueError, "a paged cache needs at least one page (k_cache dim 0)")
+        if block_table.stride(1) != 1:
+            block_table = block_table.contiguous()
+        capacity = block_table.shape[1] * page_size
+    else:
+        if cshape[0] != B:
+            _fail(ValueError, f"a dense cache must have q's batch size {B} (dim 0), got {cshape[0]}; "
+                              f"pass block_table for a paged cache")
+        capacity = cshape[2]
+    if capacity > MAX_SEQLEN:
+        _fail(ValueError, f"the cache holds {capacity} positions per sequence; at most 2^31 - 1 are supported")
+    s_new = 0
+    if k is not None or v is not None:
+        if k is None or v is None:
+            _fail(ValueError, "pass both k and v (the new keys and values), or neither")
+        layout = "(batch, kv_heads, seqlen_new, head_dim)"
+        for name, t in (("k", k), ("v", v)):
+            if not isinstance(t, Tensor) or t.dim() != 4 or t.stride(-1) != 1:
+                _check_tensor(name, t, 4, layout)
+            if t.dtype is not dt or t.get_device() != dev:
+                _check_same(name, t, q)
+        kshape = k.shape
+        if kshape != v.shape or kshape[0] != B or kshape[1] != Hkv or kshape[3] != D:
+            _fail(ValueError, f"k and v must both have shape ({B}, {Hkv}, seqlen_new, {D}), got "
+                              f"{tuple(k.shape)} and {tuple(v.shape)}")
+        s_new = kshape[2]
+    if isinstance(cache_seqlens, Tensor):
+        if cache_seqlens.dtype is not torch.int32:
+            _fail(TypeError, f"cache_seqlens must be an int or an int32 tensor, got "
+                             f"{_dtype_name(cache_seqlens.dtype)}")
+        if cache_seqlens.dim() != 1 or cache_seqlens.shape[0] != B:
+            _fail(ValueError, f"cache_seqlens must have shape ({B},), got {tuple(cache_seqlens.shape)}")
+        if cache_seqlens.get_device() != dev:
+            _fail(RuntimeError, f"cache_seqlens must be on q's device {q.device}, got {cache_seqlens.device}")
+        if s_new > capacity:
+            _fail(ValueError, f"{s_new} new tokens do not fit a cache of {capacity} positions per sequence")
+        cache_len = 0
+        lens = cache_seqlens if cache_seqlens.stride(0) == 1 else cache_seqlens.contiguous()
+    elif isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
+        if cache_seqlens < 0 or cache_seqlens + s_new > capacity:
+            _fail(ValueError, f"cache_seqlens = {cache_seqlens} with {s_new} new tokens needs "
+                              f"{cache_seqlens + s_new} positions, but the cache holds {capacity} per "
+                              f"sequence (cache_seqlens must be >= 0)")
+        cache_len, lens = cache_seqlens, None
+    else:
+        _fail(TypeError, f"cache_seqlens must be an int or an int32 tensor (batch,), got "
+                         f"{type(cache_seqlens).__name__}")
+    if is_causal is not False and is_causal is not True:
+        _fail(TypeError, f"is_causal must be a bool, got {type(is_causal).__name__}")
+    if return_lse is not False and return_lse is not True:
+        _fail(TypeError, f"return_lse must be a bool, got {type(return_lse).__name__}")
+    if type(num_splits) is not int or not 0 <= num_splits <= MAX_NUM_SPLITS:
+        _fail(ValueError, f"num_splits must be an int in [0, {MAX_NUM_SPLITS}] (0: chosen from the shapes), "
+                          f"got {num_splits!r}")
+    # The defaults skip their checks: a decode step pays for every microsecond of host time.
+    scale = 1.0 / math.sqrt(D) if scale is None else _check_scale(scale, D, _PREFIX)
+    if type(window_size) is tuple and window_size == (-1, -1):
+        left, right = -1, 0 if is_causal else -1
+    else:
+        left, right = _check_window(window_size, is_causal, _PREFIX)
+    if softcap != 0.0 or type(softcap) is not float:
+        softcap = _check_softcap(softcap, _PREFIX)
+    if alibi_slopes is not None:
+        alibi_slopes = _check_alibi(alibi_slopes, B, Hq, _PREFIX)
+        if alibi_slopes.get_device() != dev:
+            _fail(RuntimeError, f"alibi_slopes must be on q's device {q.device}, got {alibi_slopes.device}")
+    if dev < 0:
+        _fail(RuntimeError, f"inputs must be CUDA tensors, got device '{q.device}'; flash_cuda runs only on "
+                            f"NVIDIA GPUs (flash_cuda.reference.attention_with_kvcache_reference runs anywhere)")
+    if _device_capability_of(dev) < MIN_CAPABILITY:
+        _check_capability(q.device, _PREFIX)
+    C = _ext._C
+    if C is None:
+        raise RuntimeError(_ext.unavailable_message())
+    if check_inputs or _ENV_CHECK in os.environ:
+        if _check_enabled(check_inputs):
+            _check_values(lens.tolist() if lens is not None else [cache_len] * B, block_table, s_new, capacity,
+                          cshape[0])
+    if lens is None and not paged and Sq > _DECODE_MAX_QUERIES:
+        # Prefill against a dense cache whose length the host knows: the append is a copy, and the
+        # attention is attention()'s query-tiled forward over the filled rows, which runs
+        # prompt-sized work at that forward's speed (the decode kernels stream keys for few rows).
+        total = cache_len + s_new
+        if s_new:
+            k_cache[:, :, cache_len:total].copy_(k)
+            v_cache[:, :, cache_len:total].copy_(v)
+        out, lse, _ = _fwd_impl(q, k_cache[:, :, :total], v_cache[:, :, :total], scale, left, right, softcap,
+                                alibi_slopes, 0)
+    else:
+        out, lse = C.fwd_kvcache(q, k_cache, v_cache, k, v, lens, cache_len, block_table, scale, left, right,
+                                 softcap, alibi_slopes, num_splits, return_lse)
+    if return_lse:
+        return out, lse
+    return out

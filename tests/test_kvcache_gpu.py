@@ -1,0 +1,263 @@
+"""flash_cuda.attention_with_kvcache on the GPU: dense and paged caches, in-place append, every
+mask option, splits 1 / n / auto, GQA packing, row chunks, and a CUDA graph replayed at growing
+lengths; plus attention()'s decode-shaped calls, which take the same split-KV kernels.
+
+Each output is checked with the FlashAttention rule (tests/attn_check.py: error vs float64 at
+most twice the error of naive attention in the same dtype, plus a tiny absolute term), per
+sequence against attention_naive over that sequence's cache rows 0 .. L_b - 1. Cache rows past
+L_b hold NaN, so a kernel that reads them fails; the appended cache must equal the expected one
+bit for bit, and no other cache row may change.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import flash_cuda
+from flash_cuda.reference import _read_kvcache, _write_kvcache, attention_naive
+
+from attn_check import (ATOL_BASE, LSE_ATOL_BASE, check_attention, check_varlen_attention, gpu_skip_reason,
+                        make_alibi_slopes, make_varlen_inputs, rule_error)
+
+pytestmark = pytest.mark.skipif(gpu_skip_reason() is not None, reason=str(gpu_skip_reason()))
+
+DEV = "cuda"
+
+
+def _make_cache(B, Hkv, D, dtype, capacity, page_size, transposed_pool, gen):
+    """(k_cache, v_cache, block_table): NaN everywhere (rows never written must never be read)."""
+    if page_size is None:
+        shape = (B, Hkv, capacity, D)
+        k = torch.full(shape, float("nan"), dtype=dtype, device=DEV)
+        return k, k.clone(), None
+    pages_per_seq = capacity // page_size
+    num_pages = B * pages_per_seq + 3
+    if transposed_pool:  # a (pages, page_size, Hkv, D) pool seen as (pages, Hkv, page_size, D)
+        k = torch.full((num_pages, page_size, Hkv, D), float("nan"), dtype=dtype, device=DEV).transpose(1, 2)
+        v = torch.full((num_pages, page_size, Hkv, D), float("nan"), dtype=dtype, device=DEV).transpose(1, 2)
+    else:
+        k = torch.full((num_pages, Hkv, page_size, D), float("nan"), dtype=dtype, device=DEV)
+        v = k.clone()
+    perm = torch.randperm(num_pages, generator=gen, device="cpu")[: B * pages_per_seq]
+    table = perm.view(B, pages_per_seq).to(torch.int32).to(DEV)
+    return k, v, table
+
+
+def _fill(cache, table, lens, gen):
+    """Random values in rows [0, lens[b]) of every sequence."""
+    for b, n in enumerate(lens):
+        x = torch.randn((cache.shape[1], n, cache.shape[3]), generator=gen, device="cpu")
+        _write_kvcache(cache, table, b, 0, x.to(device=DEV, dtype=cache.dtype))
+
+
+def _run_case(B=2, Hq=8, Hkv=2, Sq=1, D=128, dtype=torch.bfloat16, capacity=512, lens=(300, 77), s_new=1,
+              page_size=None, transposed_pool=False, lens_as_tensor=True, is_causal=False, window_size=(-1, -1),
+              softcap=0.0, alibi=False, num_splits=0, scale=None, seed=0):
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    lens = list(lens)[:B] + [lens[-1]] * max(0, B - len(lens))
+    k_cache, v_cache, table = _make_cache(B, Hkv, D, dtype, capacity, page_size, transposed_pool, gen)
+    _fill(k_cache, table, lens, gen)
+    _fill(v_cache, table, lens, gen)
+    q = torch.randn((B, Hq, Sq, D), generator=gen).to(DEV, dtype)
+    k_new = v_new = None
+    if s_new:
+        k_new = torch.randn((B, Hkv, s_new, D), generator=gen).to(DEV, dtype)
+        v_new = torch.randn((B, Hkv, s_new, D), generator=gen).to(DEV, dtype)
+    slopes = make_alibi_slopes(Hq, batch=B if seed % 2 else None) if alibi else None
+    expect_k, expect_v = k_cache.clone(), v_cache.clone()
+    for b, n in enumerate(lens):
+        if s_new:
+            _write_kvcache(expect_k, table, b, n, k_new[b])
+            _write_kvcache(expect_v, table, b, n, v_new[b])
+    cache_seqlens = torch.tensor(lens, dtype=torch.int32, device=DEV) if lens_as_tensor else lens[0]
+    if not lens_as_tensor:
+        assert all(n == lens[0] for n in lens)
+    out, lse = flash_cuda.attention_with_kvcache(
+        q, k_cache, v_cache, k_new, v_new, cache_seqlens=cache_seqlens, block_table=table, is_causal=is_causal,
+        window_size=window_size, softcap=softcap, alibi_slopes=slopes, num_splits=num_splits, scale=scale,
+        return_lse=True)
+    torch.cuda.synchronize()
+    # The cache: appended rows as expected, every other row untouched (NaN compares by bits).
+    assert torch.equal(k_cache.view(torch.int16), expect_k.view(torch.int16)), "k_cache after the append"
+    assert torch.equal(v_cache.view(torch.int16), expect_v.view(torch.int16)), "v_cache after the append"
+    assert out.shape == q.shape and out.dtype == dtype and lse.shape == (B, Hq, Sq)
+    problems = []
+    for b, n in enumerate(lens):
+        L = n + s_new
+        kb = _read_kvcache(expect_k, table, b, 0, L).unsqueeze(0)
+        vb = _read_kvcache(expect_v, table, b, 0, L).unsqueeze(0)
+        sb = None if slopes is None else (slopes[b:b + 1] if slopes.dim() == 2 else slopes)
+        opts = dict(is_causal=is_causal, scale=scale, window_size=window_size, softcap=softcap, alibi_slopes=sb)
+        ref_o, ref_lse = attention_naive(q[b:b + 1].double(), kb.double(), vb.double(),
+                                         **{**opts, "alibi_slopes": None if sb is None else sb.double()})
+        nav_o, nav_lse = attention_naive(q[b:b + 1], kb, vb, **opts)
+        finite = torch.isfinite(ref_lse)
+        empty = ~finite
+        if bool(empty.any()):
+            assert bool((lse[b:b + 1][empty] == float("-inf")).all()), "rows that see no key: lse -inf"
+            assert bool((out[b:b + 1].float()[empty] == 0).all()), "rows that see no key: out 0"
+        score_mag = float(ref_lse[finite].abs().max()) if bool(finite.any()) else 0.0
+        _, pr = rule_error(f"out[{b}]", out[b:b + 1].double(), ref_o, nav_o.double(), ATOL_BASE[dtype],
+                           score_mag=score_mag, head_dim=D)
+        if pr:
+            problems.append(pr)
+        if bool(finite.any()):
+            _, pr = rule_error(f"lse[{b}]", lse[b:b + 1].double(), ref_lse, nav_lse.double(), LSE_ATOL_BASE[dtype],
+                               mask=finite)
+            if pr:
+                problems.append(pr)
+    assert not problems, "; ".join(problems)
+    return out, lse
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("Hq,Hkv", [(8, 8), (8, 2), (16, 2)])
+def test_decode_dense(dtype, D, Hq, Hkv):
+    _run_case(B=3, Hq=Hq, Hkv=Hkv, D=D, dtype=dtype, capacity=1024, lens=(1000, 0, 517), s_new=1, seed=D + Hq)
+
+
+@pytest.mark.parametrize("page_size", [16, 48, 256])
+@pytest.mark.parametrize("transposed_pool", [False, True])
+@pytest.mark.parametrize("Sq,s_new", [(1, 1), (4, 4), (8, 0)])
+def test_decode_paged(page_size, transposed_pool, Sq, s_new):
+    _run_case(B=3, Hq=8, Hkv=2, Sq=Sq, D=128, capacity=page_size * (768 // page_size), lens=(700, 3, 400),
+              s_new=s_new, page_size=page_size, transposed_pool=transposed_pool, is_causal=True, seed=page_size + Sq)
+
+
+@pytest.mark.parametrize("num_splits", [0, 1, 2, 7, 64])
+@pytest.mark.parametrize("lens", [(2047, 5), (0, 0), (1, 2000)])
+def test_splits(num_splits, lens):
+    _run_case(B=2, Hq=4, Hkv=1, D=64, dtype=torch.float16, capacity=2048, lens=lens, s_new=1,
+              num_splits=num_splits, seed=num_splits)
+
+
+@pytest.mark.parametrize("Sq,Hq,Hkv", [(4, 8, 2), (8, 32, 8), (16, 8, 1), (33, 6, 2), (7, 14, 2), (200, 4, 4)])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_speculative_and_chunks(Sq, Hq, Hkv, is_causal):
+    """Sq > 1 (speculative decoding, prefill), group sizes that are not powers of two, and more
+    packed rows than one tile (several row chunks)."""
+    _run_case(B=2, Hq=Hq, Hkv=Hkv, Sq=Sq, D=128, capacity=640, lens=(400, 37), s_new=Sq, is_causal=is_causal,
+              seed=Sq * 3 + is_causal)
+
+
+@pytest.mark.parametrize("window_size,is_causal", [((16, 0), False), ((100, -1), True), ((-1, 3), False),
+                                                   ((0, 0), False)])
+@pytest.mark.parametrize("Sq", [1, 5])
+def test_windows(window_size, is_causal, Sq):
+    _run_case(B=2, Hq=8, Hkv=4, Sq=Sq, capacity=512, lens=(300, 9), s_new=Sq, window_size=window_size,
+              is_causal=is_causal, seed=Sq)
+
+
+@pytest.mark.parametrize("softcap,alibi", [(30.0, False), (0.0, True), (5.0, True)])
+@pytest.mark.parametrize("Sq", [1, 8])
+def test_score_mods(softcap, alibi, Sq):
+    _run_case(B=2, Hq=8, Hkv=2, Sq=Sq, capacity=1024, lens=(900, 70), s_new=Sq, is_causal=True, softcap=softcap,
+              alibi=alibi, seed=Sq + int(alibi))
+
+
+@pytest.mark.parametrize("scale", [0.0, -0.3, 2.0])
+def test_scale(scale):
+    _run_case(B=2, Hq=4, Hkv=2, capacity=256, lens=(200, 100), s_new=1, scale=scale, seed=3)
+
+
+def test_int_cache_seqlens_and_no_new_keys():
+    _run_case(B=3, Hq=8, Hkv=2, Sq=2, capacity=512, lens=(384, 384, 384), s_new=0, lens_as_tensor=False,
+              is_causal=True)
+    _run_case(B=2, Hq=8, Hkv=2, Sq=3, capacity=512, lens=(100, 100), s_new=3, lens_as_tensor=False,
+              page_size=64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("D", [32, 96, 192])
+def test_head_dim_buckets(dtype, D):
+    _run_case(B=2, Hq=4, Hkv=4, D=D, dtype=dtype, capacity=300, lens=(299, 150), s_new=1, is_causal=True, seed=D)
+
+
+def test_prefill_into_empty_cache():
+    """Prompt processing through the cache: every token new, causal."""
+    _run_case(B=2, Hq=8, Hkv=2, Sq=300, D=64, capacity=512, lens=(0, 0), s_new=300, is_causal=True, seed=11)
+
+
+@pytest.mark.parametrize("cached", [0, 100])
+def test_prefill_with_known_length(cached):
+    """An int cache_seqlens and a dense cache: prompt-sized calls run attention()'s forward."""
+    _run_case(B=2, Hq=8, Hkv=2, Sq=200, D=128, capacity=512, lens=(cached, cached), s_new=200, is_causal=True,
+              lens_as_tensor=False, seed=12 + cached)
+    _run_case(B=2, Hq=8, Hkv=2, Sq=40, D=64, capacity=512, lens=(cached, cached), s_new=0, window_size=(30, 0),
+              lens_as_tensor=False, seed=13 + cached)
+
+
+def test_cuda_graph_decode_loop():
+    """One captured decode step (append + attention) replayed as the cache grows: each replay
+    matches an eager call at that length."""
+    torch.manual_seed(0)
+    B, Hq, Hkv, D, cap = 2, 16, 4, 128, 4096
+    dtype = torch.bfloat16
+    k_cache = torch.randn(B, Hkv, cap, D, device=DEV, dtype=dtype)
+    v_cache = torch.randn(B, Hkv, cap, D, device=DEV, dtype=dtype)
+    lens = torch.tensor([1000, 37], dtype=torch.int32, device=DEV)
+    q = torch.randn(B, Hq, 1, D, device=DEV, dtype=dtype)
+    k_new = torch.randn(B, Hkv, 1, D, device=DEV, dtype=dtype)
+    v_new = torch.randn(B, Hkv, 1, D, device=DEV, dtype=dtype)
+
+    def step():
+        return flash_cuda.attention_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=lens,
+                                                 is_causal=True)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()  # warm-up outside the capture (allocator, attribute queries)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out_g = step()
+    for it in range(6):
+        q.copy_(torch.randn_like(q))
+        k_new.copy_(torch.randn_like(k_new))
+        v_new.copy_(torch.randn_like(v_new))
+        lens.add_(97 * it + 1)
+        kc, vc = k_cache.clone(), v_cache.clone()
+        graph.replay()
+        eager = flash_cuda.attention_with_kvcache(q, kc, vc, k_new, v_new, cache_seqlens=lens, is_causal=True)
+        torch.cuda.synchronize()
+        assert torch.equal(out_g, eager), f"replay {it} differs from the eager call"
+        assert torch.equal(k_cache, kc) and torch.equal(v_cache, vc), f"replay {it}: cache differs"
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("Sq,Sk,Hq,Hkv", [(1, 4096, 8, 2), (1, 333, 8, 8), (4, 1500, 16, 2), (16, 700, 6, 3)])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_attention_decode_shapes(dtype, Sq, Sk, Hq, Hkv, is_causal):
+    """attention() with few queries runs the split-KV kernels: forward and (regular) backward."""
+    gen = torch.Generator(device=DEV).manual_seed(Sq * Sk)
+    q = torch.randn(2, Hq, Sq, 64, device=DEV, dtype=dtype, generator=gen)
+    k = torch.randn(2, Hkv, Sk, 64, device=DEV, dtype=dtype, generator=gen)
+    v = torch.randn(2, Hkv, Sk, 64, device=DEV, dtype=dtype, generator=gen)
+    check_attention(q, k, v, is_causal=is_causal, scale=None, label=f"decode-shaped {Sq}x{Sk}")
+
+
+def test_splits_are_deterministic():
+    outs = [_run_case(B=1, Hq=8, Hkv=1, capacity=8192, lens=(8000,), s_new=0, num_splits=0, seed=5)[0]
+            for _ in range(2)]
+    assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("lens_q,lens_k,Hq,Hkv", [((1, 0, 16, 3), (700, 5, 1500, 0), 8, 2),
+                                                  ((1, 1, 1), (4000, 1, 333), 32, 8),
+                                                  ((5, 2), (90, 2000), 6, 6)])
+@pytest.mark.parametrize("is_causal,window_size,softcap,alibi", [(True, (-1, -1), 0.0, False),
+                                                                 (False, (64, 8), 10.0, False),
+                                                                 (True, (-1, -1), 0.0, True)])
+def test_varlen_decode_shapes(dtype, lens_q, lens_k, Hq, Hkv, is_causal, window_size, softcap, alibi):
+    """varlen_attention() with few queries per sequence runs the split-KV kernels too."""
+    q, k, v, cu_q, cu_k, mq, mk = make_varlen_inputs(lens_q, lens_k, Hq, Hkv, 128, dtype, "cuda", layout="strided",
+                                                     seed=len(lens_q))
+    slopes = make_alibi_slopes(Hq, batch=len(lens_q)) if alibi else None
+    check_varlen_attention(q, k, v, cu_q, cu_k, mq, mk, is_causal=is_causal, window_size=window_size,
+                           softcap=softcap, alibi_slopes=slopes, label="varlen decode-shaped")

@@ -55,6 +55,18 @@ def _device_capability_of(index: int) -> Tuple[int, int]:
     return cap
 
 
+_side_streams: dict = {}
+
+
+def _side_stream(device: torch.device) -> "torch.cuda.Stream":
+    """One side stream per device for the prefill path's cache writes."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    stream = _side_streams.get(index)
+    if stream is None:
+        stream = _side_streams[index] = torch.cuda.Stream(device=index)
+    return stream
+
+
 def _check_same(name: str, t: Tensor, q: Tensor) -> None:
     if t.dtype != q.dtype:
         _fail(TypeError, f"{name} must have q's dtype {_dtype_name(q.dtype)}, got {_dtype_name(t.dtype)}")
@@ -296,11 +308,24 @@ def attention_with_kvcache(
         # attention is attention()'s query-tiled forward over the filled rows, which runs
         # prompt-sized work at that forward's speed (the decode kernels stream keys for few rows).
         total = cache_len + s_new
-        if s_new:
-            k_cache[:, :, cache_len:total].copy_(k)
-            v_cache[:, :, cache_len:total].copy_(v)
-        out, lse, _ = _fwd_impl(q, k_cache[:, :, :total], v_cache[:, :, :total], scale, left, right, softcap,
-                                alibi_slopes, 0)
+        if cache_len == 0 and s_new:
+            # An empty cache: the keys are k / v themselves. The append runs on a side stream
+            # beside the (compute-bound) attention instead of before it; the call's stream waits
+            # for it before returning (a fork and a join, which CUDA graph capture keeps).
+            main = torch.cuda.current_stream(q.device)
+            side = _side_stream(q.device)
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                k_cache[:, :, :s_new].copy_(k)
+                v_cache[:, :, :s_new].copy_(v)
+            out, lse, _ = _fwd_impl(q, k, v, scale, left, right, softcap, alibi_slopes, 0)
+            main.wait_stream(side)
+        else:
+            if s_new:
+                k_cache[:, :, cache_len:total].copy_(k)
+                v_cache[:, :, cache_len:total].copy_(v)
+            out, lse, _ = _fwd_impl(q, k_cache[:, :, :total], v_cache[:, :, :total], scale, left, right, softcap,
+                                    alibi_slopes, 0)
     else:
         out, lse = C.fwd_kvcache(q, k_cache, v_cache, k, v, lens, cache_len, block_table, scale, left, right,
                                  softcap, alibi_slopes, num_splits, return_lse)

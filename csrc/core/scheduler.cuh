@@ -140,21 +140,35 @@ inline SplitPlan plan_tail_split(int num_blocks, int n_steps, int slots) {
   return plan;
 }
 
-// Split-KV ("flash-decoding", tiers/decode): a launch of `ctas` CTAs per key range, each of up
-// to n_blocks key blocks (from the shapes alone: the cache's capacity, never the lengths in it,
-// so that one plan serves every step of a captured decode loop). When those CTAs leave slots of
-// the GPU (num_sms * ctas_per_sm) idle, every row's keys are cut into s ranges so that s * ctas
-// fills one wave, each range keeping at least kMinKeysPerSplit keys (a range also pays a
-// prologue, a partial output and its share of the merge). A few CTAs per SM cannot reach the
-// memory's speed alone: the split is what lets B = 1 with 8 KV heads stream a long cache at full
-// bandwidth. n_blocks counts steps of block_n keys.
-inline int plan_key_splits(int64_t ctas, int n_blocks, int block_n, int num_sms, int ctas_per_sm) {
-  constexpr int kMinKeysPerSplit = 512, kMaxSplits = 128;
+// Split-KV ("flash-decoding", tiers/mma/decode.cuh): a launch of `ctas` CTAs per key range,
+// each of up to n_blocks steps of block_n keys (from the shapes alone: the cache's capacity,
+// never the lengths in it, so that one plan serves every step of a captured decode loop). Every
+// row's keys are cut into s ranges, each keeping at least kMinKeysPerSplit keys (a range also
+// pays a prologue, a partial output and its share of the merge):
+//   * fewer CTAs than the GPU's slots (num_sms * ctas_per_sm): s = slots / ctas, one full wave.
+//     A few CTAs per SM cannot reach the memory's speed alone: the split is what lets B = 1 with
+//     8 KV heads stream a long cache at full bandwidth;
+//   * more, for a launch of one row chunk per KV group (`rows_fit`: decode, not prefill, whose
+//     many row chunks would each repeat a split's prologue and merge): the s <= kMaxWaveSplits
+//     whose waves ceil(s ctas / slots) / s per unit of work are fewest, which shrinks a partial
+//     last wave (512 CTAs on 396 slots run 2 waves for 1.3 of work; cut in 3 they run 4 for 3.9).
+inline int plan_key_splits(int64_t ctas, int n_blocks, int block_n, int num_sms, int ctas_per_sm, bool rows_fit) {
+  constexpr int kMinKeysPerSplit = 256, kMaxSplits = 128, kMaxWaveSplits = 4;
   const int64_t slots = static_cast<int64_t>(num_sms) * std::max(ctas_per_sm, 1);
-  if (ctas <= 0 || 2 * ctas > slots) return 1;  // at least half a wave already
-  const int64_t by_slots = slots / ctas;
-  const int64_t by_blocks = std::max<int64_t>(int64_t(n_blocks) * block_n / kMinKeysPerSplit, 1);
-  return static_cast<int>(std::min<int64_t>({by_slots, by_blocks, kMaxSplits}));
+  const int64_t by_keys = std::max<int64_t>(int64_t(n_blocks) * block_n / kMinKeysPerSplit, 1);
+  if (ctas <= 0 || slots <= 0) return 1;
+  if (ctas < slots) return static_cast<int>(std::min<int64_t>({std::max<int64_t>(slots / ctas, 1), by_keys, kMaxSplits}));
+  if (!rows_fit) return 1;
+  int best = 1;
+  double best_waves = static_cast<double>((ctas + slots - 1) / slots);
+  for (int s = 2; s <= std::min<int64_t>(kMaxWaveSplits, by_keys); ++s) {
+    const double waves = static_cast<double>((ctas * s + slots - 1) / slots) / s;
+    if (waves < best_waves - 1e-9) {
+      best = s;
+      best_waves = waves;
+    }
+  }
+  return best;
 }
 
 // Only the plain dense case splits: no window (causal included), no softcap or ALiBi, no

@@ -428,7 +428,7 @@ int plan_decode_splits(const FwdParams& p) {
     }
     return n;
   });
-  return plan_key_splits(ctas, ceil_div(p.sk, Cfg::kBlockN), Cfg::kBlockN, p.num_sms, per_sm);
+  return plan_key_splits(ctas, ceil_div(p.sk, Cfg::kBlockN), Cfg::kBlockN, p.num_sms, per_sm, chunks == 1);
 }
 
 template <typename Cfg>

@@ -1,0 +1,122 @@
+"""The split-KV decode kernels under compute-sanitizer: flash_cuda.attention_with_kvcache on dense
+and paged caches (pages of 16, 48 and 256, a transposed pool), in-place append, every mask
+option, splits 1 / n / auto, row chunks, and attention() / varlen_attention() decode-shaped
+calls. Small sizes (the sanitizer slows kernels 10-100x).
+
+    compute-sanitizer --tool memcheck --padding 256 --kernel-name kns=flash_cuda \\
+        python tests/sanitize_kvcache.py            # with a check against float64
+    compute-sanitizer --tool racecheck --racecheck-report all --kernel-name kns=flash_cuda \\
+        python tests/sanitize_kvcache.py --no-check # (the check's cuBLAS kernels trip racecheck
+                                                    #  and initcheck: tests/sanitize.py says why)
+
+The last line is "sanitize_kvcache: P/N cases passed"; exit status 0 when all passed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+import flash_cuda
+from flash_cuda.reference import attention_with_kvcache_reference
+
+CASES = [
+    # B, Hq, Hkv, Sq, D, capacity, lens, s_new, page, options
+    (2, 8, 2, 1, 128, 512, (300, 0), 1, None, dict(is_causal=True)),
+    (2, 8, 2, 1, 64, 512, (511, 17), 1, None, dict(num_splits=5)),
+    (3, 8, 2, 4, 128, 768, (700, 3, 400), 4, 16, dict(is_causal=True)),
+    (2, 8, 8, 8, 128, 768, (600, 1), 0, 48, dict(is_causal=True, window_size=(40, 0))),
+    (2, 16, 2, 1, 256, 512, (400, 100), 1, 256, dict(softcap=20.0)),
+    (2, 6, 2, 33, 128, 256, (100, 7), 33, None, dict(is_causal=True)),
+    (2, 4, 4, 3, 64, 256, (200, 50), 3, None, dict(alibi=True, is_causal=True)),
+    (1, 8, 1, 1, 64, 4096, (4000,), 1, None, dict(num_splits=0)),
+]
+
+
+def _cache(B, Hkv, D, cap, page, dtype, gen):
+    if page is None:
+        k = torch.randn(B, Hkv, cap, D, generator=gen, device="cuda").to(dtype)
+        return k, torch.randn_like(k), None
+    pages = B * (cap // page) + 2
+    # a (pages, page_size, Hkv, D) pool seen as (pages, Hkv, page_size, D)
+    k = torch.randn(pages, page, Hkv, D, generator=gen, device="cuda").to(dtype).transpose(1, 2)
+    v = torch.randn(pages, page, Hkv, D, generator=gen, device="cuda").to(dtype).transpose(1, 2)
+    perm = torch.randperm(pages, generator=gen, device="cuda")[: B * (cap // page)]
+    return k, v, perm.view(B, cap // page).to(torch.int32)
+
+
+def run_case(i, case, check: bool) -> bool:
+    B, Hq, Hkv, Sq, D, cap, lens, s_new, page, opts = case
+    opts = dict(opts)
+    gen = torch.Generator(device="cuda").manual_seed(i)
+    dtype = torch.bfloat16 if i % 2 else torch.float16
+    k_cache, v_cache, table = _cache(B, Hkv, D, cap, page, dtype, gen)
+    q = torch.randn(B, Hq, Sq, D, generator=gen, device="cuda").to(dtype)
+    k = v = None
+    if s_new:
+        k = torch.randn(B, Hkv, s_new, D, generator=gen, device="cuda").to(dtype)
+        v = torch.randn(B, Hkv, s_new, D, generator=gen, device="cuda").to(dtype)
+    if opts.pop("alibi", False):
+        opts["alibi_slopes"] = torch.rand(B, Hq, generator=gen, device="cuda") * 0.1
+    lens_t = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    ref_k, ref_v = k_cache.double(), v_cache.double()
+    out = flash_cuda.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lens_t, block_table=table,
+                                            **opts)
+    torch.cuda.synchronize()
+    if not check:
+        return True
+    ref_opts = {kk: vv for kk, vv in opts.items() if kk != "num_splits"}
+    if "alibi_slopes" in ref_opts:
+        ref_opts["alibi_slopes"] = ref_opts["alibi_slopes"].double()
+    ref = attention_with_kvcache_reference(q.double(), ref_k, ref_v, None if k is None else k.double(),
+                                           None if v is None else v.double(), cache_seqlens=lens_t, block_table=table,
+                                           **ref_opts)
+    err = (out.double() - ref).abs().max().item()
+    tol = (2e-2 if dtype == torch.bfloat16 else 3e-3) * max(1.0, ref.abs().max().item())
+    cache_ok = torch.equal(k_cache.double(), ref_k) and torch.equal(v_cache.double(), ref_v)
+    ok = err <= tol and cache_ok
+    print(f"case {i}: max err {err:.2e} (tol {tol:.1e}), cache {'ok' if cache_ok else 'DIFFERS'}", flush=True)
+    return ok
+
+
+def run_attention_cases(check: bool) -> bool:
+    """attention() and varlen_attention() decode-shaped calls (forward only)."""
+    gen = torch.Generator(device="cuda").manual_seed(99)
+    q = torch.randn(2, 8, 3, 64, generator=gen, device="cuda").half()
+    k = torch.randn(2, 2, 900, 64, generator=gen, device="cuda").half()
+    v = torch.randn_like(k)
+    out = flash_cuda.attention(q, k, v, is_causal=True)
+    cu_q = torch.tensor([0, 1, 4, 4], dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0, 700, 705, 1800], dtype=torch.int32, device="cuda")
+    qv = torch.randn(4, 8, 64, generator=gen, device="cuda").bfloat16()
+    kv = torch.randn(1800, 2, 64, generator=gen, device="cuda").bfloat16()
+    outv = flash_cuda.varlen_attention(qv, kv, kv.clone(), cu_q, cu_k, 3, 1095, is_causal=True)
+    torch.cuda.synchronize()
+    if not check:
+        return True
+    from flash_cuda.reference import attention_naive
+    ref, _ = attention_naive(q.double(), k.double(), v.double(), is_causal=True)
+    err = (out.double() - ref).abs().max().item()
+    ok = err <= 3e-3 * max(1.0, ref.abs().max().item()) and bool(torch.isfinite(outv.float()).all())
+    print(f"attention decode-shaped: max err {err:.2e}", flush=True)
+    return ok
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--no-check", action="store_true")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available() or not flash_cuda.is_available():
+        print("sanitize_kvcache: needs a GPU and the extension", file=sys.stderr)
+        return 2
+    passed = sum(run_case(i, c, not args.no_check) for i, c in enumerate(CASES))
+    passed += run_attention_cases(not args.no_check)
+    total = len(CASES) + 1
+    print(f"sanitize_kvcache: {passed}/{total} cases passed")
+    return 0 if passed == total else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

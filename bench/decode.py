@@ -48,16 +48,17 @@ def main(argv=None) -> int:
     ap.add_argument("--csv", default=None)
     args = ap.parse_args(argv)
 
-    import pandas as pd
     import torch
+
+    if not torch.cuda.is_available():
+        print("decode.py: needs a CUDA GPU (nothing measured)", file=sys.stderr)
+        return 2
+    import pandas as pd
     import torch.nn.functional as F
     from triton.testing import do_bench
 
     import flash_cuda
 
-    if not torch.cuda.is_available():
-        print("decode.py: needs a CUDA GPU (nothing measured)", file=sys.stderr)
-        return 2
     if args.quick:
         args.dtype, args.d, args.ratio, args.batch = ["bf16"], [128], [8], [1, 8]
         args.seqlen, args.sq, args.cache = [8192, 32768], [1], ["dense", "paged16"]

@@ -362,3 +362,18 @@ def test_host_overhead_help_and_no_gpu_message():
         proc = subprocess.run([sys.executable, str(BENCH / "host_overhead.py")],
                               capture_output=True, text=True, timeout=120, cwd=ROOT)
         assert proc.returncode == 2 and "needs a CUDA GPU" in proc.stderr
+
+
+def test_decode_bench_help_and_no_gpu_message():
+    torch = pytest.importorskip("torch")
+    proc = subprocess.run([sys.executable, str(BENCH / "decode.py"), "--help"], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    for opt in ("--seqlen", "--cache", "--sq", "--prefill", "--quick"):
+        assert opt in proc.stdout
+    assert "--decode" in subprocess.run([sys.executable, str(BENCH / "host_overhead.py"), "--help"],
+                                        capture_output=True, text=True, timeout=120).stdout
+    if not torch.cuda.is_available():
+        proc = subprocess.run([sys.executable, str(BENCH / "decode.py")], capture_output=True, text=True,
+                              timeout=120, cwd=ROOT)
+        assert proc.returncode == 2 and "needs a CUDA GPU" in proc.stderr

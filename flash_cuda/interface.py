@@ -793,6 +793,22 @@ class _EagerVarlenFwd(_EagerFunction):
 # Public API
 # ---------------------------------------------------------------------------------------
 
+
+def _autocast(q, k, v):
+    """Inside ``torch.autocast("cuda", dtype)`` attention runs in the autocast dtype, as SDPA
+    does: floating CUDA inputs of another dtype are cast to it (differentiably; gradients come
+    back in the inputs' dtypes). Anything else is left for validation to judge."""
+    if not torch.is_autocast_enabled("cuda"):
+        return q, k, v
+    dtype = torch.get_autocast_dtype("cuda")
+
+    def cast(t):
+        if isinstance(t, Tensor) and t.is_cuda and t.is_floating_point() and t.dtype != dtype:
+            return t.to(dtype)
+        return t
+
+    return cast(q), cast(k), cast(v)
+
 _FEATURES_DOC = r"""
         is_causal: causal masking, aligned to the bottom-right corner of the score matrix
             as in FlashAttention: query ``i`` sees key ``j`` iff ``j <= i + seqlen_k -
@@ -899,6 +915,7 @@ def attention(
         RuntimeError: the inputs (and ALiBi slopes) are not on one CUDA device, the GPU is
             older than compute capability 8.0, or the compiled extension is not built.
     """
+    q, k, v = _autocast(q, k, v)
     opts = _validate(q, k, v, scale=scale, is_causal=is_causal, window_size=window_size,
                      softcap=softcap, alibi_slopes=alibi_slopes, return_lse=return_lse,
                      deterministic=deterministic, kernel=kernel)
@@ -982,6 +999,7 @@ def varlen_attention(
             on q's device (RuntimeError); max_seqlen not an int (TypeError) or negative
             (ValueError); with check_cu_seqlens, bad values (ValueError).
     """
+    q, k, v = _autocast(q, k, v)
     opts, max_q, max_k = _validate_varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale=scale,
         is_causal=is_causal, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,

@@ -41,8 +41,8 @@ ARCHS = {a: f"-gencode=arch=compute_{a[3:]},code={a}" for a in ("sm_80", "sm_86"
 #   memory) the forward at d = 128 launches the compact tiles: the large kernel that spills there
 #   is compiled but never run.
 # * The plain mma.sync backward at d = 64 on sm_90a (8 bytes): sm_90 runs the wgmma backward there.
-# * The fp16 decode at d = 128 on sm_120 (4 bytes, its 64-row tile only: sm_120's ptxas; the same
-#   kernel for bf16 and for every other target spills nothing).
+# * The decode at d = 128 on sm_120 (4 bytes, its 64-row tile only, the one prompt-sized calls
+#   take: sm_120's ptxas; every other target spills nothing there).
 _DTS = ("fp16", "bf16")
 _EXTENDED_SPILLS = {("fwd_ext", 96): ("sm_90a",), ("fwd_ext", 128): ("sm_80", "sm_86", "sm_90a", "sm_120"),
                     ("bwd_ext", 96): ("sm_120",), ("bwd_ext", 128): ("sm_80", "sm_86", "sm_90a"),
@@ -53,7 +53,7 @@ SPILL_ALLOW = {
     **{(f"mma_{name}_{dt}_d{d}.cu", arch): "extended variant (ALiBi / varlen state)"
        for dt in _DTS for (name, d), archs in _EXTENDED_SPILLS.items() for arch in archs},
     **{(f"mma_bwd_{dt}_d64.cu", "sm_90a"): "wgmma serves d = 64 on sm_90" for dt in _DTS},
-    ("decode_fp16_d128.cu", "sm_120"): "sm_120's ptxas, the 64-row decode tile",
+    **{(f"decode_{dt}_d128.cu", "sm_120"): "sm_120's ptxas, the 64-row decode tile" for dt in _DTS},
 }
 
 NVCC = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if os.path.exists("/usr/local/cuda/bin/nvcc") else None)

@@ -277,8 +277,8 @@ bool run_family(Params& p, Tier tier, const at::TensorOptions& options) {
 }
 
 // The families in the order they are asked: fp32 -> simt; fp16 / bf16 -> split-KV decode for
-// decode-shaped calls, the Hopper family where it applies, else mma.sync. kernel='wgmma' and tier 4 allow the Hopper family alone (tier 4's
-// backward is kernel='auto''s).
+// decode-shaped calls, the Hopper family where it applies, else mma.sync. kernel='wgmma' and
+// tier 4 allow the Hopper family alone (tier 4's backward is kernel='auto''s).
 template <typename Params>
 void dispatch(Params& p, Tier tier, const at::TensorOptions& options) {
   constexpr bool kBackward = std::is_same<Params, BwdParams>::value;
@@ -511,7 +511,8 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache(
                     cache_seqlens->device() == q_in.device(),
                 "flash_cuda: cache_seqlens must be a contiguous int32 (batch,) tensor on q's device");
   } else {
-    TORCH_CHECK(cache_len >= 0 && cache_len + s_new <= capacity, "flash_cuda: cache_seqlens + seqlen_new exceeds the cache");
+    TORCH_CHECK(cache_len >= 0 && cache_len + s_new <= capacity,
+                "flash_cuda: cache_seqlens + seqlen_new exceeds the cache");
   }
   TORCH_CHECK(s_new <= capacity && capacity < (int64_t(1) << 31) && Sq < (int64_t(1) << 31) && B < 65536 &&
                   Hq < 65536,

@@ -124,12 +124,13 @@ void launch_combine_splits(const FwdParams& p, int64_t split_blocks, cudaStream_
 }
 
 // The split-KV decode's pieces (tiers/mma/decode.cuh): every row of lse's layout (dense
-// [b][hq][sq], packed [hq][total_q]: decode_stat_rows) was cut into p.num_splits key ranges, piece s of row `row` at [s][row] of
-// o_accum ([.][.][d]) and stats_accum ([.][.][2]). Decode has few rows and many pieces (a single
-// sequence's 32 query heads, split 50 ways), so a row gets a whole CTA: its threads read the
-// pieces' statistics side by side, and each warp adds a quarter of the pieces' O (lanes over
-// columns, several loads in flight), the quarters then summed through shared memory. A warp per
-// row walking 50 pieces one dependent load after the other took longer than the keys' stream.
+// [b][hq][sq], packed [hq][total_q]: decode_stat_rows) was cut into p.num_splits key ranges,
+// piece s of row `row` at [s][row] of o_accum ([.][.][d]) and stats_accum ([.][.][2]). Decode
+// has few rows and many pieces (a single sequence's 32 query heads, split 50 ways), so a row gets
+// a whole CTA: its threads read the pieces' statistics side by side, and each warp adds a quarter
+// of the pieces' O (lanes over columns, several loads in flight), the quarters then summed
+// through shared memory. A warp per row walking 50 pieces one dependent load after the other
+// took longer than the keys' stream.
 constexpr int kKeySplitWarps = 4;
 template <typename T>
 __global__ void __launch_bounds__(32 * kKeySplitWarps) combine_key_splits_kernel(const FwdParams p) {
@@ -210,7 +211,9 @@ __global__ void __launch_bounds__(32 * kKeySplitWarps) combine_key_splits_kernel
     }
     __syncthreads();
   }
-  if (threadIdx.x == 0 && p.softmax_lse != nullptr) store_row_stats(p.softmax_lse + row, nullptr, 0, m, empty ? 0.f : l);
+  if (threadIdx.x == 0 && p.softmax_lse != nullptr) {
+    store_row_stats(p.softmax_lse + row, nullptr, 0, m, empty ? 0.f : l);
+  }
 }
 
 template <typename T>

@@ -157,7 +157,9 @@ inline int plan_key_splits(int64_t ctas, int n_blocks, int block_n, int num_sms,
   const int64_t slots = static_cast<int64_t>(num_sms) * std::max(ctas_per_sm, 1);
   const int64_t by_keys = std::max<int64_t>(int64_t(n_blocks) * block_n / kMinKeysPerSplit, 1);
   if (ctas <= 0 || slots <= 0) return 1;
-  if (ctas < slots) return static_cast<int>(std::min<int64_t>({std::max<int64_t>(slots / ctas, 1), by_keys, kMaxSplits}));
+  if (ctas < slots) {
+    return static_cast<int>(std::min<int64_t>({std::max<int64_t>(slots / ctas, 1), by_keys, kMaxSplits}));
+  }
   if (!rows_fit) return 1;
   int best = 1;
   double best_waves = static_cast<double>((ctas + slots - 1) / slots);

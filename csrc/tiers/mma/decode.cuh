@@ -72,6 +72,7 @@ struct Config {
   // Q's A fragments stay in registers for the whole key loop where they fit next to O's
   // accumulators (d <= 128: 32 registers); at d = 256 they are read from shared memory per step.
   static constexpr bool kQInRegs = kHeadDim <= 128;
+  static constexpr int kQFrags = kQInRegs ? kHeadDim / 16 : 1;  // (one unused where they do not)
   static_assert(kWarpsM * kWarpsN == 4, "four warps");
 };
 
@@ -155,10 +156,9 @@ __device__ __forceinline__ void load_key_block(const FwdParams& p, const CacheSe
     const T* vs = v + vb + h_kv * p.v_head_stride + cp.c;
 #pragma unroll
     for (int pass = 0; pass < Copier::kPasses; ++pass) {
-      cp_async_16_stream<Cfg::kPrefetch>(sk + pass * Copier::kRowsPerPass * Cfg::kPitch, ks + pass * Copier::kRowsPerPass * p.k_row_stride,
-                  true);
-      cp_async_16_stream<Cfg::kPrefetch>(sv + pass * Copier::kRowsPerPass * Cfg::kPitch, vs + pass * Copier::kRowsPerPass * p.v_row_stride,
-                  true);
+      const int r = pass * Copier::kRowsPerPass;
+      cp_async_16_stream<Cfg::kPrefetch>(sk + r * Cfg::kPitch, ks + r * p.k_row_stride, true);
+      cp_async_16_stream<Cfg::kPrefetch>(sv + r * Cfg::kPitch, vs + r * p.v_row_stride, true);
     }
     return;
   }
@@ -197,7 +197,7 @@ struct PackedRows {
 template <typename Cfg>
 __device__ __forceinline__ void compute_qk_scores_and_max(float (&s)[1][Cfg::kSubN / 8][4], float (&block_max)[1][2],
                                                           const typename Cfg::T* sQ_warp,
-                                                          const uint32_t (&q_frags)[Cfg::kQInRegs ? Cfg::kHeadDim / 16 : 1][4],
+                                                          const uint32_t (&q_frags)[Cfg::kQFrags][4],
                                                           const typename Cfg::T* sK_warp, bool needs_mask,
                                                           int row_base, int key_base, const AttnMask& mask,
                                                           const ScoreMod& mod, float scale_log2,
@@ -358,7 +358,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) decode_kernel(const FwdParams p
   RowStats<1> stats;
   start_online_softmax(acc_o, stats);
 
-  uint32_t q_frags[Cfg::kQInRegs ? Cfg::kHeadDim / 16 : 1][4];
+  uint32_t q_frags[Cfg::kQFrags][4];
   for (int nb = nb_begin; nb < nb_end; ++nb) {
     cp_async_wait<Cfg::kStages - 2>();  // one commit group per step, empty ones included
     __syncthreads();  // step nb landed for all; step nb - 1's stage is free

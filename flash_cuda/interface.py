@@ -445,19 +445,27 @@ class _Options(NamedTuple):
     tier: int
 
 
-def _validate_options(q: Tensor, *, batch: int, scale, is_causal: bool, window_size, softcap,
-                      alibi_slopes, kernel, varlen: bool, prefix: str,
-                      deterministic: bool = False) -> _Options:
-    """The checks shared by attention and varlen_attention once the tensors' types, dtypes,
-    shapes and strides are known good: scale, window, softcap, ALiBi slopes, kernel."""
-    # The defaults take the short way: a small call (a decode step) pays for every microsecond.
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else _check_scale(scale, q.shape[-1], prefix)
+def _check_score_options(head_dim: int, scale, is_causal: bool, window_size, softcap,
+                         prefix: str) -> Tuple[float, int, int, float]:
+    """(scale, window_left, window_right, softcap) as the extension takes them. The defaults
+    take the short way: a small call (a decode step) pays for every microsecond."""
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else _check_scale(scale, head_dim, prefix)
     if type(window_size) is tuple and window_size == (-1, -1):
         left, right = -1, 0 if is_causal else -1
     else:
         left, right = _check_window(window_size, is_causal, prefix)
     if softcap != 0.0 or type(softcap) is not float:
         softcap = _check_softcap(softcap, prefix)
+    return scale, left, right, softcap
+
+
+def _validate_options(q: Tensor, *, batch: int, scale, is_causal: bool, window_size, softcap,
+                      alibi_slopes, kernel, varlen: bool, prefix: str,
+                      deterministic: bool = False) -> _Options:
+    """The checks shared by attention and varlen_attention once the tensors' types, dtypes,
+    shapes and strides are known good: scale, window, softcap, ALiBi slopes, kernel."""
+    scale, left, right, softcap = _check_score_options(q.shape[-1], scale, is_causal, window_size, softcap,
+                                                       prefix)
     if alibi_slopes is not None:
         heads = q.shape[-2] if varlen else q.shape[1]
         alibi_slopes = _check_alibi(alibi_slopes, batch, heads, prefix)

@@ -10,7 +10,6 @@ is the executable specification (pure PyTorch, runs on CPU).
 
 from __future__ import annotations
 
-import math
 import os
 from typing import Optional, Tuple, Union
 
@@ -19,8 +18,8 @@ from torch import Tensor
 
 from . import _ext
 from .interface import (MAX_GRID_YZ, MAX_HEAD_DIM, MAX_SEQLEN, MIN_CAPABILITY, MIN_HEAD_DIM,
-                        _capability_cache, _check_alibi, _check_capability, _check_scale,
-                        _check_softcap, _check_window, _dtype_name, _fwd_impl)
+                        _capability_cache, _check_alibi, _check_capability, _check_score_options,
+                        _dtype_name, _fwd_impl)
 
 __all__ = ["attention_with_kvcache", "PAGE_SIZE_MULTIPLE", "MAX_NUM_SPLITS"]
 
@@ -279,14 +278,7 @@ def attention_with_kvcache(
     if type(num_splits) is not int or not 0 <= num_splits <= MAX_NUM_SPLITS:
         _fail(ValueError, f"num_splits must be an int in [0, {MAX_NUM_SPLITS}] (0: chosen from the shapes), "
                           f"got {num_splits!r}")
-    # The defaults skip their checks: a decode step pays for every microsecond of host time.
-    scale = 1.0 / math.sqrt(D) if scale is None else _check_scale(scale, D, _PREFIX)
-    if type(window_size) is tuple and window_size == (-1, -1):
-        left, right = -1, 0 if is_causal else -1
-    else:
-        left, right = _check_window(window_size, is_causal, _PREFIX)
-    if softcap != 0.0 or type(softcap) is not float:
-        softcap = _check_softcap(softcap, _PREFIX)
+    scale, left, right, softcap = _check_score_options(D, scale, is_causal, window_size, softcap, _PREFIX)
     if alibi_slopes is not None:
         alibi_slopes = _check_alibi(alibi_slopes, B, Hq, _PREFIX)
         if alibi_slopes.get_device() != dev:

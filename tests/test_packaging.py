@@ -42,6 +42,30 @@ def test_torch_cuda_arch_list(monkeypatch, env, archs, ptx):
         [f"-gencode=arch=compute_{p},code=compute_{p}" for p in ptx]
 
 
+@pytest.mark.parametrize("env,archs,ptx", [
+    ("80;86;89;90a;100;120", ["80", "86", "89", "90a", "100", "120"], "120"),
+    ("8.6", ["86"], "86"),
+    ("9.0", ["90a"], "90"),          # sm_90 builds as sm_90a; its PTX drops the "a" features
+    ("sm_80,sm_90", ["80", "90a"], "90"),
+])
+def test_flash_cuda_archs(monkeypatch, env, archs, ptx):
+    """FLASH_CUDA_ARCHS accepts every supported class, and the newest target also embeds PTX
+    (so GPUs newer than every target can compile it when the module loads)."""
+    monkeypatch.setenv("FLASH_CUDA_ARCHS", env)
+    ns = _setup_namespace()
+    got = ns["cuda_archs"]()
+    assert got == archs
+    flags = ns["gencode_flags"](got)
+    assert flags[:-1] == [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
+    assert flags[-1] == f"-gencode=arch=compute_{ptx},code=compute_{ptx}"
+
+
+def test_build_rejects_old_targets(monkeypatch):
+    monkeypatch.setenv("FLASH_CUDA_ARCHS", "75;80")
+    with pytest.raises(RuntimeError, match="compute capability 8.0 or newer"):
+        _setup_namespace()["cuda_archs"]()
+
+
 class _no_warning:
     def __enter__(self):
         return self

@@ -532,22 +532,11 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache(
   }
 
   FwdParams p;
-  p.q = q.data_ptr();
-  p.q_batch_stride = q.stride(0);
-  p.q_head_stride = q.stride(1);
-  p.q_row_stride = q.stride(2);
-  p.k = k_cache.data_ptr();
-  p.k_batch_stride = k_cache.stride(0);
-  p.k_head_stride = k_cache.stride(1);
-  p.k_row_stride = k_cache.stride(2);
-  p.v = v_cache.data_ptr();
-  p.v_batch_stride = v_cache.stride(0);
-  p.v_head_stride = v_cache.stride(1);
-  p.v_row_stride = v_cache.stride(2);
-  p.o = out.data_ptr();
-  p.o_batch_stride = out.stride(0);
-  p.o_head_stride = out.stride(1);
-  p.o_row_stride = out.stride(2);
+  const Shape dense;  // every tensor here is (batch or page, head, row, dim)
+  dense.view(q, p.q, p.q_batch_stride, p.q_head_stride, p.q_row_stride);
+  dense.view(k_cache, p.k, p.k_batch_stride, p.k_head_stride, p.k_row_stride);
+  dense.view(v_cache, p.v, p.v_batch_stride, p.v_head_stride, p.v_row_stride);
+  dense.view(out, p.o, p.o_batch_stride, p.o_head_stride, p.o_row_stride);
   p.softmax_lse = return_lse ? lse.data_ptr<float>() : nullptr;
   p.stat_batch_stride = Hq * Sq;
   p.stat_head_stride = Sq;
@@ -581,14 +570,8 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache(
     p.num_pages = static_cast<int>(k_cache.size(0));
   }
   if (has_new) {
-    p.k_new = k_new.data_ptr();
-    p.v_new = v_new.data_ptr();
-    p.knew_batch_stride = k_new.stride(0);
-    p.knew_head_stride = k_new.stride(1);
-    p.knew_row_stride = k_new.stride(2);
-    p.vnew_batch_stride = v_new.stride(0);
-    p.vnew_head_stride = v_new.stride(1);
-    p.vnew_row_stride = v_new.stride(2);
+    dense.view(k_new, p.k_new, p.knew_batch_stride, p.knew_head_stride, p.knew_row_stride);
+    dense.view(v_new, p.v_new, p.vnew_batch_stride, p.vnew_head_stride, p.vnew_row_stride);
     p.s_new = static_cast<int>(s_new);
   }
   p.splits_wanted = static_cast<int>(std::min<int64_t>(num_splits, 1024));

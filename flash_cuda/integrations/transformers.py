@@ -1,0 +1,240 @@
+"""flash_cuda as an attention implementation of Hugging Face transformers.
+
+    import flash_cuda.integrations.transformers as fc_hf
+    model = AutoModelForCausalLM.from_pretrained(name, attn_implementation=fc_hf.ATTN_IMPLEMENTATION,
+                                                 dtype=torch.bfloat16, device_map="cuda")
+
+Importing this module registers two functions with transformers under the name
+``ATTN_IMPLEMENTATION``: the attention itself (``AttentionInterface``) and the mask hook
+(``AttentionMaskInterface``), which hands the attention the model's 2-D padding mask instead
+of a materialised 4-D mask. The attention then takes one of three paths:
+
+* no padding: :func:`flash_cuda.attention` on the model's (batch, heads, seq, head_dim) tensors,
+  bottom-right causal (a prefill or a decode step against a cache lines up without a mask);
+  a decode step (one to sixteen new tokens) runs the split-KV decode kernels;
+* a 2-D padding mask: the padded tokens are dropped and the batch runs packed through
+  :func:`flash_cuda.varlen_attention`, then the output is scattered back (zeros at the padded
+  query positions);
+* a padding-free packed batch (one row holding several sequences, either with transformers'
+  ``cu_seq_lens_q`` / ``cu_seq_lens_k`` / ``max_length_q`` / ``max_length_k`` keyword
+  arguments or with ``position_ids`` that restart): :func:`flash_cuda.varlen_attention` over the
+  sequences.
+
+From the model it takes the module's scaling, ``is_causal``, grouped-query heads (k / v are
+never repeated), the sliding window (a window of ``w`` tokens sees the ``w - 1`` before it and
+itself, as transformers' masks define it) and logit softcapping (Gemma-2). Attention dropout
+and attention sinks are not supported: a model that asks for them gets a ValueError.
+
+The name carries no "flash": transformers treats every implementation whose name contains it
+as a FlashAttention package to load from its kernel hub.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Callable, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .. import interface
+
+try:
+    from transformers import AttentionInterface, AttentionMaskInterface
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "flash_cuda.integrations.transformers needs the transformers package (version 4.48 or newer, "
+        "which has AttentionInterface and AttentionMaskInterface): pip install transformers") from exc
+
+ATTN_IMPLEMENTATION = "fcuda"
+"""The name to pass as ``attn_implementation`` to ``from_pretrained`` / ``from_config``."""
+
+__all__ = ["ATTN_IMPLEMENTATION", "attention_forward", "padding_mask", "register"]
+
+
+class _LastResult:
+    """Remembers one result computed from a tensor (a padding mask, position ids) while that
+    tensor is alive and unmodified. Every layer of a forward gets the same mask object, so the
+    host sync of unpadding (the largest sequence length) happens once per forward, not once
+    per layer."""
+
+    def __init__(self):
+        self._ref: Optional[weakref.ref] = None
+        self._key = None
+        self._value = None
+
+    def get(self, tensor: Tensor, extra, compute: Callable):
+        if torch.compiler.is_compiling():
+            return compute()
+        key = (tensor._version, extra)
+        if self._ref is not None and self._ref() is tensor and self._key == key:
+            return self._value
+        value = compute()
+        self._ref, self._key, self._value = weakref.ref(tensor), key, value
+        return value
+
+
+_UNPAD = _LastResult()
+_PACKED = _LastResult()
+
+
+def _unpad_indices(mask: Tensor) -> Tuple[Tensor, Tensor, int]:
+    """Rows of a (batch, length) bool mask that are kept: flat indices, cu_seqlens, longest."""
+    lengths = mask.sum(dim=1, dtype=torch.int32)
+    indices = torch.nonzero(mask.reshape(-1)).reshape(-1)
+    cu_seqlens = F.pad(torch.cumsum(lengths, 0, dtype=torch.int32), (1, 0))
+    return indices, cu_seqlens, int(lengths.max()) if lengths.numel() else 0
+
+
+def _unpad_plan(mask: Tensor, q_len: int):
+    """(indices_q, cu_q, max_q, indices_k, cu_k, max_k) for a padding mask over the keys.
+
+    Queries are the last ``q_len`` positions of each row (a prefill has them all; a decode step
+    with a cache has the newest, left padding keeping them at the end)."""
+    indices_k, cu_k, max_k = _unpad_indices(mask)
+    if q_len == mask.shape[1]:
+        return indices_k, cu_k, max_k, indices_k, cu_k, max_k
+    if q_len == 1:
+        batch = mask.shape[0]
+        cu_q = torch.arange(batch + 1, dtype=torch.int32, device=mask.device)
+        return cu_q[:-1].long(), cu_q, 1, indices_k, cu_k, max_k
+    indices_q, cu_q, max_q = _unpad_indices(mask[:, -q_len:])
+    return indices_q, cu_q, max_q, indices_k, cu_k, max_k
+
+
+def _packed_plan(position_ids: Tensor) -> Optional[Tuple[Tensor, int]]:
+    """cu_seqlens and the longest sequence of one row of packed sequences, or None when the
+    positions count up without a restart (a single sequence)."""
+    pos = position_ids.reshape(-1)
+    starts = torch.nonzero(pos == pos.min()).reshape(-1)
+    if starts.numel() <= 1 and bool((pos[1:] - pos[:-1] == 1).all()):
+        return None
+    cu = torch.cat([starts.to(torch.int32), torch.tensor([pos.numel()], dtype=torch.int32, device=pos.device)])
+    return cu, int((cu[1:] - cu[:-1]).max())
+
+
+def _window(sliding_window: Optional[int], is_causal: bool) -> Tuple[int, int]:
+    if sliding_window is None or sliding_window <= 0:
+        return (-1, -1)
+    # transformers' window of w tokens: a query sees the w - 1 tokens before it and itself.
+    return (sliding_window - 1, 0 if is_causal else sliding_window - 1)
+
+
+def attention_forward(
+    module: torch.nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Optional[Tensor],
+    dropout: float = 0.0,
+    scaling: Optional[float] = None,
+    sliding_window: Optional[int] = None,
+    softcap: Optional[float] = None,
+    is_causal: Optional[bool] = None,
+    s_aux: Optional[Tensor] = None,
+    **kwargs,
+) -> Tuple[Tensor, None]:
+    """transformers' attention interface: query ``(batch, heads, q_len, head_dim)``, key / value
+    ``(batch, kv_heads, kv_len, head_dim)``, ``attention_mask`` the 2-D padding mask from
+    :func:`padding_mask` (or None). Returns ``(out, None)``, out ``(batch, q_len, heads,
+    head_dim)``; attention weights are never materialised."""
+    if dropout:
+        raise ValueError(
+            f"flash_cuda has no attention dropout (the model asks for p={dropout}): set the config's "
+            "attention_dropout to 0.0, or call model.eval() when dropout is not wanted")
+    if s_aux is not None:
+        raise ValueError("flash_cuda does not support attention sinks (s_aux); use attn_implementation='sdpa' "
+                         "or 'eager' for this model")
+    if attention_mask is not None and attention_mask.dim() != 2:
+        raise ValueError(
+            f"flash_cuda takes a 2-D padding mask (batch, kv_len), got a {attention_mask.dim()}-D mask: build the "
+            f"model with attn_implementation='{ATTN_IMPLEMENTATION}' so that transformers calls the "
+            "flash_cuda mask hook (arbitrary 4-D masks are not supported)")
+    if value.shape[-1] != query.shape[-1]:
+        raise ValueError(f"flash_cuda needs value's head dim ({value.shape[-1]}) to equal query's "
+                         f"({query.shape[-1]})")
+    if is_causal is None:
+        is_causal = getattr(module, "is_causal", True)
+    opts = dict(is_causal=bool(is_causal), scale=scaling, window_size=_window(sliding_window, bool(is_causal)),
+                softcap=float(softcap or 0.0), deterministic=torch.are_deterministic_algorithms_enabled())
+    batch, heads, q_len, head_dim = query.shape
+
+    # (batch, heads, seq, dim) views as (batch, seq, heads, dim): the projections' own layout.
+    q_bshd = query.transpose(1, 2)
+    if attention_mask is not None:
+        return _padded(q_bshd, key, value, attention_mask, opts), None
+
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    max_q, max_k = kwargs.get("max_length_q"), kwargs.get("max_length_k")
+    if cu_q is None or cu_k is None or max_q is None or max_k is None:
+        cu_q = None
+        position_ids = kwargs.get("position_ids")
+        if position_ids is not None and batch == 1 and q_len > 1 and position_ids.shape[-1] == q_len:
+            plan = _PACKED.get(position_ids, None, lambda: _packed_plan(position_ids))
+            if plan is not None:
+                cu_q, max_q = plan
+                cu_k, max_k = cu_q, max_q
+    if cu_q is not None:
+        out = interface.varlen_attention(
+            q_bshd.reshape(-1, heads, head_dim), key.transpose(1, 2).reshape(-1, key.shape[1], head_dim),
+            value.transpose(1, 2).reshape(-1, value.shape[1], head_dim), cu_q.to(torch.int32),
+            cu_k.to(torch.int32), int(max_q), int(max_k), **opts)
+        return out.view(batch, q_len, heads, head_dim), None
+
+    out = interface.attention(query, key, value, **opts)
+    return out.transpose(1, 2), None
+
+
+def _padded(q_bshd: Tensor, key: Tensor, value: Tensor, mask: Tensor, opts) -> Tensor:
+    batch, q_len, heads, head_dim = q_bshd.shape
+    if key.shape[2] > mask.shape[1]:  # a static cache: rows past the mask are unwritten
+        key, value = key[:, :, : mask.shape[1]], value[:, :, : mask.shape[1]]
+    if key.shape[2] != mask.shape[1]:
+        raise ValueError(f"flash_cuda: the padding mask covers {mask.shape[1]} keys, the cache holds {key.shape[2]}")
+    idx_q, cu_q, max_q, idx_k, cu_k, max_k = _UNPAD.get(mask, q_len, lambda: _unpad_plan(mask, q_len))
+    k = key.transpose(1, 2).reshape(-1, key.shape[1], head_dim).index_select(0, idx_k)
+    v = value.transpose(1, 2).reshape(-1, value.shape[1], head_dim).index_select(0, idx_k)
+    q = q_bshd.reshape(-1, heads, head_dim).index_select(0, idx_q)
+    out = interface.varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k, **opts)
+    # Padded query positions get zeros, as every FlashAttention integration of transformers does.
+    full = out.new_zeros(batch * q_len, heads, head_dim).index_copy(0, idx_q, out)
+    return full.view(batch, q_len, heads, head_dim)
+
+
+def padding_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int = 0,
+    kv_offset: int = 0,
+    mask_function: Optional[Callable] = None,
+    attention_mask: Optional[Tensor] = None,
+    use_vmap: bool = False,
+    **kwargs,
+) -> Optional[Tensor]:
+    """transformers' mask hook: the 2-D padding mask over the ``kv_length`` keys the layer sees,
+    or None when nothing is padded. The causal pattern and sliding window come from the
+    attention's own arguments; pattern changes that only a dense mask can express (transformers
+    passes them as extra mask functions, e.g. bidirectional image tokens) are refused."""
+    if use_vmap:
+        raise ValueError(
+            "flash_cuda cannot express this model's mask (it adds a custom pattern to the causal mask); use "
+            "attn_implementation='sdpa' for it")
+    if attention_mask is None:
+        return None
+    mask = attention_mask[:, -kv_length:].to(torch.bool)
+    if mask.shape[1] == kv_length and bool(mask.all()):
+        return None
+    return mask
+
+
+def register() -> str:
+    """Registers flash_cuda with transformers (importing this module already did) and returns
+    the implementation name."""
+    AttentionInterface.register(ATTN_IMPLEMENTATION, attention_forward)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, padding_mask)
+    return ATTN_IMPLEMENTATION
+
+
+register()

@@ -1,0 +1,183 @@
+"""flash_cuda.integrations.transformers without a GPU: registration, the mask hook, the unpad
+and packing plans, and whole tiny models (Llama, Mistral, Qwen2, Gemma-2 style) run through
+flash_cuda's Python layer on CPU (the ``mock_extension`` fixture stands in for the kernels with
+flash_cuda.reference), against transformers' eager attention in float32."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hf_models
+from hf_models import fc_hf, transformers
+
+FAMILIES = list(hf_models.FAMILIES)
+
+
+def close(a, b, tol=2e-4):
+    err = (a.float() - b.float()).abs().max().item()
+    scale = b.float().abs().max().item()
+    assert err <= tol * max(scale, 1.0), f"max abs error {err:.3g} (reference max {scale:.3g})"
+
+
+def test_registered_under_a_name_without_flash():
+    from transformers import AttentionInterface, AttentionMaskInterface
+
+    name = fc_hf.ATTN_IMPLEMENTATION
+    assert "flash" not in name.lower()
+    assert AttentionInterface._global_mapping[name] is fc_hf.attention_forward
+    assert AttentionMaskInterface._global_mapping[name] is fc_hf.padding_mask
+    assert fc_hf.register() == name
+
+
+def test_padding_mask_hook():
+    mask = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])
+    out = fc_hf.padding_mask(2, 4, 4, attention_mask=mask)
+    assert out.dtype == torch.bool and torch.equal(out, mask.bool())
+    assert fc_hf.padding_mask(2, 4, 4, attention_mask=torch.ones(2, 4)) is None
+    assert fc_hf.padding_mask(2, 4, 4, attention_mask=None) is None
+    # A sliding-window cache holds the last kv_length keys: the mask is cut from the right.
+    assert fc_hf.padding_mask(2, 1, 3, attention_mask=mask) is None  # the last 3 columns are all ones
+    holes = torch.tensor([[1, 0, 1, 1], [1, 1, 1, 1]])
+    assert fc_hf.padding_mask(2, 1, 3, attention_mask=holes).tolist() == [[False, True, True], [True, True, True]]
+    # A static cache longer than the mask keeps the mask (it marks the written rows).
+    assert torch.equal(fc_hf.padding_mask(2, 1, 6, attention_mask=torch.ones(2, 4)), torch.ones(2, 4, dtype=torch.bool))
+    with pytest.raises(ValueError, match="custom pattern"):
+        fc_hf.padding_mask(2, 4, 4, attention_mask=mask, use_vmap=True)
+
+
+def test_unpad_plan_prefill_decode_and_chunk():
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1], [0, 0, 0, 0, 1]], dtype=torch.bool)
+    iq, cq, mq, ik, ck, mk = fc_hf._unpad_plan(mask, 5)
+    assert ck.tolist() == [0, 3, 8, 9] and mk == 5 and ck.dtype == torch.int32
+    assert ik.tolist() == [2, 3, 4, 5, 6, 7, 8, 9, 14] and iq is ik and mq == mk
+    iq, cq, mq, *_ = fc_hf._unpad_plan(mask, 1)  # one new token per row, the last position
+    assert cq.tolist() == [0, 1, 2, 3] and mq == 1 and iq.tolist() == [0, 1, 2]
+    iq, cq, mq, *_ = fc_hf._unpad_plan(mask, 2)  # two new tokens per row: the last two positions
+    assert cq.tolist() == [0, 2, 4, 5] and mq == 2 and iq.tolist() == [0, 1, 2, 3, 5]
+
+
+def test_packed_plan_from_position_ids():
+    pos = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3]])
+    cu, longest = fc_hf._packed_plan(pos)
+    assert cu.tolist() == [0, 3, 5, 9] and cu.dtype == torch.int32 and longest == 4
+    assert fc_hf._packed_plan(torch.arange(7)[None]) is None
+    assert fc_hf._packed_plan(torch.arange(5, 12)[None]) is None  # a chunk after a cache: one sequence
+
+
+def test_window_follows_transformers_definition():
+    assert fc_hf._window(None, True) == (-1, -1)
+    assert fc_hf._window(8, True) == (7, 0)
+    assert fc_hf._window(8, False) == (7, 7)
+
+
+class _Module(torch.nn.Module):
+    is_causal = True
+
+
+def test_unsupported_requests_raise_before_any_launch():
+    q = torch.randn(1, 2, 4, 16)
+    with pytest.raises(ValueError, match="dropout"):
+        fc_hf.attention_forward(_Module(), q, q, q, None, dropout=0.1)
+    with pytest.raises(ValueError, match="sinks"):
+        fc_hf.attention_forward(_Module(), q, q, q, None, s_aux=torch.zeros(2))
+    with pytest.raises(ValueError, match="2-D padding mask"):
+        fc_hf.attention_forward(_Module(), q, q, q, torch.ones(1, 1, 4, 4, dtype=torch.bool))
+    with pytest.raises(ValueError, match="head dim"):
+        fc_hf.attention_forward(_Module(), q, q, q[..., :8], None)
+
+
+def test_cache_of_plans_follows_the_mask_object(mock_extension):
+    mask = torch.tensor([[0, 1, 1], [1, 1, 1]], dtype=torch.bool)
+    a = fc_hf._UNPAD.get(mask, 3, lambda: fc_hf._unpad_plan(mask, 3))
+    assert fc_hf._UNPAD.get(mask, 3, lambda: pytest.fail("recomputed")) is a
+    mask[0, 0] = True  # an in-place change bumps the version: recomputed
+    b = fc_hf._UNPAD.get(mask, 3, lambda: fc_hf._unpad_plan(mask, 3))
+    assert b[4].tolist() == [0, 3, 6]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_dense_batch_loss_and_gradients(mock_extension, family):
+    eager, ours = hf_models.build(family, torch.float32, "cpu")
+    ids = torch.randint(1, hf_models.VOCAB, (2, 24), generator=torch.Generator().manual_seed(3))
+    le, xe, ge = hf_models.loss_and_grads(eager, input_ids=ids, labels=ids)
+    calls = mock_extension.fwd_calls
+    lo, xo, go = hf_models.loss_and_grads(ours, input_ids=ids, labels=ids)
+    assert mock_extension.fwd_calls - calls == ours.config.num_hidden_layers
+    assert mock_extension.bwd_calls == ours.config.num_hidden_layers
+    close(lo, le)
+    close(xo, xe)
+    assert ge.keys() == go.keys()
+    for name in ge:
+        close(go[name], ge[name], tol=1e-3)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_padded_batch_runs_packed(mock_extension, family):
+    eager, ours = hf_models.build(family, torch.float32, "cpu")
+    ids, mask, labels = hf_models.left_padded_batch([24, 13, 5], 24, "cpu")
+    le, xe, ge = hf_models.loss_and_grads(eager, input_ids=ids, attention_mask=mask, labels=labels)
+    lo, xo, go = hf_models.loss_and_grads(ours, input_ids=ids, attention_mask=mask, labels=labels)
+    assert mock_extension.last_fwd_args["varlen"]
+    close(lo, le)
+    keep = mask.bool()
+    close(xo[keep], xe[keep])
+    for name in ge:
+        close(go[name], ge[name], tol=1e-3)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("how", ["position_ids", "cu_seq_lens"])
+def test_padding_free_packed_batch(mock_extension, family, how):
+    eager, ours = hf_models.build(family, torch.float32, "cpu")
+    lengths = [11, 4, 17]
+    ids, pos, labels, cu = hf_models.packed_batch(lengths, "cpu")
+    # The reference: each sequence alone through the eager model.
+    starts = cu.tolist()
+    ref = torch.cat([eager(input_ids=ids[:, a:b], use_cache=False).logits for a, b in zip(starts, starts[1:])], 1)
+    extra = {}
+    if how == "cu_seq_lens":
+        extra = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(lengths), max_length_k=max(lengths))
+    le, xe, ge = hf_models.loss_and_grads(eager, input_ids=ids, position_ids=pos, labels=labels)
+    lo, xo, go = hf_models.loss_and_grads(ours, input_ids=ids, position_ids=pos, labels=labels, **extra)
+    assert mock_extension.last_fwd_args["varlen"]
+    close(xo, ref)
+    close(lo, le)
+    for name in ge:
+        close(go[name], ge[name], tol=1e-3)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_generate_with_the_default_cache(mock_extension, family):
+    eager, ours = hf_models.build(family, torch.float32, "cpu")
+    ids, mask, _ = hf_models.left_padded_batch([12, 7], 12, "cpu", seed=4)
+    steps = 6
+    with torch.no_grad():
+        seq_e, logits_e = hf_models.greedy_steps(eager, ids, mask, steps)
+        seq_o, logits_o = hf_models.greedy_steps(ours, ids, mask, steps)
+    if family in ("llama", "gemma2"):  # the last layer attends to the whole padded cache: unpadded
+        assert mock_extension.last_fwd_args["varlen"]
+    close(logits_o, logits_e)
+    assert torch.equal(seq_o, seq_e)
+
+
+def test_greedy_generate_unpadded_decodes_densely(mock_extension):
+    eager, ours = hf_models.build("llama", torch.float32, "cpu")
+    ids = torch.randint(1, hf_models.VOCAB, (2, 10), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        seq_e, logits_e = hf_models.greedy_steps(eager, ids, mask, 5)
+        seq_o, logits_o = hf_models.greedy_steps(ours, ids, mask, 5)
+    assert not mock_extension.last_fwd_args["varlen"]
+    close(logits_o, logits_e)
+    assert torch.equal(seq_o, seq_e)
+
+
+def test_from_pretrained_with_the_name(mock_extension, tmp_path):
+    eager, _ = hf_models.build("llama", torch.float32, "cpu")
+    eager.save_pretrained(tmp_path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation=fc_hf.ATTN_IMPLEMENTATION)
+    assert model.config._attn_implementation == fc_hf.ATTN_IMPLEMENTATION
+    ids = torch.randint(1, hf_models.VOCAB, (1, 9), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        close(model(input_ids=ids).logits, eager(input_ids=ids).logits)

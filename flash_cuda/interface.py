@@ -11,7 +11,8 @@ Layering:
   ``torch.library`` custom ops around the compiled extension's two entry points
   (``_C.fwd`` / ``_C.bwd``, which take the dense or the packed layout). Each has a fake
   (meta) implementation, so ``torch.compile(fullgraph=True)`` traces through them without
-  a graph break, and the forward ops have an autograd formula that calls the backward op.
+  a graph break, and the forward ops have an autograd formula that calls the backward op
+  for the gradients autograd asks for alone (dQ, or dK and dV, or all three).
 * Empty problems (no batch entry, no query row or no key) are answered here without a
   kernel launch.
 """
@@ -583,13 +584,21 @@ def _fwd_impl_inference(q, k, v, scale, window_left, window_right, softcap, alib
     return _fwd_impl(q, k, v, scale, window_left, window_right, softcap, alibi_slopes, tier)
 
 
+# need_dq / need_dkdv: which gradients to compute (dK and dV come from the same products, so
+# they go together); one not computed is None, and the extension neither allocates nor works on it.
+def _empty_grads(q, k, v, need_dq, need_dkdv):
+    """The gradients of a call with no query row or no key: zeros, None where not wanted."""
+    return (torch.zeros_like(q) if need_dq else None, torch.zeros_like(k) if need_dkdv else None,
+            torch.zeros_like(v) if need_dkdv else None)
+
+
 def _bwd_impl(dout, q, k, v, out, lse, aux, dlse, scale, window_left, window_right, softcap, alibi_slopes,
-              deterministic, tier):
+              deterministic, tier, need_dq=True, need_dkdv=True):
     if _is_empty(q, k):
-        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        return _empty_grads(q, k, v, need_dq, need_dkdv)
     return _ext.require().bwd(dout, q, k, v, out, lse, aux, dlse, float(scale), int(window_left),
                               int(window_right), float(softcap), alibi_slopes, None, None, 0, 0,
-                              bool(deterministic), int(tier))
+                              bool(deterministic), int(tier), bool(need_dq), bool(need_dkdv))
 
 
 def _varlen_fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, window_left,
@@ -605,12 +614,14 @@ def _varlen_fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
 
 
 def _varlen_bwd_impl(dout, q, k, v, out, lse, aux, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                     max_seqlen_k, scale, window_left, window_right, softcap, alibi_slopes, deterministic, tier):
+                     max_seqlen_k, scale, window_left, window_right, softcap, alibi_slopes, deterministic, tier,
+                     need_dq=True, need_dkdv=True):
     if _is_empty_varlen(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k):
-        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        return _empty_grads(q, k, v, need_dq, need_dkdv)
     return _ext.require().bwd(dout, q, k, v, out, lse, aux, dlse, float(scale), int(window_left),
                               int(window_right), float(softcap), alibi_slopes, cu_seqlens_q, cu_seqlens_k,
-                              int(max_seqlen_q), int(max_seqlen_k), bool(deterministic), int(tier))
+                              int(max_seqlen_q), int(max_seqlen_k), bool(deterministic), int(tier),
+                              bool(need_dq), bool(need_dkdv))
 
 
 @torch.library.custom_op("flash_cuda::fwd", mutates_args=())
@@ -628,21 +639,36 @@ def _fwd_fake(q, k, v, scale, window_left, window_right, softcap, alibi_slopes, 
     return _fwd_fake_outputs(q, _dense_lse_shape(q))
 
 
+def _op_grads(q, k, v, grads, need_dq, need_dkdv):
+    """A custom op returns tensors, never None: a gradient not wanted comes back as an empty
+    (0,) tensor (also where the extension computed it anyway), which the autograd formula
+    turns into None."""
+    dq, dk, dv = grads
+    return (dq if need_dq else q.new_empty(0), dk if need_dkdv else k.new_empty(0),
+            dv if need_dkdv else v.new_empty(0))
+
+
+def _bwd_fake_outputs(q, k, v, need_dq, need_dkdv):
+    return _op_grads(q, k, v, (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)),
+                     need_dq, need_dkdv)
+
+
 @torch.library.custom_op("flash_cuda::bwd", mutates_args=())
 def _bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, aux: Tensor,
          dlse: Optional[Tensor], scale: float, window_left: int, window_right: int,
          softcap: float, alibi_slopes: Optional[Tensor], deterministic: bool,
-         tier: int) -> Tuple[Tensor, Tensor, Tensor]:
-    """Backward: returns (dq, dk, dv); ``dlse`` is the optional upstream gradient of lse."""
-    dq, dk, dv = _bwd_impl(dout, q, k, v, out, lse, aux, dlse, scale, window_left, window_right, softcap,
-                           alibi_slopes, deterministic, tier)
-    return dq, dk, dv
+         tier: int, need_dq: bool = True, need_dkdv: bool = True) -> Tuple[Tensor, Tensor, Tensor]:
+    """Backward: returns (dq, dk, dv); ``dlse`` is the optional upstream gradient of lse.
+    ``need_dq`` / ``need_dkdv`` say which gradients to compute; the others are empty (0,)."""
+    grads = _bwd_impl(dout, q, k, v, out, lse, aux, dlse, scale, window_left, window_right, softcap,
+                      alibi_slopes, deterministic, tier, need_dq, need_dkdv)
+    return _op_grads(q, k, v, grads, need_dq, need_dkdv)
 
 
 @_bwd.register_fake
 def _bwd_fake(dout, q, k, v, out, lse, aux, dlse, scale, window_left, window_right, softcap,
-              alibi_slopes, deterministic, tier):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+              alibi_slopes, deterministic, tier, need_dq=True, need_dkdv=True):
+    return _bwd_fake_outputs(q, k, v, need_dq, need_dkdv)
 
 
 @torch.library.custom_op("flash_cuda::varlen_fwd", mutates_args=())
@@ -672,19 +698,21 @@ def _varlen_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse:
                 aux: Tensor, dlse: Optional[Tensor], cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
                 max_seqlen_q: int, max_seqlen_k: int, scale: float, window_left: int,
                 window_right: int, softcap: float, alibi_slopes: Optional[Tensor],
-                deterministic: bool, tier: int) -> Tuple[Tensor, Tensor, Tensor]:
-    """Packed backward: returns (dq, dk, dv) shaped like (q, k, v)."""
-    dq, dk, dv = _varlen_bwd_impl(dout, q, k, v, out, lse, aux, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                  max_seqlen_k, scale, window_left, window_right, softcap, alibi_slopes,
-                                  deterministic, tier)
-    return dq, dk, dv
+                deterministic: bool, tier: int, need_dq: bool = True,
+                need_dkdv: bool = True) -> Tuple[Tensor, Tensor, Tensor]:
+    """Packed backward: returns (dq, dk, dv) shaped like (q, k, v), empty (0,) where not
+    wanted (``need_dq`` / ``need_dkdv``)."""
+    grads = _varlen_bwd_impl(dout, q, k, v, out, lse, aux, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                             max_seqlen_k, scale, window_left, window_right, softcap, alibi_slopes,
+                             deterministic, tier, need_dq, need_dkdv)
+    return _op_grads(q, k, v, grads, need_dq, need_dkdv)
 
 
 @_varlen_bwd.register_fake
 def _varlen_bwd_fake(dout, q, k, v, out, lse, aux, dlse, cu_seqlens_q, cu_seqlens_k,
                      max_seqlen_q, max_seqlen_k, scale, window_left, window_right, softcap,
-                     alibi_slopes, deterministic, tier):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+                     alibi_slopes, deterministic, tier, need_dq=True, need_dkdv=True):
+    return _bwd_fake_outputs(q, k, v, need_dq, need_dkdv)
 
 
 # ---- autograd: one backward for both layouts ----
@@ -721,6 +749,13 @@ def _varlen_setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, dout, dlse, daux, eager: bool = False):
+    # Only the gradients autograd asks for are computed (and allocated): dK and dV together,
+    # as they come from the same products.
+    need_q, need_k, need_v = ctx.needs_input_grad[:3]
+    need_dkdv = need_k or need_v
+    unused = (None,) * (7 if ctx.varlen is None else 12)  # the other inputs: no gradient
+    if not (need_q or need_dkdv):
+        return (None, None, None) + unused
     q, k, v, out, lse, aux, alibi_slopes, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
     if dout is None:
         dout = torch.zeros_like(out)
@@ -728,13 +763,15 @@ def _backward(ctx, dout, dlse, daux, eager: bool = False):
         dout = dout.contiguous()
     if dlse is not None:
         dlse = dlse.to(torch.float32).contiguous()
-    options = (ctx.scale, *ctx.window, ctx.softcap, alibi_slopes, ctx.deterministic, ctx.tier)
+    options = (ctx.scale, *ctx.window, ctx.softcap, alibi_slopes, ctx.deterministic, ctx.tier, need_q,
+               need_dkdv)
     if ctx.varlen is None:
         dq, dk, dv = (_bwd_impl if eager else _bwd)(dout, q, k, v, out, lse, aux, dlse, *options)
-        return (dq, dk, dv) + (None,) * 7
-    dq, dk, dv = (_varlen_bwd_impl if eager else _varlen_bwd)(dout, q, k, v, out, lse, aux, dlse, cu_seqlens_q,
-                                                             cu_seqlens_k, *ctx.varlen, *options)
-    return (dq, dk, dv) + (None,) * 12
+    else:
+        dq, dk, dv = (_varlen_bwd_impl if eager else _varlen_bwd)(dout, q, k, v, out, lse, aux, dlse,
+                                                                 cu_seqlens_q, cu_seqlens_k, *ctx.varlen,
+                                                                 *options)
+    return (dq if need_q else None, dk if need_k else None, dv if need_v else None) + unused
 
 
 _fwd.register_autograd(_backward, setup_context=_setup_context)

@@ -7,8 +7,10 @@
 * CPU tests (always run): the same Python layer driven by the mock extension of
   conftest.py (the blocked reference behind the ``_C`` contract): opcheck, compile with
   the aot_eager backend (also with the new options and for varlen_attention), gradcheck
-  of the registered autograd formulas, dlse / dout handling, and empty sizes answered
-  without a kernel call.
+  of the registered autograd formulas, dlse / dout handling, empty sizes answered
+  without a kernel call, and the gradients asked for alone (the need_dq / need_dkdv flags
+  that reach ``_C.bwd`` from autograd's needs_input_grad, eager, through the ops, compiled
+  and under torch.func).
 """
 
 from __future__ import annotations
@@ -603,3 +605,135 @@ def test_aux_is_saved_and_returned_unchanged_cpu_mock(mock_extension):
         out, lse, aux = torch.ops.flash_cuda.varlen_fwd(*args, *_op_options(0.3, False), False, 0,
                                                         False)
         assert tuple(aux.shape) == ((2, 9, 2) if dtype == F32 else (0,))
+
+
+# ---- CPU (mock): only the gradients autograd asks for ----
+
+# Which of (q, k, v) require grad, and the (need_dq, need_dkdv) the extension must then get:
+# dK and dV come from the same products, so either one asks for both.
+GRAD_SUBSETS = [((True, False, False), (True, False)), ((False, True, False), (False, True)),
+                ((False, False, True), (False, True)), ((False, True, True), (False, True)),
+                ((True, False, True), (True, True)), ((True, True, True), (True, True))]
+
+
+def _subset_leaves(tensors, wanted):
+    return tuple(t.detach().requires_grad_(w) for t, w in zip(tensors, wanted))
+
+
+@pytest.mark.parametrize("path", ["eager", "ops"])
+@pytest.mark.parametrize("varlen", [False, True], ids=["dense", "packed"])
+@pytest.mark.parametrize("wanted,needs", GRAD_SUBSETS)
+def test_grad_subsets_reach_extension_cpu_mock(mock_extension, monkeypatch, path, varlen, wanted, needs):
+    """The flags reach _C.bwd, the gradients not asked for stay None (and are not computed:
+    the mock returns None for them), the others equal the all-gradients run's, with dlse too."""
+    from flash_cuda import interface
+
+    monkeypatch.setattr(interface, "_eager_ok", lambda *ts: path == "eager")
+    if varlen:
+        q, k, v, cu_q, cu_k, mq, mk = make_varlen_inputs((7, 0, 19), (11, 5, 13), 4, 2, 16, F32, "cpu", seed=8)
+
+        def run(leaves):
+            return flash_cuda.varlen_attention(*leaves, cu_q, cu_k, mq, mk, is_causal=True, return_lse=True)
+    else:
+        q, k, v = make_inputs(2, 4, 2, 19, 23, 16, F32, "cpu", layout="bshd", seed=8)
+
+        def run(leaves):
+            return flash_cuda.attention(*leaves, is_causal=True, return_lse=True)
+
+    def backward(flags):
+        leaves = _subset_leaves((q, k, v), flags)
+        out, lse = run(leaves)
+        g = torch.Generator().manual_seed(1)
+        (out * torch.randn(out.shape, generator=g)).sum().add(
+            (lse * torch.randn(lse.shape, generator=g)).sum()).backward()
+        return [t.grad for t in leaves]
+
+    full = backward((True, True, True))
+    assert mock_extension.last_bwd_needs == (True, True)
+    calls = mock_extension.bwd_calls
+    part = backward(wanted)
+    assert mock_extension.bwd_calls == calls + 1
+    assert mock_extension.last_bwd_needs == needs
+    for got, ref, w in zip(part, full, wanted):
+        if w:
+            assert torch.equal(got, ref)
+        else:
+            assert got is None
+
+
+@pytest.mark.parametrize("wanted,needs", GRAD_SUBSETS[:2])
+def test_grad_subsets_compiled_cpu_mock(mock_extension, wanted, needs):
+    """Under torch.compile the traced backward asks for the same subset."""
+    q, k, v = make_inputs(1, 4, 2, 21, 17, 16, F32, "cpu", seed=9)
+
+    def f(q, k, v):
+        return flash_cuda.attention(q, k, v, is_causal=True)
+
+    torch._dynamo.reset()
+    cf = torch.compile(f, fullgraph=True, backend="aot_eager")
+    grads = []
+    for fn in (f, cf):
+        leaves = _subset_leaves((q, k, v), wanted)
+        fn(*leaves).square().sum().backward()
+        assert mock_extension.last_bwd_needs == needs
+        grads.append([t.grad for t in leaves])
+    for a, b, w in zip(*grads, wanted):
+        assert (a is None) == (b is None) == (not w)
+        if w:
+            torch.testing.assert_close(a, b)
+
+
+def test_grad_subsets_func_grad_cpu_mock(mock_extension):
+    """torch.func.grad with respect to q alone asks for dQ alone."""
+    q, k, v = make_inputs(1, 2, 1, 9, 13, 16, F32, "cpu", seed=10)
+
+    def loss(q, k, v):
+        return (flash_cuda.attention(q, k, v, is_causal=True) ** 2).sum()
+
+    g_q = torch.func.grad(loss, argnums=0)(q, k, v)
+    assert mock_extension.last_bwd_needs == (True, False)
+    g_all = torch.func.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    assert mock_extension.last_bwd_needs == (True, True)
+    assert torch.equal(g_q, g_all[0])
+
+
+@pytest.mark.parametrize("varlen", [False, True], ids=["dense", "packed"])
+def test_grad_subsets_empty_sizes_cpu_mock(mock_extension, varlen):
+    """No key at all: zeros for what is asked, None for the rest, no extension call."""
+    if varlen:
+        q, k, v, cu_q, cu_k, mq, mk = make_varlen_inputs((3, 4), (0, 0), 2, 1, 16, F32, "cpu")
+        q, k, v = _subset_leaves((q, k, v), (False, True, False))
+        out = flash_cuda.varlen_attention(q, k, v, cu_q, cu_k, mq, mk)
+    else:
+        q, k, v = _subset_leaves(make_inputs(1, 2, 1, 5, 0, 16, F32, "cpu"), (False, True, False))
+        out = flash_cuda.attention(q, k, v)
+    out.sum().backward()
+    assert q.grad is None and v.grad is None
+    assert k.grad.shape == k.shape and (k.grad == 0).all()
+    assert mock_extension.bwd_calls == 0
+
+
+@pytest.mark.parametrize("need_dq,need_dkdv", [(True, False), (False, True)])
+def test_opcheck_grad_subsets_cpu_mock(mock_extension, need_dq, need_dkdv):
+    """The backward ops with a subset: gradients not wanted come back as empty (0,) tensors,
+    in the real and the fake implementation alike."""
+    q, k, v = make_inputs(1, 4, 2, 21, 34, 16, F16, "cpu", layout="bshd", seed=11)
+    opts = _op_options(0.25, True)
+    out, lse, aux = torch.ops.flash_cuda.fwd(q, k, v, *opts, False, 0)
+    dout, dlse = torch.randn_like(out), torch.randn_like(lse)
+    args = (dout, q, k, v, out, lse, aux, dlse) + opts + (False, 0, need_dq, need_dkdv)
+    torch.library.opcheck(BWD, args)
+    dq, dk, dv = BWD(*args)
+    for g, like, w in ((dq, q, need_dq), (dk, k, need_dkdv), (dv, v, need_dkdv)):
+        assert g.shape == (like.shape if w else (0,))
+    assert mock_extension.last_bwd_needs == (need_dq, need_dkdv)
+
+    qv, kv, vv, cu_q, cu_k, mq, mk = make_varlen_inputs((0, 9, 1, 20), (4, 13, 1, 17), 4, 2, 16, F16, "cpu",
+                                                        seed=12)
+    seq = (cu_q, cu_k, mq, mk)
+    out, lse, aux = torch.ops.flash_cuda.varlen_fwd(qv, kv, vv, *seq, *opts, False, 0, False)
+    args = (torch.randn_like(out), qv, kv, vv, out, lse, aux, None) + seq + opts + (True, 0, need_dq, need_dkdv)
+    torch.library.opcheck(VBWD, args)
+    dq, dk, dv = VBWD(*args)
+    for g, like, w in ((dq, qv, need_dq), (dk, kv, need_dkdv), (dv, vv, need_dkdv)):
+        assert g.shape == (like.shape if w else (0,))

@@ -362,14 +362,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd(
 }
 
 // dq, dk, dv = bwd(dout, q, k, v, out, lse, aux, dlse, scale, window_left, window_right, softcap,
-//                  alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, deterministic, tier)
+//                  alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, deterministic, tier,
+//                  need_dq, need_dkdv)
+// need_dq / need_dkdv: which gradients to compute (autograd's needs_input_grad; dK and dV come
+// from the same products, so they go together). A gradient not computed is neither allocated nor
+// worked on, and comes back undefined (None).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(
     const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
     const at::Tensor& out_in, const at::Tensor& lse_in, const at::Tensor& aux_in,
     const std::optional<at::Tensor>& dlse_in, double scale, int64_t window_left, int64_t window_right,
     double softcap, const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& cu_seqlens_q,
     const std::optional<at::Tensor>& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
-    bool deterministic, int64_t tier) {
+    bool deterministic, int64_t tier, bool need_dq, bool need_dkdv) {
   const MaskArgs m = mask_args(window_left, window_right, softcap, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
                                max_seqlen_q, max_seqlen_k);
   const Shape s = check_qkv(q_in, k_in, v_in, m);
@@ -386,16 +390,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(
   TORCH_CHECK(lse_in.scalar_type() == at::kFloat && lse_in.sizes() == at::IntArrayRef(s.lse_shape()),
               "flash_cuda: lse must be float32 of shape (B, Hq, Sq), or (Hq, total_q) for varlen");
 
-  // The fp32 tier's default backward adds dQ with float atomics straight into dq (fp32):
-  // dq starts at zero. Every other path writes each gradient element exactly once.
-  const bool dq_atomic = t == Tier::kSimt && !deterministic;
-  at::Tensor dq = dq_atomic ? at::zeros_like(q_in) : at::empty_like(q_in);
-  at::Tensor dk = at::empty_like(k_in);
-  at::Tensor dv = at::empty_like(v_in);
+  // kernel='wgmma' runs softcap's backward on the one-pass warp-specialized kernel alone (the
+  // cp.async kernels have no softcap derivative), which computes every gradient: there the
+  // unwanted ones are computed as well, and dropped by the caller.
+  if (t == Tier::kWgmma && m.softcap > 0 && (need_dq || need_dkdv)) need_dq = need_dkdv = true;
+  if (!need_dq && !need_dkdv) return {at::Tensor(), at::Tensor(), at::Tensor()};
+
+  // A gradient not wanted stays undefined: nothing allocated, and its pointer in the params is
+  // nullptr, which tells the families to skip its kernels (include/params.h).
+  at::Tensor dq = need_dq ? at::empty_like(q_in) : at::Tensor();
+  at::Tensor dk = need_dkdv ? at::empty_like(k_in) : at::Tensor();
+  at::Tensor dv = need_dkdv ? at::empty_like(v_in) : at::Tensor();
   if (s.empty()) {
-    dq.zero_();
-    dk.zero_();
-    dv.zero_();
+    for (at::Tensor* g : {&dq, &dk, &dv}) {
+      if (g->defined()) g->zero_();
+    }
     return {dq, dk, dv};
   }
 
@@ -415,12 +424,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(
     dlse = dlse_in->to(at::kFloat).contiguous();
   }
   at::Tensor delta = at::empty(s.lse_shape(), q.options().dtype(at::kFloat));
-  if (poison_outputs()) {
-    if (!dq_atomic) dq.fill_(NAN);
-    dk.fill_(NAN);
-    dv.fill_(NAN);
-    delta.fill_(NAN);
-  }
 
   BwdParams p;
   fill_fwd(p, s, m, q, k, v, out, lse, scale);
@@ -433,13 +436,27 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(
   }
   s.view(dout, p.dout, p.do_batch_stride, p.do_head_stride, p.do_row_stride);
   p.dlse = dlse.defined() ? dlse.data_ptr<float>() : nullptr;
-  s.view(dq, p.dq, p.dq_batch_stride, p.dq_head_stride, p.dq_row_stride);
-  s.view(dk, p.dk, p.dk_batch_stride, p.dk_head_stride, p.dk_row_stride);
-  s.view(dv, p.dv, p.dv_batch_stride, p.dv_head_stride, p.dv_row_stride);
+  if (need_dq) s.view(dq, p.dq, p.dq_batch_stride, p.dq_head_stride, p.dq_row_stride);
+  if (need_dkdv) {
+    s.view(dk, p.dk, p.dk_batch_stride, p.dk_head_stride, p.dk_row_stride);
+    s.view(dv, p.dv, p.dv_batch_stride, p.dv_head_stride, p.dv_row_stride);
+  }
   p.delta = delta.data_ptr<float>();
   p.deterministic = deterministic;
+  // The fp32 tier's default backward adds dQ with float atomics straight into dq (fp32): dq
+  // starts at zero. Every other path writes each gradient element exactly once.
+  const bool dq_atomic = t == Tier::kSimt && simt::dq_by_atomics(p);
+  if (dq_atomic) {
+    C10_CUDA_CHECK(cudaMemsetAsync(dq.data_ptr(), 0, dq.nbytes(), at::cuda::getCurrentCUDAStream().stream()));
+  }
+  if (poison_outputs()) {
+    for (at::Tensor* g : {&dq, &dk, &dv}) {
+      if (g->defined() && !(dq_atomic && g == &dq)) g->fill_(NAN);
+    }
+    delta.fill_(NAN);
+  }
   dispatch(p, t, q.options());
-  if (negative_scale) dq.neg_();
+  if (negative_scale && need_dq) dq.neg_();
   return {dq, dk, dv};
 }
 
@@ -600,6 +617,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("aux"), py::arg("dlse"),
         py::arg("scale"), py::arg("window_left"), py::arg("window_right"), py::arg("softcap"),
         py::arg("alibi_slopes"), py::arg("cu_seqlens_q"), py::arg("cu_seqlens_k"), py::arg("max_seqlen_q"),
-        py::arg("max_seqlen_k"), py::arg("deterministic"), py::arg("tier"));
+        py::arg("max_seqlen_k"), py::arg("deterministic"), py::arg("tier"), py::arg("need_dq") = true,
+        py::arg("need_dkdv") = true);
   m.def("fwd_kvcache", &flash_cuda::fwd_kvcache, "attention against a KV cache, new keys appended: (out, lse)");
 }

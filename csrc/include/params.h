@@ -155,6 +155,11 @@ struct BwdParams : FwdParams {
   const float* dlse = nullptr;
 
   // Gradients, dtype of q; dk/dv are [b][hkv][sk][d] (summed over the query heads of a group).
+  // nullptr: not wanted (autograd asked for no gradient of that input), and the family runs none
+  // of its work: dq == nullptr skips the dQ kernel (and the dQ accumulation of the one-pass
+  // kernels, which then do not run), dk == dv == nullptr the dK/dV kernel. dK and dV come from
+  // the same products (dS^T and P^T of one pass), so they are wanted together: both set or both
+  // nullptr (bwd_wants_dq / bwd_wants_dkdv below). At least one of dq, dk is set.
   void* dq = nullptr;
   void* dk = nullptr;
   void* dv = nullptr;
@@ -179,6 +184,13 @@ struct BwdParams : FwdParams {
   // true: no floating-point atomics anywhere, gradients are bitwise reproducible.
   bool deterministic = false;
 };
+
+// Which gradients the call computes (BwdParams: dq / dk / dv nullptr = not wanted).
+FLASH_HOST_DEVICE inline bool bwd_wants_dq(const BwdParams& p) { return p.dq != nullptr; }
+FLASH_HOST_DEVICE inline bool bwd_wants_dkdv(const BwdParams& p) { return p.dk != nullptr; }
+// Both: the one-pass kernels (dQ accumulated beside dK / dV) run only then; a call that wants one
+// side runs the two-kernel paths' kernel of that side alone.
+FLASH_HOST_DEVICE inline bool bwd_wants_all(const BwdParams& p) { return bwd_wants_dq(p) && bwd_wants_dkdv(p); }
 
 // Any score modifier (softcap, ALiBi) at all?
 FLASH_HOST_DEVICE inline bool has_score_mod(const FwdParams& p) {

@@ -8,7 +8,8 @@
 //   dK = scale * dS^T Q
 //   dQ = scale * dS K
 //
-// Three launches (four when the dK/dV kernel is split, see kSplitDKDV):
+// Three launches (four when the dK/dV kernel is split, see kSplitDKDV; a call that wants only dQ,
+// or only dK / dV, skips the other side's kernel: launch_bwd_gradients):
 //   1. bwd_preprocess_delta  delta, one warp per query row (bwd_preprocess.cuh).
 //   2. bwd_dkdv              one CTA per block of keys; each warp owns 16 * kMTiles keys and
 //                            keeps their rows of dK and dV in registers while it walks over
@@ -432,15 +433,20 @@ inline void launch_bwd_dq(const BwdParams& p, cudaStream_t stream) {
   check_launch("bwd_dq_mma");
 }
 
+// The kernels of the gradients the call wants (include/params.h: bwd_wants_dq / _dkdv): the two
+// sides share nothing but delta, so either runs alone. dK and dV are wanted together, also where
+// kSplitDKDV computes them in two launches.
 template <typename T, typename Cfg, int kVariant>
 inline void launch_bwd_gradients(const BwdParams& p, cudaStream_t stream) {
-  if constexpr (Cfg::kSplitDKDV) {
-    launch_bwd_dkdv<T, Cfg, true, false, kVariant>(p, stream, "bwd_dv_mma");
-    launch_bwd_dkdv<T, Cfg, false, true, kVariant>(p, stream, "bwd_dk_mma");
-  } else {
-    launch_bwd_dkdv<T, Cfg, true, true, kVariant>(p, stream, "bwd_dkdv_mma");
+  if (bwd_wants_dkdv(p)) {
+    if constexpr (Cfg::kSplitDKDV) {
+      launch_bwd_dkdv<T, Cfg, true, false, kVariant>(p, stream, "bwd_dv_mma");
+      launch_bwd_dkdv<T, Cfg, false, true, kVariant>(p, stream, "bwd_dk_mma");
+    } else {
+      launch_bwd_dkdv<T, Cfg, true, true, kVariant>(p, stream, "bwd_dkdv_mma");
+    }
   }
-  launch_bwd_dq<T, Cfg, kVariant>(p, stream);
+  if (bwd_wants_dq(p)) launch_bwd_dq<T, Cfg, kVariant>(p, stream);
 }
 
 }  // namespace bwd_mma

@@ -8,7 +8,9 @@
 //   dK = scale * dS^T Q                    dQ = scale * dS K
 // where delta_i = rowsum(dO_i * O_i) - dlse_i comes from bwd_preprocess.cuh.
 //
-// run_bwd_simt<kHeadDim> has two paths, chosen by params.deterministic.
+// run_bwd_simt<kHeadDim> has two paths, chosen by params.deterministic. A call that wants only
+// dQ, or only dK / dV (include/params.h: bwd_wants_dq / _dkdv), runs kernels 1 and 3, or 1 and
+// 2, of the deterministic path, whatever params.deterministic says.
 //
 // deterministic = true: three kernels, bitwise reproducible (no atomics, every gradient element
 // is written exactly once by one thread):
@@ -52,6 +54,7 @@
 #pragma once
 
 #include "../../core/bwd_preprocess.cuh"
+#include "family.h"
 #include "fwd.cuh"
 
 namespace flash_cuda {
@@ -930,7 +933,7 @@ template <int kHeadDim, typename Fn>
 auto with_dkdv_config(const BwdParams& params, Fn&& fn) {
   using Traits = simt::SimtBwdTraits<kHeadDim>;
   const size_t smem_optin = device_smem_optin();
-  if (!params.deterministic) {
+  if (simt::dq_by_atomics(params)) {
     if (simt::bwd_dkdv_smem_bytes<typename Traits::AtomicDkdvConfig>() <= smem_optin)
       return fn(typename Traits::AtomicDkdvConfig{}, std::true_type{});
     return fn(typename Traits::CompactAtomicDkdvConfig{}, std::true_type{});
@@ -942,6 +945,7 @@ auto with_dkdv_config(const BwdParams& params, Fn&& fn) {
 
 template <int kHeadDim>
 int64_t plan_bwd_simt(BwdParams& params) {
+  if (!bwd_wants_dkdv(params)) return 0;  // no dK/dV kernel, nothing to split
   return with_dkdv_config<kHeadDim>(params, [&](auto cfg, auto atomic) {
     return simt::plan_bwd_dkdv<decltype(cfg), decltype(atomic)::value>(params);
   });
@@ -960,11 +964,14 @@ void run_bwd_simt(const BwdParams& params, cudaStream_t stream) {
   //    wave's pieces own a range of its steps and are summed after). Not deterministic: dQ is
   //    added with atomics into params.dq, which the binding zero-filled (5 products; dQ is not
   //    bitwise reproducible run to run), and there is no dQ kernel. Deterministic: 7
-  //    products, no atomics, bitwise reproducible.
-  with_dkdv_config<kHeadDim>(params, [&](auto cfg, auto atomic) {
-    simt::launch_bwd_dkdv<decltype(cfg), decltype(atomic)::value>(params, stream);
-  });
-  if (!params.deterministic) return;
+  //    products, no atomics, bitwise reproducible. A call that wants one side only runs that
+  //    side's kernel, without atomics (simt::dq_by_atomics).
+  if (bwd_wants_dkdv(params)) {
+    with_dkdv_config<kHeadDim>(params, [&](auto cfg, auto atomic) {
+      simt::launch_bwd_dkdv<decltype(cfg), decltype(atomic)::value>(params, stream);
+    });
+  }
+  if (!bwd_wants_dq(params) || simt::dq_by_atomics(params)) return;
 
   // 3. dQ (no atomics: each CTA owns its query rows)
   if (simt::bwd_dq_smem_bytes<typename Traits::DqConfig>() <= smem_optin) {

@@ -6,7 +6,8 @@
 //                                      the shared memory allows; the last wave's blocks may be
 //                                      split over key ranges and merged (core/combine.cuh)
 //   backward  bwd.cuh                  delta, dK/dV (dQ by atomics, or a dQ kernel when
-//                                      deterministic), its last wave split likewise
+//                                      deterministic), its last wave split likewise; a call
+//                                      that wants one side only runs that side's kernel
 // Head-dim buckets 32, 64, 128, 256.
 #pragma once
 
@@ -30,6 +31,12 @@ template <int kHeadDim> int64_t plan_bwd_simt(BwdParams& params);
 template <int kHeadDim> void run_bwd_simt(const BwdParams& params, cudaStream_t stream);
 
 namespace simt {
+
+// Whether the dK/dV kernel adds dQ with atomics into params.dq (fp32), which must then start at
+// zero (the binding zero-fills it): deterministic=False with every gradient wanted. A call that
+// wants only dQ runs the dQ kernel, which writes each element once; one that wants only dK / dV
+// runs the dK/dV kernel without atomics (include/params.h: bwd_wants_dq / _dkdv).
+inline bool dq_by_atomics(const BwdParams& p) { return !p.deterministic && bwd_wants_all(p); }
 
 // The entry points by direction (overloads on the params), behind one bucket switch each.
 template <int kD> int64_t plan(FwdParams& p) { return plan_fwd_simt<kD>(p); }

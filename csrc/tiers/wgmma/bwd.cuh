@@ -7,7 +7,9 @@
 // feeds only 2-4 MMAs. wgmma reads its shared-memory operands itself, for a whole warpgroup
 // (64 rows) at once, so the same tile feeds four times as many rows per read.
 //
-// Kernels (no atomics, bitwise reproducible, params.deterministic holds either way):
+// Kernels (no atomics, bitwise reproducible, params.deterministic holds either way; a call that
+// wants only dQ, or only dK / dV, launches only that side's kernel after delta, whatever
+// deterministic says: launch_bwd_sm90):
 //   1. bwd_preprocess_delta   delta = rowsum(dO * O) - dlse (core/bwd_preprocess.cuh)
 //   2. dK/dV                  a CTA owns kBlockN = 64 * kWarpGroups keys, warpgroup w the keys
 //                             64w..64w+63; it walks over every query block (and GQA head)
@@ -353,20 +355,25 @@ __global__ void __launch_bounds__(Cfg::kQThreads, Cfg::kQMinBlocks) bwd_dq_sm90_
 
 }  // namespace sm90
 
-// The deterministic two-kernel backward (delta, dK/dV, dQ); false, having launched nothing, off
-// sm_90 or in a build without the 90a target.
+// The deterministic two-kernel backward (delta, dK/dV, dQ), of the gradients the call wants
+// (include/params.h: bwd_wants_dq / _dkdv; the two kernels share nothing but delta); false,
+// having launched nothing, off sm_90 or in a build without the 90a target.
 template <typename T, typename Cfg, int kVariant>
 bool launch_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
   auto dkdv = sm90::bwd_dkdv_sm90_kernel<T, Cfg, kVariant>;
   auto dq = sm90::bwd_dq_sm90_kernel<T, Cfg, kVariant>;
   if (p.sm_arch != 90 || !sm90_kernel_built(dkdv)) return false;
   launch_bwd_preprocess<T>(p, stream);
-  set_smem_limit(dkdv, Cfg::kDkdvSmem, "bwd_dkdv_sm90");
-  set_smem_limit(dq, Cfg::kDqSmem, "bwd_dq_sm90");
-  dkdv<<<dim3(ceil_div(p.sk, Cfg::kKVBlockN), p.hkv, p.b), Cfg::kKVThreads, Cfg::kDkdvSmem, stream>>>(p);
-  check_launch("bwd_dkdv_sm90");
-  dq<<<dim3(ceil_div(p.sq, Cfg::kQBlockM), p.hq, p.b), Cfg::kQThreads, Cfg::kDqSmem, stream>>>(p);
-  check_launch("bwd_dq_sm90");
+  if (bwd_wants_dkdv(p)) {
+    set_smem_limit(dkdv, Cfg::kDkdvSmem, "bwd_dkdv_sm90");
+    dkdv<<<dim3(ceil_div(p.sk, Cfg::kKVBlockN), p.hkv, p.b), Cfg::kKVThreads, Cfg::kDkdvSmem, stream>>>(p);
+    check_launch("bwd_dkdv_sm90");
+  }
+  if (bwd_wants_dq(p)) {
+    set_smem_limit(dq, Cfg::kDqSmem, "bwd_dq_sm90");
+    dq<<<dim3(ceil_div(p.sq, Cfg::kQBlockM), p.hq, p.b), Cfg::kQThreads, Cfg::kDqSmem, stream>>>(p);
+    check_launch("bwd_dq_sm90");
+  }
   return true;
 }
 

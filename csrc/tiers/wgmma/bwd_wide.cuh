@@ -381,8 +381,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 
 // Launches delta's preprocess, the wide warp-specialized backward and dq's conversion and returns
 // true, or returns false having launched nothing: not sm_90 / not built for sm_90a, no dq_accum
-// workspace (deterministic=True), a packed batch for a kPlain kernel (which reads no cu_seqlens),
-// or a view TMA cannot address.
+// workspace (deterministic=True, or a call that wants only dQ or only dK / dV), a packed batch
+// for a kPlain kernel (which reads no cu_seqlens), or a view TMA cannot address.
 template <int kDType, int kHeadDim, int kVariant>
 bool run_bwd_sm90_wide(const BwdParams& p, cudaStream_t stream) {
   using T = typename ElementOf<kDType>::type;

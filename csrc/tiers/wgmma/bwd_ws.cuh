@@ -683,8 +683,8 @@ bool launch_bwd_ws_main(Kernel kernel, const BwdParams& p, const char* name, cud
 }
 
 // Launches delta's preprocess and the warp-specialized backward and returns true, or returns
-// false having launched nothing: no dq_accum workspace (deterministic=True), or a view TMA cannot
-// address.
+// false having launched nothing: no dq_accum workspace (deterministic=True, or a call that wants
+// only dQ or only dK / dV: family.h), or a view TMA cannot address.
 template <typename T, typename Traits, int kVariant, int kDepth>
 bool launch_bwd_sm90_ws(const BwdParams& p, cudaStream_t stream) {
   using Cfg = sm90::bwd_ws::WsBwdConfig<Traits, 2, kDepth>;

@@ -9,6 +9,11 @@
 //                           head dims 129..256 (deterministic=False, kernel='auto')
 //             bwd.cuh       cp.async, dK/dV and dQ kernels, no atomics (deterministic=True);
 //                           head dims 33..128
+//   A backward that wants only dQ, or only dK / dV (include/params.h: bwd_wants_dq / _dkdv),
+//   runs that side's kernel of bwd.cuh alone (d 33..128) or, where bwd.cuh has no instance
+//   (d 129..256, softcap's derivative), declines to the mma.sync family, which skips the same
+//   way: the warp-specialized kernels compute dQ beside dK / dV in one pass, so they run only for
+//   all three.
 // Every launcher returns false, having launched nothing, where it does not apply (a GPU other
 // than sm_90, a build without the 90a target, a view TMA cannot address): the caller falls back
 // to the mma.sync family.
@@ -61,7 +66,8 @@ template <int kDType, int kVariant> struct WideBwdEntry {
 //   also has, tier 4 (the Hopper forward alone) always. Workspace: the tile scheduler's counter
 //   (FwdParams::tile_counter), one zeroed int.
 //   Backward (tier 4 runs kernel='auto''s): kernel='auto' and 'wgmma' at d 33..128, kernel='auto'
-//   at d 129..256 with deterministic=False (the wide kernel). Workspace, with deterministic=False:
+//   at d 129..256 with deterministic=False (the wide kernel). Workspace, with deterministic=False
+//   and every gradient wanted (the warp-specialized kernels run only then):
 //   the fp32 dQ the warp-specialized kernels add into, zero-filled: the rows of the statistics x d
 //   for the wide kernel's row layout, or the tiles of bwd_ws.cuh (DqTile) at the head-dim bucket's
 //   width, whichever is larger. Softcap's derivative with deterministic=True is declined (the
@@ -85,7 +91,7 @@ struct WgmmaFamily {
   }
   static Workspace plan(BwdParams& p, Tier) {
     Workspace ws;
-    if (p.deterministic || wgmma::bwd_split()) return ws;
+    if (p.deterministic || wgmma::bwd_split() || !bwd_wants_all(p)) return ws;
     const int bucket_d = (p.d + 63) / 64 * 64;
     const int block_m = wgmma::bwd_block_m(bucket_d);
     const int64_t tiles = wgmma::dq_tile_count(p, block_m) * block_m * bucket_d;

@@ -288,9 +288,7 @@ def attention_with_kvcache(
                             f"NVIDIA GPUs (flash_cuda.reference.attention_with_kvcache_reference runs anywhere)")
     if _device_capability_of(dev) < MIN_CAPABILITY:
         _check_capability(q.device, _PREFIX)
-    C = _ext._C
-    if C is None:
-        raise RuntimeError(_ext.unavailable_message())
+    C = _ext.require()  # compiles the kernels at their first use
     if check_inputs or _ENV_CHECK in os.environ:
         if _check_enabled(check_inputs):
             _check_values(lens.tolist() if lens is not None else [cache_len] * B, block_table, s_new, capacity,

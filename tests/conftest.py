@@ -9,8 +9,11 @@
 * Running ``python -m pytest tests`` from the repository root puts the checkout first on
   sys.path. When the checkout has no compiled ``flash_cuda/_C*.so`` but an installed copy
   (``pip install --no-build-isolation .``) has one, the installed copy is imported
-  instead, so the GPU tests do not skip for a missing extension; the report header says
-  which copy is tested.
+  instead. Otherwise the checkout is tested: without a compiled extension it compiles its
+  kernels from ``csrc/`` at first use into the cache (flash_cuda/_ext.py), the same cache
+  entry as an installed ``pip install .`` of the same sources, so the GPU tests do not skip
+  for a missing extension. Subprocesses of the tests import the same copy (PYTHONPATH);
+  the report header says which copy is tested and where its kernels come from.
 """
 
 from __future__ import annotations
@@ -71,6 +74,11 @@ from flash_cuda.reference import (attention_backward_blocked, attention_forward_
 
 from attn_check import gpu_skip_reason  # noqa: E402
 
+if Path(flash_cuda.__file__).resolve().parent.parent == REPO_ROOT:
+    # The checkout is tested: the tests' subprocesses must not import an installed copy (e.g.
+    # `pip install .`'s) instead.
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
+
 
 def pytest_configure(config):
     config.addinivalue_line(
@@ -82,9 +90,11 @@ def pytest_configure(config):
 
 def pytest_report_header(config):
     reason = gpu_skip_reason()
+    # is_available() loads the kernels, compiling them if this is their first use.
+    kernels = (f"kernels {_ext._C.__file__}" if flash_cuda.is_available()
+               else "kernels not loaded")
     return [
-        f"flash_cuda: {Path(flash_cuda.__file__).parent} (extension "
-        f"{'loaded' if flash_cuda.is_available() else 'not loaded'})",
+        f"flash_cuda: {Path(flash_cuda.__file__).parent} ({kernels})",
         f"torch {torch.__version__}, CUDA {torch.version.cuda}; GPU tests: "
         + ("run" if reason is None else f"skipped ({reason})"),
     ]
@@ -114,7 +124,10 @@ class MockExtension:
             cu_seqlens_k, max_seqlen_q, max_seqlen_k, tier) -> (out, lse, aux)
         bwd(dout, q, k, v, out, lse, aux, dlse, scale, window_left, window_right, softcap,
             alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-            deterministic, tier) -> (dq, dk, dv)
+            deterministic, tier, need_dq=True, need_dkdv=True) -> (dq, dk, dv)
+
+    where dq is None unless need_dq and dk, dv are None unless need_dkdv (the binding
+    neither computes nor allocates a gradient not wanted).
 
     ``aux`` is float32 ``lse.shape + (2,)`` for float32 inputs (here: lse, then a marker
     value, so the backward can tell that it got the forward's aux back unchanged) and
@@ -126,6 +139,7 @@ class MockExtension:
         self.fwd_calls = 0
         self.bwd_calls = 0
         self.last_bwd_dlse = "unset"
+        self.last_bwd_needs = None  # (need_dq, need_dkdv) of the last bwd call
         self.last_fwd_args = None
 
     @staticmethod
@@ -196,11 +210,13 @@ class MockExtension:
 
     def bwd(self, dout, q, k, v, out, lse, aux, dlse, scale, window_left, window_right, softcap,
             alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, deterministic,
-            tier):
+            tier, need_dq=True, need_dkdv=True):
         args = (scale, window_left, window_right, softcap, alibi_slopes)
         varlen = self._check_common(q, k, v, *args, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                     max_seqlen_k, tier)
         assert type(deterministic) is bool
+        assert type(need_dq) is bool and type(need_dkdv) is bool
+        assert need_dq or need_dkdv, "a backward that wants no gradient reaches the extension"
         assert dout.shape == q.shape and dout.dtype == q.dtype and dout.stride(-1) == 1
         lse_shape = (q.shape[1], q.shape[0]) if varlen else tuple(q.shape[:3])
         assert lse.dtype == torch.float32 and tuple(lse.shape) == lse_shape
@@ -216,6 +232,7 @@ class MockExtension:
             assert dlse.is_contiguous()
         self.bwd_calls += 1
         self.last_bwd_dlse = dlse
+        self.last_bwd_needs = (need_dq, need_dkdv)
         if varlen:
             grads = attention_varlen_backward_blocked(dout, q, k, v, out, lse, cu_seqlens_q,
                                                       cu_seqlens_k, dlse=dlse,
@@ -223,7 +240,8 @@ class MockExtension:
         else:
             grads = attention_backward_blocked(dout, q, k, v, out, lse, dlse=dlse,
                                                **self._kwargs(*args))
-        return tuple(self._like(g, like) for g, like in zip(grads, (q, k, v)))
+        wanted = (need_dq, need_dkdv, need_dkdv)
+        return tuple(self._like(g, like) if w else None for g, like, w in zip(grads, (q, k, v), wanted))
 
 
 @pytest.fixture

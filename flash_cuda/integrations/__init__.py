@@ -1,0 +1,1 @@
+"""Adapters that plug flash_cuda into other libraries' attention entry points."""

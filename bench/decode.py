@@ -21,13 +21,13 @@ is flash_cuda's step (append + attention) captured once in a CUDA graph, per rep
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import sys
+from pathlib import Path
 
-
-def parse_len(text: str) -> int:
-    text = text.lower()
-    return int(text[:-1]) * 1024 if text.endswith("k") else int(text)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common as C  # noqa: E402 (bench/common.py: sizes, timer, environment, writers)
 
 
 def main(argv=None) -> int:
@@ -37,7 +37,7 @@ def main(argv=None) -> int:
     ap.add_argument("--ratio", nargs="+", type=int, default=[1, 4, 8], help="Hq / Hkv")
     ap.add_argument("--hq", type=int, default=32)
     ap.add_argument("--batch", nargs="+", type=int, default=[1, 8, 64])
-    ap.add_argument("--seqlen", nargs="+", type=parse_len, default=[2048, 8192, 32768, 131072])
+    ap.add_argument("--seqlen", nargs="+", type=C.parse_size, default=[2048, 8192, 32768, 131072])
     ap.add_argument("--sq", nargs="+", type=int, default=[1, 4, 8])
     ap.add_argument("--cache", nargs="+", default=["dense", "paged16", "paged256"])
     ap.add_argument("--max-gib", type=float, default=16.0, help="skip cells whose K+V exceeds this")
@@ -55,9 +55,13 @@ def main(argv=None) -> int:
         return 2
     import pandas as pd
     import torch.nn.functional as F
-    from triton.testing import do_bench
 
     import flash_cuda
+
+    timers = functools.lru_cache(maxsize=None)(lambda rep: C.Timer(25, rep))  # median, L2 flushed
+
+    def do_bench(fn, rep):
+        return timers(rep)(fn)
 
     if args.quick:
         args.dtype, args.d, args.ratio, args.batch = ["bf16"], [128], [8], [1, 8]
@@ -65,11 +69,12 @@ def main(argv=None) -> int:
 
     buf = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(buf)
-    copy_ms = do_bench(lambda: dst.copy_(buf), rep=200, return_mode="median")
+    copy_ms = do_bench(lambda: dst.copy_(buf), rep=200)
     copy_gbs = 2 * buf.numel() / copy_ms / 1e6
     del buf, dst
-    dev = torch.cuda.get_device_name()
-    print(f"{dev}; copy bandwidth {copy_gbs:.0f} GB/s (read + write of a 2 GiB device copy)")
+    env = C.environment(timer=timers(args.rep).name,
+                        copy_bandwidth=f"{copy_gbs:.0f} GB/s (read + write of a 2 GiB device copy)")
+    print("\n".join(C.env_lines(env)))
 
     rows = []
     for dt, D, ratio, B, Sk, Sq, cache in itertools.product(args.dtype, args.d, args.ratio, args.batch,
@@ -102,7 +107,7 @@ def main(argv=None) -> int:
             return flash_cuda.attention_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=lens,
                                                      block_table=table, is_causal=True)
 
-        ms = do_bench(step, rep=args.rep, return_mode="median")
+        ms = do_bench(step, rep=args.rep)
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
@@ -111,13 +116,12 @@ def main(argv=None) -> int:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             step()
-        graph_ms = do_bench(graph.replay, rep=args.rep, return_mode="median")
+        graph_ms = do_bench(graph.replay, rep=args.rep)
         sdpa_ms = float("nan")
         if page is None:
             k, v = k_cache[:, :, :L], v_cache[:, :, :L]
             try:
-                sdpa_ms = do_bench(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), rep=args.rep,
-                                   return_mode="median")
+                sdpa_ms = do_bench(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), args.rep)
             except RuntimeError as exc:  # e.g. out of memory for a backend's workspace
                 print(f"sdpa failed: {exc}", file=sys.stderr)
         gbs = kv_bytes / ms / 1e6
@@ -136,8 +140,8 @@ def main(argv=None) -> int:
         return 0
     df = pd.DataFrame(rows)
     if args.csv:
-        df.to_csv(args.csv, index=False)
-    print(df.to_markdown(index=False, floatfmt=".2f"))
+        C.write_csv(df, args.csv, env)
+    print(C.markdown(df, floatfmt=".2f"))
     big = df[df.kv_mib >= 64]
     if len(big):
         print(f"\nK+V >= 64 MiB: {len(big)} cells, % of copy bandwidth min {big.pct_copy.min():.1f} "
@@ -165,11 +169,11 @@ def prefill(torch, do_bench, flash_cuda) -> None:
         vc = torch.zeros_like(kc)
         lens = torch.zeros(B, dtype=torch.int32, device="cuda")
         with torch.no_grad():
-            t_attn = do_bench(lambda: flash_cuda.attention(q, k, v, is_causal=True), rep=100, return_mode="median")
+            t_attn = do_bench(lambda: flash_cuda.attention(q, k, v, is_causal=True), rep=100)
             t_int = do_bench(lambda: flash_cuda.attention_with_kvcache(q, kc, vc, k, v, cache_seqlens=0, is_causal=True),
-                             rep=100, return_mode="median")
+                             rep=100)
             t_dev = do_bench(lambda: flash_cuda.attention_with_kvcache(q, kc, vc, k, v, cache_seqlens=lens,
-                                                                       is_causal=True), rep=100, return_mode="median")
+                                                                       is_causal=True), rep=100)
         print(f"| {B} | {t_attn * 1e3:.0f} | {t_int * 1e3:.0f} | {t_attn / t_int:.3f} | {t_dev * 1e3:.0f} | "
               f"{t_attn / t_dev:.3f} |", flush=True)
 

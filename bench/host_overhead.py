@@ -25,14 +25,17 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common as C  # noqa: E402 (bench/common.py: sizes, the host-time loop)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--heads", type=int, default=1)
-    ap.add_argument("--seqlen", type=int, default=128)
+    ap.add_argument("--seqlen", type=C.parse_size, default=128)
     ap.add_argument("--d", type=int, default=64)
     ap.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
     ap.add_argument("--causal", type=int, choices=[0, 1], default=1)
@@ -63,14 +66,7 @@ def main(argv=None) -> int:
     }
 
     def timed(step) -> float:
-        for _ in range(args.warmup):
-            step()
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(args.calls):
-            step()
-        torch.cuda.synchronize()
-        return (time.perf_counter() - start) / args.calls * 1e6
+        return C.host_us_per_call(step, args.calls, args.warmup)
 
     print(f"B={args.batch} H={args.heads} S={args.seqlen} D={args.d} {args.dtype} causal={args.causal}, "
           f"{args.calls} calls, one synchronize, backward: {args.backward}")
@@ -88,17 +84,6 @@ def main(argv=None) -> int:
 
         print(f"{name:12s} {timed(fwd):12.1f} {timed(fwd_bwd):16.1f}")
     return 0
-
-
-def _per_call(torch, step, calls: int, warmup: int) -> float:
-    for _ in range(warmup):
-        step()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        step()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / calls * 1e6
 
 
 def decode(args, torch, F, flash_cuda, dtype) -> int:
@@ -122,7 +107,7 @@ def decode(args, torch, F, flash_cuda, dtype) -> int:
     print(f"{'provider':46s} {'us/call':>8s}")
     with torch.no_grad():
         for name, fn in providers.items():
-            print(f"{name:46s} {_per_call(torch, fn, args.calls, args.warmup):8.1f}")
+            print(f"{name:46s} {C.host_us_per_call(fn, args.calls, args.warmup):8.1f}")
     return 0
 
 

@@ -44,9 +44,8 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 SDPA_BACKENDS = ["sdpa", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "sdpa_math"]
 
 
-def parse_seqlen(text: str) -> int:
-    t = str(text).strip().lower()
-    return int(float(t[:-1]) * 1024) if t.endswith("k") else int(t)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common as C  # noqa: E402 (bench/common.py: sizes)
 
 
 def parse_args(argv=None):
@@ -78,7 +77,7 @@ def parse_args(argv=None):
     p.add_argument("--report", default=None,
                    help="report name used by --print-ncu-cmd (default derived from options)")
     args = p.parse_args(argv)
-    args.S = parse_seqlen(args.seqlen)
+    args.S = C.parse_size(args.seqlen)
     args.B = args.batch or max(1, 16384 // args.S)
     args.H = args.heads or max(1, 2048 // args.d)
     return args

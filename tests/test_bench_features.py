@@ -53,24 +53,28 @@ def test_visible_pairs_closed_forms(feat):
 
 
 def test_call_pairs_and_flops(feat):
-    R = feat.R
+    R, Call = feat.R, feat.R.Call
     # dense non-causal: same FLOPs as run.py's convention
-    plain = feat.Call("flash_cuda", 128, 16, False, "fwd", (4096,) * 4)
-    assert plain.flops() == R.attention_flops(4, 16, 4096, 4096, 128, False, "fwd")
+    plain = Call("flash_cuda", 128, 16, False, "fwd", (4096,) * 4)
+    assert feat.flops(plain) == R.attention_flops(4, 16, 4096, 4096, 128, False, "fwd")
     # causal: exact S(S+1)/2 per sequence, bwd 2.5x
-    causal = feat.Call("flash_cuda", 64, 32, True, "bwd", (2048,) * 8)
-    assert causal.pairs() == 8 * 2048 * 2049 // 2
-    assert causal.flops() == 2.5 * 4 * 32 * 64 * causal.pairs()
+    causal = Call("flash_cuda", 64, 32, True, "bwd", (2048,) * 8)
+    assert feat.pairs(causal) == 8 * 2048 * 2049 // 2
+    assert feat.flops(causal) == 2.5 * 4 * 32 * 64 * feat.pairs(causal)
     # window with is_causal: right side 0, left side 1024
-    win = feat.Call("flash_cuda", 128, 16, True, "fwd", (16384,), window=(1024, 0))
-    assert win.sides() == (1024, 0)
-    assert win.pairs() == 1025 * 1024 // 2 + (16384 - 1024) * 1025
-    assert feat.Call("flash_cuda", 128, 16, True, "fwd", (300,), window=(40, 0)).pairs() == \
+    win = Call("flash_cuda", 128, 16, True, "fwd", (16384,), window=(1024, 0))
+    assert feat.sides(win) == (1024, 0)
+    assert feat.pairs(win) == 1025 * 1024 // 2 + (16384 - 1024) * 1025
+    assert feat.pairs(Call("flash_cuda", 128, 16, True, "fwd", (300,), window=(40, 0))) == \
         brute_force_pairs(300, 300, 40, 0)
     # varlen: sum over the sequences
     lens = (3, 10, 1, 7)
-    var = feat.Call("flash_cuda", 64, 2, True, "fwd", lens, varlen=True)
-    assert var.pairs() == sum(brute_force_pairs(s, s, -1, 0) for s in lens)
+    var = Call("flash_cuda", 64, 2, True, "fwd", lens, varlen=True)
+    assert feat.pairs(var) == sum(brute_force_pairs(s, s, -1, 0) for s in lens)
+    # options at their defaults are not passed
+    assert plain.options() == {"is_causal": False}
+    assert Call("flash_cuda", 64, 2, True, "fwd", (8,), window=(4, 0), softcap=5.0).options() == {
+        "is_causal": True, "window_size": (4, 0), "softcap": 5.0}
 
 
 def test_mixed_seqlens_fixed(feat):
@@ -89,7 +93,7 @@ def test_rows_plan(feat):
     for r in rows:
         c = r.call
         assert c.H * c.D == 2048 and r.base.provider == "flash_cuda" and r.sdpa.provider == "sdpa"
-        assert r.base == feat.Call("flash_cuda", c.D, c.H, c.causal, c.mode, r.base.seqlens)
+        assert r.base == feat.R.Call("flash_cuda", c.D, c.H, c.causal, c.mode, r.base.seqlens)
     for r in by["window"]:
         assert r.call.causal and r.call.window == (1024, 0) and r.call.seqlens == (16384,)
         assert r.goal == 0.85
@@ -105,22 +109,24 @@ def test_rows_plan(feat):
 
 
 def test_table_and_csv(feat):
-    R = feat.R
     rows = feat.build_rows([128], [1], ["fwd"])
     w = rows[0]
-    results = {w.call: R.Result(1.0, 300.0, 0.1), w.base: R.Result(1.0, 400.0, 0.1),
-               w.sdpa: R.Result(status="unsupported: no")}
+    results = {w.call: {"ms": 1.0, "tflops": 300.0, "peak_gib": 0.1, "status": "ok"},
+               w.base: {"ms": 0.75, "tflops": 400.0, "peak_gib": 0.1, "status": "ok"},
+               w.sdpa: {"status": "unsupported: no"}}
     table = "\n".join(feat.markdown_table(rows, results))
     assert ("| window | 128 | 1 | fwd | B=1 S=16k window (1024, 0) | 300.0 | B=1 S=16k | 400.0 "
             "| 0.75 | >= 0.85 NO | n/s |") in table
-    assert "unsupported: no" in table
-    csv = list(feat.csv_rows(rows, results, torch.bfloat16))
-    assert all(list(r) == feat.CSV_COLUMNS for r in csv)
-    first = csv[0]
-    assert first["feature"] == "window" and first["ratio"] == "0.750" and first["goal"] == "0.85"
-    assert first["visible_pairs"] == feat.visible_pairs(16384, 16384, 1024, 0)
-    assert first["window_left"] == 1024 and first["window_right"] == 0
-    assert {r["feature"] for r in csv} == {"window", "baseline", "sdpa baseline"}
+    assert "|---|---:|---:|---|---|---:|---|---:|---:|---|---:|" in table
+    assert "- B=1 S=16k [sdpa] (1x): unsupported: no" in table
+    csv = feat.csv_frame([w], results, torch.bfloat16)
+    assert list(csv.columns) == feat.CSV_COLUMNS and len(csv) == 1
+    first = csv.iloc[0]
+    assert first.feature == "window" and first.ratio == "0.750" and first.goal == "0.85"
+    assert first.baseline_tflops == "400.0" and first.ms == "1.0000" and first.sdpa_tflops == ""
+    assert first.visible_pairs == feat.visible_pairs(16384, 16384, 1024, 0)
+    assert first.window_left == 1024 and first.window_right == 0 and first["dtype"] == "bfloat16"
+    assert first.layout == "dense" and first.seqlens == "16384x1"
 
 
 def test_features_dry_run():
@@ -175,21 +181,23 @@ def test_features_end_to_end_on_cpu(feat, monkeypatch, tmp_path, capsys, broken)
         return 2.0, 0.0
     monkeypatch.setattr(R, "time_call", fake_time_call)
     rows = feat.build_rows([32], [1], ["fwd", "bwd"])
-    args = argparse.Namespace(no_progress=True, no_check=False, seed=0,
-                              out_dirs={torch.float32: tmp_path})
-    results = feat.run_features(args, rows, torch.float32, None, [], device="cpu")
+    args = argparse.Namespace(no_check=False, seed=0, out_dirs={torch.float32: tmp_path})
+    env = {"gpu": "none (CPU test)", "git commit": "abc1234"}
+    results = feat.run_features(args, rows, torch.float32, None, env, device="cpu")
     for row in rows:
         for call in (row.base, row.sdpa):
-            assert results[call].ok, (call, results[call].status)
+            assert results[call]["status"] == "ok", (call, results[call])
         r = results[row.call]
         if broken and row.feature in ("window", "softcap", "alibi"):
-            assert r.status.startswith("WRONG"), (row.call, r.status)
+            assert r["status"].startswith("WRONG"), (row.call, r)
         else:
-            assert r.ok, (row.call, r.status)
-            assert r.tflops == pytest.approx(R.tflops_from_ms(row.call.flops(), 2.0))
+            assert r["status"] == "ok", (row.call, r)
+            assert r["tflops"] == pytest.approx(feat.flops(row.call) / 2.0e-3 / 1e12)
     out = capsys.readouterr().out
     assert out.rstrip().splitlines()[-1].startswith("varlen mixed lengths") or broken
-    assert (tmp_path / "features.csv").read_text().count("\n") == 1 + len(
-        feat.distinct_calls(rows))
-    assert "| window | 32 | 1 | fwd | B=2 S=64 window (9, 0) |" in (
-        tmp_path / "features.md").read_text()
+    csv = (tmp_path / "features.csv").read_text()
+    assert csv.startswith("# gpu: none (CPU test)\n# git commit: abc1234\nfeature,dtype,D,")
+    assert csv.count("\n") == len(env) + 1 + len(rows)
+    md = (tmp_path / "features.md").read_text()
+    assert "| window | 32 | 1 | fwd | B=2 S=64 window (9, 0) |" in md
+    assert "gpu: none (CPU test)" in md and "git commit: abc1234" in md

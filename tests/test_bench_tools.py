@@ -1,5 +1,6 @@
 """CPU-only tests of the benchmark tools: the ncu CSV summariser (bench/ncu_summary.py) on a
-synthetic report, and the pure helpers of bench/run.py / bench/ncu_profile.py. No CUDA needed."""
+synthetic report, the shared helpers (bench/common.py: sizes, tables, CSV stamp), and the
+CPU side of bench/run.py (grid, tables, anchor join, plots, --dry-run) / bench/ncu_profile.py."""
 
 import importlib.util
 import subprocess
@@ -20,6 +21,11 @@ def _load(name: str, path: Path):
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture(scope="module")
+def common():
+    return _load("flash_cuda_bench_common", BENCH / "common.py")
 
 
 @pytest.fixture(scope="module")
@@ -97,12 +103,17 @@ def _csv_text(rows, prefix="==PROF== Connected to process 4242\n"):
 RAW_CSV = _csv_text([RAW_HEADER, RAW_UNITS] + RAW_ROWS)
 
 
-def test_raw_csv_parses_launches(ncu):
-    launches = ncu.parse_ncu_csv(RAW_CSV)
-    assert [l["id"] for l in launches] == ["0", "1", "2"]
-    assert launches[0]["name"] == FWD_NAME
-    assert launches[0]["grid"] == "(32, 16, 4)"
-    assert launches[0]["metrics"]["gpu__time_duration.sum"] == [("1.50", "msecond")]
+def test_raw_csv_reads_launches_and_units(ncu):
+    long = ncu.read_ncu_csv(RAW_CSV)
+    assert list(long.drop_duplicates("id").id) == ["0", "1", "2"]
+    dur = long[(long.id == "0") & (long.metric == "gpu__time_duration.sum")].iloc[0]
+    assert dur["name"] == FWD_NAME and dur.grid == "(32, 16, 4)"
+    assert (dur.value, dur.unit, dur.kind) == ("1.50", "msecond", "time")
+    assert dur.number * dur.scale == pytest.approx(1.5e-3)
+    smem = long[(long.id == "0") & (long.metric == "launch__shared_mem_per_block_dynamic")]
+    assert smem.number.iat[0] == 49152  # thousands separator
+    # identity columns are not metrics; the NVTX column is one (non-numeric)
+    assert not long.metric.isin(["Process ID", "Kernel Name", "Grid Size"]).any()
 
 
 def test_raw_csv_summary_numbers(ncu):
@@ -176,43 +187,20 @@ def test_alternative_metric_names(ncu):
                            ("short_scoreboard", pytest.approx(5.0))]
 
 
-def test_long_details_shape(ncu):
-    """`--page details` shape: one row per metric with human-readable names."""
-    head = ["ID", "Process ID", "Process Name", "Host Name", "Kernel Name", "Context", "Stream",
-            "Block Size", "Grid Size", "Device", "CC", "Section Name", "Metric Name",
-            "Metric Unit", "Metric Value"]
-    base = ["0", "1", "python", "h", FWD_NAME, "1", "7", "(128, 1, 1)", "(8, 1, 1)", "0", "9.0"]
-    rows = [head] + [base + r for r in [
-        ["GPU Speed Of Light Throughput", "Duration", "usecond", "812.35"],
-        ["GPU Speed Of Light Throughput", "DRAM Throughput", "%", "22.10"],
-        ["GPU Speed Of Light Throughput", "Memory Throughput", "%", "40.00"],
-        ["Memory Workload Analysis", "Memory Throughput", "Gbyte/second", "1,050.00"],
-        ["Memory Workload Analysis", "L2 Hit Rate", "%", "66.60"],
-        ["Launch Statistics", "Registers Per Thread", "register/thread", "128"],
-        ["Launch Statistics", "Static Shared Memory Per Block", "byte/block", "0"],
-        ["Launch Statistics", "Dynamic Shared Memory Per Block", "Kbyte/block", "73.73"],
-        ["Occupancy", "Achieved Occupancy", "%", "18.75"],
-    ]]
-    g = ncu.summarize_csv_text(_csv_text(rows, prefix=""))[0]
-    assert g["duration_us"] == pytest.approx(812.35)
-    assert g["dram_pct"] == pytest.approx(22.1)
-    assert g["dram_gbs"] == pytest.approx(1050.0)  # the rate, not the % of the SOL section
-    assert g["l2_hit_pct"] == pytest.approx(66.6)
-    assert g["registers"] == 128
-    assert g["occupancy_pct"] == pytest.approx(18.75)
-    assert g["smem_b"] == pytest.approx(73730.0)  # 0 byte/block + 73.73 Kbyte/block
-    assert g["tensor_pipe_pct"] is None
-
-
-def test_units_and_numbers(ncu):
-    assert ncu.parse_number("1,234.5") == 1234.5
-    assert ncu.parse_number("n/a") is None
-    assert ncu.parse_number("(128, 1, 1)") is None
-    assert ncu.to_bytes(2.0, "Kbyte") == 2000.0
-    assert ncu.to_bytes(2.0, "KiB") == 2048.0
-    assert ncu.to_bytes_per_second(1.5, "Tbyte/second") == pytest.approx(1.5e12)
-    assert ncu.to_bytes_per_second(3.0, "Gbyte/s") == pytest.approx(3e9)
-    assert ncu.to_seconds(7.0, "usecond") == pytest.approx(7e-6)
+def test_units(ncu):
+    assert ncu.unit_scale("msecond") == ("time", 1e-3)
+    assert ncu.unit_scale("nsecond") == ("time", 1e-9)
+    assert ncu.unit_scale("Kbyte") == ("bytes", 1e3)  # ncu's K is decimal
+    assert ncu.unit_scale("KiB") == ("bytes", 1024.0)
+    assert ncu.unit_scale("Kbyte/block") == ("bytes", 1e3)
+    assert ncu.unit_scale("byte") == ("bytes", 1.0)
+    assert ncu.unit_scale("Tbyte/second") == ("rate", 1e12)
+    assert ncu.unit_scale("Gbyte/s") == ("rate", 1e9)
+    kind, scale = ncu.unit_scale("byte/usecond")
+    assert kind == "rate" and scale == pytest.approx(1e6)
+    assert ncu.unit_scale("%") == ("%", 1.0)
+    assert ncu.unit_scale("register/thread") == ("other", 1.0)
+    assert ncu.unit_scale("") == ("", 1.0)
 
 
 def test_short_kernel_name(ncu):
@@ -242,6 +230,14 @@ def test_no_header_is_an_error(ncu, tmp_path):
     assert ncu.main(["--csv-in", str(path)]) == 2
 
 
+def test_saved_csv_with_stamp_reads_back(ncu, tmp_path, capsys):
+    """--save-csv puts '# key: value' lines above ncu's export; reading it back skips them."""
+    path = tmp_path / "saved.csv"
+    path.write_text("# gpu: NVIDIA H100\n# git commit: abc1234\n" + RAW_CSV)
+    assert ncu.main(["--csv-in", str(path)]) == 0
+    assert "1.600 ms" in capsys.readouterr().out
+
+
 # ---------------------------------------------------------------------------------------
 # bench/run.py and bench/ncu_profile.py (CPU: helpers, --help, --dry-run)
 # ---------------------------------------------------------------------------------------
@@ -254,24 +250,58 @@ def test_flops_formula(run):
     assert run.attention_flops(B, H, S, S, D, True, "fwd") == fwd / 2
     assert run.attention_flops(B, H, S, S, D, False, "bwd") == 2.5 * fwd
     assert run.attention_flops(B, H, S, S, D, True, "fwd_bwd") == 3.5 * fwd / 2
-    # 1 TFLOP in 1 ms = 1000 TFLOPS
-    assert run.tflops_from_ms(1e12, 1.0) == pytest.approx(1000.0)
     # anchor check: sdpa_cudnn bf16 D=64 S=16384 B=1 H=32 fwd 4.7510 ms -> 462.9 TFLOPS
     flops = run.attention_flops(1, 32, 16384, 16384, 64, False, "fwd")
-    assert run.tflops_from_ms(flops, 4.7510) == pytest.approx(462.9, abs=0.1)
-    with pytest.raises(ValueError):
-        run.attention_flops(1, 1, 1, 1, 8, False, "sideways")
+    assert flops / 4.7510e-3 / 1e12 == pytest.approx(462.9, abs=0.1)
+
+
+def test_sizes(common):
+    assert common.parse_size("4k") == 4096 and common.parse_size("16K") == 16384
+    assert common.parse_size("512") == 512 and common.parse_size(" 1024 ") == 1024
+    with pytest.raises(Exception, match="not a size"):
+        common.parse_size("4m")
+    assert common.fmt_size(4096) == "4k" and common.fmt_size(512) == "512"
+    assert common.fmt_size(1536) == "1536"
 
 
 def test_grid_and_shapes(run):
-    assert run.parse_seqlen("4k") == 4096 and run.parse_seqlen("512") == 512
-    assert run.workload_shape("tokens", 2048, 128) == (8, 16)
-    assert run.workload_shape("seeds", 2048, 128) == (4, 8)
-    assert run.workload_shape("tokens", 2048, 64, batch=2) == (2, 32)
-    grid = run.build_grid(run.DEFAULT_D, run.DEFAULT_CAUSAL, run.MODES, run.DEFAULT_SEQLENS,
-                          ["tokens"])
-    assert len(grid) == 2 * 2 * 3 * 6
-    assert all(c.B * c.S == 16384 and c.H * c.D == 2048 for c in grid)
+    grid = run.build_grid(run.DEFAULT_D, run.DEFAULT_CAUSAL, run.MODES, run.DEFAULT_SEQLENS)
+    assert len(grid) == 2 * 2 * 3 * 6 and list(grid.columns) == run.GRID_KEYS
+    assert ((grid.B * grid.S == 16384) & (grid.H * grid.D == 2048)).all()
+    # output order: D, causal, mode, then S
+    assert list(grid.S[:6]) == run.DEFAULT_SEQLENS and list(grid["mode"][:13:6]) == run.MODES
+    assert list(grid.D.unique()) == [64, 128]
+    forced = run.build_grid([64, 128], [1], ["fwd"], [2048], batch=2)
+    assert list(zip(forced.B, forced.H)) == [(2, 32), (2, 16)]
+    assert list(run.build_grid([64], [1], ["fwd"], [4096], heads=8).H) == [8]
+    assert run.shape_text(grid) == "B*S=16384, H*D=2048" and run.shape_text(forced) == "B, H vary"
+    assert run.shape_text(forced[forced.D == 64]) == "B=2, H=32"
+
+
+def test_parse_args_sizes_and_defaults(run):
+    args = run.parse_args(["--seqlen", "4k", "512", "--quick"])
+    assert args.seqlens == [4096, 512] and args.budget_ms == (10.0, 30.0)
+    args = run.parse_args([])
+    assert args.seqlens == run.DEFAULT_SEQLENS and args.budget_ms == (25.0, 100.0)
+    args = run.parse_args(["--dtype", "bf16", "bf16", "fp32", "--out", "o"])
+    assert args.dtype == ["bf16", "fp32"]
+    assert [str(p) for p in args.out_dirs.values()] == ["o/bf16", "o/fp32"]
+    assert run.parse_args(["--features"]).mode == ["fwd", "bwd"]
+    with pytest.raises(SystemExit):
+        run.parse_args(["--d", "100"])
+    with pytest.raises(SystemExit):
+        run.parse_args(["--seqlen", "4x"])
+
+
+def test_classify_error(run):
+    import torch
+    assert run.classify_error(run.Unavailable("unavailable: no GPU")) == "unavailable: no GPU"
+    assert run.classify_error(torch.cuda.OutOfMemoryError("CUDA out of memory.")) == "OOM"
+    assert run.classify_error(RuntimeError("No available kernel. Aborting execution.\nmore")) == (
+        "unsupported: No available kernel. Aborting execution.")
+    assert run.classify_error(ValueError("head dim 72 " + "x" * 200)).startswith("unsupported: head dim 72 x")
+    assert len(run.classify_error(ValueError("x" * 200))) == len("unsupported: ") + 80
+    assert run.classify_error(KeyError("k")) == "error: KeyError: 'k'"
 
 
 def test_default_providers_follow_dtype(run):
@@ -280,45 +310,153 @@ def test_default_providers_follow_dtype(run):
     fp32 = run.default_providers(torch.float32)
     assert "flash_cuda_mma" in bf16 and "flash_cuda_simt" not in bf16
     assert "flash_cuda_simt" in fp32 and "flash_cuda_mma" not in fp32
-    assert {"flash_cuda", "sdpa", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "sdpa_math",
-            "naive"} <= set(bf16)
+    assert bf16[0] == "flash_cuda" and bf16[2:] == ["sdpa", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "sdpa_math"]
 
 
-def test_quadratic_memory_skip(run):
+def test_math_backend_memory_skip(run):
+    # SDPA's math backend at S=16k, D=64 (B=1, H=32) backward needs far more than 40 GiB, the others nothing
+    assert run.math_backend_gib("sdpa_math", 1, 32, 16384, "bwd") > 40
+    assert run.math_backend_gib("sdpa_math", 16, 32, 1024, "bwd") < 40
+    assert run.math_backend_gib("sdpa_math", 1, 32, 16384, "fwd") < run.math_backend_gib("sdpa_math", 1, 32, 16384,
+                                                                                          "bwd")
+    assert run.math_backend_gib("flash_cuda", 1, 32, 16384, "bwd") == 0
+
+
+def _results(run):
+    """A small result frame: one config, four providers, two of them without a number."""
+    import pandas as pd
+    cfg = dict(workload="tokens", D=64, causal=1, mode="fwd", S=4096, B=4, H=32, dtype="bfloat16")
+    rows = [("flash_cuda", 1.0, 300.0, 0.1, "ok"), ("sdpa", 0.8, 400.0, 0.1, "ok"),
+            ("sdpa_flash", None, None, None, "unsupported: fp32"),
+            ("sdpa_math", None, None, None, "WRONG (out rel err 0.5 > 0.02)")]
+    return pd.DataFrame([{**cfg, "provider": p, "ms": ms, "tflops": t, "peak_gib": g,
+                          "status": s} for p, ms, t, g, s in rows])
+
+
+def test_grid_table(run):
+    table = "\n".join(run.grid_table(_results(run)))
+    assert table.splitlines()[0] == ("| D | causal | mode | S | B | H | flash_cuda | sdpa | "
+                                     "sdpa_flash | sdpa_math | fc/sdpa | fc/flash | fc/math |")
+    assert "| 64 | 1 | fwd | 4k | 4 | 32 | 300.0 | 400.0 | n/s | WRONG | 0.75 |  |  |" in table
+    assert "- sdpa_math: WRONG (out rel err 0.5 > 0.02) (1 config)" in table
+
+
+def test_csv_carries_environment(run, common, tmp_path):
+    import pandas as pd
+    env = {"gpu": "NVIDIA H100 80GB HBM3", "torch": "2.11.0", "git commit": "abc1234+dirty"}
+    path = tmp_path / "results.csv"
+    common.write_csv(run.csv_frame(_results(run)), path, env)
+    text = path.read_text()
+    assert text.startswith("# gpu: NVIDIA H100 80GB HBM3\n# torch: 2.11.0\n"
+                           "# git commit: abc1234+dirty\n" + ",".join(run.CSV_COLUMNS) + "\n")
+    assert "flash_cuda,bfloat16,64,1,4096,4,32,fwd,1.0000,300.0,0.100,ok" in text
+    back = pd.read_csv(path, comment="#")
+    assert list(back.columns) == run.CSV_COLUMNS and len(back) == 4
+    assert back.status[2] == "unsupported: fp32" and back.ms.isna()[2]
+
+
+def test_git_commit_format(common):
+    import re
+    commit = common.git_commit()
+    assert re.fullmatch(r"[0-9a-f]{4,40}(\+dirty)?", commit) or commit.startswith("unknown")
+
+
+def test_markdown_writer(common):
+    import pandas as pd
+    df = pd.DataFrame({"name": ["a", None], "x": [1.5, float("nan")], "n": [3, 4]})
+    assert common.markdown(df, floatfmt=".2f").splitlines() == [
+        "| name | x | n |", "|---|---:|---:|", "| a | 1.50 | 3 |", "|  |  | 4 |"]
+    assert common.markdown(df, align="---:").splitlines()[1] == "|---:|---:|---:|"
+
+
+def test_anchor_join(run, tmp_path):
+    """Same provider (sdpa <-> sdpa_default) and, for flash_cuda, the best SDPA backend of each
+    anchor file; files of another shape and configs of no anchor are left out."""
+    head = "provider,dtype,D,causal,S,B,H,mode,ms,tflops,peak_gib\n"
+    (tmp_path / "a_h200.csv").write_text(
+        "# gpu: H200\n" + head + "sdpa_default,bfloat16,64,1,4096,4,32,fwd,1,500.0,0.3\n"
+        "sdpa_flash,bfloat16,64,1,4096,4,32,fwd,1,250.0,0.3\n"
+        "sdpa_default,bfloat16,64,1,8192,2,32,fwd,1,999.0,0.3\n")
+    (tmp_path / "b_h100.csv").write_text(
+        head + "flash_cuda,bfloat16,64,1,4096,4,32,fwd,1,200.0,0.3\n"
+        "sdpa_flash,bfloat16,64,1,4096,4,32,fwd,1,160.0,0.3\n")
+    (tmp_path / "c_beyond.csv").write_text("case,provider,mode,ms,rate,unit\nx,flash_cuda,fwd,1,2,GB/s\n")
+    folder, anchors = run.load_anchors(str(tmp_path))
+    assert folder == tmp_path
+    assert len(anchors) == 5 and set(anchors.source) == {"a_h200.csv", "b_h100.csv"}
+    comp = run.anchor_comparison(_results(run), anchors)
+    got = list(zip(comp.provider, comp.anchor, comp.ratio, comp.source))
+    assert got == [("flash_cuda", "200.0", "1.50", "b_h100.csv"),
+                   ("flash_cuda vs sdpa_default", "500.0", "0.60", "a_h200.csv"),
+                   ("flash_cuda vs sdpa_flash", "160.0", "1.88", "b_h100.csv"),
+                   ("sdpa vs sdpa_default", "500.0", "0.80", "a_h200.csv")]
+    assert list(comp.S) == ["4k"] * 4
+    assert run.anchor_comparison(_results(run).assign(S=512), anchors).empty
+
+
+def test_plots_carry_environment(run, tmp_path):
+    pytest.importorskip("matplotlib")
+    from PIL import Image
+    import pandas as pd
     import torch
-    # naive bf16 at S=16k, D=64 (B=1, H=32) backward needs far more than 40 GiB
-    assert run.quadratic_mem_gib("naive", 1, 32, 16384, torch.bfloat16, "bwd") > 40
-    assert run.quadratic_mem_gib("naive", 16, 32, 1024, torch.bfloat16, "bwd") < 40
-    assert run.quadratic_mem_gib("flash_cuda", 1, 32, 16384, torch.bfloat16, "bwd") == 0
+    res = pd.concat([_results(run), _results(run).assign(S=8192, B=2,
+                                                          tflops=[310.0, 420.0, None, None])])
+    env = {"gpu": "NVIDIA H100 80GB HBM3, 132 SMs", "torch": "2.11.0, CUDA 13.0",
+           "git commit": "abc1234"}
+    paths = run.write_plots(res, tmp_path, torch.bfloat16, env)
+    assert [p.name for p in paths] == ["D64_causal1_fwd.png"]
+    info = Image.open(paths[0]).info
+    assert "gpu: NVIDIA H100 80GB HBM3" in info["Description"]
+    assert "git commit: abc1234" in info["Description"]
 
 
-def test_naive_attention_matches_sdpa_on_cpu(run):
+class _WrongFlash:
+    """flash_cuda stand-in on CPU whose output is off by 10% (the check must say WRONG)."""
+    __version__ = "test"
+
+    def is_available(self):
+        return True
+
+    def attention(self, q, k, v, is_causal=False, **_):
+        import torch.nn.functional as F
+        return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal) * 1.1
+
+
+def test_grid_end_to_end_on_cpu(run, monkeypatch, tmp_path, capsys):
+    """run_grid on small CPU shapes (inputs, reference check, the O(S^2) skip, statuses), then report(): table,
+    results.csv / results.md with the environment, anchors."""
+    import argparse
     import torch
-    import torch.nn.functional as F
-    torch.manual_seed(0)
-    q, k, v = (torch.randn(2, 3, 17, 16, dtype=torch.float64) for _ in range(3))
-    for causal in (False, True):
-        mask = run.causal_mask(17, 17, "cpu") if causal else None
-        got = run.naive_attention(q, k, v, causal, 16 ** -0.5, mask)
-        want = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-        assert torch.allclose(got, want, atol=1e-10)
-
-
-def test_markdown_table_and_csv(run):
-    import torch
-    cfg = run.Config("tokens", 64, True, "fwd", 4096, 4, 32)
-    results = {(cfg, "flash_cuda"): run.Result(1.0, 300.0, 0.1),
-               (cfg, "sdpa"): run.Result(0.8, 400.0, 0.1),
-               (cfg, "sdpa_flash"): run.Result(status="unsupported: fp32"),
-               (cfg, "naive"): run.Result(status="WRONG (out rel err 0.5 > 0.02)")}
-    providers = ["flash_cuda", "sdpa", "sdpa_flash", "naive"]
-    table = "\n".join(run.markdown_table([cfg], providers, results))
-    assert "| 64 | 1 | fwd | 4k | 4 | 32 | 300.0 | 400.0 | n/s | WRONG | 0.75 |" in table
-    assert "naive: WRONG (out rel err 0.5 > 0.02)" in table
-    rows = list(run.csv_rows([cfg], providers, results, torch.bfloat16))
-    assert list(rows[0]) == run.CSV_COLUMNS
-    assert rows[0]["dtype"] == "bfloat16" and rows[0]["tflops"] == "300.0"
-    assert rows[2]["ms"] == "" and rows[2]["status"] == "unsupported: fp32"
+    monkeypatch.setattr(run, "load_flash_cuda", lambda: _WrongFlash())
+    monkeypatch.setattr(run, "time_call", lambda fwd, q, k, v, dout, mode, timer: (2.0, 0.5))
+    grid = run.build_grid([16], [0, 1], ["fwd", "bwd"], [64], batch=2, heads=3)
+    # SDPA's math backend here: about 2.2e-4 GiB forward, 3.8e-4 backward
+    args = argparse.Namespace(no_check=False, seed=0, max_quadratic_gib=3.0e-4, out_dirs={torch.bfloat16: tmp_path},
+                              compare_anchors=str(tmp_path), no_plots=True)
+    res = run.run_grid(args, grid, ["flash_cuda", "sdpa", "sdpa_math"], torch.bfloat16, None, device="cpu")
+    status = dict(zip(zip(res.provider, res.causal, res["mode"]), res.status))
+    assert len(res) == 12 and set(res.dtype) == {"bfloat16"}
+    for causal in (0, 1):
+        for mode in ("fwd", "bwd"):
+            assert status[("flash_cuda", causal, mode)].startswith("WRONG (out rel err ")
+            assert status[("sdpa", causal, mode)] == "ok"
+        assert status[("sdpa_math", causal, "fwd")] == "ok"
+        assert status[("sdpa_math", causal, "bwd")].startswith("skipped: O(S^2) memory")
+    ok = res[res.status == "ok"]
+    flops = [run.attention_flops(2, 3, 64, 64, 16, c, m) for c, m in zip(ok.causal, ok["mode"])]
+    assert list(ok.tflops) == pytest.approx([f / 2.0e-3 / 1e12 for f in flops])
+    (tmp_path / "anchors.csv").write_text("provider,dtype,D,causal,S,B,H,mode,ms,tflops,peak_gib\n"
+                                          "sdpa_default,bfloat16,16,0,64,2,3,fwd,1,1e-6,0.1\n")
+    env = {"gpu": "none (CPU test)", "torch": torch.__version__, "git commit": "abc1234"}
+    run.report(args, res, torch.bfloat16, env, 1.0)
+    out = capsys.readouterr().out
+    assert "| 16 | 1 | bwd | 64 | 2 | 3 | WRONG | " in out and "sdpa vs sdpa_default" in out
+    csv = (tmp_path / "results.csv").read_text().splitlines()
+    assert csv[:4] == ["# gpu: none (CPU test)", f"# torch: {torch.__version__}", "# git commit: abc1234",
+                       ",".join(run.CSV_COLUMNS)] and len(csv) == 4 + 12
+    md = (tmp_path / "results.md").read_text()
+    assert md.startswith("# flash_cuda benchmark, bf16, B=2, H=3, 4 configs x 3 providers")
+    assert "gpu: none (CPU test)" in md and "Anchors from" in md and "- flash_cuda: WRONG" in md
 
 
 def test_run_help_and_dry_run():
@@ -327,12 +465,17 @@ def test_run_help_and_dry_run():
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     for opt in ("--quick", "--d", "--causal", "--mode", "--seqlen", "--dtype", "--providers",
-                "--workload", "--out", "--compare-anchors"):
+                "--batch", "--heads", "--out", "--compare-anchors", "--features", "--dry-run"):
         assert opt in proc.stdout
     proc = subprocess.run([sys.executable, str(BENCH / "run.py"), "--dry-run"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert "72 configs x 8 providers" in proc.stdout
+    assert "72 configs x 7 providers = 504 cells (14 skipped for O(S^2) memory)" in proc.stdout
+    proc = subprocess.run([sys.executable, str(BENCH / "run.py"), "--dry-run", "--quick",
+                           "--dtype", "fp32", "--providers", "flash_cuda", "sdpa"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "fp32: 36 configs x 2 providers = 72 cells (0 skipped" in proc.stdout
 
 
 def test_profile_help_and_ncu_command():

@@ -23,7 +23,6 @@ import argparse
 import copy
 import os
 import statistics
-import subprocess
 import sys
 
 import torch
@@ -32,6 +31,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import transformers  # noqa: E402
 
+import common  # noqa: E402
 import hf_models  # noqa: E402
 from flash_cuda.integrations import transformers as fc_hf  # noqa: E402
 
@@ -141,9 +141,8 @@ def main():
     parser.add_argument("--prompt", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | transformers {transformers.__version__}"
-          f" | flash_cuda {commit or 'unknown commit'}")
+          f" | flash_cuda {common.git_commit()}")
     if args.only in (None, "accuracy"):
         print("\n## Accuracy, bf16 against float32 eager (same weights); eager bf16's own error beside\n")
         print("| family | loss (fp32) | loss diff | eager loss diff | max grad diff / max grad | eager | "

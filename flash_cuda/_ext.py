@@ -75,7 +75,7 @@ BUILD_HINT = (
 
 # Minutes a build of every kernel for one GPU architecture takes with 16 parallel jobs: the
 # estimate in the line printed when a build starts.
-_MINUTES_PER_ARCH_16_JOBS = 2
+_MINUTES_PER_ARCH_16_JOBS = 1
 
 
 class BuildError(RuntimeError):

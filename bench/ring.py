@@ -1,0 +1,197 @@
+#!/usr/bin/env python3
+"""Context-parallel attention (flash_cuda.distributed.ring_attention) across the GPUs of a torchrun job.
+
+    torchrun --nproc-per-node 4 bench/ring.py                     # 8k and 32k tokens per GPU
+    torchrun --nproc-per-node 2 bench/ring.py --tokens 8k --causal 1 --mode fwd_bwd
+    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-endpoint HOST:29500 bench/ring.py
+
+For each cell (tokens per GPU x causal x mode), with B = 1, 16 heads, D = 128, bf16 by default:
+
+* ring: the per-GPU time of ring_attention (the slowest rank's, CUDA events around ITERS calls
+  after WARMUP, every rank in step: a barrier before each timed loop);
+* ideal: flash_cuda.attention on the whole sequence (W x tokens) on rank 0 alone, divided by
+  W; `efficiency` = ideal / ring (1.0: the sequence split over W GPUs runs W times faster);
+* compute: the same ring steps with the blocks kept in hand instead of exchanged (the kernels
+  and merges alone, plus a device-local copy in place of each transfer), comm: the ring's transfers alone (W - 1 hops of K and V; the backward
+  also W - 1 hops of K, V and W of dK, dV in float32); `hidden` = (compute + comm - ring) /
+  comm, the share of the transfer time that overlaps compute (1.0: all of it).
+
+NCCL_NVLS_ENABLE=0 is set unless the environment sets it. Rank 0 prints a markdown table; with
+--out DIR it also writes DIR/ring_w<W>.csv and .md (bench/common.py's environment stamp).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import flash_cuda  # noqa: E402
+from flash_cuda import distributed as fcd  # noqa: E402
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def parse_size(text: str) -> int:
+    t = text.strip().lower()
+    return int(float(t[:-1]) * 1024) if t.endswith("k") else int(t)
+
+
+def timed(fn, iters: int, warmup: int, everyone: bool = True) -> float:
+    """ms per call; with ``everyone`` the slowest rank's (every rank must call it)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    if everyone:
+        dist.barrier()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    ms = start.elapsed_time(end) / iters
+    if everyone:
+        t = torch.tensor([ms], device="cuda")
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        ms = float(t)
+    return ms
+
+
+def make_step(fn, q, k, v, do, mode):
+    if mode == "fwd":
+        def step():
+            with torch.no_grad():
+                fn(q, k, v)
+        return step
+
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+
+    def step():
+        out = fn(*leaves)
+        torch.autograd.backward(out, do)
+        for t in leaves:
+            t.grad = None
+    return step
+
+
+def comm_only(cfg, k, v, mode):
+    """The ring's transfers alone, in the same order and sizes (double-buffered like the ring)."""
+    ring, W = cfg.ring, cfg.world
+
+    def hops(n, with_grads):
+        bufs = [(torch.empty_like(k), torch.empty_like(v)) for _ in range(2)]
+        kv = (k, v)
+        dkv = (torch.zeros(k.shape, dtype=torch.float32, device=k.device),
+               torch.zeros(v.shape, dtype=torch.float32, device=v.device))
+        for s in range(n):
+            handles = ring.exchange(kv, bufs[s % 2]) if s + 1 < W else []
+            if with_grads:  # dK / dV hop once per step, the last one back to the owner
+                incoming = (torch.empty_like(dkv[0]), torch.empty_like(dkv[1]))
+                handles += ring.exchange(dkv, incoming, tag0=2)
+                dkv = incoming
+            fcd._Ring.wait(handles)
+            kv = bufs[s % 2]
+
+    def step():
+        hops(W - 1, False)
+        if mode == "fwd_bwd":
+            hops(W, True)
+    return step
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", nargs="+", default=["8k", "32k"], help="tokens per GPU (8k, 32768, ...)")
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--kv-heads", type=int, default=None, help="GQA: K/V heads (default: --heads)")
+    ap.add_argument("--d", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    ap.add_argument("--causal", type=int, nargs="+", choices=(0, 1), default=[1, 0])
+    ap.add_argument("--mode", nargs="+", choices=("fwd", "fwd_bwd"), default=["fwd", "fwd_bwd"])
+    ap.add_argument("--layout", choices=fcd.LAYOUTS, default="zigzag")
+    ap.add_argument("--method", choices=fcd.METHODS, default="ring")
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--out", default=None, help="folder for ring_w<W>.csv / .md (rank 0)")
+    args = ap.parse_args()
+
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl")
+    W, rank = dist.get_world_size(), dist.get_rank()
+    dt = DTYPES[args.dtype]
+    hkv = args.kv_heads or args.heads
+    rows = []
+    for tokens in map(parse_size, args.tokens):
+        for causal in map(bool, args.causal):
+            for mode in args.mode:
+                g = torch.Generator(device="cuda").manual_seed(rank)
+                q, do = (torch.randn(args.batch, args.heads, tokens, args.d, device="cuda", dtype=dt, generator=g)
+                         for _ in range(2))
+                k, v = (torch.randn(args.batch, hkv, tokens, args.d, device="cuda", dtype=dt, generator=g)
+                        for _ in range(2))
+                opts = dict(is_causal=causal, layout=args.layout, method=args.method)
+                ring_ms = timed(make_step(lambda a, b, c: fcd.ring_attention(a, b, c, **opts), q, k, v, do, mode),
+                                args.iters, args.warmup)
+                method = fcd._pick_method(args.method, args.heads, hkv, tokens, W)
+                cfg = fcd._Config(fcd._CudaBlocks(q, args.d ** -0.5, 0.0, False, 0), fcd._Ring(None, W, rank),
+                                  method, args.layout, -1, 0 if causal else -1, mode == "fwd_bwd",
+                                  mode == "fwd_bwd")
+                hidden = comm_ms = compute_ms = float("nan")
+                if method == "ring" and W > 1:
+                    still = cfg._replace(ring=fcd._NoComm(W, rank))
+                    compute_ms = timed(make_step(lambda a, b, c: fcd._RingAttention.apply(a, b, c, still)[0],
+                                                 q, k, v, do, mode), args.iters, args.warmup)
+                    comm_ms = timed(comm_only(cfg, k.contiguous(), v.contiguous(), mode), args.iters, args.warmup)
+                    hidden = min(1.0, max(0.0, (compute_ms + comm_ms - ring_ms) / comm_ms))
+                single_ms = float("nan")
+                if rank == 0:
+                    # the whole sequence on one GPU (every rank's slice shape, W times longer)
+                    qf, dof = (torch.randn(args.batch, args.heads, W * tokens, args.d, device="cuda", dtype=dt)
+                               for _ in range(2))
+                    kf, vf = (torch.randn(args.batch, hkv, W * tokens, args.d, device="cuda", dtype=dt)
+                              for _ in range(2))
+                    single_ms = timed(make_step(lambda a, b, c: flash_cuda.attention(a, b, c, is_causal=causal),
+                                                qf, kf, vf, dof, mode), max(1, args.iters // 2), 1, everyone=False)
+                    del qf, kf, vf, dof
+                dist.barrier()
+                ideal = single_ms / W
+                rows.append(dict(tokens_per_gpu=tokens, seq=W * tokens, causal=int(causal), mode=mode, method=method,
+                                 ring_ms=ring_ms, ideal_ms=ideal, efficiency=ideal / ring_ms,
+                                 compute_ms=compute_ms, comm_ms=comm_ms, hidden=hidden))
+                if rank == 0:
+                    r = rows[-1]
+                    print(f"W={W} tokens/GPU={tokens} causal={int(causal)} {mode}: ring {ring_ms:.2f} ms, "
+                          f"ideal {ideal:.2f} ms (efficiency {r['efficiency']:.2f}), compute {compute_ms:.2f} ms, "
+                          f"comm {comm_ms:.2f} ms, hidden {hidden:.2f}", flush=True)
+                del q, k, v, do
+                torch.cuda.empty_cache()
+    if rank == 0:
+        import common  # bench/common.py: pandas tables and the environment stamp
+        import pandas as pd
+
+        df = pd.DataFrame(rows)
+        env = common.environment(world_size=W, heads=args.heads, kv_heads=hkv, d=args.d, batch=args.batch,
+                                 dtype=args.dtype, layout=args.layout,
+                                 nccl_nvls_enable=os.environ.get("NCCL_NVLS_ENABLE"),
+                                 timer=f"CUDA events, {args.iters} calls after {args.warmup}, slowest rank")
+        table = common.markdown(df, floatfmt=".3f")
+        print("\n" + table)
+        if args.out:
+            common.write_results(args.out, f"ring_w{W}", df, f"ring_attention on {W} GPUs", env, [table])
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,925 @@
+"""Context-parallel attention: one sequence split over the ranks of a torch.distributed group.
+
+    import torch.distributed as dist
+    from flash_cuda import distributed as fcd
+
+    dist.init_process_group("nccl")                      # torchrun sets rank / world size
+    torch.cuda.set_device(local_rank)
+    q, k, v = (fcd.shard(x, dim=2) for x in (q_full, k_full, v_full))   # (B, H, S / W, D)
+    out = fcd.ring_attention(q, k, v, is_causal=True)    # this rank's slice of the output
+    out_full = fcd.unshard(out, dim=2)                   # every rank: the whole sequence
+
+Each rank holds a slice ``(B, H, S_local, D)`` of q, k and v, cut by :func:`shard` in one of
+two layouts:
+
+* ``"zigzag"`` (default): the sequence is cut into ``2W`` chunks of ``S_local / 2``
+  positions and rank ``r`` holds chunks ``r`` and ``2W - 1 - r``, in that order. Under a
+  causal mask every rank then has the same amount of work.
+* ``"contiguous"``: rank ``r`` holds chunk ``r`` of ``W``. Under a causal mask rank ``r``
+  works on ``r + 1`` blocks, so the last rank sets the pace.
+
+Two methods compute the same result:
+
+* ``"ring"``: K and V travel around the ring of ranks (``W - 1`` hops, each block sent to
+  the next rank while the one in hand is attended). Every step attends the local queries to
+  the key block in hand with flash_cuda's kernels, with the mask rewritten in the block's
+  own coordinates (a block entirely in the future is skipped, one entirely in the past runs
+  without a mask, the diagonal block is plain causal); the partial ``(out, lse)`` pairs are
+  merged by log-sum-exp in float32. The backward sends K and V around again, with dK and dV
+  accumulating in float32 as they travel with their block back to its owner.
+* ``"allgather"`` (Llama-3 style, for grouped-query attention whose K / V are small): K and
+  V are all-gathered once, each query chunk attends its true key range of the whole
+  sequence in one call, and the backward reduce-scatters dK / dV in float32.
+
+``method="auto"`` takes the all-gather when the gathered K and V are no larger than the
+local q and out together (``W <= Hq / Hkv``) or when a ring step would be too short to hide
+its transfer; else the ring.
+
+Gradients use the global softmax statistics: each block's backward gets the merged lse (and,
+for float32 inputs on the GPU, the merged per-row statistics the fp32 kernels read) and the
+final output, so that delta = rowsum(dO * O) and P = exp(x - lse) are those of the whole row.
+
+Communication goes through torch.distributed only: NCCL for CUDA tensors (its own stream per
+communicator; the compute stream waits on a transfer only where the received block is first
+used), gloo for CPU tensors, where the blocks run :mod:`flash_cuda.reference` (float64 or
+float32), so that the whole algorithm is testable without a GPU. Nothing assumes one host, and
+no symmetric memory or multicast is used.
+
+Before anything is sent, the ranks exchange a small metadata tensor (shapes, dtype, device
+kind, options): a rank with bad inputs makes every rank raise a clear error instead of
+leaving the others waiting on a transfer that never comes.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from typing import List, NamedTuple, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from . import _ext, interface, reference
+
+__all__ = ["ring_attention", "shard", "unshard", "LAYOUTS", "METHODS"]
+
+# Newer torch names the single-tensor collectives *_single and deprecates the older names.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+LAYOUTS = ("zigzag", "contiguous")
+METHODS = ("auto", "ring", "allgather")
+
+_PREFIX = "flash_cuda.distributed.ring_attention: "
+_INF = math.inf
+
+# method="auto": a ring step attends B * Hq * S_local^2 query-key pairs while B * Hkv * S_local
+# rows of K and V arrive; below this many (S_local * Hq / Hkv) the transfer of a step is not
+# hidden behind its compute on NVLink-class links (about 2 flop per byte of the link's
+# bandwidth over the GPU's attention throughput), and one all-gather costs less than W hops.
+_AUTO_MIN_RING_WORK = 2048
+
+
+# ---------------------------------------------------------------------------------------
+# Layouts: which chunks of the sequence a rank holds
+# ---------------------------------------------------------------------------------------
+
+
+def _chunk_ids(layout: str, world: int, rank: int) -> Tuple[int, ...]:
+    """The sequence chunks rank ``rank`` holds, in its local order."""
+    return (rank, 2 * world - 1 - rank) if layout == "zigzag" else (rank,)
+
+
+def _chunks_per_rank(layout: str) -> int:
+    return 2 if layout == "zigzag" else 1
+
+
+class _Chunk(NamedTuple):
+    start: int  # first global position
+    local: int  # first local row
+    length: int
+
+
+def _rank_chunks(layout: str, world: int, rank: int, s_local: int) -> List[_Chunk]:
+    n = _chunks_per_rank(layout)
+    c = s_local // n
+    return [_Chunk(cid * c, i * c, c) for i, cid in enumerate(_chunk_ids(layout, world, rank))]
+
+
+def _rank_major_order(layout: str, world: int) -> List[int]:
+    """Chunk ids in the order an all-gather of the local slices lays them out."""
+    return [cid for r in range(world) for cid in _chunk_ids(layout, world, r)]
+
+
+def _check_layout(layout, prefix: str) -> str:
+    if not isinstance(layout, str) or layout not in LAYOUTS:
+        raise ValueError(f"{prefix}layout must be one of {LAYOUTS}, got {layout!r}")
+    return layout
+
+
+def _group_size_rank(group, world_size=None, rank=None) -> Tuple[int, int]:
+    if world_size is not None or rank is not None:
+        if world_size is None or rank is None:
+            raise ValueError("pass both world_size and rank, or neither (then the group's are used)")
+        if not (isinstance(world_size, int) and isinstance(rank, int) and 0 <= rank < world_size):
+            raise ValueError(f"need 0 <= rank < world_size, got rank {rank}, world_size {world_size}")
+        return world_size, rank
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "flash_cuda.distributed: torch.distributed is not initialized; call "
+            "torch.distributed.init_process_group first (or pass world_size= and rank= to shard)")
+    r = dist.get_rank(group)
+    if r < 0:
+        raise RuntimeError("flash_cuda.distributed: this process is not a member of the given group")
+    return dist.get_world_size(group), r
+
+
+def shard(x: Tensor, dim: int = 2, group=None, layout: str = "zigzag", *,
+          world_size: Optional[int] = None, rank: Optional[int] = None) -> Tensor:
+    """This rank's slice of the full-sequence tensor ``x`` along ``dim``, as
+    :func:`ring_attention` expects it (``dim=2`` for ``(B, H, S, D)``).
+
+    ``layout="zigzag"``: chunks ``r`` and ``2W - 1 - r`` of ``2W`` (a new tensor);
+    ``"contiguous"``: chunk ``r`` of ``W`` (a view). The length along ``dim`` must be a
+    multiple of ``2W`` (zigzag) or ``W``. ``world_size`` / ``rank`` override the group's
+    (to cut data without a process group)."""
+    _check_layout(layout, "flash_cuda.distributed.shard: ")
+    world, r = _group_size_rank(group, world_size, rank)
+    n = _chunks_per_rank(layout) * world
+    length = x.shape[dim]
+    if length % n != 0:
+        raise ValueError(
+            f"flash_cuda.distributed.shard: the length along dim {dim} ({length}) must be a multiple "
+            f"of {n} ({'2 * ' if layout == 'zigzag' else ''}world size {world}) for layout {layout!r}")
+    c = length // n
+    parts = [x.narrow(dim, cid * c, c) for cid in _chunk_ids(layout, world, r)]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
+
+
+def unshard(x: Tensor, dim: int = 2, group=None, layout: str = "zigzag") -> Tensor:
+    """The inverse of :func:`shard`: all-gathers every rank's slice along ``dim`` and puts the
+    chunks back in sequence order. Collective (every rank of ``group`` calls it with the same
+    shape); the result is the same on every rank and carries no gradient."""
+    _check_layout(layout, "flash_cuda.distributed.unshard: ")
+    world, _ = _group_size_rank(group)
+    dim = dim % x.dim()
+    local = x.detach().movedim(dim, 0).contiguous()
+    gathered = local.new_empty((world * local.shape[0],) + tuple(local.shape[1:]))
+    _all_gather(gathered, local, group=group)
+    return _to_sequence_order(gathered, 0, layout, world).movedim(0, dim)
+
+
+def _to_sequence_order(x: Tensor, dim: int, layout: str, world: int) -> Tensor:
+    """Rank-major chunks (as gathered) -> sequence order, along ``dim``."""
+    order = _rank_major_order(layout, world)
+    if order == sorted(order):
+        return x
+    n = len(order)
+    c = x.shape[dim] // n
+    chunks = x.unflatten(dim, (n, c))
+    inverse = [0] * n
+    for pos, cid in enumerate(order):
+        inverse[cid] = pos
+    return chunks.index_select(dim, torch.tensor(inverse, device=x.device)).flatten(dim, dim + 1)
+
+
+def _to_rank_major(x: Tensor, dim: int, layout: str, world: int) -> Tensor:
+    """Sequence order -> rank-major chunks (the layout a reduce-scatter splits)."""
+    order = _rank_major_order(layout, world)
+    n = len(order)
+    c = x.shape[dim] // n
+    return x.unflatten(dim, (n, c)).index_select(dim, torch.tensor(order, device=x.device)).flatten(dim, dim + 1)
+
+
+# ---------------------------------------------------------------------------------------
+# Block plans: which (query rows, key rows, window) calls a (q chunks, k chunks) pair needs
+# ---------------------------------------------------------------------------------------
+
+
+class _Call(NamedTuple):
+    """One kernel call: local query rows [q0, q1) against key rows [k0, k1) of the block in
+    hand, with a bottom-right aligned window (-1: unbounded side)."""
+    q0: int
+    q1: int
+    k0: int
+    k1: int
+    wl: int
+    wr: int
+
+
+def _band(qc: _Chunk, kc: _Chunk, left: int, right: int) -> Tuple[float, float]:
+    """Global rule: query at position p sees key t iff p - left <= t <= p + right (the whole
+    sequence is square, so bottom-right alignment is the main diagonal). In chunk-local
+    coordinates (i, j): lo <= j - i <= hi."""
+    d = qc.start - kc.start
+    return (-_INF if left < 0 else d - left), (_INF if right < 0 else d + right)
+
+
+def _clip(lo: float, hi: float, sq: int, sk: int):
+    """The offsets j - i of an sq x sk rectangle that the band keeps (None: none). Two bands
+    select the same cells of the rectangle iff their clips are equal."""
+    lo_c, hi_c = max(lo, -(sq - 1)), min(hi, sk - 1)
+    return None if lo_c > hi_c else (lo_c, hi_c)
+
+
+def _window_band(wl: int, wr: int, sq: int, sk: int) -> Tuple[float, float]:
+    """flash_cuda's bottom-right aligned window as a band: i + sk - sq - wl <= j <= i + sk - sq + wr."""
+    delta = sk - sq
+    return (-_INF if wl < 0 else delta - wl), (_INF if wr < 0 else delta + wr)
+
+
+def _trimmed_call(lo: float, hi: float, qc: _Chunk, kc: _Chunk) -> Optional[_Call]:
+    """The call for one chunk pair, or None when no query sees a key of it.
+
+    A band of offsets is not always a bottom-right aligned window of the full chunk pair
+    (e.g. a sliding window reaching a few keys into an earlier chunk: both its bounds lie on
+    the same side of the pair's diagonal). Trimmed to the rows that see a key and the keys
+    that are seen, it is: the last such row and the last such key form a cell inside the band
+    (if the last row is cut by the band's lower bound, the last key is the pair's last; if the
+    last key is cut by the upper bound, the last row is the pair's last), which makes both
+    window sides >= 0."""
+    sq, sk = qc.length, kc.length
+    a0, a1 = max(0, -hi), min(sq, sk - lo)
+    if a0 >= a1:
+        return None
+    b0, b1 = max(0, a0 + lo), min(sk, a1 + hi)
+    if b0 >= b1:
+        return None
+    a0, a1, b0, b1 = int(a0), int(a1), int(b0), int(b1)
+    sq2, sk2 = a1 - a0, b1 - b0
+    lo2, hi2 = lo - b0 + a0, hi - b0 + a0  # the band in the trimmed rectangle
+    delta = sk2 - sq2
+    wl = -1 if lo2 <= -(sq2 - 1) else int(delta - lo2)
+    wr = -1 if hi2 >= sk2 - 1 else int(hi2 - delta)
+    assert wl >= -1 and wr >= -1 and (wl != -1 or lo2 <= -(sq2 - 1)) and (wr != -1 or hi2 >= sk2 - 1)
+    return _Call(qc.local + a0, qc.local + a1, kc.local + b0, kc.local + b1, wl, wr)
+
+
+def _plan(q_chunks: Sequence[_Chunk], k_chunks: Sequence[_Chunk], left: int, right: int) -> List[_Call]:
+    """The fewest calls that attend the local queries to a key block exactly.
+
+    Chunk pairs are first judged one by one; neighbouring pairs are then joined into one call
+    where an unmasked or causal call over the joined rectangle selects exactly the same cells
+    (the zigzag diagonal block: one causal call over both chunks; a key block of an earlier
+    rank: one unmasked call with both query chunks, or only the later one)."""
+    bands = {(i, j): _band(qc, kc, left, right) for i, qc in enumerate(q_chunks) for j, kc in enumerate(k_chunks)}
+    seen = {p: _clip(*bands[p], q_chunks[p[0]].length, k_chunks[p[1]].length) is not None for p in bands}
+
+    def joined(rows: Sequence[int], cols: Sequence[int]) -> Optional[_Call]:
+        """One call over rows x cols (consecutive chunks), or None if none is exact."""
+        if len(rows) == 1 and len(cols) == 1:
+            return _trimmed_call(*bands[rows[0], cols[0]], q_chunks[rows[0]], k_chunks[cols[0]])
+        qa, qb = q_chunks[rows[0]].local, q_chunks[rows[-1]].local + q_chunks[rows[-1]].length
+        ka, kb = k_chunks[cols[0]].local, k_chunks[cols[-1]].local + k_chunks[cols[-1]].length
+        for wl, wr in ((-1, -1), (-1, 0)):
+            lo, hi = _window_band(wl, wr, qb - qa, kb - ka)
+            exact = True
+            for i in rows:
+                for j in cols:
+                    qc, kc = q_chunks[i], k_chunks[j]
+                    shift = (qc.local - qa) - (kc.local - ka)
+                    if _clip(lo + shift, hi + shift, qc.length, kc.length) != _clip(*bands[i, j], qc.length,
+                                                                                    kc.length):
+                        exact = False
+                        break
+                if not exact:
+                    break
+            if exact:
+                return _Call(qa, qb, ka, kb, wl, wr)
+        return None
+
+    def decomposition(groups) -> Optional[List[_Call]]:
+        calls = []
+        for rows, cols in groups:
+            if not any(seen[i, j] for i in rows for j in cols):
+                continue
+            call = joined(rows, cols)
+            if call is None:
+                return None
+            calls.append(call)
+        return calls
+
+    def span(idx: List[int]) -> List[int]:
+        return list(range(min(idx), max(idx) + 1)) if idx else []
+
+    nq, nk = len(q_chunks), len(k_chunks)
+    candidates = [
+        [(list(range(nq)), list(range(nk)))],  # one call
+        [([i], span([j for j in range(nk) if seen[i, j]])) for i in range(nq)],  # per query chunk
+        [(span([i for i in range(nq) if seen[i, j]]), [j]) for j in range(nk)],  # per key chunk
+        [([i], [j]) for i in range(nq) for j in range(nk)],  # per pair (always exact)
+    ]
+    best = None
+    for groups in candidates:
+        calls = decomposition([(r, c) for r, c in groups if r and c])
+        if calls is not None and (best is None or len(calls) < len(best)):
+            best = calls
+    return best
+
+
+# ---------------------------------------------------------------------------------------
+# Block kernels: flash_cuda's CUDA kernels, or the reference on CPU
+# ---------------------------------------------------------------------------------------
+
+
+class _CudaBlocks:
+    """flash_cuda's kernels. For float32 inputs the fp32 backward recomputes P from per-row
+    statistics (m, log2 l) rather than from lse (interface: aux); they are merged across
+    blocks as lse is, so that the backward of each block sees the row's global statistics."""
+
+    def __init__(self, q: Tensor, scale: float, softcap: float, deterministic: bool, tier: int):
+        self.scale, self.softcap, self.deterministic, self.tier = scale, softcap, deterministic, tier
+        self.acc_dtype = torch.float32
+        self.has_stats = q.dtype == torch.float32
+        self._no_stats = q.new_empty((0,), dtype=torch.float32)
+
+    def forward(self, q, k, v, wl, wr):
+        out, lse, aux = interface._fwd_impl(q, k, v, self.scale, wl, wr, self.softcap, None, self.tier)
+        return out, lse, (aux if self.has_stats else None)
+
+    def backward(self, dout, q, k, v, out, lse, stats, dlse, wl, wr, need_dq, need_dkdv):
+        aux = stats.contiguous() if self.has_stats else self._no_stats
+        if dlse is not None:
+            dlse = dlse.contiguous()  # a slice of the rows; the binding takes it dense
+        return interface._bwd_impl(dout, q, k, v, out, lse, aux, dlse, self.scale, wl, wr, self.softcap, None,
+                                   self.deterministic, self.tier, need_dq, need_dkdv)
+
+
+class _ReferenceBlocks:
+    """flash_cuda.reference's blocked forward / backward (any device, float64 included)."""
+
+    def __init__(self, q: Tensor, scale: float, softcap: float):
+        self.scale, self.softcap = scale, softcap
+        self.acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        self.has_stats = False
+
+    def forward(self, q, k, v, wl, wr):
+        out, lse = reference.attention_forward_blocked(q, k, v, scale=self.scale, window_size=(wl, wr),
+                                                       softcap=self.softcap)
+        return out, lse.to(self.acc_dtype), None
+
+    def backward(self, dout, q, k, v, out, lse, stats, dlse, wl, wr, need_dq, need_dkdv):
+        return reference.attention_backward_blocked(dout, q, k, v, out, lse, scale=self.scale,
+                                                    window_size=(wl, wr), softcap=self.softcap, dlse=dlse)
+
+
+# ---------------------------------------------------------------------------------------
+# Merging partial results
+# ---------------------------------------------------------------------------------------
+
+
+def _merge_lse(acc_lse: Tensor, lse_b: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+    """(new lse, weight of the old partial, weight of the new one); rows that saw no key in
+    either get weights 0 (computed against 0, never exp(-inf - -inf) = NaN)."""
+    new = torch.logaddexp(acc_lse, lse_b)
+    ref = torch.where(new == -_INF, torch.zeros_like(new), new)
+    return new, torch.exp(acc_lse - ref), torch.exp(lse_b - ref)
+
+
+def _merge_stats(acc: Tensor, part: Tensor) -> None:
+    """In place: per-row (m, log2 l) pairs of the fp32 kernels, (+inf, 0) for a row without
+    keys; the merge runs in float64 so that it adds no rounding of its own."""
+    a, b = acc.double(), part.double()
+    ma = torch.where(a[..., 0] == _INF, torch.full_like(a[..., 0], -_INF), a[..., 0])
+    mb = torch.where(b[..., 0] == _INF, torch.full_like(b[..., 0], -_INF), b[..., 0])
+    m = torch.maximum(ma, mb)
+    empty = m == -_INF
+    m_ref = torch.where(empty, torch.zeros_like(m), m)
+    total = torch.exp2(ma - m_ref + a[..., 1]) + torch.exp2(mb - m_ref + b[..., 1])
+    merged = torch.stack([torch.where(empty, torch.full_like(m, _INF), m),
+                          torch.where(empty, torch.zeros_like(m), torch.log2(torch.where(empty, torch.ones_like(m),
+                                                                                         total)))], dim=-1)
+    acc.copy_(merged)
+
+
+class _Accumulator:
+    """The running (out, lse[, stats]) of the local query rows, in the accumulation dtype.
+    A call whose rows nothing has touched yet is copied (exact); later ones are merged."""
+
+    def __init__(self, q: Tensor, kernel):
+        B, H, S, D = q.shape
+        acc = kernel.acc_dtype
+        self.out = torch.zeros((B, H, S, D), dtype=acc, device=q.device)
+        self.lse = torch.full((B, H, S), -_INF, dtype=acc, device=q.device)
+        self.stats = None
+        if kernel.has_stats:
+            self.stats = torch.zeros((B, H, S, 2), dtype=torch.float32, device=q.device)
+            self.stats[..., 0] = _INF
+        self._touched: List[Tuple[int, int]] = []
+
+    def add(self, q0: int, q1: int, out_b: Tensor, lse_b: Tensor, stats_b: Optional[Tensor]) -> None:
+        o, l = self.out[:, :, q0:q1], self.lse[:, :, q0:q1]
+        if not any(a < q1 and q0 < b for a, b in self._touched):
+            o.copy_(out_b)
+            l.copy_(lse_b)
+            if self.stats is not None:
+                self.stats[:, :, q0:q1].copy_(stats_b)
+        else:
+            new, w_old, w_new = _merge_lse(l, lse_b.to(l.dtype))
+            o.mul_(w_old.unsqueeze(-1)).addcmul_(out_b, w_new.unsqueeze(-1))
+            l.copy_(new)
+            if self.stats is not None:
+                _merge_stats(self.stats[:, :, q0:q1], stats_b)
+        self._touched.append((q0, q1))
+
+
+# ---------------------------------------------------------------------------------------
+# Communication
+# ---------------------------------------------------------------------------------------
+
+
+class _Ring:
+    """Batched isend / irecv to the ring neighbours of ``group`` (global ranks for P2POp)."""
+
+    def __init__(self, group, world: int, rank: int):
+        self.group, self.world, self.rank = group, world, rank
+        self.next = dist.get_global_rank(self._group(), (rank + 1) % world)
+        self.prev = dist.get_global_rank(self._group(), (rank - 1) % world)
+
+    def _group(self):
+        return self.group if self.group is not None else dist.group.WORLD
+
+    def exchange(self, send: Sequence[Tensor], recv: Sequence[Tensor], tag0: int = 0):
+        """Starts sending ``send`` to the next rank and receiving ``recv`` from the previous
+        one; returns the handles. Tags keep the tensors of one batch, and the K / V and
+        gradient exchanges in flight together, apart on gloo (NCCL matches by issue order,
+        which is the same on every rank)."""
+        ops = [dist.P2POp(dist.isend, t, self.next, self.group, tag0 + i) for i, t in enumerate(send)]
+        ops += [dist.P2POp(dist.irecv, t, self.prev, self.group, tag0 + i) for i, t in enumerate(recv)]
+        return dist.batch_isend_irecv(ops)
+
+    @staticmethod
+    def wait(handles) -> None:
+        for h in handles:
+            h.wait()
+
+
+class _NoComm(_Ring):
+    """Keeps the blocks in hand instead of exchanging them: the ring's compute alone (bench)."""
+
+    def __init__(self, world: int, rank: int):
+        self.group, self.world, self.rank = None, world, rank
+
+    def exchange(self, send, recv, tag0=0):
+        for s, r in zip(send, recv):
+            if r.data_ptr() != s.data_ptr():
+                r.copy_(s)
+        return []
+
+
+# ---------------------------------------------------------------------------------------
+# The two methods
+# ---------------------------------------------------------------------------------------
+
+
+class _Config(NamedTuple):
+    kernel: object
+    ring: _Ring
+    method: str
+    layout: str
+    left: int
+    right: int
+    need_dq: bool
+    need_dkdv: bool
+
+    @property
+    def world(self) -> int:
+        return self.ring.world
+
+
+def _ring_plans(cfg: _Config, s_local: int) -> List[List[_Call]]:
+    """plans[step]: the calls attending the local queries to the block of rank (rank - step)."""
+    W, r = cfg.world, cfg.ring.rank
+    mine = _rank_chunks(cfg.layout, W, r, s_local)
+    return [_plan(mine, _rank_chunks(cfg.layout, W, (r - s) % W, s_local), cfg.left, cfg.right) for s in range(W)]
+
+
+def _allgather_plan(cfg: _Config, s_local: int) -> List[_Call]:
+    mine = _rank_chunks(cfg.layout, cfg.world, cfg.ring.rank, s_local)
+    whole = _Chunk(0, 0, s_local * cfg.world)
+    return _plan(mine, [whole], cfg.left, cfg.right)
+
+
+def _finish(acc: _Accumulator, q: Tensor):
+    return acc.out.to(q.dtype), acc.lse, acc.stats
+
+
+def _ring_forward(q: Tensor, k: Tensor, v: Tensor, cfg: _Config):
+    kernel, ring, W = cfg.kernel, cfg.ring, cfg.world
+    plans = _ring_plans(cfg, q.shape[2])
+    acc = _Accumulator(q, kernel)
+    kv = (k.contiguous(), v.contiguous())
+    spare = None  # the other half of the double buffer, allocated at the first hop
+    for step in range(W):
+        handles = None
+        if step + 1 < W:
+            spare = spare or (torch.empty_like(kv[0]), torch.empty_like(kv[1]))
+            handles = ring.exchange(kv, spare)
+        for c in plans[step]:
+            acc.add(c.q0, c.q1, *kernel.forward(q[:, :, c.q0:c.q1], kv[0][:, :, c.k0:c.k1], kv[1][:, :, c.k0:c.k1],
+                                                c.wl, c.wr))
+        if handles is not None:
+            ring.wait(handles)
+            # The block just attended becomes the next receive buffer, except the caller's own
+            # k / v (the first step's), which is never written.
+            kv, spare = spare, (kv if step > 0 else None)
+    return _finish(acc, q)
+
+
+def _ring_backward(dout, q, k, v, out, lse, stats, dlse, cfg: _Config):
+    kernel, ring, W = cfg.kernel, cfg.ring, cfg.world
+    plans = _ring_plans(cfg, q.shape[2])
+    acc = kernel.acc_dtype
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device) if cfg.need_dq else None
+    kv = (k.contiguous(), v.contiguous())
+    spare = None
+    dkv = None  # the travelling (dk, dv) of the block in hand, float32
+    dkv_handles = None
+    for step in range(W):
+        kv_handles = None
+        if step + 1 < W:
+            spare = spare or (torch.empty_like(kv[0]), torch.empty_like(kv[1]))
+            kv_handles = ring.exchange(kv, spare)
+        step_dkv = None
+        for c in plans[step]:
+            rows, keys = slice(c.q0, c.q1), slice(c.k0, c.k1)
+            dq_b, dk_b, dv_b = kernel.backward(
+                dout[:, :, rows], q[:, :, rows], kv[0][:, :, keys], kv[1][:, :, keys], out[:, :, rows],
+                lse[:, :, rows], None if stats is None else stats[:, :, rows],
+                None if dlse is None else dlse[:, :, rows], c.wl, c.wr, cfg.need_dq, cfg.need_dkdv)
+            if cfg.need_dq:
+                dq[:, :, rows] += dq_b
+            if cfg.need_dkdv:
+                if step_dkv is None:
+                    step_dkv = (torch.zeros(k.shape, dtype=acc, device=k.device),
+                                torch.zeros(v.shape, dtype=acc, device=v.device))
+                step_dkv[0][:, :, keys] += dk_b
+                step_dkv[1][:, :, keys] += dv_b
+        if cfg.need_dkdv:
+            # dK / dV of the block in hand arrived during this step's compute: add this rank's
+            # part and pass them on with the block (after the last step, back to the owner).
+            if dkv_handles is not None:
+                ring.wait(dkv_handles)
+            if dkv is None:
+                dkv = step_dkv or (torch.zeros(k.shape, dtype=acc, device=k.device),
+                                   torch.zeros(v.shape, dtype=acc, device=v.device))
+            elif step_dkv is not None:
+                dkv[0].add_(step_dkv[0])
+                dkv[1].add_(step_dkv[1])
+            if W > 1:
+                incoming = (torch.empty_like(dkv[0]), torch.empty_like(dkv[1]))
+                dkv_handles = ring.exchange(dkv, incoming, tag0=2)
+                dkv = incoming
+        if kv_handles is not None:
+            ring.wait(kv_handles)
+            kv, spare = spare, (kv if step > 0 else None)
+    if dkv_handles is not None:
+        ring.wait(dkv_handles)
+    dk, dv = (dkv if cfg.need_dkdv else (None, None))
+    return dq, dk, dv
+
+
+def _gather_kv(k: Tensor, v: Tensor, cfg: _Config) -> Tuple[Tensor, Tensor]:
+    """The whole sequence's K and V, in sequence order."""
+    W = cfg.world
+    if W == 1:
+        return k, v
+    out = []
+    handles = []
+    for t in (k, v):
+        t = t.contiguous()
+        g = t.new_empty((W * t.shape[0],) + tuple(t.shape[1:]))
+        handles.append(_all_gather(g, t, group=cfg.ring.group, async_op=True))
+        out.append(g)
+    for h in handles:
+        h.wait()
+    B = k.shape[0]
+    # (W * B, H, S_local, D) -> (B, H, W * S_local, D) rank-major -> sequence order
+    return tuple(_to_sequence_order(g.unflatten(0, (W, B)).permute(1, 2, 0, 3, 4).flatten(2, 3), 2, cfg.layout, W)
+                 for g in out)
+
+
+def _allgather_forward(q: Tensor, k: Tensor, v: Tensor, cfg: _Config):
+    kernel = cfg.kernel
+    k_all, v_all = _gather_kv(k, v, cfg)
+    acc = _Accumulator(q, kernel)
+    for c in _allgather_plan(cfg, q.shape[2]):
+        acc.add(c.q0, c.q1, *kernel.forward(q[:, :, c.q0:c.q1], k_all[:, :, c.k0:c.k1], v_all[:, :, c.k0:c.k1],
+                                            c.wl, c.wr))
+    return _finish(acc, q)
+
+
+def _allgather_backward(dout, q, k, v, out, lse, stats, dlse, cfg: _Config):
+    kernel, W = cfg.kernel, cfg.world
+    acc = kernel.acc_dtype
+    k_all, v_all = _gather_kv(k, v, cfg)  # gathered again: the forward keeps only the local slices
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device) if cfg.need_dq else None
+    dk_all = torch.zeros(k_all.shape, dtype=acc, device=k.device) if cfg.need_dkdv else None
+    dv_all = torch.zeros(v_all.shape, dtype=acc, device=v.device) if cfg.need_dkdv else None
+    for c in _allgather_plan(cfg, q.shape[2]):
+        rows, keys = slice(c.q0, c.q1), slice(c.k0, c.k1)
+        dq_b, dk_b, dv_b = kernel.backward(
+            dout[:, :, rows], q[:, :, rows], k_all[:, :, keys], v_all[:, :, keys], out[:, :, rows], lse[:, :, rows],
+            None if stats is None else stats[:, :, rows], None if dlse is None else dlse[:, :, rows], c.wl, c.wr,
+            cfg.need_dq, cfg.need_dkdv)
+        if cfg.need_dq:
+            dq[:, :, rows] += dq_b
+        if cfg.need_dkdv:
+            dk_all[:, :, keys] += dk_b
+            dv_all[:, :, keys] += dv_b
+    dk = dv = None
+    if cfg.need_dkdv:
+        if W == 1:
+            dk, dv = dk_all, dv_all
+        else:
+            res = []
+            for g in (dk_all, dv_all):
+                # sequence order -> rank-major, rank as the leading dim: each rank gets the sum
+                # over ranks of its own chunks' rows.
+                g = _to_rank_major(g, 2, cfg.layout, W).unflatten(2, (W, k.shape[2])).permute(2, 0, 1, 3, 4)
+                part = g.new_empty(g.shape[1:])
+                _reduce_scatter(part, g.contiguous().flatten(0, 1), group=cfg.ring.group)
+                res.append(part)
+            dk, dv = res
+    return dq, dk, dv
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, cfg: _Config):
+        fwd = _ring_forward if cfg.method == "ring" else _allgather_forward
+        out, lse, stats = fwd(q, k, v, cfg)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.cfg, ctx.stats = cfg, stats
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        cfg = ctx.cfg
+        # A rank whose output took no part in the loss still runs its share of the transfers.
+        dout = torch.zeros_like(out) if dout is None else dout
+        if dout.stride(-1) != 1:
+            dout = dout.contiguous()
+        if dlse is not None:
+            dlse = dlse.to(lse.dtype if cfg.kernel.acc_dtype == torch.float64 else torch.float32).contiguous()
+        bwd = _ring_backward if cfg.method == "ring" else _allgather_backward
+        dq, dk, dv = bwd(dout, q, k, v, out, lse, ctx.stats, dlse, cfg)
+        need_q, need_k, need_v = ctx.needs_input_grad[:3]
+        return (dq.to(q.dtype) if need_q else None, dk.to(k.dtype) if need_k else None,
+                dv.to(v.dtype) if need_v else None, None)
+
+
+# ---------------------------------------------------------------------------------------
+# Validation, local then collective
+# ---------------------------------------------------------------------------------------
+
+_CPU_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
+_FIELDS = (("q shape", 1, 5), ("k / v shape", 5, 9), ("dtype", 9, 10), ("device type", 10, 11),
+           ("is_causal", 11, 12), ("window_size", 12, 14), ("layout", 14, 15), ("method", 15, 16),
+           ("return_lse", 16, 17), ("deterministic", 17, 18), ("scale", 18, 19), ("softcap", 19, 20),
+           # The backward is collective too: every rank must build it, with the same transfers.
+           ("which inputs need a gradient (q, k or v)", 20, 22))
+_META_LEN = 22
+
+
+def _float_bits(x: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", float(x)))[0]
+
+
+def _bits_float(b: int) -> float:
+    return struct.unpack("<d", struct.pack("<q", int(b)))[0]
+
+
+class _Local(NamedTuple):
+    scale: float
+    left: int
+    right: int
+    softcap: float
+    tier: int
+
+
+def _validate_local(q, k, v, *, is_causal, scale, window_size, softcap, layout, method, return_lse,
+                    deterministic, nccl: bool) -> _Local:
+    p = _PREFIX
+    interface._check_types(q, k, v, is_causal, return_lse, deterministic, p)
+    _check_layout(layout, p)
+    if not isinstance(method, str) or method not in METHODS:
+        raise ValueError(f"{p}method must be one of {METHODS}, got {method!r}")
+    if not (q.device == k.device == v.device):
+        raise RuntimeError(f"{p}q, k and v must be on the same device, got q: {q.device}, k: {k.device}, "
+                           f"v: {v.device}")
+    if q.is_cuda:
+        interface._check_dtypes(q, k, v, p)
+    else:
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if t.dtype not in _CPU_DTYPES:
+                raise TypeError(f"{p}{name} has dtype {t.dtype}; on CPU (flash_cuda.reference) the "
+                                f"supported dtypes are float16, bfloat16, float32 and float64")
+        if not (q.dtype == k.dtype == v.dtype):
+            raise TypeError(f"{p}q, k and v must have the same dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    interface._check_shapes(q, k, v, p)
+    interface._check_strides(q, k, v, p)
+    S = q.shape[2]
+    if k.shape[2] != S:
+        raise ValueError(
+            f"{p}q and k / v must hold the same number of local positions (dim 2): every rank holds "
+            f"its slice of one sequence of queries and keys, got q: {S}, k / v: {k.shape[2]}")
+    if S == 0:
+        raise ValueError(f"{p}the local slice is empty (dim 2 of q is 0)")
+    if layout == "zigzag" and S % 2 != 0:
+        raise ValueError(
+            f"{p}layout='zigzag' holds two equal chunks per rank, so the local length must be even, "
+            f"got {S} (cut the sequence with flash_cuda.distributed.shard, or use layout='contiguous')")
+    scale, left, right, softcap = interface._check_score_options(q.shape[-1], scale, is_causal, window_size,
+                                                                 softcap, p)
+    if q.is_cuda:
+        if not nccl:
+            raise RuntimeError(f"{p}CUDA tensors need a process group with the NCCL backend, got "
+                               f"{dist.get_backend()!r}")
+        if q.device.index != torch.cuda.current_device():
+            raise RuntimeError(
+                f"{p}the inputs are on {q.device} but the current CUDA device is "
+                f"cuda:{torch.cuda.current_device()}; call torch.cuda.set_device({q.device.index}) first "
+                f"(NCCL transfers run on the current device)")
+        interface._check_device(q, k, v, p)
+        if not _ext.is_available():
+            raise RuntimeError(_ext.unavailable_message())
+    return _Local(float(scale), left, right, float(softcap), 0)
+
+
+def _metadata(ok: bool, q, k, local: Optional[_Local], is_causal, layout, method, return_lse, deterministic,
+              need_dq, need_dkdv) -> List[int]:
+    if not ok:
+        return [1] + [0] * (_META_LEN - 1)
+    return ([0, *q.shape, *k.shape, _DTYPE_CODES[q.dtype], int(q.is_cuda), int(is_causal), local.left,
+             local.right, LAYOUTS.index(layout), METHODS.index(method), int(return_lse), int(deterministic),
+             _float_bits(local.scale), _float_bits(local.softcap), int(need_dq), int(need_dkdv)])
+
+
+def _describe(name: str, values) -> str:
+    if name == "dtype":
+        names = {c: str(d).replace("torch.", "") for d, c in _DTYPE_CODES.items()}
+        return names.get(values[0], "?")
+    if name == "device type":
+        return "cuda" if values[0] else "cpu"
+    if name == "layout":
+        return repr(LAYOUTS[values[0]])
+    if name == "method":
+        return repr(METHODS[values[0]])
+    if name in ("scale", "softcap"):
+        return repr(_bits_float(values[0]))
+    if name in ("is_causal", "return_lse", "deterministic"):
+        return str(bool(values[0]))
+    if name.startswith("which inputs"):
+        return "+".join(n for n, f in zip(("q", "k/v"), values) if f) or "none"
+    return str(tuple(values)) if len(values) > 1 else str(values[0])
+
+
+# The host-side group that carries the metadata check of an NCCL group, by the group's ranks:
+# gloo's all-gather of a few integers costs no device synchronization, so the GPU keeps the
+# queue of work the host enqueued ahead of it (an NCCL all-gather read back to the host would
+# stall it once per call).
+_CHECK_GROUPS: dict = {}
+
+
+def _check_group(group):
+    """(group for the metadata all-gather, its tensors' device)."""
+    if "nccl" not in str(dist.get_backend(group)):
+        return group, torch.device("cpu")
+    ranks = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
+    if ranks not in _CHECK_GROUPS:
+        # Made by the members alone (no other rank of the world takes part); the first call of
+        # ring_attention is collective over them anyway.
+        _CHECK_GROUPS[ranks] = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True)
+    return _CHECK_GROUPS[ranks], torch.device("cpu")
+
+
+def _agree(meta: List[int], group, device, error: Optional[BaseException]) -> None:
+    """All-gathers the ranks' metadata; raises on every rank if one rank's inputs failed its
+    local checks or the ranks disagree."""
+    W = dist.get_world_size(group)
+    mine = torch.tensor(meta, dtype=torch.int64, device=device)
+    every = torch.empty(W * _META_LEN, dtype=torch.int64, device=device)
+    _all_gather(every, mine, group=group)
+    rows = every.view(W, _META_LEN).tolist()
+    failed = [r for r in range(W) if rows[r][0] != 0]
+    if failed:
+        # Only now, as every rank knows that one failed, do they all exchange the messages.
+        messages = [None] * W
+        dist.all_gather_object(messages, None if error is None else f"{type(error).__name__}: {error}", group=group)
+        if error is not None:
+            raise error
+        details = "; ".join(f"rank {r}: {messages[r]}" for r in failed)
+        raise RuntimeError(f"{_PREFIX}rank(s) {failed} of the group rejected their inputs, so no rank "
+                           f"started ({details})")
+    for name, a, b in _FIELDS:
+        values = [tuple(row[a:b]) for row in rows]
+        if len(set(values)) > 1:
+            shown = ", ".join(f"rank {r}: {_describe(name, values[r])}" for r in range(W))
+            raise ValueError(
+                f"{_PREFIX}the ranks of the group disagree on {name} ({shown}); every rank must pass its "
+                f"slice of the same sequence (same batch, heads, local length, head dim, dtype) with the "
+                f"same options")
+
+
+def _pick_method(method: str, Hq: int, Hkv: int, s_local: int, world: int) -> str:
+    if method != "auto":
+        return method
+    if world == 1:
+        return "ring"  # no transfer either way; the ring path does no collective at all
+    group_size = Hq // Hkv
+    if (group_size > 1 and world <= group_size) or s_local * group_size < _AUTO_MIN_RING_WORK:
+        return "allgather"
+    return "ring"
+
+
+# ---------------------------------------------------------------------------------------
+# Public entry point
+# ---------------------------------------------------------------------------------------
+
+
+def ring_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    group=None,
+    is_causal: bool = False,
+    scale: Optional[float] = None,
+    layout: str = "zigzag",
+    window_size: Tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    return_lse: bool = False,
+    method: str = "auto",
+    deterministic: bool = False,
+) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    r"""Attention over a sequence split across the ranks of ``group`` (context parallelism).
+
+    Every rank of ``group`` (default: the world) calls it together with its slice of q, k, v
+    and gets its slice of the output: the same values as :func:`flash_cuda.attention` on the
+    whole sequence, cut as :func:`shard` cuts it. Differentiable (q, k, v, and lse when
+    returned); the backward is collective too.
+
+    Args:
+        q: ``(batch, heads, S_local, head_dim)``, this rank's slice of the queries.
+        k, v: ``(batch, kv_heads, S_local, head_dim)``, this rank's slice of the keys and
+            values (GQA: ``heads`` a multiple of ``kv_heads``, as in flash_cuda.attention).
+            Every rank holds the same ``S_local``; the whole sequence is ``W * S_local``.
+            CUDA tensors (float16, bfloat16, float32; process group with NCCL, inputs on the
+            current device) run flash_cuda's kernels; CPU tensors (float16 .. float64; gloo)
+            run flash_cuda.reference.
+        group: the process group the sequence is split over (None: the default group).
+        is_causal: causal over the whole sequence (query at global position p sees keys at
+            positions <= p).
+        scale: as flash_cuda.attention (default ``1 / sqrt(head_dim)``).
+        layout: ``"zigzag"`` (default; balanced under a causal mask) or ``"contiguous"``,
+            how the sequence is cut (see :func:`shard`).
+        window_size: ``(left, right)`` in global positions: the query at position p sees the
+            keys at p - left .. p + right (-1: unbounded side), is_causal sets right to 0.
+            Works with both methods; blocks outside every window are skipped, though the ring
+            still passes every block around.
+        softcap: as flash_cuda.attention.
+        return_lse: also return lse ``(batch, heads, S_local)`` of the whole row (float32;
+            float64 for float64 inputs).
+        method: ``"ring"``, ``"allgather"`` or ``"auto"`` (module docstring).
+        deterministic: as flash_cuda.attention (the backward kernels' dQ order); the ring
+            order and the merges are fixed, so with it the whole call is reproducible.
+
+    Raises:
+        ValueError / TypeError / RuntimeError: on every rank of the group, when any rank's
+        inputs are rejected (that rank raises its own error, the others a RuntimeError naming
+        it) or the ranks disagree on shapes, dtype or options.
+    """
+    world, rank = _group_size_rank(group)
+    backend = str(dist.get_backend(group))
+    nccl = "nccl" in backend
+    error, local = None, None
+    try:
+        local = _validate_local(q, k, v, is_causal=is_causal, scale=scale, window_size=window_size, softcap=softcap,
+                                layout=layout, method=method, return_lse=return_lse, deterministic=deterministic,
+                                nccl=nccl)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        error = exc
+    grad = torch.is_grad_enabled()
+    need_dq = error is None and grad and q.requires_grad
+    need_dkdv = error is None and grad and (k.requires_grad or v.requires_grad)
+    meta = _metadata(error is None, q, k, local, is_causal, layout, method, return_lse, deterministic, need_dq,
+                     need_dkdv)
+    _agree(meta, *_check_group(group), error)
+
+    if q.is_cuda:
+        kernel = _CudaBlocks(q, local.scale, local.softcap, deterministic, local.tier)
+    else:
+        kernel = _ReferenceBlocks(q, local.scale, local.softcap)
+    chosen = _pick_method(method, q.shape[1], k.shape[1], q.shape[2], world)
+    cfg = _Config(kernel, _Ring(group, world, rank), chosen, layout, local.left, local.right, need_dq, need_dkdv)
+    if need_dq or need_dkdv:
+        out, lse = _RingAttention.apply(q, k, v, cfg)
+    else:
+        fwd = _ring_forward if chosen == "ring" else _allgather_forward
+        out, lse, _ = fwd(q, k, v, cfg)
+    return (out, lse) if return_lse else out

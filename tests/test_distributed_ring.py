@@ -1,0 +1,408 @@
+"""flash_cuda.distributed on CPU: gloo process groups of 1 to 4 ranks, flash_cuda.reference as
+the block kernel, float64.
+
+Every rank builds the same full-sequence inputs from a seed, cuts its slice with shard(), runs
+ring_attention (forward, and backward of sum(out * dout) [+ sum(lse * dlse)]), and compares its
+slice of out / lse / dq / dk / dv with attention_naive on the whole sequence (float64 autograd),
+cut the same way. One set of worker processes per world size runs every case (a spawn costs
+seconds); each test then reads its case's result. The block plans (which kernel calls cover a
+(query chunk, key chunk) pair) are also checked cell by cell against the global mask, without
+processes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from flash_cuda import distributed as fcd
+from flash_cuda.reference import attention_naive
+
+WORLD_SIZES = (1, 2, 3, 4)
+TIMEOUT_S = 240  # the workers of one world size, all cases; a hang fails instead of blocking CI
+TOL = 1e-10  # float64 blocks and merges against float64 naive attention: rounding only
+
+
+# ---------------------------------------------------------------------------------------
+# The cases: name -> options. Shapes are small (S_local 16..32, D 16 / 32).
+# ---------------------------------------------------------------------------------------
+
+def _case(B=2, Hq=2, Hkv=2, S_local=16, D=16, dtype="float64", grads="qkv", lse_loss=False, **opts):
+    return dict(B=B, Hq=Hq, Hkv=Hkv, S_local=S_local, D=D, dtype=dtype, grads=grads, lse_loss=lse_loss, opts=opts)
+
+
+CASES = {
+    "zigzag_causal": _case(is_causal=True, layout="zigzag", method="ring"),
+    "contiguous_causal": _case(is_causal=True, layout="contiguous", method="ring"),
+    "zigzag_full": _case(layout="zigzag", method="ring"),
+    "contiguous_full": _case(layout="contiguous", method="ring", S_local=24, D=32),
+    "gqa_ring_causal": _case(Hq=4, Hkv=2, is_causal=True, method="ring"),
+    "gqa_allgather_causal": _case(Hq=4, Hkv=2, is_causal=True, method="allgather"),
+    "gqa_allgather_contiguous_full": _case(Hq=4, Hkv=2, layout="contiguous", method="allgather"),
+    "mqa_uneven_heads": _case(Hq=3, Hkv=1, is_causal=True, method="ring", D=32),
+    "auto_method": _case(Hq=4, Hkv=1, is_causal=True, method="auto"),
+    "return_lse_with_lse_loss": _case(is_causal=True, return_lse=True, lse_loss=True, method="ring"),
+    "return_lse_allgather": _case(Hq=4, Hkv=2, return_lse=True, lse_loss=True, method="allgather"),
+    "window_causal_ring": _case(is_causal=True, window_size=(5, 0), method="ring", S_local=32),
+    "window_causal_allgather": _case(is_causal=True, window_size=(5, 0), method="allgather", S_local=32),
+    "window_two_sided_ring": _case(window_size=(3, 7), method="ring", layout="contiguous"),
+    "window_two_sided_allgather": _case(window_size=(11, 2), method="allgather"),
+    "softcap_scale": _case(is_causal=True, softcap=3.0, scale=0.5, method="ring"),
+    "dq_only": _case(is_causal=True, grads="q", method="ring"),
+    "dkdv_only_allgather": _case(Hq=4, Hkv=2, grads="kv", method="allgather"),
+    "no_grad": _case(is_causal=True, grads="", method="ring"),
+    "float32": _case(dtype="float32", is_causal=True, method="ring"),
+}
+
+
+def _full_inputs(case, world: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    dt = getattr(torch, case["dtype"])
+    S = case["S_local"] * world
+    B, Hq, Hkv, D = case["B"], case["Hq"], case["Hkv"], case["D"]
+    q, do = (torch.randn(B, Hq, S, D, generator=g, dtype=torch.float64).to(dt) for _ in range(2))
+    k, v = (torch.randn(B, Hkv, S, D, generator=g, dtype=torch.float64).to(dt) for _ in range(2))
+    dlse = torch.randn(B, Hq, S, generator=g, dtype=torch.float64)
+    return q, k, v, do, dlse
+
+
+def _reference(case, q, k, v, do, dlse):
+    """attention_naive in float64 on the whole sequence: (out, lse, dq, dk, dv)."""
+    opts = {n: case["opts"][n] for n in ("is_causal", "scale", "window_size", "softcap") if n in case["opts"]}
+    q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
+    out, lse = attention_naive(q, k, v, **opts)
+    loss = (out * do.double()).sum()
+    if case["lse_loss"]:
+        loss = loss + (torch.where(torch.isfinite(lse), lse, 0) * dlse).sum()
+    dq, dk, dv = torch.autograd.grad(loss, (q, k, v))
+    return out.detach(), lse.detach(), dq, dk, dv
+
+
+def _max_err(x, ref):
+    return float((x.double() - ref.double()).abs().max()) if x.numel() else 0.0
+
+
+def _run_case(name, case, world, rank):
+    layout = case["opts"].get("layout", "zigzag")
+    q, k, v, do, dlse = _full_inputs(case, world, seed=1000 + len(name))
+    ref = _reference(case, q, k, v, do, dlse)
+    mine = [fcd.shard(t, 2, layout=layout) for t in (q, k, v, do, dlse)]
+    ql, kl, vl, dol, dlsel = (t.clone() for t in mine)
+    for t, flag in ((ql, "q"), (kl, "k"), (vl, "k")):
+        if flag in case["grads"]:
+            t.requires_grad_()
+    opts = dict(case["opts"])
+    res = fcd.ring_attention(ql, kl, vl, **opts)
+    out, lse = res if opts.get("return_lse") else (res, None)
+    tol = TOL if case["dtype"] == "float64" else 2e-5
+    errors = {}
+    errors["out"] = _max_err(out, fcd.shard(ref[0], 2, layout=layout))
+    if lse is not None:
+        ref_lse = fcd.shard(ref[1], 2, layout=layout)
+        errors["lse"] = _max_err(lse, ref_lse)
+    if case["grads"]:
+        loss = (out * dol).sum()
+        if case["lse_loss"]:
+            loss = loss + (lse * dlsel).sum()
+        loss.backward()
+        for nm, t, r in (("dq", ql, ref[2]), ("dk", kl, ref[3]), ("dv", vl, ref[4])):
+            if t.requires_grad:
+                errors[nm] = _max_err(t.grad, fcd.shard(r, 2, layout=layout))
+            elif t.grad is not None:
+                errors[nm + " (not asked)"] = math.inf
+    # the whole sequence back: unshard inverts shard
+    full_out = fcd.unshard(out.detach(), 2, layout=layout)
+    errors["unshard(out)"] = _max_err(full_out, ref[0])
+    bad = {n: e for n, e in errors.items() if not e <= tol * max(1.0, float(ref[0].abs().max()))}
+    return None if not bad else f"rank {rank}: errors above {tol}: {bad}"
+
+
+def _ring_vs_allgather(world, rank):
+    """The two methods agree with each other to rounding (GQA, causal, zigzag)."""
+    case = _case(Hq=4, Hkv=2, is_causal=True)
+    q, k, v, do, _ = _full_inputs(case, world, seed=7)
+    outs = []
+    for method in ("ring", "allgather"):
+        ql, kl, vl = (fcd.shard(t, 2).clone().requires_grad_() for t in (q, k, v))
+        out = fcd.ring_attention(ql, kl, vl, is_causal=True, method=method)
+        (out * fcd.shard(do, 2)).sum().backward()
+        outs.append((out.detach(), ql.grad, kl.grad, vl.grad))
+    err = max(_max_err(a, b) for a, b in zip(*outs))
+    return None if err <= TOL else f"rank {rank}: ring vs allgather differ by {err}"
+
+
+def _round_trip(world, rank):
+    x = torch.arange(2 * 3 * (4 * world) * 5, dtype=torch.float64).view(2, 3, 4 * world, 5)
+    for layout, dim in itertools.product(fcd.LAYOUTS, (2, 1, -2)):
+        y = x.movedim(2, dim) if dim != -2 else x
+        local = fcd.shard(y, dim, layout=layout)
+        if local.shape[dim] != y.shape[dim] // world:
+            return f"shard({layout}, dim {dim}) has length {local.shape[dim]}"
+        if not torch.equal(fcd.unshard(local, dim, layout=layout), y):
+            return f"rank {rank}: unshard(shard(x)) != x for layout {layout}, dim {dim}"
+    return None
+
+
+def _bad_shapes(world, rank):
+    """One rank's inputs are wrong: every rank must raise, with a message naming the problem.
+    Returns a dict kind -> (exception type, message) per rank; checked by the test."""
+    seen = {}
+    ok = lambda: [torch.randn(1, 2, 8, 16, dtype=torch.float64) for _ in range(3)]  # noqa: E731
+    bad_rank = world - 1
+    # 1. a local length that differs from the other ranks'
+    q, k, v = ok()
+    if rank == bad_rank and world > 1:
+        q, k, v = (torch.randn(1, 2, 12, 16, dtype=torch.float64) for _ in range(3))
+    # 2. a tensor that fails the checks of flash_cuda.attention (head dim not a multiple of 8)
+    q2, k2, v2 = ok()
+    if rank == bad_rank:
+        k2 = torch.randn(1, 2, 8, 12, dtype=torch.float64)
+    # 3. an option that differs
+    causal3 = rank == bad_rank and world > 1
+    # 4. one rank wants gradients, the others not (its backward would wait for them forever)
+    q4, k4, v4 = ok()
+    q4.requires_grad_(rank == bad_rank and world > 1)
+    for kind, call in (("length", lambda: fcd.ring_attention(q, k, v)),
+                       ("head_dim", lambda: fcd.ring_attention(q2, k2, v2)),
+                       ("option", lambda: fcd.ring_attention(*ok(), is_causal=causal3)),
+                       ("grad", lambda: fcd.ring_attention(q4, k4, v4))):
+        try:
+            call()
+            seen[kind] = None
+        except Exception as exc:  # noqa: BLE001  (the test checks type and message)
+            seen[kind] = [type(exc).__name__, str(exc)]
+    # the group still works afterwards (no rank was left half-way through a transfer)
+    fcd.ring_attention(*ok(), is_causal=True)
+    return seen
+
+
+def _worker(rank, world, store_path, out_dir):
+    torch.set_num_threads(1)
+    results = {}
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=60))
+        for name, case in CASES.items():
+            try:
+                results[name] = _run_case(name, case, world, rank)
+            except Exception:  # noqa: BLE001
+                results[name] = f"rank {rank}: {traceback.format_exc()}"
+        for name, fn in (("ring_vs_allgather", _ring_vs_allgather), ("round_trip", _round_trip),
+                         ("bad_shapes", _bad_shapes)):
+            try:
+                results[name] = fn(world, rank)
+            except Exception:  # noqa: BLE001
+                results[name] = f"rank {rank}: {traceback.format_exc()}"
+        dist.destroy_process_group()
+    finally:
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(results, f)
+
+
+def _spawn(world: int):
+    """Runs every case on ``world`` gloo ranks; returns one results dict per rank."""
+    tmp = tempfile.mkdtemp(prefix="fc_ring_")
+    ctx = mp.start_processes(_worker, args=(world, os.path.join(tmp, "store"), tmp), nprocs=world, join=False,
+                             start_method="spawn")
+    deadline = time.monotonic() + TIMEOUT_S
+    try:
+        while not ctx.join(timeout=max(1.0, deadline - time.monotonic())):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{world} ranks did not finish within {TIMEOUT_S} s (a hang?)")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+    out = []
+    for r in range(world):
+        with open(os.path.join(tmp, f"rank{r}.json")) as f:
+            out.append(json.load(f))
+    return out
+
+
+@pytest.fixture(scope="module")
+def results():
+    cache = {}
+
+    def get(world):
+        if world not in cache:
+            cache[world] = _spawn(world)
+        return cache[world]
+    return get
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+@pytest.mark.parametrize("name", list(CASES) + ["ring_vs_allgather", "round_trip"])
+def test_against_reference(results, world, name):
+    problems = [r[name] for r in results(world) if r.get(name)]
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_bad_inputs_raise_on_every_rank(results, world):
+    per_rank = [r["bad_shapes"] for r in results(world)]
+    assert all(isinstance(p, dict) for p in per_rank), per_rank
+    bad = world - 1
+    for rank, seen in enumerate(per_rank):
+        # head dim 12 is not accepted: the bad rank raises flash_cuda's own ValueError, the
+        # others a RuntimeError that names that rank and repeats its message
+        kind, msg = seen["head_dim"]
+        if rank == bad:
+            assert kind == "ValueError" and "head dim" in msg, (rank, seen)
+        else:
+            assert kind == "RuntimeError" and f"rank(s) [{bad}]" in msg and "head dim" in msg, (rank, seen)
+        if world > 1:
+            kind, msg = seen["length"]
+            assert kind == "ValueError" and "disagree on q shape" in msg and "(1, 2, 12, 16)" in msg, (rank, seen)
+            kind, msg = seen["option"]
+            assert kind == "ValueError" and "disagree on is_causal" in msg, (rank, seen)
+            kind, msg = seen["grad"]
+            assert kind == "ValueError" and "disagree on which inputs need a gradient" in msg, (rank, seen)
+        else:
+            assert seen["length"] is None and seen["option"] is None and seen["grad"] is None, seen
+
+
+# ---------------------------------------------------------------------------------------
+# Without processes: the plans, cell by cell
+# ---------------------------------------------------------------------------------------
+
+
+def _covered(calls, q_chunks, k_chunks, s_local_k):
+    """Global (query pos, key pos) cells the calls attend, each with its multiplicity."""
+    def glob(chunks, local):
+        for c in chunks:
+            if c.local <= local < c.local + c.length:
+                return c.start + local - c.local
+        raise AssertionError(local)
+    cells = {}
+    for c in calls:
+        sq, sk = c.q1 - c.q0, c.k1 - c.k0
+        for i in range(sq):
+            for j in range(sk):
+                lo, hi = fcd._window_band(c.wl, c.wr, sq, sk)
+                if lo <= j - i <= hi:
+                    key = (glob(q_chunks, c.q0 + i), glob(k_chunks, c.k0 + j))
+                    cells[key] = cells.get(key, 0) + 1
+    return cells
+
+
+@pytest.mark.parametrize("layout", fcd.LAYOUTS)
+@pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (5, 0), (0, 0), (3, 7), (20, -1), (-1, 9), (1, 40)])
+def test_plans_cover_the_mask_exactly(layout, window):
+    for world in (1, 2, 3, 4):
+        s_local = 12
+        S = s_local * world
+        left, right = window
+        for rank in range(world):
+            mine = fcd._rank_chunks(layout, world, rank, s_local)
+            cells = {}
+            for src in range(world):
+                theirs = fcd._rank_chunks(layout, world, src, s_local)
+                calls = fcd._plan(mine, theirs, left, right)
+                for key, n in _covered(calls, mine, theirs, s_local).items():
+                    cells[key] = cells.get(key, 0) + n
+                if window == (-1, -1):
+                    assert len(calls) == 1, calls  # unmasked: one call per block
+            # all-gather: the same cells against the whole sequence
+            ag = fcd._plan(mine, [fcd._Chunk(0, 0, S)], left, right)
+            assert _covered(ag, mine, [fcd._Chunk(0, 0, S)], S) == cells
+            expected = {(c.start + i, t) for c in mine for i in range(c.length) for t in range(S)
+                        if (left < 0 or t >= c.start + i - left) and (right < 0 or t <= c.start + i + right)}
+            assert set(cells) == expected and all(n == 1 for n in cells.values()), (world, rank)
+
+
+def test_zigzag_causal_is_one_balanced_call_per_step():
+    world, s_local = 4, 16
+    for rank in range(world):
+        mine = fcd._rank_chunks("zigzag", world, rank, s_local)
+        for src in range(world):
+            calls = fcd._plan(mine, fcd._rank_chunks("zigzag", world, src, s_local), -1, 0)
+            assert len(calls) == 1
+            c = calls[0]
+            if src == rank:
+                assert (c.q1 - c.q0, c.k1 - c.k0, c.wl, c.wr) == (16, 16, -1, 0)
+            else:  # half the queries against the whole block, or all against half: no mask
+                assert (c.q1 - c.q0) * (c.k1 - c.k0) == 128 and (c.wl, c.wr) == (-1, -1)
+
+
+def test_pick_method():
+    assert fcd._pick_method("ring", 8, 1, 8192, 4) == "ring"
+    assert fcd._pick_method("auto", 32, 8, 8192, 4) == "allgather"  # gathered K/V <= local q
+    assert fcd._pick_method("auto", 16, 16, 8192, 4) == "ring"
+    assert fcd._pick_method("auto", 16, 16, 256, 4) == "allgather"  # too little work per step
+    assert fcd._pick_method("auto", 16, 16, 256, 1) == "ring"
+
+
+def test_shard_without_group_and_bad_lengths():
+    x = torch.arange(24).view(1, 1, 24, 1)
+    assert fcd.shard(x, 2, world_size=3, rank=1).flatten().tolist() == [4, 5, 6, 7, 16, 17, 18, 19]
+    assert fcd.shard(x, 2, layout="contiguous", world_size=3, rank=1).flatten().tolist() == list(range(8, 16))
+    with pytest.raises(ValueError, match="multiple of 10"):
+        fcd.shard(x, 2, world_size=5, rank=0)
+    with pytest.raises(ValueError, match="layout must be one of"):
+        fcd.shard(x, 2, layout="striped", world_size=2, rank=0)
+
+
+# ---------------------------------------------------------------------------------------
+# Without processes: the CUDA block kernel's plumbing (through the CPU stand-in of the
+# extension, conftest.mock_extension) and the fp32 statistics merge
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", ["ring", "allgather"])
+def test_cuda_block_calls_match_the_reference_blocks(mock_extension, method):
+    """The ring's steps on one rank of a pretend world of 3 whose blocks never move (_NoComm):
+    flash_cuda's extension entry points (here the mock, which asserts the binding's argument
+    contract) and the reference blocks must give the same result."""
+    g = torch.Generator().manual_seed(5)
+    q, do = (torch.randn(2, 4, 16, 16, generator=g).to(torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(2, 2, 16, 16, generator=g).to(torch.bfloat16) for _ in range(2))
+    dlse = torch.randn(2, 4, 16, generator=g)
+    got = []
+    for kernel in (fcd._CudaBlocks(q, 0.25, 0.0, False, 0), fcd._ReferenceBlocks(q, 0.25, 0.0)):
+        cfg = fcd._Config(kernel, fcd._NoComm(3, 1), "ring", "zigzag", 6, 0, True, True)
+        qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+        if method == "ring":
+            out, lse = fcd._RingAttention.apply(qq, kk, vv, cfg)
+        else:  # the all-gather's calls: q's two chunks against the pretend whole sequence k
+            cfg = cfg._replace(method="allgather", ring=fcd._NoComm(1, 0))
+            out, lse = fcd._RingAttention.apply(qq, kk, vv, cfg)
+        ((out.float() * do.float()).sum() + (lse * dlse).sum()).backward()
+        got.append((out, lse, qq.grad, kk.grad, vv.grad))
+    assert mock_extension.fwd_calls > 0 and mock_extension.bwd_calls > 0
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), *got):
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        assert torch.allclose(a.float(), b.float(), atol=3e-2, rtol=2e-2), (name, (a.float() - b.float()).abs().max())
+
+
+def test_merge_stats_equals_the_whole_row():
+    """(m, log2 l) of the fp32 kernels (log2 units; (+inf, 0) for a row that saw no key):
+    merging the pairs of two key ranges gives the pair of the whole range."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 40, generator=g, dtype=torch.float64) * 4  # logits in log2 units
+
+    def stats(cols):
+        if cols.shape[-1] == 0:
+            return torch.stack([torch.full((3,), math.inf), torch.zeros(3)], -1)
+        m = cols.max(-1).values
+        return torch.stack([m, torch.log2(torch.exp2(cols - m[:, None]).sum(-1))], -1).float()
+
+    for split in (0, 1, 17, 40):
+        acc = stats(x[:, :split]).clone()
+        fcd._merge_stats(acc, stats(x[:, split:]))
+        whole = stats(x)
+        assert torch.allclose(acc, whole, atol=1e-6), (split, acc, whole)
+    empty = stats(x[:, :0]).clone()
+    fcd._merge_stats(empty, stats(x[:, :0]))
+    assert torch.equal(empty, stats(x[:, :0]))

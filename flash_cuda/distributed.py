@@ -52,6 +52,7 @@ leaving the others waiting on a transfer that never comes.
 
 from __future__ import annotations
 
+import functools
 import math
 import struct
 from typing import List, NamedTuple, Optional, Sequence, Tuple, Union
@@ -488,17 +489,27 @@ class _Config(NamedTuple):
         return self.ring.world
 
 
-def _ring_plans(cfg: _Config, s_local: int) -> List[List[_Call]]:
+def _ring_plans(cfg: _Config, s_local: int) -> Tuple[Tuple[_Call, ...], ...]:
     """plans[step]: the calls attending the local queries to the block of rank (rank - step)."""
-    W, r = cfg.world, cfg.ring.rank
-    mine = _rank_chunks(cfg.layout, W, r, s_local)
-    return [_plan(mine, _rank_chunks(cfg.layout, W, (r - s) % W, s_local), cfg.left, cfg.right) for s in range(W)]
+    return _ring_plans_of(cfg.layout, cfg.world, cfg.ring.rank, s_local, cfg.left, cfg.right)
 
 
-def _allgather_plan(cfg: _Config, s_local: int) -> List[_Call]:
-    mine = _rank_chunks(cfg.layout, cfg.world, cfg.ring.rank, s_local)
-    whole = _Chunk(0, 0, s_local * cfg.world)
-    return _plan(mine, [whole], cfg.left, cfg.right)
+def _allgather_plan(cfg: _Config, s_local: int) -> Tuple[_Call, ...]:
+    return _allgather_plan_of(cfg.layout, cfg.world, cfg.ring.rank, s_local, cfg.left, cfg.right)
+
+
+# Plans depend on a few integers only and cost more host time than a step's kernel launches at
+# a few thousand tokens per GPU: computed once per shape.
+@functools.lru_cache(maxsize=256)
+def _ring_plans_of(layout: str, W: int, r: int, s_local: int, left: int, right: int):
+    mine = _rank_chunks(layout, W, r, s_local)
+    return tuple(tuple(_plan(mine, _rank_chunks(layout, W, (r - s) % W, s_local), left, right)) for s in range(W))
+
+
+@functools.lru_cache(maxsize=256)
+def _allgather_plan_of(layout: str, W: int, r: int, s_local: int, left: int, right: int):
+    mine = _rank_chunks(layout, W, r, s_local)
+    return tuple(_plan(mine, [_Chunk(0, 0, s_local * W)], left, right))
 
 
 def _finish(acc: _Accumulator, q: Tensor):

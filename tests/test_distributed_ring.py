@@ -16,17 +16,15 @@ import itertools
 import json
 import math
 import os
-import tempfile
-import time
 import traceback
 from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from flash_cuda import distributed as fcd
+from spawn_ranks import spawn_ranks
 from flash_cuda.reference import attention_naive
 
 WORLD_SIZES = (1, 2, 3, 4)
@@ -212,23 +210,7 @@ def _worker(rank, world, store_path, out_dir):
 
 def _spawn(world: int):
     """Runs every case on ``world`` gloo ranks; returns one results dict per rank."""
-    tmp = tempfile.mkdtemp(prefix="fc_ring_")
-    ctx = mp.start_processes(_worker, args=(world, os.path.join(tmp, "store"), tmp), nprocs=world, join=False,
-                             start_method="spawn")
-    deadline = time.monotonic() + TIMEOUT_S
-    try:
-        while not ctx.join(timeout=max(1.0, deadline - time.monotonic())):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{world} ranks did not finish within {TIMEOUT_S} s (a hang?)")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-    out = []
-    for r in range(world):
-        with open(os.path.join(tmp, f"rank{r}.json")) as f:
-            out.append(json.load(f))
-    return out
+    return spawn_ranks(_worker, world, TIMEOUT_S, prefix="fc_ring_")
 
 
 @pytest.fixture(scope="module")

@@ -18,20 +18,18 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
-import time
 import traceback
 from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import flash_cuda
 from flash_cuda import distributed as fcd
 from flash_cuda.reference import attention_naive
 
+from spawn_ranks import spawn_ranks
 from attn_check import ATOL_BASE, LSE_ATOL_BASE, gpu_skip_reason, rule_error
 
 pytestmark = pytest.mark.gpu
@@ -170,22 +168,7 @@ def results():
         pytest.skip(reason)
     os.environ["NCCL_NVLS_ENABLE"] = "0"
     world = _world()
-    tmp = tempfile.mkdtemp(prefix="fc_ring_gpu_")
-    ctx = mp.start_processes(_worker, args=(world, os.path.join(tmp, "store"), tmp), nprocs=world, join=False,
-                             start_method="spawn")
-    deadline = time.monotonic() + TIMEOUT_S
-    try:
-        while not ctx.join(timeout=max(1.0, deadline - time.monotonic())):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{world} ranks did not finish within {TIMEOUT_S} s (a hang?)")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-    out = []
-    for r in range(world):
-        with open(os.path.join(tmp, f"rank{r}.json")) as f:
-            out.append(json.load(f))
+    out = spawn_ranks(_worker, world, TIMEOUT_S, prefix="fc_ring_gpu_")
     setup = [r["setup"] for r in out if r.get("setup")]
     assert not setup, "\n".join(setup)
     return out

@@ -81,6 +81,19 @@ class Timer:
                                    return_mode="median"))
 
 
+def loop_ms(fn, iters: int) -> float:
+    """ms per call of ``iters`` back-to-back calls between two CUDA events: for steps do_bench cannot
+    time alone (a whole model's training step, a collective that every rank must enter together)."""
+    import torch
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
 def host_us_per_call(step, calls: int, warmup: int) -> float:
     """Microseconds per call of `calls` calls synchronized once: the host's pace when the GPU work is tiny."""
     import torch

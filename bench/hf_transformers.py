@@ -69,16 +69,6 @@ def accuracy(dtype=torch.bfloat16, steps=8):
     return rows
 
 
-def _timed(fn, rounds):
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(rounds):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / rounds
-
-
 def speed(layers, batch, seqlen, decode_batch, prompt, repeats):
     config = transformers.LlamaConfig(
         vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=layers,
@@ -116,7 +106,7 @@ def speed(layers, batch, seqlen, decode_batch, prompt, repeats):
     model.train()
     for impl in IMPLS:  # warm-up: kernels, allocator, autotuning
         model.set_attn_implementation(impl)
-        _timed(train_step, 2)
+        common.loop_ms(train_step, 2)
     model.eval()
     for impl in IMPLS:
         model.set_attn_implementation(impl)
@@ -125,7 +115,7 @@ def speed(layers, batch, seqlen, decode_batch, prompt, repeats):
         for impl in IMPLS:
             model.set_attn_implementation(impl)
             model.train()
-            times[(impl, "train")].append(_timed(train_step, 3))
+            times[(impl, "train")].append(common.loop_ms(train_step, 3))
             model.eval()
             times[(impl, "decode")].append(decode_tokens())
     return {k: statistics.median(v) for k, v in times.items()}

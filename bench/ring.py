@@ -35,15 +35,11 @@ import torch.distributed as dist  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import common  # noqa: E402 (bench/common.py)
 import flash_cuda  # noqa: E402
 from flash_cuda import distributed as fcd  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def parse_size(text: str) -> int:
-    t = text.strip().lower()
-    return int(float(t[:-1]) * 1024) if t.endswith("k") else int(t)
 
 
 def timed(fn, iters: int, warmup: int, everyone: bool = True) -> float:
@@ -53,13 +49,7 @@ def timed(fn, iters: int, warmup: int, everyone: bool = True) -> float:
     torch.cuda.synchronize()
     if everyone:
         dist.barrier()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    ms = start.elapsed_time(end) / iters
+    ms = common.loop_ms(fn, iters)
     if everyone:
         t = torch.tensor([ms], device="cuda")
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -133,7 +123,7 @@ def main():
     dt = DTYPES[args.dtype]
     hkv = args.kv_heads or args.heads
     rows = []
-    for tokens in map(parse_size, args.tokens):
+    for tokens in map(common.parse_size, args.tokens):
         for causal in map(bool, args.causal):
             for mode in args.mode:
                 g = torch.Generator(device="cuda").manual_seed(rank)
@@ -178,7 +168,6 @@ def main():
                 del q, k, v, do
                 torch.cuda.empty_cache()
     if rank == 0:
-        import common  # bench/common.py: pandas tables and the environment stamp
         import pandas as pd
 
         df = pd.DataFrame(rows)

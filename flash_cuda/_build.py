@@ -51,7 +51,10 @@ NVCC_FLAGS = [
     "-U__CUDA_NO_BFLOAT16_OPERATORS__",
     "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
 ]
-CXX_FLAGS = ["-O3", "-std=c++17"]
+# The binding (api/flash_api.cpp, the one file that includes torch's headers) is compiled in the C++
+# standard torch's cpp_extension picks for the installed torch (C++20 for recent ones), the one
+# its headers were written for; the kernels include no torch header and keep C++17.
+CXX_FLAGS = ["-O3"]
 
 # ---------------------------------------------------------------------------------------
 # What a build lacks, each with what to install

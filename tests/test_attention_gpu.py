@@ -442,3 +442,13 @@ def test_int64_offsets():
             assert (dq[sl] == 0).all()
         problems = [p for p in problems if p]
         assert not problems, problems
+
+
+def test_binding_checks_raise():
+    """The extension's own checks (behind the Python layer's) raise RuntimeError with their
+    values in the message (api/flash_api.cpp: FLASH_CHECK; TORCH_CHECK with values crashed the
+    process with some torch builds)."""
+    from flash_cuda import _ext
+    q = torch.randn(1, 2, 16, 64, device="cuda", dtype=BF16)
+    with pytest.raises(RuntimeError, match="unknown kernel tier 99"):
+        _ext.require().fwd(q, q, q, 0.125, -1, -1, 0.0, None, None, None, 0, 0, 99)

@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <tuple>
 #include <type_traits>
@@ -29,25 +30,53 @@
 namespace flash_cuda {
 namespace {
 
+// The binding's checks: FLASH_CHECK(cond, values...) raises RuntimeError with the values in the
+// message. The message is built without iostreams (std::to_string for numbers): with some torch
+// builds, an extension that formats a number through std::ostream crashes the process, and
+// TORCH_CHECK with values does so (a bare string literal raised).
+inline void append(std::string& s, const char* x) { s += x; }
+inline void append(std::string& s, const std::string& x) { s += x; }
+inline void append(std::string& s, at::ScalarType x) { s += c10::toString(x); }
+inline void append(std::string& s, at::IntArrayRef x) {
+  s += '[';
+  for (size_t i = 0; i < x.size(); ++i) s += (i ? ", " : "") + std::to_string(x[i]);
+  s += ']';
+}
+template <typename T, typename = std::enable_if_t<std::is_arithmetic<T>::value>>
+inline void append(std::string& s, T x) {
+  s += std::to_string(x);
+}
+
+template <typename... Args>
+[[noreturn]] void fail(const Args&... args) {
+  std::string message;
+  (append(message, args), ...);
+  throw std::runtime_error(message);
+}
+#define FLASH_CHECK(cond, ...)                      \
+  do {                                              \
+    if (!(cond)) ::flash_cuda::fail(__VA_ARGS__);   \
+  } while (0)
+
 DType dtype_of(const at::Tensor& t) {
   switch (t.scalar_type()) {
     case at::kFloat: return DType::kFloat32;
     case at::kHalf: return DType::kFloat16;
     case at::kBFloat16: return DType::kBFloat16;
     default:
-      TORCH_CHECK(false, "flash_cuda: unsupported dtype ", t.scalar_type(),
+      FLASH_CHECK(false, "flash_cuda: unsupported dtype ", t.scalar_type(),
                   "; accepted: float16, bfloat16, float32");
   }
 }
 
 // kAuto stays kAuto for 16-bit inputs: dispatch tries the Hopper tier first.
 Tier resolve_tier(int64_t tier, DType dtype) {
-  TORCH_CHECK(tier >= 0 && tier <= 4, "flash_cuda: unknown kernel tier ", tier);
+  FLASH_CHECK(tier >= 0 && tier <= 4, "flash_cuda: unknown kernel tier ", tier);
   Tier t = static_cast<Tier>(tier);
   if (t == Tier::kAuto && dtype == DType::kFloat32) t = Tier::kSimt;
-  TORCH_CHECK(t != Tier::kSimt || dtype == DType::kFloat32,
+  FLASH_CHECK(t != Tier::kSimt || dtype == DType::kFloat32,
               "flash_cuda: the 'simt' kernel takes float32 inputs only");
-  TORCH_CHECK((t != Tier::kMma && t != Tier::kWgmma && t != Tier::kWgmmaWs) || dtype != DType::kFloat32,
+  FLASH_CHECK((t != Tier::kMma && t != Tier::kWgmma && t != Tier::kWgmmaWs) || dtype != DType::kFloat32,
               "flash_cuda: the 'mma' and 'wgmma' kernels take float16 or bfloat16 inputs only");
   return t;
 }
@@ -104,37 +133,37 @@ struct MaskArgs {
 };
 
 Shape check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const MaskArgs& m) {
-  TORCH_CHECK(q.is_cuda() && k.is_cuda() && v.is_cuda(), "flash_cuda: q, k, v must be CUDA tensors");
-  TORCH_CHECK(q.device() == k.device() && q.device() == v.device(),
+  FLASH_CHECK(q.is_cuda() && k.is_cuda() && v.is_cuda(), "flash_cuda: q, k, v must be CUDA tensors");
+  FLASH_CHECK(q.device() == k.device() && q.device() == v.device(),
               "flash_cuda: q, k, v must be on the same device");
-  TORCH_CHECK(m.cu_seqlens_q.has_value() == m.cu_seqlens_k.has_value(),
+  FLASH_CHECK(m.cu_seqlens_q.has_value() == m.cu_seqlens_k.has_value(),
               "flash_cuda: pass both cu_seqlens_q and cu_seqlens_k, or neither");
   const bool varlen = m.varlen();
   const int64_t ndim = varlen ? 3 : 4;
-  TORCH_CHECK(q.dim() == ndim && k.dim() == ndim && v.dim() == ndim,
+  FLASH_CHECK(q.dim() == ndim && k.dim() == ndim && v.dim() == ndim,
               varlen ? "flash_cuda: varlen q, k, v must be 3-d (total_rows, heads, head_dim)"
                      : "flash_cuda: q, k, v must be 4-d (batch, heads, seq, head_dim)");
-  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
+  FLASH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
               "flash_cuda: q, k, v must share one dtype");
   dtype_of(q);
-  TORCH_CHECK(q.stride(-1) == 1 && k.stride(-1) == 1 && v.stride(-1) == 1,
+  FLASH_CHECK(q.stride(-1) == 1 && k.stride(-1) == 1 && v.stride(-1) == 1,
               "flash_cuda: the last dimension of q, k, v must be contiguous (stride 1)");
-  TORCH_CHECK(k.sizes() == v.sizes(), "flash_cuda: k and v shapes differ");
+  FLASH_CHECK(k.sizes() == v.sizes(), "flash_cuda: k and v shapes differ");
   Shape s;
   s.varlen = varlen;
   s.D = q.size(-1);
-  TORCH_CHECK(k.size(-1) == s.D, "flash_cuda: q, k, v head dims differ");
+  FLASH_CHECK(k.size(-1) == s.D, "flash_cuda: q, k, v head dims differ");
   if (varlen) {
     const at::Tensor& cq = *m.cu_seqlens_q;
     const at::Tensor& ck = *m.cu_seqlens_k;
     for (const at::Tensor* c : {&cq, &ck}) {
-      TORCH_CHECK(c->scalar_type() == at::kInt && c->dim() == 1 && c->is_contiguous(),
+      FLASH_CHECK(c->scalar_type() == at::kInt && c->dim() == 1 && c->is_contiguous(),
                   "flash_cuda: cu_seqlens must be contiguous 1-d int32 tensors");
-      TORCH_CHECK(c->device() == q.device(), "flash_cuda: cu_seqlens must be on q's device");
+      FLASH_CHECK(c->device() == q.device(), "flash_cuda: cu_seqlens must be on q's device");
     }
-    TORCH_CHECK(cq.size(0) == ck.size(0) && cq.size(0) >= 2,
+    FLASH_CHECK(cq.size(0) == ck.size(0) && cq.size(0) >= 2,
                 "flash_cuda: cu_seqlens_q and cu_seqlens_k must both have batch + 1 >= 2 entries");
-    TORCH_CHECK(m.max_seqlen_q >= 0 && m.max_seqlen_k >= 0, "flash_cuda: max_seqlen must be >= 0");
+    FLASH_CHECK(m.max_seqlen_q >= 0 && m.max_seqlen_k >= 0, "flash_cuda: max_seqlen must be >= 0");
     s.B = cq.size(0) - 1;
     s.Hq = q.size(1);
     s.Hkv = k.size(1);
@@ -142,7 +171,7 @@ Shape check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c
     s.rows_k = k.size(0);
     s.Sq = std::min(m.max_seqlen_q, s.rows_q);  // no sequence is longer than its tensor
     s.Sk = std::min(m.max_seqlen_k, s.rows_k);
-    TORCH_CHECK(s.rows_q < (int64_t(1) << 31) && s.rows_k < (int64_t(1) << 31),
+    FLASH_CHECK(s.rows_q < (int64_t(1) << 31) && s.rows_k < (int64_t(1) << 31),
                 "flash_cuda: varlen row counts must be < 2^31");
   } else {
     s.B = q.size(0);
@@ -152,27 +181,27 @@ Shape check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c
     s.Sk = k.size(2);
     s.rows_q = s.Sq;
     s.rows_k = s.Sk;
-    TORCH_CHECK(k.size(0) == s.B, "flash_cuda: q, k, v batch sizes differ");
+    FLASH_CHECK(k.size(0) == s.B, "flash_cuda: q, k, v batch sizes differ");
   }
-  TORCH_CHECK(s.Hkv > 0 || s.Hq == 0, "flash_cuda: k/v have zero heads");
-  TORCH_CHECK(s.Hkv == 0 || s.Hq % s.Hkv == 0, "flash_cuda: query heads (", s.Hq,
+  FLASH_CHECK(s.Hkv > 0 || s.Hq == 0, "flash_cuda: k/v have zero heads");
+  FLASH_CHECK(s.Hkv == 0 || s.Hq % s.Hkv == 0, "flash_cuda: query heads (", s.Hq,
               ") must be a multiple of key/value heads (", s.Hkv, ")");
-  TORCH_CHECK(s.D % 8 == 0 && s.D >= 8 && s.D <= 256,
+  FLASH_CHECK(s.D % 8 == 0 && s.D >= 8 && s.D <= 256,
               "flash_cuda: head dim must be a multiple of 8 in [8, 256], got ", s.D);
-  TORCH_CHECK(s.B < 65536 && s.Hq < 65536, "flash_cuda: batch and heads must be < 65536");
-  TORCH_CHECK(s.Sq < (int64_t(1) << 31) && s.Sk < (int64_t(1) << 31),
+  FLASH_CHECK(s.B < 65536 && s.Hq < 65536, "flash_cuda: batch and heads must be < 65536");
+  FLASH_CHECK(s.Sq < (int64_t(1) << 31) && s.Sk < (int64_t(1) << 31),
               "flash_cuda: sequence lengths must be < 2^31");
-  TORCH_CHECK(m.window_left >= -1 && m.window_right >= -1, "flash_cuda: window sizes must be >= -1");
-  TORCH_CHECK(std::isfinite(m.softcap) && m.softcap >= 0, "flash_cuda: softcap must be finite and >= 0");
+  FLASH_CHECK(m.window_left >= -1 && m.window_right >= -1, "flash_cuda: window sizes must be >= -1");
+  FLASH_CHECK(std::isfinite(m.softcap) && m.softcap >= 0, "flash_cuda: softcap must be finite and >= 0");
   if (m.alibi_slopes.has_value()) {
     const at::Tensor& a = *m.alibi_slopes;
-    TORCH_CHECK(a.scalar_type() == at::kFloat && a.is_contiguous() && a.device() == q.device(),
+    FLASH_CHECK(a.scalar_type() == at::kFloat && a.is_contiguous() && a.device() == q.device(),
                 "flash_cuda: alibi_slopes must be a contiguous float32 tensor on q's device");
-    TORCH_CHECK((a.dim() == 1 && a.size(0) == s.Hq) || (a.dim() == 2 && a.size(0) == s.B && a.size(1) == s.Hq),
+    FLASH_CHECK((a.dim() == 1 && a.size(0) == s.Hq) || (a.dim() == 2 && a.size(0) == s.B && a.size(1) == s.Hq),
                 "flash_cuda: alibi_slopes must have shape (heads,) or (batch, heads)");
   }
   const auto prop = at::cuda::getDeviceProperties(q.device().index());
-  TORCH_CHECK(prop->major >= 8, "flash_cuda: needs a GPU of compute capability 8.0 or newer, got ",
+  FLASH_CHECK(prop->major >= 8, "flash_cuda: needs a GPU of compute capability 8.0 or newer, got ",
               prop->major, ".", prop->minor);
   return s;
 }
@@ -198,7 +227,7 @@ void fill_fwd(FwdParams& p, const Shape& s, const MaskArgs& m, const at::Tensor&
   // which needs scale >= 0 (callers fold a negative scale into q). scale_log2 stays a
   // normal float so that masked (-inf) scores times it stay -inf, never NaN; the exact
   // p.scale (0 included) is what the gradients use.
-  TORCH_CHECK(scale >= 0, "flash_cuda: internal error: negative scale reached the kernels");
+  FLASH_CHECK(scale >= 0, "flash_cuda: internal error: negative scale reached the kernels");
   p.scale = static_cast<float>(scale);
   p.scale_log2 = std::max(static_cast<float>(scale * M_LOG2E), 1e-30f);
   // Window sides beyond every key are the same as unbounded: keeps the int arithmetic small.
@@ -286,11 +315,11 @@ void dispatch(Params& p, Tier tier, const at::TensorOptions& options) {
       run_family<WgmmaFamily>(p, tier, options)) {
     return;
   }
-  TORCH_CHECK(kBackward || tier != Tier::kWgmmaWs,
+  FLASH_CHECK(kBackward || tier != Tier::kWgmmaWs,
               "flash_cuda: the warp-specialized forward (tier 4) needs an sm_90 GPU, a build with the 90a target, "
               "head dim 33..256, and 16-byte aligned strides");
-  TORCH_CHECK(tier != Tier::kWgmma, kNoWgmma);
-  TORCH_CHECK(run_family<MmaFamily>(p, kBackward && tier == Tier::kWgmmaWs ? Tier::kAuto : tier, options),
+  FLASH_CHECK(tier != Tier::kWgmma, kNoWgmma);
+  FLASH_CHECK(run_family<MmaFamily>(p, kBackward && tier == Tier::kWgmmaWs ? Tier::kAuto : tier, options),
               "flash_cuda: internal error: no kernel family ran the call");
 }
 
@@ -333,7 +362,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd(
   const MaskArgs m = mask_args(window_left, window_right, softcap, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
                                max_seqlen_q, max_seqlen_k);
   const Shape s = check_qkv(q_in, k_in, v_in, m);
-  TORCH_CHECK(std::isfinite(scale), "flash_cuda: scale must be finite");
+  FLASH_CHECK(std::isfinite(scale), "flash_cuda: scale must be finite");
   const Tier t = resolve_tier(tier, dtype_of(q_in));
 
   at::Tensor out = at::empty_like(q_in);
@@ -377,17 +406,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(
   const MaskArgs m = mask_args(window_left, window_right, softcap, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
                                max_seqlen_q, max_seqlen_k);
   const Shape s = check_qkv(q_in, k_in, v_in, m);
-  TORCH_CHECK(std::isfinite(scale), "flash_cuda: scale must be finite");
+  FLASH_CHECK(std::isfinite(scale), "flash_cuda: scale must be finite");
   const Tier t = resolve_tier(tier, dtype_of(q_in));
-  TORCH_CHECK(t != Tier::kWgmma || m.softcap == 0 || (!deterministic && !wgmma::bwd_split()), kNoWgmmaSoftcap);
-  TORCH_CHECK(dout_in.sizes() == q_in.sizes() && out_in.sizes() == q_in.sizes(),
+  FLASH_CHECK(t != Tier::kWgmma || m.softcap == 0 || (!deterministic && !wgmma::bwd_split()), kNoWgmmaSoftcap);
+  FLASH_CHECK(dout_in.sizes() == q_in.sizes() && out_in.sizes() == q_in.sizes(),
               "flash_cuda: dout and out must have q's shape");
-  TORCH_CHECK(dout_in.scalar_type() == q_in.scalar_type() && out_in.scalar_type() == q_in.scalar_type(),
+  FLASH_CHECK(dout_in.scalar_type() == q_in.scalar_type() && out_in.scalar_type() == q_in.scalar_type(),
               "flash_cuda: dout and out must have q's dtype");
-  TORCH_CHECK(dout_in.device() == q_in.device() && out_in.device() == q_in.device() &&
+  FLASH_CHECK(dout_in.device() == q_in.device() && out_in.device() == q_in.device() &&
                   lse_in.device() == q_in.device(),
               "flash_cuda: dout, out, lse must be on q's device");
-  TORCH_CHECK(lse_in.scalar_type() == at::kFloat && lse_in.sizes() == at::IntArrayRef(s.lse_shape()),
+  FLASH_CHECK(lse_in.scalar_type() == at::kFloat && lse_in.sizes() == at::IntArrayRef(s.lse_shape()),
               "flash_cuda: lse must be float32 of shape (B, Hq, Sq), or (Hq, total_q) for varlen");
 
   // kernel='wgmma' runs softcap's backward on the one-pass warp-specialized kernel alone (the
@@ -420,7 +449,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(
   const at::Tensor lse = lse_in.contiguous();
   at::Tensor dlse;
   if (dlse_in.has_value() && dlse_in->defined()) {
-    TORCH_CHECK(dlse_in->sizes() == lse_in.sizes(), "flash_cuda: dlse must have lse's shape");
+    FLASH_CHECK(dlse_in->sizes() == lse_in.sizes(), "flash_cuda: dlse must have lse's shape");
     dlse = dlse_in->to(at::kFloat).contiguous();
   }
   at::Tensor delta = at::empty(s.lse_shape(), q.options().dtype(at::kFloat));
@@ -429,7 +458,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(
   fill_fwd(p, s, m, q, k, v, out, lse, scale);
   p.softmax_lse = const_cast<float*>(lse.data_ptr<float>());
   if (q_in.scalar_type() == at::kFloat) {
-    TORCH_CHECK(aux_in.scalar_type() == at::kFloat && aux_in.is_contiguous() &&
+    FLASH_CHECK(aux_in.scalar_type() == at::kFloat && aux_in.is_contiguous() &&
                     aux_in.numel() == 2 * lse_in.numel() && aux_in.device() == q_in.device(),
                 "flash_cuda: aux must be the float32 statistics the forward returned");
     p.softmax_stats = const_cast<float*>(aux_in.data_ptr<float>());
@@ -473,49 +502,49 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache(
     const std::optional<at::Tensor>& cache_seqlens, int64_t cache_len, const std::optional<at::Tensor>& block_table,
     double scale, int64_t window_left, int64_t window_right, double softcap,
     const std::optional<at::Tensor>& alibi_slopes, int64_t num_splits, bool return_lse) {
-  TORCH_CHECK(q_in.dim() == 4 && k_cache.dim() == 4 && v_cache.dim() == 4,
+  FLASH_CHECK(q_in.dim() == 4 && k_cache.dim() == 4 && v_cache.dim() == 4,
               "flash_cuda: q, k_cache, v_cache must be 4-d");
-  TORCH_CHECK(q_in.is_cuda() && k_cache.device() == q_in.device() && v_cache.device() == q_in.device(),
+  FLASH_CHECK(q_in.is_cuda() && k_cache.device() == q_in.device() && v_cache.device() == q_in.device(),
               "flash_cuda: q and the caches must be on one CUDA device");
-  TORCH_CHECK(q_in.scalar_type() == k_cache.scalar_type() && q_in.scalar_type() == v_cache.scalar_type() &&
+  FLASH_CHECK(q_in.scalar_type() == k_cache.scalar_type() && q_in.scalar_type() == v_cache.scalar_type() &&
                   q_in.scalar_type() != at::kFloat,
               "flash_cuda: q and the caches must share one dtype, float16 or bfloat16");
-  TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "flash_cuda: k_cache and v_cache shapes differ");
-  TORCH_CHECK(q_in.stride(-1) == 1 && k_cache.stride(-1) == 1 && v_cache.stride(-1) == 1,
+  FLASH_CHECK(k_cache.sizes() == v_cache.sizes(), "flash_cuda: k_cache and v_cache shapes differ");
+  FLASH_CHECK(q_in.stride(-1) == 1 && k_cache.stride(-1) == 1 && v_cache.stride(-1) == 1,
               "flash_cuda: the last dimension of q and the caches must be contiguous");
   const int64_t esize = q_in.element_size();
   for (const at::Tensor* c : {&k_cache, &v_cache}) {
     bool ok = reinterpret_cast<uintptr_t>(c->data_ptr()) % 16 == 0;
     for (int i = 0; i < 3; ++i) ok = ok && (c->size(i) <= 1 || (c->stride(i) * esize) % 16 == 0);
-    TORCH_CHECK(ok, "flash_cuda: the caches' rows must be 16-byte aligned (they are written in place)");
+    FLASH_CHECK(ok, "flash_cuda: the caches' rows must be 16-byte aligned (they are written in place)");
   }
   const bool paged = block_table.has_value() && block_table->defined();
   const int64_t B = q_in.size(0), Hq = q_in.size(1), Sq = q_in.size(2), D = q_in.size(3);
   const int64_t Hkv = k_cache.size(1);
-  TORCH_CHECK(k_cache.size(3) == D && Hkv > 0 && Hq % Hkv == 0 && D % 8 == 0 && D >= 8 && D <= 256,
+  FLASH_CHECK(k_cache.size(3) == D && Hkv > 0 && Hq % Hkv == 0 && D % 8 == 0 && D >= 8 && D <= 256,
               "flash_cuda: bad head counts or head dim");
   int64_t capacity = k_cache.size(2);
   if (paged) {
     const at::Tensor& bt = *block_table;
-    TORCH_CHECK(bt.scalar_type() == at::kInt && bt.dim() == 2 && bt.size(0) == B && bt.stride(1) == 1 &&
+    FLASH_CHECK(bt.scalar_type() == at::kInt && bt.dim() == 2 && bt.size(0) == B && bt.stride(1) == 1 &&
                     bt.device() == q_in.device(),
                 "flash_cuda: block_table must be int32 (batch, max_pages) on q's device, rows contiguous");
-    TORCH_CHECK(k_cache.size(2) % 16 == 0 && k_cache.size(0) > 0, "flash_cuda: page size must be a multiple of 16");
+    FLASH_CHECK(k_cache.size(2) % 16 == 0 && k_cache.size(0) > 0, "flash_cuda: page size must be a multiple of 16");
     capacity = bt.size(1) * k_cache.size(2);
   } else {
-    TORCH_CHECK(k_cache.size(0) == B, "flash_cuda: a dense cache has q's batch size");
+    FLASH_CHECK(k_cache.size(0) == B, "flash_cuda: a dense cache has q's batch size");
   }
   const bool has_new = k_new_in.has_value() && k_new_in->defined();
-  TORCH_CHECK(has_new == (v_new_in.has_value() && v_new_in->defined()), "flash_cuda: pass both k and v, or neither");
+  FLASH_CHECK(has_new == (v_new_in.has_value() && v_new_in->defined()), "flash_cuda: pass both k and v, or neither");
   int64_t s_new = 0;
   at::Tensor k_new, v_new;
   if (has_new) {
-    TORCH_CHECK(k_new_in->dim() == 4 && k_new_in->sizes() == v_new_in->sizes() && k_new_in->size(0) == B &&
+    FLASH_CHECK(k_new_in->dim() == 4 && k_new_in->sizes() == v_new_in->sizes() && k_new_in->size(0) == B &&
                     k_new_in->size(1) == Hkv && k_new_in->size(3) == D &&
                     k_new_in->scalar_type() == q_in.scalar_type() && v_new_in->scalar_type() == q_in.scalar_type() &&
                     k_new_in->device() == q_in.device() && v_new_in->device() == q_in.device(),
                 "flash_cuda: k and v must be (batch, kv_heads, seqlen_new, head_dim) in q's dtype and device");
-    TORCH_CHECK(k_new_in->stride(-1) == 1 && v_new_in->stride(-1) == 1,
+    FLASH_CHECK(k_new_in->stride(-1) == 1 && v_new_in->stride(-1) == 1,
                 "flash_cuda: the last dimension of k and v must be contiguous");
     k_new = aligned(*k_new_in);
     v_new = aligned(*v_new_in);
@@ -523,18 +552,18 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache(
   }
   const bool lens_on_device = cache_seqlens.has_value() && cache_seqlens->defined();
   if (lens_on_device) {
-    TORCH_CHECK(cache_seqlens->scalar_type() == at::kInt && cache_seqlens->dim() == 1 &&
+    FLASH_CHECK(cache_seqlens->scalar_type() == at::kInt && cache_seqlens->dim() == 1 &&
                     cache_seqlens->size(0) == B && cache_seqlens->is_contiguous() &&
                     cache_seqlens->device() == q_in.device(),
                 "flash_cuda: cache_seqlens must be a contiguous int32 (batch,) tensor on q's device");
   } else {
-    TORCH_CHECK(cache_len >= 0 && cache_len + s_new <= capacity,
+    FLASH_CHECK(cache_len >= 0 && cache_len + s_new <= capacity,
                 "flash_cuda: cache_seqlens + seqlen_new exceeds the cache");
   }
-  TORCH_CHECK(s_new <= capacity && capacity < (int64_t(1) << 31) && Sq < (int64_t(1) << 31) && B < 65536 &&
+  FLASH_CHECK(s_new <= capacity && capacity < (int64_t(1) << 31) && Sq < (int64_t(1) << 31) && B < 65536 &&
                   Hq < 65536,
               "flash_cuda: sizes out of range");
-  TORCH_CHECK(std::isfinite(scale) && std::isfinite(softcap) && softcap >= 0 && num_splits >= 0,
+  FLASH_CHECK(std::isfinite(scale) && std::isfinite(softcap) && softcap >= 0 && num_splits >= 0,
               "flash_cuda: bad scale, softcap or num_splits");
 
   at::Tensor out = at::empty_like(q_in);
@@ -572,7 +601,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache(
   p.softcap = static_cast<float>(softcap);
   if (alibi_slopes.has_value() && alibi_slopes->defined()) {
     const at::Tensor& a = *alibi_slopes;
-    TORCH_CHECK(a.scalar_type() == at::kFloat && a.is_contiguous() && a.device() == q_in.device() &&
+    FLASH_CHECK(a.scalar_type() == at::kFloat && a.is_contiguous() && a.device() == q_in.device() &&
                     ((a.dim() == 1 && a.size(0) == Hq) || (a.dim() == 2 && a.size(0) == B && a.size(1) == Hq)),
                 "flash_cuda: alibi_slopes must be contiguous float32 (heads,) or (batch, heads) on q's device");
     p.alibi_slopes = a.data_ptr<float>();
@@ -596,8 +625,8 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache(
   const auto prop = at::cuda::getDeviceProperties(q.device().index());
   p.sm_arch = emulated_arch() > 0 ? emulated_arch() : prop->major * 10 + prop->minor;
   p.num_sms = prop->multiProcessorCount;
-  TORCH_CHECK(p.sm_arch >= 80, "flash_cuda: needs a GPU of compute capability 8.0 or newer");
-  TORCH_CHECK(run_family<DecodeFamily>(p, Tier::kAuto, q.options()),
+  FLASH_CHECK(p.sm_arch >= 80, "flash_cuda: needs a GPU of compute capability 8.0 or newer");
+  FLASH_CHECK(run_family<DecodeFamily>(p, Tier::kAuto, q.options()),
               "flash_cuda: attention_with_kvcache: no decode kernel fits this GPU's shared memory at head dim ", D,
               " (head dims up to 128 run on every supported GPU)");
   return {out, lse};

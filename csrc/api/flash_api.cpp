@@ -632,6 +632,82 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache(
   return {out, lse};
 }
 
+namespace {
+
+// One operand of merge_partials: a (batch, heads, rows, d) view of O, its (batch, heads, rows)
+// float32 lse rows and optionally the (.., 2) (m, log2 l) pairs laid out as lse (MergeOperand).
+MergeOperand merge_operand(const at::Tensor& o, const at::Tensor& lse, const std::optional<at::Tensor>& stats,
+                           const char* name) {
+  FLASH_CHECK(o.is_cuda() && o.dim() == 4 && o.stride(3) == 1, "flash_cuda.merge_partials: ", name,
+              " must be a CUDA (batch, heads, rows, d) view with unit stride along d");
+  const int64_t vec = 4 * o.element_size();  // the kernel moves 4 values at a time
+  FLASH_CHECK(reinterpret_cast<uintptr_t>(o.data_ptr()) % vec == 0 && o.stride(0) % 4 == 0 &&
+                  o.stride(1) % 4 == 0 && o.stride(2) % 4 == 0,
+              "flash_cuda.merge_partials: the rows of ", name, " must start at multiples of 4 elements");
+  FLASH_CHECK(lse.dim() == 3 && lse.scalar_type() == at::kFloat && lse.stride(2) == 1 &&
+                  lse.sizes() == o.sizes().slice(0, 3) && lse.device() == o.device(),
+              "flash_cuda.merge_partials: the lse of ", name, " must be float32 (batch, heads, rows), unit row stride");
+  MergeOperand x;
+  x.o = o.data_ptr();
+  x.batch_stride = o.stride(0);
+  x.head_stride = o.stride(1);
+  x.row_stride = o.stride(2);
+  x.lse = lse.data_ptr<float>();
+  x.stat_batch_stride = lse.stride(0);
+  x.stat_head_stride = lse.stride(1);
+  x.dtype = dtype_of(o);
+  if (stats.has_value() && stats->defined()) {
+    const at::Tensor& st = *stats;
+    FLASH_CHECK(st.dim() == 4 && st.size(3) == 2 && st.scalar_type() == at::kFloat && st.stride(3) == 1 &&
+                    st.stride(2) == 2 && st.stride(1) == 2 * lse.stride(1) && st.stride(0) == 2 * lse.stride(0) &&
+                    st.sizes().slice(0, 3) == lse.sizes() && st.device() == o.device(),
+                "flash_cuda.merge_partials: the stats of ", name, " must be float32 (batch, heads, rows, 2) laid out as "
+                "its lse");
+    x.stats = st.data_ptr<float>();
+  }
+  return x;
+}
+
+}  // namespace
+
+// merge_partials(a, a_lse, a_stats, b, b_lse, b_stats, out, out_lse, out_stats): the partial
+// results a and b of the same query rows over disjoint key sets, merged by their row statistics
+// into out (which may be a; core/combine.cuh: merge_partials_kernel). b is float16, bfloat16 or
+// float32; a and out are b's dtype or float32. Stats (the fp32 kernels' (m, log2 l) pairs): all
+// three or none.
+void merge_partials(const at::Tensor& a, const at::Tensor& a_lse, const std::optional<at::Tensor>& a_stats,
+                    const at::Tensor& b, const at::Tensor& b_lse, const std::optional<at::Tensor>& b_stats,
+                    const at::Tensor& out, const at::Tensor& out_lse, const std::optional<at::Tensor>& out_stats) {
+  FLASH_CHECK(a.sizes() == b.sizes() && out.sizes() == b.sizes(),
+              "flash_cuda.merge_partials: a, b and out must have the same shape, got ", a.sizes(), ", ", b.sizes(),
+              ", ", out.sizes());
+  FLASH_CHECK(a.device() == b.device() && out.device() == b.device(),
+              "flash_cuda.merge_partials: a, b and out must be on the same device");
+  MergeParams p;
+  p.a = merge_operand(a, a_lse, a_stats, "a");
+  p.b = merge_operand(b, b_lse, b_stats, "b");
+  p.out = merge_operand(out, out_lse, out_stats, "out");
+  for (const MergeOperand* x : {&p.a, &p.out}) {
+    FLASH_CHECK(x->dtype == p.b.dtype || x->dtype == DType::kFloat32,
+                "flash_cuda.merge_partials: a and out must have b's dtype or float32");
+  }
+  FLASH_CHECK((p.a.stats == nullptr) == (p.b.stats == nullptr) && (p.b.stats == nullptr) == (p.out.stats == nullptr),
+              "flash_cuda.merge_partials: pass stats for all three operands or for none");
+  p.batch = static_cast<int>(b.size(0));
+  p.heads = static_cast<int>(b.size(1));
+  p.rows = static_cast<int>(b.size(2));
+  p.d = static_cast<int>(b.size(3));
+  FLASH_CHECK(p.d % 4 == 0, "flash_cuda.merge_partials: the head dim must be a multiple of 4, got ", p.d);
+  if (b.numel() == 0) return;
+  const c10::cuda::CUDAGuard guard(b.device());
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream().stream();
+  switch (p.b.dtype) {
+    case DType::kFloat16: run_merge_partials<kF16>(p, stream); break;
+    case DType::kBFloat16: run_merge_partials<kBF16>(p, stream); break;
+    default: run_merge_partials<static_cast<int>(DType::kFloat32)>(p, stream);
+  }
+}
+
 }  // namespace flash_cuda
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -649,4 +725,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("max_seqlen_k"), py::arg("deterministic"), py::arg("tier"), py::arg("need_dq") = true,
         py::arg("need_dkdv") = true);
   m.def("fwd_kvcache", &flash_cuda::fwd_kvcache, "attention against a KV cache, new keys appended: (out, lse)");
+  m.def("merge_partials", &flash_cuda::merge_partials,
+        "merges two partial (out, lse[, stats]) results of the same rows into out (context parallelism)");
 }

@@ -1,5 +1,6 @@
 // core/combine.cuh — merges the partial results of split key ranges: split query blocks of the
-// fp32 forward, and the split-KV decode's rows (tiers/decode). A query block whose key range was
+// fp32 forward, the split-KV decode's rows (tiers/decode), and the partials of context-parallel
+// attention's ring steps (MergeParams, at the end). A query block whose key range was
 // cut into num_splits pieces (the fp32 forward's last wave: plan_tail_split,
 // core/scheduler.cuh) left, per piece r, its O_r normalized by its own l_r and its row
 // statistics (m_r, log2 l_r) (store_row_stats, core/softmax.cuh) in fp32 workspace:
@@ -19,6 +20,7 @@
 #include "../arch/host.h"
 #include "../arch/sm80.cuh"
 #include "../arch/types.cuh"
+#include "../include/dispatch.h"
 #include "../include/params.h"
 #include "scheduler.cuh"
 #include "seqlen.cuh"
@@ -43,13 +45,25 @@ __device__ __forceinline__ void store4(T* dst, const float4& v) {
   }
 }
 
+// Four consecutive values as floats: one 16-byte load for fp32, one 8-byte load otherwise.
+template <typename T>
+__device__ __forceinline__ float4 load4(const T* src) {
+  if constexpr (std::is_same<T, float>::value) {
+    return *reinterpret_cast<const float4*>(src);
+  } else {
+    const uint2 v = *reinterpret_cast<const uint2*>(src);
+    const T* x = reinterpret_cast<const T*>(&v);
+    return make_float4(to_float(x[0]), to_float(x[1]), to_float(x[2]), to_float(x[3]));
+  }
+}
+
 // Merges the n pieces of one row, a warp per row (lane c handles the 4-column chunks c, c + 32,
 // ...): piece i's statistics are stats(i) = (m_i, log2 l_i) (m_i = +inf: the piece saw no key,
-// skipped) and its normalized O row starts at o_piece(i) (fp32, d columns). Writes the row of O
-// as T at o_row and, from lane 0, its lse / (m, l) pair through store_row_stats (either may be
-// nullptr). A row no piece saw gets O = 0 and lse = -inf.
-template <typename T, typename Stats, typename Piece>
-__device__ __forceinline__ void merge_row_pieces(int n, int d, Stats&& stats, Piece&& o_piece, T* o_row,
+// skipped) and columns c .. c + 3 of its normalized O row are load(i, c) (a float4). Writes the
+// row of O as T at o_row and, from lane 0, its lse / (m, l) pair through store_row_stats (either
+// may be nullptr). A row no piece saw gets O = 0 and lse = -inf.
+template <typename T, typename Stats, typename Load>
+__device__ __forceinline__ void merge_row_pieces(int n, int d, Stats&& stats, Load&& load, T* o_row,
                                                  float* lse, float* stats_out, int r) {
   const int lane = static_cast<int>(threadIdx.x) % 32;
   float m = -INFINITY;
@@ -73,7 +87,7 @@ __device__ __forceinline__ void merge_row_pieces(int n, int d, Stats&& stats, Pi
         const float2 st = stats(i);
         if (st.x == INFINITY) continue;
         const float w = ex2_approx((st.x - m) + st.y - log2l);
-        const float4 x = *reinterpret_cast<const float4*>(o_piece(i) + c);
+        const float4 x = load(i, c);
         acc.x = fmaf(w, x.x, acc.x);
         acc.y = fmaf(w, x.y, acc.y);
         acc.z = fmaf(w, x.z, acc.z);
@@ -109,7 +123,7 @@ __global__ void __launch_bounds__(kCombineThreads) combine_splits_kernel(const F
   merge_row_pieces(
       p.num_splits, p.d,
       [&](int i) { return reinterpret_cast<const float2*>(p.stats_accum)[(first_piece + i) * kRows + r]; },
-      [&](int i) { return p.o_accum + ((first_piece + i) * kRows + r) * p.d; }, o_row,
+      [&](int i, int c) { return load4(p.o_accum + ((first_piece + i) * kRows + r) * p.d + c); }, o_row,
       p.softmax_lse + stat0, stats_tile(p.softmax_stats, stat0), r);
 }
 
@@ -233,6 +247,62 @@ void launch_combine_key_splits(const FwdParams& p, cudaStream_t stream) {
   config.numAttrs = p.sm_arch >= 90 ? 1 : 0;
   (void)cudaLaunchKernelEx(&config, combine_key_splits_kernel<T>, p);
   check_launch("flash_decode_combine_splits");
+}
+
+// ---- Two partials of the same rows (MergeParams, include/params.h): the steps of
+//      context-parallel attention, where each key block of the ring leaves a partial ----
+
+// A partial's statistics as the (m, log2 l) pair merge_row_pieces weighs: the fp32 kernels' pair
+// where it travels with the partial, else from lse (m = lse log2 e, l = 1, so a lone partial
+// gets weight 2^0 = 1 exactly; lse = -inf, a row that saw no key: +inf, skipped).
+__device__ __forceinline__ float2 partial_stats(const MergeOperand& x, int64_t stat_row) {
+  if (x.stats != nullptr) return reinterpret_cast<const float2*>(x.stats)[stat_row];
+  const float lse = x.lse[stat_row];
+  return lse == -INFINITY ? make_float2(INFINITY, 0.f) : make_float2(lse * 1.4426950408889634f, 0.f);
+}
+
+// A warp per row of the batch x heads x rows grid, kCombineRowsPerCta rows per CTA.
+template <typename TA, typename TB, typename TO>
+__global__ void __launch_bounds__(kCombineThreads) merge_partials_kernel(const MergeParams p) {
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kCombineRowsPerCta + threadIdx.x / 32;
+  if (row >= static_cast<int64_t>(p.batch) * p.heads * p.rows) return;
+  const int r = static_cast<int>(row % p.rows);
+  const int64_t bh = row / p.rows;
+  const int h = static_cast<int>(bh % p.heads), bi = static_cast<int>(bh / p.heads);
+  auto stat_row = [&](const MergeOperand& x) { return bi * x.stat_batch_stride + h * x.stat_head_stride + r; };
+  auto o_row = [&](const MergeOperand& x) { return bi * x.batch_stride + h * x.head_stride + r * x.row_stride; };
+  const float2 st_a = partial_stats(p.a, stat_row(p.a)), st_b = partial_stats(p.b, stat_row(p.b));
+  const TA* a = static_cast<const TA*>(p.a.o) + o_row(p.a);
+  const TB* b = static_cast<const TB*>(p.b.o) + o_row(p.b);
+  // Every lane holds the statistics before lane 0 writes the row's (out may be operand a).
+  __syncwarp();
+  const int64_t out_row = stat_row(p.out);
+  merge_row_pieces(
+      2, p.d, [&](int i) { return i == 0 ? st_a : st_b; },
+      [&](int i, int c) { return i == 0 ? load4(a + c) : load4(b + c); }, static_cast<TO*>(p.out.o) + o_row(p.out),
+      p.out.lse + out_row, stats_tile(p.out.stats, out_row), 0);
+}
+
+template <typename TA, typename TB, typename TO>
+void launch_merge_partials(const MergeParams& p, cudaStream_t stream) {
+  const int64_t rows = static_cast<int64_t>(p.batch) * p.heads * p.rows;
+  const int64_t grid = (rows + kCombineRowsPerCta - 1) / kCombineRowsPerCta;
+  merge_partials_kernel<TA, TB, TO><<<static_cast<unsigned>(grid), kCombineThreads, 0, stream>>>(p);
+  check_launch("flash_merge_partials");
+}
+
+// b is a partial of type T (a kernel's output); a and the output are T or float32.
+template <int kDType>
+void run_merge_partials(const MergeParams& p, cudaStream_t stream) {
+  using T = typename ElementOf<kDType>::type;
+  const bool a32 = p.a.dtype == DType::kFloat32, o32 = p.out.dtype == DType::kFloat32;
+  if constexpr (std::is_same<T, float>::value) {
+    launch_merge_partials<float, float, float>(p, stream);
+  } else if (a32) {
+    o32 ? launch_merge_partials<float, T, float>(p, stream) : launch_merge_partials<float, T, T>(p, stream);
+  } else {
+    o32 ? launch_merge_partials<T, T, float>(p, stream) : launch_merge_partials<T, T, T>(p, stream);
+  }
 }
 
 #endif  // __CUDACC__

@@ -68,4 +68,8 @@ bool with_dtype_variant(const Params& p, Variant variant, cudaStream_t stream) {
   }
 }
 
+// The partial-result merge (include/params.h: MergeParams; csrc/instances/merge_partials_*.cu),
+// one instance per type of the partial b (operand a and the output: that type or float32).
+template <int kDType> void run_merge_partials(const MergeParams& params, cudaStream_t stream);
+
 }  // namespace flash_cuda

@@ -185,6 +185,28 @@ struct BwdParams : FwdParams {
   bool deterministic = false;
 };
 
+// Two partial results of the same query rows over disjoint key sets, merged by their row
+// statistics into one (core/combine.cuh: merge_partials_kernel): the steps of context-parallel
+// attention (flash_cuda.distributed), where each key block of the ring leaves a partial (O, lse).
+// Every operand is a [batch][heads][rows][d] view of O with its own strides and element type, and
+// the matching [batch][heads][rows] rows of lse (float32, row stride 1) and, where the fp32
+// kernels' per-row (m, log2 l) pairs travel with it, of those pairs (stats, nullptr: none; pair
+// strides). The output may be operand a itself (each row is read before it is written).
+struct MergeOperand {
+  void* o = nullptr;
+  int64_t batch_stride = 0, head_stride = 0, row_stride = 0;  // elements of O
+  float* lse = nullptr;
+  float* stats = nullptr;
+  int64_t stat_batch_stride = 0, stat_head_stride = 0;  // rows of lse; pairs of stats
+  DType dtype = DType::kFloat32;  // of O: a and out are float32 or the partials' type
+};
+
+struct MergeParams {
+  MergeOperand a, b, out;
+  int batch = 0, heads = 0, rows = 0;
+  int d = 0;  // a multiple of 4
+};
+
 // Which gradients the call computes (BwdParams: dq / dk / dv nullptr = not wanted).
 FLASH_HOST_DEVICE inline bool bwd_wants_dq(const BwdParams& p) { return p.dq != nullptr; }
 FLASH_HOST_DEVICE inline bool bwd_wants_dkdv(const BwdParams& p) { return p.dk != nullptr; }

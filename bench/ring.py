@@ -12,9 +12,11 @@ For each cell (tokens per GPU x causal x mode), with B = 1, 16 heads, D = 128, b
 * ideal: flash_cuda.attention on the whole sequence (W x tokens) on rank 0 alone, divided by
   W; `efficiency` = ideal / ring (1.0: the sequence split over W GPUs runs W times faster);
 * compute: the same ring steps with the blocks kept in hand instead of exchanged (the kernels
-  and merges alone, plus a device-local copy in place of each transfer), comm: the ring's transfers alone (W - 1 hops of K and V; the backward
-  also W - 1 hops of K, V and W of dK, dV in float32); `hidden` = (compute + comm - ring) /
-  comm, the share of the transfer time that overlaps compute (1.0: all of it).
+  and merges alone, plus a device-local copy in place of each transfer), comm: the ring's
+  transfers alone (W - 1 hops of K and V; the backward also W - 1 hops of K, V and W of dK, dV,
+  in the input dtype on two GPUs where the ring sends them so, else float32);
+  `hidden` = (compute + comm - ring) / comm, the share of the transfer time that overlaps
+  compute (1.0: all of it).
 
 NCCL_NVLS_ENABLE=0 is set unless the environment sets it. Rank 0 prints a markdown table; with
 --out DIR it also writes DIR/ring_w<W>.csv and .md (bench/common.py's environment stamp).
@@ -81,8 +83,10 @@ def comm_only(cfg, k, v, mode):
     def hops(n, with_grads):
         bufs = [(torch.empty_like(k), torch.empty_like(v)) for _ in range(2)]
         kv = (k, v)
-        dkv = (torch.zeros(k.shape, dtype=torch.float32, device=k.device),
-               torch.zeros(v.shape, dtype=torch.float32, device=v.device))
+        # dK / dV travel in the input dtype or float32, as the ring's backward sends them
+        travel = (k.dtype if fcd._dkv_travels_in_input_dtype(cfg.layout, W, k.shape[2], cfg.left, cfg.right)
+                  else torch.float32)
+        dkv = (torch.zeros(k.shape, dtype=travel, device=k.device), torch.zeros(v.shape, dtype=travel, device=v.device))
         for s in range(n):
             handles = ring.exchange(kv, bufs[s % 2]) if s + 1 < W else []
             if with_grads:  # dK / dV hop once per step, the last one back to the owner

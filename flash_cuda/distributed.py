@@ -346,6 +346,11 @@ class _CudaBlocks:
         return interface._bwd_impl(dout, q, k, v, out, lse, aux, dlse, self.scale, wl, wr, self.softcap, None,
                                    self.deterministic, self.tier, need_dq, need_dkdv)
 
+    @staticmethod
+    def merge(a, a_lse, a_stats, b, b_lse, b_stats, out, out_lse, out_stats):
+        """out = the merge of partials a and b (out may be a): one kernel (core/combine.cuh)."""
+        _ext.require().merge_partials(a, a_lse, a_stats, b, b_lse, b_stats, out, out_lse, out_stats)
+
 
 class _ReferenceBlocks:
     """flash_cuda.reference's blocked forward / backward (any device, float64 included)."""
@@ -364,65 +369,169 @@ class _ReferenceBlocks:
         return reference.attention_backward_blocked(dout, q, k, v, out, lse, scale=self.scale,
                                                     window_size=(wl, wr), softcap=self.softcap, dlse=dlse)
 
+    def merge(self, a, a_lse, a_stats, b, b_lse, b_stats, out, out_lse, out_stats):
+        o, lse = reference.combine_splits([a.to(self.acc_dtype), b.to(self.acc_dtype)], [a_lse, b_lse.to(a_lse.dtype)],
+                                          out.dtype)
+        out.copy_(o)
+        out_lse.copy_(lse)
+
 
 # ---------------------------------------------------------------------------------------
 # Merging partial results
 # ---------------------------------------------------------------------------------------
 
 
-def _merge_lse(acc_lse: Tensor, lse_b: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
-    """(new lse, weight of the old partial, weight of the new one); rows that saw no key in
-    either get weights 0 (computed against 0, never exp(-inf - -inf) = NaN)."""
-    new = torch.logaddexp(acc_lse, lse_b)
-    ref = torch.where(new == -_INF, torch.zeros_like(new), new)
-    return new, torch.exp(acc_lse - ref), torch.exp(lse_b - ref)
+class _Action(NamedTuple):
+    """What one call's partial does to the local rows [r0, r1): ``src`` "" stores it as the
+    rows' first partial; "T" / "F" merges it with the rows' running result, held in the output
+    ("T": the input dtype) or in a float32 accumulator ("F"); ``dst`` is where the result goes.
+    A row's last merge writes the output, the ones before it the float32 accumulator, so that
+    a row merged n times is rounded to the input dtype once after the kernels' own rounding."""
+    r0: int
+    r1: int
+    src: str
+    dst: str
 
 
-def _merge_stats(acc: Tensor, part: Tensor) -> None:
-    """In place: per-row (m, log2 l) pairs of the fp32 kernels, (+inf, 0) for a row without
-    keys; the merge runs in float64 so that it adds no rounding of its own."""
-    a, b = acc.double(), part.double()
-    ma = torch.where(a[..., 0] == _INF, torch.full_like(a[..., 0], -_INF), a[..., 0])
-    mb = torch.where(b[..., 0] == _INF, torch.full_like(b[..., 0], -_INF), b[..., 0])
-    m = torch.maximum(ma, mb)
-    empty = m == -_INF
-    m_ref = torch.where(empty, torch.zeros_like(m), m)
-    total = torch.exp2(ma - m_ref + a[..., 1]) + torch.exp2(mb - m_ref + b[..., 1])
-    merged = torch.stack([torch.where(empty, torch.full_like(m, _INF), m),
-                          torch.where(empty, torch.zeros_like(m), torch.log2(torch.where(empty, torch.ones_like(m),
-                                                                                         total)))], dim=-1)
-    acc.copy_(merged)
+class _Schedule(NamedTuple):
+    """The calls of every step (``steps[s]``: the block of rank ``rank - s``; one step for the
+    all-gather), the merge actions of each call (``actions[s][i]``) and the rows no call
+    touches (output 0, lse -inf)."""
+    steps: Tuple[Tuple[_Call, ...], ...]
+    actions: Tuple[Tuple[Tuple[_Action, ...], ...], ...]
+    untouched: Tuple[Tuple[int, int], ...]
+
+
+def _schedule(steps: Tuple[Tuple[_Call, ...], ...], s_local: int) -> _Schedule:
+    calls = [c for step in steps for c in step]
+    bounds = sorted({0, s_local} | {c.q0 for c in calls} | {c.q1 for c in calls})
+    segs = list(zip(bounds[:-1], bounds[1:]))
+    covers = lambda c, g: c.q0 <= g[0] and g[1] <= c.q1  # noqa: E731
+    total = {g: sum(covers(c, g) for c in calls) for g in segs}
+    seen = dict.fromkeys(segs, 0)
+    state = {}
+    actions = []
+    for step in steps:
+        step_actions = []
+        for c in step:
+            acts: List[_Action] = []
+            for g in segs:
+                if not covers(c, g):
+                    continue
+                seen[g] += 1
+                src = "" if seen[g] == 1 else state[g]
+                dst = "T" if seen[g] == 1 or seen[g] == total[g] else "F"
+                state[g] = dst
+                if acts and acts[-1].r1 == g[0] and (acts[-1].src, acts[-1].dst) == (src, dst):
+                    acts[-1] = acts[-1]._replace(r1=g[1])
+                else:
+                    acts.append(_Action(g[0], g[1], src, dst))
+            step_actions.append(tuple(acts))
+        actions.append(tuple(step_actions))
+    untouched = tuple(g for g in segs if total[g] == 0)
+    return _Schedule(steps, tuple(actions), untouched)
 
 
 class _Accumulator:
-    """The running (out, lse[, stats]) of the local query rows, in the accumulation dtype.
-    A call whose rows nothing has touched yet is copied (exact); later ones are merged."""
+    """The local rows' result: (out, lse[, stats]) from the partials of the calls, merged by
+    the kernels' merge in float32 as the schedule says. A partial that alone covers every row
+    first is taken as the output itself (no copy)."""
 
-    def __init__(self, q: Tensor, kernel):
+    def __init__(self, q: Tensor, kernel, schedule: _Schedule):
+        self.q, self.kernel, self.schedule = q, kernel, schedule
+        self.out = self.lse = self.stats = self.f32 = None
+        # Float inputs whose dtype is the accumulation dtype need no second buffer.
+        self.wide = q.dtype != kernel.acc_dtype
+
+    def _allocate(self) -> None:
+        q, kernel = self.q, self.kernel
         B, H, S, D = q.shape
-        acc = kernel.acc_dtype
-        self.out = torch.zeros((B, H, S, D), dtype=acc, device=q.device)
-        self.lse = torch.full((B, H, S), -_INF, dtype=acc, device=q.device)
-        self.stats = None
+        self.out = torch.empty_like(q)
+        self.lse = torch.empty((B, H, S), dtype=kernel.acc_dtype, device=q.device)
         if kernel.has_stats:
-            self.stats = torch.zeros((B, H, S, 2), dtype=torch.float32, device=q.device)
-            self.stats[..., 0] = _INF
-        self._touched: List[Tuple[int, int]] = []
+            self.stats = torch.empty((B, H, S, 2), dtype=torch.float32, device=q.device)
+        for r0, r1 in self.schedule.untouched:
+            self.out[:, :, r0:r1].zero_()
+            self.lse[:, :, r0:r1].fill_(-_INF)
+            if self.stats is not None:
+                self.stats[:, :, r0:r1, 0].fill_(_INF)
+                self.stats[:, :, r0:r1, 1].zero_()
 
-    def add(self, q0: int, q1: int, out_b: Tensor, lse_b: Tensor, stats_b: Optional[Tensor]) -> None:
-        o, l = self.out[:, :, q0:q1], self.lse[:, :, q0:q1]
-        if not any(a < q1 and q0 < b for a, b in self._touched):
-            o.copy_(out_b)
-            l.copy_(lse_b)
-            if self.stats is not None:
-                self.stats[:, :, q0:q1].copy_(stats_b)
-        else:
-            new, w_old, w_new = _merge_lse(l, lse_b.to(l.dtype))
-            o.mul_(w_old.unsqueeze(-1)).addcmul_(out_b, w_new.unsqueeze(-1))
-            l.copy_(new)
-            if self.stats is not None:
-                _merge_stats(self.stats[:, :, q0:q1], stats_b)
-        self._touched.append((q0, q1))
+    def _buffer(self, where: str) -> Tensor:
+        if where == "T" or not self.wide:
+            return self.out
+        if self.f32 is None:
+            self.f32 = torch.empty(self.q.shape, dtype=torch.float32, device=self.q.device)
+        return self.f32
+
+    def add(self, actions: Sequence[_Action], q0: int, out_b: Tensor, lse_b: Tensor,
+            stats_b: Optional[Tensor]) -> None:
+        S = self.q.shape[2]
+        if self.out is None:
+            if len(actions) == 1 and actions[0] == (0, S, "", "T") and out_b.shape == self.q.shape:
+                self.out, self.lse, self.stats = out_b, lse_b, stats_b
+                return
+            self._allocate()
+        stats = self.stats
+        for a in actions:
+            rows, part = slice(a.r0, a.r1), slice(a.r0 - q0, a.r1 - q0)
+            p_stats = None if stats_b is None else stats_b[:, :, part]
+            r_stats = None if stats is None else stats[:, :, rows]
+            if not a.src:
+                self.out[:, :, rows].copy_(out_b[:, :, part])
+                self.lse[:, :, rows].copy_(lse_b[:, :, part])
+                if r_stats is not None:
+                    r_stats.copy_(p_stats)
+            else:
+                self.kernel.merge(self._buffer(a.src)[:, :, rows], self.lse[:, :, rows], r_stats,
+                                  out_b[:, :, part], lse_b[:, :, part], p_stats,
+                                  self._buffer(a.dst)[:, :, rows], self.lse[:, :, rows], r_stats)
+
+    def result(self):
+        if self.out is None:  # no call at all: every row untouched
+            self._allocate()
+        return self.out, self.lse, self.stats
+
+
+class _Sums:
+    """The same schedule for gradients, which add: dQ of the local rows from every step's
+    calls. A row's first part is stored, its last sum written in the input dtype, the sums
+    between in float32."""
+
+    def __init__(self, like: Tensor, schedule: _Schedule, acc_dtype: torch.dtype):
+        self.like, self.schedule = like, schedule
+        self.wide = like.dtype != acc_dtype
+        self.acc_dtype = acc_dtype
+        self.out = self.f32 = None
+
+    def add(self, actions: Sequence[_Action], q0: int, part_all: Tensor) -> None:
+        S = self.like.shape[2]
+        if self.out is None:
+            if len(actions) == 1 and actions[0] == (0, S, "", "T") and part_all.shape == self.like.shape:
+                self.out = part_all
+                return
+            self.out = torch.empty_like(self.like)
+            for r0, r1 in self.schedule.untouched:
+                self.out[:, :, r0:r1].zero_()
+        for a in actions:
+            rows, part = slice(a.r0, a.r1), slice(a.r0 - q0, a.r1 - q0)
+            p = part_all[:, :, part]
+            if not a.src:
+                self.out[:, :, rows].copy_(p)
+            else:
+                torch.add(self._buffer(a.src)[:, :, rows], p, out=self._buffer(a.dst)[:, :, rows])
+
+    def _buffer(self, where: str) -> Tensor:
+        if where == "T" or not self.wide:
+            return self.out
+        if self.f32 is None:
+            self.f32 = torch.empty(self.like.shape, dtype=self.acc_dtype, device=self.like.device)
+        return self.f32
+
+    def result(self) -> Tensor:
+        if self.out is None:
+            self.out = torch.zeros_like(self.like)
+        return self.out
 
 
 # ---------------------------------------------------------------------------------------
@@ -483,19 +592,22 @@ class _Config(NamedTuple):
     right: int
     need_dq: bool
     need_dkdv: bool
+    # The collective input check in flight, finished by the forward before its first transfer
+    # (None: already done, or none).
+    agreement: Optional["_Agreement"] = None
 
     @property
     def world(self) -> int:
         return self.ring.world
 
 
-def _ring_plans(cfg: _Config, s_local: int) -> Tuple[Tuple[_Call, ...], ...]:
-    """plans[step]: the calls attending the local queries to the block of rank (rank - step)."""
-    return _ring_plans_of(cfg.layout, cfg.world, cfg.ring.rank, s_local, cfg.left, cfg.right)
+def _ring_schedule(cfg: _Config, s_local: int) -> _Schedule:
+    """steps[s]: the calls attending the local queries to the block of rank (rank - s)."""
+    return _ring_schedule_of(cfg.layout, cfg.world, cfg.ring.rank, s_local, cfg.left, cfg.right)
 
 
-def _allgather_plan(cfg: _Config, s_local: int) -> Tuple[_Call, ...]:
-    return _allgather_plan_of(cfg.layout, cfg.world, cfg.ring.rank, s_local, cfg.left, cfg.right)
+def _allgather_schedule(cfg: _Config, s_local: int) -> _Schedule:
+    return _allgather_schedule_of(cfg.layout, cfg.world, cfg.ring.rank, s_local, cfg.left, cfg.right)
 
 
 # Plans depend on a few integers only and cost more host time than a step's kernel launches at
@@ -507,88 +619,136 @@ def _ring_plans_of(layout: str, W: int, r: int, s_local: int, left: int, right: 
 
 
 @functools.lru_cache(maxsize=256)
-def _allgather_plan_of(layout: str, W: int, r: int, s_local: int, left: int, right: int):
+def _ring_schedule_of(layout: str, W: int, r: int, s_local: int, left: int, right: int) -> _Schedule:
+    return _schedule(_ring_plans_of(layout, W, r, s_local, left, right), s_local)
+
+
+@functools.lru_cache(maxsize=256)
+def _allgather_schedule_of(layout: str, W: int, r: int, s_local: int, left: int, right: int) -> _Schedule:
     mine = _rank_chunks(layout, W, r, s_local)
-    return tuple(_plan(mine, [_Chunk(0, 0, s_local * W)], left, right))
+    return _schedule((tuple(_plan(mine, [_Chunk(0, 0, s_local * W)], left, right)),), s_local)
 
 
-def _finish(acc: _Accumulator, q: Tensor):
-    return acc.out.to(q.dtype), acc.lse, acc.stats
+@functools.lru_cache(maxsize=256)
+def _dkv_travels_in_input_dtype(layout: str, W: int, s_local: int, left: int, right: int) -> bool:
+    """Whether dK / dV may travel in the input dtype: on two ranks, where every key row gets at
+    most one part per rank (one call per step on both ranks), the sum is rounded once, as a
+    float32 sum rounded at the end is; else they travel in float32 (twice the bytes)."""
+    return W == 2 and all(len(step) <= 1 for r in range(W) for step in _ring_plans_of(layout, W, r, s_local, left,
+                                                                                       right))
+
+
+_SIDE_STREAMS: dict = {}
+
+
+def _first_hop(ring: _Ring, send, recv, ready):
+    """The first exchange, issued after step 0's kernels are queued but ordered after ``ready``
+    alone (an event recorded before them: the caller's k / v and the fresh receive buffers are
+    ready there): issued from a side stream, so that NCCL, which orders a transfer after the
+    issuing stream's work, starts it at once instead of after the local block's attention."""
+    if ready is None:
+        return ring.exchange(send, recv)
+    device = send[0].device
+    side = _SIDE_STREAMS.get(device)
+    if side is None:
+        side = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    side.wait_event(ready)
+    with torch.cuda.stream(side):
+        return ring.exchange(send, recv)
 
 
 def _ring_forward(q: Tensor, k: Tensor, v: Tensor, cfg: _Config):
     kernel, ring, W = cfg.kernel, cfg.ring, cfg.world
-    plans = _ring_plans(cfg, q.shape[2])
-    acc = _Accumulator(q, kernel)
+    sched = _ring_schedule(cfg, q.shape[2])
+    acc = _Accumulator(q, kernel, sched)
     kv = (k.contiguous(), v.contiguous())
-    spare = None  # the other half of the double buffer, allocated at the first hop
+    spare, ready = None, None  # the other half of the double buffer; the first hop's event
+    if W > 1:
+        # Allocated before step 0's kernels are queued, so that the side stream's transfer into
+        # them is ordered after every earlier use of their memory.
+        spare = (torch.empty_like(kv[0]), torch.empty_like(kv[1]))
+        if q.is_cuda:
+            ready = torch.cuda.Event()
+            ready.record()
     for step in range(W):
         handles = None
-        if step + 1 < W:
+        if 0 < step < W - 1:
             spare = spare or (torch.empty_like(kv[0]), torch.empty_like(kv[1]))
             handles = ring.exchange(kv, spare)
-        for c in plans[step]:
-            acc.add(c.q0, c.q1, *kernel.forward(q[:, :, c.q0:c.q1], kv[0][:, :, c.k0:c.k1], kv[1][:, :, c.k0:c.k1],
-                                                c.wl, c.wr))
+        for c, actions in zip(sched.steps[step], sched.actions[step]):
+            acc.add(actions, c.q0, *kernel.forward(q[:, :, c.q0:c.q1], kv[0][:, :, c.k0:c.k1],
+                                                   kv[1][:, :, c.k0:c.k1], c.wl, c.wr))
+        if step == 0:
+            # Step 0 attends the local block: the collective check is waited for while the GPU
+            # runs it, and no rank sends anything before every rank has passed it.
+            if cfg.agreement is not None:
+                cfg.agreement.finish()
+            if W > 1:
+                handles = _first_hop(ring, kv, spare, ready)
         if handles is not None:
             ring.wait(handles)
             # The block just attended becomes the next receive buffer, except the caller's own
             # k / v (the first step's), which is never written.
             kv, spare = spare, (kv if step > 0 else None)
-    return _finish(acc, q)
+    return acc.result()
 
 
 def _ring_backward(dout, q, k, v, out, lse, stats, dlse, cfg: _Config):
     kernel, ring, W = cfg.kernel, cfg.ring, cfg.world
-    plans = _ring_plans(cfg, q.shape[2])
-    acc = kernel.acc_dtype
-    dq = torch.zeros(q.shape, dtype=acc, device=q.device) if cfg.need_dq else None
+    S = q.shape[2]
+    sched = _ring_schedule(cfg, S)
+    dq = _Sums(q, sched, kernel.acc_dtype) if cfg.need_dq else None
+    travel = (k.dtype if _dkv_travels_in_input_dtype(cfg.layout, W, S, cfg.left, cfg.right) else kernel.acc_dtype)
     kv = (k.contiguous(), v.contiguous())
     spare = None
-    dkv = None  # the travelling (dk, dv) of the block in hand, float32
+    dkv = None  # the travelling (dk, dv) of the block in hand, as it arrives
     dkv_handles = None
     for step in range(W):
         kv_handles = None
         if step + 1 < W:
             spare = spare or (torch.empty_like(kv[0]), torch.empty_like(kv[1]))
             kv_handles = ring.exchange(kv, spare)
-        step_dkv = None
-        for c in plans[step]:
+        mine = None  # this step's (dk, dv) sums: the arrived pair with this rank's parts added
+        for c, actions in zip(sched.steps[step], sched.actions[step]):
             rows, keys = slice(c.q0, c.q1), slice(c.k0, c.k1)
             dq_b, dk_b, dv_b = kernel.backward(
                 dout[:, :, rows], q[:, :, rows], kv[0][:, :, keys], kv[1][:, :, keys], out[:, :, rows],
                 lse[:, :, rows], None if stats is None else stats[:, :, rows],
                 None if dlse is None else dlse[:, :, rows], c.wl, c.wr, cfg.need_dq, cfg.need_dkdv)
-            if cfg.need_dq:
-                dq[:, :, rows] += dq_b
+            if dq is not None:
+                dq.add(actions, c.q0, dq_b)
             if cfg.need_dkdv:
-                if step_dkv is None:
-                    step_dkv = (torch.zeros(k.shape, dtype=acc, device=k.device),
-                                torch.zeros(v.shape, dtype=acc, device=v.device))
-                step_dkv[0][:, :, keys] += dk_b
-                step_dkv[1][:, :, keys] += dv_b
+                if mine is None and dkv is None and (c.k0, c.k1) == (0, S) and dk_b.dtype == travel:
+                    mine = (dk_b, dv_b)  # the block's first parts, whole: taken as they are
+                    continue
+                if mine is None:
+                    # The block's dK / dV arrived during the step before; the compute stream
+                    # waits for them only here, after this step's first kernel is queued.
+                    if dkv_handles is not None:
+                        ring.wait(dkv_handles)
+                    mine = dkv or (torch.zeros(k.shape, dtype=travel, device=k.device),
+                                   torch.zeros(v.shape, dtype=travel, device=v.device))
+                mine[0][:, :, keys] += dk_b
+                mine[1][:, :, keys] += dv_b
         if cfg.need_dkdv:
-            # dK / dV of the block in hand arrived during this step's compute: add this rank's
-            # part and pass them on with the block (after the last step, back to the owner).
-            if dkv_handles is not None:
-                ring.wait(dkv_handles)
-            if dkv is None:
-                dkv = step_dkv or (torch.zeros(k.shape, dtype=acc, device=k.device),
-                                   torch.zeros(v.shape, dtype=acc, device=v.device))
-            elif step_dkv is not None:
-                dkv[0].add_(step_dkv[0])
-                dkv[1].add_(step_dkv[1])
+            if mine is None:  # no call on this block: pass it on as it came
+                if dkv_handles is not None:
+                    ring.wait(dkv_handles)
+                mine = dkv or (torch.zeros(k.shape, dtype=travel, device=k.device),
+                               torch.zeros(v.shape, dtype=travel, device=v.device))
             if W > 1:
-                incoming = (torch.empty_like(dkv[0]), torch.empty_like(dkv[1]))
-                dkv_handles = ring.exchange(dkv, incoming, tag0=2)
-                dkv = incoming
+                # Passed on with the block (after the last step, back to its owner).
+                dkv = (torch.empty_like(mine[0]), torch.empty_like(mine[1]))
+                dkv_handles = ring.exchange(mine, dkv, tag0=2)
+            else:
+                dkv = mine
         if kv_handles is not None:
             ring.wait(kv_handles)
             kv, spare = spare, (kv if step > 0 else None)
     if dkv_handles is not None:
         ring.wait(dkv_handles)
     dk, dv = (dkv if cfg.need_dkdv else (None, None))
-    return dq, dk, dv
+    return (dq.result() if dq is not None else None), dk, dv
 
 
 def _gather_kv(k: Tensor, v: Tensor, cfg: _Config) -> Tuple[Tensor, Tensor]:
@@ -613,32 +773,37 @@ def _gather_kv(k: Tensor, v: Tensor, cfg: _Config) -> Tuple[Tensor, Tensor]:
 
 def _allgather_forward(q: Tensor, k: Tensor, v: Tensor, cfg: _Config):
     kernel = cfg.kernel
+    if cfg.agreement is not None:
+        cfg.agreement.finish()
     k_all, v_all = _gather_kv(k, v, cfg)
-    acc = _Accumulator(q, kernel)
-    for c in _allgather_plan(cfg, q.shape[2]):
-        acc.add(c.q0, c.q1, *kernel.forward(q[:, :, c.q0:c.q1], k_all[:, :, c.k0:c.k1], v_all[:, :, c.k0:c.k1],
-                                            c.wl, c.wr))
-    return _finish(acc, q)
+    sched = _allgather_schedule(cfg, q.shape[2])
+    acc = _Accumulator(q, kernel, sched)
+    for c, actions in zip(sched.steps[0], sched.actions[0]):
+        acc.add(actions, c.q0, *kernel.forward(q[:, :, c.q0:c.q1], k_all[:, :, c.k0:c.k1], v_all[:, :, c.k0:c.k1],
+                                               c.wl, c.wr))
+    return acc.result()
 
 
 def _allgather_backward(dout, q, k, v, out, lse, stats, dlse, cfg: _Config):
     kernel, W = cfg.kernel, cfg.world
     acc = kernel.acc_dtype
     k_all, v_all = _gather_kv(k, v, cfg)  # gathered again: the forward keeps only the local slices
-    dq = torch.zeros(q.shape, dtype=acc, device=q.device) if cfg.need_dq else None
+    sched = _allgather_schedule(cfg, q.shape[2])
+    dq = _Sums(q, sched, acc) if cfg.need_dq else None
     dk_all = torch.zeros(k_all.shape, dtype=acc, device=k.device) if cfg.need_dkdv else None
     dv_all = torch.zeros(v_all.shape, dtype=acc, device=v.device) if cfg.need_dkdv else None
-    for c in _allgather_plan(cfg, q.shape[2]):
+    for c, actions in zip(sched.steps[0], sched.actions[0]):
         rows, keys = slice(c.q0, c.q1), slice(c.k0, c.k1)
         dq_b, dk_b, dv_b = kernel.backward(
             dout[:, :, rows], q[:, :, rows], k_all[:, :, keys], v_all[:, :, keys], out[:, :, rows], lse[:, :, rows],
             None if stats is None else stats[:, :, rows], None if dlse is None else dlse[:, :, rows], c.wl, c.wr,
             cfg.need_dq, cfg.need_dkdv)
-        if cfg.need_dq:
-            dq[:, :, rows] += dq_b
+        if dq is not None:
+            dq.add(actions, c.q0, dq_b)
         if cfg.need_dkdv:
             dk_all[:, :, keys] += dk_b
             dv_all[:, :, keys] += dv_b
+    dq = dq.result() if dq is not None else None
     dk = dv = None
     if cfg.need_dkdv:
         if W == 1:
@@ -662,7 +827,7 @@ class _RingAttention(torch.autograd.Function):
         fwd = _ring_forward if cfg.method == "ring" else _allgather_forward
         out, lse, stats = fwd(q, k, v, cfg)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.cfg, ctx.stats = cfg, stats
+        ctx.cfg, ctx.stats = cfg._replace(agreement=None), stats
         ctx.set_materialize_grads(False)
         return out, lse
 
@@ -809,13 +974,36 @@ def _check_group(group):
     return _CHECK_GROUPS[ranks], torch.device("cpu")
 
 
-def _agree(meta: List[int], group, device, error: Optional[BaseException]) -> None:
-    """All-gathers the ranks' metadata; raises on every rank if one rank's inputs failed its
-    local checks or the ranks disagree."""
+class _Agreement(NamedTuple):
+    """The metadata all-gather in flight (_agree_start); finish() waits for it and raises on
+    every rank if one rank's inputs failed its local checks or the ranks disagree."""
+    every: Tensor
+    work: object
+    group: object
+    error: Optional[BaseException]
+
+    def finish(self) -> None:
+        self.work.wait()
+        _agree_check(self.every, self.group, self.error)
+
+
+def _agree_start(meta: List[int], group, device, error: Optional[BaseException]) -> _Agreement:
+    """Starts the all-gather of the ranks' metadata. The ring's forward finishes it while the
+    GPU attends the local block (step 0 needs nothing from another rank) and before its first
+    transfer, so that a gloo round trip of a few hundred microseconds costs no GPU time."""
     W = dist.get_world_size(group)
     mine = torch.tensor(meta, dtype=torch.int64, device=device)
     every = torch.empty(W * _META_LEN, dtype=torch.int64, device=device)
-    _all_gather(every, mine, group=group)
+    return _Agreement(every, _all_gather(every, mine, group=group, async_op=True), group, error)
+
+
+def _agree(meta: List[int], group, device, error: Optional[BaseException]) -> None:
+    """_agree_start, finished at once."""
+    _agree_start(meta, group, device, error).finish()
+
+
+def _agree_check(every: Tensor, group, error: Optional[BaseException]) -> None:
+    W = dist.get_world_size(group)
     rows = every.view(W, _META_LEN).tolist()
     failed = [r for r in range(W) if rows[r][0] != 0]
     if failed:
@@ -826,7 +1014,7 @@ def _agree(meta: List[int], group, device, error: Optional[BaseException]) -> No
             raise error
         details = "; ".join(f"rank {r}: {messages[r]}" for r in failed)
         raise RuntimeError(f"{_PREFIX}rank(s) {failed} of the group rejected their inputs, so no rank "
-                           f"started ({details})")
+                           f"sent anything ({details})")
     for name, a, b in _FIELDS:
         values = [tuple(row[a:b]) for row in rows]
         if len(set(values)) > 1:
@@ -920,14 +1108,17 @@ def ring_attention(
     need_dkdv = error is None and grad and (k.requires_grad or v.requires_grad)
     meta = _metadata(error is None, q, k, local, is_causal, layout, method, return_lse, deterministic, need_dq,
                      need_dkdv)
-    _agree(meta, *_check_group(group), error)
+    agreement = _agree_start(meta, *_check_group(group), error)
+    if error is not None:
+        agreement.finish()  # raises on this rank; the others raise in theirs
 
     if q.is_cuda:
         kernel = _CudaBlocks(q, local.scale, local.softcap, deterministic, local.tier)
     else:
         kernel = _ReferenceBlocks(q, local.scale, local.softcap)
     chosen = _pick_method(method, q.shape[1], k.shape[1], q.shape[2], world)
-    cfg = _Config(kernel, _Ring(group, world, rank), chosen, layout, local.left, local.right, need_dq, need_dkdv)
+    cfg = _Config(kernel, _Ring(group, world, rank), chosen, layout, local.left, local.right, need_dq, need_dkdv,
+                  agreement)
     if need_dq or need_dkdv:
         out, lse = _RingAttention.apply(q, k, v, cfg)
     else:

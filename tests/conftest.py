@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 import sys
 from pathlib import Path
@@ -70,7 +71,7 @@ import flash_cuda  # noqa: E402
 from flash_cuda import _ext, interface  # noqa: E402
 from flash_cuda.reference import (attention_backward_blocked, attention_forward_blocked,  # noqa: E402
                                   attention_varlen_backward_blocked,
-                                  attention_varlen_forward_blocked)
+                                  attention_varlen_forward_blocked, combine_splits)
 
 from attn_check import gpu_skip_reason  # noqa: E402
 
@@ -125,6 +126,7 @@ class MockExtension:
         bwd(dout, q, k, v, out, lse, aux, dlse, scale, window_left, window_right, softcap,
             alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
             deterministic, tier, need_dq=True, need_dkdv=True) -> (dq, dk, dv)
+        merge_partials(a, a_lse, a_stats, b, b_lse, b_stats, out, out_lse, out_stats)
 
     where dq is None unless need_dq and dk, dv are None unless need_dkdv (the binding
     neither computes nor allocates a gradient not wanted).
@@ -138,6 +140,8 @@ class MockExtension:
     def __init__(self):
         self.fwd_calls = 0
         self.bwd_calls = 0
+        self.merge_calls = 0
+        self.merge_dtypes = set()  # (a, b, out) of every merge
         self.last_bwd_dlse = "unset"
         self.last_bwd_needs = None  # (need_dq, need_dkdv) of the last bwd call
         self.last_fwd_args = None
@@ -243,12 +247,38 @@ class MockExtension:
         wanted = (need_dq, need_dkdv, need_dkdv)
         return tuple(self._like(g, like) if w else None for g, like, w in zip(grads, (q, k, v), wanted))
 
+    def merge_partials(self, a, a_lse, a_stats, b, b_lse, b_stats, out, out_lse, out_stats):
+        """out (which may be a) = the merge of the partials a and b by their row statistics, in
+        float32 or wider, out rounded once; (m, log2 l) pairs merged too where all three come."""
+        assert a.dim() == 4 and a.shape == b.shape == out.shape, (a.shape, b.shape, out.shape)
+        assert b.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64), b.dtype
+        for x in (a, out):
+            assert x.dtype in (b.dtype, torch.float32) and x.stride(-1) == 1
+        for lse in (a_lse, b_lse, out_lse):
+            assert lse.dtype == b_lse.dtype and lse.dtype in (torch.float32, torch.float64)
+            assert tuple(lse.shape) == tuple(a.shape[:3]) and lse.stride(-1) == 1
+        assert (a_stats is None) == (b_stats is None) == (out_stats is None)
+        self.merge_calls += 1
+        self.merge_dtypes.add((a.dtype, b.dtype, out.dtype))
+        acc = torch.float64 if b.dtype == torch.float64 else torch.float32
+        o, lse = combine_splits([a.to(acc), b.to(acc)], [a_lse.to(acc), b_lse.to(acc)], out.dtype)
+        if a_stats is not None:
+            pairs = torch.stack([a_stats, b_stats]).double()
+            m_i = torch.where(pairs[..., 0] == math.inf, -math.inf, pairs[..., 0])
+            m = m_i.amax(0)
+            empty = m == -math.inf
+            m_ref = torch.where(empty, 0.0, m)
+            log2l = torch.log2(torch.exp2(m_i - m_ref + pairs[..., 1]).sum(0).clamp_min(1e-300))
+            out_stats.copy_(torch.stack([torch.where(empty, math.inf, m), torch.where(empty, 0.0, log2l)], -1))
+        out.copy_(o)
+        out_lse.copy_(lse)
+
 
 @pytest.fixture
 def mock_extension(monkeypatch):
     """Makes flash_cuda run on CPU tensors through MockExtension; yields the mock."""
     mock = MockExtension()
-    monkeypatch.setattr(_ext, "_C", SimpleNamespace(fwd=mock.fwd, bwd=mock.bwd))
+    monkeypatch.setattr(_ext, "_C", SimpleNamespace(fwd=mock.fwd, bwd=mock.bwd, merge_partials=mock.merge_partials))
     monkeypatch.setattr(_ext, "_AVAILABLE", True)
     monkeypatch.setattr(_ext, "_IMPORT_ERROR", None)
 

@@ -17,6 +17,10 @@ Semantics shared by every function here and by the CUDA kernels:
 
 * lse_i = log(sum over visible j of exp(x_ij)) (natural log). A row that sees no key has
   output 0 and lse = -inf, never NaN; it contributes nothing to any gradient.
+* Dropout (``dropout_p`` > 0): the probabilities exp(x_ij - lse_i) are multiplied by a
+  keep mask and the inverse of the keep rate before the product with V; lse is unchanged.
+  The mask comes from counter-based random numbers that the kernels draw alike
+  (:func:`dropout_keep_mask`, the section "Attention dropout").
 * Variable-length (packed) batches: q is (total_q, Hq, D), k and v (total_k, Hkv, D);
   sequence b owns rows cu_seqlens_q[b]:cu_seqlens_q[b+1] of q and cu_seqlens_k[b]:
   cu_seqlens_k[b+1] of k / v and is attended exactly like a dense batch entry of those
@@ -68,6 +72,11 @@ __all__ = [
     "key_visible",
     "causal_visible",
     "alibi_bias",
+    "philox4x32_10",
+    "dropout_keep_threshold",
+    "dropout_scale",
+    "dropout_random16",
+    "dropout_keep_mask",
 ]
 
 LOG2E = 1.4426950408889634  # log2(e): exp(x) = exp2(x * log2(e))
@@ -222,13 +231,17 @@ def _slopes_view(alibi_slopes: Optional[Tensor], B: int, Hq: int, Hkv: int,
 def attention_naive(q: Tensor, k: Tensor, v: Tensor, *, is_causal: bool = False,
                     scale: Optional[float] = None, window_size: Sequence[int] = (-1, -1),
                     softcap: float = 0.0,
-                    alibi_slopes: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+                    alibi_slopes: Optional[Tensor] = None, dropout_p: float = 0.0,
+                    dropout_mask: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """Attention with the full logit matrix, computed in the inputs' dtype.
 
     The four steps of the module docstring, literally: x = scale * q @ k^T; softcap;
     minus the ALiBi bias slope * |i + Sk - Sq - j|; masked to the window (is_causal sets
     its right side to 0); softmax. ``alibi_slopes`` (float32 (Hq,) or (B, Hq)) is used
-    in the inputs' dtype too and gets no gradient.
+    in the inputs' dtype too and gets no gradient. With ``dropout_p`` > 0, the
+    probabilities are multiplied by ``dropout_mask`` ((B, Hq, Sq, Sk) bool, default
+    :func:`dropout_keep_mask` with seed 0 and offset 0) and :func:`dropout_scale` before
+    the product with V; lse is that of the probabilities before dropout.
 
     Returns (out, lse): out like q's shape and dtype, lse (B, Hq, Sq) in the inputs'
     dtype. Differentiable with torch autograd (also through lse), and NaN-free for rows
@@ -255,8 +268,127 @@ def attention_naive(q: Tensor, k: Tensor, v: Tensor, *, is_causal: bool = False,
     lse = torch.logsumexp(s, dim=-1)  # -inf for rows without a visible key
     lse_safe = torch.where(lse == NEG_INF, torch.zeros_like(lse), lse)
     p = torch.exp(s - lse_safe.unsqueeze(-1))  # masked entries: exp(-inf) = 0
+    keep = _dropout_keep(dropout_p, dropout_mask, B, Hq, Hkv, Sq, Sk, p.dtype, q.device)
+    if keep is not None:
+        p = p * keep
     out = torch.matmul(p, vg)  # (B, Hkv, G, Sq, D)
     return out.reshape(B, Hq, Sq, D), lse.reshape(B, Hq, Sq)
+
+
+# ---------------------------------------------------------------------------------------
+# Attention dropout: which probabilities are kept, from counter-based random numbers
+# ---------------------------------------------------------------------------------------
+#
+# The kernels and this reference draw the same numbers, so a test compares them exactly: a
+# pure function of (seed, offset, batch b, query head h, query row i, key column j), no state.
+# One Philox4x32-10 draw (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC'11;
+# the generator of Random123 and cuRAND) gives four 32-bit words = eight 16-bit numbers, for
+# the eight elements one thread of a tensor-core tile holds in a 16 x 16 block of the scores
+# (rows r and r + 8, columns 2c, 2c + 1 of two 8-column tiles):
+#
+#   counter = ((j // 16) * 4 + (j % 8) // 2,  (i // 16) * 8 + i % 8,  b * H + h,  offset mod 2^32)
+#   key     = (seed mod 2^32,  (seed // 2^32 xor offset // 2^32) mod 2^32)
+#   word    = ((i % 16) // 8) * 2 + (j % 16) // 8,   half = j % 2
+#   r       = (word's bits 16 * half .. 16 * half + 15)                  (0 .. 65535)
+#
+# The element is kept iff r < t, t = round((1 - p) * 2^16) (dropout_keep_threshold), and a kept
+# probability is multiplied by 2^16 / t (dropout_scale), the exact inverse of the keep rate
+# t / 2^16, so that the expected output is the output without dropout. A packed (varlen) batch
+# uses b, i, j of its sequences (positions within the sequence).
+
+PHILOX_M = (0xD2511F53, 0xCD9E8D57)  # the round multipliers of Philox4x32
+PHILOX_W = (0x9E3779B9, 0xBB67AE85)  # the key increments (Weyl sequence)
+_U32 = 0xFFFFFFFF
+
+
+def _mulhilo32(a: int, b: Tensor) -> Tuple[Tensor, Tensor]:
+    """(lo, hi) 32-bit halves of a * b for a 32-bit constant a and int64 tensors b of 32-bit
+    values, without overflowing int64 (a is split into 16-bit halves)."""
+    t1 = b * (a & 0xFFFF)  # < 2^48
+    t2 = b * (a >> 16)  # < 2^48
+    s = t1 + ((t2 & 0xFFFF) << 16)  # a * b = (t2 >> 16) * 2^32 + s
+    return s & _U32, ((t2 >> 16) + (s >> 32)) & _U32
+
+
+def philox4x32_10(counter: Sequence[Tensor], key: Sequence) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Philox4x32 with 10 rounds: four int64 tensors (or ints) of 32-bit counter words and two
+    32-bit key words (ints or tensors, broadcast) -> the four 32-bit output words (int64)."""
+    c0, c1, c2, c3 = (torch.as_tensor(c, dtype=torch.int64) for c in counter)
+    k0, k1 = key
+    for r in range(10):
+        if r > 0:
+            k0, k1 = (k0 + PHILOX_W[0]) & _U32, (k1 + PHILOX_W[1]) & _U32
+        lo0, hi0 = _mulhilo32(PHILOX_M[0], c0)
+        lo1, hi1 = _mulhilo32(PHILOX_M[1], c2)
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+    return c0, c1, c2, c3
+
+
+def dropout_keep_threshold(dropout_p: float) -> int:
+    """t: an element is kept iff its 16-bit number is below t (keep rate t / 2^16)."""
+    if not 0.0 <= dropout_p <= 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1], got {dropout_p}")
+    return min(65536, max(0, int(round((1.0 - dropout_p) * 65536))))
+
+
+def dropout_scale(dropout_p: float) -> float:
+    """What a kept probability is multiplied by: 2^16 / t, the inverse of the exact keep rate
+    (0 when everything is dropped)."""
+    t = dropout_keep_threshold(dropout_p)
+    return 0.0 if t == 0 else 65536.0 / t
+
+
+def dropout_random16(head_slot: Tensor, rows: Tensor, cols: Tensor, seed: int, offset: int) -> Tensor:
+    """The 16-bit numbers (int64) of the elements (head_slot, rows, cols), broadcast together;
+    head_slot is b * H + h (the mapping above)."""
+    seed, offset = int(seed), int(offset)
+    key = (seed & _U32, ((seed >> 32) ^ (offset >> 32)) & _U32)
+    i, j = rows.to(torch.int64), cols.to(torch.int64)
+    c0 = (j // 16) * 4 + (j % 8) // 2
+    c1 = (i // 16) * 8 + i % 8
+    c0, c1, c2 = torch.broadcast_tensors(c0, c1, head_slot.to(torch.int64))
+    words = philox4x32_10((c0, c1, c2, torch.full_like(c0, offset & _U32)), key)
+    which = (((i % 16) // 8) * 2 + (j % 16) // 8).expand_as(c0)
+    word = torch.where(which == 0, words[0], torch.where(which == 1, words[1],
+                                                         torch.where(which == 2, words[2], words[3])))
+    return (word >> (16 * (j % 2))) & 0xFFFF
+
+
+def dropout_keep_mask(batch: int, heads: int, sq: int, sk: int, dropout_p: float, seed: int = 0,
+                      offset: int = 0, device=None) -> Tensor:
+    """The (batch, heads, sq, sk) bool mask of kept attention probabilities (the kernels'
+    mask for a dense batch; heads = query heads)."""
+    t = dropout_keep_threshold(dropout_p)
+    rows = torch.arange(sq, device=device).view(sq, 1)
+    cols = torch.arange(sk, device=device).view(1, sk)
+    mask = torch.empty((batch * heads, sq, sk), dtype=torch.bool, device=device)
+    for bh in range(batch * heads):  # one head at a time bounds the int64 temporaries
+        mask[bh] = dropout_random16(torch.tensor(bh, device=device), rows, cols, seed, offset) < t
+    return mask.view(batch, heads, sq, sk)
+
+
+def _dropout_keep(dropout_p: float, dropout_mask: Optional[Tensor], B: int, Hq: int, Hkv: int, sq: int, sk: int,
+                  dtype: torch.dtype, device) -> Optional[Tensor]:
+    """The mask times the dropout scale, (B, Hkv, G, sq, sk) in ``dtype``; None without dropout."""
+    if dropout_p == 0.0 and dropout_mask is None:
+        return None
+    scale = dropout_scale(dropout_p)
+    if dropout_mask is None:
+        dropout_mask = dropout_keep_mask(B, Hq, sq, sk, dropout_p, device=device)
+    if tuple(dropout_mask.shape) != (B, Hq, sq, sk) or dropout_mask.dtype != torch.bool:
+        raise ValueError(f"dropout_mask must be bool of shape {(B, Hq, sq, sk)}, got {dropout_mask.dtype} "
+                         f"{tuple(dropout_mask.shape)}")
+    keep = dropout_mask.to(device=device, dtype=dtype) * scale
+    return keep.view(B, Hkv, Hq // Hkv, sq, sk)
+
+
+def _keep_tile(keep: Optional[Tensor], row0: int, rows: int, block_m: int, key_base: int, cols: int,
+               block_n: int) -> Optional[Tensor]:
+    """The (block_m, block_n) tile of ``keep`` at (row0, key_base), zero past the ends."""
+    if keep is None:
+        return None
+    tile = keep[..., row0:row0 + rows, key_base:key_base + cols]
+    return torch.nn.functional.pad(tile, (0, block_n - cols, 0, block_m - rows))
 
 
 # ---------------------------------------------------------------------------------------
@@ -330,14 +462,19 @@ def merge_block_stats(row_max: Tensor, row_sum: Tensor, acc_o: Tensor,
 
 def compute_block_softmax_and_weighted_v(s: Tensor, row_sum: Tensor, acc_o: Tensor,
                                          row_max: Tensor, v_blk: Tensor,
-                                         in_dtype: torch.dtype) -> Tuple[Tensor, Tensor]:
+                                         in_dtype: torch.dtype,
+                                         keep: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """Step 3: P = exp2(S - m) (masked entries -> 0), l += rowsum(P), O += P @ V.
 
     The row sum uses P in the accumulation dtype; the P @ V product uses P rounded to the
-    16-bit input dtype for fp16/bf16 inputs, as the tensor-core kernels do.
+    16-bit input dtype for fp16/bf16 inputs, as the tensor-core kernels do. ``keep``
+    (dropout: the tile's mask times :func:`dropout_scale`, 0 where dropped) multiplies P in
+    the product only: the row sum, and so lse, are those before dropout.
     """
     p = torch.exp2(s - _safe_max(row_max).unsqueeze(-1))
     row_sum = row_sum + p.sum(dim=-1)
+    if keep is not None:
+        p = p * keep
     acc_o = acc_o + torch.matmul(_round_like_kernel(p, in_dtype), v_blk)
     return row_sum, acc_o
 
@@ -360,10 +497,12 @@ def attention_forward_blocked(q: Tensor, k: Tensor, v: Tensor, *, is_causal: boo
                               scale: Optional[float] = None,
                               window_size: Sequence[int] = (-1, -1), softcap: float = 0.0,
                               alibi_slopes: Optional[Tensor] = None, block_m: int = 64,
-                              block_n: int = 64, max_lag: float = 0.0) -> Tuple[Tensor, Tensor]:
+                              block_n: int = 64, max_lag: float = 0.0, dropout_p: float = 0.0,
+                              dropout_mask: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """The kernels' forward: returns (out in q's dtype, lse in float32 — float64 for float64
     inputs). Memory per step is O(block_m * block_n), never O(Sq * Sk). ``max_lag``: the
-    running max's lag (:func:`merge_block_stats`).
+    running max's lag (:func:`merge_block_stats`). ``dropout_p`` / ``dropout_mask``: as
+    :func:`attention_naive` (the mask is read a tile at a time).
 
     A query block visits only the key blocks that meet the union of its rows' windows
     (:func:`_key_range`; causal is the window (-1, 0)), and masks only the tiles that a
@@ -377,6 +516,7 @@ def attention_forward_blocked(q: Tensor, k: Tensor, v: Tensor, *, is_causal: boo
     qg = _group_view(q, Hkv)
     out = torch.empty((B, Hkv, G, Sq, D), dtype=q.dtype, device=dev)
     lse = torch.empty((B, Hkv, G, Sq), dtype=acc, device=dev)
+    keep_all = _dropout_keep(dropout_p, dropout_mask, B, Hq, Hkv, Sq, Sk, acc, dev)
 
     for row0 in range(0, Sq, block_m):
         rows = min(block_m, Sq - row0)
@@ -406,8 +546,9 @@ def attention_forward_blocked(q: Tensor, k: Tensor, v: Tensor, *, is_causal: boo
             s, block_max = compute_qk_scores_and_max(q_blk, k_blk, scale_log2, visible,
                                                      softcap, bias)
             row_max, row_sum, acc_o = merge_block_stats(row_max, row_sum, acc_o, block_max, max_lag)
-            row_sum, acc_o = compute_block_softmax_and_weighted_v(s, row_sum, acc_o, row_max,
-                                                                  v_blk, q.dtype)
+            row_sum, acc_o = compute_block_softmax_and_weighted_v(
+                s, row_sum, acc_o, row_max, v_blk, q.dtype,
+                _keep_tile(keep_all, row0, rows, block_m, key_base, cols, block_n))
 
         o_blk, lse_blk = normalize_output(acc_o, row_sum, row_max, q.dtype)
         out[:, :, :, row0:row0 + rows] = o_blk[..., :rows, :]
@@ -424,13 +565,18 @@ def attention_forward_blocked(q: Tensor, k: Tensor, v: Tensor, *, is_causal: boo
 def _recompute_p_ds(q_blk: Tensor, do_blk: Tensor, k_blk: Tensor, v_blk: Tensor,
                     lse_log2_blk: Tensor, delta_blk: Tensor, scale_log2: float,
                     visible: Optional[Tensor], softcap: float,
-                    bias_log2: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+                    bias_log2: Optional[Tensor], keep: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """(P, dS) for one (query block, key block) tile, as both backward kernels recompute
     them: P = exp2(S_log2 - lse * log2(e)) from the forward's modified logits (rows with
     lse = -inf, no visible key, get P = 0 instead of exp2(+inf)), dP = dO V^T,
     dS = P * (dP - delta), the gradient of the modified logit; with softcap it is carried
     back through the cap: dS *= 1 - tanh^2 (the ALiBi bias is a constant). dS is then the
-    gradient of scale * q.k."""
+    gradient of scale * q.k.
+
+    With dropout (``keep``: the tile's mask times the dropout scale), the forward multiplied
+    V by P * keep: dV takes P * keep (returned in place of P), and dP, the gradient of
+    P * keep, becomes dP * keep before dS = P * (dP - delta), delta = rowsum(dO * O) being
+    that of the dropped-out output."""
     s, t = _tile_logits_log2(q_blk, k_blk, scale_log2, softcap, bias_log2)
     if visible is not None:
         s = s.masked_fill(~visible, NEG_INF)
@@ -438,10 +584,12 @@ def _recompute_p_ds(q_blk: Tensor, do_blk: Tensor, k_blk: Tensor, v_blk: Tensor,
     p = torch.exp2(s - torch.where(row_ok, lse_log2_blk.unsqueeze(-1), torch.zeros_like(s[..., :1])))
     p = torch.where(row_ok, p, torch.zeros_like(p))
     dp = torch.matmul(do_blk, v_blk.transpose(-1, -2))
+    if keep is not None:
+        dp = dp * keep
     ds = p * (dp - delta_blk.unsqueeze(-1))
     if t is not None:
         ds = ds * (1.0 - t * t)
-    return p, ds
+    return (p if keep is None else p * keep), ds
 
 
 def _bwd_preprocess(dout: Tensor, out: Tensor, dlse: Optional[Tensor], acc: torch.dtype) -> Tensor:
@@ -458,8 +606,10 @@ def attention_backward_blocked(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, ou
                                window_size: Sequence[int] = (-1, -1), softcap: float = 0.0,
                                alibi_slopes: Optional[Tensor] = None,
                                dlse: Optional[Tensor] = None, block_m: int = 64,
-                               block_n: int = 64) -> Tuple[Tensor, Tensor, Tensor]:
-    """Gradients (dq, dk, dv) in the inputs' dtype, from the forward's out and lse.
+                               block_n: int = 64, dropout_p: float = 0.0,
+                               dropout_mask: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
+    """Gradients (dq, dk, dv) in the inputs' dtype, from the forward's out and lse (and the
+    forward's ``dropout_p`` / ``dropout_mask``, the same mask regenerated).
 
     With P = exp(x - lse) (x the modified logits), dP = dO V^T, dS = P * (dP - delta)
     [* (1 - tanh^2) with softcap]: dV = P^T dO, dK = scale * dS^T Q, dQ = scale * dS K.
@@ -481,6 +631,7 @@ def attention_backward_blocked(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, ou
     dog = _group_view(dout, Hkv).to(acc)
     k_acc = k.to(acc).unsqueeze(2)
     v_acc = v.to(acc).unsqueeze(2)
+    keep_all = _dropout_keep(dropout_p, dropout_mask, B, Hq, Hkv, Sq, Sk, acc, dev)
 
     dq = torch.empty((B, Hkv, qg.shape[2], Sq, D), dtype=dt, device=dev)
     dk = torch.empty((B, Hkv, Sk, D), dtype=dt, device=dev)
@@ -497,7 +648,8 @@ def attention_backward_blocked(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, ou
                                v_acc[:, :, :, key_base:key_base + cols],
                                lse_log2[..., row0:row0 + rows], delta[..., row0:row0 + rows],
                                scale_log2, visible, softcap,
-                               _tile_bias_log2(slopes, row_idx, col_idx, Sq, Sk))
+                               _tile_bias_log2(slopes, row_idx, col_idx, Sq, Sk),
+                               _keep_tile(keep_all, row0, rows, rows, key_base, cols, cols))
 
     # ---- dK, dV: one key/value block at a time, looping over the query blocks that can
     #      see it and (summed inside the matmuls) over the query heads of the GQA group.

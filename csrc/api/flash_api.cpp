@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "../arch/gpu_class.h"
+#include "../core/dropout.cuh"
 #include "../core/mask.cuh"
 #include "../include/ablation.h"
 #include "../include/params.h"
@@ -708,6 +709,27 @@ void merge_partials(const at::Tensor& a, const at::Tensor& a_lse, const std::opt
   }
 }
 
+// dropout_mask(batch, heads, sq, sk, threshold, seed, offset, like): the uint8 (batch, heads, sq,
+// sk) mask of kept elements that the kernels' dropout draws (core/dropout.cuh), on like's device;
+// threshold = round((1 - p) 2^16). For tests against flash_cuda.reference.dropout_keep_mask.
+at::Tensor dropout_mask(int64_t batch, int64_t heads, int64_t sq, int64_t sk, int64_t threshold, uint64_t seed,
+                        uint64_t offset, const at::Tensor& like) {
+  FLASH_CHECK(batch >= 0 && heads >= 0 && sq >= 0 && sk >= 0, "flash_cuda.dropout_mask: negative size");
+  FLASH_CHECK(threshold >= 0 && threshold <= 65536, "flash_cuda.dropout_mask: threshold must be in [0, 65536], got ",
+              threshold);
+  FLASH_CHECK(like.is_cuda(), "flash_cuda.dropout_mask: like must be a CUDA tensor");
+  at::Tensor mask = at::empty({batch, heads, sq, sk}, like.options().dtype(at::kByte));
+  DropoutMaskParams p;
+  p.mask = mask.data_ptr<uint8_t>();
+  p.heads_total = batch * heads;
+  p.sq = static_cast<int>(sq);
+  p.sk = static_cast<int>(sk);
+  p.key = make_dropout_key(seed, offset, static_cast<uint32_t>(threshold));
+  const c10::cuda::CUDAGuard guard(like.device());
+  run_dropout_mask<uint8_t>(p, at::cuda::getCurrentCUDAStream().stream());
+  return mask;
+}
+
 }  // namespace flash_cuda
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -725,6 +747,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("max_seqlen_k"), py::arg("deterministic"), py::arg("tier"), py::arg("need_dq") = true,
         py::arg("need_dkdv") = true);
   m.def("fwd_kvcache", &flash_cuda::fwd_kvcache, "attention against a KV cache, new keys appended: (out, lse)");
+  m.def("dropout_mask", &flash_cuda::dropout_mask,
+        "the mask of kept elements the kernels' dropout draws (uint8, batch x heads x sq x sk)");
   m.def("merge_partials", &flash_cuda::merge_partials,
         "merges two partial (out, lse[, stats]) results of the same rows into out (context parallelism)");
 }

@@ -88,6 +88,10 @@ def instances() -> dict:
             f"merge of two partial results (context parallelism's ring steps), partials in {dt}.", "combine.cuh",
             [f"template void run_merge_partials<static_cast<int>(DType::{enum})>(const MergeParams&, cudaStream_t);"],
             folder="core")
+    files["dropout_mask.cu"] = _file(
+        "attention dropout's mask for a whole tensor (tests compare the kernels' random numbers with the reference).",
+        "dropout.cuh", ["template void run_dropout_mask<uint8_t>(const DropoutMaskParams&, cudaStream_t);"],
+        folder="core")
     return files
 
 

@@ -1,0 +1,115 @@
+// core/dropout.cuh — attention dropout's random numbers, as flash_cuda.reference states them
+// (section "Attention dropout"): a pure function of (seed, offset, batch b, query head h, query
+// row i, key column j). One Philox4x32-10 draw gives four 32-bit words = eight 16-bit numbers,
+// those of the eight elements one thread of a tensor-core tile holds in a 16 x 16 block of the
+// scores (rows r and r + 8, columns 2c and 2c + 1 of two 8-column tiles), so a kernel draws once
+// per eight elements:
+//   counter = ((j / 16) * 4 + (j % 8) / 2, (i / 16) * 8 + i % 8, b * H + h, offset mod 2^32)
+//   key     = (seed mod 2^32, (seed / 2^32 xor offset / 2^32) mod 2^32)
+//   word    = ((i % 16) / 8) * 2 + (j % 16) / 8,  number = 16-bit half j % 2 of that word
+// An element is kept iff its number is below the threshold t = round((1 - p) 2^16), and a kept
+// probability is scaled by 2^16 / t.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "../arch/host.h"
+
+namespace flash_cuda {
+
+// What a launch needs to draw: the key words and the counter's last word from (seed, offset),
+// and the threshold (0 .. 65536).
+struct DropoutKey {
+  uint32_t k0 = 0, k1 = 0, c3 = 0;
+  uint32_t threshold = 65536;
+};
+
+inline DropoutKey make_dropout_key(uint64_t seed, uint64_t offset, uint32_t threshold) {
+  DropoutKey key;
+  key.k0 = static_cast<uint32_t>(seed);
+  key.k1 = static_cast<uint32_t>((seed >> 32) ^ (offset >> 32));
+  key.c3 = static_cast<uint32_t>(offset);
+  key.threshold = threshold;
+  return key;
+}
+
+// The whole-tensor mask (the kernels' mask for a dense batch, for tests that compare a kernel
+// against the reference exactly): mask[bh][i][j] = 1 where element (bh, i, j) is kept.
+struct DropoutMaskParams {
+  uint8_t* mask = nullptr;  // [heads_total][sq][sk], contiguous
+  int64_t heads_total = 0;  // batch * query heads
+  int sq = 0, sk = 0;
+  DropoutKey key;
+};
+
+#if defined(__CUDACC__)
+
+struct PhiloxWords {
+  uint32_t x, y, z, w;
+};
+
+// Philox4x32 with 10 rounds (Salmon et al., SC'11): the round multiplies two counter words by
+// the constants, keeps both halves of each product and mixes in the key, which is bumped by the
+// Weyl constants between rounds.
+__device__ __forceinline__ PhiloxWords philox4x32_10(PhiloxWords c, uint32_t k0, uint32_t k1) {
+#pragma unroll
+  for (int r = 0; r < 10; ++r) {
+    if (r > 0) {
+      k0 += 0x9E3779B9u;
+      k1 += 0xBB67AE85u;
+    }
+    const uint32_t lo0 = 0xD2511F53u * c.x, hi0 = __umulhi(0xD2511F53u, c.x);
+    const uint32_t lo1 = 0xCD9E8D57u * c.z, hi1 = __umulhi(0xCD9E8D57u, c.z);
+    c = PhiloxWords{hi1 ^ c.y ^ k0, lo1, hi0 ^ c.w ^ k1, lo0};
+  }
+  return c;
+}
+
+// The draw that holds element (i, j) of head slot b * H + h.
+__device__ __forceinline__ PhiloxWords dropout_draw(const DropoutKey& key, uint32_t head_slot, uint32_t i,
+                                                    uint32_t j) {
+  return philox4x32_10(PhiloxWords{(j / 16) * 4 + (j % 8) / 2, (i / 16) * 8 + i % 8, head_slot, key.c3}, key.k0,
+                       key.k1);
+}
+
+// Element (i, j)'s 16-bit number in its draw.
+__device__ __forceinline__ uint32_t dropout_number(const PhiloxWords& d, uint32_t i, uint32_t j) {
+  const uint32_t which = ((i % 16) / 8) * 2 + (j % 16) / 8;
+  const uint32_t w = which == 0 ? d.x : which == 1 ? d.y : which == 2 ? d.z : d.w;
+  return (w >> (16 * (j % 2))) & 0xFFFFu;
+}
+
+__device__ __forceinline__ bool dropout_keeps(const DropoutKey& key, uint32_t number) {
+  return number < key.threshold;
+}
+
+// One thread per element (a test op: the attention kernels draw once per eight elements).
+__global__ void dropout_mask_kernel(const DropoutMaskParams p) {
+  const int64_t n = p.heads_total * p.sq * p.sk;
+  for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < n;
+       e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const uint32_t j = static_cast<uint32_t>(e % p.sk);
+    const uint32_t i = static_cast<uint32_t>((e / p.sk) % p.sq);
+    const uint32_t bh = static_cast<uint32_t>(e / (static_cast<int64_t>(p.sk) * p.sq));
+    p.mask[e] = dropout_keeps(p.key, dropout_number(dropout_draw(p.key, bh, i, j), i, j)) ? 1 : 0;
+  }
+}
+
+template <typename Out>
+void run_dropout_mask(const DropoutMaskParams& p, cudaStream_t stream) {
+  static_assert(sizeof(Out) == 1, "the mask is one byte per element");
+  const int64_t n = p.heads_total * p.sq * p.sk;
+  if (n == 0) return;
+  const int64_t blocks = (n + 255) / 256;
+  dropout_mask_kernel<<<static_cast<unsigned>(blocks < 65536 ? blocks : 65536), 256, 0, stream>>>(p);
+  check_launch("flash_dropout_mask");
+}
+
+#endif  // __CUDACC__
+
+// csrc/instances/dropout_mask.cu
+template <typename Out> void run_dropout_mask(const DropoutMaskParams& params, cudaStream_t stream);
+
+}  // namespace flash_cuda

@@ -432,20 +432,45 @@ def _schedule(steps: Tuple[Tuple[_Call, ...], ...], s_local: int) -> _Schedule:
     return _Schedule(steps, tuple(actions), untouched)
 
 
-class _Accumulator:
-    """The local rows' result: (out, lse[, stats]) from the partials of the calls, merged by
-    the kernels' merge in float32 as the schedule says. A partial that alone covers every row
-    first is taken as the output itself (no copy)."""
+class _ScheduledRows:
+    """The rows of the local queries as a schedule fills them: ``out`` in the input dtype (a
+    first part that covers every row is taken as ``out`` itself, no copy) and, where a row is
+    merged three or more times, the float32 accumulator between its merges."""
+
+    def __init__(self, like: Tensor, schedule: _Schedule, acc_dtype: torch.dtype):
+        self.like, self.schedule, self.acc_dtype = like, schedule, acc_dtype
+        self.out = self.f32 = None
+        # Inputs whose dtype is the accumulation dtype need no second buffer.
+        self.wide = like.dtype != acc_dtype
+
+    def _takes_whole(self, actions: Sequence[_Action], part: Tensor) -> bool:
+        return len(actions) == 1 and actions[0] == (0, self.like.shape[2], "", "T") and part.shape == self.like.shape
+
+    def _buffer(self, where: str) -> Tensor:
+        if where == "T" or not self.wide:
+            return self.out
+        if self.f32 is None:
+            self.f32 = torch.empty(self.like.shape, dtype=self.acc_dtype, device=self.like.device)
+        return self.f32
+
+    @staticmethod
+    def _slices(a: _Action, q0: int) -> Tuple[slice, slice]:
+        """(the rows in the local queries, the same rows in the call's part)."""
+        return slice(a.r0, a.r1), slice(a.r0 - q0, a.r1 - q0)
+
+
+class _Accumulator(_ScheduledRows):
+    """The forward's (out, lse[, stats]) from the calls' partials, merged by the kernels'
+    merge (float32 inside) where the schedule says."""
 
     def __init__(self, q: Tensor, kernel, schedule: _Schedule):
-        self.q, self.kernel, self.schedule = q, kernel, schedule
-        self.out = self.lse = self.stats = self.f32 = None
-        # Float inputs whose dtype is the accumulation dtype need no second buffer.
-        self.wide = q.dtype != kernel.acc_dtype
+        super().__init__(q, schedule, kernel.acc_dtype)
+        self.kernel = kernel
+        self.lse = self.stats = None
 
     def _allocate(self) -> None:
-        q, kernel = self.q, self.kernel
-        B, H, S, D = q.shape
+        q, kernel = self.like, self.kernel
+        B, H, S, _ = q.shape
         self.out = torch.empty_like(q)
         self.lse = torch.empty((B, H, S), dtype=kernel.acc_dtype, device=q.device)
         if kernel.has_stats:
@@ -457,24 +482,16 @@ class _Accumulator:
                 self.stats[:, :, r0:r1, 0].fill_(_INF)
                 self.stats[:, :, r0:r1, 1].zero_()
 
-    def _buffer(self, where: str) -> Tensor:
-        if where == "T" or not self.wide:
-            return self.out
-        if self.f32 is None:
-            self.f32 = torch.empty(self.q.shape, dtype=torch.float32, device=self.q.device)
-        return self.f32
-
     def add(self, actions: Sequence[_Action], q0: int, out_b: Tensor, lse_b: Tensor,
             stats_b: Optional[Tensor]) -> None:
-        S = self.q.shape[2]
         if self.out is None:
-            if len(actions) == 1 and actions[0] == (0, S, "", "T") and out_b.shape == self.q.shape:
+            if self._takes_whole(actions, out_b):
                 self.out, self.lse, self.stats = out_b, lse_b, stats_b
                 return
             self._allocate()
         stats = self.stats
         for a in actions:
-            rows, part = slice(a.r0, a.r1), slice(a.r0 - q0, a.r1 - q0)
+            rows, part = self._slices(a, q0)
             p_stats = None if stats_b is None else stats_b[:, :, part]
             r_stats = None if stats is None else stats[:, :, rows]
             if not a.src:
@@ -493,40 +510,25 @@ class _Accumulator:
         return self.out, self.lse, self.stats
 
 
-class _Sums:
+class _Sums(_ScheduledRows):
     """The same schedule for gradients, which add: dQ of the local rows from every step's
     calls. A row's first part is stored, its last sum written in the input dtype, the sums
     between in float32."""
 
-    def __init__(self, like: Tensor, schedule: _Schedule, acc_dtype: torch.dtype):
-        self.like, self.schedule = like, schedule
-        self.wide = like.dtype != acc_dtype
-        self.acc_dtype = acc_dtype
-        self.out = self.f32 = None
-
     def add(self, actions: Sequence[_Action], q0: int, part_all: Tensor) -> None:
-        S = self.like.shape[2]
         if self.out is None:
-            if len(actions) == 1 and actions[0] == (0, S, "", "T") and part_all.shape == self.like.shape:
+            if self._takes_whole(actions, part_all):
                 self.out = part_all
                 return
             self.out = torch.empty_like(self.like)
             for r0, r1 in self.schedule.untouched:
                 self.out[:, :, r0:r1].zero_()
         for a in actions:
-            rows, part = slice(a.r0, a.r1), slice(a.r0 - q0, a.r1 - q0)
-            p = part_all[:, :, part]
+            rows, part = self._slices(a, q0)
             if not a.src:
-                self.out[:, :, rows].copy_(p)
+                self.out[:, :, rows].copy_(part_all[:, :, part])
             else:
-                torch.add(self._buffer(a.src)[:, :, rows], p, out=self._buffer(a.dst)[:, :, rows])
-
-    def _buffer(self, where: str) -> Tensor:
-        if where == "T" or not self.wide:
-            return self.out
-        if self.f32 is None:
-            self.f32 = torch.empty(self.like.shape, dtype=self.acc_dtype, device=self.like.device)
-        return self.f32
+                torch.add(self._buffer(a.src)[:, :, rows], part_all[:, :, part], out=self._buffer(a.dst)[:, :, rows])
 
     def result(self) -> Tensor:
         if self.out is None:

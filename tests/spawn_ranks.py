@@ -6,6 +6,7 @@ import json
 import os
 import tempfile
 import time
+import traceback
 
 import torch.multiprocessing as mp
 
@@ -31,3 +32,13 @@ def spawn_ranks(worker, world: int, timeout_s: float, prefix: str = "fc_ranks_")
         with open(os.path.join(tmp, f"rank{r}.json")) as f:
             out.append(json.load(f))
     return out
+
+
+def run_cases(results: dict, cases: dict, run_case, world: int, rank: int) -> None:
+    """results[name] = run_case(name, case, world, rank) for every case, or this rank's
+    traceback where it raised (the other cases still run)."""
+    for name, case in cases.items():
+        try:
+            results[name] = run_case(name, case, world, rank)
+        except Exception:  # noqa: BLE001
+            results[name] = f"rank {rank}: {traceback.format_exc()}"

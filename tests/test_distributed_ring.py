@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from flash_cuda import distributed as fcd
-from spawn_ranks import spawn_ranks
+from spawn_ranks import run_cases, spawn_ranks
 from flash_cuda.reference import attention_naive
 
 WORLD_SIZES = (1, 2, 3, 4)
@@ -191,11 +191,7 @@ def _worker(rank, world, store_path, out_dir):
     try:
         dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=60))
-        for name, case in CASES.items():
-            try:
-                results[name] = _run_case(name, case, world, rank)
-            except Exception:  # noqa: BLE001
-                results[name] = f"rank {rank}: {traceback.format_exc()}"
+        run_cases(results, CASES, _run_case, world, rank)
         for name, fn in (("ring_vs_allgather", _ring_vs_allgather), ("round_trip", _round_trip),
                          ("bad_shapes", _bad_shapes)):
             try:

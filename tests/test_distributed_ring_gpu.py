@@ -29,7 +29,7 @@ import flash_cuda
 from flash_cuda import distributed as fcd
 from flash_cuda.reference import attention_naive
 
-from spawn_ranks import spawn_ranks
+from spawn_ranks import run_cases, spawn_ranks
 from attn_check import ATOL_BASE, LSE_ATOL_BASE, gpu_skip_reason, rule_error
 
 pytestmark = pytest.mark.gpu
@@ -137,11 +137,7 @@ def _worker(rank, world, store_path, out_dir):
         torch.cuda.set_device(rank)
         dist.init_process_group("nccl", init_method=f"file://{store_path}", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=300))
-        for name, case in CASES.items():
-            try:
-                results[name] = _run_case(name, case, world, rank)
-            except Exception:  # noqa: BLE001
-                results[name] = f"rank {rank}: {traceback.format_exc()}"
+        run_cases(results, CASES, _run_case, world, rank)
         # a rank with bad inputs: every rank raises instead of hanging
         x = torch.randn(1, 2, 16, 64, device="cuda", dtype=torch.bfloat16)
         q = torch.randn(1, 2, 18 if rank == world - 1 else 16, 64, device="cuda", dtype=torch.bfloat16)

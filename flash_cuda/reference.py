@@ -77,6 +77,7 @@ __all__ = [
     "dropout_scale",
     "dropout_random16",
     "dropout_keep_mask",
+    "dropout_keep_masks_varlen",
 ]
 
 LOG2E = 1.4426950408889634  # log2(e): exp(x) = exp2(x * log2(e))
@@ -355,16 +356,27 @@ def dropout_random16(head_slot: Tensor, rows: Tensor, cols: Tensor, seed: int, o
 
 
 def dropout_keep_mask(batch: int, heads: int, sq: int, sk: int, dropout_p: float, seed: int = 0,
-                      offset: int = 0, device=None) -> Tensor:
+                      offset: int = 0, device=None, first_batch: int = 0) -> Tensor:
     """The (batch, heads, sq, sk) bool mask of kept attention probabilities (the kernels'
-    mask for a dense batch; heads = query heads)."""
+    mask for a dense batch; heads = query heads). ``first_batch``: the batch index of the
+    first entry (a sequence of a packed batch: :func:`dropout_keep_masks_varlen`)."""
     t = dropout_keep_threshold(dropout_p)
     rows = torch.arange(sq, device=device).view(sq, 1)
     cols = torch.arange(sk, device=device).view(1, sk)
     mask = torch.empty((batch * heads, sq, sk), dtype=torch.bool, device=device)
     for bh in range(batch * heads):  # one head at a time bounds the int64 temporaries
-        mask[bh] = dropout_random16(torch.tensor(bh, device=device), rows, cols, seed, offset) < t
+        slot = torch.tensor(first_batch * heads + bh, device=device)
+        mask[bh] = dropout_random16(slot, rows, cols, seed, offset) < t
     return mask.view(batch, heads, sq, sk)
+
+
+def dropout_keep_masks_varlen(cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, heads: int, dropout_p: float,
+                              seed: int = 0, offset: int = 0, device=None) -> List[Tensor]:
+    """The masks of a packed batch, one (1, heads, seqlen_q[b], seqlen_k[b]) per sequence: sequence
+    b draws as entry b of a dense batch, with its own positions."""
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    return [dropout_keep_mask(1, heads, cq[b + 1] - cq[b], ck[b + 1] - ck[b], dropout_p, seed, offset, device,
+                              first_batch=b) for b in range(len(cq) - 1)]
 
 
 def _dropout_keep(dropout_p: float, dropout_mask: Optional[Tensor], B: int, Hq: int, Hkv: int, sq: int, sk: int,
@@ -715,6 +727,19 @@ def _seq_slopes(alibi_slopes: Optional[Tensor], b: int) -> Optional[Tensor]:
     return alibi_slopes[b]
 
 
+def _varlen_dropout_masks(dropout_p: float, masks: Optional[Sequence[Tensor]], cu_seqlens_q: Tensor,
+                          cu_seqlens_k: Tensor, heads: int, device) -> List[Optional[Tensor]]:
+    """One mask (or None) per sequence."""
+    n = cu_seqlens_q.shape[0] - 1
+    if dropout_p == 0.0 and masks is None:
+        return [None] * n
+    if masks is None:
+        return dropout_keep_masks_varlen(cu_seqlens_q, cu_seqlens_k, heads, dropout_p, device=device)
+    if len(masks) != n:
+        raise ValueError(f"dropout_masks must hold one mask per sequence ({n}), got {len(masks)}")
+    return list(masks)
+
+
 def _varlen_sizes(q: Tensor, k: Tensor, v: Tensor):
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3 or k.shape != v.shape or q.shape[2] != k.shape[2]:
         raise ValueError(f"varlen: q must be (total_q, Hq, D), k and v (total_k, Hkv, D); got "
@@ -726,18 +751,22 @@ def attention_varlen_naive(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
                            cu_seqlens_k: Tensor, *, is_causal: bool = False,
                            scale: Optional[float] = None, window_size: Sequence[int] = (-1, -1),
                            softcap: float = 0.0,
-                           alibi_slopes: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+                           alibi_slopes: Optional[Tensor] = None, dropout_p: float = 0.0,
+                           dropout_masks: Optional[Sequence[Tensor]] = None) -> Tuple[Tensor, Tensor]:
     """:func:`attention_naive` over a packed batch, one sequence at a time (see the module
     docstring). Returns out (total_q, Hq, D) in q's dtype and lse (Hq, total_q) in the
-    inputs' dtype; differentiable in q, k, v. Empty sequences are allowed."""
+    inputs' dtype; differentiable in q, k, v. Empty sequences are allowed. Dropout: one mask
+    per sequence (default :func:`dropout_keep_masks_varlen` with seed 0 and offset 0)."""
     total_q, Hq, total_k, Hkv, D = _varlen_sizes(q, k, v)
     scale = _default_scale(scale, D)
+    masks = _varlen_dropout_masks(dropout_p, dropout_masks, cu_seqlens_q, cu_seqlens_k, Hq, q.device)
     outs = [q.new_zeros((0, Hq, D))]
     lses = [q.new_zeros((Hq, 0))]
     for b, (qa, qb, ka, kb) in enumerate(_varlen_spans(cu_seqlens_q, cu_seqlens_k, total_q, total_k)):
         o, l = attention_naive(_seq_dense(q, qa, qb), _seq_dense(k, ka, kb), _seq_dense(v, ka, kb),
                                is_causal=is_causal, scale=scale, window_size=window_size,
-                               softcap=softcap, alibi_slopes=_seq_slopes(alibi_slopes, b))
+                               softcap=softcap, alibi_slopes=_seq_slopes(alibi_slopes, b),
+                               dropout_p=dropout_p, dropout_mask=masks[b])
         outs.append(o[0].transpose(0, 1))
         lses.append(l[0])
     return torch.cat(outs, dim=0), torch.cat(lses, dim=1)
@@ -748,18 +777,21 @@ def attention_varlen_forward_blocked(q: Tensor, k: Tensor, v: Tensor, cu_seqlens
                                      scale: Optional[float] = None,
                                      window_size: Sequence[int] = (-1, -1), softcap: float = 0.0,
                                      alibi_slopes: Optional[Tensor] = None, block_m: int = 64,
-                                     block_n: int = 64) -> Tuple[Tensor, Tensor]:
+                                     block_n: int = 64, dropout_p: float = 0.0,
+                                     dropout_masks: Optional[Sequence[Tensor]] = None) -> Tuple[Tensor, Tensor]:
     """:func:`attention_forward_blocked` over a packed batch: out (total_q, Hq, D) in q's
     dtype, lse (Hq, total_q) in float32 (float64 for float64 inputs)."""
     total_q, Hq, total_k, Hkv, D = _varlen_sizes(q, k, v)
     scale = _default_scale(scale, D)
+    masks = _varlen_dropout_masks(dropout_p, dropout_masks, cu_seqlens_q, cu_seqlens_k, Hq, q.device)
     out = torch.zeros_like(q)
     lse = torch.full((Hq, total_q), NEG_INF, dtype=_acc_dtype(q.dtype), device=q.device)
     for b, (qa, qb, ka, kb) in enumerate(_varlen_spans(cu_seqlens_q, cu_seqlens_k, total_q, total_k)):
         o, l = attention_forward_blocked(
             _seq_dense(q, qa, qb), _seq_dense(k, ka, kb), _seq_dense(v, ka, kb),
             is_causal=is_causal, scale=scale, window_size=window_size, softcap=softcap,
-            alibi_slopes=_seq_slopes(alibi_slopes, b), block_m=block_m, block_n=block_n)
+            alibi_slopes=_seq_slopes(alibi_slopes, b), block_m=block_m, block_n=block_n,
+            dropout_p=dropout_p, dropout_mask=masks[b])
         out[qa:qb] = o[0].transpose(0, 1)
         lse[:, qa:qb] = l[0]
     return out, lse
@@ -771,11 +803,14 @@ def attention_varlen_backward_blocked(dout: Tensor, q: Tensor, k: Tensor, v: Ten
                                       window_size: Sequence[int] = (-1, -1), softcap: float = 0.0,
                                       alibi_slopes: Optional[Tensor] = None,
                                       dlse: Optional[Tensor] = None, block_m: int = 64,
-                                      block_n: int = 64) -> Tuple[Tensor, Tensor, Tensor]:
+                                      block_n: int = 64, dropout_p: float = 0.0,
+                                      dropout_masks: Optional[Sequence[Tensor]] = None
+                                      ) -> Tuple[Tensor, Tensor, Tensor]:
     """:func:`attention_backward_blocked` over a packed batch: (dq, dk, dv) shaped like
     (q, k, v); ``lse`` and ``dlse`` are (Hq, total_q)."""
     total_q, Hq, total_k, Hkv, D = _varlen_sizes(q, k, v)
     scale = _default_scale(scale, D)
+    masks = _varlen_dropout_masks(dropout_p, dropout_masks, cu_seqlens_q, cu_seqlens_k, Hq, q.device)
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     for b, (qa, qb, ka, kb) in enumerate(_varlen_spans(cu_seqlens_q, cu_seqlens_k, total_q, total_k)):
         g = attention_backward_blocked(
@@ -784,7 +819,7 @@ def attention_varlen_backward_blocked(dout: Tensor, q: Tensor, k: Tensor, v: Ten
             is_causal=is_causal, scale=scale, window_size=window_size, softcap=softcap,
             alibi_slopes=_seq_slopes(alibi_slopes, b),
             dlse=None if dlse is None else dlse[:, qa:qb].unsqueeze(0),
-            block_m=block_m, block_n=block_n)
+            block_m=block_m, block_n=block_n, dropout_p=dropout_p, dropout_mask=masks[b])
         dq[qa:qb] = g[0][0].transpose(0, 1)
         dk[ka:kb] = g[1][0].transpose(0, 1)
         dv[ka:kb] = g[2][0].transpose(0, 1)

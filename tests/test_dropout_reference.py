@@ -177,3 +177,35 @@ def test_mean_over_masks_is_the_output_without_dropout():
     err = (outs.mean(0) - base).abs()
     stderr = outs.std(0) / math.sqrt(n)
     assert bool((err < 6 * stderr + 1e-12).all()), float((err / stderr).max())
+
+
+def test_packed_batch_draws_as_the_dense_batch():
+    """A packed batch of equal lengths is a dense batch: sequence b's mask is batch entry b's."""
+    cu = torch.tensor([0, 20, 40, 60], dtype=torch.int32)
+    masks = R.dropout_keep_masks_varlen(cu, cu, 3, 0.3, seed=9, offset=2)
+    dense = R.dropout_keep_mask(3, 3, 20, 20, 0.3, seed=9, offset=2)
+    assert all(torch.equal(m[0], dense[b]) for b, m in enumerate(masks))
+
+
+@pytest.mark.parametrize("p", [0.2])
+def test_varlen_blocked_equals_naive_with_dropout(p):
+    g = torch.Generator().manual_seed(6)
+    lq, lk = [17, 0, 33, 5], [21, 4, 33, 1]
+    cq = torch.tensor([0] + list(torch.tensor(lq).cumsum(0)), dtype=torch.int32)
+    ck = torch.tensor([0] + list(torch.tensor(lk).cumsum(0)), dtype=torch.int32)
+    q = torch.randn(sum(lq), 4, 16, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(sum(lk), 2, 16, generator=g, dtype=torch.float64) for _ in range(2))
+    do = torch.randn_like(q)
+    masks = R.dropout_keep_masks_varlen(cq, ck, 4, p, seed=3, offset=8)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, lse = R.attention_varlen_naive(*leaves, cq, ck, is_causal=True, dropout_p=p, dropout_masks=masks)
+    ref_grads = torch.autograd.grad((out * do).sum(), leaves)
+    b_out, b_lse = R.attention_varlen_forward_blocked(q, k, v, cq, ck, is_causal=True, dropout_p=p,
+                                                      dropout_masks=masks, block_m=16, block_n=16)
+    assert torch.allclose(b_out, out, atol=1e-12)
+    grads = R.attention_varlen_backward_blocked(do, q, k, v, b_out, b_lse, cq, ck, is_causal=True, dropout_p=p,
+                                                dropout_masks=masks, block_m=16, block_n=16)
+    for got, ref in zip(grads, ref_grads):
+        assert torch.allclose(got, ref, atol=1e-11)
+    with pytest.raises(ValueError, match="one mask per sequence"):
+        R.attention_varlen_naive(q, k, v, cq, ck, dropout_p=p, dropout_masks=masks[:2])

@@ -999,11 +999,6 @@ def _agree_start(meta: List[int], group, device, error: Optional[BaseException])
     return _Agreement(every, _all_gather(every, mine, group=group, async_op=True), group, error)
 
 
-def _agree(meta: List[int], group, device, error: Optional[BaseException]) -> None:
-    """_agree_start, finished at once."""
-    _agree_start(meta, group, device, error).finish()
-
-
 def _agree_check(every: Tensor, group, error: Optional[BaseException]) -> None:
     W = dist.get_world_size(group)
     rows = every.view(W, _META_LEN).tolist()

@@ -29,3 +29,71 @@ def test_kernel_mask_equals_reference(shape, p, seed, offset):
 def test_mask_op_rejects_a_bad_threshold():
     with pytest.raises(RuntimeError, match="threshold must be in \\[0, 65536\\], got 70000"):
         _ext.require().dropout_mask(1, 1, 4, 4, 70000, 0, 0, torch.empty(0, device="cuda"))
+
+
+# ---------------------------------------------------------------------------------------
+# The attention kernels with dropout (the binding's entry points; the mma.sync family), against
+# the float64 reference given the kernel's own mask: the (seed, offset) the forward recorded in
+# rng_state name the mask exactly (reference.dropout_keep_mask).
+# ---------------------------------------------------------------------------------------
+
+from attn_check import ATOL_BASE, make_inputs, rule_error  # noqa: E402
+
+
+def _run(q, k, v, do, p, is_causal, window, kernel_tier=0):
+    C = _ext.require()
+    D = q.shape[-1]
+    scale = D ** -0.5
+    wl, wr = window
+    if is_causal:
+        wr = 0
+    rng = torch.empty(2, dtype=torch.int64, device="cuda")
+    out, lse, aux = C.fwd(q, k, v, scale, wl, wr, 0.0, None, None, None, 0, 0, kernel_tier, dropout_p=p,
+                          rng_state=rng)
+    dq, dk, dv = C.bwd(do, q, k, v, out, lse, aux, None, scale, wl, wr, 0.0, None, None, None, 0, 0, False,
+                       kernel_tier, dropout_p=p, rng_state=rng)
+    return (out, lse, dq, dk, dv), rng, scale, (wl, wr)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("shape,is_causal,window", [((2, 4, 2, 200, 200), False, (-1, -1)),
+                                                    ((1, 3, 3, 128, 300), True, (-1, -1)),
+                                                    ((2, 2, 1, 257, 257), False, (40, 8))], ids=str)
+@pytest.mark.parametrize("p", [0.1, 0.5])
+def test_attention_with_dropout_matches_reference(dtype, D, shape, is_causal, window, p):
+    B, Hq, Hkv, Sq, Sk = shape
+    q, k, v = make_inputs(B, Hq, Hkv, Sq, Sk, D, dtype, "cuda", seed=D + Sq)
+    do = make_inputs(B, Hq, Hq, Sq, Sq, D, dtype, "cuda", seed=7)[0]
+    got, rng, scale, win = _run(q, k, v, do, p, is_causal, window)
+    seed, offset = (int(x) for x in rng.tolist())
+    mask = R.dropout_keep_mask(B, Hq, Sq, Sk, p, seed=seed, offset=offset, device="cuda")
+
+    def reference(dt):
+        leaves = [t.detach().to(dt).requires_grad_() for t in (q, k, v)]
+        out, lse = R.attention_naive(*leaves, scale=scale, window_size=win, dropout_p=p, dropout_mask=mask)
+        grads = torch.autograd.grad((out * do.to(dt)).sum(), leaves)
+        return (out, lse, *grads)
+
+    ref, naive = reference(torch.float64), reference(dtype)
+    problems = []
+    for name, x, r, n in zip(("out", "lse", "dq", "dk", "dv"), got, ref, naive):
+        fin = torch.isfinite(r) if name == "lse" else None
+        _, problem = rule_error(name, x.double(), r.double(), n.double(), ATOL_BASE[dtype], mask=fin)
+        if problem:
+            problems.append(problem)
+    assert not problems, problems
+
+
+def test_dropout_draws_new_numbers_per_call_and_reproduces_with_the_seed():
+    q, k, v = make_inputs(1, 2, 2, 128, 128, 64, torch.bfloat16, "cuda", seed=1)
+    do = torch.randn_like(q)
+    torch.manual_seed(123)
+    a, rng_a, _, _ = _run(q, k, v, do, 0.3, False, (-1, -1))
+    b, rng_b, _, _ = _run(q, k, v, do, 0.3, False, (-1, -1))
+    assert not torch.equal(rng_a, rng_b) and not torch.equal(a[0], b[0])  # the generator moved on
+    torch.manual_seed(123)
+    c, rng_c, _, _ = _run(q, k, v, do, 0.3, False, (-1, -1))
+    assert torch.equal(rng_a, rng_c)
+    for x, y in zip(a, c):
+        assert torch.equal(x, y)  # same seed: bitwise the same forward and backward

@@ -36,7 +36,8 @@ ARCHS = {a: f"-gencode=arch=compute_{a[3:]},code={a}" for a in ("sm_80", "sm_86"
 #   warp-specialized backward (wgmma_bwd_softcap_*, no spills) serves it at d 33..128 unless
 #   deterministic=True.
 # * kExtended at d = 96 / 128 (forward), 96 / 128 / 256 (backward), on the archs listed below:
-#   ALiBi's slope and the sequence's offsets push 255-register kernels over by a few words. On
+#   ALiBi's slope and the sequence's offsets push 255-register kernels over by a few words (at
+#   d = 32 on sm_120, dropout's draws in the dK/dV kernel: 4 bytes). On
 #   sm_90 the wgmma tier serves the extended variants at d = 64 / 128. On sm_120 (99 KiB of shared
 #   memory) the forward at d = 128 launches the compact tiles: the large kernel that spills there
 #   is compiled but never run.
@@ -45,7 +46,8 @@ ARCHS = {a: f"-gencode=arch=compute_{a[3:]},code={a}" for a in ("sm_80", "sm_86"
 #   take: sm_120's ptxas; every other target spills nothing there).
 _DTS = ("fp16", "bf16")
 _EXTENDED_SPILLS = {("fwd_ext", 96): ("sm_90a",), ("fwd_ext", 128): ("sm_80", "sm_86", "sm_90a", "sm_120"),
-                    ("bwd_ext", 96): ("sm_120",), ("bwd_ext", 128): ("sm_80", "sm_86", "sm_90a"),
+                    ("bwd_ext", 32): ("sm_120",), ("bwd_ext", 96): ("sm_120",),
+                    ("bwd_ext", 128): ("sm_80", "sm_86", "sm_90a"),
                     ("bwd_ext", 256): ("sm_90a",)}
 SPILL_ALLOW = {
     **{(f"mma_bwd_softcap_{dt}_d{d}.cu", arch): "softcap derivative tile"

@@ -6,6 +6,7 @@
 // (tiers/<family>/family.h: each one answers whether it applies, what workspace it needs, and
 // runs). Nothing here knows a tile, a bucket or a kernel.
 #include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/CUDAGeneratorImpl.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/extension.h>
 
@@ -353,18 +354,60 @@ at::Tensor make_aux(const Shape& s, const at::Tensor& q) {
 
 }  // namespace
 
+// Dropout's fields of the params (include/params.h: DropoutParams). The forward takes the next
+// Philox (seed, offset) of the current device's CUDA generator (under CUDA-graph capture, the
+// generator's device-side seed and offset, read by the kernel) and has the kernel record the
+// pair in rng_state (int64 [2]); the backward reads it from there.
+void set_dropout(FwdParams& p, double dropout_p, const std::optional<at::Tensor>& rng_state, bool forward) {
+  if (dropout_p == 0.0) return;
+  FLASH_CHECK(dropout_p > 0.0 && dropout_p <= 1.0, "flash_cuda: dropout_p must be in [0, 1], got ", dropout_p);
+  FLASH_CHECK(p.dtype != DType::kFloat32, "flash_cuda: dropout takes float16 or bfloat16 inputs");
+  FLASH_CHECK(rng_state.has_value() && rng_state->defined() && rng_state->scalar_type() == at::kLong &&
+                  rng_state->numel() == 2 && rng_state->is_contiguous() && rng_state->is_cuda(),
+              "flash_cuda: dropout needs rng_state, a contiguous CUDA int64 tensor of 2 elements");
+  const int64_t threshold = std::llround((1.0 - dropout_p) * 65536.0);
+  p.dropout.threshold = static_cast<uint32_t>(std::min<int64_t>(65536, std::max<int64_t>(0, threshold)));
+  p.dropout.scale = p.dropout.threshold == 0 ? 0.f : static_cast<float>(65536.0 / p.dropout.threshold);
+  if (p.dropout.threshold == 65536) return;  // p below 2^-17: every element kept, as the reference does
+  int64_t* state = rng_state->data_ptr<int64_t>();
+  if (!forward) {
+    p.dropout.seed_ptr = state;
+    p.dropout.offset_ptr = state + 1;
+    return;
+  }
+  auto* gen = at::get_generator_or_default<at::CUDAGeneratorImpl>(std::nullopt,
+                                                                  at::cuda::detail::getDefaultCUDAGenerator());
+  at::PhiloxCudaState philox;
+  {
+    std::lock_guard<std::mutex> lock(gen->mutex_);
+    philox = gen->philox_cuda_state(4);  // one counter word per call (core/dropout.cuh)
+  }
+  if (philox.captured_) {
+    p.dropout.seed_ptr = philox.seed_.ptr;
+    p.dropout.offset_ptr = philox.offset_.ptr;
+    p.dropout.offset_extra = philox.offset_intragraph_;
+  } else {
+    p.dropout.seed = philox.seed_.val;
+    p.dropout.offset = philox.offset_.val;
+  }
+  p.dropout.rng_state = state;
+}
+
 // out, lse, aux = fwd(q, k, v, scale, window_left, window_right, softcap, alibi_slopes,
 //                     cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, tier)
 std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd(
     const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, double scale, int64_t window_left,
     int64_t window_right, double softcap, const std::optional<at::Tensor>& alibi_slopes,
     const std::optional<at::Tensor>& cu_seqlens_q, const std::optional<at::Tensor>& cu_seqlens_k,
-    int64_t max_seqlen_q, int64_t max_seqlen_k, int64_t tier) {
+    int64_t max_seqlen_q, int64_t max_seqlen_k, int64_t tier, double dropout_p,
+    const std::optional<at::Tensor>& rng_state) {
   const MaskArgs m = mask_args(window_left, window_right, softcap, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
                                max_seqlen_q, max_seqlen_k);
   const Shape s = check_qkv(q_in, k_in, v_in, m);
   FLASH_CHECK(std::isfinite(scale), "flash_cuda: scale must be finite");
   const Tier t = resolve_tier(tier, dtype_of(q_in));
+  FLASH_CHECK(dropout_p == 0.0 || t == Tier::kAuto || t == Tier::kMma,
+              "flash_cuda: dropout runs on kernel='auto' or 'mma'");
 
   at::Tensor out = at::empty_like(q_in);
   at::Tensor lse = at::empty(s.lse_shape(), q_in.options().dtype(at::kFloat));
@@ -387,6 +430,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd(
   FwdParams p;
   fill_fwd(p, s, m, q, k, v, out, lse, scale);
   if (aux.numel() > 0) p.softmax_stats = aux.data_ptr<float>();
+  set_dropout(p, dropout_p, rng_state, /*forward=*/true);
   dispatch(p, t, q.options());
   return {out, lse, aux};
 }
@@ -403,13 +447,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(
     const std::optional<at::Tensor>& dlse_in, double scale, int64_t window_left, int64_t window_right,
     double softcap, const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& cu_seqlens_q,
     const std::optional<at::Tensor>& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
-    bool deterministic, int64_t tier, bool need_dq, bool need_dkdv) {
+    bool deterministic, int64_t tier, bool need_dq, bool need_dkdv, double dropout_p,
+    const std::optional<at::Tensor>& rng_state) {
   const MaskArgs m = mask_args(window_left, window_right, softcap, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
                                max_seqlen_q, max_seqlen_k);
   const Shape s = check_qkv(q_in, k_in, v_in, m);
   FLASH_CHECK(std::isfinite(scale), "flash_cuda: scale must be finite");
   const Tier t = resolve_tier(tier, dtype_of(q_in));
   FLASH_CHECK(t != Tier::kWgmma || m.softcap == 0 || (!deterministic && !wgmma::bwd_split()), kNoWgmmaSoftcap);
+  FLASH_CHECK(dropout_p == 0.0 || t == Tier::kAuto || t == Tier::kMma || t == Tier::kWgmmaWs,
+              "flash_cuda: dropout runs on kernel='auto' or 'mma'");
   FLASH_CHECK(dout_in.sizes() == q_in.sizes() && out_in.sizes() == q_in.sizes(),
               "flash_cuda: dout and out must have q's shape");
   FLASH_CHECK(dout_in.scalar_type() == q_in.scalar_type() && out_in.scalar_type() == q_in.scalar_type(),
@@ -457,6 +504,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(
 
   BwdParams p;
   fill_fwd(p, s, m, q, k, v, out, lse, scale);
+  set_dropout(p, dropout_p, rng_state, /*forward=*/false);
   p.softmax_lse = const_cast<float*>(lse.data_ptr<float>());
   if (q_in.scalar_type() == at::kFloat) {
     FLASH_CHECK(aux_in.scalar_type() == at::kFloat && aux_in.is_contiguous() &&
@@ -739,13 +787,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fwd", &flash_cuda::fwd, "attention forward: (out, lse, aux)", py::arg("q"), py::arg("k"),
         py::arg("v"), py::arg("scale"), py::arg("window_left"), py::arg("window_right"), py::arg("softcap"),
         py::arg("alibi_slopes"), py::arg("cu_seqlens_q"), py::arg("cu_seqlens_k"), py::arg("max_seqlen_q"),
-        py::arg("max_seqlen_k"), py::arg("tier"));
+        py::arg("max_seqlen_k"), py::arg("tier"), py::arg("dropout_p") = 0.0, py::arg("rng_state") = py::none());
   m.def("bwd", &flash_cuda::bwd, "attention backward: (dq, dk, dv)", py::arg("dout"), py::arg("q"),
         py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("aux"), py::arg("dlse"),
         py::arg("scale"), py::arg("window_left"), py::arg("window_right"), py::arg("softcap"),
         py::arg("alibi_slopes"), py::arg("cu_seqlens_q"), py::arg("cu_seqlens_k"), py::arg("max_seqlen_q"),
         py::arg("max_seqlen_k"), py::arg("deterministic"), py::arg("tier"), py::arg("need_dq") = true,
-        py::arg("need_dkdv") = true);
+        py::arg("need_dkdv") = true, py::arg("dropout_p") = 0.0, py::arg("rng_state") = py::none());
   m.def("fwd_kvcache", &flash_cuda::fwd_kvcache, "attention against a KV cache, new keys appended: (out, lse)");
   m.def("dropout_mask", &flash_cuda::dropout_mask,
         "the mask of kept elements the kernels' dropout draws (uint8, batch x heads x sq x sk)");

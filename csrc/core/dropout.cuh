@@ -16,6 +16,7 @@
 #include <cstdint>
 
 #include "../arch/host.h"
+#include "../include/params.h"
 
 namespace flash_cuda {
 
@@ -26,7 +27,7 @@ struct DropoutKey {
   uint32_t threshold = 65536;
 };
 
-inline DropoutKey make_dropout_key(uint64_t seed, uint64_t offset, uint32_t threshold) {
+FLASH_HOST_DEVICE inline DropoutKey make_dropout_key(uint64_t seed, uint64_t offset, uint32_t threshold) {
   DropoutKey key;
   key.k0 = static_cast<uint32_t>(seed);
   key.k1 = static_cast<uint32_t>((seed >> 32) ^ (offset >> 32));
@@ -83,6 +84,72 @@ __device__ __forceinline__ uint32_t dropout_number(const PhiloxWords& d, uint32_
 
 __device__ __forceinline__ bool dropout_keeps(const DropoutKey& key, uint32_t number) {
   return number < key.threshold;
+}
+
+// The launch's key: (seed, offset) from the params, or read on the device (DropoutParams). The
+// forward's first thread records the pair for the backward.
+__device__ __forceinline__ DropoutKey dropout_key(const DropoutParams& d) {
+  uint64_t seed = d.seed, offset = d.offset;
+  if (d.seed_ptr != nullptr) {
+    seed = static_cast<uint64_t>(*d.seed_ptr);
+    offset = static_cast<uint64_t>(*d.offset_ptr) + d.offset_extra;
+  }
+  if (d.rng_state != nullptr && blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0 && threadIdx.x == 0) {
+    d.rng_state[0] = static_cast<int64_t>(seed);
+    d.rng_state[1] = static_cast<int64_t>(offset);
+  }
+  return make_dropout_key(seed, offset, d.threshold);
+}
+
+// x * scale where element `number` is kept, else 0.
+__device__ __forceinline__ float dropout_apply(const DropoutKey& key, uint32_t number, float x, float scale) {
+  return dropout_keeps(key, number) ? x * scale : 0.f;
+}
+
+// Dropout of a warp's tile of C fragments x[kM][kN][4] (the mma.sync / wgmma accumulator layout:
+// element (mt, nt, e) at fragment row row0 + 16 mt + g + 8 (e / 2), column col0 + 8 nt + 2 t +
+// e % 2, g = lane / 4, t = lane % 4), row0 and col0 multiples of 16. Not transposed: rows are
+// queries and columns keys, and the thread's eight elements of each 16 x 16 block are one draw
+// (words x, y: row g, tiles 2np and 2np + 1; words z, w: row g + 8). kTransposed (the dK/dV
+// products' P^T, rows are keys): the thread's queries 2t and 2t + 1 are two draws, each giving the
+// elements of its query and query + 8 against keys g and g + 8 (the half g % 2 of each word).
+template <bool kTransposed, int kM, int kN>
+__device__ __forceinline__ void dropout_tile(float (&x)[kM][kN][4], const DropoutKey& key, uint32_t head_slot,
+                                             int row0, int col0, float scale) {
+  static_assert(kN % 2 == 0, "whole 16-column blocks");
+  const int lane = threadIdx.x % 32;
+  const int g = lane / 4, t = lane % 4;
+#pragma unroll
+  for (int mt = 0; mt < kM; ++mt) {
+#pragma unroll
+    for (int np = 0; np < kN / 2; ++np) {
+      if constexpr (!kTransposed) {
+        const uint32_t i = row0 + 16 * mt + g, j = col0 + 16 * np + 2 * t;
+        const PhiloxWords d = dropout_draw(key, head_slot, i, j);
+        const uint32_t w[4] = {d.x, d.y, d.z, d.w};  // (row half, column tile) = (0,0) (0,1) (1,0) (1,1)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const uint32_t lo = w[(e / 2) * 2], hi = w[(e / 2) * 2 + 1];  // tile 2np, tile 2np + 1
+          const int half = 16 * (e % 2);
+          x[mt][2 * np][e] = dropout_apply(key, (lo >> half) & 0xFFFFu, x[mt][2 * np][e], scale);
+          x[mt][2 * np + 1][e] = dropout_apply(key, (hi >> half) & 0xFFFFu, x[mt][2 * np + 1][e], scale);
+        }
+      } else {
+        const uint32_t j = row0 + 16 * mt + g;  // key g (and g + 8 in the same draw)
+        const int half = 16 * (g % 2);
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {  // query 2t + c (and 2t + c + 8)
+          const uint32_t i = col0 + 16 * np + 2 * t + c;
+          const PhiloxWords d = dropout_draw(key, head_slot, i, j);
+          // x: (query i, key g); y: (i, g + 8); z: (i + 8, g); w: (i + 8, g + 8)
+          x[mt][2 * np][c] = dropout_apply(key, (d.x >> half) & 0xFFFFu, x[mt][2 * np][c], scale);
+          x[mt][2 * np][2 + c] = dropout_apply(key, (d.y >> half) & 0xFFFFu, x[mt][2 * np][2 + c], scale);
+          x[mt][2 * np + 1][c] = dropout_apply(key, (d.z >> half) & 0xFFFFu, x[mt][2 * np + 1][c], scale);
+          x[mt][2 * np + 1][2 + c] = dropout_apply(key, (d.w >> half) & 0xFFFFu, x[mt][2 * np + 1][2 + c], scale);
+        }
+      }
+    }
+  }
 }
 
 // One thread per element (a test op: the attention kernels draw once per eight elements).

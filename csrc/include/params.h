@@ -34,6 +34,22 @@ enum class Tier : int {
   kWgmmaWs = 4,
 };
 
+// Attention dropout (core/dropout.cuh; flash_cuda.reference, "Attention dropout"): an element of
+// P is kept iff its 16-bit random number is below `threshold` and then scaled by `scale`.
+// threshold 65536: no dropout. The (seed, offset) of the draws are values, or, where seed_ptr is
+// set (the CUDA generator's state under graph capture; the backward reading the forward's
+// record), read on the device: seed = *seed_ptr, offset = *offset_ptr + offset_extra. The
+// forward writes the pair it used to rng_state (int64 [2]) for the backward.
+struct DropoutParams {
+  uint32_t threshold = 65536;
+  float scale = 1.f;
+  uint64_t seed = 0, offset = 0;
+  const int64_t* seed_ptr = nullptr;
+  const int64_t* offset_ptr = nullptr;
+  uint64_t offset_extra = 0;
+  int64_t* rng_state = nullptr;
+};
+
 struct FwdParams {
   // ---- inputs (element type given by `dtype`) ----
   const void* q = nullptr;  // [b][hq][sq][d]
@@ -144,6 +160,8 @@ struct FwdParams {
   // A zeroed int from which the CTAs of the warp-specialized Hopper forward draw their tiles
   // (dynamic persistent scheduling); nullptr: each CTA takes every gridDim.x-th tile.
   int* tile_counter = nullptr;
+
+  DropoutParams dropout;
 };
 
 struct BwdParams : FwdParams {
@@ -214,6 +232,9 @@ FLASH_HOST_DEVICE inline bool bwd_wants_dkdv(const BwdParams& p) { return p.dk !
 // side runs the two-kernel paths' kernel of that side alone.
 FLASH_HOST_DEVICE inline bool bwd_wants_all(const BwdParams& p) { return bwd_wants_dq(p) && bwd_wants_dkdv(p); }
 
+// Dropout on P at all?
+FLASH_HOST_DEVICE inline bool has_dropout(const FwdParams& p) { return p.dropout.threshold < 65536u; }
+
 // Any score modifier (softcap, ALiBi) at all?
 FLASH_HOST_DEVICE inline bool has_score_mod(const FwdParams& p) {
   return p.softcap > 0.f || p.alibi_slopes != nullptr;
@@ -223,13 +244,13 @@ FLASH_HOST_DEVICE inline bool has_score_mod(const FwdParams& p) {
 // that the plain kernels carry none of the others' registers. Causal and sliding windows are
 // run-time values in every variant (they only move block ranges and the mask's diagonals).
 //   kPlain       dense batch, no score modifier
-//   kExtended    + packed (varlen) batches, ALiBi, softcap
+//   kExtended    + packed (varlen) batches, ALiBi, softcap, dropout (the mma.sync family)
 //   kSoftcapGrad kExtended + softcap's derivative, which the mma.sync backward keeps in one more
 //                tile (the warp-specialized Hopper one, short of registers, in 16-query slices)
 enum Variant : int { kPlain = 0, kExtended = 1, kSoftcapGrad = 2 };
 
 inline Variant variant_of(const FwdParams& p, bool backward) {
-  if (p.cu_seqlens_q == nullptr && !has_score_mod(p)) return kPlain;
+  if (p.cu_seqlens_q == nullptr && !has_score_mod(p) && !has_dropout(p)) return kPlain;
   return backward && p.softcap > 0.f ? kSoftcapGrad : kExtended;
 }
 

@@ -71,6 +71,7 @@
 #include "../../arch/tile.cuh"
 #include "../../core/block.cuh"
 #include "../../core/bwd_preprocess.cuh"
+#include "../../core/dropout.cuh"
 #include "../../core/epilogue.cuh"
 #include "../../core/softmax.cuh"
 #include "../../core/tile_io.cuh"
@@ -192,12 +193,14 @@ __device__ __forceinline__ void scores_to_probs(float (&s)[kMTiles][kNT][4], Dta
   gemm_rows_by_rows_t<T, kMTiles, kD, 8 * kNT, kPitch>(s, sA, sB);
   compute_probs<kTransposed, kVariant>(s, dtanh, sLse, needs_mask, row0, col0, mask, p, seq, h);
 }
-template <bool kTransposed, int kVariant, typename T, int kD, int kPitch, int kMTiles, int kNT>
+// on_dp(dP) runs before dS (dropout: dP becomes the gradient of P, dP * keep * scale).
+template <bool kTransposed, int kVariant, typename T, int kD, int kPitch, int kMTiles, int kNT, typename OnDp>
 __device__ __forceinline__ void grads_to_ds(float (&ds)[kMTiles][kNT][4], const float (&probs)[kMTiles][kNT][4],
                                             const DtanhTile<kVariant, kMTiles, kNT>& dtanh, const T* sA, const T* sB,
-                                            const float* sDelta) {
+                                            const float* sDelta, OnDp&& on_dp) {
   zero_fill(ds);
   gemm_rows_by_rows_t<T, kMTiles, kD, 8 * kNT, kPitch>(ds, sA, sB);
+  on_dp(ds);
   compute_ds<kTransposed, kVariant>(ds, probs, dtanh, sDelta);
 }
 
@@ -284,15 +287,38 @@ __global__ void __launch_bounds__(Cfg::kKVThreads, Cfg::kKVMinBlocks)
       scores_to_probs<true, kVariant, T, kD, kPitch>(pt, dtanh, sK + kWarpKeys * warp * kPitch, sQ_s,
                                                      sLse + stage * kBlockM, needs_mask, warp_key0, m0, mask, p, seq, h);
 
+      const bool dropout = kVariant != kPlain && has_dropout(p);
+      const uint32_t head_slot = blockIdx.z * p.hq + h;
+      // Dropout: dV takes P^T * keep, so P^T is dropped after dS^T, which needs it whole. The key
+      // (the forward's, from its record) is read where it is used: no registers held across blocks.
+      auto drop = [&](auto& x) {
+        dropout_tile<true>(x, dropout_key(p.dropout), head_slot, warp_key0, m0, p.dropout.scale);
+      };
+
       // dV += P^T dO.
-      if constexpr (kDoDV) gemm_regs_by_rows<T, kMTiles, kBlockM, kD, kPitch>(acc_dv, pt, sdO_s);
+      if constexpr (kDoDV) {
+        if (!dropout) gemm_regs_by_rows<T, kMTiles, kBlockM, kD, kPitch>(acc_dv, pt, sdO_s);
+      }
 
       if constexpr (kDoDK) {
         // dP^T = V dO^T, dS^T = P^T (dP^T - delta), dK += dS^T Q.
         float dst[kMTiles][kBlockM / 8][4];
         grads_to_ds<true, kVariant, T, kD, kPitch>(dst, pt, dtanh, sV + kWarpKeys * warp * kPitch, sdO_s,
-                                                   sDelta + stage * kBlockM);
+                                                   sDelta + stage * kBlockM, [&](auto& dpt) {
+                                                     if (dropout) drop(dpt);
+                                                   });
+        if constexpr (kDoDV) {
+          if (dropout) {
+            drop(pt);
+            gemm_regs_by_rows<T, kMTiles, kBlockM, kD, kPitch>(acc_dv, pt, sdO_s);
+          }
+        }
         gemm_regs_by_rows<T, kMTiles, kBlockM, kD, kPitch>(acc_dk, dst, sQ_s);
+      } else if constexpr (kDoDV) {
+        if (dropout) {
+          drop(pt);
+          gemm_regs_by_rows<T, kMTiles, kBlockM, kD, kPitch>(acc_dv, pt, sdO_s);
+        }
       }
     }
   }
@@ -383,10 +409,20 @@ __device__ __forceinline__ void bwd_dq_block(const BwdParams& p) {
     scores_to_probs<false, kVariant, T, kD, kPitch>(s, dtanh, sQ + kWarpRows * warp * kPitch, sK_s,
                                                     sLse + kWarpRows * warp, needs_mask, warp_q0, n0, mask, p, seq, h);
 
-    // dP = dO V^T, dS = P (dP - delta), dQ += dS K.
+    // dP = dO V^T (with dropout: times keep * scale, the gradient of P), dS = P (dP - delta),
+    // dQ += dS K.
     float ds[kMTiles][kBlockN / 8][4];
     grads_to_ds<false, kVariant, T, kD, kPitch>(ds, s, dtanh, sdO + kWarpRows * warp * kPitch, sV_s,
-                                                sDelta + kWarpRows * warp);
+                                                sDelta + kWarpRows * warp, [&](auto& dp) {
+                                                  if constexpr (kVariant != kPlain) {
+                                                    if (has_dropout(p)) {
+                                                      // (the forward's key, from its record)
+                                                      dropout_tile<false>(dp, dropout_key(p.dropout),
+                                                                          blockIdx.z * p.hq + h, warp_q0, n0,
+                                                                          p.dropout.scale);
+                                                    }
+                                                  }
+                                                });
     gemm_regs_by_rows<T, kMTiles, kBlockN, kD, kPitch>(acc_dq, ds, sK_s);
   }
 

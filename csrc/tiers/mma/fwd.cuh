@@ -10,7 +10,8 @@
 // products are this file's, the rest core/softmax.cuh and core/epilogue.cuh):
 //   1. compute_qk_scores_and_max            S = Q K^T (mma.sync), mask, row max
 //   2. merge_block_stats                    new running max, rescale l and the O accumulator
-//   3. compute_block_softmax_and_weighted_v P = exp2(S - m), l += rowsum(P), O += P V (mma.sync)
+//   3. compute_block_softmax_and_weighted_v P = exp2(S - m), l += rowsum(P), O += P V (mma.sync);
+//                                           with dropout, P V takes P times the keep mask and scale
 // and after the last block
 //   4. normalize_output                     O /= l, lse = (m + log2 l) * ln 2, store
 //
@@ -27,6 +28,7 @@
 #include "../../arch/sm80.cuh"
 #include "../../arch/tile.cuh"
 #include "../../core/block.cuh"
+#include "../../core/dropout.cuh"
 #include "../../core/epilogue.cuh"
 #include "../../core/softmax.cuh"
 #include "../../core/tile_io.cuh"
@@ -104,12 +106,15 @@ __device__ __forceinline__ void compute_qk_scores_and_max(
 // shared memory. V is read with ldmatrix.trans: lane i addresses key (i % 8) +
 // 8 * ((i / 8) % 2), column block i / 16.
 // ---------------------------------------------------------------------------------
-template <typename Cfg>
+// on_probs(P) runs between the two (dropout: after the row sums, which are those before it).
+template <typename Cfg, typename OnProbs>
 __device__ __forceinline__ void compute_block_softmax_and_weighted_v(float (&s)[Cfg::kMTiles][Cfg::kNTiles][4],
                                                                     RowStats<Cfg::kMTiles>& stats,
                                                                     float (&acc_o)[Cfg::kMTiles][Cfg::kDTiles][4],
-                                                                    const typename Cfg::T* sV, float exp_scale) {
+                                                                    const typename Cfg::T* sV, float exp_scale,
+                                                                    OnProbs&& on_probs) {
   exponentiate_block<typename Cfg::T>(s, stats, exp_scale);
+  on_probs(s);
   gemm_regs_by_rows<typename Cfg::T, Cfg::kMTiles, Cfg::kBlockN, Cfg::kHeadDim, Cfg::kPitch>(acc_o, s, sV);
 }
 
@@ -127,6 +132,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) fwd_mma_kernel
   using Padded = PaddedTile<Cfg::kPitch>;
 
   const int h = blockIdx.y;
+  // Dropout's key, read (and recorded for the backward) before any CTA may return early.
+  DropoutKey drop;
+  if constexpr (kExt) {
+    if (has_dropout(p)) drop = dropout_key(p.dropout);
+  }
   const SeqInfo seq = SeqInfo::make<kExt>(p, blockIdx.z);
   const AttnMask mask = seq.mask(p);
   const int m_block = query_block_of_cta(mask);  // longest first
@@ -137,6 +147,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) fwd_mma_kernel
   const int h_kv = h / (p.hq / p.hkv);
   const int warp = threadIdx.x / 32;
   const int rows_valid = min(Cfg::kBlockM, seq.sq - row0);
+  const uint32_t head_slot = blockIdx.z * p.hq + h;  // dropout's (batch, head) of the draws
 
   const T* q = seq.q_rows(static_cast<const T*>(p.q), p.q_batch_stride, p.q_head_stride, p.q_row_stride, h) +
                static_cast<int64_t>(row0) * p.q_row_stride;
@@ -188,7 +199,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) fwd_mma_kernel
     compute_qk_scores_and_max<Cfg>(s, block_max, sQ_warp, sK + stage * Cfg::kBlockN * Cfg::kPitch,
                                    needs_mask, warp_row0, key_base, mask, mod, p.scale_log2);
     merge_block_stats(stats, block_max, acc_o);
-    compute_block_softmax_and_weighted_v<Cfg>(s, stats, acc_o, sV + stage * Cfg::kBlockN * Cfg::kPitch, exp_scale);
+    compute_block_softmax_and_weighted_v<Cfg>(s, stats, acc_o, sV + stage * Cfg::kBlockN * Cfg::kPitch, exp_scale,
+                                              [&](auto& probs) {
+                                                if constexpr (kExt) {
+                                                  if (has_dropout(p)) {
+                                                    dropout_tile<false>(probs, drop, head_slot,
+                                                                        warp_row0, key_base, p.dropout.scale);
+                                                  }
+                                                }
+                                              });
   }
   cp_async_wait<0>();  // nothing may stay in flight into the Q tile we reuse below
   __syncthreads();     // (covers an empty key range, where Q's copy is still the last one)

@@ -74,13 +74,14 @@ template <int kDType, int kVariant> struct WideBwdEntry {
 //   mma.sync family has it).
 struct WgmmaFamily {
   static bool applies(const FwdParams& p, Tier tier) {
-    if (p.sm_arch != 90 || !wgmma::fwd_head_dim(p.d)) return false;
+    // Dropout runs on the mma.sync family for now (core/dropout.cuh).
+    if (p.sm_arch != 90 || !wgmma::fwd_head_dim(p.d) || has_dropout(p)) return false;
     if (tier == Tier::kWgmma) return wgmma::bwd_head_dim(p.d);
     return tier == Tier::kAuto || tier == Tier::kWgmmaWs;
   }
   static bool applies(const BwdParams& p, Tier tier) {
     tier = bwd_tier(tier);
-    return p.sm_arch == 90 &&
+    return p.sm_arch == 90 && !has_dropout(p) &&
            (((tier == Tier::kAuto || tier == Tier::kWgmma) && wgmma::bwd_head_dim(p.d)) ||
             wgmma::wide_bwd_applies(p, tier));
   }

@@ -436,6 +436,20 @@ def _check_device(q: Tensor, k: Tensor, v: Tensor, prefix: str = _PREFIX) -> Non
         _check_capability(q.device, prefix)
 
 
+def _check_dropout(dropout_p, dtype: torch.dtype, kernel, prefix: str = _PREFIX) -> float:
+    """dropout_p as a float in [0, 1]; dropout runs on the mma.sync kernels, for float16 /
+    bfloat16 inputs (0.0 everywhere else)."""
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p <= 1.0:
+        raise ValueError(f"{prefix}dropout_p must be a number in [0, 1], got {dropout_p!r}")
+    dropout_p = float(dropout_p)
+    if dropout_p and dtype == torch.float32:
+        raise ValueError(f"{prefix}dropout_p > 0 takes float16 or bfloat16 inputs (float32 attention has no "
+                         f"dropout yet)")
+    if dropout_p and kernel not in ("auto", "mma"):
+        raise ValueError(f"{prefix}dropout_p > 0 runs on kernel='auto' or 'mma', got kernel={kernel!r}")
+    return dropout_p
+
+
 class _Options(NamedTuple):
     """Validated options, in the form the custom ops take them."""
     scale: float
@@ -593,12 +607,25 @@ def _empty_grads(q, k, v, need_dq, need_dkdv):
 
 
 def _bwd_impl(dout, q, k, v, out, lse, aux, dlse, scale, window_left, window_right, softcap, alibi_slopes,
-              deterministic, tier, need_dq=True, need_dkdv=True):
+              deterministic, tier, need_dq=True, need_dkdv=True, dropout_p=0.0, rng_state=None):
     if _is_empty(q, k):
         return _empty_grads(q, k, v, need_dq, need_dkdv)
+    extra = {} if not dropout_p else {"dropout_p": float(dropout_p), "rng_state": rng_state}
     return _ext.require().bwd(dout, q, k, v, out, lse, aux, dlse, float(scale), int(window_left),
                               int(window_right), float(softcap), alibi_slopes, None, None, 0, 0,
-                              bool(deterministic), int(tier), bool(need_dq), bool(need_dkdv))
+                              bool(deterministic), int(tier), bool(need_dq), bool(need_dkdv), **extra)
+
+
+def _fwd_dropout_impl(q, k, v, scale, window_left, window_right, softcap, alibi_slopes, tier, dropout_p):
+    """The forward with dropout: (out, lse, aux, rng_state), rng_state the (seed, offset) of the
+    draws (int64 [2]) for the backward."""
+    rng_state = torch.zeros(2, dtype=torch.int64, device=q.device)
+    if _is_empty(q, k):
+        return (*_empty_fwd(q, _dense_lse_shape(q)), rng_state)
+    out, lse, aux = _ext.require().fwd(q, k, v, float(scale), int(window_left), int(window_right), float(softcap),
+                                       alibi_slopes, None, None, 0, 0, int(tier), dropout_p=float(dropout_p),
+                                       rng_state=rng_state)
+    return out, lse, aux, rng_state
 
 
 def _varlen_fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, window_left,
@@ -657,18 +684,34 @@ def _bwd_fake_outputs(q, k, v, need_dq, need_dkdv):
 def _bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, aux: Tensor,
          dlse: Optional[Tensor], scale: float, window_left: int, window_right: int,
          softcap: float, alibi_slopes: Optional[Tensor], deterministic: bool,
-         tier: int, need_dq: bool = True, need_dkdv: bool = True) -> Tuple[Tensor, Tensor, Tensor]:
+         tier: int, need_dq: bool = True, need_dkdv: bool = True, dropout_p: float = 0.0,
+         rng_state: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
     """Backward: returns (dq, dk, dv); ``dlse`` is the optional upstream gradient of lse.
-    ``need_dq`` / ``need_dkdv`` say which gradients to compute; the others are empty (0,)."""
+    ``need_dq`` / ``need_dkdv`` say which gradients to compute; the others are empty (0,).
+    With dropout, ``rng_state`` is the forward's record of its draws."""
     grads = _bwd_impl(dout, q, k, v, out, lse, aux, dlse, scale, window_left, window_right, softcap,
-                      alibi_slopes, deterministic, tier, need_dq, need_dkdv)
+                      alibi_slopes, deterministic, tier, need_dq, need_dkdv, dropout_p, rng_state)
     return _op_grads(q, k, v, grads, need_dq, need_dkdv)
 
 
 @_bwd.register_fake
 def _bwd_fake(dout, q, k, v, out, lse, aux, dlse, scale, window_left, window_right, softcap,
-              alibi_slopes, deterministic, tier, need_dq=True, need_dkdv=True):
+              alibi_slopes, deterministic, tier, need_dq=True, need_dkdv=True, dropout_p=0.0, rng_state=None):
     return _bwd_fake_outputs(q, k, v, need_dq, need_dkdv)
+
+
+@torch.library.custom_op("flash_cuda::fwd_dropout", mutates_args=())
+def _fwd_dropout(q: Tensor, k: Tensor, v: Tensor, scale: float, window_left: int, window_right: int,
+                 softcap: float, alibi_slopes: Optional[Tensor], deterministic: bool, tier: int,
+                 dropout_p: float) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Forward with attention dropout: (out, lse, aux, rng_state)."""
+    return _fwd_dropout_impl(q, k, v, scale, window_left, window_right, softcap, alibi_slopes, tier, dropout_p)
+
+
+@_fwd_dropout.register_fake
+def _fwd_dropout_fake(q, k, v, scale, window_left, window_right, softcap, alibi_slopes, deterministic, tier,
+                      dropout_p):
+    return (*_fwd_fake_outputs(q, _dense_lse_shape(q)), q.new_empty((2,), dtype=torch.int64))
 
 
 @torch.library.custom_op("flash_cuda::varlen_fwd", mutates_args=())
@@ -719,9 +762,13 @@ def _varlen_bwd_fake(dout, q, k, v, out, lse, aux, dlse, cu_seqlens_q, cu_seqlen
 
 
 def _save_common(ctx, q, k, v, output, alibi_slopes, cu_seqlens_q, cu_seqlens_k, scale,
-                 window_left, window_right, softcap, deterministic, tier) -> None:
-    out, lse, aux = output
-    ctx.save_for_backward(q, k, v, out, lse, aux, alibi_slopes, cu_seqlens_q, cu_seqlens_k)
+                 window_left, window_right, softcap, deterministic, tier, dropout_p=0.0) -> None:
+    out, lse, aux = output[:3]
+    rng_state = output[3] if dropout_p else None
+    ctx.save_for_backward(q, k, v, out, lse, aux, alibi_slopes, cu_seqlens_q, cu_seqlens_k, rng_state)
+    ctx.dropout_p = dropout_p
+    if rng_state is not None:
+        ctx.mark_non_differentiable(rng_state)
     ctx.scale = scale
     ctx.window = (window_left, window_right)
     ctx.softcap = softcap
@@ -738,6 +785,15 @@ def _setup_context(ctx, inputs, output):
     _save_common(ctx, q, k, v, output, alibi_slopes, None, None, scale, window_left,
                  window_right, softcap, deterministic, tier)
     ctx.varlen = None
+    ctx.unused = 7
+
+
+def _dropout_setup_context(ctx, inputs, output):
+    q, k, v, scale, window_left, window_right, softcap, alibi_slopes, deterministic, tier, dropout_p = inputs
+    _save_common(ctx, q, k, v, output, alibi_slopes, None, None, scale, window_left,
+                 window_right, softcap, deterministic, tier, dropout_p)
+    ctx.varlen = None
+    ctx.unused = 8
 
 
 def _varlen_setup_context(ctx, inputs, output):
@@ -746,17 +802,18 @@ def _varlen_setup_context(ctx, inputs, output):
     _save_common(ctx, q, k, v, output, alibi_slopes, cu_seqlens_q, cu_seqlens_k, scale,
                  window_left, window_right, softcap, deterministic, tier)
     ctx.varlen = (max_seqlen_q, max_seqlen_k)
+    ctx.unused = 12
 
 
-def _backward(ctx, dout, dlse, daux, eager: bool = False):
+def _backward(ctx, dout, dlse, daux, *drng, eager: bool = False):
     # Only the gradients autograd asks for are computed (and allocated): dK and dV together,
     # as they come from the same products.
     need_q, need_k, need_v = ctx.needs_input_grad[:3]
     need_dkdv = need_k or need_v
-    unused = (None,) * (7 if ctx.varlen is None else 12)  # the other inputs: no gradient
+    unused = (None,) * ctx.unused  # the other inputs: no gradient
     if not (need_q or need_dkdv):
         return (None, None, None) + unused
-    q, k, v, out, lse, aux, alibi_slopes, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+    q, k, v, out, lse, aux, alibi_slopes, cu_seqlens_q, cu_seqlens_k, rng_state = ctx.saved_tensors
     if dout is None:
         dout = torch.zeros_like(out)
     elif dout.stride(-1) != 1:
@@ -766,7 +823,8 @@ def _backward(ctx, dout, dlse, daux, eager: bool = False):
     options = (ctx.scale, *ctx.window, ctx.softcap, alibi_slopes, ctx.deterministic, ctx.tier, need_q,
                need_dkdv)
     if ctx.varlen is None:
-        dq, dk, dv = (_bwd_impl if eager else _bwd)(dout, q, k, v, out, lse, aux, dlse, *options)
+        dq, dk, dv = (_bwd_impl if eager else _bwd)(dout, q, k, v, out, lse, aux, dlse, *options, ctx.dropout_p,
+                                                    rng_state)
     else:
         dq, dk, dv = (_varlen_bwd_impl if eager else _varlen_bwd)(dout, q, k, v, out, lse, aux, dlse,
                                                                  cu_seqlens_q, cu_seqlens_k, *ctx.varlen,
@@ -775,6 +833,7 @@ def _backward(ctx, dout, dlse, daux, eager: bool = False):
 
 
 _fwd.register_autograd(_backward, setup_context=_setup_context)
+_fwd_dropout.register_autograd(_backward, setup_context=_dropout_setup_context)
 _varlen_fwd.register_autograd(_backward, setup_context=_varlen_setup_context)
 
 
@@ -818,6 +877,18 @@ class _EagerFwd(_EagerFunction):
     @staticmethod
     def backward(ctx, dout, dlse, daux):
         return _backward(ctx, dout, dlse, daux, eager=True)
+
+
+class _EagerFwdDropout(_EagerFunction):
+    @staticmethod
+    def forward(q, k, v, scale, window_left, window_right, softcap, alibi_slopes, deterministic, tier, dropout_p):
+        return _fwd_dropout_impl(q, k, v, scale, window_left, window_right, softcap, alibi_slopes, tier, dropout_p)
+
+    setup_context = staticmethod(_dropout_setup_context)
+
+    @staticmethod
+    def backward(ctx, dout, dlse, daux, drng):
+        return _backward(ctx, dout, dlse, daux, drng, eager=True)
 
 
 class _EagerVarlenFwd(_EagerFunction):
@@ -917,6 +988,7 @@ def attention(
     return_lse: bool = False,
     deterministic: bool = False,
     kernel: str = "auto",
+    dropout_p: float = 0.0,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     r"""Exact softmax attention on NVIDIA GPUs, a drop-in for ``scaled_dot_product_attention``.
 
@@ -941,6 +1013,13 @@ def attention(
             ``head_dim`` must be a multiple of 8 in [8, 256]. Sequence lengths may differ
             (``seqlen_q != seqlen_k``) and may be any size >= 0; batch and heads are
             limited to 65535.{features}
+        dropout_p: attention dropout, as SDPA's ``dropout_p``: each probability is dropped
+            with probability ``dropout_p`` and the kept ones scaled by the inverse of the keep
+            rate (exactly unbiased: the keep rate is a multiple of 2^-16). Applied whenever
+            it is > 0 (pass 0.0 in evaluation). The random numbers come from the current
+            device's CUDA generator (``torch.manual_seed`` reproduces them) and the backward
+            regenerates the same mask. float16 / bfloat16 inputs, ``kernel`` ``"auto"`` or
+            ``"mma"`` (the mma.sync kernels run every call with dropout).
 
     Returns:
         ``out`` with q's shape and dtype (laid out like ``torch.empty_like(q)``: q's strides
@@ -964,8 +1043,14 @@ def attention(
     opts = _validate(q, k, v, scale=scale, is_causal=is_causal, window_size=window_size,
                      softcap=softcap, alibi_slopes=alibi_slopes, return_lse=return_lse,
                      deterministic=deterministic, kernel=kernel)
+    dropout_p = _check_dropout(dropout_p, q.dtype, kernel)
     if not _ext.is_available():
         raise RuntimeError(_ext.unavailable_message())
+    if dropout_p:
+        fwd = _EagerFwdDropout.run if _eager_ok(q, k, v, opts.alibi_slopes) else _fwd_dropout
+        out, lse = fwd(q, k, v, opts.scale, opts.window_left, opts.window_right, opts.softcap, opts.alibi_slopes,
+                       deterministic, opts.tier, dropout_p)[:2]
+        return (out, lse) if return_lse else out
     if _eager_ok(q, k, v, opts.alibi_slopes):
         # Inference (no gradient wanted, e.g. a decode step under torch.no_grad()): the extension
         # call alone, without the autograd Function's bookkeeping.

@@ -71,7 +71,8 @@ import flash_cuda  # noqa: E402
 from flash_cuda import _ext, interface  # noqa: E402
 from flash_cuda.reference import (attention_backward_blocked, attention_forward_blocked,  # noqa: E402
                                   attention_varlen_backward_blocked,
-                                  attention_varlen_forward_blocked, combine_splits)
+                                  attention_varlen_forward_blocked, combine_splits,
+                                  dropout_keep_mask)
 
 from attn_check import gpu_skip_reason  # noqa: E402
 
@@ -191,8 +192,20 @@ class MockExtension:
         t.copy_(x)
         return t
 
+    def _dropout_mask(self, q, k, dropout_p, rng_state, forward: bool):
+        """The mask of a dropout call: the forward draws a seed from torch's CPU generator (so
+        torch.manual_seed reproduces it) and records (seed, 0) in rng_state, as the kernels
+        record theirs; the backward reads it back."""
+        assert rng_state is not None and rng_state.dtype == torch.int64 and tuple(rng_state.shape) == (2,)
+        if forward:
+            rng_state.copy_(torch.tensor([int(torch.randint(0, 2 ** 62, (1,)).item()), 0]))
+            self.last_rng = rng_state.clone()
+        seed, offset = (int(x) for x in rng_state.tolist())
+        B, Hq, Sq, _ = q.shape
+        return dropout_keep_mask(B, Hq, Sq, k.shape[2], dropout_p, seed=seed, offset=offset, device=q.device)
+
     def fwd(self, q, k, v, scale, window_left, window_right, softcap, alibi_slopes, cu_seqlens_q,
-            cu_seqlens_k, max_seqlen_q, max_seqlen_k, tier):
+            cu_seqlens_k, max_seqlen_q, max_seqlen_k, tier, dropout_p=0.0, rng_state=None):
         args = (scale, window_left, window_right, softcap, alibi_slopes)
         varlen = self._check_common(q, k, v, *args, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                     max_seqlen_k, tier)
@@ -200,11 +213,15 @@ class MockExtension:
         self.last_fwd_args = dict(scale=scale, window=(window_left, window_right),
                                   softcap=softcap, alibi_slopes=alibi_slopes, tier=tier,
                                   max_seqlen=(max_seqlen_q, max_seqlen_k), varlen=varlen)
+        drop = {}
+        if dropout_p:
+            assert not varlen and type(dropout_p) is float and 0 < dropout_p <= 1
+            drop = dict(dropout_p=dropout_p, dropout_mask=self._dropout_mask(q, k, dropout_p, rng_state, True))
         if varlen:
             o, lse = attention_varlen_forward_blocked(q, k, v, cu_seqlens_q, cu_seqlens_k,
                                                       **self._kwargs(*args))
         else:
-            o, lse = attention_forward_blocked(q, k, v, **self._kwargs(*args))
+            o, lse = attention_forward_blocked(q, k, v, **self._kwargs(*args), **drop)
         lse = lse.to(torch.float32).contiguous()
         if q.dtype == torch.float32:
             aux = torch.stack((lse, torch.full_like(lse, self.AUX_MARK)), dim=-1)
@@ -214,7 +231,7 @@ class MockExtension:
 
     def bwd(self, dout, q, k, v, out, lse, aux, dlse, scale, window_left, window_right, softcap,
             alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, deterministic,
-            tier, need_dq=True, need_dkdv=True):
+            tier, need_dq=True, need_dkdv=True, dropout_p=0.0, rng_state=None):
         args = (scale, window_left, window_right, softcap, alibi_slopes)
         varlen = self._check_common(q, k, v, *args, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                     max_seqlen_k, tier)
@@ -242,8 +259,11 @@ class MockExtension:
                                                       cu_seqlens_k, dlse=dlse,
                                                       **self._kwargs(*args))
         else:
+            drop = {}
+            if dropout_p:
+                drop = dict(dropout_p=dropout_p, dropout_mask=self._dropout_mask(q, k, dropout_p, rng_state, False))
             grads = attention_backward_blocked(dout, q, k, v, out, lse, dlse=dlse,
-                                               **self._kwargs(*args))
+                                               **self._kwargs(*args), **drop)
         wanted = (need_dq, need_dkdv, need_dkdv)
         return tuple(self._like(g, like) if w else None for g, like, w in zip(grads, (q, k, v), wanted))
 

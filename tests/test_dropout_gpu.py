@@ -97,3 +97,38 @@ def test_dropout_draws_new_numbers_per_call_and_reproduces_with_the_seed():
     assert torch.equal(rng_a, rng_c)
     for x, y in zip(a, c):
         assert torch.equal(x, y)  # same seed: bitwise the same forward and backward
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_packed_attention_with_dropout_matches_reference(dtype, is_causal):
+    """A packed batch draws per sequence as entry b of a dense batch with its own positions
+    (reference.dropout_keep_masks_varlen)."""
+    from attn_check import make_varlen_inputs
+    p = 0.2
+    q, k, v, cq, ck, mq, mk = make_varlen_inputs([70, 1, 130, 0], [90, 17, 130, 5], 4, 2, 64, dtype, seed=5)
+    do = torch.randn_like(q)
+    C = _ext.require()
+    scale = 64 ** -0.5
+    wl, wr = -1, (0 if is_causal else -1)
+    rng = torch.empty(2, dtype=torch.int64, device="cuda")
+    out, lse, aux = C.fwd(q, k, v, scale, wl, wr, 0.0, None, cq, ck, mq, mk, 0, dropout_p=p, rng_state=rng)
+    dq, dk, dv = C.bwd(do, q, k, v, out, lse, aux, None, scale, wl, wr, 0.0, None, cq, ck, mq, mk, False, 0,
+                       dropout_p=p, rng_state=rng)
+    seed, offset = (int(x) for x in rng.tolist())
+    masks = R.dropout_keep_masks_varlen(cq.cpu(), ck.cpu(), 4, p, seed=seed, offset=offset, device="cuda")
+
+    def reference(dt):
+        leaves = [t.detach().to(dt).requires_grad_() for t in (q, k, v)]
+        o, l = R.attention_varlen_naive(*leaves, cq, ck, scale=scale, is_causal=is_causal, dropout_p=p,
+                                        dropout_masks=masks)
+        return (o, l, *torch.autograd.grad((o * do.to(dt)).sum(), leaves))
+
+    ref, naive = reference(torch.float64), reference(dtype)
+    problems = []
+    for name, x, r, n in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, dq, dk, dv), ref, naive):
+        fin = torch.isfinite(r) if name == "lse" else None
+        _, problem = rule_error(name, x.double(), r.double(), n.double(), ATOL_BASE[dtype], mask=fin)
+        if problem:
+            problems.append(problem)
+    assert not problems, problems

@@ -640,15 +640,32 @@ def _varlen_fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
                               int(tier))
 
 
+def _varlen_fwd_dropout_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, window_left,
+                             window_right, softcap, alibi_slopes, tier, check_cu_seqlens, dropout_p):
+    """The packed forward with dropout: (out, lse, aux, rng_state)."""
+    rng_state = torch.zeros(2, dtype=torch.int64, device=q.device)
+    if _check_cu_seqlens_enabled(check_cu_seqlens):
+        _check_cu_seqlens_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0],
+                                 max_seqlen_q, max_seqlen_k)
+    if _is_empty_varlen(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k):
+        return (*_empty_fwd(q, _varlen_lse_shape(q)), rng_state)
+    out, lse, aux = _ext.require().fwd(q, k, v, float(scale), int(window_left), int(window_right), float(softcap),
+                                       alibi_slopes, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
+                                       int(max_seqlen_k), int(tier), dropout_p=float(dropout_p),
+                                       rng_state=rng_state)
+    return out, lse, aux, rng_state
+
+
 def _varlen_bwd_impl(dout, q, k, v, out, lse, aux, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                      max_seqlen_k, scale, window_left, window_right, softcap, alibi_slopes, deterministic, tier,
-                     need_dq=True, need_dkdv=True):
+                     need_dq=True, need_dkdv=True, dropout_p=0.0, rng_state=None):
     if _is_empty_varlen(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k):
         return _empty_grads(q, k, v, need_dq, need_dkdv)
+    extra = {} if not dropout_p else {"dropout_p": float(dropout_p), "rng_state": rng_state}
     return _ext.require().bwd(dout, q, k, v, out, lse, aux, dlse, float(scale), int(window_left),
                               int(window_right), float(softcap), alibi_slopes, cu_seqlens_q, cu_seqlens_k,
                               int(max_seqlen_q), int(max_seqlen_k), bool(deterministic), int(tier),
-                              bool(need_dq), bool(need_dkdv))
+                              bool(need_dq), bool(need_dkdv), **extra)
 
 
 @torch.library.custom_op("flash_cuda::fwd", mutates_args=())
@@ -742,20 +759,41 @@ def _varlen_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse:
                 max_seqlen_q: int, max_seqlen_k: int, scale: float, window_left: int,
                 window_right: int, softcap: float, alibi_slopes: Optional[Tensor],
                 deterministic: bool, tier: int, need_dq: bool = True,
-                need_dkdv: bool = True) -> Tuple[Tensor, Tensor, Tensor]:
+                need_dkdv: bool = True, dropout_p: float = 0.0,
+                rng_state: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
     """Packed backward: returns (dq, dk, dv) shaped like (q, k, v), empty (0,) where not
     wanted (``need_dq`` / ``need_dkdv``)."""
     grads = _varlen_bwd_impl(dout, q, k, v, out, lse, aux, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                              max_seqlen_k, scale, window_left, window_right, softcap, alibi_slopes,
-                             deterministic, tier, need_dq, need_dkdv)
+                             deterministic, tier, need_dq, need_dkdv, dropout_p, rng_state)
     return _op_grads(q, k, v, grads, need_dq, need_dkdv)
 
 
 @_varlen_bwd.register_fake
 def _varlen_bwd_fake(dout, q, k, v, out, lse, aux, dlse, cu_seqlens_q, cu_seqlens_k,
                      max_seqlen_q, max_seqlen_k, scale, window_left, window_right, softcap,
-                     alibi_slopes, deterministic, tier, need_dq=True, need_dkdv=True):
+                     alibi_slopes, deterministic, tier, need_dq=True, need_dkdv=True, dropout_p=0.0,
+                     rng_state=None):
     return _bwd_fake_outputs(q, k, v, need_dq, need_dkdv)
+
+
+@torch.library.custom_op("flash_cuda::varlen_fwd_dropout", mutates_args=())
+def _varlen_fwd_dropout(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                        max_seqlen_q: int, max_seqlen_k: int, scale: float, window_left: int,
+                        window_right: int, softcap: float, alibi_slopes: Optional[Tensor],
+                        deterministic: bool, tier: int, check_cu_seqlens: bool,
+                        dropout_p: float) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Packed forward with attention dropout: (out, lse, aux, rng_state)."""
+    return _varlen_fwd_dropout_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
+                                    window_left, window_right, softcap, alibi_slopes, tier, check_cu_seqlens,
+                                    dropout_p)
+
+
+@_varlen_fwd_dropout.register_fake
+def _varlen_fwd_dropout_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
+                             window_left, window_right, softcap, alibi_slopes, deterministic, tier,
+                             check_cu_seqlens, dropout_p):
+    return (*_fwd_fake_outputs(q, _varlen_lse_shape(q)), q.new_empty((2,), dtype=torch.int64))
 
 
 # ---- autograd: one backward for both layouts ----
@@ -785,7 +823,7 @@ def _setup_context(ctx, inputs, output):
     _save_common(ctx, q, k, v, output, alibi_slopes, None, None, scale, window_left,
                  window_right, softcap, deterministic, tier)
     ctx.varlen = None
-    ctx.unused = 7
+    ctx.unused = len(inputs) - 3
 
 
 def _dropout_setup_context(ctx, inputs, output):
@@ -793,16 +831,17 @@ def _dropout_setup_context(ctx, inputs, output):
     _save_common(ctx, q, k, v, output, alibi_slopes, None, None, scale, window_left,
                  window_right, softcap, deterministic, tier, dropout_p)
     ctx.varlen = None
-    ctx.unused = 8
+    ctx.unused = len(inputs) - 3
 
 
 def _varlen_setup_context(ctx, inputs, output):
     (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, window_left,
-     window_right, softcap, alibi_slopes, deterministic, tier, check_cu_seqlens) = inputs
+     window_right, softcap, alibi_slopes, deterministic, tier, check_cu_seqlens) = inputs[:15]
+    dropout_p = inputs[15] if len(inputs) > 15 else 0.0
     _save_common(ctx, q, k, v, output, alibi_slopes, cu_seqlens_q, cu_seqlens_k, scale,
-                 window_left, window_right, softcap, deterministic, tier)
+                 window_left, window_right, softcap, deterministic, tier, dropout_p)
     ctx.varlen = (max_seqlen_q, max_seqlen_k)
-    ctx.unused = 12
+    ctx.unused = len(inputs) - 3
 
 
 def _backward(ctx, dout, dlse, daux, *drng, eager: bool = False):
@@ -828,13 +867,14 @@ def _backward(ctx, dout, dlse, daux, *drng, eager: bool = False):
     else:
         dq, dk, dv = (_varlen_bwd_impl if eager else _varlen_bwd)(dout, q, k, v, out, lse, aux, dlse,
                                                                  cu_seqlens_q, cu_seqlens_k, *ctx.varlen,
-                                                                 *options)
+                                                                 *options, ctx.dropout_p, rng_state)
     return (dq if need_q else None, dk if need_k else None, dv if need_v else None) + unused
 
 
 _fwd.register_autograd(_backward, setup_context=_setup_context)
 _fwd_dropout.register_autograd(_backward, setup_context=_dropout_setup_context)
 _varlen_fwd.register_autograd(_backward, setup_context=_varlen_setup_context)
+_varlen_fwd_dropout.register_autograd(_backward, setup_context=_varlen_setup_context)
 
 
 # ---- the eager path ----
@@ -903,6 +943,21 @@ class _EagerVarlenFwd(_EagerFunction):
     @staticmethod
     def backward(ctx, dout, dlse, daux):
         return _backward(ctx, dout, dlse, daux, eager=True)
+
+
+class _EagerVarlenFwdDropout(_EagerFunction):
+    @staticmethod
+    def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, window_left,
+                window_right, softcap, alibi_slopes, deterministic, tier, check_cu_seqlens, dropout_p):
+        return _varlen_fwd_dropout_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
+                                        window_left, window_right, softcap, alibi_slopes, tier, check_cu_seqlens,
+                                        dropout_p)
+
+    setup_context = staticmethod(_varlen_setup_context)
+
+    @staticmethod
+    def backward(ctx, dout, dlse, daux, drng):
+        return _backward(ctx, dout, dlse, daux, drng, eager=True)
 
 
 # ---------------------------------------------------------------------------------------
@@ -1083,6 +1138,7 @@ def varlen_attention(
     deterministic: bool = False,
     kernel: str = "auto",
     check_cu_seqlens: bool = False,
+    dropout_p: float = 0.0,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     r"""Attention over a packed batch of sequences of different lengths (no padding).
 
@@ -1114,6 +1170,8 @@ def varlen_attention(
             device and the max_seqlen arguments are checked. The kernels clamp every
             sequence to the rows of the tensors, so wrong values never make them read or
             write out of bounds, but they give wrong results.{features}
+        dropout_p: as :func:`attention`; sequence ``b`` draws its random numbers as entry
+            ``b`` of a dense batch would, with its own positions.
 
     Returns:
         ``out`` ``(total_q, heads, head_dim)`` in q's dtype (laid out like
@@ -1135,13 +1193,17 @@ def varlen_attention(
         is_causal=is_causal, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
         return_lse=return_lse, deterministic=deterministic, kernel=kernel,
         check_cu_seqlens=check_cu_seqlens)
+    dropout_p = _check_dropout(dropout_p, q.dtype, kernel, _VARLEN_PREFIX)
     if not _ext.is_available():
         raise RuntimeError(_ext.unavailable_message())
-    fwd = (_EagerVarlenFwd.run if _eager_ok(q, k, v, cu_seqlens_q, cu_seqlens_k, opts.alibi_slopes)
-           else _varlen_fwd)
-    out, lse, _ = fwd(q, k, v, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), max_q, max_k, opts.scale,
-                      opts.window_left, opts.window_right, opts.softcap, opts.alibi_slopes, deterministic,
-                      opts.tier, check_cu_seqlens)
+    eager = _eager_ok(q, k, v, cu_seqlens_q, cu_seqlens_k, opts.alibi_slopes)
+    args = (q, k, v, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), max_q, max_k, opts.scale,
+            opts.window_left, opts.window_right, opts.softcap, opts.alibi_slopes, deterministic, opts.tier,
+            check_cu_seqlens)
+    if dropout_p:
+        out, lse = (_EagerVarlenFwdDropout.run if eager else _varlen_fwd_dropout)(*args, dropout_p)[:2]
+    else:
+        out, lse, _ = (_EagerVarlenFwd.run if eager else _varlen_fwd)(*args)
     if return_lse:
         return out, lse
     return out

@@ -72,7 +72,7 @@ from flash_cuda import _ext, interface  # noqa: E402
 from flash_cuda.reference import (attention_backward_blocked, attention_forward_blocked,  # noqa: E402
                                   attention_varlen_backward_blocked,
                                   attention_varlen_forward_blocked, combine_splits,
-                                  dropout_keep_mask)
+                                  dropout_keep_mask, dropout_keep_masks_varlen)
 
 from attn_check import gpu_skip_reason  # noqa: E402
 
@@ -192,15 +192,18 @@ class MockExtension:
         t.copy_(x)
         return t
 
-    def _dropout_mask(self, q, k, dropout_p, rng_state, forward: bool):
-        """The mask of a dropout call: the forward draws a seed from torch's CPU generator (so
-        torch.manual_seed reproduces it) and records (seed, 0) in rng_state, as the kernels
-        record theirs; the backward reads it back."""
+    def _dropout_mask(self, q, k, dropout_p, rng_state, forward: bool, cu_seqlens=None):
+        """The mask of a dropout call (dense; packed: one per sequence): the forward draws a
+        seed from torch's CPU generator (so torch.manual_seed reproduces it) and records
+        (seed, 0) in rng_state, as the kernels record theirs; the backward reads it back."""
         assert rng_state is not None and rng_state.dtype == torch.int64 and tuple(rng_state.shape) == (2,)
         if forward:
             rng_state.copy_(torch.tensor([int(torch.randint(0, 2 ** 62, (1,)).item()), 0]))
             self.last_rng = rng_state.clone()
         seed, offset = (int(x) for x in rng_state.tolist())
+        if cu_seqlens is not None:
+            return dropout_keep_masks_varlen(*cu_seqlens, q.shape[1], dropout_p, seed=seed, offset=offset,
+                                             device=q.device)
         B, Hq, Sq, _ = q.shape
         return dropout_keep_mask(B, Hq, Sq, k.shape[2], dropout_p, seed=seed, offset=offset, device=q.device)
 
@@ -215,11 +218,13 @@ class MockExtension:
                                   max_seqlen=(max_seqlen_q, max_seqlen_k), varlen=varlen)
         drop = {}
         if dropout_p:
-            assert not varlen and type(dropout_p) is float and 0 < dropout_p <= 1
-            drop = dict(dropout_p=dropout_p, dropout_mask=self._dropout_mask(q, k, dropout_p, rng_state, True))
+            assert type(dropout_p) is float and 0 < dropout_p <= 1
+            key = "dropout_masks" if varlen else "dropout_mask"
+            drop = {"dropout_p": dropout_p, key: self._dropout_mask(
+                q, k, dropout_p, rng_state, True, (cu_seqlens_q, cu_seqlens_k) if varlen else None)}
         if varlen:
             o, lse = attention_varlen_forward_blocked(q, k, v, cu_seqlens_q, cu_seqlens_k,
-                                                      **self._kwargs(*args))
+                                                      **self._kwargs(*args), **drop)
         else:
             o, lse = attention_forward_blocked(q, k, v, **self._kwargs(*args), **drop)
         lse = lse.to(torch.float32).contiguous()
@@ -254,14 +259,16 @@ class MockExtension:
         self.bwd_calls += 1
         self.last_bwd_dlse = dlse
         self.last_bwd_needs = (need_dq, need_dkdv)
+        drop = {}
+        if dropout_p:
+            key = "dropout_masks" if varlen else "dropout_mask"
+            drop = {"dropout_p": dropout_p, key: self._dropout_mask(
+                q, k, dropout_p, rng_state, False, (cu_seqlens_q, cu_seqlens_k) if varlen else None)}
         if varlen:
             grads = attention_varlen_backward_blocked(dout, q, k, v, out, lse, cu_seqlens_q,
                                                       cu_seqlens_k, dlse=dlse,
-                                                      **self._kwargs(*args))
+                                                      **self._kwargs(*args), **drop)
         else:
-            drop = {}
-            if dropout_p:
-                drop = dict(dropout_p=dropout_p, dropout_mask=self._dropout_mask(q, k, dropout_p, rng_state, False))
             grads = attention_backward_blocked(dout, q, k, v, out, lse, dlse=dlse,
                                                **self._kwargs(*args), **drop)
         wanted = (need_dq, need_dkdv, need_dkdv)

@@ -73,3 +73,27 @@ def test_dropout_needs_16_bit_inputs_and_the_mma_kernels(mock_extension):
     q, k, v, _ = _inputs()
     with pytest.raises(ValueError, match="kernel='auto' or 'mma'"):
         flash_cuda.attention(q, k, v, dropout_p=0.1, kernel="wgmma")
+
+
+@pytest.mark.parametrize("path", ["eager", "op"])
+def test_packed_dropout_forward_backward_use_one_mask(mock_extension, monkeypatch, path):
+    if path == "op":
+        monkeypatch.setattr(flash_cuda.interface, "_eager_ok", lambda *t: False)
+    g = torch.Generator().manual_seed(4)
+    lq, lk = [9, 30, 0, 17], [12, 30, 3, 17]
+    cq = torch.tensor([0, 9, 39, 39, 56], dtype=torch.int32)
+    ck = torch.tensor([0, 12, 42, 45, 62], dtype=torch.int32)
+    q = torch.randn(sum(lq), 4, 16, generator=g).to(torch.bfloat16)
+    k, v = (torch.randn(sum(lk), 2, 16, generator=g).to(torch.bfloat16) for _ in range(2))
+    do = torch.randn_like(q)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = flash_cuda.varlen_attention(*leaves, cq, ck, max(lq), max(lk), is_causal=True, dropout_p=0.3)
+    out.backward(do)
+    seed, offset = (int(x) for x in mock_extension.last_rng.tolist())
+    masks = R.dropout_keep_masks_varlen(cq, ck, 4, 0.3, seed=seed, offset=offset)
+    ref_leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    ref, _ = R.attention_varlen_naive(*ref_leaves, cq, ck, is_causal=True, dropout_p=0.3, dropout_masks=masks)
+    ref_grads = torch.autograd.grad((ref * do.double()).sum(), ref_leaves)
+    assert torch.allclose(out.double(), ref, atol=3e-2)
+    for name, leaf, gr in zip("qkv", leaves, ref_grads):
+        assert torch.allclose(leaf.grad.double(), gr, atol=6e-2, rtol=3e-2), name

@@ -86,19 +86,32 @@ __device__ __forceinline__ bool dropout_keeps(const DropoutKey& key, uint32_t nu
   return number < key.threshold;
 }
 
-// The launch's key: (seed, offset) from the params, or read on the device (DropoutParams). The
-// forward's first thread records the pair for the backward.
-__device__ __forceinline__ DropoutKey dropout_key(const DropoutParams& d) {
-  uint64_t seed = d.seed, offset = d.offset;
+// The launch's (seed, offset): from the params, or read on the device (DropoutParams).
+__device__ __forceinline__ void dropout_seed_offset(const DropoutParams& d, uint64_t& seed, uint64_t& offset) {
+  seed = d.seed;
+  offset = d.offset;
   if (d.seed_ptr != nullptr) {
     seed = static_cast<uint64_t>(*d.seed_ptr);
     offset = static_cast<uint64_t>(*d.offset_ptr) + d.offset_extra;
   }
+}
+
+__device__ __forceinline__ DropoutKey dropout_key(const DropoutParams& d) {
+  uint64_t seed, offset;
+  dropout_seed_offset(d, seed, offset);
+  return make_dropout_key(seed, offset, d.threshold);
+}
+
+// The forward's record of its (seed, offset) for the backward (rng_state), written once by
+// thread 0 of CTA (0, 0, 0); every forward kernel with dropout calls this before any role split
+// or early return.
+__device__ __forceinline__ void dropout_record(const DropoutParams& d) {
   if (d.rng_state != nullptr && blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0 && threadIdx.x == 0) {
+    uint64_t seed, offset;
+    dropout_seed_offset(d, seed, offset);
     d.rng_state[0] = static_cast<int64_t>(seed);
     d.rng_state[1] = static_cast<int64_t>(offset);
   }
-  return make_dropout_key(seed, offset, d.threshold);
 }
 
 // x * scale where element `number` is kept, else 0.

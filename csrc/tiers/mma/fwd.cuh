@@ -135,7 +135,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) fwd_mma_kernel
   // Dropout's key, read (and recorded for the backward) before any CTA may return early.
   DropoutKey drop;
   if constexpr (kExt) {
-    if (has_dropout(p)) drop = dropout_key(p.dropout);
+    if (has_dropout(p)) {
+      dropout_record(p.dropout);
+      drop = dropout_key(p.dropout);
+    }
   }
   const SeqInfo seq = SeqInfo::make<kExt>(p, blockIdx.z);
   const AttnMask mask = seq.mask(p);

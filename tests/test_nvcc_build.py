@@ -183,6 +183,19 @@ def test_kernels_include_no_torch():
         assert not re.search(r"#include\s*[<\"](torch|ATen|c10)/", text), f"{path.name} includes a torch header"
 
 
+def test_kernels_in_headers_are_templates():
+    """A header's kernel is compiled into every instance that includes it; only a template may be
+    (the linker keeps one copy), a plain __global__ function is defined twice and the link fails."""
+    for path in _sources():
+        if path.suffix not in (".h", ".cuh"):
+            continue
+        lines = path.read_text().splitlines()
+        for i, line in enumerate(lines):
+            if "__global__" in line and not line.lstrip().startswith("//"):
+                before = "\n".join(lines[max(0, i - 3):i])
+                assert "template" in before, f"{path.relative_to(CSRC)}:{i + 1}: a kernel in a header is no template"
+
+
 _INCLUDE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.M)
 
 

@@ -165,7 +165,9 @@ __device__ __forceinline__ void dropout_tile(float (&x)[kM][kN][4], const Dropou
   }
 }
 
-// One thread per element (a test op: the attention kernels draw once per eight elements).
+// One thread per element (a test op: the attention kernels draw once per eight elements). A
+// template, as every kernel in a header is: the attention kernels include this file too.
+template <typename Out>
 __global__ void dropout_mask_kernel(const DropoutMaskParams p) {
   const int64_t n = p.heads_total * p.sq * p.sk;
   for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < n;
@@ -183,7 +185,7 @@ void run_dropout_mask(const DropoutMaskParams& p, cudaStream_t stream) {
   const int64_t n = p.heads_total * p.sq * p.sk;
   if (n == 0) return;
   const int64_t blocks = (n + 255) / 256;
-  dropout_mask_kernel<<<static_cast<unsigned>(blocks < 65536 ? blocks : 65536), 256, 0, stream>>>(p);
+  dropout_mask_kernel<Out><<<static_cast<unsigned>(blocks < 65536 ? blocks : 65536), 256, 0, stream>>>(p);
   check_launch("flash_dropout_mask");
 }
 

@@ -436,17 +436,15 @@ def _check_device(q: Tensor, k: Tensor, v: Tensor, prefix: str = _PREFIX) -> Non
         _check_capability(q.device, prefix)
 
 
-def _check_dropout(dropout_p, dtype: torch.dtype, kernel, prefix: str = _PREFIX) -> float:
-    """dropout_p as a float in [0, 1]; dropout runs on the mma.sync kernels, for float16 /
-    bfloat16 inputs (0.0 everywhere else)."""
+def _check_dropout(dropout_p, kernel, prefix: str = _PREFIX) -> float:
+    """dropout_p as a float in [0, 1]; with dropout, float16 / bfloat16 calls run the mma.sync
+    kernels and float32 ones the simt kernels (kernel='wgmma' has no dropout)."""
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p <= 1.0:
         raise ValueError(f"{prefix}dropout_p must be a number in [0, 1], got {dropout_p!r}")
     dropout_p = float(dropout_p)
-    if dropout_p and dtype == torch.float32:
-        raise ValueError(f"{prefix}dropout_p > 0 takes float16 or bfloat16 inputs (float32 attention has no "
-                         f"dropout yet)")
-    if dropout_p and kernel not in ("auto", "mma"):
-        raise ValueError(f"{prefix}dropout_p > 0 runs on kernel='auto' or 'mma', got kernel={kernel!r}")
+    if dropout_p and kernel == "wgmma":
+        raise ValueError(f"{prefix}dropout_p > 0 runs on kernel='auto', 'mma' (float16 / bfloat16) or 'simt' "
+                         f"(float32), got kernel='wgmma'")
     return dropout_p
 
 
@@ -1073,8 +1071,8 @@ def attention(
             rate (exactly unbiased: the keep rate is a multiple of 2^-16). Applied whenever
             it is > 0 (pass 0.0 in evaluation). The random numbers come from the current
             device's CUDA generator (``torch.manual_seed`` reproduces them) and the backward
-            regenerates the same mask. float16 / bfloat16 inputs, ``kernel`` ``"auto"`` or
-            ``"mma"`` (the mma.sync kernels run every call with dropout).
+            regenerates the same mask. ``kernel`` ``"auto"``, ``"mma"`` or ``"simt"``: a
+            float16 / bfloat16 call with dropout runs the mma.sync kernels (on Hopper too).
 
     Returns:
         ``out`` with q's shape and dtype (laid out like ``torch.empty_like(q)``: q's strides
@@ -1098,7 +1096,7 @@ def attention(
     opts = _validate(q, k, v, scale=scale, is_causal=is_causal, window_size=window_size,
                      softcap=softcap, alibi_slopes=alibi_slopes, return_lse=return_lse,
                      deterministic=deterministic, kernel=kernel)
-    dropout_p = _check_dropout(dropout_p, q.dtype, kernel)
+    dropout_p = _check_dropout(dropout_p, kernel)
     if not _ext.is_available():
         raise RuntimeError(_ext.unavailable_message())
     if dropout_p:
@@ -1193,7 +1191,7 @@ def varlen_attention(
         is_causal=is_causal, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
         return_lse=return_lse, deterministic=deterministic, kernel=kernel,
         check_cu_seqlens=check_cu_seqlens)
-    dropout_p = _check_dropout(dropout_p, q.dtype, kernel, _VARLEN_PREFIX)
+    dropout_p = _check_dropout(dropout_p, kernel, _VARLEN_PREFIX)
     if not _ext.is_available():
         raise RuntimeError(_ext.unavailable_message())
     eager = _eager_ok(q, k, v, cu_seqlens_q, cu_seqlens_k, opts.alibi_slopes)

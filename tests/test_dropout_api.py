@@ -24,10 +24,11 @@ def _inputs(dtype=torch.bfloat16, B=2, Hq=4, Hkv=2, S=48, D=16, seed=0):
 
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize("path", ["eager", "op"])
-def test_dropout_forward_backward_use_one_mask(mock_extension, monkeypatch, is_causal, path):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_dropout_forward_backward_use_one_mask(mock_extension, monkeypatch, is_causal, path, dtype):
     if path == "op":  # the torch.library ops instead of the eager autograd Function
         monkeypatch.setattr(flash_cuda.interface, "_eager_ok", lambda *t: False)
-    q, k, v, do = _inputs()
+    q, k, v, do = _inputs(dtype)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     out = flash_cuda.attention(*leaves, is_causal=is_causal, dropout_p=0.25)
     out.backward(do)
@@ -66,13 +67,14 @@ def test_dropout_p_is_checked(mock_extension, bad):
         flash_cuda.attention(q, k, v, dropout_p=bad)
 
 
-def test_dropout_needs_16_bit_inputs_and_the_mma_kernels(mock_extension):
-    q, k, v, _ = _inputs(torch.float32)
-    with pytest.raises(ValueError, match="float16 or bfloat16"):
-        flash_cuda.attention(q, k, v, dropout_p=0.1)
+def test_dropout_is_refused_on_the_hopper_kernel_alone(mock_extension):
     q, k, v, _ = _inputs()
-    with pytest.raises(ValueError, match="kernel='auto' or 'mma'"):
+    with pytest.raises(ValueError, match="kernel='auto', 'mma' \\(float16 / bfloat16\\) or 'simt'"):
         flash_cuda.attention(q, k, v, dropout_p=0.1, kernel="wgmma")
+    flash_cuda.attention(q, k, v, dropout_p=0.1, kernel="mma")
+    q, k, v, _ = _inputs(torch.float32)
+    for kernel in ("auto", "simt"):
+        assert flash_cuda.attention(q, k, v, dropout_p=0.1, kernel=kernel).dtype == torch.float32
 
 
 @pytest.mark.parametrize("path", ["eager", "op"])

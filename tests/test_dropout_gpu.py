@@ -40,7 +40,7 @@ def test_mask_op_rejects_a_bad_threshold():
 from attn_check import ATOL_BASE, make_inputs, rule_error  # noqa: E402
 
 
-def _run(q, k, v, do, p, is_causal, window, kernel_tier=0):
+def _run(q, k, v, do, p, is_causal, window, kernel_tier=0, deterministic=False):
     C = _ext.require()
     D = q.shape[-1]
     scale = D ** -0.5
@@ -50,22 +50,29 @@ def _run(q, k, v, do, p, is_causal, window, kernel_tier=0):
     rng = torch.empty(2, dtype=torch.int64, device="cuda")
     out, lse, aux = C.fwd(q, k, v, scale, wl, wr, 0.0, None, None, None, 0, 0, kernel_tier, dropout_p=p,
                           rng_state=rng)
-    dq, dk, dv = C.bwd(do, q, k, v, out, lse, aux, None, scale, wl, wr, 0.0, None, None, None, 0, 0, False,
+    dq, dk, dv = C.bwd(do, q, k, v, out, lse, aux, None, scale, wl, wr, 0.0, None, None, None, 0, 0, deterministic,
                        kernel_tier, dropout_p=p, rng_state=rng)
     return (out, lse, dq, dk, dv), rng, scale, (wl, wr)
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+DTYPE_IDS = ["fp16", "bf16", "fp32"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("shape,is_causal,window", [((2, 4, 2, 200, 200), False, (-1, -1)),
                                                     ((1, 3, 3, 128, 300), True, (-1, -1)),
                                                     ((2, 2, 1, 257, 257), False, (40, 8))], ids=str)
 @pytest.mark.parametrize("p", [0.1, 0.5])
-def test_attention_with_dropout_matches_reference(dtype, D, shape, is_causal, window, p):
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+def test_attention_with_dropout_matches_reference(dtype, D, shape, is_causal, window, p, deterministic):
+    if deterministic and (p != 0.1 or D != 64):
+        pytest.skip("the deterministic backward: one p and head dim suffice")
     B, Hq, Hkv, Sq, Sk = shape
     q, k, v = make_inputs(B, Hq, Hkv, Sq, Sk, D, dtype, "cuda", seed=D + Sq)
     do = make_inputs(B, Hq, Hq, Sq, Sq, D, dtype, "cuda", seed=7)[0]
-    got, rng, scale, win = _run(q, k, v, do, p, is_causal, window)
+    got, rng, scale, win = _run(q, k, v, do, p, is_causal, window, deterministic=deterministic)
     seed, offset = (int(x) for x in rng.tolist())
     mask = R.dropout_keep_mask(B, Hq, Sq, Sk, p, seed=seed, offset=offset, device="cuda")
 
@@ -99,7 +106,7 @@ def test_dropout_draws_new_numbers_per_call_and_reproduces_with_the_seed():
         assert torch.equal(x, y)  # same seed: bitwise the same forward and backward
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_packed_attention_with_dropout_matches_reference(dtype, is_causal):
     """A packed batch draws per sequence as entry b of a dense batch with its own positions
@@ -132,3 +139,87 @@ def test_packed_attention_with_dropout_matches_reference(dtype, is_causal):
         if problem:
             problems.append(problem)
     assert not problems, problems
+
+
+# ---------------------------------------------------------------------------------------
+# The public API with dropout on the GPU: reproducibility (torch.manual_seed, deterministic=True,
+# torch.compile against eager) and CUDA-graph capture (each replay draws new numbers, recorded
+# in rng_state, and its output is the reference's for those numbers).
+# ---------------------------------------------------------------------------------------
+
+import flash_cuda  # noqa: E402
+
+
+def _leaves(seed=3, B=2, H=4, S=192, D=64, dtype=torch.bfloat16):
+    q, k, v = make_inputs(B, H, H, S, S, D, dtype, "cuda", seed=seed)
+    return [t.clone().requires_grad_() for t in (q, k, v)], torch.randn_like(q)
+
+
+def _step(fn, leaves, do):
+    for t in leaves:
+        t.grad = None
+    out = fn(*leaves)
+    out.backward(do)
+    return [out.detach().clone()] + [t.grad.clone() for t in leaves]
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_public_api_reproduces_with_the_seed(deterministic):
+    leaves, do = _leaves()
+    fn = lambda q, k, v: flash_cuda.attention(q, k, v, is_causal=True, dropout_p=0.2,  # noqa: E731
+                                              deterministic=deterministic)
+    torch.manual_seed(11)
+    a = _step(fn, leaves, do)
+    b = _step(fn, leaves, do)
+    torch.manual_seed(11)
+    c = _step(fn, leaves, do)
+    assert not torch.equal(a[0], b[0])
+    for x, y in zip(a, c):
+        assert torch.equal(x, y)
+    plain = flash_cuda.attention(*leaves, is_causal=True)
+    mean = torch.stack([flash_cuda.attention(*leaves, is_causal=True, dropout_p=0.2) for _ in range(64)]).float()
+    # unbiased: the mean over draws approaches the plain output (error ~ 1/sqrt(64) of a draw's spread)
+    spread = (a[0].float() - plain.float()).abs().mean()
+    assert (mean.mean(0) - plain.float()).abs().mean() < 0.25 * spread
+
+
+def test_compiled_call_draws_as_eager():
+    leaves, do = _leaves(seed=4)
+    fn = lambda q, k, v: flash_cuda.attention(q, k, v, dropout_p=0.3)  # noqa: E731
+    compiled = torch.compile(fn, fullgraph=True)
+    torch.manual_seed(5)
+    a = _step(fn, leaves, do)
+    torch.manual_seed(5)
+    b = _step(compiled, leaves, do)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+
+
+def test_cuda_graph_replays_draw_new_numbers():
+    B, H, S, D, p = 1, 2, 160, 64, 0.25
+    q, k, v = make_inputs(B, H, H, S, S, D, torch.float16, "cuda", seed=9)
+    scale = D ** -0.5
+    op = torch.ops.flash_cuda.fwd_dropout
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        op(q, k, v, scale, -1, -1, 0.0, None, False, 0, p)  # warm up outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse, _, rng = op(q, k, v, scale, -1, -1, 0.0, None, False, 0, p)
+    results = []
+    for _ in range(2):
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        results.append((out.clone(), rng.clone()))
+    assert not torch.equal(results[0][1], results[1][1])  # the offset moved between replays
+    ref_naive = None
+    for got, state in results:
+        seed, offset = (int(x) for x in state.tolist())
+        mask = R.dropout_keep_mask(B, H, S, S, p, seed=seed, offset=offset, device="cuda")
+        ref, _ = R.attention_naive(q.double(), k.double(), v.double(), scale=scale, dropout_p=p, dropout_mask=mask)
+        ref_naive, _ = R.attention_naive(q, k, v, scale=scale, dropout_p=p, dropout_mask=mask)
+        _, problem = rule_error("out", got.double(), ref, ref_naive.double(), ATOL_BASE[torch.float16])
+        assert not problem, problem

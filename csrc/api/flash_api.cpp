@@ -361,7 +361,6 @@ at::Tensor make_aux(const Shape& s, const at::Tensor& q) {
 void set_dropout(FwdParams& p, double dropout_p, const std::optional<at::Tensor>& rng_state, bool forward) {
   if (dropout_p == 0.0) return;
   FLASH_CHECK(dropout_p > 0.0 && dropout_p <= 1.0, "flash_cuda: dropout_p must be in [0, 1], got ", dropout_p);
-  FLASH_CHECK(p.dtype != DType::kFloat32, "flash_cuda: dropout takes float16 or bfloat16 inputs");
   FLASH_CHECK(rng_state.has_value() && rng_state->defined() && rng_state->scalar_type() == at::kLong &&
                   rng_state->numel() == 2 && rng_state->is_contiguous() && rng_state->is_cuda(),
               "flash_cuda: dropout needs rng_state, a contiguous CUDA int64 tensor of 2 elements");
@@ -406,8 +405,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd(
   const Shape s = check_qkv(q_in, k_in, v_in, m);
   FLASH_CHECK(std::isfinite(scale), "flash_cuda: scale must be finite");
   const Tier t = resolve_tier(tier, dtype_of(q_in));
-  FLASH_CHECK(dropout_p == 0.0 || t == Tier::kAuto || t == Tier::kMma,
-              "flash_cuda: dropout runs on kernel='auto' or 'mma'");
+  FLASH_CHECK(dropout_p == 0.0 || t == Tier::kAuto || t == Tier::kMma || t == Tier::kSimt,
+              "flash_cuda: dropout runs on kernel='auto', 'mma' or 'simt'");
 
   at::Tensor out = at::empty_like(q_in);
   at::Tensor lse = at::empty(s.lse_shape(), q_in.options().dtype(at::kFloat));
@@ -455,8 +454,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(
   FLASH_CHECK(std::isfinite(scale), "flash_cuda: scale must be finite");
   const Tier t = resolve_tier(tier, dtype_of(q_in));
   FLASH_CHECK(t != Tier::kWgmma || m.softcap == 0 || (!deterministic && !wgmma::bwd_split()), kNoWgmmaSoftcap);
-  FLASH_CHECK(dropout_p == 0.0 || t == Tier::kAuto || t == Tier::kMma || t == Tier::kWgmmaWs,
-              "flash_cuda: dropout runs on kernel='auto' or 'mma'");
+  FLASH_CHECK(dropout_p == 0.0 || t == Tier::kAuto || t == Tier::kMma || t == Tier::kSimt || t == Tier::kWgmmaWs,
+              "flash_cuda: dropout runs on kernel='auto', 'mma' or 'simt'");
   FLASH_CHECK(dout_in.sizes() == q_in.sizes() && out_in.sizes() == q_in.sizes(),
               "flash_cuda: dout and out must have q's shape");
   FLASH_CHECK(dout_in.scalar_type() == q_in.scalar_type() && out_in.scalar_type() == q_in.scalar_type(),

@@ -86,6 +86,33 @@ __device__ __forceinline__ bool dropout_keeps(const DropoutKey& key, uint32_t nu
   return number < key.threshold;
 }
 
+// Whether element (i, j) of head slot b * H + h is kept, from its own draw (kernels whose
+// threads do not hold a tensor-core tile's eight elements of a draw: the fp32 tier, tests).
+__device__ __forceinline__ bool dropout_keeps_element(const DropoutKey& key, uint32_t head_slot, uint32_t i,
+                                                      uint32_t j) {
+  return dropout_keeps(key, dropout_number(dropout_draw(key, head_slot, i, j), i, j));
+}
+
+// The keep mask of a thread's kTM x kTN tile whose element (i, j) sits at row row0 + kRowStep i,
+// column col0 + kColStep j (the fp32 tier's thread tiles): bit i kTN + j set where kept. Rows are
+// queries (kRowsAreQueries) or keys. The draws run in a loop that is not unrolled, so that a
+// tile's many Philox rounds cost registers once; the caller applies the bits with constant
+// indices.
+template <int kTM, int kTN, int kRowStep, int kColStep, bool kRowsAreQueries>
+__device__ __forceinline__ uint64_t dropout_keep_bits(const DropoutKey& key, uint32_t head_slot, int row0,
+                                                      int col0) {
+  static_assert(kTM * kTN <= 64, "a thread tile of at most 64 elements");
+  uint64_t bits = 0;
+#pragma unroll 1
+  for (int e = 0; e < kTM * kTN; ++e) {
+    const uint32_t r = row0 + kRowStep * (e / kTN), c = col0 + kColStep * (e % kTN);
+    if (dropout_keeps_element(key, head_slot, kRowsAreQueries ? r : c, kRowsAreQueries ? c : r)) {
+      bits |= uint64_t{1} << e;
+    }
+  }
+  return bits;
+}
+
 // The launch's (seed, offset): from the params, or read on the device (DropoutParams).
 __device__ __forceinline__ void dropout_seed_offset(const DropoutParams& d, uint64_t& seed, uint64_t& offset) {
   seed = d.seed;
@@ -175,7 +202,7 @@ __global__ void dropout_mask_kernel(const DropoutMaskParams p) {
     const uint32_t j = static_cast<uint32_t>(e % p.sk);
     const uint32_t i = static_cast<uint32_t>((e / p.sk) % p.sq);
     const uint32_t bh = static_cast<uint32_t>(e / (static_cast<int64_t>(p.sk) * p.sq));
-    p.mask[e] = dropout_keeps(p.key, dropout_number(dropout_draw(p.key, bh, i, j), i, j)) ? 1 : 0;
+    p.mask[e] = dropout_keeps_element(p.key, bh, i, j) ? 1 : 0;
   }
 }
 

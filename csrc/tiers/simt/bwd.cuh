@@ -247,6 +247,25 @@ __device__ __forceinline__ void store_ds(const float (&p_tile)[Cfg::kTM][Cfg::kT
   }
 }
 
+// The same with dropout (kExtended kernels): dS = P * (dP * z - delta), z = 1 / keep rate where
+// the element is kept (bit i kTN + j of `keep`, dropout_keep_bits) and 0 elsewhere; with kScaleP,
+// this thread's P^T elements already in sP (the dK/dV kernel's, stored in P1) become P^T * z, the
+// dropped probabilities dV takes.
+template <typename Cfg, bool kRowsAreQueries, bool kScaleP>
+__device__ __forceinline__ void store_ds_dropout(const float (&p_tile)[Cfg::kTM][Cfg::kTN],
+                                                 const float (&dp)[Cfg::kTM][Cfg::kTN], int u, float delta,
+                                                 float* sP, float* sdS, int rg, int cg, uint64_t keep,
+                                                 float drop_scale) {
+#pragma unroll
+  for (int v = 0; v < (kRowsAreQueries ? Cfg::kTN : Cfg::kTM); ++v) {
+    const int i = kRowsAreQueries ? u : v, j = kRowsAreQueries ? v : u;
+    const int off = (rg + Cfg::kRowGroups * i) * Cfg::kScorePitch + cg + Cfg::kG * j;
+    const float z = (keep >> (i * Cfg::kTN + j)) & 1 ? drop_scale : 0.f;
+    if constexpr (kScaleP) sP[off] *= z;
+    sdS[off] = p_tile[i][j] * (dp[i][j] * z - delta);
+  }
+}
+
 // =================================================================================
 // Atomic dQ: the fifth product of the dK/dV kernel (deterministic = false)
 // =================================================================================
@@ -461,7 +480,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSm)
     t_begin = static_cast<int>(static_cast<int64_t>(num_steps) * range / p.num_splits);
     t_end = static_cast<int>(static_cast<int64_t>(num_steps) * (range + 1) / p.num_splits);
   }
+  DropoutKey drop;  // dropout (kExt, when on): the forward's draws, regenerated
   if constexpr (kExt) {
+    if (has_dropout(p)) drop = dropout_key(p.dropout);
     // Past its sequence's end (the grid is sized by max_seqlen_k): nothing to compute or write
     // (uniform, before any barrier). The ScoreMod is per query head: made per step.
     if (keys_valid <= 0) return;
@@ -543,6 +564,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSm)
       float s[kTM][kTN];
       const MaskedTile tile =
           masked_scores<Cfg, false, kExt>(s, sK_row0, bq + cg * kPitch, p, facts, m0, n0, rg, cg);
+      uint64_t keep = 0;  // dropout: bit i kTN + j = element (key n0 + rg + kRG i, query m0 + cg + kG j)
+      if constexpr (kExt) {
+        if (has_dropout(p)) {
+          keep = dropout_keep_bits<kTM, kTN, kRG, kG, false>(drop, bi * p.hq + step_head(t), n0 + rg, m0 + cg);
+        }
+      }
       if constexpr (!kExt) {
 #pragma unroll
         for (int j = 0; j < kTN; ++j) {
@@ -567,9 +594,17 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSm)
       // (kExt: P^T was stored in P1.)
       float dp[kTM][kTN];
       score_tile<Cfg>(dp, sV_row0, bdo + cg * kPitch, p.d);
+      if (kExt && has_dropout(p)) {
 #pragma unroll
-      for (int j = 0; j < kTN; ++j)
-        store_ds<Cfg, false, !kExt>(s, dp, j, bdo[kCols * kPitch + cg + kG * j], sP, sdS, rg, cg);
+        for (int j = 0; j < kTN; ++j) {
+          store_ds_dropout<Cfg, false, true>(s, dp, j, bdo[kCols * kPitch + cg + kG * j], sP, sdS, rg, cg, keep,
+                                             p.dropout.scale);
+        }
+      } else {
+#pragma unroll
+        for (int j = 0; j < kTN; ++j)
+          store_ds<Cfg, false, !kExt>(s, dp, j, bdo[kCols * kPitch + cg + kG * j], sP, sdS, rg, cg);
+      }
       __syncthreads();
 
       // ---- P3: dV += P^T dO ----
@@ -716,7 +751,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSm)
   const int bi = blk.seq.bi, hi = blk.hi, m0 = blk.m0, rows_valid = blk.rows_valid;
   const int n_begin = blk.keys.begin, n_end = blk.keys.end;
   const float *k = blk.k, *v = blk.v;
+  DropoutKey drop;  // dropout (kExt, when on): the forward's draws, regenerated
   if constexpr (kExt) {
+    if (has_dropout(p)) drop = dropout_key(p.dropout);
     // Past its sequence's end: nothing to compute or write (uniform, before any barrier).
     if (rows_valid <= 0) return;
     publish_facts(facts, CtaFacts{blk.seq, blk.mask, blk.seq.score_mod(p, hi)}, tid);
@@ -776,6 +813,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSm)
       float s[kTM][kTN];
       const MaskedTile tile =
           masked_scores<Cfg, true, kExt>(s, sQ_row0, bk + cg * kPitch, p, facts, m0, n0, rg, cg);
+      uint64_t keep = 0;  // dropout: bit i kTN + j = element (query m0 + rg + kRG i, key n0 + cg + kG j)
+      if constexpr (kExt) {
+        if (has_dropout(p)) keep = dropout_keep_bits<kTM, kTN, kRG, kG, true>(drop, bi * p.hq + hi, m0 + rg, n0 + cg);
+      }
       if constexpr (!kExt) {
 #pragma unroll
         for (int i = 0; i < kTM; ++i) recompute_probs<Cfg, true>(s, i, row_m[i], row_log2l[i]);
@@ -795,8 +836,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSm)
       // ---- dP = dO V^T, dS = P * (dP - delta) -> sdS ----
       float dp[kTM][kTN];
       score_tile<Cfg>(dp, sdO_row0, bv + cg * kPitch, p.d);
+      if (kExt && has_dropout(p)) {
 #pragma unroll
-      for (int i = 0; i < kTM; ++i) store_ds<Cfg, true, false>(s, dp, i, delta[i], nullptr, sdS, rg, cg);
+        for (int i = 0; i < kTM; ++i) {
+          store_ds_dropout<Cfg, true, false>(s, dp, i, delta[i], nullptr, sdS, rg, cg, keep, p.dropout.scale);
+        }
+      } else {
+#pragma unroll
+        for (int i = 0; i < kTM; ++i) store_ds<Cfg, true, false>(s, dp, i, delta[i], nullptr, sdS, rg, cg);
+      }
       __syncthreads();  // dS complete; every warp is done with V_n: its buffer takes K_{n+1}
       if (n_block + 1 < n_end) {
         load_rows_async<Cfg, kCols>(bv, k + (n0 + kCols) * p.k_row_stride, p.k_row_stride,

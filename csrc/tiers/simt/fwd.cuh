@@ -8,6 +8,7 @@
 //           then softcap / ALiBi (when on) and the mask, both from core/mask.cuh
 //     m'  = max(m, rowmax S); O *= 2^(m-m')    merge_block_stats
 //     P   = 2^(S - m');  l += rowsum P;        compute_block_softmax_and_weighted_v
+//           then dropout (kExtended, when on: P times the keep mask and 1 / keep rate)
 //     O  += P V_n                                                        (product 2, "NN")
 //   O /= l;  lse = (m + log2 l) * ln 2         normalize_output
 // m and l of a thread's rows are a ThreadRowStats (core/softmax.cuh).
@@ -73,6 +74,7 @@
 #include "../../arch/host.h"
 #include "../../arch/sm80.cuh"
 #include "../../core/block.cuh"
+#include "../../core/dropout.cuh"
 #include "../../core/mask.cuh"
 #include "../../core/scheduler.cuh"
 #include "../../core/seqlen.cuh"
@@ -630,14 +632,16 @@ __device__ __forceinline__ void merge_block_stats(ThreadRowStats<Cfg::kTM>& stat
 // P = 2^(S - m) (masked scores give 2^-inf = 0), l += row sums of P (exponentiate_rows), then
 // O += P V. P goes through shared memory (sP, [kRows][kScorePitch]) because product 2 needs,
 // for each of this thread's rows, the whole P row, computed by the kG threads of its row group.
-// `on_p_stored` runs right after the barrier that publishes P: it waits for V and may start
+// `on_probs(P)` runs after the row sums (dropout: P times the keep mask; l stays the sum before
+// it). `on_p_stored` runs right after the barrier that publishes P: it waits for V and may start
 // the next K load (every warp is then done with this block's K).
-template <typename Cfg, typename OnPStored>
+template <typename Cfg, typename OnProbs, typename OnPStored>
 __device__ __forceinline__ void compute_block_softmax_and_weighted_v(
     float (&s)[Cfg::kTM][Cfg::kTN], ThreadRowStats<Cfg::kTM>& stats,
     float (&o)[Cfg::kTM][Cfg::kTD], const float* sV, float* sP, int rg, int cg,
-    OnPStored&& on_p_stored) {
+    OnProbs&& on_probs, OnPStored&& on_p_stored) {
   exponentiate_rows(s, stats);
+  on_probs(s);
 
   // Thread (rg, cg) stores P[rg + kRowGroups*i][cg + kG*j]: in sP the key index of the block
   // is the column, so product 2 reads P rows in key order and V rows with the same index.
@@ -712,7 +716,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSm)
   const int bi = blk.seq.bi, hi = blk.hi, m0 = blk.m0, rows_valid = blk.rows_valid;
   const int n_begin = blk.keys.begin, n_end = blk.keys.end;
   const float *q = blk.q, *k = blk.k, *v = blk.v;
+  DropoutKey drop;  // dropout (kExt): read, and recorded for the backward, before any return
   if constexpr (kExt) {
+    if (has_dropout(p)) {
+      dropout_record(p.dropout);
+      drop = dropout_key(p.dropout);
+    }
     if (!publish_block_facts(facts, blk, p, tid)) return;
   }
 
@@ -758,7 +767,20 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSm)
       merge_block_stats<Cfg>(stats, block_max, o);
 
       const bool has_next = n_block + 1 < n_end;
-      compute_block_softmax_and_weighted_v<Cfg>(s, stats, o, sV, sP, rg, cg, [&]() {
+      auto on_probs = [&](float (&probs)[kTM][kTN]) {
+        if constexpr (kExt) {
+          if (has_dropout(p)) {
+            const uint64_t keep = dropout_keep_bits<kTM, kTN, Cfg::kRowGroups, Cfg::kG, true>(
+                drop, bi * p.hq + hi, m0 + rg, n0 + cg);
+#pragma unroll
+            for (int i = 0; i < kTM; ++i)
+#pragma unroll
+              for (int j = 0; j < kTN; ++j)
+                probs[i][j] = (keep >> (i * kTN + j)) & 1 ? probs[i][j] * p.dropout.scale : 0.f;
+          }
+        }
+      };
+      compute_block_softmax_and_weighted_v<Cfg>(s, stats, o, sV, sP, rg, cg, on_probs, [&]() {
         cp_async_wait<0>();  // V_n landed
         __syncthreads();
         if (has_next) {

@@ -713,14 +713,24 @@ void launch_fwd(const FwdParams& params, cudaStream_t stream) {
 
 // fp32 forward entry points for one head-dim bucket: the outer-product kernel where the
 // traits ask for it and the device has its shared memory, else the largest TileConfig that fits.
+namespace simt {
+// Whether the call runs the outer-product kernel: where the traits ask for it and the device has
+// its shared memory; calls with dropout run fwd.cuh's kernel (the outer one has no dropout step).
+template <int kHeadDim>
+bool uses_outer_fwd(const FwdParams& params) {
+  if constexpr (SimtFwdTraits<kHeadDim>::kOuter) {
+    return outer::OuterConfig<kHeadDim>::kSmemBytes <= device_smem_optin() && !has_dropout(params);
+  }
+  return false;
+}
+}  // namespace simt
+
 template <int kHeadDim>
 int64_t plan_fwd_simt(FwdParams& params) {
-  using Traits = simt::SimtFwdTraits<kHeadDim>;
   params.split_begin = INT_MAX;
   params.num_splits = 1;
-  if constexpr (Traits::kOuter) {
-    using Outer = simt::outer::OuterConfig<kHeadDim>;
-    if (Outer::kSmemBytes <= device_smem_optin()) return simt::outer::plan_fwd<Outer>(params);
+  if constexpr (simt::SimtFwdTraits<kHeadDim>::kOuter) {
+    if (simt::uses_outer_fwd<kHeadDim>(params)) return simt::outer::plan_fwd<simt::outer::OuterConfig<kHeadDim>>(params);
   }
   return 0;
 }
@@ -730,9 +740,8 @@ void run_fwd_simt(const FwdParams& params, cudaStream_t stream) {
   using Traits = simt::SimtFwdTraits<kHeadDim>;
   simt::check_simt_args(params, kHeadDim, "flash_fwd_simt");
   if constexpr (Traits::kOuter) {
-    using Outer = simt::outer::OuterConfig<kHeadDim>;
-    if (Outer::kSmemBytes <= device_smem_optin()) {
-      simt::outer::launch_fwd<Outer>(params, stream);
+    if (simt::uses_outer_fwd<kHeadDim>(params)) {
+      simt::outer::launch_fwd<simt::outer::OuterConfig<kHeadDim>>(params, stream);
       return;
     }
   }

@@ -37,16 +37,18 @@ ARCHS = {a: f"-gencode=arch=compute_{a[3:]},code={a}" for a in ("sm_80", "sm_86"
 #   deterministic=True.
 # * kExtended at d = 96 / 128 (forward), 96 / 128 / 256 (backward), on the archs listed below:
 #   ALiBi's slope and the sequence's offsets push 255-register kernels over by a few words (at
-#   d = 32 on sm_120, dropout's draws in the dK/dV kernel: 4 bytes). On
+#   d = 32 / 64 on sm_120, dropout's draws in the dK/dV kernel: 4 bytes). On
 #   sm_90 the wgmma tier serves the extended variants at d = 64 / 128. On sm_120 (99 KiB of shared
 #   memory) the forward at d = 128 launches the compact tiles: the large kernel that spills there
 #   is compiled but never run.
+# * The fp32 forward's kExtended kernel at d = 32 on sm_80 (4 bytes): dropout's per-element draws
+#   in a kernel bound to 128 registers (2 CTAs per SM); fp32 is in no performance gate.
 # * The plain mma.sync backward at d = 64 on sm_90a (8 bytes): sm_90 runs the wgmma backward there.
 # * The decode at d = 128 on sm_120 (4 bytes, its 64-row tile only, the one prompt-sized calls
 #   take: sm_120's ptxas; every other target spills nothing there).
 _DTS = ("fp16", "bf16")
 _EXTENDED_SPILLS = {("fwd_ext", 96): ("sm_90a",), ("fwd_ext", 128): ("sm_80", "sm_86", "sm_90a", "sm_120"),
-                    ("bwd_ext", 32): ("sm_120",), ("bwd_ext", 96): ("sm_120",),
+                    ("bwd_ext", 32): ("sm_120",), ("bwd_ext", 64): ("sm_120",), ("bwd_ext", 96): ("sm_120",),
                     ("bwd_ext", 128): ("sm_80", "sm_86", "sm_90a"),
                     ("bwd_ext", 256): ("sm_90a",)}
 SPILL_ALLOW = {
@@ -56,6 +58,7 @@ SPILL_ALLOW = {
        for dt in _DTS for (name, d), archs in _EXTENDED_SPILLS.items() for arch in archs},
     **{(f"mma_bwd_{dt}_d64.cu", "sm_90a"): "wgmma serves d = 64 on sm_90" for dt in _DTS},
     **{(f"decode_{dt}_d128.cu", "sm_120"): "sm_120's ptxas, the 64-row decode tile" for dt in _DTS},
+    ("simt_fwd_d32.cu", "sm_80"): "dropout's draws in the 128-register fp32 extended forward",
 }
 
 NVCC = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if os.path.exists("/usr/local/cuda/bin/nvcc") else None)

@@ -480,9 +480,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSm)
     t_begin = static_cast<int>(static_cast<int64_t>(num_steps) * range / p.num_splits);
     t_end = static_cast<int>(static_cast<int64_t>(num_steps) * (range + 1) / p.num_splits);
   }
-  DropoutKey drop;  // dropout (kExt, when on): the forward's draws, regenerated
   if constexpr (kExt) {
-    if (has_dropout(p)) drop = dropout_key(p.dropout);
     // Past its sequence's end (the grid is sized by max_seqlen_k): nothing to compute or write
     // (uniform, before any barrier). The ScoreMod is per query head: made per step.
     if (keys_valid <= 0) return;
@@ -564,10 +562,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSm)
       float s[kTM][kTN];
       const MaskedTile tile =
           masked_scores<Cfg, false, kExt>(s, sK_row0, bq + cg * kPitch, p, facts, m0, n0, rg, cg);
-      uint64_t keep = 0;  // dropout: bit i kTN + j = element (key n0 + rg + kRG i, query m0 + cg + kG j)
+      // Dropout (the forward's draws, regenerated; the key is read per step rather than held):
+      // bit i kTN + j = element (key n0 + rg + kRG i, query m0 + cg + kG j).
+      uint64_t keep = 0;
       if constexpr (kExt) {
         if (has_dropout(p)) {
-          keep = dropout_keep_bits<kTM, kTN, kRG, kG, false>(drop, bi * p.hq + step_head(t), n0 + rg, m0 + cg);
+          keep = dropout_keep_bits<kTM, kTN, kRG, kG, false>(dropout_key(p.dropout), bi * p.hq + step_head(t),
+                                                             n0 + rg, m0 + cg);
         }
       }
       if constexpr (!kExt) {
@@ -751,9 +752,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSm)
   const int bi = blk.seq.bi, hi = blk.hi, m0 = blk.m0, rows_valid = blk.rows_valid;
   const int n_begin = blk.keys.begin, n_end = blk.keys.end;
   const float *k = blk.k, *v = blk.v;
-  DropoutKey drop;  // dropout (kExt, when on): the forward's draws, regenerated
   if constexpr (kExt) {
-    if (has_dropout(p)) drop = dropout_key(p.dropout);
     // Past its sequence's end: nothing to compute or write (uniform, before any barrier).
     if (rows_valid <= 0) return;
     publish_facts(facts, CtaFacts{blk.seq, blk.mask, blk.seq.score_mod(p, hi)}, tid);
@@ -815,7 +814,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSm)
           masked_scores<Cfg, true, kExt>(s, sQ_row0, bk + cg * kPitch, p, facts, m0, n0, rg, cg);
       uint64_t keep = 0;  // dropout: bit i kTN + j = element (query m0 + rg + kRG i, key n0 + cg + kG j)
       if constexpr (kExt) {
-        if (has_dropout(p)) keep = dropout_keep_bits<kTM, kTN, kRG, kG, true>(drop, bi * p.hq + hi, m0 + rg, n0 + cg);
+        if (has_dropout(p)) {
+          keep = dropout_keep_bits<kTM, kTN, kRG, kG, true>(dropout_key(p.dropout), bi * p.hq + hi, m0 + rg, n0 + cg);
+        }
       }
       if constexpr (!kExt) {
 #pragma unroll

@@ -632,16 +632,17 @@ __device__ __forceinline__ void merge_block_stats(ThreadRowStats<Cfg::kTM>& stat
 // P = 2^(S - m) (masked scores give 2^-inf = 0), l += row sums of P (exponentiate_rows), then
 // O += P V. P goes through shared memory (sP, [kRows][kScorePitch]) because product 2 needs,
 // for each of this thread's rows, the whole P row, computed by the kG threads of its row group.
-// `on_probs(P)` runs after the row sums (dropout: P times the keep mask; l stays the sum before
-// it). `on_p_stored` runs right after the barrier that publishes P: it waits for V and may start
-// the next K load (every warp is then done with this block's K).
-template <typename Cfg, typename OnProbs, typename OnPStored>
+// `on_own_p(p_row0)` runs once this thread has stored its P elements, before the barrier
+// (dropout: each own element times its keep factor, in shared memory, where the P registers are
+// already free; l stays the sum before it). `on_p_stored` runs right after the barrier that
+// publishes P: it waits for V and may start the next K load (every warp is then done with this
+// block's K).
+template <typename Cfg, typename OnOwnP, typename OnPStored>
 __device__ __forceinline__ void compute_block_softmax_and_weighted_v(
     float (&s)[Cfg::kTM][Cfg::kTN], ThreadRowStats<Cfg::kTM>& stats,
     float (&o)[Cfg::kTM][Cfg::kTD], const float* sV, float* sP, int rg, int cg,
-    OnProbs&& on_probs, OnPStored&& on_p_stored) {
+    OnOwnP&& on_own_p, OnPStored&& on_p_stored) {
   exponentiate_rows(s, stats);
-  on_probs(s);
 
   // Thread (rg, cg) stores P[rg + kRowGroups*i][cg + kG*j]: in sP the key index of the block
   // is the column, so product 2 reads P rows in key order and V rows with the same index.
@@ -651,6 +652,7 @@ __device__ __forceinline__ void compute_block_softmax_and_weighted_v(
 #pragma unroll
     for (int j = 0; j < Cfg::kTN; ++j)
       p_row0[i * Cfg::kRowGroups * Cfg::kScorePitch + j * Cfg::kG] = s[i][j];
+  on_own_p(p_row0);
 
   on_p_stored();  // includes __syncthreads(): sP complete and V_n landed
 
@@ -716,12 +718,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSm)
   const int bi = blk.seq.bi, hi = blk.hi, m0 = blk.m0, rows_valid = blk.rows_valid;
   const int n_begin = blk.keys.begin, n_end = blk.keys.end;
   const float *q = blk.q, *k = blk.k, *v = blk.v;
-  DropoutKey drop;  // dropout (kExt): read, and recorded for the backward, before any return
   if constexpr (kExt) {
-    if (has_dropout(p)) {
-      dropout_record(p.dropout);
-      drop = dropout_key(p.dropout);
-    }
+    if (has_dropout(p)) dropout_record(p.dropout);  // before any return
     if (!publish_block_facts(facts, blk, p, tid)) return;
   }
 
@@ -767,20 +765,26 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSm)
       merge_block_stats<Cfg>(stats, block_max, o);
 
       const bool has_next = n_block + 1 < n_end;
-      auto on_probs = [&](float (&probs)[kTM][kTN]) {
+      // Dropout (kExt): this thread's P elements, in shared memory, times their keep factors,
+      // one draw each in a loop that is not unrolled (the key is read here, not held in
+      // registers across the loop).
+      auto on_own_p = [&](float* p_row0) {
         if constexpr (kExt) {
           if (has_dropout(p)) {
-            const uint64_t keep = dropout_keep_bits<kTM, kTN, Cfg::kRowGroups, Cfg::kG, true>(
-                drop, bi * p.hq + hi, m0 + rg, n0 + cg);
-#pragma unroll
-            for (int i = 0; i < kTM; ++i)
-#pragma unroll
-              for (int j = 0; j < kTN; ++j)
-                probs[i][j] = (keep >> (i * kTN + j)) & 1 ? probs[i][j] * p.dropout.scale : 0.f;
+            const DropoutKey drop = dropout_key(p.dropout);
+            const uint32_t head_slot = bi * p.hq + hi;
+#pragma unroll 1
+            for (int e = 0; e < kTM * kTN; ++e) {
+              const int i = e / kTN, j = e % kTN;
+              float& x = p_row0[i * Cfg::kRowGroups * Cfg::kScorePitch + j * Cfg::kG];
+              x = dropout_keeps_element(drop, head_slot, m0 + rg + Cfg::kRowGroups * i, n0 + cg + Cfg::kG * j)
+                      ? x * p.dropout.scale
+                      : 0.f;
+            }
           }
         }
       };
-      compute_block_softmax_and_weighted_v<Cfg>(s, stats, o, sV, sP, rg, cg, on_probs, [&]() {
+      compute_block_softmax_and_weighted_v<Cfg>(s, stats, o, sV, sP, rg, cg, on_own_p, [&]() {
         cp_async_wait<0>();  // V_n landed
         __syncthreads();
         if (has_next) {

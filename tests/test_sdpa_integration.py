@@ -172,7 +172,7 @@ def _sdpa_call(q, k, v, **kw):
 
 
 @pytest.mark.parametrize("case,match", [
-    ("dropout", "dropout_p=0.1 is not supported"),
+    ("dropout", "dropout_p must be a number in \\[0, 1\\], got 1.5"),
     ("fp32", "float16 or bfloat16 inputs, got float32"),
     ("debug_mask", "return_debug_mask"),
     ("alibi", "alibi_slopes is not supported"),
@@ -187,7 +187,7 @@ def test_unsupported_options_raise(mock_extension, case, match):
     bshd = [t.transpose(1, 2) for t in (q, k, v)]
     with pytest.raises((RuntimeError, ValueError), match=match):
         if case == "dropout":
-            _sdpa_call(q, k, v, dropout_p=0.1)
+            _sdpa_call(q, k, v, dropout_p=1.5)
         elif case == "debug_mask":
             _sdpa_call(q, k, v, return_debug_mask=True)
         elif case in ("alibi", "seqused_k", "block_table"):
@@ -197,7 +197,8 @@ def test_unsupported_options_raise(mock_extension, case, match):
         else:
             _sdpa_call(q, k, v)
     assert mock_extension.fwd_calls == 0
-    with pytest.raises(RuntimeError, match="dropout"):
+    backward_match = match if case == "fp32" else "dropout_p=0.5 needs the forward's rng_state"
+    with pytest.raises(RuntimeError, match=backward_match):
         sdpa._sdpa_flash_backward(q, q, k, v, q, q.new_zeros(1, 2, 4, dtype=torch.float32), None,
                                   None, 4, 4, 0.5, False, None, None)
     assert mock_extension.bwd_calls == 0
@@ -322,6 +323,34 @@ def test_dense_ops_through_autograd(cpu_kernels, op, case):
                                                   attn_mask=mask, scale=scale, enable_gqa=Hq != Hkv)
         torch.testing.assert_close(ref64["out"], math, rtol=1e-10, atol=1e-10)
     _apply_rule(f"{op} {case}", got, ref64, naive, dtype, D)
+
+
+@pytest.mark.parametrize("op", ["sdpa", "flash"])
+def test_dropout_through_the_ops(cpu_kernels, op):
+    """dropout_p > 0: the forward's rng_state output names the draws, and the backward that gets
+    it back regenerates the same mask (the reference with that mask gives out and the grads)."""
+    from flash_cuda import reference as R
+    B, H, S, D, p = 2, 4, 24, 16, 0.3
+    q, k, v = (t.requires_grad_() for t in make_inputs(B, H, H, S, S, D, BF16, "cpu", seed=3))
+    if op == "sdpa":
+        res = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, p, True, False)
+        out, rng = res[0], res[6]
+    else:
+        res = torch.ops.aten._flash_attention_forward(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                      None, None, S, S, p, True, False)
+        out, rng = res[0].transpose(1, 2), res[2]
+    assert rng.dtype == torch.uint64 and rng.shape == (2,)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(BF16)
+    got = dict(out=out, **_grads(out, (q, k, v), dout))
+    seed, offset = (int(x) for x in rng.view(torch.int64).tolist())
+    mask = R.dropout_keep_mask(B, H, S, S, p, seed=seed, offset=offset)
+
+    def reference(dt):
+        qr, kr, vr = (t.detach().to(dt).requires_grad_() for t in (q, k, v))
+        o, _ = attention_naive(qr, kr, vr, is_causal=True, dropout_p=p, dropout_mask=mask)
+        return dict(out=o, **_grads(o, (qr, kr, vr), dout.to(dt)))
+
+    _apply_rule(f"{op} dropout", got, reference(torch.float64), reference(BF16), BF16, D)
 
 
 @pytest.mark.parametrize("is_causal,window", [(False, None), (True, None), (False, (5, 2))])
@@ -556,11 +585,22 @@ def test_varlen_attn_runs_flash_cuda(flash_cuda_sdpa, causal):
 
 
 @pytest.mark.gpu
-def test_dropout_raises_under_the_flash_backend(flash_cuda_sdpa):
-    q, k, v = make_inputs(1, 2, 2, 64, 64, 64, F16, "cuda")
+def test_dropout_runs_flash_cuda_under_the_flash_backend(flash_cuda_sdpa):
+    """F.scaled_dot_product_attention(dropout_p=...) on the flash backend: flash_cuda's kernels,
+    reproducible with torch.manual_seed, unbiased (the mean over draws approaches p = 0's output)."""
+    q, k, v = (t.requires_grad_() for t in make_inputs(1, 2, 2, 64, 64, 64, F16, "cuda"))
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-        with pytest.raises(RuntimeError, match="dropout_p=0.25 is not supported"):
-            F.scaled_dot_product_attention(q, k, v, dropout_p=0.25)
+        torch.manual_seed(3)
+        got, names = _kernel_names(lambda: F.scaled_dot_product_attention(q, k, v, dropout_p=0.25))
+        _assert_flash_cuda_ran(names)
+        torch.manual_seed(3)
+        again = F.scaled_dot_product_attention(q, k, v, dropout_p=0.25)
+        again.sum().backward()
+        assert torch.equal(got, again) and torch.isfinite(q.grad).all()
+        plain = F.scaled_dot_product_attention(q, k, v)
+        mean = torch.stack([F.scaled_dot_product_attention(q, k, v, dropout_p=0.25) for _ in range(64)]).float()
+    spread = (got.float() - plain.float()).abs().mean()
+    assert (mean.mean(0) - plain.float()).abs().mean() < 0.25 * spread
 
 
 @pytest.mark.gpu

@@ -77,14 +77,29 @@ class _Module(torch.nn.Module):
 
 def test_unsupported_requests_raise_before_any_launch():
     q = torch.randn(1, 2, 4, 16)
-    with pytest.raises(ValueError, match="dropout"):
-        fc_hf.attention_forward(_Module(), q, q, q, None, dropout=0.1)
     with pytest.raises(ValueError, match="sinks"):
         fc_hf.attention_forward(_Module(), q, q, q, None, s_aux=torch.zeros(2))
     with pytest.raises(ValueError, match="2-D padding mask"):
         fc_hf.attention_forward(_Module(), q, q, q, torch.ones(1, 1, 4, 4, dtype=torch.bool))
     with pytest.raises(ValueError, match="head dim"):
         fc_hf.attention_forward(_Module(), q, q, q[..., :8], None)
+
+
+def test_module_dropout_reaches_the_kernels(mock_extension):
+    """A module in training passes its attention_dropout: the call draws with it (the mask the
+    stand-in recorded reproduces the output through the reference)."""
+    from flash_cuda import reference as R
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(2, 4, 24, 16, generator=g).to(torch.bfloat16)
+    k, v = (torch.randn(2, 2, 24, 16, generator=g).to(torch.bfloat16) for _ in range(2))
+    out, _ = fc_hf.attention_forward(_Module(), q, k, v, None, dropout=0.2, scaling=0.25)
+    seed, offset = (int(x) for x in mock_extension.last_rng.tolist())
+    mask = R.dropout_keep_mask(2, 4, 24, 24, 0.2, seed=seed, offset=offset)
+    ref, _ = R.attention_naive(q.double(), k.double(), v.double(), scale=0.25, is_causal=True, dropout_p=0.2,
+                               dropout_mask=mask)
+    assert torch.allclose(out.transpose(1, 2).double(), ref, atol=3e-2)
+    plain, _ = fc_hf.attention_forward(_Module(), q, k, v, None, dropout=0.0, scaling=0.25)
+    assert not torch.allclose(out, plain, atol=3e-2)
 
 
 def test_cache_of_plans_follows_the_mask_object(mock_extension):

@@ -34,8 +34,12 @@ The ops keep the meaning PyTorch's own FlashAttention-2 kernels give them:
 * With ``torch.use_deterministic_algorithms(True)`` the backward is flash_cuda's deterministic
   one.
 
-Not supported, each a RuntimeError that names it: ``dropout_p > 0`` (flash_cuda has no
-attention dropout), float32 inputs (not a flash-backend dtype; the backward op could not get
+* ``dropout_p > 0`` runs flash_cuda's attention dropout: the forward returns its record of the
+  draws (seed, offset) as the ``rng_state`` output (uint64, 2 elements) and the backward, which
+  SDPA hands it back to, regenerates the same mask. The numbers are flash_cuda's (its own
+  Philox mapping), not those PyTorch's kernels would draw for the same seed.
+
+Not supported, each a RuntimeError that names it: float32 inputs (not a flash-backend dtype; the backward op could not get
 flash_cuda's float32 statistics), ``return_debug_mask``, ``alibi_slopes`` (the backward op has
 no slopes argument), ``seqused_k`` and ``block_table``. ``num_splits`` is a speed hint and is
 ignored.
@@ -102,13 +106,7 @@ def _check_supported(op: str, query: Tensor, dropout_p: float, return_debug_mask
                      **unsupported) -> None:
     """The options flash_cuda cannot honour; ``unsupported`` maps argument names to values that
     must be None."""
-    if dropout_p != 0.0:
-        raise RuntimeError(
-            f"{_PREFIX}{op}: dropout_p={dropout_p} is not supported (flash_cuda has no attention "
-            f"dropout). Pass dropout_p=0 (e.g. the model in eval mode), choose another backend "
-            f"for this call with torch.nn.attention.sdpa_kernel (e.g. "
-            f"SDPBackend.EFFICIENT_ATTENTION), or go back to PyTorch's flash kernels with "
-            f"torch.nn.attention.restore_flash_attention_impl()")
+    interface._check_dropout(dropout_p, "auto", f"{_PREFIX}{op}: ")
     if query.dtype not in _DTYPES:
         raise RuntimeError(
             f"{_PREFIX}{op}: the flash backend takes float16 or bfloat16 inputs, got "
@@ -140,11 +138,12 @@ def _last_dim_contiguous(x: Tensor) -> Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _rng_outputs(query: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
-    """(rng_state, unused, debug_attn_mask) as PyTorch's kernels return them without dropout:
-    placeholders that no backward reads."""
+def _rng_outputs(query: Tensor, rng_state: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
+    """(rng_state, unused, debug_attn_mask) as PyTorch's kernels return them: with dropout,
+    rng_state is the forward's (seed, offset) record (int64 [2], returned as uint64); without, a
+    placeholder that no backward reads."""
     dev = query.device
-    return (torch.empty((2,), dtype=torch.uint64, device=dev),
+    return (rng_state.view(torch.uint64) if rng_state is not None else torch.empty((2,), dtype=torch.uint64, device=dev),
             torch.empty((), dtype=torch.uint64, device=dev),
             torch.empty((0,), dtype=query.dtype, device=dev))
 
@@ -160,45 +159,71 @@ def _no_aux(query: Tensor) -> Tensor:
 
 
 def _dense_forward(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: Optional[float],
-                   window_left: Optional[int], window_right: Optional[int]) -> Tuple[Tensor, Tensor]:
+                   window_left: Optional[int], window_right: Optional[int],
+                   dropout_p: float = 0.0) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
+    """(out, lse, rng_state), rng_state None without dropout."""
     window = flash_window(is_causal, window_left, window_right, k.shape[2])
     q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
     opts = interface._validate(q, k, v, scale=scale, window_size=window)
     _calls["forward"] += 1
+    if dropout_p:
+        out, lse, _, rng_state = interface._fwd_dropout_impl(q, k, v, opts.scale, opts.window_left,
+                                                             opts.window_right, 0.0, None, opts.tier,
+                                                             float(dropout_p))
+        return out, lse, rng_state
     out, lse, _ = interface._fwd_impl(q, k, v, opts.scale, opts.window_left, opts.window_right, 0.0,
                                       None, opts.tier)
-    return out, lse
+    return out, lse, None
 
 
 def _dense_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                     is_causal: bool, scale: Optional[float], window_left: Optional[int],
-                    window_right: Optional[int]) -> Tuple[Tensor, Tensor, Tensor]:
+                    window_right: Optional[int], dropout_p: float = 0.0,
+                    rng_state: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
     wl, wr = flash_window(is_causal, window_left, window_right, k.shape[2])
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     args = [_last_dim_contiguous(t) for t in (dout, q, k, v, out)]
     _calls["backward"] += 1
     return interface._bwd_impl(*args, lse.contiguous(), _no_aux(q), None, scale, wl, wr, 0.0, None,
-                               torch.are_deterministic_algorithms_enabled(), 0)
+                               torch.are_deterministic_algorithms_enabled(), 0,
+                               **_dropout_args(dropout_p, rng_state))
+
+
+def _dropout_args(dropout_p: float, rng_state: Optional[Tensor]) -> dict:
+    """The backward's dropout arguments from what SDPA hands back: the forward's rng_state output."""
+    if not dropout_p:
+        return {}
+    if rng_state is None or rng_state.numel() != 2 or rng_state.element_size() != 8:
+        raise RuntimeError(f"{_PREFIX}the backward with dropout_p={dropout_p} needs the forward's rng_state "
+                           f"(2 64-bit elements), got {None if rng_state is None else tuple(rng_state.shape)}")
+    return {"dropout_p": float(dropout_p), "rng_state": rng_state.contiguous().view(torch.int64)}
 
 
 def _packed_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
                     max_q: int, max_k: int, is_causal: bool, scale: Optional[float],
-                    window_left: Optional[int], window_right: Optional[int]) -> Tuple[Tensor, Tensor]:
+                    window_left: Optional[int], window_right: Optional[int],
+                    dropout_p: float = 0.0) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
     window = flash_window(is_causal, window_left, window_right, int(max_k))
     q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
     opts, max_q, max_k = interface._validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_q),
                                                     int(max_k), scale=scale, window_size=window)
     _calls["forward"] += 1
+    if dropout_p:
+        out, lse, _, rng_state = interface._varlen_fwd_dropout_impl(
+            q, k, v, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), max_q, max_k, opts.scale,
+            opts.window_left, opts.window_right, 0.0, None, opts.tier, False, float(dropout_p))
+        return out, lse, rng_state
     out, lse, _ = interface._varlen_fwd_impl(q, k, v, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(),
                                              max_q, max_k, opts.scale, opts.window_left,
                                              opts.window_right, 0.0, None, opts.tier, False)
-    return out, lse
+    return out, lse, None
 
 
 def _packed_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                      cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_q: int, max_k: int,
                      is_causal: bool, scale: Optional[float], window_left: Optional[int],
-                     window_right: Optional[int]) -> Tuple[Tensor, Tensor, Tensor]:
+                     window_right: Optional[int], dropout_p: float = 0.0,
+                     rng_state: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
     wl, wr = flash_window(is_causal, window_left, window_right, int(max_k))
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     args = [_last_dim_contiguous(t) for t in (dout, q, k, v, out)]
@@ -206,7 +231,8 @@ def _packed_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
     return interface._varlen_bwd_impl(*args, lse.contiguous(), _no_aux(q), None,
                                       cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), int(max_q),
                                       int(max_k), scale, wl, wr, 0.0, None,
-                                      torch.are_deterministic_algorithms_enabled(), 0)
+                                      torch.are_deterministic_algorithms_enabled(), 0,
+                                      **_dropout_args(dropout_p, rng_state))
 
 
 # ---------------------------------------------------------------------------------------
@@ -218,8 +244,8 @@ def _sdpa_flash_forward(query, key, value, dropout_p=0.0, is_causal=False, retur
                         scale=None):
     """aten::_scaled_dot_product_flash_attention: (B, H, S, D) inputs."""
     _check_supported("scaled_dot_product_attention", query, dropout_p, return_debug_mask)
-    out, lse = _dense_forward(query, key, value, is_causal, scale, None, None)
-    rng_state, unused, debug_mask = _rng_outputs(query)
+    out, lse, rng = _dense_forward(query, key, value, is_causal, scale, None, None, dropout_p)
+    rng_state, unused, debug_mask = _rng_outputs(query, rng)
     return (_layout_like(out, query), lse, None, None, query.shape[2], key.shape[2], rng_state, unused,
             debug_mask)
 
@@ -228,7 +254,8 @@ def _sdpa_flash_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q,
                          dropout_p, is_causal, philox_seed, philox_offset, *, scale=None):
     """aten::_scaled_dot_product_flash_attention_backward."""
     _check_supported("scaled_dot_product_attention backward", query, dropout_p)
-    grads = _dense_backward(grad_out, query, key, value, out, logsumexp, is_causal, scale, None, None)
+    grads = _dense_backward(grad_out, query, key, value, out, logsumexp, is_causal, scale, None, None, dropout_p,
+                            philox_seed)
     return tuple(_layout_like(g, t) for g, t in zip(grads, (query, key, value)))
 
 
@@ -240,13 +267,13 @@ def _flash_forward(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropou
     _check_supported("_flash_attention_forward", query, dropout_p, return_debug_mask,
                      seqused_k=seqused_k, alibi_slopes=alibi_slopes, block_table=block_table)
     if cum_seq_q is None:
-        out, lse = _dense_forward(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
-                                  is_causal, scale, window_size_left, window_size_right)
+        out, lse, rng = _dense_forward(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
+                                       is_causal, scale, window_size_left, window_size_right, dropout_p)
         out = out.transpose(1, 2)
     else:
-        out, lse = _packed_forward(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, is_causal,
-                                   scale, window_size_left, window_size_right)
-    return (_layout_like(out, query), lse) + _rng_outputs(query)
+        out, lse, rng = _packed_forward(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, is_causal,
+                                        scale, window_size_left, window_size_right, dropout_p)
+    return (_layout_like(out, query), lse) + _rng_outputs(query, rng)
 
 
 def _flash_forward_no_dropout_inplace(out, query, key, value, cum_seq_q, cum_seq_k, max_q, max_k,
@@ -271,11 +298,13 @@ def _flash_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_
     _check_supported("_flash_attention_backward", query, dropout_p)
     if cum_seq_q is None:
         t = [x.transpose(1, 2) for x in (grad_out, query, key, value, out)]
-        grads = _dense_backward(*t, logsumexp, is_causal, scale, window_size_left, window_size_right)
+        grads = _dense_backward(*t, logsumexp, is_causal, scale, window_size_left, window_size_right, dropout_p,
+                                rng_state)
         grads = [g.transpose(1, 2) for g in grads]
     else:
         grads = _packed_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q,
-                                 max_k, is_causal, scale, window_size_left, window_size_right)
+                                 max_k, is_causal, scale, window_size_left, window_size_right, dropout_p,
+                                 rng_state)
     return tuple(_layout_like(g, x) for g, x in zip(grads, (query, key, value)))
 
 

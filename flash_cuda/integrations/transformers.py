@@ -22,8 +22,10 @@ of a materialised 4-D mask. The attention then takes one of three paths:
 
 From the model it takes the module's scaling, ``is_causal``, grouped-query heads (k / v are
 never repeated), the sliding window (a window of ``w`` tokens sees the ``w - 1`` before it and
-itself, as transformers' masks define it) and logit softcapping (Gemma-2). Attention dropout
-and attention sinks are not supported: a model that asks for them gets a ValueError.
+itself, as transformers' masks define it), logit softcapping (Gemma-2) and attention dropout
+(the module's ``attention_dropout`` in training; a padded batch draws per sequence as
+:func:`flash_cuda.varlen_attention` does). Attention sinks are not supported: a model that asks
+for them gets a ValueError.
 
 The name carries no "flash": transformers treats every implementation whose name contains it
 as a FlashAttention package to load from its kernel hub.
@@ -139,10 +141,6 @@ def attention_forward(
     ``(batch, kv_heads, kv_len, head_dim)``, ``attention_mask`` the 2-D padding mask from
     :func:`padding_mask` (or None). Returns ``(out, None)``, out ``(batch, q_len, heads,
     head_dim)``; attention weights are never materialised."""
-    if dropout:
-        raise ValueError(
-            f"flash_cuda has no attention dropout (the model asks for p={dropout}): set the config's "
-            "attention_dropout to 0.0, or call model.eval() when dropout is not wanted")
     if s_aux is not None:
         raise ValueError("flash_cuda does not support attention sinks (s_aux); use attn_implementation='sdpa' "
                          "or 'eager' for this model")
@@ -157,7 +155,8 @@ def attention_forward(
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
     opts = dict(is_causal=bool(is_causal), scale=scaling, window_size=_window(sliding_window, bool(is_causal)),
-                softcap=float(softcap or 0.0), deterministic=torch.are_deterministic_algorithms_enabled())
+                softcap=float(softcap or 0.0), deterministic=torch.are_deterministic_algorithms_enabled(),
+                dropout_p=float(dropout or 0.0))
     batch, heads, q_len, head_dim = query.shape
 
     # (batch, heads, seq, dim) views as (batch, seq, heads, dim): the projections' own layout.

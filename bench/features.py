@@ -23,10 +23,12 @@ VARLEN_B, VARLEN_S = 8, 2048
 MIXED_RANGE, MIXED_SEED = (128, 4096), 0
 SMALL_S, SMALL_D = 4096, 128  # softcap / ALiBi rows
 SOFTCAP = 50.0
+DROPOUT_P, DROPOUT_S = 0.1, 4096
 GOAL_WINDOW, GOAL_VARLEN = 0.85, 0.95  # within 15% / 5% of the plain call
+GOAL_DROPOUT = 1 / 1.1  # dropout_p = 0.1 within 10% of dropout_p = 0 in time
 
 CSV_COLUMNS = ["feature", "dtype", "D", "H", "causal", "mode", "layout", "B", "seqlens", "total_tokens", "window_left",
-               "window_right", "softcap", "alibi", "visible_pairs", "ms", "tflops", "peak_gib", "status",
+               "window_right", "softcap", "alibi", "dropout_p", "visible_pairs", "ms", "tflops", "peak_gib", "status",
                "baseline_tflops", "ratio", "goal", "sdpa_tflops"]
 
 
@@ -65,6 +67,7 @@ def label(call) -> str:
             if len(set(call.seqlens)) == 1 else f"varlen {n} mixed ({sum(call.seqlens)} tok)")
     text += f" window ({call.window[0]}, {call.window[1]})" if call.window != (-1, -1) else ""
     text += (f" softcap {call.softcap:g}" if call.softcap else "") + (" alibi" if call.alibi else "")
+    text += f" dropout {call.dropout:g}" if call.dropout else ""
     return text + ("" if call.provider == "flash_cuda" else f" [{call.provider}]")
 
 
@@ -96,6 +99,9 @@ def build_rows(d_list, causal_list, modes) -> list:
     for causal, mode in itertools.product(causal_list if SMALL_D in d_list else [], modes):
         base = dense(SMALL_D, causal, mode, R.TOKENS // SMALL_S, SMALL_S)
         rows += [Row("softcap", replace(base, softcap=SOFTCAP), base), Row("alibi", replace(base, alibi=True), base)]
+    for D, causal, mode in itertools.product(d_list, causal_list, modes):
+        base = dense(D, causal, mode, max(1, R.TOKENS // DROPOUT_S), DROPOUT_S)
+        rows.append(Row("dropout", replace(base, dropout=DROPOUT_P), base, GOAL_DROPOUT))
     return rows
 
 
@@ -150,7 +156,8 @@ def csv_frame(rows, results, dtype) -> pd.DataFrame:
             "causal": int(call.causal), "mode": call.mode, "layout": "varlen" if call.varlen else "dense",
             "B": len(lens), "seqlens": f"{lens[0]}x{len(lens)}" if len(set(lens)) == 1 else ";".join(map(str, lens)),
             "total_tokens": sum(lens), "window_left": sides(call)[0], "window_right": sides(call)[1],
-            "softcap": call.softcap, "alibi": int(call.alibi), "visible_pairs": pairs(call), **results[call],
+            "softcap": call.softcap, "alibi": int(call.alibi), "dropout_p": call.dropout, "visible_pairs": pairs(call),
+            **results[call],
             "baseline_tflops": tflops(results, row.base), "ratio": ratio_of(row, results), "goal": row.goal,
             "sdpa_tflops": tflops(results, row.sdpa)})
     df = pd.DataFrame(out, columns=CSV_COLUMNS)

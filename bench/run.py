@@ -89,11 +89,13 @@ class Call:
     window: tuple = (-1, -1)
     softcap: float = 0.0
     alibi: bool = False
+    dropout: float = 0.0
 
     def options(self) -> dict:
         """attention()'s options but alibi_slopes; defaults left out, so plain calls need no feature support."""
         return {"is_causal": self.causal, **({"window_size": self.window} if self.window != (-1, -1) else {}),
-                **({"softcap": self.softcap} if self.softcap else {})}
+                **({"softcap": self.softcap} if self.softcap else {}),
+                **({"dropout_p": self.dropout} if self.dropout else {})}
 
 
 class Unavailable(Exception):
@@ -129,7 +131,7 @@ def make_inputs(call: Call, dtype, seed: int, device="cuda"):
 def make_fn(call: Call, cu, device):
     """(q, k, v) -> out of the call's provider (measure() forces SDPA's backend)."""
     if call.provider in SDPA_BACKEND:
-        return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=call.causal)
+        return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=call.causal, dropout_p=call.dropout)
     fc, opts = load_flash_cuda(), call.options()
     if FLASH_KERNEL[call.provider] != "auto":
         opts["kernel"] = FLASH_KERNEL[call.provider]
@@ -146,7 +148,7 @@ def make_fn(call: Call, cu, device):
 def check(call: Call, fwd, q, k, v, dout, cu, dtype) -> str:
     """'ok' or 'WRONG (...)' against the float32 reference on heads 0 and H-1 of the last sequence: cheap at any S,
     and a wrong batch or head offset still shows."""
-    from flash_cuda.reference import attention_naive
+    from flash_cuda.reference import attention_naive, dropout_keep_mask
     heads = torch.tensor(sorted({0, call.H - 1}), device=q.device)
     a, b = (int(cu[-2]), int(cu[-1])) if call.varlen else (None, None)
 
@@ -157,6 +159,14 @@ def check(call: Call, fwd, q, k, v, dout, cu, dtype) -> str:
     opts, need_grad, ref_in = call.options(), call.mode != "fwd", [view(t).requires_grad_() for t in (q, k, v)]
     if call.alibi:
         opts["alibi_slopes"] = alibi_slopes(call.H)[heads.cpu()].to(q.device)
+    if call.dropout:
+        if call.provider != "flash_cuda" or call.varlen:
+            raise ValueError("the bench checks dropout on flash_cuda's dense calls only (their random numbers)")
+        # The call draws with the generator's next (seed, offset): its mask for the checked heads.
+        seed, offset = next_philox(q.device)
+        mask = dropout_keep_mask(1, call.H, call.seqlens[-1], call.seqlens[-1], call.dropout, seed, offset,
+                                 q.device, first_batch=len(call.seqlens) - 1)
+        opts["dropout_mask"] = mask.index_select(1, heads)
     saved_tf32 = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
     try:
@@ -183,6 +193,13 @@ def check(call: Call, fwd, q, k, v, dout, cu, dtype) -> str:
         if not err <= tol:
             return f"WRONG ({name} rel err {err:.3g} > {tol:g})"
     return "ok"
+
+
+def next_philox(device) -> tuple[int, int]:
+    """(seed, offset) the next dropout call on ``device`` draws with: torch's CUDA generator's
+    current seed and Philox offset (flash_cuda's binding takes them as torch's kernels do)."""
+    gen = torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
+    return gen.initial_seed(), gen.get_offset()
 
 
 def time_call(fwd, q, k, v, dout, mode: str, timer) -> tuple[float, float]:

@@ -75,6 +75,7 @@ def test_call_pairs_and_flops(feat):
     assert plain.options() == {"is_causal": False}
     assert Call("flash_cuda", 64, 2, True, "fwd", (8,), window=(4, 0), softcap=5.0).options() == {
         "is_causal": True, "window_size": (4, 0), "softcap": 5.0}
+    assert Call("flash_cuda", 64, 2, False, "fwd", (8,), dropout=0.1).options() == {"is_causal": False, "dropout_p": 0.1}
 
 
 def test_mixed_seqlens_fixed(feat):
@@ -89,7 +90,7 @@ def test_rows_plan(feat):
     for r in rows:
         by.setdefault(r.feature, []).append(r)
     assert len(by["window"]) == 4 and len(by["varlen"]) == 8 and len(by["varlen mixed"]) == 8
-    assert len(by["softcap"]) == 4 and len(by["alibi"]) == 4
+    assert len(by["softcap"]) == 4 and len(by["alibi"]) == 4 and len(by["dropout"]) == 8
     for r in rows:
         c = r.call
         assert c.H * c.D == 2048 and r.base.provider == "flash_cuda" and r.sdpa.provider == "sdpa"
@@ -103,9 +104,13 @@ def test_rows_plan(feat):
     for r in by["softcap"] + by["alibi"]:
         assert r.call.D == 128 and r.call.seqlens == (4096,) * 4
     assert by["softcap"][0].call.softcap == 50.0 and by["alibi"][0].call.alibi
+    for r in by["dropout"]:
+        assert r.call.dropout == 0.1 and r.call.seqlens == (4096,) * 4 and r.base.dropout == 0.0
+        assert r.goal == pytest.approx(1 / 1.1)
     assert not feat.build_rows([64], [0], ["fwd"])[0].feature == "window"
-    # every distinct call once: 4 window rows -> 12 calls, ...
-    assert len(feat.distinct_calls(rows)) == 60
+    # every distinct call once: 4 window rows -> 12 calls, ...; dropout at D 128 shares the
+    # softcap rows' plain calls
+    assert len(feat.distinct_calls(rows)) == 76
 
 
 def test_table_and_csv(feat):
@@ -133,13 +138,16 @@ def test_features_dry_run():
     proc = subprocess.run([sys.executable, str(BENCH / "run.py"), "--features", "--dry-run"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert "28 rows, 60 timed calls" in proc.stdout
+    assert "36 rows, 76 timed calls" in proc.stdout
     assert "features.csv" in proc.stdout
+
+
+_PHILOX = (1234, 8)  # the (seed, offset) the stand-in draws dropout with, as the bench reads it
 
 
 class _FakeFlash:
     """flash_cuda stand-in on CPU built on flash_cuda.reference; `broken` drops the window,
-    softcap and ALiBi options (the check must then say WRONG)."""
+    softcap, ALiBi and dropout options (the check must then say WRONG)."""
 
     def __init__(self, ref, broken=False):
         self.ref, self.broken = ref, broken
@@ -148,7 +156,11 @@ class _FakeFlash:
         return {"is_causal": opts.get("is_causal", False)} if self.broken else opts
 
     def attention(self, q, k, v, **opts):
-        return self.ref.attention_naive(q, k, v, **self._opts(opts))[0]
+        opts = self._opts(opts)
+        if opts.get("dropout_p"):
+            B, H, S, _ = q.shape
+            opts["dropout_mask"] = self.ref.dropout_keep_mask(B, H, S, S, opts["dropout_p"], *_PHILOX)
+        return self.ref.attention_naive(q, k, v, **opts)[0]
 
     def varlen_attention(self, q, k, v, cu_q, cu_k, max_q, max_k, **opts):
         return self.ref.attention_varlen_naive(q, k, v, cu_q, cu_k, **self._opts(opts))[0]
@@ -173,6 +185,9 @@ def test_features_end_to_end_on_cpu(feat, monkeypatch, tmp_path, capsys, broken)
     monkeypatch.setattr(feat, "SMALL_D", 32)
     monkeypatch.setattr(feat, "SOFTCAP", 1.0)  # 50 barely moves N(0, 1) logits
     monkeypatch.setattr(R, "load_flash_cuda", lambda: _FakeFlash(ref, broken))
+    monkeypatch.setattr(feat, "DROPOUT_S", 32)
+    monkeypatch.setattr(feat, "DROPOUT_P", 0.3)
+    monkeypatch.setattr(R, "next_philox", lambda device: _PHILOX)
 
     def fake_time_call(fwd, q, k, v, dout, mode, timer):
         out = fwd(q, k, v)
@@ -188,7 +203,7 @@ def test_features_end_to_end_on_cpu(feat, monkeypatch, tmp_path, capsys, broken)
         for call in (row.base, row.sdpa):
             assert results[call]["status"] == "ok", (call, results[call])
         r = results[row.call]
-        if broken and row.feature in ("window", "softcap", "alibi"):
+        if broken and row.feature in ("window", "softcap", "alibi", "dropout"):
             assert r["status"].startswith("WRONG"), (row.call, r)
         else:
             assert r["status"] == "ok", (row.call, r)

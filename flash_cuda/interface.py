@@ -1071,8 +1071,10 @@ def attention(
             rate (exactly unbiased: the keep rate is a multiple of 2^-16). Applied whenever
             it is > 0 (pass 0.0 in evaluation). The random numbers come from the current
             device's CUDA generator (``torch.manual_seed`` reproduces them) and the backward
-            regenerates the same mask. ``kernel`` ``"auto"``, ``"mma"`` or ``"simt"``: a
-            float16 / bfloat16 call with dropout runs the mma.sync kernels (on Hopper too).
+            regenerates the same mask. ``kernel`` ``"auto"``, ``"mma"`` or ``"simt"``: with
+            dropout a float16 / bfloat16 backward runs the mma.sync kernels, and so does the
+            forward except on Hopper for dense batches without softcap / ALiBi at head dims
+            up to 128 (the warp-specialized forward's dropout kernel).
 
     Returns:
         ``out`` with q's shape and dtype (laid out like ``torch.empty_like(q)``: q's strides

@@ -66,13 +66,16 @@ DTYPE_IDS = ["fp16", "bf16", "fp32"]
                                                     ((2, 2, 1, 257, 257), False, (40, 8))], ids=str)
 @pytest.mark.parametrize("p", [0.1, 0.5])
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
-def test_attention_with_dropout_matches_reference(dtype, D, shape, is_causal, window, p, deterministic):
+@pytest.mark.parametrize("tier", [0, 4], ids=["auto", "hopper_fwd"])
+def test_attention_with_dropout_matches_reference(dtype, D, shape, is_causal, window, p, deterministic, tier):
     if deterministic and (p != 0.1 or D != 64):
         pytest.skip("the deterministic backward: one p and head dim suffice")
+    if tier == 4 and (dtype == torch.float32 or torch.cuda.get_device_capability() != (9, 0) or deterministic):
+        pytest.skip("tier 4: the Hopper forward alone (its dropout instances), fp16 / bf16 on sm_90")
     B, Hq, Hkv, Sq, Sk = shape
     q, k, v = make_inputs(B, Hq, Hkv, Sq, Sk, D, dtype, "cuda", seed=D + Sq)
     do = make_inputs(B, Hq, Hq, Sq, Sq, D, dtype, "cuda", seed=7)[0]
-    got, rng, scale, win = _run(q, k, v, do, p, is_causal, window, deterministic=deterministic)
+    got, rng, scale, win = _run(q, k, v, do, p, is_causal, window, kernel_tier=tier, deterministic=deterministic)
     seed, offset = (int(x) for x in rng.tolist())
     mask = R.dropout_keep_mask(B, Hq, Sq, Sk, p, seed=seed, offset=offset, device="cuda")
 
@@ -223,3 +226,26 @@ def test_cuda_graph_replays_draw_new_numbers():
         ref_naive, _ = R.attention_naive(q, k, v, scale=scale, dropout_p=p, dropout_mask=mask)
         _, problem = rule_error("out", got.double(), ref, ref_naive.double(), ATOL_BASE[torch.float16])
         assert not problem, problem
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="the Hopper forward's dropout instances run on sm_90")
+@pytest.mark.parametrize("D", [64, 96, 128])
+def test_hopper_forward_draws_the_dropout(D):
+    """On sm_90 a dense call with dropout runs the warp-specialized forward's dropout kernel (the
+    backward stays on mma.sync), and its output is the reference's for the recorded draws."""
+    q, k, v = make_inputs(2, 4, 2, 300, 300, D, torch.bfloat16, "cuda", seed=D)
+    rng = torch.empty(2, dtype=torch.int64, device="cuda")
+    C = _ext.require()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        out, lse, _ = C.fwd(q, k, v, D ** -0.5, -1, 0, 0.0, None, None, None, 0, 0, 0, dropout_p=0.2, rng_state=rng)
+        torch.cuda.synchronize()
+    names = " ".join(e.name for e in prof.events())
+    assert "fwd_sm90_ws_dropout_kernel" in names, names[:500]
+    seed, offset = (int(x) for x in rng.tolist())
+    mask = R.dropout_keep_mask(2, 4, 300, 300, 0.2, seed=seed, offset=offset, device="cuda")
+    ref, _ = R.attention_naive(q.double(), k.double(), v.double(), scale=D ** -0.5, is_causal=True, dropout_p=0.2,
+                               dropout_mask=mask)
+    naive, _ = R.attention_naive(q, k, v, scale=D ** -0.5, is_causal=True, dropout_p=0.2, dropout_mask=mask)
+    _, problem = rule_error("out", out.double(), ref, naive.double(), ATOL_BASE[torch.bfloat16])
+    assert not problem, problem

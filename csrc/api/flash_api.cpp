@@ -405,7 +405,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd(
   const Shape s = check_qkv(q_in, k_in, v_in, m);
   FLASH_CHECK(std::isfinite(scale), "flash_cuda: scale must be finite");
   const Tier t = resolve_tier(tier, dtype_of(q_in));
-  FLASH_CHECK(dropout_p == 0.0 || t == Tier::kAuto || t == Tier::kMma || t == Tier::kSimt,
+  FLASH_CHECK(dropout_p == 0.0 || t == Tier::kAuto || t == Tier::kMma || t == Tier::kSimt || t == Tier::kWgmmaWs,
               "flash_cuda: dropout runs on kernel='auto', 'mma' or 'simt'");
 
   at::Tensor out = at::empty_like(q_in);

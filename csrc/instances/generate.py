@@ -48,6 +48,8 @@ def _entries(t) -> list:
          "Hopper warp-specialized forward"),
         ("wgmma_fwd_gqa", "wgmma/fwd.cuh", "run_fwd_sm90_ws_gqa", "FwdParams", "bool", t.WGMMA_FWD_GQA, (None,),
          "Hopper warp-specialized forward, GQA-packed tiles (the query heads of a KV group in one tile)"),
+        ("wgmma_fwd_dropout", "wgmma/fwd.cuh", "run_fwd_sm90_ws_dropout", "FwdParams", "bool", t.WGMMA_FWD_DROPOUT,
+         (None,), "Hopper warp-specialized forward with attention dropout (dense batches, no score modifier)"),
         ("wgmma_bwd", "wgmma/bwd_ws.cuh", "run_bwd_sm90", "BwdParams", "bool", tuple(t.WGMMA_BWD),
          ("", "_ext", "_softcap"), "Hopper backward (warp-specialized; cp.async when deterministic)"),
         ("wgmma_bwd_wide", "wgmma/bwd_wide.cuh", "run_bwd_sm90_wide", "BwdParams", "bool", t.WGMMA_BWD_WIDE,

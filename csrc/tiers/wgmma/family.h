@@ -36,13 +36,25 @@ template <int kDType, int kHeadDim, int kVariant> bool run_fwd_sm90_ws(const Fwd
 // The forward's GQA-packed tiles (a tile holds 128 / G queries of all G = hq / hkv query heads of a
 // KV group), kPlain.
 template <int kDType, int kHeadDim> bool run_fwd_sm90_ws_gqa(const FwdParams& params, cudaStream_t stream);
+// The forward with attention dropout (dense batches, no softcap / ALiBi), head-dim buckets 64 / 96 / 128.
+template <int kDType, int kHeadDim> bool run_fwd_sm90_ws_dropout(const FwdParams& params, cudaStream_t stream);
 template <int kDType, int kHeadDim, int kVariant> bool run_bwd_sm90(const BwdParams& params, cudaStream_t stream);
 template <int kDType, int kHeadDim, int kVariant> bool run_bwd_sm90_wide(const BwdParams& params, cudaStream_t stream);
 
 namespace wgmma {
 
+// Whether the Hopper forward serves a call with dropout: dense batches without softcap / ALiBi at
+// head dims up to 128 (its dropout instances); the rest runs on mma.sync.
+inline bool fwd_dropout_applies(const FwdParams& p) {
+  return p.cu_seqlens_q == nullptr && !has_score_mod(p) && p.d <= 128;
+}
+
 template <int kDType, int kVariant> struct FwdEntry {
   template <int kD> static bool run(const FwdParams& p, cudaStream_t s) {
+    if (has_dropout(p)) {  // (variant_of: kExtended) only the dropout instances draw
+      if constexpr (kVariant == kExtended && kD <= 128) return run_fwd_sm90_ws_dropout<kDType, kD>(p, s);
+      return false;
+    }
     if constexpr (kVariant == kPlain && kD <= 128) {
       // GQA-packed tiles where they pay; the launcher may decline.
       if (pack_gqa(p) && run_fwd_sm90_ws_gqa<kDType, kD>(p, s)) return true;
@@ -74,8 +86,10 @@ template <int kDType, int kVariant> struct WideBwdEntry {
 //   mma.sync family has it).
 struct WgmmaFamily {
   static bool applies(const FwdParams& p, Tier tier) {
-    // Dropout runs on the mma.sync family for now (core/dropout.cuh).
-    if (p.sm_arch != 90 || !wgmma::fwd_head_dim(p.d) || has_dropout(p)) return false;
+    // Dropout: the dropout instances where they apply, else the mma.sync family.
+    if (p.sm_arch != 90 || !wgmma::fwd_head_dim(p.d) || (has_dropout(p) && !wgmma::fwd_dropout_applies(p))) {
+      return false;
+    }
     if (tier == Tier::kWgmma) return wgmma::bwd_head_dim(p.d);
     return tier == Tier::kAuto || tier == Tier::kWgmmaWs;
   }

@@ -81,6 +81,7 @@
 #include "../../arch/tile.cuh"
 #include "../../arch/tma.h"
 #include "../../core/block.cuh"
+#include "../../core/dropout.cuh"
 #include "../../core/epilogue.cuh"
 #include "../../core/scheduler.cuh"
 #include "../../core/softmax.cuh"
@@ -360,8 +361,19 @@ __device__ __forceinline__ void produce(const TmaMaps& maps, const Ring<Cfg>& ri
 
 // What a consumer warp needs to know about its rows and keys. Rows: which query each row holds
 // (core/mask.cuh): OneQueryPerRow, or GqaPackedRows in the GQA-packed kernel.
-template <typename Rows>
+// Dropout's state in a consumer (the dropout instances): the launch's key, the tile's (batch,
+// head) slot of the draws and the kept probabilities' scale.
+struct DropoutState {
+  DropoutKey key;
+  uint32_t head_slot;
+  float scale;
+};
+struct NoDropout {};
+
+template <typename Rows, bool kDropout_ = false>
 struct ConsumerView {
+  static constexpr bool kDropout = kDropout_;
+  std::conditional_t<kDropout_, DropoutState, NoDropout> drop;
   AttnMask mask;  // of the tile's sequence
   ScoreMod mod;
   BlockRange range;
@@ -440,13 +452,25 @@ __device__ __forceinline__ void to_a_fragments(uint32_t (&pa)[Cfg::kBlockN / 16]
   accumulator_to_a<typename Cfg::T>(pa, sc[0]);
 }
 
+// Dropout (the dropout instances): P of key block nb times the keep mask and scale, after the row
+// sums (which are those before it). In the overlapped schedule it runs while the previous
+// block's P V is on the tensor cores, so the draws' integer work overlaps that product.
+template <typename Cfg, typename View>
+__device__ __forceinline__ void drop_probs(float (&sc)[1][Cfg::kNTiles][4], const View& cv, int nb) {
+  if constexpr (View::kDropout) {
+    dropout_tile<false>(sc, cv.drop.key, cv.drop.head_slot, cv.warp_row0, nb * Cfg::kBlockN, cv.drop.scale);
+  }
+}
+
 // Step 3 whole: P, its row sums, then O += P V, waited for at once (the serial schedule).
-template <typename Cfg>
+template <typename Cfg, typename View>
 __device__ __forceinline__ void compute_block_softmax_and_weighted_v(float (&sc)[1][Cfg::kNTiles][4],
                                                                     RowStats<1>& stats,
                                                                     float (&acc_o)[1][Cfg::kDTiles][4],
-                                                                    const typename Cfg::T* sV, float exp_scale) {
-  compute_block_softmax<Cfg>(sc, stats, exp_scale);
+                                                                    const typename Cfg::T* sV, const View& cv,
+                                                                    int nb) {
+  compute_block_softmax<Cfg>(sc, stats, cv.exp_scale);
+  drop_probs<Cfg>(sc, cv, nb);
   // P rounded to 16 bits, all of it before the first wgmma: registers an in-flight wgmma reads
   // must not be written in between.
   uint32_t pa[Cfg::kBlockN / 16][4];
@@ -473,7 +497,7 @@ __device__ __forceinline__ void consume_serial(const Ring<Cfg>& ring, int first,
     if (nb == cv.range.end - 1) qt.release();  // the tile's last product that reads Q is done
     merge_block_stats(stats, block_max, acc_o);
     mbarrier_wait(&ring.v_full[s], ring.parity(i));
-    compute_block_softmax_and_weighted_v<Cfg>(sc, stats, acc_o, ring.v(s), cv.exp_scale);
+    compute_block_softmax_and_weighted_v<Cfg>(sc, stats, acc_o, ring.v(s), cv, nb);
     ring.release_v(s);
   }
 }
@@ -525,6 +549,7 @@ __device__ __forceinline__ void consume_overlap(const Ring<Cfg>& ring, int first
   merge_block_stats(stats, block_max, rescale);
   rescale.pending = false;
   compute_block_softmax<Cfg>(sc, stats, cv.exp_scale);
+  drop_probs<Cfg>(sc, cv, cv.range.begin);
   to_a_fragments<Cfg>(pa, sc);
 
   for (int i = 1; i < n; ++i) {
@@ -541,6 +566,7 @@ __device__ __forceinline__ void consume_overlap(const Ring<Cfg>& ring, int first
     if (i == n - 1) qt.release();
     merge_block_stats(stats, block_max, rescale);
     compute_block_softmax<Cfg>(sc, stats, cv.exp_scale);
+    drop_probs<Cfg>(sc, cv, cv.range.begin + i);
     wgmma_wait<0>();  // P(i-1) V(i-1) landed: pa may be rewritten, O rescaled, the stage freed
     fence_accumulator(acc_o[0]);
     fence_fragments(pa);
@@ -563,10 +589,12 @@ __device__ __forceinline__ void consume_overlap(const Ring<Cfg>& ring, int first
 
 // kExt: the kExtended instances: packed batches, softcap and ALiBi. A dense call through them
 // reads cu_seqlens_q == nullptr and takes the dense path. kPackGqa: GQA-packed tiles (the head
-// comment), dense kPlain batches only.
-template <typename Cfg, int kSchedule, bool kExt, bool kPackGqa = false>
+// comment), dense kPlain batches only. kDrop: attention dropout on dense batches without score
+// modifiers (the dropout instances; kExt and kPackGqa off).
+template <typename Cfg, int kSchedule, bool kExt, bool kPackGqa = false, bool kDrop = false>
 __device__ __forceinline__ void fwd_ws_block(const FwdParams& p, const TmaMaps& maps) {
   static_assert(!(kPackGqa && kExt), "a packed tile's rows share no per-head modifier, nor one sequence's offsets");
+  static_assert(!(kDrop && (kExt || kPackGqa)), "dropout instances: dense batches, one query per row");
   using T = typename Cfg::T;
   using Work = QueryTilePlan<Cfg::kBlockM, Cfg::kBlockN, kExt>;
   using Rows = std::conditional_t<kPackGqa, GqaPackedRows, OneQueryPerRow>;
@@ -587,6 +615,7 @@ __device__ __forceinline__ void fwd_ws_block(const FwdParams& p, const TmaMaps& 
   ring.v_tail = ring.v_empty + kStages;
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if constexpr (kDrop) dropout_record(p.dropout);  // the (seed, offset) for the backward
 
   if (threadIdx.x == 0) {
     mbarrier_init(qt.full, 1);
@@ -654,7 +683,8 @@ __device__ __forceinline__ void fwd_ws_block(const FwdParams& p, const TmaMaps& 
     if (t < 0) break;
     const TileScheduler::Tile tile = sched.at(t);
     const Work w = Work::make(p, tile.b, tile.m_block, shift);  // rows_valid > 0: the producer publishes no other tile
-    ConsumerView<Rows> cv;
+    ConsumerView<Rows, kDrop> cv;
+    if constexpr (kDrop) cv.drop = DropoutState{dropout_key(p.dropout), uint32_t(tile.b * p.hq + tile.h), p.dropout.scale};
     cv.mask = w.mask;
     cv.mod = w.seq.template score_mod<kExt>(p, tile.h);
     cv.range = w.range;
@@ -739,6 +769,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   FLASH_SM90_KERNEL_BODY(fwd_ws_block<Cfg, kSchedule, kExt>(p, maps));  // (sm90_kernel_built)
 }
 
+// Attention dropout (dense batches, no score modifier, the overlapped schedule), under a name of
+// its own: the dropout-free kernels keep their registers.
+template <typename Cfg>
+__global__ void __launch_bounds__(Cfg::kThreads, 1)
+    fwd_sm90_ws_dropout_kernel(const __grid_constant__ FwdParams p, const __grid_constant__ TmaMaps maps) {
+  FLASH_SM90_KERNEL_BODY(fwd_ws_block<Cfg, kOverlap, /*kExt=*/false, /*kPackGqa=*/false, /*kDrop=*/true>(p, maps));  // (sm90_kernel_built)
+}
+
 // The GQA-packed tiles (kPlain, the overlapped schedule), under a name of its own so that a
 // profile tells the two routes apart.
 template <typename Cfg>
@@ -798,6 +836,16 @@ bool launch_fwd_sm90_ws_gqa(const FwdParams& p, cudaStream_t stream) {
   const int group = p.hq / p.hkv;
   if (group < 2 || Cfg::kBlockM % group != 0) return false;
   return launch_ws_tiles<Cfg>(kernel, p, stream, group);
+}
+
+// The forward with attention dropout: false, having launched nothing, where the call is not a
+// dense one without score modifiers (the mma.sync family serves those with dropout).
+template <typename Cfg>
+bool launch_fwd_sm90_ws_dropout(const FwdParams& p, cudaStream_t stream) {
+  auto kernel = sm90::ws::fwd_sm90_ws_dropout_kernel<Cfg>;
+  if (p.sm_arch != 90 || !sm90_kernel_built(kernel)) return false;
+  if (!has_dropout(p) || p.cu_seqlens_q != nullptr || has_score_mod(p)) return false;
+  return launch_ws_tiles<Cfg>(kernel, p, stream, /*group=*/1);
 }
 
 // The ablation rungs of the d 64 / 128 kPlain forward (family.h: the switches), each one
@@ -860,6 +908,18 @@ bool run_fwd_sm90_ws_gqa(const FwdParams& p, cudaStream_t stream) {
   constexpr int kWidth = kHeadDim == 96 ? 128 : kHeadDim;
   return launch_fwd_sm90_ws_gqa<sm90::ws::WsConfig<T, kWidth, sm90::ws::ws_block_n(kWidth), 0, 2, 2, kHeadDim>>(
       p, stream);
+}
+
+// The dropout instances: 128-row tiles, two consumer warpgroups; at d 64 the default 128-key
+// steps, on the 128-wide tiles (d 65..128; 65..96 with Q K^T 96 deep) 96-key steps: with 128 the
+// draws' registers beside S, P and O spill 44-56 bytes, with 96 nothing.
+template <int kDType, int kHeadDim>
+bool run_fwd_sm90_ws_dropout(const FwdParams& p, cudaStream_t stream) {
+  using T = typename ElementOf<kDType>::type;
+  static_assert(kHeadDim == 64 || kHeadDim == 96 || kHeadDim == 128, "the buckets with dropout instances");
+  constexpr int kWidth = kHeadDim == 96 ? 128 : kHeadDim;
+  constexpr int kBlockN = kWidth == 128 ? 96 : sm90::ws::ws_block_n(kWidth);
+  return launch_fwd_sm90_ws_dropout<sm90::ws::WsConfig<T, kWidth, kBlockN, 0, 2, 2, kHeadDim>>(p, stream);
 }
 
 }  // namespace flash_cuda

@@ -141,55 +141,103 @@ __device__ __forceinline__ void dropout_record(const DropoutParams& d) {
   }
 }
 
-// x * scale where element `number` is kept, else 0.
-__device__ __forceinline__ float dropout_apply(const DropoutKey& key, uint32_t number, float x, float scale) {
-  return dropout_keeps(key, number) ? x * scale : 0.f;
+// The keep mask of a warp's tile of C fragments x[kM][kN][4] (the mma.sync / wgmma accumulator
+// layout: element (mt, nt, e) at fragment row row0 + 16 mt + g + 8 (e / 2), column col0 + 8 nt +
+// 2 t + e % 2, g = lane / 4, t = lane % 4; row0 and col0 multiples of 16): one byte per 16 x 16
+// block (mt, np) of the thread's eight elements, bit 4 h + e for element (mt, 2 np + h, e), four
+// blocks per word. Made once, it can drop several tiles of the same elements (the dK / dV
+// kernel's dP^T and P^T).
+template <int kM, int kN>
+struct KeepTile {
+  static_assert(kN % 2 == 0, "whole 16-column blocks");
+  static constexpr int kBlocks = kM * kN / 2;
+  uint32_t bits[(kBlocks + 3) / 4];
+  __device__ __forceinline__ bool kept(int mt, int nt, int e) const {
+    const int b = mt * (kN / 2) + nt / 2;
+    return (bits[b / 4] >> (8 * (b % 4) + 4 * (nt % 2) + e)) & 1u;
+  }
+};
+
+// The keep bits of one 16 x 16 block from the four words of its draw: `word(h, e)` picks the word
+// and `half` the 16 bits of element (2 np + h, e).
+__device__ __forceinline__ uint32_t keep_byte(const DropoutKey& key, const uint32_t (&w)[4], bool transposed,
+                                              int half_t) {
+  uint32_t byte = 0;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      // Not transposed (rows are queries): word (e / 2) * 2 + h, half e % 2. Transposed (rows are
+      // keys; the caller passes the draw of query 2 t + e % 2): word 2 h + e / 2, half g % 2.
+      const uint32_t word = transposed ? w[2 * h + e / 2] : w[(e / 2) * 2 + h];
+      const int half = transposed ? half_t : e % 2;
+      byte |= uint32_t(dropout_keeps(key, (word >> (16 * half)) & 0xFFFFu)) << (4 * h + e);
+    }
+  }
+  return byte;
 }
 
-// Dropout of a warp's tile of C fragments x[kM][kN][4] (the mma.sync / wgmma accumulator layout:
-// element (mt, nt, e) at fragment row row0 + 16 mt + g + 8 (e / 2), column col0 + 8 nt + 2 t +
-// e % 2, g = lane / 4, t = lane % 4), row0 and col0 multiples of 16. Not transposed: rows are
-// queries and columns keys, and the thread's eight elements of each 16 x 16 block are one draw
-// (words x, y: row g, tiles 2np and 2np + 1; words z, w: row g + 8). kTransposed (the dK/dV
-// products' P^T, rows are keys): the thread's queries 2t and 2t + 1 are two draws, each giving the
-// elements of its query and query + 8 against keys g and g + 8 (the half g % 2 of each word).
+// Fills `keep` for a warp's tile. Not transposed (rows are queries): the thread's eight elements of
+// a block are one draw. kTransposed (the dK/dV products' P^T, rows are keys): the thread's queries
+// 2 t and 2 t + 1 are two draws, each holding its query and query + 8 against the keys of one
+// pair (2 c, 2 c + 1 and + 8) - the keys g and g + 8 take one half of each word, the lane with
+// g xor 1 (lane xor 4) the other. So the two lanes draw one each (g even: query 2 t, g odd:
+// 2 t + 1) and swap the words: one draw per eight elements, as without transposition.
 template <bool kTransposed, int kM, int kN>
-__device__ __forceinline__ void dropout_tile(float (&x)[kM][kN][4], const DropoutKey& key, uint32_t head_slot,
-                                             int row0, int col0, float scale) {
-  static_assert(kN % 2 == 0, "whole 16-column blocks");
+__device__ __forceinline__ void dropout_keep_tile(KeepTile<kM, kN>& keep, const DropoutKey& key,
+                                                  uint32_t head_slot, int row0, int col0) {
   const int lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
+#pragma unroll
+  for (int i = 0; i < (KeepTile<kM, kN>::kBlocks + 3) / 4; ++i) keep.bits[i] = 0;
 #pragma unroll
   for (int mt = 0; mt < kM; ++mt) {
 #pragma unroll
     for (int np = 0; np < kN / 2; ++np) {
+      uint32_t byte;
       if constexpr (!kTransposed) {
-        const uint32_t i = row0 + 16 * mt + g, j = col0 + 16 * np + 2 * t;
-        const PhiloxWords d = dropout_draw(key, head_slot, i, j);
-        const uint32_t w[4] = {d.x, d.y, d.z, d.w};  // (row half, column tile) = (0,0) (0,1) (1,0) (1,1)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const uint32_t lo = w[(e / 2) * 2], hi = w[(e / 2) * 2 + 1];  // tile 2np, tile 2np + 1
-          const int half = 16 * (e % 2);
-          x[mt][2 * np][e] = dropout_apply(key, (lo >> half) & 0xFFFFu, x[mt][2 * np][e], scale);
-          x[mt][2 * np + 1][e] = dropout_apply(key, (hi >> half) & 0xFFFFu, x[mt][2 * np + 1][e], scale);
-        }
+        const PhiloxWords d = dropout_draw(key, head_slot, row0 + 16 * mt + g, col0 + 16 * np + 2 * t);
+        const uint32_t w[4] = {d.x, d.y, d.z, d.w};
+        byte = keep_byte(key, w, false, 0);
       } else {
-        const uint32_t j = row0 + 16 * mt + g;  // key g (and g + 8 in the same draw)
-        const int half = 16 * (g % 2);
+        const int own = g % 2;  // this lane draws query 2 t + own, its partner 2 t + (1 - own)
+        const PhiloxWords d = dropout_draw(key, head_slot, col0 + 16 * np + 2 * t + own, row0 + 16 * mt + g);
+        const uint32_t mine[4] = {d.x, d.y, d.z, d.w};
+        uint32_t theirs[4];
 #pragma unroll
-        for (int c = 0; c < 2; ++c) {  // query 2t + c (and 2t + c + 8)
-          const uint32_t i = col0 + 16 * np + 2 * t + c;
-          const PhiloxWords d = dropout_draw(key, head_slot, i, j);
-          // x: (query i, key g); y: (i, g + 8); z: (i + 8, g); w: (i + 8, g + 8)
-          x[mt][2 * np][c] = dropout_apply(key, (d.x >> half) & 0xFFFFu, x[mt][2 * np][c], scale);
-          x[mt][2 * np][2 + c] = dropout_apply(key, (d.y >> half) & 0xFFFFu, x[mt][2 * np][2 + c], scale);
-          x[mt][2 * np + 1][c] = dropout_apply(key, (d.z >> half) & 0xFFFFu, x[mt][2 * np + 1][c], scale);
-          x[mt][2 * np + 1][2 + c] = dropout_apply(key, (d.w >> half) & 0xFFFFu, x[mt][2 * np + 1][2 + c], scale);
-        }
+        for (int k = 0; k < 4; ++k) theirs[k] = __shfl_xor_sync(0xffffffffu, mine[k], 4);
+        // element (h, e) belongs to query 2 t + e % 2: own's draw where e % 2 == own
+        const uint32_t q0[4] = {own == 0 ? mine[0] : theirs[0], own == 0 ? mine[1] : theirs[1],
+                                own == 0 ? mine[2] : theirs[2], own == 0 ? mine[3] : theirs[3]};
+        const uint32_t q1[4] = {own == 1 ? mine[0] : theirs[0], own == 1 ? mine[1] : theirs[1],
+                                own == 1 ? mine[2] : theirs[2], own == 1 ? mine[3] : theirs[3]};
+        const uint32_t b0 = keep_byte(key, q0, true, g % 2), b1 = keep_byte(key, q1, true, g % 2);
+        byte = (b0 & 0x55u) | (b1 & 0xAAu);  // bits 4 h + e: e % 2 == 0 from query 2 t, 1 from 2 t + 1
       }
+      const int b = mt * (kN / 2) + np;
+      keep.bits[b / 4] |= byte << (8 * (b % 4));
     }
   }
+}
+
+// x * scale where kept, else 0, element by element.
+template <int kM, int kN>
+__device__ __forceinline__ void dropout_apply_tile(float (&x)[kM][kN][4], const KeepTile<kM, kN>& keep, float scale) {
+#pragma unroll
+  for (int mt = 0; mt < kM; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < kN; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) x[mt][nt][e] = keep.kept(mt, nt, e) ? x[mt][nt][e] * scale : 0.f;
+}
+
+// Dropout of a warp's tile of C fragments in one step (the keep mask made and applied).
+template <bool kTransposed, int kM, int kN>
+__device__ __forceinline__ void dropout_tile(float (&x)[kM][kN][4], const DropoutKey& key, uint32_t head_slot,
+                                             int row0, int col0, float scale) {
+  KeepTile<kM, kN> keep;
+  dropout_keep_tile<kTransposed>(keep, key, head_slot, row0, col0);
+  dropout_apply_tile(x, keep, scale);
 }
 
 // One thread per element (a test op: the attention kernels draw once per eight elements). A

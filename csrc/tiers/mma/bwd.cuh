@@ -288,12 +288,12 @@ __global__ void __launch_bounds__(Cfg::kKVThreads, Cfg::kKVMinBlocks)
                                                      sLse + stage * kBlockM, needs_mask, warp_key0, m0, mask, p, seq, h);
 
       const bool dropout = kVariant != kPlain && has_dropout(p);
-      const uint32_t head_slot = blockIdx.z * p.hq + h;
-      // Dropout: dV takes P^T * keep, so P^T is dropped after dS^T, which needs it whole. The key
-      // (the forward's, from its record) is read where it is used: no registers held across blocks.
-      auto drop = [&](auto& x) {
-        dropout_tile<true>(x, dropout_key(p.dropout), head_slot, warp_key0, m0, p.dropout.scale);
-      };
+      // Dropout: the block's keep mask, drawn once (the forward's key, from its record, read here:
+      // no registers held across blocks), drops dP^T before dS^T and then P^T for dV (dS^T needs
+      // P^T whole).
+      KeepTile<kMTiles, kBlockM / 8> keep;
+      if (dropout) dropout_keep_tile<true>(keep, dropout_key(p.dropout), blockIdx.z * p.hq + h, warp_key0, m0);
+      auto drop = [&](auto& x) { dropout_apply_tile(x, keep, p.dropout.scale); };
 
       // dV += P^T dO.
       if constexpr (kDoDV) {

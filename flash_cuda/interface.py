@@ -1072,9 +1072,9 @@ def attention(
             it is > 0 (pass 0.0 in evaluation). The random numbers come from the current
             device's CUDA generator (``torch.manual_seed`` reproduces them) and the backward
             regenerates the same mask. ``kernel`` ``"auto"``, ``"mma"`` or ``"simt"``: with
-            dropout a float16 / bfloat16 backward runs the mma.sync kernels, and so does the
-            forward except on Hopper for dense batches without softcap / ALiBi at head dims
-            up to 128 (the warp-specialized forward's dropout kernel).
+            dropout a float16 / bfloat16 call runs the mma.sync kernels, except on Hopper for
+            dense batches without softcap / ALiBi (the warp-specialized dropout kernels: the
+            forward at head dims up to 128, the backward at 65..128, deterministic=False).
 
     Returns:
         ``out`` with q's shape and dtype (laid out like ``torch.empty_like(q)``: q's strides

@@ -249,3 +249,35 @@ def test_hopper_forward_draws_the_dropout(D):
     naive, _ = R.attention_naive(q, k, v, scale=D ** -0.5, is_causal=True, dropout_p=0.2, dropout_mask=mask)
     _, problem = rule_error("out", out.double(), ref, naive.double(), ATOL_BASE[torch.bfloat16])
     assert not problem, problem
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="the Hopper backward's dropout instances run on sm_90")
+@pytest.mark.parametrize("D,hopper", [(64, False), (96, True), (128, True)])
+def test_hopper_backward_draws_the_dropout(D, hopper):
+    """On sm_90 a dense backward with dropout at d 65..128 runs the warp-specialized backward's
+    dropout kernel (d <= 64: mma.sync), and its gradients are the reference's for the recorded draws."""
+    B, Hq, Hkv, S, p = 2, 4, 2, 300, 0.2
+    q, k, v = make_inputs(B, Hq, Hkv, S, S, D, torch.bfloat16, "cuda", seed=D + 1)
+    do = make_inputs(B, Hq, Hq, S, S, D, torch.bfloat16, "cuda", seed=3)[0]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        got, rng, scale, win = _run(q, k, v, do, p, True, (-1, -1))
+        torch.cuda.synchronize()
+    names = " ".join(e.name for e in prof.events())
+    assert ("bwd_sm90_ws_dropout_kernel" in names) == hopper, names[:800]
+    seed, offset = (int(x) for x in rng.tolist())
+    mask = R.dropout_keep_mask(B, Hq, S, S, p, seed=seed, offset=offset, device="cuda")
+
+    def reference(dt):
+        leaves = [t.detach().to(dt).requires_grad_() for t in (q, k, v)]
+        out, lse = R.attention_naive(*leaves, scale=scale, window_size=win, dropout_p=p, dropout_mask=mask)
+        return (out, lse, *torch.autograd.grad((out * do.to(dt)).sum(), leaves))
+
+    ref, naive = reference(torch.float64), reference(torch.bfloat16)
+    problems = []
+    for name, x, r, n in zip(("out", "lse", "dq", "dk", "dv"), got, ref, naive):
+        _, problem = rule_error(name, x.double(), r.double(), n.double(), ATOL_BASE[torch.bfloat16],
+                                mask=torch.isfinite(r) if name == "lse" else None)
+        if problem:
+            problems.append(problem)
+    assert not problems, problems

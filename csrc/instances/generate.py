@@ -52,6 +52,8 @@ def _entries(t) -> list:
          (None,), "Hopper warp-specialized forward with attention dropout (dense batches, no score modifier)"),
         ("wgmma_bwd", "wgmma/bwd_ws.cuh", "run_bwd_sm90", "BwdParams", "bool", tuple(t.WGMMA_BWD),
          ("", "_ext", "_softcap"), "Hopper backward (warp-specialized; cp.async when deterministic)"),
+        ("wgmma_bwd_dropout", "wgmma/bwd_ws.cuh", "run_bwd_sm90_dropout", "BwdParams", "bool", t.WGMMA_BWD_DROPOUT,
+         (None,), "Hopper warp-specialized backward with attention dropout (dense batches, no score modifier)"),
         ("wgmma_bwd_wide", "wgmma/bwd_wide.cuh", "run_bwd_sm90_wide", "BwdParams", "bool", t.WGMMA_BWD_WIDE,
          ("", "_ext", "_softcap"), "Hopper warp-specialized backward, head-dim columns split between the consumers"),
     ]

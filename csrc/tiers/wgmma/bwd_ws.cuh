@@ -51,6 +51,7 @@
 #pragma once
 
 #include "../../arch/tma.h"
+#include "../../core/dropout.cuh"
 #include "bwd.cuh"
 
 namespace flash_cuda {
@@ -447,8 +448,10 @@ __device__ __forceinline__ void claim_ds(const Smem<T, Cfg>& sm, int i) {
   }
 }
 
-template <typename T, typename Cfg, int kVariant>
+// kDrop: attention dropout (the dropout instances: dense batches without score modifiers, kPlain).
+template <typename T, typename Cfg, int kVariant, bool kDrop = false>
 __device__ __forceinline__ void bwd_ws_block(const BwdParams& p, const TmaMaps& maps) {
+  static_assert(!(kDrop && kVariant != kPlain), "dropout instances: dense, no score modifier");
   constexpr int kD = Cfg::kD;
   constexpr int kBlockM = Cfg::kBlockM;
   constexpr int kStages = Cfg::kStages;
@@ -541,9 +544,18 @@ __device__ __forceinline__ void bwd_ws_block(const BwdParams& p, const TmaMaps& 
         DtanhTile<kVariant, 1, 1> no_dtanh;
         compute_probs<true, kVariant>(pt, no_dtanh, sm.lse + s * kBlockM, needs_mask, warp_key0, m0, mask,
                                                p, seq, h);
+        // Dropout: the block's keep mask, drawn while dP^T is still on the tensor cores; it drops
+        // dP^T before dS^T = P^T (dP^T keep - delta) and then P^T for dV (the forward's key, from
+        // its record, read here).
+        KeepTile<1, kBlockM / 8> keep;
+        if constexpr (kDrop) {
+          dropout_keep_tile<true>(keep, dropout_key(p.dropout), uint32_t(bi * p.hq + h), warp_key0, m0);
+        }
         wgmma_wait<0>();
         fence_accumulator(dst[0]);
+        if constexpr (kDrop) dropout_apply_tile(dst, keep, p.dropout.scale);
         compute_ds<true, kVariant>(dst, pt, no_dtanh, sm.delta + s * kBlockM);
+        if constexpr (kDrop) dropout_apply_tile(pt, keep, p.dropout.scale);
         accumulator_to_a<T>(a_pt, pt[0]);
         accumulator_to_a<T>(a_ds, dst[0]);
       }
@@ -605,6 +617,13 @@ template <typename T, typename Cfg, int kVariant>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
     bwd_sm90_ws_kernel(const __grid_constant__ BwdParams p, const __grid_constant__ TmaMaps maps) {
   FLASH_SM90_KERNEL_BODY(bwd_ws_block<T, Cfg, kVariant>(p, maps));  // (sm90_kernel_built)
+}
+
+// Attention dropout (dense, no score modifier), under a name of its own.
+template <typename T, typename Cfg>
+__global__ void __launch_bounds__(Cfg::kThreads, 1)
+    bwd_sm90_ws_dropout_kernel(const __grid_constant__ BwdParams p, const __grid_constant__ TmaMaps maps) {
+  FLASH_SM90_KERNEL_BODY(bwd_ws_block<T, Cfg, kPlain, /*kDrop=*/true>(p, maps));  // (sm90_kernel_built)
 }
 
 // dq = scale * dq_accum for the tile layout of the workspace (DqTile): grid (query blocks of
@@ -693,6 +712,25 @@ bool launch_bwd_sm90_ws(const BwdParams& p, cudaStream_t stream) {
   // A kPlain kernel reads no cu_seqlens: packed batches come as kExtended or kSoftcapGrad (variant_of).
   if (p.dq_accum == nullptr || (packed && kVariant == kPlain) || !sm90_kernel_built(kernel)) return false;
   if (!launch_bwd_ws_main<T, Cfg>(kernel, p, "bwd_sm90_ws", stream)) return false;
+  sm90::bwd_ws::convert_dq_tiles_kernel<T, Cfg><<<dim3(ceil_div(p.sq, Cfg::kBlockM), p.hq, p.b), 256, 0, stream>>>(p);
+  check_launch("convert_dq_tiles");
+  return true;
+}
+
+// The backward with attention dropout: the warp-specialized kernel's dropout instance, or false
+// having launched nothing (no dQ workspace, a packed batch or a score modifier, a view TMA cannot
+// address): the caller runs the mma.sync backward, which has dropout (bwd.cuh's kernels do not).
+template <int kDType, int kHeadDim>
+bool run_bwd_sm90_dropout(const BwdParams& p, cudaStream_t stream) {
+  static_assert(kHeadDim == 96 || kHeadDim == 128, "the buckets with dropout instances (family.h)");
+  using T = typename ElementOf<kDType>::type;
+  using Cfg = sm90::bwd_ws::WsBwdConfig<sm90::BwdTraits<kHeadDim>, 2, kHeadDim>;
+  auto kernel = sm90::bwd_ws::bwd_sm90_ws_dropout_kernel<T, Cfg>;
+  if (p.sm_arch != 90 || p.dq_accum == nullptr || !has_dropout(p) || p.cu_seqlens_q != nullptr || has_score_mod(p) ||
+      !sm90_kernel_built(kernel)) {
+    return false;
+  }
+  if (!launch_bwd_ws_main<T, Cfg>(kernel, p, "bwd_sm90_ws_dropout", stream)) return false;
   sm90::bwd_ws::convert_dq_tiles_kernel<T, Cfg><<<dim3(ceil_div(p.sq, Cfg::kBlockM), p.hq, p.b), 256, 0, stream>>>(p);
   check_launch("convert_dq_tiles");
   return true;

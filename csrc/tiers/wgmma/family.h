@@ -39,6 +39,9 @@ template <int kDType, int kHeadDim> bool run_fwd_sm90_ws_gqa(const FwdParams& pa
 // The forward with attention dropout (dense batches, no softcap / ALiBi), head-dim buckets 64 / 96 / 128.
 template <int kDType, int kHeadDim> bool run_fwd_sm90_ws_dropout(const FwdParams& params, cudaStream_t stream);
 template <int kDType, int kHeadDim, int kVariant> bool run_bwd_sm90(const BwdParams& params, cudaStream_t stream);
+// The warp-specialized backward with attention dropout (dense batches, no softcap / ALiBi), head-dim
+// buckets 96 / 128.
+template <int kDType, int kHeadDim> bool run_bwd_sm90_dropout(const BwdParams& params, cudaStream_t stream);
 template <int kDType, int kHeadDim, int kVariant> bool run_bwd_sm90_wide(const BwdParams& params, cudaStream_t stream);
 
 namespace wgmma {
@@ -62,8 +65,24 @@ template <int kDType, int kVariant> struct FwdEntry {
     return run_fwd_sm90_ws<kDType, kD, kVariant>(p, s);
   }
 };
+// Whether the Hopper backward serves a call with dropout: its warp-specialized kernel's dropout
+// instances, for dense batches without softcap / ALiBi at head dims 65..128, every gradient
+// wanted and deterministic=False (the cp.async kernels, which the others take, have no dropout).
+// At d <= 64 (128-query steps) the draws beside P^T, dP^T, dK and dV spill 260 bytes per
+// consumer thread: the mma.sync backward serves those.
+inline bool bwd_dropout_applies(const BwdParams& p) {
+  return p.cu_seqlens_q == nullptr && !has_score_mod(p) && p.d > 64 && p.d <= 128 && !p.deterministic &&
+         !bwd_split() && bwd_wants_all(p);
+}
+
 template <int kDType, int kVariant> struct BwdEntry {
-  template <int kD> static bool run(const BwdParams& p, cudaStream_t s) { return run_bwd_sm90<kDType, kD, kVariant>(p, s); }
+  template <int kD> static bool run(const BwdParams& p, cudaStream_t s) {
+    if (has_dropout(p)) {  // (variant_of: kExtended) only the dropout instances draw
+      if constexpr (kVariant == kExtended && kD > 64) return run_bwd_sm90_dropout<kDType, kD>(p, s);
+      return false;
+    }
+    return run_bwd_sm90<kDType, kD, kVariant>(p, s);
+  }
 };
 template <int kDType, int kVariant> struct WideBwdEntry {
   template <int kD> static bool run(const BwdParams& p, cudaStream_t s) {
@@ -95,7 +114,8 @@ struct WgmmaFamily {
   }
   static bool applies(const BwdParams& p, Tier tier) {
     tier = bwd_tier(tier);
-    return p.sm_arch == 90 && !has_dropout(p) &&
+    if (has_dropout(p)) return p.sm_arch == 90 && tier == Tier::kAuto && wgmma::bwd_dropout_applies(p);
+    return p.sm_arch == 90 &&
            (((tier == Tier::kAuto || tier == Tier::kWgmma) && wgmma::bwd_head_dim(p.d)) ||
             wgmma::wide_bwd_applies(p, tier));
   }

@@ -8,8 +8,9 @@ including Sq != Sk both ways and causal rows that see no key), GQA, every memory
 (contiguous, transposed, strided views, storage offsets, a misaligned pointer), an lse
 gradient (dlse), and deterministic=True; then the options on every tier: sliding windows
 (causal and two-sided, rows whose window holds no key), softcap, ALiBi slopes per head and
-per batch entry, and packed batches (flash_cuda.varlen_attention) with empty and length-1
-sequences. Sizes are small: compute-sanitizer slows kernels down 10-100x.
+per batch entry, packed batches (flash_cuda.varlen_attention) with empty and length-1
+sequences, and attention dropout (checked with the mask its draws give, from the generator's
+seed and offset before the call). Sizes are small: compute-sanitizer slows kernels down 10-100x.
 
 Usage:
     python tests/sanitize_cases.py            # run every case (needs a GPU)
@@ -63,6 +64,7 @@ class Case:
     # The inputs that require grad: "qkv", or a subset ("q", "kv") that runs one side of the
     # backward; a subset is checked against the same call with every gradient.
     grads: str = "qkv"
+    dropout: float = 0.0
 
     def describe(self) -> str:
         flags = [f"{self.dtype:8s}", f"B={self.B} Hq={self.Hq} Hkv={self.Hkv}",
@@ -84,6 +86,8 @@ class Case:
             flags.append(f"{name}={value}")
         if self.grads != "qkv":
             flags.append(f"grads={self.grads}")
+        if self.dropout:
+            flags.append(f"dropout={self.dropout:g}")
         return " ".join(flags).rstrip()
 
 
@@ -190,6 +194,13 @@ CASES: List[Case] = [
     _varlen_case(BF16, 4, 2, (100, 0, 77, 200), (90, 3, 150, 260), 64, True, "strided", window=(64, 0),
                  grads="kv"),
     Case(F16, 1, 2, 1, 129, 300, 96, False, "offset", deterministic=True, softcap=5.0, grads="q"),
+    # ---- attention dropout: fp32 (one draw per element), fp16 / bf16 (one per eight), dense and
+    # packed, GQA, causal rows that see no key, a window, the deterministic backward ----
+    Case(F32, 1, 4, 2, 127, 300, 64, True, "bshd", deterministic=True, dropout=0.2),
+    Case(F16, 1, 4, 2, 300, 200, 128, True, "strided", window=(64, 0), dropout=0.3),
+    Case(BF16, 2, 2, 1, 257, 257, 64, False, "bhsd", dropout=0.1),
+    Case(BF16, 1, 2, 2, 129, 300, 96, False, "offset", deterministic=True, dropout=0.5),
+    _varlen_case(F16, 4, 2, (100, 0, 1, 77), (90, 3, 1, 150), 64, True, dropout=0.25),
 ]
 
 
@@ -211,13 +222,64 @@ def run_case(case: Case, index: int, check: bool) -> None:
     saved = {name: os.environ.get(name) for name, _ in case.env}
     os.environ.update(dict(case.env))
     try:
-        _run_case(case, index, check)
+        (_run_dropout_case if case.dropout else _run_case)(case, index, check)
     finally:
         for name, value in saved.items():
             if value is None:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+def _run_dropout_case(case: Case, index: int, check: bool) -> None:
+    """Forward and backward with dropout, against float64 (and the naive rule) given the mask
+    the call's draws give: (seed, offset) are the CUDA generator's before the call."""
+    import torch
+
+    import flash_cuda
+    from attn_check import ATOL_BASE, make_inputs, make_varlen_inputs, rule_error
+    from flash_cuda import reference as R
+
+    dtype = getattr(torch, case.dtype)
+    options = dict(is_causal=case.causal, window_size=case.window, deterministic=case.deterministic,
+                   dropout_p=case.dropout)
+    if case.varlen:
+        q, k, v, cu_q, cu_k, mq, mk = make_varlen_inputs(case.varlen[0], case.varlen[1], case.Hq, case.Hkv, case.D,
+                                                         dtype, "cuda", layout=_VARLEN_LAYOUT[case.layout],
+                                                         seed=1000 + index)
+        fn = lambda *t: flash_cuda.varlen_attention(*t, cu_q, cu_k, mq, mk, **options)  # noqa: E731
+    else:
+        q, k, v = make_inputs(case.B, case.Hq, case.Hkv, case.Sq, case.Sk, case.D, dtype, "cuda",
+                              layout=case.layout, seed=1000 + index)
+        fn = lambda *t: flash_cuda.attention(*t, **options)  # noqa: E731
+    gen = torch.cuda.default_generators[torch.cuda.current_device()]
+    seed, offset = gen.initial_seed(), gen.get_offset()
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    out = fn(*leaves)
+    dout = torch.randn(out.shape, generator=torch.Generator(device="cuda").manual_seed(index), device="cuda",
+                       dtype=out.dtype)
+    got = [out, *torch.autograd.grad(out, leaves, dout)]
+    torch.cuda.synchronize()
+    if not check:
+        return
+
+    def reference(dt):
+        ref_leaves = [t.detach().to(dt).requires_grad_() for t in (q, k, v)]
+        if case.varlen:
+            masks = R.dropout_keep_masks_varlen(cu_q.cpu(), cu_k.cpu(), case.Hq, case.dropout, seed, offset, "cuda")
+            o, _ = R.attention_varlen_naive(*ref_leaves, cu_q, cu_k, is_causal=case.causal, window_size=case.window,
+                                            dropout_p=case.dropout, dropout_masks=masks)
+        else:
+            mask = R.dropout_keep_mask(case.B, case.Hq, case.Sq, case.Sk, case.dropout, seed, offset, "cuda")
+            o, _ = R.attention_naive(*ref_leaves, is_causal=case.causal, window_size=case.window,
+                                     dropout_p=case.dropout, dropout_mask=mask)
+        return [o, *torch.autograd.grad(o, ref_leaves, dout.to(dt))]
+
+    ref, naive = reference(torch.float64), reference(dtype)
+    problems = [problem for name, x, r, n in zip(("out", "dq", "dk", "dv"), got, ref, naive)
+                for _, problem in [rule_error(name, x.double(), r, n.double(), ATOL_BASE[dtype])] if problem]
+    if problems:
+        raise AssertionError(f"sanitize case {index} (dropout): " + "; ".join(problems))
 
 
 def _run_case(case: Case, index: int, check: bool) -> None:

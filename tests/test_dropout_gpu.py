@@ -281,3 +281,37 @@ def test_hopper_backward_draws_the_dropout(D, hopper):
         if problem:
             problems.append(problem)
     assert not problems, problems
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_dropout_with_softcap_and_alibi(dtype):
+    """Dropout beside the score modifiers (softcap's derivative in the backward, ALiBi slopes per
+    head): the kernels' output and gradients against the reference given the recorded mask."""
+    from attn_check import make_alibi_slopes
+    B, Hq, Hkv, S, D, p, cap = 2, 4, 2, 200, 64, 0.2, 5.0
+    q, k, v = make_inputs(B, Hq, Hkv, S, S, D, dtype, "cuda", seed=11)
+    do = make_inputs(B, Hq, Hq, S, S, D, dtype, "cuda", seed=12)[0]
+    slopes = make_alibi_slopes(Hq, device="cuda", seed=3)
+    C = _ext.require()
+    scale = D ** -0.5
+    rng = torch.empty(2, dtype=torch.int64, device="cuda")
+    out, lse, aux = C.fwd(q, k, v, scale, -1, 0, cap, slopes, None, None, 0, 0, 0, dropout_p=p, rng_state=rng)
+    dq, dk, dv = C.bwd(do, q, k, v, out, lse, aux, None, scale, -1, 0, cap, slopes, None, None, 0, 0, False, 0,
+                       dropout_p=p, rng_state=rng)
+    seed, offset = (int(x) for x in rng.tolist())
+    mask = R.dropout_keep_mask(B, Hq, S, S, p, seed=seed, offset=offset, device="cuda")
+
+    def reference(dt):
+        leaves = [t.detach().to(dt).requires_grad_() for t in (q, k, v)]
+        o, l = R.attention_naive(*leaves, scale=scale, is_causal=True, softcap=cap, alibi_slopes=slopes,
+                                 dropout_p=p, dropout_mask=mask)
+        return (o, l, *torch.autograd.grad((o * do.to(dt)).sum(), leaves))
+
+    ref, naive = reference(torch.float64), reference(dtype)
+    problems = []
+    for name, x, r, n in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, dq, dk, dv), ref, naive):
+        _, problem = rule_error(name, x.double(), r.double(), n.double(), ATOL_BASE[dtype],
+                                mask=torch.isfinite(r) if name == "lse" else None)
+        if problem:
+            problems.append(problem)
+    assert not problems, problems

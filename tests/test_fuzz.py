@@ -464,7 +464,7 @@ def test_sanitize_cases_are_valid():
     for c in sc.CASES:
         assert c.dtype in DTYPES and c.D % 8 == 0 and 8 <= c.D <= 256 and c.Hq % c.Hkv == 0
         assert c.window[0] >= -1 and c.window[1] >= -1 and not (c.causal and c.window[1] > 0)
-        assert c.softcap >= 0 and c.alibi in ("", "heads", "batch")
+        assert c.softcap >= 0 and c.alibi in ("", "heads", "batch") and 0 <= c.dropout < 1
         if c.varlen:
             lq, lk = c.varlen
             assert len(lq) == len(lk) == c.B and max(lq) == c.Sq and max(lk) == c.Sk
@@ -473,5 +473,5 @@ def test_sanitize_cases_are_valid():
     for dtype in DTYPES:
         mine = [c for c in sc.CASES if c.dtype == dtype]
         assert any(c.window != (-1, -1) for c in mine) and any(c.softcap for c in mine)
-        assert any(c.alibi for c in mine) and any(c.varlen for c in mine)
+        assert any(c.alibi for c in mine) and any(c.varlen for c in mine) and any(c.dropout for c in mine)
     assert sc.main(["--list"]) == 0

@@ -307,6 +307,8 @@ __global__ void __launch_bounds__(Cfg::kKVThreads, Cfg::kKVMinBlocks)
                                                    sDelta + stage * kBlockM, [&](auto& dpt) {
                                                      if (dropout) drop(dpt);
                                                    });
+        // The dropped dV product before dK's, not after the branch: the keep bits then die before
+        // dK's product (after it, the d = 64 extended kernel spills 16 bytes on sm_90a).
         if constexpr (kDoDV) {
           if (dropout) {
             drop(pt);

@@ -61,6 +61,8 @@ def parse_args(argv=None):
     p.add_argument("--batch", type=int, default=None, help="B (default 16384 // S)")
     p.add_argument("--heads", type=int, default=None, help="H (default 2048 // D)")
     p.add_argument("--causal", type=int, choices=[0, 1], default=0)
+    p.add_argument("--window", type=int, nargs=2, default=None, metavar=("LEFT", "RIGHT"),
+                   help="flash_cuda's window_size (LEFT, RIGHT); -1 = unbounded")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--mode", choices=["fwd", "bwd", "fwd_bwd"], default="fwd")
     p.add_argument("--kernel", choices=["auto", "simt", "mma"], default="auto",
@@ -86,7 +88,8 @@ def parse_args(argv=None):
 def ncu_command(args, argv) -> str:
     """The ncu command line that profiles this script with the same options."""
     report = args.report or (f"ncu_{args.provider}_{args.mode}_d{args.d}_s{args.S}"
-                             f"_c{args.causal}_{args.dtype}")
+                             f"_c{args.causal}_{args.dtype}"
+                             + (f"_w{args.window[0]}_{args.window[1]}" if args.window else ""))
     script_args = [a for a in argv if a not in ("--print-ncu-cmd",)]
     # drop "--report NAME" (only meaningful to --print-ncu-cmd)
     cleaned, skip = [], False
@@ -117,9 +120,12 @@ def make_forward(args):
         import flash_cuda  # noqa: WPS433 (run-time import on purpose)
         if hasattr(flash_cuda, "is_available") and not flash_cuda.is_available():
             raise SystemExit("flash_cuda.is_available() is False")
-        return lambda q, k, v: flash_cuda.attention(q, k, v, is_causal=causal,
+        window = tuple(args.window) if args.window else (-1, -1)
+        return lambda q, k, v: flash_cuda.attention(q, k, v, is_causal=causal, window_size=window,
                                                     kernel=args.kernel,
                                                     deterministic=args.deterministic)
+    if args.window:
+        raise SystemExit("--window: flash_cuda only (SDPA takes no window)")
     return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
 
@@ -155,7 +161,7 @@ def main(argv=None) -> int:
             t.requires_grad_()
     fwd = make_forward(args)
     print(f"config: provider={args.provider} kernel={args.kernel} mode={args.mode} "
-          f"dtype={args.dtype} B={B} H={H} S={S} D={D} causal={args.causal} "
+          f"dtype={args.dtype} B={B} H={H} S={S} D={D} causal={args.causal} window={args.window} "
           f"(warmup {args.warmup}, profiled {args.iters} inside NVTX range '{RANGE_NAME}')")
 
     def clear_grads():

@@ -253,10 +253,11 @@ def test_hopper_forward_draws_the_dropout(D):
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
                     reason="the Hopper backward's dropout instances run on sm_90")
-@pytest.mark.parametrize("D,hopper", [(64, False), (96, True), (128, True)])
+@pytest.mark.parametrize("D,hopper", [(32, False), (40, True), (64, True), (96, True), (128, True)])
 def test_hopper_backward_draws_the_dropout(D, hopper):
-    """On sm_90 a dense backward with dropout at d 65..128 runs the warp-specialized backward's
-    dropout kernel (d <= 64: mma.sync), and its gradients are the reference's for the recorded draws."""
+    """On sm_90 a dense backward with dropout at d 33..128 runs the warp-specialized backward's
+    dropout kernel (its 128-wide tiles at every d; d <= 32: mma.sync), and its gradients are the
+    reference's for the recorded draws."""
     B, Hq, Hkv, S, p = 2, 4, 2, 300, 0.2
     q, k, v = make_inputs(B, Hq, Hkv, S, S, D, torch.bfloat16, "cuda", seed=D + 1)
     do = make_inputs(B, Hq, Hq, S, S, D, torch.bfloat16, "cuda", seed=3)[0]

@@ -62,7 +62,10 @@ WGMMA_FWD = {64: dict(block_n=128), 96: dict(block_n=128), 128: dict(block_n=128
 WGMMA_FWD_EXT = (64, 96, 128, 192, 256)
 WGMMA_FWD_GQA = (64, 96, 128)
 WGMMA_FWD_DROPOUT = (64, 96, 128)  # the forward with attention dropout (dense, no score modifier)
-WGMMA_BWD_DROPOUT = (96, 128)  # the warp-specialized backward with dropout (d <= 64: mma.sync)
+# The warp-specialized backward with dropout: every bucket on the 128-wide tiles (64-query steps;
+# bucket 64 with its products over d 64 deep): the 64-wide tiles' 128-query steps leave no
+# registers for the keep bits.
+WGMMA_BWD_DROPOUT = (64, 96, 128)
 # Backward (dK/dV and dQ kernels of bwd.cuh, which bwd_ws.cuh builds on): (kKVWarpGroups,
 # kKVBlockM, kQWarpGroups, kQBlockN); 96 runs the 128-wide tiles.
 WGMMA_BWD = {64: dict(tile=(2, 128, 2, 128)), 96: dict(width=128), 128: dict(tile=(2, 64, 2, 96))}

@@ -356,7 +356,6 @@ __device__ __forceinline__ void issue_dq_product(float (&acc)[1][DqSplit<Cfg>::k
   const T* a_tile = sdS + (Split::row0(wg) / 64) * kBlockN * 64;  // dS^T slab: keys x 64 queries
   const T* b_tile = sK + (Split::col0(wg) / 64) * kBlockN * 64;   // K slab(s): keys x kN columns
   wgmma_fence();
-#pragma unroll
   // A = dS (M = queries, K = keys) read transposed from dS^T; B = K (N-major).
   wgmma_ss<kBlockN / 16, false, T>(acc[0], MNMajor<kBlockN>{a_tile, 0}, MNMajor<kBlockN>{b_tile, 0});
   wgmma_commit();
@@ -722,9 +721,13 @@ bool launch_bwd_sm90_ws(const BwdParams& p, cudaStream_t stream) {
 // address): the caller runs the mma.sync backward, which has dropout (bwd.cuh's kernels do not).
 template <int kDType, int kHeadDim>
 bool run_bwd_sm90_dropout(const BwdParams& p, cudaStream_t stream) {
-  static_assert(kHeadDim == 96 || kHeadDim == 128, "the buckets with dropout instances (family.h)");
+  static_assert(kHeadDim == 64 || kHeadDim == 96 || kHeadDim == 128, "the buckets with dropout instances (family.h)");
   using T = typename ElementOf<kDType>::type;
-  using Cfg = sm90::bwd_ws::WsBwdConfig<sm90::BwdTraits<kHeadDim>, 2, kHeadDim>;
+  // Every bucket on the 128-wide tiles, the products over d kHeadDim deep: at d <= 64 the 64-wide
+  // tiles' 128-query steps spilled 260 bytes with the keep bits (consumers at 224-232
+  // registers); the 128-wide tiles step over 64 queries. The dQ workspace follows
+  // (config.h: bwd_tile_width).
+  using Cfg = sm90::bwd_ws::WsBwdConfig<sm90::BwdTraits<128>, 2, kHeadDim>;
   auto kernel = sm90::bwd_ws::bwd_sm90_ws_dropout_kernel<T, Cfg>;
   if (p.sm_arch != 90 || p.dq_accum == nullptr || !has_dropout(p) || p.cu_seqlens_q != nullptr || has_score_mod(p) ||
       !sm90_kernel_built(kernel)) {

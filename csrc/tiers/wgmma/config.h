@@ -71,6 +71,11 @@ inline bool pack_gqa(const FwdParams& p) {
 // WsBwdConfig::kBlockM static_asserts against this): the height of its dQ tiles.
 constexpr int bwd_block_m(int bucket_d) { return bucket_d <= 64 ? 128 : 64; }
 
+// The width of the warp-specialized backward's tiles for a call: its head-dim bucket's, except
+// that a call with dropout runs the 128-wide dropout instances at every d (bwd_ws.cuh:
+// run_bwd_sm90_dropout), so its dQ workspace has their tiles.
+inline int bwd_tile_width(const BwdParams& p) { return has_dropout(p) && p.d <= 128 ? 128 : (p.d + 63) / 64 * 64; }
+
 // The tiles of the warp-specialized backward's dQ workspace (bwd_ws.cuh: DqTile, block_m x
 // bucket-d floats each), one per (sequence, query head, query block of block_m rows):
 //   dense:   tile (bi * hq + h) * ceil(sq / block_m) + m_block

@@ -66,19 +66,18 @@ template <int kDType, int kVariant> struct FwdEntry {
   }
 };
 // Whether the Hopper backward serves a call with dropout: its warp-specialized kernel's dropout
-// instances, for dense batches without softcap / ALiBi at head dims 65..128, every gradient
+// instances, for dense batches without softcap / ALiBi at head dims 33..128, every gradient
 // wanted and deterministic=False (the cp.async kernels, which the others take, have no dropout).
-// At d <= 64 (128-query steps) the draws beside P^T, dP^T, dK and dV spill 260 bytes per
-// consumer thread: the mma.sync backward serves those.
+// All of them run the 128-wide tiles (bwd_ws.cuh: run_bwd_sm90_dropout).
 inline bool bwd_dropout_applies(const BwdParams& p) {
-  return p.cu_seqlens_q == nullptr && !has_score_mod(p) && p.d > 64 && p.d <= 128 && !p.deterministic &&
+  return p.cu_seqlens_q == nullptr && !has_score_mod(p) && bwd_head_dim(p.d) && !p.deterministic &&
          !bwd_split() && bwd_wants_all(p);
 }
 
 template <int kDType, int kVariant> struct BwdEntry {
   template <int kD> static bool run(const BwdParams& p, cudaStream_t s) {
     if (has_dropout(p)) {  // (variant_of: kExtended) only the dropout instances draw
-      if constexpr (kVariant == kExtended && kD > 64) return run_bwd_sm90_dropout<kDType, kD>(p, s);
+      if constexpr (kVariant == kExtended) return run_bwd_sm90_dropout<kDType, kD>(p, s);
       return false;
     }
     return run_bwd_sm90<kDType, kD, kVariant>(p, s);
@@ -127,7 +126,7 @@ struct WgmmaFamily {
   static Workspace plan(BwdParams& p, Tier) {
     Workspace ws;
     if (p.deterministic || wgmma::bwd_split() || !bwd_wants_all(p)) return ws;
-    const int bucket_d = (p.d + 63) / 64 * 64;
+    const int bucket_d = wgmma::bwd_tile_width(p);
     const int block_m = wgmma::bwd_block_m(bucket_d);
     const int64_t tiles = wgmma::dq_tile_count(p, block_m) * block_m * bucket_d;
     const int64_t stat_rows =

@@ -604,20 +604,30 @@ def _empty_grads(q, k, v, need_dq, need_dkdv):
             torch.zeros_like(v) if need_dkdv else None)
 
 
+def _dropout_kwargs(dropout_p, rng_state) -> dict:
+    """The extension's dropout keywords for a backward: none without dropout."""
+    return {"dropout_p": float(dropout_p), "rng_state": rng_state} if dropout_p else {}
+
+
+def _new_rng_state(q: Tensor) -> Tensor:
+    """Where a forward with dropout records the (seed, offset) of its draws for the backward."""
+    return torch.zeros(2, dtype=torch.int64, device=q.device)
+
+
 def _bwd_impl(dout, q, k, v, out, lse, aux, dlse, scale, window_left, window_right, softcap, alibi_slopes,
               deterministic, tier, need_dq=True, need_dkdv=True, dropout_p=0.0, rng_state=None):
     if _is_empty(q, k):
         return _empty_grads(q, k, v, need_dq, need_dkdv)
-    extra = {} if not dropout_p else {"dropout_p": float(dropout_p), "rng_state": rng_state}
     return _ext.require().bwd(dout, q, k, v, out, lse, aux, dlse, float(scale), int(window_left),
                               int(window_right), float(softcap), alibi_slopes, None, None, 0, 0,
-                              bool(deterministic), int(tier), bool(need_dq), bool(need_dkdv), **extra)
+                              bool(deterministic), int(tier), bool(need_dq), bool(need_dkdv),
+                              **_dropout_kwargs(dropout_p, rng_state))
 
 
 def _fwd_dropout_impl(q, k, v, scale, window_left, window_right, softcap, alibi_slopes, tier, dropout_p):
     """The forward with dropout: (out, lse, aux, rng_state), rng_state the (seed, offset) of the
     draws (int64 [2]) for the backward."""
-    rng_state = torch.zeros(2, dtype=torch.int64, device=q.device)
+    rng_state = _new_rng_state(q)
     if _is_empty(q, k):
         return (*_empty_fwd(q, _dense_lse_shape(q)), rng_state)
     out, lse, aux = _ext.require().fwd(q, k, v, float(scale), int(window_left), int(window_right), float(softcap),
@@ -641,7 +651,7 @@ def _varlen_fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
 def _varlen_fwd_dropout_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, window_left,
                              window_right, softcap, alibi_slopes, tier, check_cu_seqlens, dropout_p):
     """The packed forward with dropout: (out, lse, aux, rng_state)."""
-    rng_state = torch.zeros(2, dtype=torch.int64, device=q.device)
+    rng_state = _new_rng_state(q)
     if _check_cu_seqlens_enabled(check_cu_seqlens):
         _check_cu_seqlens_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0],
                                  max_seqlen_q, max_seqlen_k)
@@ -659,11 +669,10 @@ def _varlen_bwd_impl(dout, q, k, v, out, lse, aux, dlse, cu_seqlens_q, cu_seqlen
                      need_dq=True, need_dkdv=True, dropout_p=0.0, rng_state=None):
     if _is_empty_varlen(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k):
         return _empty_grads(q, k, v, need_dq, need_dkdv)
-    extra = {} if not dropout_p else {"dropout_p": float(dropout_p), "rng_state": rng_state}
     return _ext.require().bwd(dout, q, k, v, out, lse, aux, dlse, float(scale), int(window_left),
                               int(window_right), float(softcap), alibi_slopes, cu_seqlens_q, cu_seqlens_k,
                               int(max_seqlen_q), int(max_seqlen_k), bool(deterministic), int(tier),
-                              bool(need_dq), bool(need_dkdv), **extra)
+                              bool(need_dq), bool(need_dkdv), **_dropout_kwargs(dropout_p, rng_state))
 
 
 @torch.library.custom_op("flash_cuda::fwd", mutates_args=())

@@ -119,15 +119,6 @@ def test_ws_forward_d64_192_key_steps(monkeypatch, sched, B, Hq, Hkv, Sq, Sk, D,
 
 
 @pytest.mark.parametrize("dtype", [F16, BF16], ids=["fp16", "bf16"])
-@pytest.mark.parametrize("B,Hq,Hkv,Sq,Sk,D,is_causal,window,layout", [c for c in CASES if c[5] == 128])
-def test_ws_forward_d128_176_key_steps(monkeypatch, dtype, B, Hq, Hkv, Sq, Sk, D, is_causal, window, layout):
-    """The d = 128 ablation FLASH_CUDA_WS_BLOCK_N=176 (FlashAttention-3's 128 x 176 tile; 11
-    16-key steps per P V, key blocks that end off the 128-key grid) under the same rule."""
-    _ablation(monkeypatch, FLASH_CUDA_WS_BLOCK_N="176")
-    test_ws_forward_matches_float64("keys176", dtype, B, Hq, Hkv, Sq, Sk, D, is_causal, window, layout)
-
-
-@pytest.mark.parametrize("dtype", [F16, BF16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("B,Hq,Hkv,Sq,Sk,D,is_causal,window,layout", [c for c in CASES if c[5] == 64])
 def test_ws_forward_d64_four_stages(monkeypatch, dtype, B, Hq, Hkv, Sq, Sk, D, is_causal, window, layout):
     """The d = 64 ablation FLASH_CUDA_WS_STAGES=4 (a deeper K/V ring) under the same rule."""

@@ -8,7 +8,7 @@ this folder after changing it; the output is committed.
 
 from pathlib import Path
 
-NS = (32, 64, 96, 128, 176, 192, 256)
+NS = (32, 64, 96, 128, 192, 256)
 TYPES = (("__nv_bfloat16", "bf16"), ("__half", "f16"))
 
 HEADER = """\

@@ -17,8 +17,7 @@ namespace wgmma {
 inline bool ws_serial() { return ablation_is("FLASH_CUDA_WS_SCHEDULE", "serial"); }
 // FLASH_CUDA_WS_PERSISTENT=0: one CTA per tile instead of one per SM looping over tiles.
 inline bool ws_persistent() { return ablation_int("FLASH_CUDA_WS_PERSISTENT", 1) != 0; }
-// FLASH_CUDA_WS_BLOCK_N=192 | 176: the d = 64 kPlain forward steps over 192 keys instead of 128,
-//     the d = 128 one over 176 (FlashAttention-3's non-causal d = 128 tile, 128 x 176).
+// FLASH_CUDA_WS_BLOCK_N=192: the d = 64 kPlain forward steps over 192 keys instead of 128.
 inline int ws_block_n_override() { return ablation_int("FLASH_CUDA_WS_BLOCK_N", 0); }
 // FLASH_CUDA_WS_STAGES=4: the d = 64 kPlain forward with 4 K/V stages in its ring instead of 2.
 inline int ws_stages_override() { return ablation_int("FLASH_CUDA_WS_STAGES", 0); }

@@ -150,11 +150,10 @@ struct WsConfig {
   // fits in 24 with little to spare (one more live value spilled it), a packed one's (its
   // sequence's offsets, lengths and mask per tile) in 40, which up to d = 192 it keeps. At
   // d = 256 the overlapped consumers need 240 for the 64 x 256 O accumulator beside two S tiles
-  // (232 spills), which leaves the producer 24, enough for a dense batch only (so do d = 128's
-  // 176-key steps, whose S tile of 88 registers spilled 60 bytes at 232); the serial-only
+  // (232 spills), which leaves the producer 24, enough for a dense batch only; the serial-only
   // instances (the extended ones, packed batches among them) keep 232 / 40. Three consumer
   // warpgroups (d = 64): 24 / 160.
-  static constexpr bool kWideOverlap = (kHeadDim_ > 192 || (kHeadDim_ == 128 && kBlockN_ > 128)) && !kSerialOnly_;
+  static constexpr bool kWideOverlap = kHeadDim_ > 192 && !kSerialOnly_;
   static constexpr int kProducerRegs = kConsumerWGs == 3 ? 24 : (kWideOverlap ? 24 : 40);
   static constexpr int kConsumerRegs = kConsumerWGs == 3 ? 160 : (kWideOverlap ? 240 : 232);
   static_assert(kConsumerWGs == 2 || (kConsumerWGs == 3 && kHeadDim_ == 64), "measured shapes");
@@ -850,8 +849,8 @@ bool launch_fwd_sm90_ws_dropout(const FwdParams& p, cudaStream_t stream) {
 }
 
 // The ablation rungs of the d 64 / 128 kPlain forward (family.h: the switches), each one
-// configuration measured against the default in OPTIMIZATION.md: the poly-exp2 share, at
-// d = 64 192-key steps and a 4-stage ring, at d = 128 176-key steps. Declines (false) where no switch is set.
+// configuration measured against the default in OPTIMIZATION.md: the poly-exp2 share, and at
+// d = 64 192-key steps and a 4-stage ring. Declines (false) where no switch is set.
 template <typename T, int kHeadDim, int kVariant>
 bool launch_fwd_sm90_ws_rung(const FwdParams& p, cudaStream_t stream) {
   using sm90::ws::WsConfig;
@@ -861,9 +860,6 @@ bool launch_fwd_sm90_ws_rung(const FwdParams& p, cudaStream_t stream) {
       case 4: return launch_fwd_sm90_ws<WsConfig<T, kHeadDim, kBlockN, 4>, kVariant>(p, stream);
       case 8: return launch_fwd_sm90_ws<WsConfig<T, kHeadDim, kBlockN, 8>, kVariant>(p, stream);
       default: break;
-    }
-    if constexpr (kHeadDim == 128) {
-      if (wgmma::ws_block_n_override() == 176) return launch_fwd_sm90_ws<WsConfig<T, 128, 176>, kVariant>(p, stream);
     }
     if constexpr (kHeadDim == 64) {
       if (wgmma::ws_block_n_override() == 192) return launch_fwd_sm90_ws<WsConfig<T, 64, 192>, kVariant>(p, stream);

@@ -40,7 +40,7 @@ template <int kDType, int kHeadDim> bool run_fwd_sm90_ws_gqa(const FwdParams& pa
 template <int kDType, int kHeadDim> bool run_fwd_sm90_ws_dropout(const FwdParams& params, cudaStream_t stream);
 template <int kDType, int kHeadDim, int kVariant> bool run_bwd_sm90(const BwdParams& params, cudaStream_t stream);
 // The warp-specialized backward with attention dropout (dense batches, no softcap / ALiBi), head-dim
-// buckets 96 / 128.
+// buckets 64 / 96 / 128 (all on the 128-wide tiles).
 template <int kDType, int kHeadDim> bool run_bwd_sm90_dropout(const BwdParams& params, cudaStream_t stream);
 template <int kDType, int kHeadDim, int kVariant> bool run_bwd_sm90_wide(const BwdParams& params, cudaStream_t stream);
 

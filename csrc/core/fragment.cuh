@@ -43,6 +43,43 @@ __device__ __forceinline__ void for_each_element(float (&s)[kM][kN][4], int row_
       for (int e = 0; e < 4; ++e) f(s[mt][nt][e], row_base + mt * 16 + g + (e / 2) * 8, col_base + nt * 8 + 2 * t + (e % 2));
 }
 
+// Bit 2 i + c set for each of a thread's columns 8 i + c (c = 0, 1; i < 16: its columns of 16
+// C tiles, counted from the thread's first) that lies below x.
+__device__ __forceinline__ uint32_t columns_below(int x) {
+  x = x < 0 ? 0 : (x > 128 ? 128 : x);
+  const int r = x & 7;
+  const int n = 2 * (x >> 3) + (r < 2 ? r : 2);  // 0 .. 32
+  return n == 32 ? 0xffffffffu : (1u << n) - 1u;
+}
+
+// Sets every element whose column lies outside its row's range to `value`:
+// range_of(row) -> its half-open [lo, hi) (core/mask.cuh: ColumnRange), rows from row_base and columns from col_base as in
+// for_each_element. Per row and 16 C tiles the visible columns become one 32-bit mask (a few
+// integer instructions); per element a constant bit of it decides, which the compiler moves
+// into predicates (R2P, 7 bits at once) instead of comparing indices element by element.
+template <int kM, int kN, typename RangeOf>
+__device__ __forceinline__ void fill_outside_columns(float (&s)[kM][kN][4], int row_base, int col_base, float value,
+                                                     RangeOf&& range_of) {
+  const int lane = threadIdx.x % 32;
+  const int g = lane / 4, t = lane % 4;
+#pragma unroll
+  for (int mt = 0; mt < kM; ++mt)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const auto r = range_of(row_base + mt * 16 + g + half * 8);
+#pragma unroll
+      for (int n0 = 0; n0 < kN; n0 += 16) {
+        const int c0 = col_base + 8 * n0 + 2 * t;  // the thread's first column of these tiles
+        const uint32_t keep = columns_below(r.hi - c0) & ~columns_below(r.lo - c0);
+#pragma unroll
+        for (int i = 0; i < 16 && n0 + i < kN; ++i)
+#pragma unroll
+          for (int c = 0; c < 2; ++c)
+            if (!((keep >> (2 * i + c)) & 1u)) s[mt][n0 + i][half * 2 + c] = value;
+      }
+    }
+}
+
 template <int kM, int kN>
 __device__ __forceinline__ void zero_fill(float (&acc)[kM][kN][4]) {
 #pragma unroll

@@ -6,6 +6,7 @@
 //   * which queries can see a range of keys? (backward)               AttnMask::query_begin / query_end
 //     (in blocks: core/block.cuh)
 //   * does a (query range x key range) tile need the per-element test at all?  AttnMask::needs_mask
+//   * which keys does one query see, which queries one key? (a fragment row)  AttnMask::keys_of / queries_of
 //   * which query does a row of a tile hold? (GQA-packed tiles)      OneQueryPerRow / GqaPackedRows
 //   * softcap and ALiBi on a score, and softcap's derivative        ScoreMod
 //   * both on a whole accumulator fragment (core/fragment.cuh)     modify_and_mask
@@ -31,9 +32,16 @@
 
 namespace flash_cuda {
 
+FLASH_HOST_DEVICE inline int min_int(int a, int b) { return a < b ? a : b; }
+FLASH_HOST_DEVICE inline int max_int(int a, int b) { return a > b ? a : b; }
 FLASH_HOST_DEVICE inline int clamp_to_int(int64_t x, int lo, int hi) {
   return x < lo ? lo : (x > hi ? hi : static_cast<int>(x));
 }
+
+// The columns a row of a tile sees: the half-open range [lo, hi) (empty when lo >= hi).
+struct ColumnRange {
+  int lo, hi;
+};
 
 struct AttnMask {
   int sq, sk;            // this sequence's lengths
@@ -78,6 +86,21 @@ struct AttnMask {
   FLASH_HOST_DEVICE int query_end(int c1) const {
     const int last = (c1 < sk ? c1 : sk) - 1;
     return clamp_to_int(static_cast<int64_t>(last) - diag_lo + 1, 0, sq);
+  }
+
+  // The keys query i sees, [key_begin(i), key_end(i + 1)), and the queries that see key j,
+  // [query_begin(j), query_end(j + 1)); empty past the sequence (rows of a tile beyond sq or sk
+  // count as masked). In 32-bit arithmetic that cannot overflow (the min / max bound each sum by
+  // sq or sk before it is formed): a kernel's mask runs them per fragment row, where 64-bit
+  // clamps would cost registers it does not have (the d = 256 forward spilled).
+  FLASH_HOST_DEVICE ColumnRange keys_of(int i) const {
+    const int rest = i < sq ? sk - i : -i;  // i + rest: the end of i's keys (0 past sq)
+    return {max_int(i + min_int(diag_lo, rest), 0), max_int(i + min_int(diag_hi, rest - 1) + 1, 0)};
+  }
+  FLASH_HOST_DEVICE ColumnRange queries_of(int j) const {
+    const int lo = j - max_int(diag_hi, j - sq);          // <= sq
+    const int hi = j - max_int(diag_lo, j - (sq - 1)) + 1;  // <= sq
+    return {max_int(lo, 0), j < sk ? max_int(hi, 0) : 0};
   }
 
   // True when some pair of the tile [r0, r1) x [c0, c1) is visible: lets a warp skip a tile
@@ -209,9 +232,7 @@ __device__ __forceinline__ void modify_and_mask(float (&s)[kM][kN][4], bool need
     });
   }
   if (needs_mask) {
-    for_each_element(s, row_base, key_base, [&](float& x, int row, int col) {
-      if (!mask.visible(rows.query(row), col)) x = -INFINITY;
-    });
+    fill_outside_columns(s, row_base, key_base, -INFINITY, [&](int row) { return mask.keys_of(rows.query(row)); });
   }
 }
 #endif  // __CUDACC__

@@ -285,13 +285,9 @@ __device__ __forceinline__ void compute_probs(float (&s)[kMTiles][kNTiles][4],
     }
   }
   if (needs_mask) {
-#pragma unroll
-    for (int mt = 0; mt < kMTiles; ++mt)
-#pragma unroll
-      for (int j = 0; j < kNTiles; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e)
-          if (!mask.visible(query_of(mt, j, e), key_of(mt, j, e))) s[mt][j][e] = 0.f;
+    fill_outside_columns(s, row0, col0, 0.f, [&](int row) {
+      return kTransposed ? mask.queries_of(row) : mask.keys_of(row);
+    });
   }
 }
 

@@ -215,6 +215,28 @@ struct ScoreMod {
 };
 
 #if defined(__CUDACC__)
+// Sets the elements of a C fragment (rows from row_base, columns from col_base) that the mask
+// hides to `value`: rows are queries and columns keys, or the reverse (kTransposed: the
+// backward's S^T). Rows of 16 C tiles (the Hopper forward's 128-key steps, the d <= 64 Hopper
+// backward's 128-query steps) take the per-row bit mask (fill_outside_columns: one bit test per
+// element instead of the index compares), which gained where masked blocks weigh (OPTIMIZATION.md,
+// "The mask as bits"); narrower rows compare each element's indices: at 8 tiles (the d = 128
+// backward) the bits measured nothing, and in the mma.sync tiles (sm_120's) and the softcap
+// backward's 8-query slices their registers spilled.
+template <bool kTransposed, int kM, int kN, typename Rows = OneQueryPerRow>
+__device__ __forceinline__ void mask_fragment(float (&s)[kM][kN][4], int row_base, int col_base, float value,
+                                              const AttnMask& mask, const Rows& rows = {}) {
+  if constexpr (kN >= 16) {
+    fill_outside_columns(s, row_base, col_base, value, [&](int row) {
+      return kTransposed ? mask.queries_of(row) : mask.keys_of(rows.query(row));
+    });
+  } else {
+    for_each_element(s, row_base, col_base, [&](float& x, int row, int col) {
+      if (!(kTransposed ? mask.visible(col, row) : mask.visible(rows.query(row), col))) x = value;
+    });
+  }
+}
+
 // The score modifiers (softcap, ALiBi) and the mask on a warp's C fragment of S (core/
 // fragment.cuh), rows from row_base and keys from key_base. Without modifiers S stays the raw
 // q.k; with them each score becomes the modified logit in log2 units (scale_log2 applied first:
@@ -231,9 +253,7 @@ __device__ __forceinline__ void modify_and_mask(float (&s)[kM][kN][4], bool need
       x = mod.apply(x * scale_log2, rows.query(row), col);
     });
   }
-  if (needs_mask) {
-    fill_outside_columns(s, row_base, key_base, -INFINITY, [&](int row) { return mask.keys_of(rows.query(row)); });
-  }
+  if (needs_mask) mask_fragment<false>(s, row_base, key_base, -INFINITY, mask, rows);
 }
 #endif  // __CUDACC__
 

@@ -284,11 +284,7 @@ __device__ __forceinline__ void compute_probs(float (&s)[kMTiles][kNTiles][4],
         for (int e = 0; e < 4; ++e) s[mt][j][e] = ex2_approx(fmaf(s[mt][j][e], exp_scale, -lse_log2[e / 2]));
     }
   }
-  if (needs_mask) {
-    fill_outside_columns(s, row0, col0, 0.f, [&](int row) {
-      return kTransposed ? mask.queries_of(row) : mask.keys_of(row);
-    });
-  }
+  if (needs_mask) mask_fragment<kTransposed>(s, row0, col0, 0.f, mask);
 }
 
 // dS = P * (dP - delta) (times dtanh with softcap), in place in dp. kTransposed as above:

@@ -1017,7 +1017,8 @@ _FEATURES_DOC = r"""
             By default two backwards add dQ across key blocks in an unordered way (so dq
             can differ in its last bits between runs; dk, dv do not): the float32 one (float
             atomics) and, on sm_90, the float16 / bfloat16 one at head dims 33..256, dense
-            and packed (:func:`varlen_attention`) batches alike (one warp-specialized kernel
+            and packed (:func:`varlen_attention`) batches alike, and below 33 for dense
+            batches without softcap / ALiBi (one warp-specialized kernel
             adding
             dQ into an fp32 workspace of about B * Hq * Sq * D * 4 bytes, D rounded up to 64;
             packed: Hq * (total_q + (B + 1) * M) * D * 4 bytes, M = 128 at D <= 64, else 64).
@@ -1030,8 +1031,10 @@ _FEATURES_DOC = r"""
             dims 33..256 (dense and packed batches, softcap, ALiBi),
             ``"wgmma"`` (warpgroup MMA) for the other forwards and the backward at 33..128
             (softcap's backward only with ``deterministic=False``; head dims 65..96 run the
-            128-wide kernels), and a warp-specialized backward at 129..256 with
-            ``deterministic=False``; else ``"mma"`` (mma.sync tensor-core
+            128-wide kernels), a warp-specialized backward at 129..256 with
+            ``deterministic=False``, and at head dims up to 32 the 64-wide kernels for dense
+            batches without softcap, ALiBi or dropout (the backward with
+            ``deterministic=False``); else ``"mma"`` (mma.sync tensor-core
             kernels, sm_80 and newer, every head dim and option). Both tensor-core tiers accumulate in fp32. Asking for ``"simt"`` with
             16-bit inputs, ``"mma"`` / ``"wgmma"`` with float32 inputs, or ``"wgmma"`` where
             it does not apply is an error."""
@@ -1083,7 +1086,8 @@ def attention(
             regenerates the same mask. ``kernel`` ``"auto"``, ``"mma"`` or ``"simt"``: with
             dropout a float16 / bfloat16 call runs the mma.sync kernels, except on Hopper for
             dense batches without softcap / ALiBi (the warp-specialized dropout kernels: the
-            forward at head dims up to 128, the backward at 65..128, deterministic=False).
+            forward and the backward at head dims 33..128, the backward with
+            deterministic=False).
 
     Returns:
         ``out`` with q's shape and dtype (laid out like ``torch.empty_like(q)``: q's strides

@@ -90,8 +90,9 @@ def _wgmma_applies(dtype, D) -> bool:
 
 
 def _ws_forward_only(dtype, D) -> bool:
-    """Where kernel='auto' runs the warp-specialized Hopper forward, which no kernel name selects."""
-    return dtype != F32 and _is_sm90() and 128 < D <= 256
+    """Where kernel='auto' runs the warp-specialized Hopper forward, which no kernel name selects
+    (a call without score modifiers at D <= 32)."""
+    return dtype != F32 and _is_sm90() and (D <= 32 or 128 < D <= 256)
 
 
 def _auto_kernel(dtype, D) -> str:
@@ -111,8 +112,8 @@ def test_explicit_kernel(dtype, kernel, D, is_causal):
         check_attention(q, k, v, is_causal=is_causal, scale=None, kernel=kernel, label=kernel)
     out_auto = flash_cuda.attention(q, k, v, is_causal=is_causal)
     if _ws_forward_only(dtype, D):
-        # No kernel name selects the warp-specialized forward above d = 128 (kernel='wgmma' is
-        # the tier of head dims 33..128): auto's forward there is the extension's tier 4.
+        # No kernel name selects the warp-specialized forward above d = 128 or below 33
+        # (kernel='wgmma' is the tier of head dims 33..128): auto's forward there is tier 4.
         from flash_cuda import _ext
         out_explicit = _ext.require().fwd(q, k, v, 1.0 / math.sqrt(D), -1, 0 if is_causal else -1, 0.0, None,
                                           None, None, 0, 0, 4)[0]

@@ -1,5 +1,6 @@
 """The Hopper backward's two routes (csrc/tiers/wgmma/family.h), each held to the float64 rule of
-every other kernel (tests/attn_check.py), head dims 33..128 (65..96 on the 128-wide kernels):
+every other kernel (tests/attn_check.py), head dims 33..128 (65..96 on the 128-wide kernels) and
+8..32 on the 64-wide kernels (dense, no score modifiers):
   ws             deterministic=False: the warp-specialized kernel, csrc/tiers/wgmma/bwd_ws.cuh: a
                  TMA producer, 5 products per block pair, dQ into an fp32 workspace (dense and
                  packed batches) by a writer warp's bulk reductions (one dS^T buffer at d = 64,
@@ -255,6 +256,51 @@ def _backward_kernels(out, inputs):
         torch.autograd.grad(out, inputs, torch.ones_like(out))
         torch.cuda.synchronize()
     return " ".join(e.name for e in prof.events())
+
+
+# Head dims 8..32 (csrc/tiers/wgmma/config.h: narrow_fwd_applies / narrow_bwd_applies): kernel='auto'
+# runs the warp-specialized forward and, with deterministic=False, backward on the 64-wide tiles,
+# the products over d 32 deep, TMA's zeros past d; deterministic=True stays on mma.sync. Block
+# edges, Sq != Sk both ways, GQA, windows, views, the forward's 192-row tiles (Sq >= 2048), a
+# single key.
+NARROW_CASES = [
+    (2, 4, 2, 1000, 1000, 32, True, (-1, -1), "bhsd"),
+    (1, 4, 4, 777, 1029, 32, False, (-1, -1), "bshd"),
+    (1, 4, 2, 2100, 2100, 16, True, (-1, -1), "bhsd"),
+    (1, 4, 1, 513, 300, 24, True, (-1, -1), "strided"),
+    (1, 2, 2, 300, 700, 8, False, (64, 32), "offset"),
+    (1, 6, 3, 65, 1, 32, False, (-1, -1), "bhsd"),
+]
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("B,Hq,Hkv,Sq,Sk,D,is_causal,window,layout", NARROW_CASES)
+def test_sm90_narrow_head_dims(mode, dtype, B, Hq, Hkv, Sq, Sk, D, is_causal, window, layout):
+    q, k, v = make_inputs(B, Hq, Hkv, Sq, Sk, D, dtype, "cuda", layout=layout, seed=Sq + D)
+    check_attention(q, k, v, is_causal=is_causal, scale=None, window_size=window, deterministic=_det(mode),
+                    label=f"sm90 narrow d {mode}", seed=Sq)
+
+
+@pytest.mark.parametrize("D", [8, 32])
+def test_narrow_head_dims_run_the_hopper_kernels(mode, D):
+    """d <= 32: the warp-specialized forward, and the warp-specialized backward with
+    deterministic=False (mma.sync with deterministic=True); softcap keeps both on mma.sync."""
+    import flash_cuda
+
+    q, k, v = make_inputs(1, 4, 2, 512, 512, D, BF16, "cuda", seed=5)
+    for softcap in (0.0, 5.0):
+        qf, kf, vf = (t.detach().requires_grad_() for t in (q, k, v))
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            out = flash_cuda.attention(qf, kf, vf, is_causal=True, softcap=softcap, deterministic=_det(mode))
+            torch.cuda.synchronize()
+        fwd_names = " ".join(e.name for e in prof.events())
+        if not fwd_names:
+            pytest.skip("torch.profiler recorded no CUDA kernel here (no CUPTI)")
+        names = _backward_kernels(out, (qf, kf, vf))
+        plain = softcap == 0.0
+        assert ("fwd_sm90_ws_kernel" in fwd_names) == plain, fwd_names
+        assert ("bwd_sm90_ws_kernel" in names) == (plain and mode == "ws"), names
+        assert "bwd_dkdv_sm90_kernel" not in names, names
 
 
 @pytest.mark.parametrize("D", [64, 96, 128])

@@ -319,7 +319,8 @@ void dispatch(Params& p, Tier tier, const at::TensorOptions& options) {
   }
   FLASH_CHECK(kBackward || tier != Tier::kWgmmaWs,
               "flash_cuda: the warp-specialized forward (tier 4) needs an sm_90 GPU, a build with the 90a target, "
-              "head dim 33..256, and 16-byte aligned strides");
+              "head dim 33..256 (or up to 32 without softcap, ALiBi, dropout or packed batches), and 16-byte "
+              "aligned strides");
   FLASH_CHECK(tier != Tier::kWgmma, kNoWgmma);
   FLASH_CHECK(run_family<MmaFamily>(p, kBackward && tier == Tier::kWgmmaWs ? Tier::kAuto : tier, options),
               "flash_cuda: internal error: no kernel family ran the call");

@@ -727,9 +727,9 @@ bool run_bwd_sm90_dropout(const BwdParams& p, cudaStream_t stream) {
   // tiles' 128-query steps spilled 260 bytes with the keep bits (consumers at 224-232
   // registers); the 128-wide tiles step over 64 queries. The dQ workspace follows
   // (config.h: bwd_tile_width).
-  using Cfg = sm90::bwd_ws::WsBwdConfig<sm90::BwdTraits<128>, 2, kHeadDim>;
+  using Cfg = sm90::bwd_ws::WsBwdConfig<sm90::BwdTraits<wgmma::kBwdDropoutTileWidth>, 2, kHeadDim>;
   auto kernel = sm90::bwd_ws::bwd_sm90_ws_dropout_kernel<T, Cfg>;
-  if (p.sm_arch != 90 || p.dq_accum == nullptr || !has_dropout(p) || p.cu_seqlens_q != nullptr || has_score_mod(p) ||
+  if (p.sm_arch != 90 || p.dq_accum == nullptr || !has_dropout(p) || !wgmma::bwd_dropout_applies(p) ||
       !sm90_kernel_built(kernel)) {
     return false;
   }
@@ -751,6 +751,11 @@ bool run_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
   // Head dims 65..96 run the 128-wide tiles (the cp.async kernels with all their k-steps).
   using Traits = sm90::BwdTraits<kHeadDim>;
   if (p.sm_arch != 90) return false;
+  if constexpr (kHeadDim == 64 && kVariant == kPlain) {
+    // d <= 32 (config.h: narrow_bwd_applies): the one-pass kernel on these tiles with S^T and dP^T
+    // 32 deep (TMA's zeros past d), or mma.sync (false) where it declines.
+    if (p.d <= wgmma::kNarrowDepth) return launch_bwd_sm90_ws<T, Traits, kVariant, wgmma::kNarrowDepth>(p, stream);
+  }
   if (launch_bwd_sm90_ws<T, Traits, kVariant, kHeadDim>(p, stream)) return true;
   if constexpr (kVariant == kSoftcapGrad) {
     return false;  // the caller runs the mma.sync backward

@@ -73,7 +73,10 @@ constexpr int bwd_block_m(int bucket_d) { return bucket_d <= 64 ? 128 : 64; }
 // The width of the warp-specialized backward's tiles for a call: its head-dim bucket's, except
 // that a call with dropout runs the 128-wide dropout instances at every d (bwd_ws.cuh:
 // run_bwd_sm90_dropout), so its dQ workspace has their tiles.
-inline int bwd_tile_width(const BwdParams& p) { return has_dropout(p) && p.d <= 128 ? 128 : (p.d + 63) / 64 * 64; }
+constexpr int kBwdDropoutTileWidth = 128;
+inline int bwd_tile_width(const BwdParams& p) {
+  return has_dropout(p) && p.d <= 128 ? kBwdDropoutTileWidth : (p.d + 63) / 64 * 64;
+}
 
 // The tiles of the warp-specialized backward's dQ workspace (bwd_ws.cuh: DqTile, block_m x
 // bucket-d floats each), one per (sequence, query head, query block of block_m rows):
@@ -101,11 +104,36 @@ FLASH_HOST_DEVICE inline int64_t dq_tile(const FwdParams& p, int bi, int h, int 
 // Head dims: the forward serves 33..256; the backward 33..128 (bwd_ws.cuh, bwd.cuh) and, for
 // kernel='auto' with deterministic=False, 129..256 (bwd_wide.cuh). d 65..96 runs the 128-wide
 // tiles (TMA filling the columns past d with zeros), which at d = 96 still beats the mma.sync
-// kernels of the 96 bucket by far (OPTIMIZATION.md).
-inline bool fwd_head_dim(int d) { return d > 32 && d <= 256; }
-inline bool bwd_head_dim(int d) { return d > 32 && d <= 128; }
+// kernels of the 96 bucket by far (OPTIMIZATION.md). d <= 32 (kNarrowDepth) runs the 64-wide
+// tiles the same way, the products over d 32 deep, for what was measured there: dense batches
+// without score modifiers or dropout (kPlain) and, backward, the one-pass kernel
+// (deterministic=False, every gradient wanted); the rest of d <= 32 stays on mma.sync.
+constexpr int kNarrowDepth = 32;
+inline bool fwd_head_dim(int d) { return d > kNarrowDepth && d <= 256; }
+inline bool bwd_head_dim(int d) { return d > kNarrowDepth && d <= 128; }
+inline bool narrow_fwd_applies(const FwdParams& p) {
+  return p.d <= kNarrowDepth && variant_of(p, /*backward=*/false) == kPlain;
+}
+inline bool narrow_bwd_applies(const BwdParams& p) {
+  return p.d <= kNarrowDepth && variant_of(p, /*backward=*/true) == kPlain && !p.deterministic && !bwd_split() &&
+         bwd_wants_all(p);
+}
 inline bool wide_bwd_applies(const BwdParams& p, Tier tier) {
   return tier == Tier::kAuto && !p.deterministic && p.sm_arch == 90 && p.d > 128 && p.d <= 256 && bwd_wide_enabled();
+}
+
+// Dropout: the forward's dropout instances serve dense batches without softcap / ALiBi at head
+// dims 33..128; the backward's (bwd_ws.cuh: run_bwd_sm90_dropout) the same calls with
+// deterministic=False and every gradient wanted (the cp.async kernels, which the others take,
+// have no dropout). Both on 128-wide tiles from d = 65, the backward's at every d (its dQ
+// workspace: bwd_tile_width). The rest runs on mma.sync. The family's applies() and the
+// launchers both ask these.
+inline bool fwd_dropout_applies(const FwdParams& p) {
+  return p.cu_seqlens_q == nullptr && !has_score_mod(p) && fwd_head_dim(p.d) && p.d <= 128;
+}
+inline bool bwd_dropout_applies(const BwdParams& p) {
+  return p.cu_seqlens_q == nullptr && !has_score_mod(p) && bwd_head_dim(p.d) && !p.deterministic && !bwd_split() &&
+         bwd_wants_all(p);
 }
 
 }  // namespace wgmma

@@ -46,12 +46,6 @@ template <int kDType, int kHeadDim, int kVariant> bool run_bwd_sm90_wide(const B
 
 namespace wgmma {
 
-// Whether the Hopper forward serves a call with dropout: dense batches without softcap / ALiBi at
-// head dims up to 128 (its dropout instances); the rest runs on mma.sync.
-inline bool fwd_dropout_applies(const FwdParams& p) {
-  return p.cu_seqlens_q == nullptr && !has_score_mod(p) && p.d <= 128;
-}
-
 template <int kDType, int kVariant> struct FwdEntry {
   template <int kD> static bool run(const FwdParams& p, cudaStream_t s) {
     if (has_dropout(p)) {  // (variant_of: kExtended) only the dropout instances draw
@@ -65,15 +59,6 @@ template <int kDType, int kVariant> struct FwdEntry {
     return run_fwd_sm90_ws<kDType, kD, kVariant>(p, s);
   }
 };
-// Whether the Hopper backward serves a call with dropout: its warp-specialized kernel's dropout
-// instances, for dense batches without softcap / ALiBi at head dims 33..128, every gradient
-// wanted and deterministic=False (the cp.async kernels, which the others take, have no dropout).
-// All of them run the 128-wide tiles (bwd_ws.cuh: run_bwd_sm90_dropout).
-inline bool bwd_dropout_applies(const BwdParams& p) {
-  return p.cu_seqlens_q == nullptr && !has_score_mod(p) && bwd_head_dim(p.d) && !p.deterministic &&
-         !bwd_split() && bwd_wants_all(p);
-}
-
 template <int kDType, int kVariant> struct BwdEntry {
   template <int kD> static bool run(const BwdParams& p, cudaStream_t s) {
     if (has_dropout(p)) {  // (variant_of: kExtended) only the dropout instances draw
@@ -92,11 +77,13 @@ template <int kDType, int kVariant> struct WideBwdEntry {
 }  // namespace wgmma
 
 // fp16 / bf16 on sm_90.
-//   Forward: kernel='auto' at every head dim it has, kernel='wgmma' at the head dims its backward
-//   also has, tier 4 (the Hopper forward alone) always. Workspace: the tile scheduler's counter
+//   Forward: kernel='auto' at every head dim it has (d <= 32: dense calls without score modifiers
+//   or dropout, config.h), kernel='wgmma' at the head dims its backward also has, tier 4 (the
+//   Hopper forward alone) always. Workspace: the tile scheduler's counter
 //   (FwdParams::tile_counter), one zeroed int.
 //   Backward (tier 4 runs kernel='auto''s): kernel='auto' and 'wgmma' at d 33..128, kernel='auto'
-//   at d 129..256 with deterministic=False (the wide kernel). Workspace, with deterministic=False
+//   at d 129..256 with deterministic=False (the wide kernel) and at d <= 32 for the calls of
+//   config.h: narrow_bwd_applies. Workspace, with deterministic=False
 //   and every gradient wanted (the warp-specialized kernels run only then):
 //   the fp32 dQ the warp-specialized kernels add into, zero-filled: the rows of the statistics x d
 //   for the wide kernel's row layout, or the tiles of bwd_ws.cuh (DqTile) at the head-dim bucket's
@@ -105,18 +92,19 @@ template <int kDType, int kVariant> struct WideBwdEntry {
 struct WgmmaFamily {
   static bool applies(const FwdParams& p, Tier tier) {
     // Dropout: the dropout instances where they apply, else the mma.sync family.
-    if (p.sm_arch != 90 || !wgmma::fwd_head_dim(p.d) || (has_dropout(p) && !wgmma::fwd_dropout_applies(p))) {
-      return false;
-    }
+    if (p.sm_arch != 90 || (has_dropout(p) && !wgmma::fwd_dropout_applies(p))) return false;
+    if (wgmma::narrow_fwd_applies(p)) return tier == Tier::kAuto || tier == Tier::kWgmmaWs;
+    if (!wgmma::fwd_head_dim(p.d)) return false;
     if (tier == Tier::kWgmma) return wgmma::bwd_head_dim(p.d);
     return tier == Tier::kAuto || tier == Tier::kWgmmaWs;
   }
   static bool applies(const BwdParams& p, Tier tier) {
     tier = bwd_tier(tier);
-    if (has_dropout(p)) return p.sm_arch == 90 && tier == Tier::kAuto && wgmma::bwd_dropout_applies(p);
-    return p.sm_arch == 90 &&
-           (((tier == Tier::kAuto || tier == Tier::kWgmma) && wgmma::bwd_head_dim(p.d)) ||
-            wgmma::wide_bwd_applies(p, tier));
+    if (p.sm_arch != 90) return false;
+    if (has_dropout(p)) return tier == Tier::kAuto && wgmma::bwd_dropout_applies(p);
+    if (wgmma::narrow_bwd_applies(p)) return tier == Tier::kAuto;
+    return ((tier == Tier::kAuto || tier == Tier::kWgmma) && wgmma::bwd_head_dim(p.d)) ||
+           wgmma::wide_bwd_applies(p, tier);
   }
   static Workspace plan(FwdParams&, Tier) {
     Workspace ws;
@@ -143,7 +131,8 @@ struct WgmmaFamily {
   static bool run(const BwdParams& p, Tier tier, cudaStream_t stream) {
     tier = bwd_tier(tier);
     const Variant variant = variant_of(p, /*backward=*/true);
-    if ((tier == Tier::kAuto || tier == Tier::kWgmma) && wgmma::bwd_head_dim(p.d) &&
+    if ((((tier == Tier::kAuto || tier == Tier::kWgmma) && wgmma::bwd_head_dim(p.d)) ||
+         (tier == Tier::kAuto && wgmma::narrow_bwd_applies(p))) &&
         with_dtype_variant<wgmma::BwdEntry, tiles::WgmmaBwdBuckets, /*kWithSoftcapGrad=*/true>(p, variant, stream)) {
       return true;
     }

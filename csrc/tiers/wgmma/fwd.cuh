@@ -838,13 +838,13 @@ bool launch_fwd_sm90_ws_gqa(const FwdParams& p, cudaStream_t stream) {
   return launch_ws_tiles<Cfg>(kernel, p, stream, group);
 }
 
-// The forward with attention dropout: false, having launched nothing, where the call is not a
-// dense one without score modifiers (the mma.sync family serves those with dropout).
+// The forward with attention dropout: false, having launched nothing, where its instances do not
+// serve the call (config.h: fwd_dropout_applies; the mma.sync family serves those with dropout).
 template <typename Cfg>
 bool launch_fwd_sm90_ws_dropout(const FwdParams& p, cudaStream_t stream) {
   auto kernel = sm90::ws::fwd_sm90_ws_dropout_kernel<Cfg>;
   if (p.sm_arch != 90 || !sm90_kernel_built(kernel)) return false;
-  if (!has_dropout(p) || p.cu_seqlens_q != nullptr || has_score_mod(p)) return false;
+  if (!has_dropout(p) || !wgmma::fwd_dropout_applies(p)) return false;
   return launch_ws_tiles<Cfg>(kernel, p, stream, /*group=*/1);
 }
 
@@ -877,6 +877,14 @@ bool run_fwd_sm90_ws(const FwdParams& p, cudaStream_t stream) {
   using T = typename ElementOf<kDType>::type;
   using sm90::ws::WsConfig;
   if (launch_fwd_sm90_ws_rung<T, kHeadDim, kVariant>(p, stream)) return true;
+  if constexpr (kHeadDim == 64 && kVariant == kPlain) {
+    // d <= 32 (config.h: narrow_fwd_applies): these tiles with Q K^T 32 deep, TMA's zeros past d;
+    // P V still 64 wide. The shapes of d = 64 and its threshold.
+    if (p.d <= wgmma::kNarrowDepth) {
+      if (p.sq >= 2048) return launch_fwd_sm90_ws<WsConfig<T, 64, 96, 0, 2, 3, wgmma::kNarrowDepth>, kVariant>(p, stream);
+      return launch_fwd_sm90_ws<WsConfig<T, 64, 128, 0, 2, 2, wgmma::kNarrowDepth>, kVariant>(p, stream);
+    }
+  }
   if constexpr (kHeadDim == 64 && kVariant == kPlain) {
     // 192-row tiles: three consumer warpgroups, so three warps per scheduler interleave their
     // dependent softmax chains (d = 64 is latency-bound), with 96-key steps (at 160 registers a

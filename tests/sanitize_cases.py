@@ -201,6 +201,10 @@ CASES: List[Case] = [
     Case(BF16, 2, 2, 1, 257, 257, 64, False, "bhsd", dropout=0.1),
     Case(BF16, 1, 2, 2, 129, 300, 96, False, "offset", deterministic=True, dropout=0.5),
     _varlen_case(F16, 4, 2, (100, 0, 1, 77), (90, 3, 1, 150), 64, True, dropout=0.25),
+    # ---- head dims 8..32 on the Hopper kernels (64-wide tiles, products 32 deep): Sq != Sk, a
+    # window, GQA, the forward's 192-row tiles (Sq >= 2048) ----
+    Case(BF16, 1, 4, 2, 2100, 2200, 32, True, "bshd", window=(300, 0)),
+    Case(F16, 2, 2, 1, 300, 257, 16, False, "strided", dlse=True),
 ]
 
 

@@ -328,6 +328,17 @@ def test_ws_varlen_tma_store_matches_lane_copy(monkeypatch, schedule, lens_q, le
         assert torch.equal(results["1"][1], lse), "lse differs between the TMA store and the lane copy"
 
 
+def test_ws_forward_sections_of_heads():
+    """Causal calls of 32 or more query blocks take their tiles longest first over sections of
+    (batch, head) pairs whose K and V fit in L2 together (core/scheduler.cuh): here 20 pairs of
+    2.15 MB, sections of 15 and a short last one of 5; every tile exactly once."""
+    q, k, v = make_inputs(4, 5, 5, 4200, 4200, 128, BF16, "cuda", seed=7)
+    check_attention(q, k, v, is_causal=True, scale=None, check_grad=False, label="sections of heads")
+    q, k, v = make_inputs(1, 8, 2, 6200, 6300, 64, F16, "cuda", layout="bshd", seed=8)
+    check_attention(q, k, v, is_causal=True, scale=None, window_size=(2000, 0), check_grad=False,
+                    label="sections of heads, GQA, window")
+
+
 def test_ws_forward_rejects_what_it_does_not_serve():
     # Head dims up to 32 only without score modifiers (config.h: narrow_fwd_applies).
     q, k, v = make_inputs(1, 2, 2, 64, 64, 32, BF16, "cuda")

@@ -14,37 +14,60 @@
 
 namespace flash_cuda {
 
+// The L2 share the forward's tile order plans for (an H100 / H200 has 50 MB).
+constexpr int64_t kL2Budget = int64_t(32) << 20;
+
 #if defined(__CUDACC__)
 
 // The tiles of a call and how persistent CTAs take them. Order: (batch, head) outer, query blocks
-// inner, so the CTAs running at one time share a head's K and V in L2; with a bounded right side
-// (causal, window) a head's last query blocks, which see the most keys, come first. Each CTA
-// starts with tile blockIdx.x; then, given a zeroed counter (FwdParams::tile_counter), it draws
-// the next unclaimed tile (gridDim.x + counter++): the CTA that finishes first takes more, which
-// is what balances causal tiles of very different lengths. Without a counter it takes every
-// gridDim.x-th tile. With one CTA per tile both are the plain grid.
+// inner, so the CTAs running at one time share a head's K and V in L2. With a bounded right side
+// (causal, window) later query blocks see more keys, and the tiles go longest first over a
+// section of `section` (batch, head) pairs whose K and V fit in L2 together (kL2Budget): query
+// block m_blocks - 1 of every head of the section, then m_blocks - 2, ..., then the next section.
+// The longest tiles of a section thus start first and its shortest end it, so the call's last
+// tiles are short ones and the CTAs finish together (head by head, each head's longest tiles came
+// after the previous head's shortest: the last heads' long tiles set the end). Each CTA starts
+// with tile blockIdx.x; then, given a zeroed counter (FwdParams::tile_counter), it draws the next
+// unclaimed tile (gridDim.x + counter++): the CTA that finishes first takes more. Without a
+// counter it takes every gridDim.x-th tile. With one CTA per tile both are the plain grid.
+// (FlashAttention-3's persistent scheduler orders causal tiles the same way, with 32 MB of L2.)
 struct TileScheduler {
   int m_blocks, heads, batch;
   bool longest_first;
+  int section;  // (batch, head) pairs per section when longest_first
   int* counter;
   struct Tile {
     int m_block, h, b;
   };
   __device__ __forceinline__ int total() const { return m_blocks * heads * batch; }
-  // Unsigned divisions (t, m_blocks, heads > 0): fewer instructions and live registers than
-  // signed ones, which a producer warp on few registers notices.
+  // Unsigned divisions (t, m_blocks, heads, section > 0): fewer instructions and live registers
+  // than signed ones, which a producer warp on few registers notices.
   __device__ __forceinline__ Tile at(int t) const {
-    const unsigned mi = unsigned(t) % unsigned(m_blocks), bh = unsigned(t) / unsigned(m_blocks);
-    return {longest_first ? m_blocks - 1 - int(mi) : int(mi), int(bh % unsigned(heads)), int(bh / unsigned(heads))};
+    unsigned mi, bh;
+    if (longest_first) {
+      const unsigned per_section = unsigned(section) * unsigned(m_blocks);
+      const unsigned first_bh = unsigned(t) / per_section * unsigned(section);
+      const unsigned r = unsigned(t) % per_section;
+      const unsigned pairs = min(unsigned(section), unsigned(heads * batch) - first_bh);  // the last may be short
+      mi = unsigned(m_blocks) - 1u - r / pairs;
+      bh = first_bh + r % pairs;
+    } else {
+      mi = unsigned(t) % unsigned(m_blocks);
+      bh = unsigned(t) / unsigned(m_blocks);
+    }
+    return {int(mi), int(bh % unsigned(heads)), int(bh / unsigned(heads))};
   }
   // Longest first where a later query block sees more keys: a bounded right side (causal, or a
   // window's right edge), which every sequence of a packed batch shares with the call. Each role
   // of a warp-specialized kernel makes its own (after setmaxnreg): nothing computed before the
   // split stays live across it. kPackGqa: tiles of kBlockM >> shift queries of the 2^shift heads
   // of a KV group; Tile::h is then the KV head.
+  // The section comes with the params (tile_section, from the launcher): a value the kernel reads
+  // from its parameters, not one it computes and keeps in a register.
   template <int kBlockM, bool kPackGqa = false>
   __device__ __forceinline__ static TileScheduler of(const FwdParams& p, int shift = 0) {
-    return {ceil_div(p.sq, kBlockM >> shift), kPackGqa ? p.hkv : p.hq, p.b, p.window_right >= 0, p.tile_counter};
+    return {ceil_div(p.sq, kBlockM >> shift), kPackGqa ? p.hkv : p.hq, p.b, p.window_right >= 0, p.tile_section,
+            p.tile_counter};
   }
   __device__ __forceinline__ int first() const { return blockIdx.x; }
   __device__ __forceinline__ int next(int t) const {
@@ -58,6 +81,22 @@ __device__ __forceinline__ int gqa_shift(const FwdParams& p) {
 }
 
 #endif  // __CUDACC__
+
+// FwdParams::tile_section for a persistent forward whose tiles hold `group` query heads (GQA
+// packing) or 1 and block_m query rows: the (batch, head) pairs whose K and V fit in kL2Budget
+// together (a KV head's K and V, shared by the query heads of its group), at least 1, at most all
+// of them; 1 (a head after another) below kMinSectionBlocks query blocks, where the tail the
+// head order leaves is short and CTAs in flight together gain more from reading the same head's
+// K and V (sections measured -3..-9% at S = 1k / 2k, +3..+4% from 32 query blocks on:
+// OPTIMIZATION.md, "Longest first across heads").
+constexpr int kMinSectionBlocks = 32;
+inline int tile_section(const FwdParams& p, int group, int block_m) {
+  if (ceil_div(p.sq, block_m) < kMinSectionBlocks) return 1;
+  const int64_t pairs = int64_t(p.hq / group) * p.b;
+  const int64_t kv_bytes = int64_t(4) * p.sk * p.d * group / (p.hkv > 0 ? p.hq / p.hkv : 1);
+  const int64_t fit = kv_bytes > 0 ? kL2Budget / kv_bytes : pairs;
+  return static_cast<int>(std::max<int64_t>(1, std::min(fit, pairs)));
+}
 
 // The CTAs of a persistent launch over `tiles` tiles: one per SM (each fits one CTA per SM), or
 // one per tile when `persistent` is off; 0 when the tile loop's numbers would not fit an int.

@@ -160,6 +160,9 @@ struct FwdParams {
   // A zeroed int from which the CTAs of the warp-specialized Hopper forward draw their tiles
   // (dynamic persistent scheduling); nullptr: each CTA takes every gridDim.x-th tile.
   int* tile_counter = nullptr;
+  // (batch, head) pairs per longest-first section of the persistent forward's tile order
+  // (core/scheduler.cuh: tile_section, which its launcher sets; 1: one head after another).
+  int tile_section = 1;
 
   DropoutParams dropout;
 };

@@ -803,7 +803,9 @@ bool launch_ws_tiles(Kernel kernel, const FwdParams& p, cudaStream_t stream, int
   const int64_t tiles = int64_t(ceil_div(p.sq, Cfg::kBlockM / group)) * (p.hq / group) * p.b;
   const int grid = persistent_grid(tiles, p.num_sms, wgmma::ws_persistent());
   if (grid == 0) return false;
-  kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p, maps);
+  FwdParams params = p;
+  params.tile_section = tile_section(p, group, Cfg::kBlockM / group);
+  kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(params, maps);
   check_launch("fwd_sm90_ws");
   return true;
 }

@@ -52,11 +52,12 @@ __device__ __forceinline__ uint32_t columns_below(int x) {
   return n == 32 ? 0xffffffffu : (1u << n) - 1u;
 }
 
-// Sets every element whose column lies outside its row's range to `value`:
-// range_of(row) -> its half-open [lo, hi) (core/mask.cuh: ColumnRange), rows from row_base and columns from col_base as in
-// for_each_element. Per row and 16 C tiles the visible columns become one 32-bit mask (a few
-// integer instructions); per element a constant bit of it decides, which the compiler moves
-// into predicates (R2P, 7 bits at once) instead of comparing indices element by element.
+// Sets every element whose column lies outside its row's range to `value`: range_of(row) gives
+// the row's half-open [lo, hi) (core/mask.cuh: ColumnRange), rows from row_base and columns from
+// col_base as in for_each_element. Per row and 16 C tiles the visible columns become one 32-bit
+// mask (a few integer instructions); per element a constant bit of it decides, which the
+// compiler can move into predicates (R2P, 7 bits at once) instead of comparing indices element
+// by element.
 template <int kM, int kN, typename RangeOf>
 __device__ __forceinline__ void fill_outside_columns(float (&s)[kM][kN][4], int row_base, int col_base, float value,
                                                      RangeOf&& range_of) {

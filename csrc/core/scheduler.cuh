@@ -25,8 +25,8 @@ constexpr int64_t kL2Budget = int64_t(32) << 20;
 // section of `section` (batch, head) pairs whose K and V fit in L2 together (kL2Budget): query
 // block m_blocks - 1 of every head of the section, then m_blocks - 2, ..., then the next section.
 // The longest tiles of a section thus start first and its shortest end it, so the call's last
-// tiles are short ones and the CTAs finish together (head by head, each head's longest tiles came
-// after the previous head's shortest: the last heads' long tiles set the end). Each CTA starts
+// tiles are short ones and the CTAs finish together (in a head-by-head order the last heads' long
+// tiles come late and set the end). Each CTA starts
 // with tile blockIdx.x; then, given a zeroed counter (FwdParams::tile_counter), it draws the next
 // unclaimed tile (gridDim.x + counter++): the CTA that finishes first takes more. Without a
 // counter it takes every gridDim.x-th tile. With one CTA per tile both are the plain grid.
@@ -87,7 +87,7 @@ __device__ __forceinline__ int gqa_shift(const FwdParams& p) {
 // together (a KV head's K and V, shared by the query heads of its group), at least 1, at most all
 // of them; 1 (a head after another) below kMinSectionBlocks query blocks, where the tail the
 // head order leaves is short and CTAs in flight together gain more from reading the same head's
-// K and V (sections measured -3..-9% at S = 1k / 2k, +3..+4% from 32 query blocks on:
+// K and V (sections measured -3..-9% at S = 1k / 2k, +2..+5% from 32 query blocks on:
 // OPTIMIZATION.md, "Longest first across heads").
 constexpr int kMinSectionBlocks = 32;
 inline int tile_section(const FwdParams& p, int group, int block_m) {

@@ -92,7 +92,7 @@ struct AttnMask {
   // [query_begin(j), query_end(j + 1)); empty past the sequence (rows of a tile beyond sq or sk
   // count as masked). In 32-bit arithmetic that cannot overflow (the min / max bound each sum by
   // sq or sk before it is formed): a kernel's mask runs them per fragment row, where 64-bit
-  // clamps would cost registers it does not have (the d = 256 forward spilled).
+  // clamps cost registers the consumers do not have (a first form with them spilled 40 bytes).
   FLASH_HOST_DEVICE ColumnRange keys_of(int i) const {
     const int rest = i < sq ? sk - i : -i;  // i + rest: the end of i's keys (0 past sq)
     return {max_int(i + min_int(diag_lo, rest), 0), max_int(i + min_int(diag_hi, rest - 1) + 1, 0)};

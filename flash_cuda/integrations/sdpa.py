@@ -196,7 +196,7 @@ def _dropout_args(dropout_p: float, rng_state: Optional[Tensor]) -> dict:
     if rng_state is None or rng_state.numel() != 2 or rng_state.element_size() != 8:
         raise RuntimeError(f"{_PREFIX}the backward with dropout_p={dropout_p} needs the forward's rng_state "
                            f"(2 64-bit elements), got {None if rng_state is None else tuple(rng_state.shape)}")
-    return {"dropout_p": float(dropout_p), "rng_state": rng_state.contiguous().view(torch.int64)}
+    return interface._dropout_kwargs(dropout_p, rng_state.contiguous().view(torch.int64))
 
 
 def _packed_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,

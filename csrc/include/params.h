@@ -193,7 +193,7 @@ struct BwdParams : FwdParams {
   //   dq_accum : float32, zero-filled by the binding (tiers/wgmma/family.h sizes it); the
   //              Hopper backward accumulates dQ there across key blocks, in the row layout of
   //              the statistics ([b][hq][sq][d]) or in query-block tiles (tiers/wgmma/bwd_ws.cuh:
-  //              DqTile), and converts it into dq itself.
+  //              DqTile, tiers/wgmma/bwd_wide.cuh: WideDqTile), and converts it into dq itself.
   //   dkv_accum: float32, the fp32 dK/dV kernel's split key blocks (the FwdParams split fields
   //              num_splits / split_begin, planned by plan_bwd_simt): each piece, a range of
   //              query steps, leaves its dK in [piece][block rows][d], then all the pieces'

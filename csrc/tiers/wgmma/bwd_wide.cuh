@@ -28,10 +28,13 @@
 //      dQ[:, cols]  = dS K[:, cols]     A = dS   (shared, dS^T read MN-major), B = K (N-major)
 //      3 x 4 wgmma (k-steps of 16 queries / keys).
 //      dQ is issued first, as its own commit group, dV and dK after it as a second one.
-//   4. Once dQ has landed (while dV, dK still run) it is added into the fp32 workspace p.dq_accum
-//      (row layout, family.h: plan_bwd_dq_accum_floats) with red.global.add.v4.f32 from the
-//      registers (add_dq_rows), and launch_convert_dq_rows scales and converts it into dq; then
-//      Q, dO, lse, delta of the stage are released (q_empty).
+//   4. Once all three have landed, each warpgroup's columns of Q and dO in the stage are read by
+//      nothing else, and its dQ (64 x its columns, fp32: as many bytes) is staged there, each
+//      warp's part sent by one bulk reduction (cp.reduce.async.bulk .add.f32) into the block's
+//      tile of the fp32 workspace p.dq_accum (WideDqTile order), which convert_dq_tiles_kernel
+//      scales and converts into dq; the stage is released (q_empty) once the reductions have
+//      read it. With softcap, dQ is added from the registers by red.global.add.v4.f32 while dV,
+//      dK still run (add_dq_rows, the workspace's row layout, launch_convert_dq_rows).
 // Total tensor work per block pair is the 5 products of bwd_ws.cuh; nothing is computed twice.
 // The P^T and dS^T exchange costs one barrier per block and 2 x 8 KiB of shared memory per buffer,
 // and the two warpgroups run in lockstep: nothing of one hides the other's exponentials, exchange
@@ -55,15 +58,20 @@
 // barrier the other warpgroup reached only after waiting for its products). Buffers are taken
 // per computed block (a block no key of the CTA sees is skipped by both warpgroups, without a
 // barrier), so that the argument holds across skipped blocks.
-// dQ cannot leave through the bulk-reduce writer of bwd_ws.cuh here: its fp32 staging tile
-// (64 x 256 x 4 = 64 KiB, even half of it) does not fit next to the ring, hence atomics. Their
-// traffic per flop is twice that of the 128-key kernel (64 keys per CTA).
+// dQ cannot leave through the bulk-reduce writer of bwd_ws.cuh here: its fp32 staging buffers
+// (64 x 256 x 4 = 64 KiB, even half of one) do not fit next to the ring. But a block's Q and dO
+// stage is exactly as large, and each warpgroup's half of it (its columns) is free once its own
+// dV, dK products have read it. The atomics this replaced bound the kernel: at d = 256 the L2
+// ran at 86% of its throughput, REDG led the stall samples, and the backward without any dQ
+// adds took 0.58x the time (OPTIMIZATION.md).
 //
 // Registers: 384 threads launch at 168 each; the producer warpgroup gives back to 24
 // (setmaxnreg.dec) and the consumers take 240: 128 x (168 - 24) = 256 x (240 - 168). ptxas -v,
 // nvcc 13.0, sm_90a: no spills at 240 (also at 224, 216 spills), so the consumers have at most
-// about 16 registers of room: not enough to keep
-// the next block's S^T and dP^T (32) in flight under the dQ atomics.
+// about 16 registers of room: not enough to keep the next block's S^T and dP^T (32) in flight
+// under the dQ reductions. A dQ writer warp beside the producer (as in bwd_ws.cuh) needs 32 in
+// that warpgroup, leaving the consumers 232, where softcap's spill; it also measured 8-16%
+// slower at d = 256 than each warp sending its own part (the stage waits for all 8 warps).
 //
 // Softcap (kSoftcapGrad: dS gets the factor dtanh = 1 - tanh^2). As in bwd_ws.cuh, no whole
 // tile of dtanh is kept: S^T and dP^T are both awaited, then P^T and dS^T are computed a few
@@ -139,6 +147,14 @@ struct WideConfig {
       2 * size_t(kTileKV) + 2 * size_t(kStages) * kTileQ + size_t(kDsBuffers) * kTileDS;
   static constexpr size_t kSmemBytes = kTiles + kStats + kBarriers * sizeof(uint64_t) + 1024;
   static constexpr int kLaunchRegs = 65536 / kThreads / 8 * 8;
+  // How a block's dQ leaves: staged in its Q / dO stage and added by bulk reductions
+  // (WideDqTile), or, with softcap, added from the registers by atomics (add_dq_rows): the
+  // staged form's tile offset, computed at the end of a block, spills 12-24 bytes in softcap's
+  // consumers (at 240 registers, their most).
+  template <int kVariant>
+  static constexpr bool dq_staged() {
+    return kVariant != kSoftcapGrad;
+  }
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = 240;
   static_assert(128 * (kLaunchRegs - kProducerRegs) >= kConsumerThreads * (kConsumerRegs - kLaunchRegs),
@@ -207,6 +223,52 @@ __device__ __forceinline__ void add_dq_rows(const BwdParams& p, const SeqInfo& s
   }
 }
 
+// The dQ workspace's tiles (64 queries x kD floats, one per (sequence, query head, query block):
+// config.h's dq_tile, as bwd_ws.cuh's DqTile) in the order the consumer WARPS hold their dQ
+// accumulators, each warp's part contiguous, so that a warp stages its part with 512-byte
+// stores and sends it with one bulk reduction of its own. Float4 v of warpgroup wg's part
+// (kJ = its columns / 8 fragments per thread), from warp_first(wg, 0) on:
+//   v = (wq * kJ + j) * 32 + lane;  .x, .y: row 16 wq + g, columns col0(wg) + 8 j + 2 t, + 1;
+//   .z, .w: the same 8 rows further down (g = lane / 4, t = lane % 4).
+// convert_dq_tiles_kernel (bwd_ws.cuh) reads it back into dq.
+template <typename Cfg>
+struct WideDqTile {
+  static constexpr int kFloats = Cfg::kBlockM * Cfg::kD;
+  static constexpr int kJ0 = Cfg::kCols0 / 8, kJ1 = Cfg::kCols1 / 8;
+  static_assert(4 * 32 * 4 * (kJ0 + kJ1) == kFloats, "the two parts fill the tile");
+  // The first float4 of warp wq of warpgroup wg.
+  __device__ __forceinline__ static int warp_first(int wg, int wq) {
+    return wg * kJ0 * 128 + wq * (wg == 0 ? kJ0 : kJ1) * 32;
+  }
+  template <bool kVarlen = true>
+  __device__ __forceinline__ static int64_t offset(const BwdParams& p, const SeqInfo& seq, int h, int m_block) {
+    return wgmma::dq_tile<kVarlen>(p, seq.bi, h, seq.q_start, m_block, Cfg::kBlockM) * kFloats;
+  }
+  // Where float4 v of a tile sits in the block: its first row and column (the second pair of
+  // floats is 8 rows further down).
+  __device__ __forceinline__ static void place(int v, int& row, int& col) {
+    const int wg = v >= kJ0 * 128 ? 1 : 0;
+    const int kj = wg == 0 ? kJ0 : kJ1;
+    const int r = v - wg * kJ0 * 128;
+    const int wq = r / (kj * 32), j = r / 32 % kj, lane = r % 32;
+    row = 16 * wq + lane / 4;
+    col = wg * Cfg::kCols0 + 8 * j + 2 * (lane % 4);
+  }
+};
+
+// A warp's dQ fragments into its chunk of shared memory (WideDqTile order: fragment j of each
+// lane at float4 32 j + lane, every store a warp's 512 contiguous bytes), fenced and complete for
+// the bulk reduction its lane 0 then issues.
+template <int kCols>
+__device__ __forceinline__ void stage_dq(float4* chunk, const float (&acc)[1][kCols / 8][4], int lane) {
+#pragma unroll
+  for (int j = 0; j < kCols / 8; ++j) {
+    chunk[32 * j + lane] = make_float4(acc[0][j][0], acc[0][j][1], acc[0][j][2], acc[0][j][3]);
+  }
+  fence_proxy_async();  // generic-proxy writes, read by the bulk reduction (async proxy)
+  __syncwarp();
+}
+
 // A warp's 16 keys x columns [col0, col0 + kCols) of dK (scaled) and dV; rows past the sequence
 // and columns past d left out.
 template <typename T, int kCols>
@@ -224,15 +286,17 @@ __device__ __forceinline__ void store_columns(const BwdParams& p, const SeqInfo&
 }
 
 // Waits for step i's Q, dO, lse, delta (stage i % kStages) and says whether any of the CTA's 64
-// keys sees query block m0; a block none sees is released at once. CTA-uniform (both warpgroups
-// hold all 64 keys): both skip it, the exchange barrier included.
-template <typename T, typename Cfg>
+// keys sees query block m0; a block none sees is released at once by this thread, unless dQ is
+// staged (kStaged) and it is lane 0 of its warp, which releases every step's stage one step
+// later (consume). CTA-uniform (both warpgroups hold all 64 keys): both skip it, the exchange
+// barrier included.
+template <bool kStaged, typename T, typename Cfg>
 __device__ __forceinline__ bool wait_visible_block(const Smem<T, Cfg>& sm, const AttnMask& mask, int i, int m0,
-                                                   int n0) {
+                                                   int n0, int lane) {
   const int s = KeyTileSteps::stage(i, Cfg::kStages);
   mbarrier_wait(&sm.q_full[s], KeyTileSteps::parity(i, Cfg::kStages));
   if (mask.any_visible(m0, m0 + Cfg::kBlockM, n0, n0 + Cfg::kBlockN)) return true;
-  mbarrier_arrive(&sm.q_empty[s]);
+  if (!kStaged || lane != 0) mbarrier_arrive(&sm.q_empty[s]);
   return false;
 }
 
@@ -262,13 +326,29 @@ __device__ __forceinline__ void consume(const BwdParams& p, const Smem<T, Cfg>& 
   zero_fill(acc_dk);
   if (steps.count > 0) mbarrier_wait(sm.kv_full, 0);
   int e = 0;  // computed blocks: exchange buffer e % 2
+  // dQ leaves through the stage that held the block's Q and dO (below), so lane 0 of each warp,
+  // which issues its bulk reduction, releases step i's stage only at step i + 1 (after that
+  // block's S^T, dP^T are issued, or when it is skipped) or after the loop, once the reduction
+  // has read it; every step alike, so that no register tracks which. The stage reloaded next
+  // is step i + kStages's: never before that release.
+  const int lane = ct % 32;
+  constexpr bool kStaged = Cfg::template dq_staged<kVariant>();
+  const auto release_previous = [&](int i) {
+    if (kStaged && lane == 0 && i > 0) {
+      bulk_wait_read<0>();
+      mbarrier_arrive(&sm.q_empty[KeyTileSteps::stage(i - 1, kStages)]);
+    }
+  };
 
   for (int i = 0; i < steps.count; ++i) {
     const int s = KeyTileSteps::stage(i, kStages);
     const int h = steps.head(i), m0 = steps.m_block(i) * kBlockM;
-    if (!wait_visible_block(sm, mask, i, m0, n0)) continue;
-    const T* sQ_s = sm.q(s);
-    const T* sdO_s = sm.dout(s);
+    if (!wait_visible_block<kStaged>(sm, mask, i, m0, n0, lane)) {
+      release_previous(i);
+      continue;
+    }
+    T* sQ_s = sm.q(s);
+    T* sdO_s = sm.dout(s);
     T* sPt = sm.ds(e);
     T* sdSt = sPt + Cfg::kTileP / sizeof(T);
     ++e;
@@ -286,6 +366,7 @@ __device__ __forceinline__ void consume(const BwdParams& p, const Smem<T, Cfg>& 
       wgmma_commit();
       wgmma_ss<Cfg::kQKSteps, false, T>(dst[0], KMajor<kBlockN>{sm.sV, 0}, KMajor<kBlockM>{sdO_s, q_half});
       wgmma_commit();
+      release_previous(i);
       if constexpr (kVariant == kSoftcapGrad) {
         wgmma_wait<0>();
         fence_accumulator(pt[0]);
@@ -316,9 +397,8 @@ __device__ __forceinline__ void consume(const BwdParams& p, const Smem<T, Cfg>& 
     mbarrier_wait(sm.ds_empty, (e - 1) & 1);
 
     // dQ = dS K first (its own commit group), then dV += P^T dO and dK += dS^T Q (one group), all
-    // over its columns: the dQ atomics run while the tensor cores still compute dV and dK. The
-    // dQ accumulator is defined right before its product (nothing else in flight then: no wgmma
-    // serialization, and it is not live across the loop).
+    // over its columns. The dQ accumulator is defined right before its product (nothing else in
+    // flight then: no wgmma serialization, and it is not live across the loop).
     float acc_dq[1][kCols / 8][4];
     zero_accumulator(acc_dq[0]);
     wgmma_fence();
@@ -328,17 +408,44 @@ __device__ __forceinline__ void consume(const BwdParams& p, const Smem<T, Cfg>& 
     wgmma_ss<kBlockM / 16, true, T>(acc_dv[0], KMajor<kBlockN>{sPt, 0}, MNMajor<kBlockM>{sdO_s + q_cols, 0});
     wgmma_ss<kBlockM / 16, true, T>(acc_dk[0], KMajor<kBlockN>{sdSt, 0}, MNMajor<kBlockM>{sQ_s + q_cols, 0});
     wgmma_commit();
-    wgmma_wait<1>();
-    fence_accumulator(acc_dq[0]);
-    add_dq_rows<kCols>(p, seq, acc_dq, h, m0, col0, ct);
-    wgmma_wait<0>();
-    fence_accumulator(acc_dv[0]);
-    fence_accumulator(acc_dk[0]);
-    // Q, dO, lse, delta of stage s are no longer read (each thread arrives for its own reads, as
-    // in bwd_ws.cuh). The exchange buffer is reused two computed blocks later, after the
-    // barrier of the block in between.
-    mbarrier_arrive(&sm.q_empty[s]);
+    if constexpr (kStaged) {
+      wgmma_wait<0>();
+      fence_accumulator(acc_dq[0]);
+      fence_accumulator(acc_dv[0]);
+      fence_accumulator(acc_dk[0]);
+      // Its columns of Q and dO in stage s are read by nothing else now (both warpgroups' S^T,
+      // dP^T ended before the exchange barrier; the other warpgroup's dV, dK read its own
+      // columns): 128 x kCols bytes each, where its dQ (64 x kCols floats) goes, warps 0, 1
+      // into the Q columns and 2, 3 into the dO columns, each warp's part one bulk reduction
+      // into the block's tile of dq_accum. The other lanes are done with stage s (each thread
+      // arrives for its own reads, as in bwd_ws.cuh); lane 0 arrives once the reduction has
+      // read it (release_previous).
+      unsigned char* part = reinterpret_cast<unsigned char*>((wq < 2 ? sQ_s : sdO_s) + q_cols);
+      float4* chunk = reinterpret_cast<float4*>(part + (wq % 2) * kCols * 64);
+      stage_dq<kCols>(chunk, acc_dq, lane);
+      if (lane == 0) {
+        float* dst = p.dq_accum + WideDqTile<Cfg>::template offset<kVarlen>(p, seq, h, m0 / kBlockM) +
+                     4 * WideDqTile<Cfg>::warp_first(wg, wq);
+        bulk_reduce_add_f32(dst, chunk, kCols * 64);
+        bulk_commit();
+      } else {
+        mbarrier_arrive(&sm.q_empty[s]);
+      }
+    } else {
+      // The dQ atomics run while the tensor cores still compute dV and dK.
+      wgmma_wait<1>();
+      fence_accumulator(acc_dq[0]);
+      add_dq_rows<kCols>(p, seq, acc_dq, h, m0, col0, ct);
+      wgmma_wait<0>();
+      fence_accumulator(acc_dv[0]);
+      fence_accumulator(acc_dk[0]);
+      mbarrier_arrive(&sm.q_empty[s]);  // each thread for its own reads, as in bwd_ws.cuh
+    }
+    // The exchange buffer is reused two computed blocks later, after the barrier of the block
+    // in between.
   }
+  release_previous(steps.count);
+  if (kStaged && lane == 0) bulk_wait<0>();  // the adds themselves are done before the CTA retires
 
   // A packed sequence's key rows are read again for the stores rather than kept across the loop,
   // where the consumers have no register to spare for them (softcap's derivative spills it).
@@ -394,7 +501,11 @@ bool run_bwd_sm90_wide(const BwdParams& p, cudaStream_t stream) {
     return false;
   }
   if (!launch_bwd_ws_main<T, Cfg>(kernel, p, "bwd_sm90_wide", stream)) return false;
-  sm90::launch_convert_dq_rows<T>(p, stream);
+  if constexpr (Cfg::template dq_staged<kVariant>()) {
+    launch_convert_dq_tiles<T, Cfg, sm90::bwd_wide::WideDqTile<Cfg>>(p, stream);
+  } else {
+    sm90::launch_convert_dq_rows<T>(p, stream);
+  }
   return true;
 }
 

@@ -635,20 +635,23 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 // converts 4 consecutive float4 into two 16-byte row pieces of a 16-bit row-major tile (rows
 // padded by 16 bytes: the 8 rows a quarter-warp writes fall in different banks), then the block
 // writes whole rows, 16 bytes per thread, consecutive threads along a row.
-template <typename T, typename Cfg>
+// Tile: the workspace's tile order (DqTile here, bwd_wide.cuh's WideDqTile), any in which the 4
+// consecutive float4 from a multiple of 4 on hold 8 consecutive columns of one row (and of the
+// row 8 further down).
+template <typename T, typename Cfg, typename Tile>
 __global__ void __launch_bounds__(256) convert_dq_tiles_kernel(const __grid_constant__ BwdParams p) {
   constexpr int kPitch = Cfg::kD + 8;  // padded row of the staging tile
   constexpr int kChunksPerRow = Cfg::kD / 8;
-  static_assert(DqTile<Cfg>::kFloats % 16 == 0, "whole groups of 4 float4");
+  static_assert(Tile::kFloats % 16 == 0, "whole groups of 4 float4");
   __shared__ __align__(16) T stage[Cfg::kBlockM * kPitch];
   const int mb = blockIdx.x, h = blockIdx.y;
   const SeqInfo seq = SeqInfo::make(p, blockIdx.z);
   const int m0 = mb * Cfg::kBlockM;
   if (m0 >= seq.sq) return;  // a packed batch's shorter sequences (the whole block returns)
-  const float4* tile = reinterpret_cast<const float4*>(p.dq_accum + DqTile<Cfg>::offset(p, seq, h, mb));
-  for (int u = threadIdx.x; u < DqTile<Cfg>::kFloats / 16; u += 256) {
+  const float4* tile = reinterpret_cast<const float4*>(p.dq_accum + Tile::offset(p, seq, h, mb));
+  for (int u = threadIdx.x; u < Tile::kFloats / 16; u += 256) {
     int row, col;
-    DqTile<Cfg>::place(4 * u, row, col);  // lane t = 0 of the group: columns col .. col + 7
+    Tile::place(4 * u, row, col);  // lane t = 0 of the group: columns col .. col + 7
     float4 a[4];
 #pragma unroll
     for (int t = 0; t < 4; ++t) a[t] = tile[4 * u + t];
@@ -686,6 +689,13 @@ __global__ void __launch_bounds__(256) convert_dq_tiles_kernel(const __grid_cons
 }  // namespace bwd_ws
 }  // namespace sm90
 
+// dq from the dQ workspace's tiles (order Tile), after the backward that added into them.
+template <typename T, typename Cfg, typename Tile = sm90::bwd_ws::DqTile<Cfg>>
+void launch_convert_dq_tiles(const BwdParams& p, cudaStream_t stream) {
+  sm90::bwd_ws::convert_dq_tiles_kernel<T, Cfg, Tile><<<dim3(ceil_div(p.sq, Cfg::kBlockM), p.hq, p.b), 256, 0, stream>>>(p);
+  check_launch("convert_dq_tiles");
+}
+
 // The warp-specialized backwards' main launch (this kernel and the wide one): the TMA maps of Q,
 // dO, K and V, delta's preprocess, then one CTA per key block of each (kv head, batch entry).
 // False, having launched nothing, where a view TMA cannot address.
@@ -711,8 +721,7 @@ bool launch_bwd_sm90_ws(const BwdParams& p, cudaStream_t stream) {
   // A kPlain kernel reads no cu_seqlens: packed batches come as kExtended or kSoftcapGrad (variant_of).
   if (p.dq_accum == nullptr || (packed && kVariant == kPlain) || !sm90_kernel_built(kernel)) return false;
   if (!launch_bwd_ws_main<T, Cfg>(kernel, p, "bwd_sm90_ws", stream)) return false;
-  sm90::bwd_ws::convert_dq_tiles_kernel<T, Cfg><<<dim3(ceil_div(p.sq, Cfg::kBlockM), p.hq, p.b), 256, 0, stream>>>(p);
-  check_launch("convert_dq_tiles");
+  launch_convert_dq_tiles<T, Cfg>(p, stream);
   return true;
 }
 
@@ -734,8 +743,7 @@ bool run_bwd_sm90_dropout(const BwdParams& p, cudaStream_t stream) {
     return false;
   }
   if (!launch_bwd_ws_main<T, Cfg>(kernel, p, "bwd_sm90_ws_dropout", stream)) return false;
-  sm90::bwd_ws::convert_dq_tiles_kernel<T, Cfg><<<dim3(ceil_div(p.sq, Cfg::kBlockM), p.hq, p.b), 256, 0, stream>>>(p);
-  check_launch("convert_dq_tiles");
+  launch_convert_dq_tiles<T, Cfg>(p, stream);
   return true;
 }
 

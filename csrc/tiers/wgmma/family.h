@@ -86,8 +86,8 @@ template <int kDType, int kVariant> struct WideBwdEntry {
 //   config.h: narrow_bwd_applies. Workspace, with deterministic=False
 //   and every gradient wanted (the warp-specialized kernels run only then):
 //   the fp32 dQ the warp-specialized kernels add into, zero-filled: the rows of the statistics x d
-//   for the wide kernel's row layout, or the tiles of bwd_ws.cuh (DqTile) at the head-dim bucket's
-//   width, whichever is larger. Softcap's derivative with deterministic=True is declined (the
+//   for the wide kernel's softcap variant (row layout), or the tiles of 64 or 128 rows at the
+//   head-dim bucket's width (bwd_ws.cuh: DqTile, bwd_wide.cuh: WideDqTile), whichever is larger. Softcap's derivative with deterministic=True is declined (the
 //   mma.sync family has it).
 struct WgmmaFamily {
   static bool applies(const FwdParams& p, Tier tier) {

@@ -191,9 +191,9 @@ struct BwdParams : FwdParams {
   // Workspaces, allocated by the binding:
   //   delta    : float32 contiguous [b][hq][sq]; delta = rowsum(dO * O) - dlse
   //   dq_accum : float32, zero-filled by the binding (tiers/wgmma/family.h sizes it); the
-  //              Hopper backward accumulates dQ there across key blocks, in the row layout of
-  //              the statistics ([b][hq][sq][d]) or in query-block tiles (tiers/wgmma/bwd_ws.cuh:
-  //              DqTile, tiers/wgmma/bwd_wide.cuh: WideDqTile), and converts it into dq itself.
+  //              Hopper backward accumulates dQ there across key blocks, in query-block tiles
+  //              (tiers/wgmma/bwd_ws.cuh: DqTile, tiers/wgmma/bwd_wide.cuh: WideDqTile), and
+  //              converts it into dq itself.
   //   dkv_accum: float32, the fp32 dK/dV kernel's split key blocks (the FwdParams split fields
   //              num_splits / split_begin, planned by plan_bwd_simt): each piece, a range of
   //              query steps, leaves its dK in [piece][block rows][d], then all the pieces'

@@ -135,37 +135,6 @@ __device__ __forceinline__ void store_dk_dv(const BwdParams& p, const SeqInfo& s
   store(acc_dk, p.dk, p.dk_batch_stride, p.dk_head_stride, p.dk_row_stride, p.scale);
 }
 
-// dq = scale * dq_accum for its row layout (the wide kernel's atomics: bwd_wide.cuh, add_dq_rows),
-// the rows of the statistics (include/params.h), d floats each, one warp per row; a packed batch
-// is one sequence of total_q rows, as in the delta preprocess.
-template <typename T>
-__global__ void __launch_bounds__(256) convert_dq_rows_kernel(const __grid_constant__ BwdParams p, int rows_per_head) {
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * 8 + threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
-  if (row >= static_cast<int64_t>(p.b) * p.hq * rows_per_head) return;
-  const int i = static_cast<int>(row % rows_per_head);
-  const int h = static_cast<int>(row / rows_per_head % p.hq);
-  const int bi = static_cast<int>(row / rows_per_head / p.hq);
-  const float* acc = p.dq_accum + (bi * p.stat_batch_stride + h * p.stat_head_stride + i) * p.d;
-  T* dq = static_cast<T*>(p.dq) + bi * p.dq_batch_stride + h * p.dq_head_stride + i * p.dq_row_stride;
-  for (int c = 4 * lane; c < p.d; c += 128) {  // d % 8 == 0
-    const float4 a = *reinterpret_cast<const float4*>(acc + c);
-    *reinterpret_cast<uint32_t*>(dq + c) = pack2<T>(a.x * p.scale, a.y * p.scale);
-    *reinterpret_cast<uint32_t*>(dq + c + 2) = pack2<T>(a.z * p.scale, a.w * p.scale);
-  }
-}
-
-template <typename T>
-void launch_convert_dq_rows(const BwdParams& params, cudaStream_t stream) {
-  BwdParams p = params;
-  if (p.cu_seqlens_q != nullptr) p.b = 1;  // packed: rows [h][0, total_q)
-  const int rows_per_head = p.cu_seqlens_q != nullptr ? p.total_q : p.sq;
-  const int64_t rows = static_cast<int64_t>(p.b) * p.hq * rows_per_head;
-  if (rows == 0) return;
-  convert_dq_rows_kernel<T><<<static_cast<unsigned>((rows + 7) / 8), 256, 0, stream>>>(p, rows_per_head);
-  check_launch("convert_dq_rows");
-}
-
 // ---------------------------------------------------------------------------------
 // dK/dV kernel. grid (ceil(sk / kKVBlockN), hkv, b).
 // ---------------------------------------------------------------------------------

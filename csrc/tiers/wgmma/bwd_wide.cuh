@@ -33,8 +33,7 @@
 //      warp's part sent by one bulk reduction (cp.reduce.async.bulk .add.f32) into the block's
 //      tile of the fp32 workspace p.dq_accum (WideDqTile order), which convert_dq_tiles_kernel
 //      scales and converts into dq; the stage is released (q_empty) once the reductions have
-//      read it. With softcap, dQ is added from the registers by red.global.add.v4.f32 while dV,
-//      dK still run (add_dq_rows, the workspace's row layout, launch_convert_dq_rows).
+//      read it.
 // Total tensor work per block pair is the 5 products of bwd_ws.cuh; nothing is computed twice.
 // The P^T and dS^T exchange costs one barrier per block and 2 x 8 KiB of shared memory per buffer,
 // and the two warpgroups run in lockstep: nothing of one hides the other's exponentials, exchange
@@ -71,7 +70,9 @@
 // about 16 registers of room: not enough to keep the next block's S^T and dP^T (32) in flight
 // under the dQ reductions. A dQ writer warp beside the producer (as in bwd_ws.cuh) needs 32 in
 // that warpgroup, leaving the consumers 232, where softcap's spill; it also measured 8-16%
-// slower at d = 256 than each warp sending its own part (the stage waits for all 8 warps).
+// slower at d = 256 than each warp sending its own part (the stage waits for all 8 warps). The
+// tile a block's dQ goes to comes through shared memory (dq_tile_of): computed at the end of a
+// block, where dK, dV and dQ are all live, its offset spilled softcap's consumers.
 //
 // Softcap (kSoftcapGrad: dS gets the factor dtanh = 1 - tanh^2). As in bwd_ws.cuh, no whole
 // tile of dtanh is kept: S^T and dP^T are both awaited, then P^T and dS^T are computed a few
@@ -99,6 +100,16 @@ namespace bwd_wide {
 
 using bwd_ws::kConsumerThreads;
 using bwd_ws::Smem;
+
+// Per stage: the dq_accum tile (config.h: dq_tile) of the block whose Q, dO it holds, written
+// by consumer thread 0 when the block's step begins and read by each warp's lane 0 when it
+// sends the block's dQ: computed there, at the end of a block, its offset spilled softcap's
+// consumers. In the words of Smem's dq_dst[2] (unused by this kernel).
+template <typename T, typename Cfg>
+__device__ __forceinline__ volatile int* dq_tile_of(const Smem<T, Cfg>& sm) {
+  static_assert(Cfg::kStages <= 4, "dq_dst holds 4 ints");
+  return reinterpret_cast<volatile int*>(sm.dq_dst);
+}
 
 // The exchange barrier (both warpgroups wrote their query halves of P^T, dS^T) is an mbarrier,
 // Smem's ds_empty word (free in this layout of two exchange buffers): one arrival per consumer
@@ -147,14 +158,6 @@ struct WideConfig {
       2 * size_t(kTileKV) + 2 * size_t(kStages) * kTileQ + size_t(kDsBuffers) * kTileDS;
   static constexpr size_t kSmemBytes = kTiles + kStats + kBarriers * sizeof(uint64_t) + 1024;
   static constexpr int kLaunchRegs = 65536 / kThreads / 8 * 8;
-  // How a block's dQ leaves: staged in its Q / dO stage and added by bulk reductions
-  // (WideDqTile), or, with softcap, added from the registers by atomics (add_dq_rows): the
-  // staged form's tile offset, computed at the end of a block, spills 12-24 bytes in softcap's
-  // consumers (at 240 registers, their most).
-  template <int kVariant>
-  static constexpr bool dq_staged() {
-    return kVariant != kSoftcapGrad;
-  }
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = 240;
   static_assert(128 * (kLaunchRegs - kProducerRegs) >= kConsumerThreads * (kConsumerRegs - kLaunchRegs),
@@ -183,43 +186,6 @@ __device__ __forceinline__ void stage_tiles(T* tile, const float (&acc)[1][kTile
     unsigned char* at = row + (((4 * wg + j0 + j) ^ g) * 16);
     *reinterpret_cast<uint32_t*>(at) = pack2<T>(acc[0][j][0], acc[0][j][1]);
     *reinterpret_cast<uint32_t*>(at + 8 * kSwizzleBytes) = pack2<T>(acc[0][j][2], acc[0][j][3]);
-  }
-}
-
-// Adds a warpgroup's dQ accumulator (queries m0 + 16 wq + g (+ 8) of the block, columns
-// col0 + 8 j + 2 t; unscaled: convert_dq_rows_kernel applies the scale) to dq_accum's rows; rows
-// past the sequence and columns past d left out.
-// Lanes t and t ^ 1 swap a pair of each fragment (one shuffle per float), so that the even lane
-// holds 4 consecutive columns of row g and the odd lane the same 4 of row g + 8: one 16-byte
-// atomic per fragment instead of two 8-byte ones (half the atomic instructions and L2 requests).
-// Needs d % 4 == 0 (d % 8 == 0 holds) and a 16-byte aligned workspace.
-template <int kCols>
-__device__ __forceinline__ void add_dq_rows(const BwdParams& p, const SeqInfo& seq,
-                                            const float (&acc)[1][kCols / 8][4], int h, int m0, int col0, int ct) {
-  const int lane = ct % 32, wq = (ct / 32) % 4;
-  const int g = lane / 4, t = lane % 4;
-  {
-    const bool odd = t & 1;
-    const int q = m0 + 16 * wq + g + (odd ? 8 : 0);
-    const bool row_valid = q < seq.sq;
-    float* row = p.dq_accum + (seq.stat_offset(p, h) + q) * p.d + col0 + 2 * (t & 2);
-#pragma unroll
-    for (int j = 0; j < kCols / 8; ++j) {
-      // Even lanes send their row g + 8 pair and receive the odd neighbour's row g pair, and
-      // the other way round: all 32 lanes take part in both shuffles.
-      const float s0 = odd ? acc[0][j][0] : acc[0][j][2];
-      const float s1 = odd ? acc[0][j][1] : acc[0][j][3];
-      const float r0 = __shfl_xor_sync(0xffffffffu, s0, 1);
-      const float r1 = __shfl_xor_sync(0xffffffffu, s1, 1);
-      const int col = 8 * j + 2 * (t & 2);
-      if (row_valid && col0 + col < p.d) {
-        if (odd) {
-          red_add_v4_f32(row + 8 * j, r0, r1, acc[0][j][2], acc[0][j][3]);
-        } else {
-          red_add_v4_f32(row + 8 * j, acc[0][j][0], acc[0][j][1], r0, r1);
-        }
-      }
-    }
   }
 }
 
@@ -286,17 +252,16 @@ __device__ __forceinline__ void store_columns(const BwdParams& p, const SeqInfo&
 }
 
 // Waits for step i's Q, dO, lse, delta (stage i % kStages) and says whether any of the CTA's 64
-// keys sees query block m0; a block none sees is released at once by this thread, unless dQ is
-// staged (kStaged) and it is lane 0 of its warp, which releases every step's stage one step
-// later (consume). CTA-uniform (both warpgroups hold all 64 keys): both skip it, the exchange
-// barrier included.
-template <bool kStaged, typename T, typename Cfg>
+// keys sees query block m0; a block none sees is released at once by this thread unless it is
+// lane 0 of its warp, which releases every step's stage one step later (consume). CTA-uniform
+// (both warpgroups hold all 64 keys): both skip it, the exchange barrier included.
+template <typename T, typename Cfg>
 __device__ __forceinline__ bool wait_visible_block(const Smem<T, Cfg>& sm, const AttnMask& mask, int i, int m0,
                                                    int n0, int lane) {
   const int s = KeyTileSteps::stage(i, Cfg::kStages);
   mbarrier_wait(&sm.q_full[s], KeyTileSteps::parity(i, Cfg::kStages));
   if (mask.any_visible(m0, m0 + Cfg::kBlockM, n0, n0 + Cfg::kBlockN)) return true;
-  if (!kStaged || lane != 0) mbarrier_arrive(&sm.q_empty[s]);
+  if (lane != 0) mbarrier_arrive(&sm.q_empty[s]);
   return false;
 }
 
@@ -332,9 +297,8 @@ __device__ __forceinline__ void consume(const BwdParams& p, const Smem<T, Cfg>& 
   // has read it; every step alike, so that no register tracks which. The stage reloaded next
   // is step i + kStages's: never before that release.
   const int lane = ct % 32;
-  constexpr bool kStaged = Cfg::template dq_staged<kVariant>();
   const auto release_previous = [&](int i) {
-    if (kStaged && lane == 0 && i > 0) {
+    if (lane == 0 && i > 0) {
       bulk_wait_read<0>();
       mbarrier_arrive(&sm.q_empty[KeyTileSteps::stage(i - 1, kStages)]);
     }
@@ -343,9 +307,12 @@ __device__ __forceinline__ void consume(const BwdParams& p, const Smem<T, Cfg>& 
   for (int i = 0; i < steps.count; ++i) {
     const int s = KeyTileSteps::stage(i, kStages);
     const int h = steps.head(i), m0 = steps.m_block(i) * kBlockM;
-    if (!wait_visible_block<kStaged>(sm, mask, i, m0, n0, lane)) {
+    if (!wait_visible_block(sm, mask, i, m0, n0, lane)) {
       release_previous(i);
       continue;
+    }
+    if (ct == 0) {
+      dq_tile_of(sm)[s] = static_cast<int>(wgmma::dq_tile<kVarlen>(p, seq.bi, h, seq.q_start, m0 / kBlockM, kBlockM));
     }
     T* sQ_s = sm.q(s);
     T* sdO_s = sm.dout(s);
@@ -408,44 +375,35 @@ __device__ __forceinline__ void consume(const BwdParams& p, const Smem<T, Cfg>& 
     wgmma_ss<kBlockM / 16, true, T>(acc_dv[0], KMajor<kBlockN>{sPt, 0}, MNMajor<kBlockM>{sdO_s + q_cols, 0});
     wgmma_ss<kBlockM / 16, true, T>(acc_dk[0], KMajor<kBlockN>{sdSt, 0}, MNMajor<kBlockM>{sQ_s + q_cols, 0});
     wgmma_commit();
-    if constexpr (kStaged) {
-      wgmma_wait<0>();
-      fence_accumulator(acc_dq[0]);
-      fence_accumulator(acc_dv[0]);
-      fence_accumulator(acc_dk[0]);
-      // Its columns of Q and dO in stage s are read by nothing else now (both warpgroups' S^T,
-      // dP^T ended before the exchange barrier; the other warpgroup's dV, dK read its own
-      // columns): 128 x kCols bytes each, where its dQ (64 x kCols floats) goes, warps 0, 1
-      // into the Q columns and 2, 3 into the dO columns, each warp's part one bulk reduction
-      // into the block's tile of dq_accum. The other lanes are done with stage s (each thread
-      // arrives for its own reads, as in bwd_ws.cuh); lane 0 arrives once the reduction has
-      // read it (release_previous).
+    wgmma_wait<0>();
+    fence_accumulator(acc_dq[0]);
+    fence_accumulator(acc_dv[0]);
+    fence_accumulator(acc_dk[0]);
+    // Its columns of Q and dO in stage s are read by nothing else now (both warpgroups' S^T,
+    // dP^T ended before the exchange barrier; the other warpgroup's dV, dK read its own
+    // columns): 128 x kCols bytes each, where its dQ (64 x kCols floats) goes, warps 0, 1 into
+    // the Q columns and 2, 3 into the dO columns, each warp's part one bulk reduction into the
+    // block's tile of dq_accum (dq_tile_of: thread 0 wrote it before the exchange barrier). The
+    // other lanes are done with stage s (each thread arrives for its own reads, as in
+    // bwd_ws.cuh); lane 0 arrives once the reduction has read it (release_previous).
+    {
       unsigned char* part = reinterpret_cast<unsigned char*>((wq < 2 ? sQ_s : sdO_s) + q_cols);
       float4* chunk = reinterpret_cast<float4*>(part + (wq % 2) * kCols * 64);
       stage_dq<kCols>(chunk, acc_dq, lane);
       if (lane == 0) {
-        float* dst = p.dq_accum + WideDqTile<Cfg>::template offset<kVarlen>(p, seq, h, m0 / kBlockM) +
+        float* dst = p.dq_accum + static_cast<int64_t>(dq_tile_of(sm)[s]) * WideDqTile<Cfg>::kFloats +
                      4 * WideDqTile<Cfg>::warp_first(wg, wq);
         bulk_reduce_add_f32(dst, chunk, kCols * 64);
         bulk_commit();
       } else {
         mbarrier_arrive(&sm.q_empty[s]);
       }
-    } else {
-      // The dQ atomics run while the tensor cores still compute dV and dK.
-      wgmma_wait<1>();
-      fence_accumulator(acc_dq[0]);
-      add_dq_rows<kCols>(p, seq, acc_dq, h, m0, col0, ct);
-      wgmma_wait<0>();
-      fence_accumulator(acc_dv[0]);
-      fence_accumulator(acc_dk[0]);
-      mbarrier_arrive(&sm.q_empty[s]);  // each thread for its own reads, as in bwd_ws.cuh
     }
     // The exchange buffer is reused two computed blocks later, after the barrier of the block
     // in between.
   }
   release_previous(steps.count);
-  if (kStaged && lane == 0) bulk_wait<0>();  // the adds themselves are done before the CTA retires
+  if (lane == 0) bulk_wait<0>();  // the adds themselves are done before the CTA retires
 
   // A packed sequence's key rows are read again for the stores rather than kept across the loop,
   // where the consumers have no register to spare for them (softcap's derivative spills it).
@@ -501,11 +459,7 @@ bool run_bwd_sm90_wide(const BwdParams& p, cudaStream_t stream) {
     return false;
   }
   if (!launch_bwd_ws_main<T, Cfg>(kernel, p, "bwd_sm90_wide", stream)) return false;
-  if constexpr (Cfg::template dq_staged<kVariant>()) {
-    launch_convert_dq_tiles<T, Cfg, sm90::bwd_wide::WideDqTile<Cfg>>(p, stream);
-  } else {
-    sm90::launch_convert_dq_rows<T>(p, stream);
-  }
+  launch_convert_dq_tiles<T, Cfg, sm90::bwd_wide::WideDqTile<Cfg>>(p, stream);
   return true;
 }
 

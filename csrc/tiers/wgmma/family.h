@@ -21,7 +21,6 @@
 
 #include <cuda_runtime_api.h>
 
-#include <algorithm>
 #include <cstdint>
 
 #include "../../include/dispatch.h"
@@ -85,9 +84,8 @@ template <int kDType, int kVariant> struct WideBwdEntry {
 //   at d 129..256 with deterministic=False (the wide kernel) and at d <= 32 for the calls of
 //   config.h: narrow_bwd_applies. Workspace, with deterministic=False
 //   and every gradient wanted (the warp-specialized kernels run only then):
-//   the fp32 dQ the warp-specialized kernels add into, zero-filled: the rows of the statistics x d
-//   for the wide kernel's softcap variant (row layout), or the tiles of 64 or 128 rows at the
-//   head-dim bucket's width (bwd_ws.cuh: DqTile, bwd_wide.cuh: WideDqTile), whichever is larger. Softcap's derivative with deterministic=True is declined (the
+//   the fp32 dQ the warp-specialized kernels add into, zero-filled: tiles of 64 or 128 rows at
+//   the head-dim bucket's width (bwd_ws.cuh: DqTile, bwd_wide.cuh: WideDqTile). Softcap's derivative with deterministic=True is declined (the
 //   mma.sync family has it).
 struct WgmmaFamily {
   static bool applies(const FwdParams& p, Tier tier) {
@@ -116,10 +114,7 @@ struct WgmmaFamily {
     if (p.deterministic || wgmma::bwd_split() || !bwd_wants_all(p)) return ws;
     const int bucket_d = wgmma::bwd_tile_width(p);
     const int block_m = wgmma::bwd_block_m(bucket_d);
-    const int64_t tiles = wgmma::dq_tile_count(p, block_m) * block_m * bucket_d;
-    const int64_t stat_rows =
-        p.cu_seqlens_q != nullptr ? int64_t(p.hq) * p.total_q : int64_t(p.b) * p.hq * p.sq;
-    ws.floats = std::max(stat_rows * p.d, tiles);
+    ws.floats = wgmma::dq_tile_count(p, block_m) * block_m * bucket_d;
     ws.zero_floats = true;
     return ws;
   }

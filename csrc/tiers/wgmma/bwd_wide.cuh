@@ -292,15 +292,19 @@ __device__ __forceinline__ void consume(const BwdParams& p, const Smem<T, Cfg>& 
   if (steps.count > 0) mbarrier_wait(sm.kv_full, 0);
   int e = 0;  // computed blocks: exchange buffer e % 2
   // dQ leaves through the stage that held the block's Q and dO (below), so lane 0 of each warp,
-  // which issues its bulk reduction, releases step i's stage only at step i + 1 (after that
+  // which issues its bulk reduction, releases step i's stage only at step i + kLag (after that
   // block's S^T, dP^T are issued, or when it is skipped) or after the loop, once the reduction
-  // has read it; every step alike, so that no register tracks which. The stage reloaded next
-  // is step i + kStages's: never before that release.
+  // has read it: `cp.async.bulk.wait_group.read kLag - 1` with one bulk group per step (a skipped
+  // step commits an empty one), so that no register tracks which steps computed. kLag is the
+  // stage count less one: with two stages (d = 256) the next step, with three (d = 192) the one
+  // after, by when the reduction has long been read. The stage reloaded next is step
+  // i + kStages's: never before that release.
   const int lane = ct % 32;
-  const auto release_previous = [&](int i) {
-    if (lane == 0 && i > 0) {
-      bulk_wait_read<0>();
-      mbarrier_arrive(&sm.q_empty[KeyTileSteps::stage(i - 1, kStages)]);
+  constexpr int kLag = kStages - 1;
+  const auto release_lagged = [&](int i) {
+    if (lane == 0 && i >= kLag) {
+      bulk_wait_read<kLag - 1>();
+      mbarrier_arrive(&sm.q_empty[KeyTileSteps::stage(i - kLag, kStages)]);
     }
   };
 
@@ -308,7 +312,8 @@ __device__ __forceinline__ void consume(const BwdParams& p, const Smem<T, Cfg>& 
     const int s = KeyTileSteps::stage(i, kStages);
     const int h = steps.head(i), m0 = steps.m_block(i) * kBlockM;
     if (!wait_visible_block(sm, mask, i, m0, n0, lane)) {
-      release_previous(i);
+      release_lagged(i);
+      if (lane == 0) bulk_commit();  // the step's (empty) group
       continue;
     }
     if (ct == 0) {
@@ -333,7 +338,7 @@ __device__ __forceinline__ void consume(const BwdParams& p, const Smem<T, Cfg>& 
       wgmma_commit();
       wgmma_ss<Cfg::kQKSteps, false, T>(dst[0], KMajor<kBlockN>{sm.sV, 0}, KMajor<kBlockM>{sdO_s, q_half});
       wgmma_commit();
-      release_previous(i);
+      release_lagged(i);
       if constexpr (kVariant == kSoftcapGrad) {
         wgmma_wait<0>();
         fence_accumulator(pt[0]);
@@ -385,7 +390,7 @@ __device__ __forceinline__ void consume(const BwdParams& p, const Smem<T, Cfg>& 
     // the Q columns and 2, 3 into the dO columns, each warp's part one bulk reduction into the
     // block's tile of dq_accum (dq_tile_of: thread 0 wrote it before the exchange barrier). The
     // other lanes are done with stage s (each thread arrives for its own reads, as in
-    // bwd_ws.cuh); lane 0 arrives once the reduction has read it (release_previous).
+    // bwd_ws.cuh); lane 0 arrives once the reduction has read it (release_lagged).
     {
       unsigned char* part = reinterpret_cast<unsigned char*>((wq < 2 ? sQ_s : sdO_s) + q_cols);
       float4* chunk = reinterpret_cast<float4*>(part + (wq % 2) * kCols * 64);
@@ -402,8 +407,13 @@ __device__ __forceinline__ void consume(const BwdParams& p, const Smem<T, Cfg>& 
     // The exchange buffer is reused two computed blocks later, after the barrier of the block
     // in between.
   }
-  release_previous(steps.count);
-  if (lane == 0) bulk_wait<0>();  // the adds themselves are done before the CTA retires
+  if (lane == 0) {
+    bulk_wait_read<0>();
+    for (int j = steps.count > kLag ? steps.count - kLag : 0; j < steps.count; ++j) {
+      mbarrier_arrive(&sm.q_empty[KeyTileSteps::stage(j, kStages)]);
+    }
+    bulk_wait<0>();  // the adds themselves are done before the CTA retires
+  }
 
   // A packed sequence's key rows are read again for the stores rather than kept across the loop,
   // where the consumers have no register to spare for them (softcap's derivative spills it).

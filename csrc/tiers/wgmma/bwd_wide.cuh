@@ -253,8 +253,9 @@ __device__ __forceinline__ void store_columns(const BwdParams& p, const SeqInfo&
 
 // Waits for step i's Q, dO, lse, delta (stage i % kStages) and says whether any of the CTA's 64
 // keys sees query block m0; a block none sees is released at once by this thread unless it is
-// lane 0 of its warp, which releases every step's stage one step later (consume). CTA-uniform
-// (both warpgroups hold all 64 keys): both skip it, the exchange barrier included.
+// lane 0 of its warp, which releases every step's stage kStages - 1 steps later (consume:
+// release_lagged). CTA-uniform (both warpgroups hold all 64 keys): both skip it, the exchange
+// barrier included.
 template <typename T, typename Cfg>
 __device__ __forceinline__ bool wait_visible_block(const Smem<T, Cfg>& sm, const AttnMask& mask, int i, int m0,
                                                    int n0, int lane) {

@@ -159,16 +159,17 @@ struct ScoreMod {
   FLASH_HOST_DEVICE float exp_scale(float scale_log2) const { return active() ? 1.f : scale_log2; }
 
 #if defined(__CUDACC__)
-  // tanh with an absolute error of a few 1e-7: what matters is the error of C * tanh, an
-  // absolute error of the logit. kPrecise uses the libm tanhf (the fp32 tier, whose naive
-  // counterpart rounds logits to fp32); otherwise 1 - 2 / (2^(2x log2 e) + 1) on the MUFU unit.
-  // (Its exp2 as poly_exp2 on the FMA pipe instead measured slower: OPTIMIZATION.md.)
+  // What matters is the error of C * tanh, an absolute error of the logit. kPrecise uses the
+  // libm tanhf (the fp32 tier, whose naive counterpart rounds logits to fp32); the fp16 / bf16
+  // kernels, whose naive counterparts round tanh to 11 or 8 bits, take MUFU.TANH (relative error
+  // about 2^-11): one instruction where 1 - 2 / (2^(2x log2 e) + 1) took two MUFU instructions
+  // and four on the FMA pipe, all on the softmax's dependent chain (OPTIMIZATION.md).
   template <bool kPrecise>
   __device__ __forceinline__ static float tanh_of(float y) {
     if constexpr (kPrecise) {
       return tanhf(y);
     } else {
-      return 1.f - __fdividef(2.f, ex2_approx(y * 2.8853900817779268f) + 1.f);  // 2^(2y log2 e)
+      return tanh_approx(y);
     }
   }
 

@@ -22,6 +22,7 @@
 
 #include <climits>
 #include <cstdint>
+#include <type_traits>
 
 #include "../include/params.h"
 
@@ -176,8 +177,15 @@ struct ScoreMod {
   // x (log2 units of the scaled logit) -> modified logit (log2 units) for query i, key j.
   template <bool kPrecise = false>
   __device__ __forceinline__ float apply(float x, int i, int j) const {
+    return apply_at<kPrecise>(x, static_cast<float>(i + offset - j));
+  }
+  // The same from the distance d = i + offset - j as a float (exact: |d| < 2^24). The fragment
+  // loops (modify_and_mask, compute_probs) pass d as a per-thread base plus a constant, so no
+  // element pays an integer-to-float conversion beside its exponential.
+  template <bool kPrecise = false>
+  __device__ __forceinline__ float apply_at(float x, float d) const {
     if (softcap_log2 != 0.f) x = softcap_log2 * tanh_of<kPrecise>(x * inv_softcap_log2);
-    if (alibi_log2 != 0.f) x -= alibi_log2 * fabsf(static_cast<float>(i + offset - j));
+    if (alibi_log2 != 0.f) x -= alibi_log2 * fabsf(d);
     return x;
   }
 
@@ -250,9 +258,25 @@ __device__ __forceinline__ void modify_and_mask(float (&s)[kM][kN][4], bool need
                                                 const AttnMask& mask, const ScoreMod& mod, float scale_log2,
                                                 const Rows& rows = {}) {
   if (mod.active()) {
-    for_each_element(s, row_base, key_base, [&](float& x, int row, int col) {
-      x = mod.apply(x * scale_log2, rows.query(row), col);
-    });
+    if constexpr (std::is_same_v<Rows, OneQueryPerRow>) {
+      // Element e of C tile [mt][nt] is query row_base + 16 mt + g + 8 (e / 2), key key_base +
+      // 8 nt + 2 t + e % 2 (for_each_element's layout): its distance is the thread's d0 plus a
+      // constant.
+      const int lane = threadIdx.x % 32;
+      const float d0 = static_cast<float>(row_base + lane / 4 + mod.offset - key_base - 2 * (lane % 4));
+#pragma unroll
+      for (int mt = 0; mt < kM; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < kN; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            s[mt][nt][e] = mod.apply_at(s[mt][nt][e] * scale_log2,
+                                        d0 + static_cast<float>(16 * mt + 8 * (e / 2) - 8 * nt - e % 2));
+    } else {
+      for_each_element(s, row_base, key_base, [&](float& x, int row, int col) {
+        x = mod.apply(x * scale_log2, rows.query(row), col);
+      });
+    }
   }
   if (needs_mask) mask_fragment<false>(s, row_base, key_base, -INFINITY, mask, rows);
 }

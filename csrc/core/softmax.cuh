@@ -252,6 +252,9 @@ __device__ __forceinline__ void compute_probs(float (&s)[kMTiles][kNTiles][4],
   const bool modded = kVariant != kPlain && has_score_mod(p);
   if (modded) {
     const ScoreMod mod = seq.score_mod<true, kSoftcap>(p, h);
+    // query - key + offset: the thread's first element's, plus a constant per element (ALiBi's
+    // distance, core/mask.cuh)
+    const float d0 = static_cast<float>(query_of(0, 0, 0) - key_of(0, 0, 0) + mod.offset);
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
@@ -260,7 +263,9 @@ __device__ __forceinline__ void compute_probs(float (&s)[kMTiles][kNTiles][4],
         for (int e = 0; e < 4; ++e) {
           const float x = s[mt][j][e] * scale_log2;
           if constexpr (kSoftcap) dtanh[mt][j][e] = mod.dtanh(x);
-          s[mt][j][e] = mod.apply(x, query_of(mt, j, e), key_of(mt, j, e));
+          const int rows = 16 * mt + 8 * (e / 2), cols = 8 * j + e % 2;  // from the thread's first
+          const int dc = kTransposed ? cols - rows : rows - cols;
+          s[mt][j][e] = mod.apply_at(x, d0 + static_cast<float>(dc));
         }
   }
   const float exp_scale = modded ? 1.f : scale_log2;  // ScoreMod::exp_scale

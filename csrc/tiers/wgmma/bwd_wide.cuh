@@ -293,15 +293,19 @@ __device__ __forceinline__ void consume(const BwdParams& p, const Smem<T, Cfg>& 
   if (steps.count > 0) mbarrier_wait(sm.kv_full, 0);
   int e = 0;  // computed blocks: exchange buffer e % 2
   // dQ leaves through the stage that held the block's Q and dO (below), so lane 0 of each warp,
-  // which issues its bulk reduction, releases step i's stage only at step i + kLag (after that
-  // block's S^T, dP^T are issued, or when it is skipped) or after the loop, once the reduction
+  // which issues its bulk reduction, releases step i's stage only at step i + kLag (where, below; or when
+  // that step is skipped) or after the loop, once the reduction
   // has read it: `cp.async.bulk.wait_group.read kLag - 1` with one bulk group per step (a skipped
   // step commits an empty one), so that no register tracks which steps computed. kLag is the
   // stage count less one: with two stages (d = 256) the next step, with three (d = 192) the one
-  // after, by when the reduction has long been read. The stage reloaded next is step
-  // i + kStages's: never before that release.
+  // after. The stage reloaded next is step i + kStages's: never before that release. With three
+  // stages the release follows the issue of step i's S^T, dP^T, by when the reduction has long
+  // been read; with two (kReleaseLate) the previous step's reduction is often still reading its
+  // stage there (a quarter of the consumers' stall samples waited on it), so the release waits
+  // until this step's P^T, dS^T are staged (OPTIMIZATION.md).
   const int lane = ct % 32;
   constexpr int kLag = kStages - 1;
+  constexpr bool kReleaseLate = kLag == 1;
   const auto release_lagged = [&](int i) {
     if (lane == 0 && i >= kLag) {
       bulk_wait_read<kLag - 1>();
@@ -339,7 +343,7 @@ __device__ __forceinline__ void consume(const BwdParams& p, const Smem<T, Cfg>& 
       wgmma_commit();
       wgmma_ss<Cfg::kQKSteps, false, T>(dst[0], KMajor<kBlockN>{sm.sV, 0}, KMajor<kBlockM>{sdO_s, q_half});
       wgmma_commit();
-      release_lagged(i);
+      if constexpr (!kReleaseLate) release_lagged(i);
       if constexpr (kVariant == kSoftcapGrad) {
         wgmma_wait<0>();
         fence_accumulator(pt[0]);
@@ -365,6 +369,7 @@ __device__ __forceinline__ void consume(const BwdParams& p, const Smem<T, Cfg>& 
         stage_tiles<T, kHalfM / 8>(sdSt, dst, wg, 0, ct);
       }
     }
+    if constexpr (kReleaseLate) release_lagged(i);
     fence_proxy_async();  // the generic-proxy writes of P^T, dS^T, before the tensor cores read them
     mbarrier_arrive(sm.ds_empty);
     mbarrier_wait(sm.ds_empty, (e - 1) & 1);

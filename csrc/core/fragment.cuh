@@ -29,6 +29,14 @@ __device__ __forceinline__ void for_each_tile(F&& f) {
     for (int j = 0; j < kN; ++j) f(mt, j);
 }
 
+// The layout above as the thread's first element (row g, column 2 t) and each element's
+// constant offset from it, for loops that keep one per-thread base and add constants (ALiBi's
+// distances in core/mask.cuh and core/softmax.cuh).
+__host__ __device__ constexpr int fragment_row0(int lane) { return lane / 4; }
+__host__ __device__ constexpr int fragment_col0(int lane) { return 2 * (lane % 4); }
+__host__ __device__ constexpr int fragment_row_offset(int mt, int e) { return 16 * mt + 8 * (e / 2); }
+__host__ __device__ constexpr int fragment_col_offset(int nt, int e) { return 8 * nt + e % 2; }
+
 // Calls f(element, row, column) for every element a thread holds, rows counted from row_base
 // and columns from col_base.
 template <int kM, int kN, typename F>

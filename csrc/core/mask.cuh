@@ -259,19 +259,19 @@ __device__ __forceinline__ void modify_and_mask(float (&s)[kM][kN][4], bool need
                                                 const Rows& rows = {}) {
   if (mod.active()) {
     if constexpr (std::is_same_v<Rows, OneQueryPerRow>) {
-      // Element e of C tile [mt][nt] is query row_base + 16 mt + g + 8 (e / 2), key key_base +
-      // 8 nt + 2 t + e % 2 (for_each_element's layout): its distance is the thread's d0 plus a
-      // constant.
+      // An element's distance is the thread's first element's plus a constant (core/fragment.cuh).
       const int lane = threadIdx.x % 32;
-      const float d0 = static_cast<float>(row_base + lane / 4 + mod.offset - key_base - 2 * (lane % 4));
+      const float d0 =
+          static_cast<float>(row_base + fragment_row0(lane) + mod.offset - key_base - fragment_col0(lane));
 #pragma unroll
       for (int mt = 0; mt < kM; ++mt)
 #pragma unroll
         for (int nt = 0; nt < kN; ++nt)
 #pragma unroll
           for (int e = 0; e < 4; ++e)
-            s[mt][nt][e] = mod.apply_at(s[mt][nt][e] * scale_log2,
-                                        d0 + static_cast<float>(16 * mt + 8 * (e / 2) - 8 * nt - e % 2));
+            s[mt][nt][e] = mod.apply_at(
+                s[mt][nt][e] * scale_log2,
+                d0 + static_cast<float>(fragment_row_offset(mt, e) - fragment_col_offset(nt, e)));
     } else {
       for_each_element(s, row_base, key_base, [&](float& x, int row, int col) {
         x = mod.apply(x * scale_log2, rows.query(row), col);

@@ -263,7 +263,7 @@ __device__ __forceinline__ void compute_probs(float (&s)[kMTiles][kNTiles][4],
         for (int e = 0; e < 4; ++e) {
           const float x = s[mt][j][e] * scale_log2;
           if constexpr (kSoftcap) dtanh[mt][j][e] = mod.dtanh(x);
-          const int rows = 16 * mt + 8 * (e / 2), cols = 8 * j + e % 2;  // from the thread's first
+          const int rows = fragment_row_offset(mt, e), cols = fragment_col_offset(j, e);
           const int dc = kTransposed ? cols - rows : rows - cols;
           s[mt][j][e] = mod.apply_at(x, d0 + static_cast<float>(dc));
         }

@@ -293,12 +293,11 @@ __device__ __forceinline__ void consume(const BwdParams& p, const Smem<T, Cfg>& 
   if (steps.count > 0) mbarrier_wait(sm.kv_full, 0);
   int e = 0;  // computed blocks: exchange buffer e % 2
   // dQ leaves through the stage that held the block's Q and dO (below), so lane 0 of each warp,
-  // which issues its bulk reduction, releases step i's stage only at step i + kLag (where, below; or when
-  // that step is skipped) or after the loop, once the reduction
-  // has read it: `cp.async.bulk.wait_group.read kLag - 1` with one bulk group per step (a skipped
-  // step commits an empty one), so that no register tracks which steps computed. kLag is the
-  // stage count less one: with two stages (d = 256) the next step, with three (d = 192) the one
-  // after. The stage reloaded next is step i + kStages's: never before that release. With three
+  // which issues its bulk reduction, releases step i's stage only at step i + kLag (where, see
+  // below; or when that step is skipped) or after the loop, once the reduction has read it:
+  // `cp.async.bulk.wait_group.read kLag - 1` with one bulk group per step (a skipped step
+  // commits an empty one), so that no register tracks which steps computed. kLag is the stage
+  // count less one: with two stages (d = 256) the next step, with three (d = 192) the one after. The stage reloaded next is step i + kStages's: never before that release. With three
   // stages the release follows the issue of step i's S^T, dP^T, by when the reduction has long
   // been read; with two (kReleaseLate) the previous step's reduction is often still reading its
   // stage there (a quarter of the consumers' stall samples waited on it), so the release waits

@@ -1,0 +1,190 @@
+"""Same-process A/B of two flash_cuda source trees: is a change free of speed and output changes?
+
+A structural change (files split, shared memory typed, a policy moved) must leave every kernel's
+speed and every forward output as they were. Timings from two processes or two machines differ
+by more than such a change could, so both builds are loaded into ONE process and timed
+alternately, cell by cell, in interleaved rounds:
+
+    python3 bench/ab_builds.py --base /path/to/base/checkout --new . --rounds 3
+
+Each tree is built (or found in its cache) at first use by a subprocess that imports that tree's
+flash_cuda (``FLASH_CUDA_CACHE_DIR`` keeps the builds apart); the main process then loads the two
+extension modules by file and calls their raw ``fwd`` / ``bwd`` entries on the same fresh random
+inputs. Per cell: forward outputs (O and LSE) compared bit for bit, gradients compared to each
+other (dQ is summed by atomics in a varying order, so it may differ by rounding), and the pooled
+median time of each build over the rounds (``triton.testing.do_bench``, L2 flushed), reported as
+new / base speed (above 1: the new build is faster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.machinery
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+JIT_MODULE = "flash_cuda_kernels"  # the name the build at first use gives its module (flash_cuda/_ext.py)
+
+_BUILD_SNIPPET = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import flash_cuda, flash_cuda._ext as ext
+m = ext.require()
+print(json.dumps({"file": m.__file__, "package": flash_cuda.__file__}))
+"""
+
+
+def build(tree: Path, cache: Path) -> Path:
+    """Builds (or finds) ``tree``'s kernels in ``cache``; the extension module's file."""
+    env = dict(os.environ, FLASH_CUDA_CACHE_DIR=str(cache))
+    res = subprocess.run([sys.executable, "-c", _BUILD_SNIPPET, str(tree)], env=env, capture_output=True,
+                         text=True, cwd=str(tree))
+    if res.returncode:
+        raise SystemExit(f"building {tree} failed:\n{res.stdout}\n{res.stderr}")
+    info = json.loads(res.stdout.strip().splitlines()[-1])
+    if not info["package"].startswith(str(tree.resolve())):
+        raise SystemExit(f"{tree}: imported flash_cuda from {info['package']}, not from the tree")
+    return Path(info["file"])
+
+
+def load(path: Path, tag: str):
+    """Loads one build's extension module from its file (both keep the module name they were
+    built with, which their init function carries; they are kept apart by file)."""
+    loader = importlib.machinery.ExtensionFileLoader(JIT_MODULE, str(path))
+    spec = importlib.util.spec_from_file_location(JIT_MODULE, str(path), loader=loader)
+    mod = importlib.util.module_from_spec(spec)
+    loader.exec_module(mod)
+    sys.modules.pop(JIT_MODULE, None)
+    mod.ab_tag = tag
+    return mod
+
+
+def cells(args):
+    for d in args.d:
+        for causal in args.causal:
+            for s in args.s:
+                for mode in args.mode:
+                    yield d, causal, s, mode
+
+
+def make_inputs(torch, d, s, tokens, width, dtype, mode, gen):
+    b, h = max(1, tokens // s), max(1, width // d)
+    shape = (b, h, s, d)
+    q, k, v = (torch.randn(shape, device="cuda", dtype=dtype, generator=gen) for _ in range(3))
+    dout = torch.randn(shape, device="cuda", dtype=dtype, generator=gen) if mode == "bwd" else None
+    return b, h, q, k, v, dout
+
+
+def fwd_call(mod, q, k, v, scale, causal):
+    return mod.fwd(q, k, v, scale, -1, 0 if causal else -1, 0.0, None, None, None, 0, 0, 0)
+
+
+def bwd_call(mod, dout, q, k, v, out, lse, aux, scale, causal):
+    return mod.bwd(dout, q, k, v, out, lse, aux, None, scale, -1, 0 if causal else -1, 0.0, None, None, None,
+                   0, 0, False, 0)
+
+
+def flops(b, h, s, d, causal, mode):
+    f = 4.0 * b * h * s * s * d * (0.5 if causal else 1.0)
+    return f * (2.5 if mode == "bwd" else 1.0)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--base", type=Path, required=True, help="the base source checkout")
+    ap.add_argument("--new", type=Path, default=Path("."), help="the changed checkout (default: .)")
+    ap.add_argument("--cache", type=Path, default=Path("/tmp/flash_cuda_ab"),
+                    help="where the two builds go (a folder per tree)")
+    ap.add_argument("--new-cache", type=Path, default=None,
+                    help="the new tree's build cache (default: FLASH_CUDA_CACHE_DIR or ~/.cache/flash_cuda, "
+                         "so that the tests reuse it)")
+    ap.add_argument("--d", type=int, nargs="+", default=[64, 96, 128, 256])
+    ap.add_argument("--s", type=int, nargs="+", default=[1024, 4096, 16384])
+    ap.add_argument("--causal", type=int, nargs="+", default=[0, 1])
+    ap.add_argument("--mode", nargs="+", default=["fwd", "bwd"], choices=["fwd", "bwd"])
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
+    ap.add_argument("--tokens", type=int, default=16384, help="B * S")
+    ap.add_argument("--width", type=int, default=2048, help="H * D")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rep-ms", type=int, default=60, help="do_bench's timing window per measurement")
+    ap.add_argument("--json", type=Path, default=None, help="write every measurement here")
+    args = ap.parse_args(argv)
+
+    new_cache = args.new_cache or Path(os.environ.get("FLASH_CUDA_CACHE_DIR", Path.home() / ".cache" / "flash_cuda"))
+    paths = {"base": build(args.base, args.cache / "base"), "new": build(args.new, new_cache)}
+    print(f"builds: base {paths['base']}\n        new  {paths['new']}", flush=True)
+
+    import torch
+    from triton.testing import do_bench
+
+    mods = {tag: load(path, tag) for tag, path in paths.items()}
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
+    gen = torch.Generator(device="cuda")
+    gen.manual_seed(0)
+    times = {}   # (cell, tag) -> [ms, ...]
+    checks = {}  # cell -> text
+    all_cells = list(cells(args))
+    for rnd in range(args.rounds):
+        order = ("base", "new") if rnd % 2 == 0 else ("new", "base")
+        for cell in all_cells:
+            d, causal, s, mode = cell
+            b, h, q, k, v, dout = make_inputs(torch, d, s, args.tokens, args.width, dtype, mode, gen)
+            scale = d ** -0.5
+            fwd = {tag: fwd_call(mods[tag], q, k, v, scale, causal) for tag in order}
+            if rnd == 0:
+                same_o = torch.equal(fwd["base"][0], fwd["new"][0])
+                same_lse = torch.equal(fwd["base"][1], fwd["new"][1])
+                text = f"O {'bitwise equal' if same_o else 'DIFFERS'}, LSE {'bitwise equal' if same_lse else 'DIFFERS'}"
+                if mode == "bwd":
+                    g = {tag: bwd_call(mods[tag], dout, q, k, v, *fwd[tag], scale, causal) for tag in order}
+                    parts = []
+                    for name, a, c in zip(("dQ", "dK", "dV"), g["base"], g["new"]):
+                        if torch.equal(a, c):
+                            parts.append(f"{name} equal")
+                        else:
+                            rel = ((a.float() - c.float()).norm() / a.float().norm().clamp_min(1e-30)).item()
+                            parts.append(f"{name} rel {rel:.1e}")
+                    text += "; " + ", ".join(parts)
+                checks[cell] = text
+            for tag in order:
+                mod = mods[tag]
+                if mode == "fwd":
+                    fn = lambda mod=mod: fwd_call(mod, q, k, v, scale, causal)  # noqa: E731
+                else:
+                    out, lse, aux = fwd[tag]
+                    fn = lambda mod=mod, out=out, lse=lse, aux=aux: bwd_call(  # noqa: E731
+                        mod, dout, q, k, v, out, lse, aux, scale, causal)
+                ms = do_bench(fn, warmup=10, rep=args.rep_ms, return_mode="median")
+                times.setdefault((cell, tag), []).append(ms)
+            del fwd, q, k, v, dout
+        print(f"round {rnd + 1} of {args.rounds} done", file=sys.stderr, flush=True)
+
+    rows = []
+    print(f"\n{args.dtype}, B*S = {args.tokens}, H*D = {args.width}, {args.rounds} interleaved rounds, "
+          f"{torch.cuda.get_device_name()}; new / base speed (above 1: new faster)")
+    print("| D | causal | S | mode | base ms | new ms | new/base | TFLOPS (new) | outputs |")
+    print("| ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | --- |")
+    for cell in all_cells:
+        d, causal, s, mode = cell
+        tb, tn = statistics.median(times[(cell, "base")]), statistics.median(times[(cell, "new")])
+        b, h = max(1, args.tokens // s), max(1, args.width // d)
+        tf = flops(b, h, s, d, causal, mode) / (tn * 1e-3) / 1e12
+        ratio = tb / tn
+        rows.append({"d": d, "causal": causal, "s": s, "mode": mode, "base_ms": times[(cell, "base")],
+                     "new_ms": times[(cell, "new")], "ratio": ratio, "outputs": checks[cell]})
+        print(f"| {d} | {causal} | {s} | {mode} | {tb:.4f} | {tn:.4f} | {ratio:.3f} | {tf:.0f} | {checks[cell]} |")
+    ratios = sorted(r["ratio"] for r in rows)
+    print(f"\n{len(rows)} cells: new/base min {ratios[0]:.3f}, median {statistics.median(ratios):.3f}, "
+          f"max {ratios[-1]:.3f}; forward outputs bitwise equal in "
+          f"{sum('O bitwise equal, LSE bitwise equal' in r['outputs'] for r in rows)} of {len(rows)} cells")
+    if args.json:
+        args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

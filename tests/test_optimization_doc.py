@@ -25,7 +25,7 @@ TRIED_COLUMNS = ["idea", "result", "why not kept"]
 PATH_ROOTS = ("csrc", "flash_cuda", "bench", "tests")
 # A backticked repository path: `csrc/core/mask.cuh`, `csrc/core/mask.cuh:120`,
 # `csrc/core/mask.cuh (keys_of)`, `bench/run.py --features`, `bench/results/decode-h100/`.
-CODE_SPAN = re.compile(r"`([^`\n]+)`")
+CODE_SPAN = re.compile(r"`([^`]+)`")  # a span may wrap onto the next line
 PATH_START = re.compile(r"^(?:%s)/" % "|".join(PATH_ROOTS))
 SHORT_HASH = re.compile(r"\b[0-9a-f]{7,40}\b")
 DATE = re.compile(r"\b20\d\d-\d\d-\d\d\b")
@@ -63,7 +63,7 @@ def repo_paths(text: str):
     `:symbol` suffix, arguments after a space, a `(symbol)` or `#anchor` tail dropped)."""
     found = []
     for span in CODE_SPAN.findall(text):
-        span = span.strip()
+        span = " ".join(span.split())
         if not PATH_START.match(span):
             continue
         path = re.split(r"[\s(#]", span, maxsplit=1)[0]
@@ -119,7 +119,7 @@ def test_the_path_check_can_fail(tmp_path):
     (tmp_path / "csrc" / "core").mkdir(parents=True)
     (tmp_path / "csrc" / "core" / "mask.cuh").write_text("")
     text = ("| a | `csrc/core/mask.cuh (keys_of)` | `csrc/core/mask.cuh:120` |\n"
-            "see `csrc/kernels/mma_fwd.cuh` and `bench/run.py --features`, not `python x.py`\n")
+            "see `csrc/kernels/mma_fwd.cuh` and `bench/run.py\n--features`, not `python x.py`\n")
     assert repo_paths(text) == ["csrc/core/mask.cuh", "csrc/core/mask.cuh", "csrc/kernels/mma_fwd.cuh",
                                 "bench/run.py"]
     assert missing_paths(text, tmp_path) == ["bench/run.py", "csrc/kernels/mma_fwd.cuh"]

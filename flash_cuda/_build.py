@@ -124,9 +124,9 @@ MIN_NVCC_FOR_ARCH = {"90a": (12, 0), "100": (12, 8), "120": (12, 8), "103": (12,
 
 
 def missing_tool(archs: Optional[Sequence[str]] = None) -> Optional[str]:
-    """What the compiler toolchain lacks (torch, a CUDA build of it, nvcc, the toolkit's headers,
-    ninja), as the message that says what to install; None when nothing is missing. With
-    ``archs``, also whether this nvcc compiles for them."""
+    """What the compiler toolchain lacks (torch, a CUDA build of it, nvcc of torch's CUDA major
+    version, ninja), as the message that says what to install; None when nothing is missing.
+    With ``archs``, also whether this nvcc compiles for them."""
     try:
         import torch
     except ImportError:
@@ -139,7 +139,7 @@ def missing_tool(archs: Optional[Sequence[str]] = None) -> Optional[str]:
         return NO_NVCC.format(cuda=torch.version.cuda)
     problem = toolkit_problem(cpp_extension.CUDA_HOME, torch.version.cuda, torch.__version__, archs)
     if problem is not None:
-        return problem
+        return problem  # (missing headers are only named when a compile fails: header_problem)
     put_ninja_on_path()
     if not cpp_extension.is_ninja_available():
         return NO_NINJA
@@ -236,9 +236,12 @@ def _pip_header_dirs(headers: Sequence[str]) -> List[str]:
 
 def toolkit_problem(cuda_home: str, cuda: str, torch_version: str,
                     archs: Optional[Sequence[str]] = None) -> Optional[str]:
-    """What the CUDA toolkit in ``cuda_home`` lacks for a build against torch's CUDA ``cuda``
-    (a directory that is no toolkit, an nvcc of another major version, or too old for ``archs``,
-    headers torch's headers include), as the message that says what to do; None when nothing."""
+    """What the CUDA toolkit in ``cuda_home`` lacks for a build against torch's CUDA ``cuda`` (a
+    directory that is no toolkit, an nvcc of another major version, or too old for ``archs``), as
+    the message that says what to do; None when nothing. These fail every build: they are
+    checked before one starts. The headers (:func:`header_problem`) are searched where the
+    compilers usually look, which may miss a place they are told of; they are named when a
+    compile fails."""
     source = cuda_home_source(cuda_home)
     if not os.path.isdir(cuda_home):
         return CUDA_HOME_NOWHERE.format(cuda_home=cuda_home, source=source, what=", which does not exist",
@@ -261,24 +264,37 @@ def toolkit_problem(cuda_home: str, cuda: str, torch_version: str,
         needed = max(MIN_NVCC_FOR_ARCH[a] for a in too_new)
         return NVCC_TOO_OLD.format(nvcc=nvcc, release=release, targets=", ".join(f"sm_{a}" for a in too_new),
                                    needed=".".join(map(str, needed)), cuda=cuda)
-    missing = missing_headers(cuda_home)
-    if missing:
-        suffix = "-" + release.replace(".", "-")
-        packages = sorted({TOOLKIT_HEADERS[h] + suffix for h in missing})
-        pip_dirs = _pip_header_dirs(missing)
-        found = (f" NVIDIA's pip packages have some of them in {os.pathsep.join(pip_dirs)}: "
-                 f"`export CPATH={os.pathsep.join(pip_dirs)}` adds them." if pip_dirs else "")
-        return MISSING_HEADERS.format(cuda_home=cuda_home, headers=", ".join(missing), release=release,
-                                      packages=", ".join(packages), found=found)
     return None
 
 
-def compile_error_hint(text: str) -> Optional[str]:
+def header_problem(cuda_home: Optional[str]) -> Optional[str]:
+    """The toolkit headers torch's CUDA headers include that none of :func:`include_dirs` holds,
+    as the message that says what to install; None when all are found (or no toolkit)."""
+    missing = missing_headers(cuda_home) if cuda_home else []
+    if not missing:
+        return None
+    nvcc = nvcc_of(cuda_home)
+    release = nvcc_release(nvcc) if nvcc else None
+    suffix = "-" + release.replace(".", "-") if release else "-<major>-<minor>"
+    packages = sorted({TOOLKIT_HEADERS[h] + suffix for h in missing})
+    pip_dirs = _pip_header_dirs(missing)
+    found = (f" NVIDIA's pip packages have some of them in {os.pathsep.join(pip_dirs)}: "
+             f"`export CPATH={os.pathsep.join(pip_dirs)}` adds them." if pip_dirs else "")
+    return MISSING_HEADERS.format(cuda_home=cuda_home, headers=", ".join(missing),
+                                  release=release or "of torch's CUDA version", packages=", ".join(packages),
+                                  found=found)
+
+
+def compile_error_hint(text: str, cuda_home: Optional[str] = None) -> Optional[str]:
     """The cause and fix of a failed compilation that its output shows (a missing toolkit
-    header, an nvcc too old for a target, a host compiler nvcc does not support), or None."""
+    header, with :func:`header_problem`'s message for the toolkit in ``cuda_home``; an nvcc too
+    old for a target; a host compiler nvcc does not support), or None."""
     header = re.search(r"fatal error: ([\w./+-]+\.h(?:pp)?): No such file", text)
     if header:
         name = os.path.basename(header.group(1))
+        problem = header_problem(cuda_home) if name in TOOLKIT_HEADERS else None
+        if problem:
+            return problem
         package = TOOLKIT_HEADERS.get(name)
         where = (f" (the CUDA toolkit's {package} development files)" if package else "")
         return (f"The compiler did not find {header.group(1)}{where}: install it, or put a directory "

@@ -265,7 +265,9 @@ def load_or_compile(archs: Sequence[str], verbose: bool = False, reason: str = "
         # A compiler error (its output is in the message), or another process' build that this
         # one waited for failed (its module is missing).
         text = str(exc)
-        hint = _build.compile_error_hint(text)
+        from torch.utils.cpp_extension import CUDA_HOME
+
+        hint = _build.compile_error_hint(text, CUDA_HOME)
         if len(text) > 6000:
             text = "...\n" + text[-6000:]
         cause = f"\n{hint}" if hint else ""

@@ -158,7 +158,8 @@ def build(found: Optional[dict] = None) -> dict:
     problem = None
     if torch.version.cuda is not None:
         problem = (_build.NO_NVCC.format(cuda=torch.version.cuda) if not tk["cuda_home"] else
-                   _build.toolkit_problem(tk["cuda_home"], torch.version.cuda, torch.__version__))
+                   _build.toolkit_problem(tk["cuda_home"], torch.version.cuda, torch.__version__)
+                   or _build.header_problem(tk["cuda_home"]))
     return {"available": reason is None, **info, "cache_root": str(_build.cache_root()),
             "sources": str(sources) if sources is not None else None, "reason": reason,
             "toolkit_problem": problem}

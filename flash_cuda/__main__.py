@@ -31,7 +31,7 @@ build); 2 when a self-test case or a flash_cuda benchmark cell fails.
                "toolkit_problem" (what a build at first use would lack here; null when nothing
                or torch is CPU-only)},
      "selftest": null | [{"name", "passed", "seconds", "problem", "errors": {output: {"error",
-                          "naive", "tol"}}}],
+                          "naive", "tol"}}}],              # a non-finite error is null
      "bench": null | {"dtype", "providers", "fa4_reason", "rows": [{"D", "S", "B", "H", "causal",
                       "mode", "<provider>_tflops", "ratio_sdpa", "ratio_fa4" (with fa4)}]}}
 
@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import textwrap
 from pathlib import Path
@@ -218,6 +219,17 @@ def render(report: dict) -> str:
     return "\n".join(lines)
 
 
+def _strict(value):
+    """``value`` with NaN and infinities as null, so that the output is strict JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _strict(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_strict(v) for v in value]
+    return value
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python3 -m flash_cuda",
@@ -230,7 +242,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--no-fa4", action="store_true", help="leave FlashAttention-4 out of --bench")
     args = parser.parse_args(argv)
     report = collect(bench=args.bench, quick=args.quick, with_fa4=not args.no_fa4)
-    print(json.dumps(report, indent=1) if args.json else render(report))
+    print(json.dumps(_strict(report), indent=1, allow_nan=False) if args.json else render(report))
     return report["exit_code"]
 
 

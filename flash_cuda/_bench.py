@@ -86,15 +86,15 @@ def time_ms(step: Callable[[], object]) -> float:
     return statistics.median(a.elapsed_time(b) for a, b in events)
 
 
-def measure(fn: Callable, bshd: bool, cell: dict, dtype: torch.dtype = torch.bfloat16) -> float:
+def measure(fn: Callable, bshd: bool, cell: dict, dtype: torch.dtype = torch.bfloat16, device: str = "cuda") -> float:
     """Milliseconds of one call (forward, or forward + backward) of ``fn`` on fresh inputs."""
     B, H, S, D = cell["B"], cell["H"], cell["S"], cell["D"]
     shape = (B, S, H, D) if bshd else (B, H, S, D)
     grad = cell["mode"] == "fwd_bwd"
-    q, k, v = (torch.randn(shape, device="cuda", dtype=dtype, requires_grad=grad) for _ in range(3))
+    q, k, v = (torch.randn(shape, device=device, dtype=dtype, requires_grad=grad) for _ in range(3))
     if not grad:
         return time_ms(lambda: fn(q, k, v, cell["causal"]))
-    dout = torch.randn(shape, device="cuda", dtype=dtype)
+    dout = torch.randn(shape, device=device, dtype=dtype)
 
     def step():
         out = fn(q, k, v, cell["causal"])
@@ -102,7 +102,7 @@ def measure(fn: Callable, bshd: bool, cell: dict, dtype: torch.dtype = torch.bfl
     return time_ms(step)
 
 
-def run(quick: bool = False, with_fa4: bool = True, progress=sys.stderr) -> dict:
+def run(quick: bool = False, with_fa4: bool = True, progress=sys.stderr, device: str = "cuda") -> dict:
     """{"dtype", "providers", "fa4_reason", "rows": [cell + {"<provider>_tflops": float or None,
     "<provider>_error": str (failed calls only), "ratio_sdpa", "ratio_fa4"}]}."""
     found, fa4_reason = providers(with_fa4)
@@ -119,7 +119,7 @@ def run(quick: bool = False, with_fa4: bool = True, progress=sys.stderr) -> dict
                      f"{'causal' if cell['causal'] else 'non-causal'} {cell['mode']}")
             print(f"\r\033[K{label}" if tty else label, end="" if tty else "\n", file=progress, flush=True)
             try:
-                row[f"{name}_tflops"] = flops(cell) / measure(fn, bshd, cell) / 1e9
+                row[f"{name}_tflops"] = flops(cell) / measure(fn, bshd, cell, device=device) / 1e9
             except Exception as exc:  # a provider that does not run a shape: reported, the rest go on
                 row[f"{name}_tflops"] = None
                 row[f"{name}_error"] = f"{type(exc).__name__}: {str(exc).strip()[:200]}"

@@ -355,6 +355,7 @@ def test_report_on_a_working_gpu(monkeypatch, capsys):
     assert cli.main(["--json", "--bench"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert set(report) == TOP_KEYS and report["ok"] and all(set(c) == CASE_KEYS for c in report["selftest"])
+    assert cli._strict({"a": [float("nan"), 1.0, {"b": float("inf")}]}) == {"a": [None, 1.0, {"b": None}]}
 
 
 @pytest.mark.parametrize("failure", ["selftest", "bench"])
@@ -450,3 +451,57 @@ def test_quick_bench_on_the_gpu():
     for line in rows:
         tflops, sdpa, ratio = (float(x) for x in line.split()[-3:])
         assert tflops > 0 and sdpa > 0 and abs(ratio - tflops / sdpa) < 0.01 + 0.01 * ratio
+
+
+class _WallClockEvent:
+    """torch.cuda.Event on the host clock, for the benchmark's loop on CPU."""
+
+    def __init__(self, enable_timing=True):
+        self.t = None
+
+    def record(self):
+        import time
+        self.t = time.perf_counter()
+
+    def synchronize(self):
+        pass
+
+    def elapsed_time(self, end):
+        return (end.t - self.t) * 1e3
+
+
+def test_bench_loop_on_the_cpu_mock(mock_extension, monkeypatch):
+    """The benchmark's loop, timing and table on CPU (flash_cuda through the mock extension, SDPA),
+    at a tiny shape; a provider that fails a cell is reported and the others go on."""
+    monkeypatch.setattr(torch.cuda, "Event", _WallClockEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(_bench, "shapes", lambda quick=False: [
+        {"D": 16, "S": 32, "B": 1, "H": 2, "causal": c, "mode": m} for c in (False, True) for m in ("fwd", "fwd_bwd")])
+    monkeypatch.setattr(_bench, "MIN_REPS", 1)
+    monkeypatch.setattr(_bench, "TARGET_MS", 0.0)
+    monkeypatch.setattr(_bench, "WARMUP", 1)
+    monkeypatch.setattr(_bench, "fa4", lambda: (None, "not here"))
+    import io
+
+    progress = io.StringIO()
+    result = _bench.run(progress=progress, device="cpu")
+    assert result["providers"] == ["flash_cuda", "sdpa"] and result["fa4_reason"] == "not here"
+    assert len(result["rows"]) == 4 and progress.getvalue().count("\n") == 8
+    for row in result["rows"]:
+        assert row["flash_cuda_tflops"] > 0 and row["sdpa_tflops"] > 0, row
+        assert row["ratio_sdpa"] == pytest.approx(row["flash_cuda_tflops"] / row["sdpa_tflops"])
+    assert mock_extension.bwd_calls > 0
+    text = "\n".join(cli._bench_text(result))
+    assert re.search(r"\n\s+16\s+32\s+1\s+2\s+yes\s+fwd_bwd\s+[\d.]+\s+[\d.]+\s+[\d.]+", text), text
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no kernel for this")
+
+    monkeypatch.setattr(mock_extension, "fwd", broken)
+    monkeypatch.setattr(_ext._C, "fwd", broken)
+    result = _bench.run(progress=io.StringIO(), device="cpu")
+    row = result["rows"][0]
+    assert row["flash_cuda_tflops"] is None and "no kernel for this" in row["flash_cuda_error"]
+    assert row["sdpa_tflops"] > 0 and row["ratio_sdpa"] is None
+    assert "flash_cuda D=16 S=32 fwd: RuntimeError: no kernel for this" in "\n".join(cli._bench_text(result))

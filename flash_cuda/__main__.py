@@ -137,6 +137,10 @@ def _gpus_text(gpus: List[dict]) -> List[str]:
         budget = f" (tiles for {g['smem_budget_kib']} KiB)" if g["smem_budget_kib"] else ""
         lines.append(f"      class {g['gpu_class']}{budget}{emulated}")
         lines.append(f"      kernels {_kernels_text(g['kernels'])}")
+    from ._report import KERNEL_NOTES
+
+    used = [k for k in KERNEL_NOTES if any(k in g["kernels"][dt] for g in gpus for dt in g["kernels"])]
+    lines.append("  (" + "; ".join(f"{k}: {KERNEL_NOTES[k]}" for k in used) + ")")
     return lines
 
 
@@ -187,7 +191,8 @@ def _bench_text(bench: dict) -> List[str]:
         cells += ["-" if r.get(f"ratio_{n}") is None else f"{r[f'ratio_{n}']:.2f}" for n in ratios]
         rows.append(cells)
     widths = [max(len(x) for x in col) for col in zip(head, *rows)]
-    lines = [f"benchmark ({bench['dtype']}, same run; median of CUDA-event timings; fc = flash_cuda)",
+    lines = [f"benchmark ({bench['dtype']}, same run, median of CUDA-event timings; fc = flash_cuda, "
+             f"sdpa = torch's scaled_dot_product_attention with its default backend)",
              "  " + "  ".join(h.rjust(w) for h, w in zip(head, widths))]
     lines += ["  " + "  ".join(c.rjust(w) for c, w in zip(cells, widths)) for cells in rows]
     if bench["fa4_reason"]:

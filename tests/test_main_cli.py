@@ -273,7 +273,9 @@ def test_gpu_classes_match_the_kernels_budgets():
     text = header.read_text()
     kib = {name: int(n) for name, n in re.findall(r"constexpr size_t (kSmem\w+) = (\d+) \* 1024", text)}
     body = text[text.index("smem_budget_of_arch"):]
-    for line in re.findall(r"if \(([^)]*)\) return (kSmem\w+);", body):
+    checks = re.findall(r"if \(([^)]*)\) return (kSmem\w+);", body)
+    assert kib and checks, f"{header} changed its form: check _report.GPU_CLASSES against it and update this test"
+    for line in checks:
         for arch in re.findall(r"arch == (\d+)", line[0]):
             assert _report.gpu_class(int(arch))[1] == kib[line[1]], arch
     for arch in (86, 89, 120, 121):

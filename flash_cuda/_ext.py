@@ -23,9 +23,10 @@ others wait for it (a build killed midway leaves the file behind: delete it).
 :func:`is_available` is exact: True once the kernels are loaded, False when they cannot be, with
 the reason (what to install) in :func:`unavailable_reason` (``flash_cuda.unavailable_reason()``),
 :func:`unavailable_message` and the RuntimeError of :func:`require`: a CPU-only torch, no GPU,
-nvcc or ninja missing for a build, a CUDA toolkit that does not match torch's or lacks headers
-torch's headers include (checked before compiling), a failed build (with the cause when the
-compiler's output names a known one). :func:`load_info` says where loaded kernels came from.
+nvcc or ninja missing for a build, CUDA_HOME that is no toolkit, an nvcc of another CUDA major
+version than torch's or too old for a GPU (checked before compiling), a failed build (with the
+cause and its fix where the compiler's output shows a known one, such as a toolkit header that
+torch's headers include). :func:`load_info` says where loaded kernels came from.
 A failure is not retried in the same process. Once decided it reads a plain bool, which
 torch.compile traces as a constant; while torch.compile traces a function that calls it before
 anything decided, it answers True and leaves the loading to the ops' first run (:func:`require`).

@@ -10,12 +10,14 @@
                                             cache_seqlens=lengths, is_causal=True)
 
 ``import flash_cuda`` works without the compiled extension (e.g. on a CPU-only machine);
-:func:`is_available` tells whether it is loaded, and :func:`attention` raises a
-RuntimeError with build instructions when it is not. :mod:`flash_cuda.reference` holds
+:func:`is_available` tells whether it is loaded, :func:`unavailable_reason` why not (None
+when it is), and :func:`attention` raises a RuntimeError with build instructions when it is
+not. ``python3 -m flash_cuda`` checks an installation: versions, GPUs, the kernels' build, a
+self-test (``--bench``: a short benchmark against SDPA). :mod:`flash_cuda.reference` holds
 the pure-PyTorch specification of the kernels (runs anywhere).
 """
 
-from ._ext import is_available
+from ._ext import is_available, unavailable_reason
 from .interface import (KERNELS, MAX_HEAD_DIM, MIN_HEAD_DIM, SUPPORTED_DTYPES, attention,
                         varlen_attention)
 from .kvcache import attention_with_kvcache
@@ -28,6 +30,7 @@ __all__ = [
     "varlen_attention",
     "attention_with_kvcache",
     "is_available",
+    "unavailable_reason",
     "reference",
     "KERNELS",
     "SUPPORTED_DTYPES",

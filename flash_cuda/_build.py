@@ -18,13 +18,16 @@ sm_90 is always built as the sm_90a target.
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import os
+import re
 import shutil
+import subprocess
 import sys
 import warnings
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 MIN_ARCH = 80
 
@@ -92,9 +95,38 @@ installed as sources to compile at first use: reinstall flash_cuda with `python3
 from its source tree. (Looked for the sources in {places}.)"""
 
 
-def missing_tool() -> Optional[str]:
-    """What the compiler toolchain lacks (torch, a CUDA build of it, nvcc, ninja), as the message
-    that says what to install; None when nothing is missing."""
+CUDA_HOME_NOWHERE = """flash_cuda's kernels are compiled with the CUDA toolkit in CUDA_HOME, which is {cuda_home}
+(from {source}){what}. Set CUDA_HOME to the toolkit's directory, the one holding bin/nvcc and
+include/ (e.g. /usr/local/cuda-{cuda}){candidates}, or install the CUDA toolkit {cuda}
+(https://developer.nvidia.com/cuda-downloads)."""
+
+NVCC_MISMATCH = """flash_cuda's kernels must be compiled by an nvcc of the CUDA major version this torch was built
+with: this torch ({torch}) is built with CUDA {cuda}, and {nvcc} is CUDA {release}. Install the CUDA
+toolkit {major}.x and set CUDA_HOME to it (e.g. /usr/local/cuda-{cuda}){candidates}, or install a
+torch built for CUDA {release_major}.x (https://pytorch.org/get-started/locally/)."""
+
+NVCC_TOO_OLD = """{nvcc} is CUDA {release}, which cannot compile for {targets}: that needs CUDA {needed} or
+newer. Install a newer CUDA toolkit (of the major version torch is built with, {cuda}) and set
+CUDA_HOME to it, or build for other GPUs (FLASH_CUDA_ARCHS)."""
+
+MISSING_HEADERS = """The CUDA toolkit in {cuda_home} lacks {headers}, which torch's CUDA headers
+include (ATen/cuda/CUDAContextLight.h, compiled into flash_cuda's binding). Install the toolkit's
+development files for them: the full CUDA toolkit {release}, or the packages {packages} of
+NVIDIA's repository; or put a directory holding them on CPATH.{found}"""
+
+# The headers torch's ATen/cuda/CUDAContext.h (included by csrc/api/flash_api.cpp) includes from
+# the CUDA toolkit, and the development package of NVIDIA's repositories that holds each.
+TOOLKIT_HEADERS = {"cuda_runtime_api.h": "cuda-cudart-dev", "cusparse.h": "libcusparse-dev",
+                   "cublas_v2.h": "libcublas-dev", "cublasLt.h": "libcublas-dev", "cusolverDn.h": "libcusolver-dev"}
+
+# The first CUDA release whose nvcc compiles for each target that needs more than CUDA 11.8.
+MIN_NVCC_FOR_ARCH = {"90a": (12, 0), "100": (12, 8), "120": (12, 8), "103": (12, 9), "121": (12, 9)}
+
+
+def missing_tool(archs: Optional[Sequence[str]] = None) -> Optional[str]:
+    """What the compiler toolchain lacks (torch, a CUDA build of it, nvcc of torch's CUDA major
+    version, ninja), as the message that says what to install; None when nothing is missing.
+    With ``archs``, also whether this nvcc compiles for them."""
     try:
         import torch
     except ImportError:
@@ -105,9 +137,175 @@ def missing_tool() -> Optional[str]:
 
     if cpp_extension.CUDA_HOME is None:
         return NO_NVCC.format(cuda=torch.version.cuda)
+    problem = toolkit_problem(cpp_extension.CUDA_HOME, torch.version.cuda, torch.__version__, archs)
+    if problem is not None:
+        return problem  # (missing headers are only named when a compile fails: header_problem)
     put_ninja_on_path()
     if not cpp_extension.is_ninja_available():
         return NO_NINJA
+    return None
+
+
+def cuda_home_source(cuda_home: str) -> str:
+    """Where torch's builder took ``cuda_home`` from (it reads these in this order)."""
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        if os.environ.get(var):
+            return f"${var}"
+    nvcc = shutil.which("nvcc")
+    if nvcc and os.path.dirname(os.path.dirname(nvcc)) == str(cuda_home):
+        return f"the nvcc on PATH, {nvcc}"
+    return "the default location"
+
+
+def find_cuda_home() -> Optional[str]:
+    """The CUDA toolkit directory as torch's builder finds it ($CUDA_HOME, $CUDA_PATH, the nvcc on
+    PATH, /usr/local/cuda), without asking torch (whose answer is None in a CPU-only build)."""
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    if home:
+        return home
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        return os.path.dirname(os.path.dirname(nvcc))
+    return "/usr/local/cuda" if os.path.exists("/usr/local/cuda") else None
+
+
+def nvcc_of(cuda_home: Optional[str]) -> Optional[str]:
+    """CUDA_HOME/bin/nvcc when it exists, else None."""
+    if not cuda_home:
+        return None
+    nvcc = os.path.join(cuda_home, "bin", "nvcc.exe" if sys.platform == "win32" else "nvcc")
+    return nvcc if os.path.isfile(nvcc) else None
+
+
+def nvcc_release(nvcc: str) -> Optional[str]:
+    """The CUDA release of ``nvcc`` ("12.8"), from `nvcc --version`; None when it does not run."""
+    try:
+        out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    found = re.search(r"release (\d+)\.(\d+)", out)
+    return f"{found.group(1)}.{found.group(2)}" if found else None
+
+
+def _version(text: str) -> Tuple[int, ...]:
+    return tuple(int(x) for x in re.findall(r"\d+", text)[:2])
+
+
+def _toolkit_candidates(cuda: str) -> List[str]:
+    """Toolkit directories on this machine whose nvcc is of CUDA major version ``cuda``'s."""
+    found = []
+    for home in sorted(glob.glob("/usr/local/cuda*")) + sorted(glob.glob("/opt/cuda*")):
+        nvcc = nvcc_of(home)
+        release = nvcc_release(nvcc) if nvcc else None
+        if release and _version(release)[0] == _version(cuda)[0] and os.path.realpath(home) not in {
+                os.path.realpath(f) for f in found}:
+            found.append(home)
+    return found
+
+
+def _candidates_text(cuda: str) -> str:
+    found = _toolkit_candidates(cuda)
+    return f"; this machine has {', '.join(found)}" if found else ""
+
+
+def include_dirs(cuda_home: str) -> List[str]:
+    """Where the compilers look for the toolkit's headers: CUDA_HOME/include (and its targets/),
+    $CUDA_INC_PATH, $CPATH, $CPLUS_INCLUDE_PATH, $C_INCLUDE_PATH and the system's directories."""
+    dirs = [os.path.join(cuda_home, "include")] + sorted(glob.glob(os.path.join(cuda_home, "targets", "*", "include")))
+    for var in ("CUDA_INC_PATH", "CPATH", "CPLUS_INCLUDE_PATH", "C_INCLUDE_PATH"):
+        dirs += [d for d in os.environ.get(var, "").split(os.pathsep) if d]
+    return dirs + ["/usr/include", "/usr/local/include"]
+
+
+def missing_headers(cuda_home: str) -> List[str]:
+    """The toolkit headers torch's CUDA headers include that no include directory holds."""
+    dirs = include_dirs(cuda_home)
+    return [h for h in TOOLKIT_HEADERS if not any(os.path.isfile(os.path.join(d, h)) for d in dirs)]
+
+
+def _pip_header_dirs(headers: Sequence[str]) -> List[str]:
+    """Directories of NVIDIA's pip packages (nvidia/*/include, installed with torch) that hold
+    some of ``headers``."""
+    found = []
+    for entry in sys.path:
+        for d in sorted(glob.glob(os.path.join(entry or ".", "nvidia", "*", "include"))):
+            if d not in found and any(os.path.isfile(os.path.join(d, h)) for h in headers):
+                found.append(d)
+    return found
+
+
+def toolkit_problem(cuda_home: str, cuda: str, torch_version: str,
+                    archs: Optional[Sequence[str]] = None) -> Optional[str]:
+    """What the CUDA toolkit in ``cuda_home`` lacks for a build against torch's CUDA ``cuda`` (a
+    directory that is no toolkit, an nvcc of another major version, or too old for ``archs``), as
+    the message that says what to do; None when nothing. These fail every build: they are
+    checked before one starts. The headers (:func:`header_problem`) are searched where the
+    compilers usually look, which may miss a place they are told of; they are named when a
+    compile fails."""
+    source = cuda_home_source(cuda_home)
+    if not os.path.isdir(cuda_home):
+        return CUDA_HOME_NOWHERE.format(cuda_home=cuda_home, source=source, what=", which does not exist",
+                                        cuda=cuda, candidates=_candidates_text(cuda))
+    nvcc = nvcc_of(cuda_home)
+    if nvcc is None:
+        return CUDA_HOME_NOWHERE.format(cuda_home=cuda_home, source=source, what=", which has no bin/nvcc",
+                                        cuda=cuda, candidates=_candidates_text(cuda))
+    release = nvcc_release(nvcc)
+    if release is None:
+        return CUDA_HOME_NOWHERE.format(cuda_home=cuda_home, source=source,
+                                        what=f"; its {nvcc} does not run or print its release", cuda=cuda,
+                                        candidates=_candidates_text(cuda))
+    if _version(release)[0] != _version(cuda)[0]:
+        return NVCC_MISMATCH.format(torch=torch_version, cuda=cuda, nvcc=nvcc, release=release,
+                                    major=_version(cuda)[0], release_major=_version(release)[0],
+                                    candidates=_candidates_text(cuda))
+    too_new = [a for a in archs or () if _version(release) < MIN_NVCC_FOR_ARCH.get(a, (0, 0))]
+    if too_new:
+        needed = max(MIN_NVCC_FOR_ARCH[a] for a in too_new)
+        return NVCC_TOO_OLD.format(nvcc=nvcc, release=release, targets=", ".join(f"sm_{a}" for a in too_new),
+                                   needed=".".join(map(str, needed)), cuda=cuda)
+    return None
+
+
+def header_problem(cuda_home: Optional[str]) -> Optional[str]:
+    """The toolkit headers torch's CUDA headers include that none of :func:`include_dirs` holds,
+    as the message that says what to install; None when all are found (or no toolkit)."""
+    missing = missing_headers(cuda_home) if cuda_home else []
+    if not missing:
+        return None
+    nvcc = nvcc_of(cuda_home)
+    release = nvcc_release(nvcc) if nvcc else None
+    suffix = "-" + release.replace(".", "-") if release else "-<major>-<minor>"
+    packages = sorted({TOOLKIT_HEADERS[h] + suffix for h in missing})
+    pip_dirs = _pip_header_dirs(missing)
+    found = (f" NVIDIA's pip packages have some of them in {os.pathsep.join(pip_dirs)}: "
+             f"`export CPATH={os.pathsep.join(pip_dirs)}` adds them." if pip_dirs else "")
+    return MISSING_HEADERS.format(cuda_home=cuda_home, headers=", ".join(missing),
+                                  release=release or "of torch's CUDA version", packages=", ".join(packages),
+                                  found=found)
+
+
+def compile_error_hint(text: str, cuda_home: Optional[str] = None) -> Optional[str]:
+    """The cause and fix of a failed compilation that its output shows (a missing toolkit
+    header, with :func:`header_problem`'s message for the toolkit in ``cuda_home``; an nvcc too
+    old for a target; a host compiler nvcc does not support), or None."""
+    header = re.search(r"fatal error: ([\w./+-]+\.h(?:pp)?): No such file", text)
+    if header:
+        name = os.path.basename(header.group(1))
+        problem = header_problem(cuda_home) if name in TOOLKIT_HEADERS else None
+        if problem:
+            return problem
+        package = TOOLKIT_HEADERS.get(name)
+        where = (f" (the CUDA toolkit's {package} development files)" if package else "")
+        return (f"The compiler did not find {header.group(1)}{where}: install it, or put a directory "
+                f"that holds it on CPATH.")
+    arch = re.search(r"Unsupported gpu architecture '(compute|sm)_(\w+)'", text)
+    if arch:
+        return (f"This nvcc cannot compile for sm_{arch.group(2)}: install a newer CUDA toolkit (of torch's "
+                f"major version) and set CUDA_HOME to it, or build for other GPUs (FLASH_CUDA_ARCHS).")
+    if re.search(r"unsupported (GNU|clang) version", text):
+        return ("nvcc does not support this host compiler version: install one this CUDA release supports "
+                "and point nvcc at it, e.g. NVCC_PREPEND_FLAGS='-ccbin /usr/bin/g++-12'.")
     return None
 
 

@@ -21,8 +21,12 @@ torch's builder holds a lock file (``lock``) in the build directory while it com
 others wait for it (a build killed midway leaves the file behind: delete it).
 
 :func:`is_available` is exact: True once the kernels are loaded, False when they cannot be, with
-the reason (what to install) in :func:`unavailable_message` and in the RuntimeError of
-:func:`require`: a CPU-only torch, no GPU, nvcc or ninja missing for a build, a failed build.
+the reason (what to install) in :func:`unavailable_reason` (``flash_cuda.unavailable_reason()``),
+:func:`unavailable_message` and the RuntimeError of :func:`require`: a CPU-only torch, no GPU,
+nvcc or ninja missing for a build, CUDA_HOME that is no toolkit, an nvcc of another CUDA major
+version than torch's or too old for a GPU (checked before compiling), a failed build (with the
+cause and its fix where the compiler's output shows a known one, such as a toolkit header that
+torch's headers include). :func:`load_info` says where loaded kernels came from.
 A failure is not retried in the same process. Once decided it reads a plain bool, which
 torch.compile traces as a constant; while torch.compile traces a function that calls it before
 anything decided, it answers True and leaves the loading to the ops' first run (:func:`require`).
@@ -58,6 +62,9 @@ except (ImportError, OSError) as exc:  # not built into this installation, or bu
 
 # True: loaded; False: cannot be (see _IMPORT_ERROR); None: the build at first use is not tried yet.
 _AVAILABLE: Optional[bool] = True if _C is not None else None
+# Where the loaded kernels came from: "wheel" (flash_cuda._C), "cache" (a build made earlier) or
+# "compiled" (by this process), and the build's directory (None for the wheel).
+_ORIGIN: Optional[Tuple[str, Optional[Path]]] = ("wheel", None) if _C is not None else None
 _LOCK = threading.Lock()
 
 # The module name of builds at first use: csrc/api/flash_api.cpp declares its module as
@@ -107,6 +114,28 @@ def require() -> ModuleType:
     return _C
 
 
+def unavailable_reason() -> Optional[str]:
+    """None when flash_cuda's CUDA kernels are loaded (loading or compiling them first, as
+    :func:`is_available` does), else why they cannot be and what to install or set."""
+    return None if is_available() else unavailable_message()
+
+
+def load_info() -> dict:
+    """Where the kernels come from, without loading them: {"origin": "wheel" | "cache" |
+    "compiled" | None (not loaded), "module": the extension's file, "directory": the build's
+    directory in the cache (None for the wheel), "archs": its GPU targets (from its build.json;
+    None for the wheel)}."""
+    origin, directory = _ORIGIN or (None, None)
+    archs = None
+    if directory is not None:
+        try:
+            archs = json.loads((directory / BUILD_INFO).read_text())["archs"]
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+    return {"origin": origin, "module": getattr(_C, "__file__", None) if _C is not None else None,
+            "directory": str(directory) if directory is not None else None, "archs": archs}
+
+
 def unavailable_message() -> str:
     """Explains why the kernels are not loaded and what to install."""
     err = _IMPORT_ERROR
@@ -131,18 +160,18 @@ def ablations() -> bool:
 
 
 def _load() -> bool:
-    global _C, _AVAILABLE, _IMPORT_ERROR
+    global _C, _AVAILABLE, _IMPORT_ERROR, _ORIGIN
     with _LOCK:
         if _AVAILABLE is None:
             try:
-                _C = _first_use_build(_IMPORT_ERROR)
+                _C, _ORIGIN = _first_use_build(_IMPORT_ERROR)
                 _AVAILABLE, _IMPORT_ERROR = True, None
             except BuildError as exc:
                 _AVAILABLE, _IMPORT_ERROR = False, exc
         return _AVAILABLE
 
 
-def _first_use_build(prebuilt_error: Optional[BaseException]) -> ModuleType:
+def _first_use_build(prebuilt_error: Optional[BaseException]) -> Tuple[ModuleType, Tuple[str, Path]]:
     broken = "" if isinstance(prebuilt_error, ModuleNotFoundError) or prebuilt_error is None else (
         f" (flash_cuda._C, built into this installation, does not load: "
         f"{type(prebuilt_error).__name__}: {prebuilt_error})")
@@ -154,7 +183,8 @@ def _first_use_build(prebuilt_error: Optional[BaseException]) -> ModuleType:
             archs = _build.cuda_archs(first_use=True)
         except RuntimeError as exc:  # no GPU, or one older than compute capability 8.0
             raise BuildError(str(exc)) from None
-        return compile_kernels(archs, reason=broken)[0]
+        module, directory, compiled = load_or_compile(archs, reason=broken)
+        return module, ("compiled" if compiled else "cache", directory)
     except BuildError as exc:
         if broken:
             raise BuildError(f"{exc}\n{broken.strip()}") from exc
@@ -210,11 +240,16 @@ def cached_build(base: Path, archs: Sequence[str]) -> Optional[Path]:
 def compile_kernels(archs: Sequence[str], verbose: bool = False, reason: str = "") -> Tuple[ModuleType, Path]:
     """Loads the cached build for ``archs`` or compiles one into the cache (the first use, and
     ``python3 -m flash_cuda.build``); returns (module, its directory). Raises BuildError."""
+    return load_or_compile(archs, verbose, reason)[:2]
+
+
+def load_or_compile(archs: Sequence[str], verbose: bool = False, reason: str = "") -> Tuple[ModuleType, Path, bool]:
+    """:func:`compile_kernels`, also telling whether it compiled (True) or loaded a cached build."""
     base, directory = build_directory(archs)
     cached = cached_build(base, archs)
     if cached is not None:
-        return _import_build(cached), cached
-    problem = _build.missing_tool()
+        return _import_build(cached), cached, False
+    problem = _build.missing_tool(archs)
     if problem is not None:
         raise BuildError(problem)
     csrc = sources_dir()
@@ -231,11 +266,15 @@ def compile_kernels(archs: Sequence[str], verbose: bool = False, reason: str = "
         # A compiler error (its output is in the message), or another process' build that this
         # one waited for failed (its module is missing).
         text = str(exc)
+        from torch.utils.cpp_extension import CUDA_HOME
+
+        hint = _build.compile_error_hint(text, CUDA_HOME)
         if len(text) > 6000:
             text = "...\n" + text[-6000:]
-        raise BuildError(f"flash_cuda: compiling the CUDA kernels in {directory} failed:\n{text}") from exc
+        cause = f"\n{hint}" if hint else ""
+        raise BuildError(f"flash_cuda: compiling the CUDA kernels in {directory} failed:\n{text}{cause}") from exc
     _write_info(directory, archs, module)
-    return module, directory
+    return module, directory, True
 
 
 def _announcement(archs: Sequence[str], directory: Path) -> str:

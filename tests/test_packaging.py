@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import flash_cuda
+from fake_toolkit import shared_toolkit
 from flash_cuda import _ext
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -130,13 +131,13 @@ def _fake_gpus(monkeypatch, caps):
 # ---------------------------------------------------------------------------------------
 
 
-def _fake_torch(monkeypatch, cuda, cuda_home="/usr/local/cuda", ninja=True):
+def _fake_torch(monkeypatch, cuda, cuda_home="toolkit", ninja=True):
     fake = types.ModuleType("torch")
     fake.__version__ = "2.11.0" + ("" if cuda else "+cpu")
     fake.version = types.SimpleNamespace(cuda=cuda)
     utils = types.ModuleType("torch.utils")
     ext = types.ModuleType("torch.utils.cpp_extension")
-    ext.CUDA_HOME = cuda_home
+    ext.CUDA_HOME = shared_toolkit(cuda or "13.0") if cuda_home == "toolkit" else cuda_home
     ext.is_ninja_available = lambda: ninja
     fake.utils = utils
     utils.cpp_extension = ext
@@ -156,7 +157,7 @@ def test_missing_tool_messages(monkeypatch, case, match):
         monkeypatch.setitem(sys.modules, "torch", None)
     else:
         _fake_torch(monkeypatch, cuda=None if case == "cpu torch" else "13.0",
-                    cuda_home=None if case == "no nvcc" else "/usr/local/cuda", ninja=case != "no ninja")
+                    cuda_home=None if case == "no nvcc" else "toolkit", ninja=case != "no ninja")
     problem = B.missing_tool()
     if match is None:
         assert problem is None
@@ -330,13 +331,14 @@ def first_use(monkeypatch, tmp_path):
     return tmp_path / "cache"
 
 
-def _cuda_machine(monkeypatch, caps=((9, 0),), cuda_home="/usr/local/cuda", ninja=True):
-    """This torch as a CUDA torch on a machine with these GPUs, nvcc and ninja."""
+def _cuda_machine(monkeypatch, caps=((9, 0),), cuda_home="toolkit", ninja=True):
+    """This torch as a CUDA torch on a machine with these GPUs, nvcc (a complete stand-in toolkit
+    unless ``cuda_home`` names another or is None) and ninja."""
     from torch.utils import cpp_extension
 
     monkeypatch.setattr(torch.version, "cuda", "12.8")
     _fake_gpus(monkeypatch, list(caps))
-    monkeypatch.setattr(cpp_extension, "CUDA_HOME", cuda_home)
+    monkeypatch.setattr(cpp_extension, "CUDA_HOME", shared_toolkit("12.8") if cuda_home == "toolkit" else cuda_home)
     monkeypatch.setattr(cpp_extension, "is_ninja_available", lambda: ninja)
 
 
@@ -377,7 +379,7 @@ def test_import_does_not_compile():
 def test_first_use_says_what_to_install(monkeypatch, first_use, case, match):
     if case != "cpu torch":
         _cuda_machine(monkeypatch, caps={"no gpu": (), "old gpu": ((7, 5),)}.get(case, ((9, 0),)),
-                      cuda_home=None if case == "no nvcc" else "/usr/local/cuda", ninja=case != "no ninja")
+                      cuda_home=None if case == "no nvcc" else "toolkit", ninja=case != "no ninja")
     else:
         monkeypatch.setattr(torch.version, "cuda", None)
     from torch.utils import cpp_extension

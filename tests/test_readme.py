@@ -147,3 +147,23 @@ def test_example_runs(block, mock_extension, request):
             sdpa.deactivate()  # the example restores it; this only cleans up after a failure
     assert mock_extension.fwd_calls > 0 or sdpa is not None, \
         f"README.md:{line}: the example never reached flash_cuda's kernels"
+
+
+def _section(title: str) -> str:
+    text = README.read_text()
+    start = text.index(f"\n## {title}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start:end if end >= 0 else None]
+
+
+def test_ci_runs_the_readme_test_commands():
+    """.ci/run installs the package and runs the tests the way README's Test section says."""
+    import shlex
+
+    (block,) = re.findall(r"^```bash\n(.*?)^```", _section("Test"), re.M | re.S)
+    commands = [shlex.split(line.split("#")[0]) for line in block.splitlines() if line.split("#")[0].strip()]
+    ci = [shlex.split(line.split("#")[0]) for line in (ROOT / ".ci" / "run").read_text().splitlines()
+          if line.split("#")[0].strip()]
+    assert commands and any("[test]" in " ".join(c) for c in commands), block
+    for command in commands:
+        assert any(set(command) <= set(line) for line in ci), f".ci/run does not run README's `{shlex.join(command)}`"

@@ -20,7 +20,8 @@ ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 MAX_LINES = 260
 # The markdown files whose relative links are checked: README and the pages it sends readers to.
-LINKED_PAGES = [README, ROOT / "docs" / "reference.md", ROOT / "bench" / "results" / "README.md"]
+LINKED_PAGES = [README, ROOT / "docs" / "reference.md", ROOT / "bench" / "README.md",
+                ROOT / "bench" / "results" / "README.md"]
 
 FENCE = re.compile(r"^```python\n(.*?)^```", re.M | re.S)
 REQUIRES = re.compile(r"^# requires: (.+)$", re.M)

@@ -155,8 +155,17 @@ setup(
     ext_modules=extensions() if AOT else [],
     cmdclass=cmdclass(AOT),
     python_requires=">=3.9",
-    # ninja: the build at first use compiles the kernel instances in parallel with it.
-    install_requires=["torch>=2.4", "ninja"],
+    # ninja: the build at first use compiles the kernel instances in parallel with it. torch: the
+    # oldest release the test suite runs on (2.11 on GPUs; CI runs the newest, 2.14).
+    install_requires=["torch>=2.11", "ninja"],
+    extras_require={
+        # `pip install .[test]`: what tests/ imports besides torch (transformers for the integration
+        # tests; pandas, tqdm, matplotlib for the benchmark tools the tests run).
+        "test": ["pytest", "numpy", "pandas", "tqdm", "matplotlib", "transformers>=4.48"],
+        # `pip install .[bench]`: what bench/ needs besides torch (triton, its timer, ships with
+        # torch's Linux CUDA wheels).
+        "bench": ["numpy", "pandas", "tqdm", "matplotlib", "transformers>=4.48"],
+    },
     license="BSD-3-Clause",
     zip_safe=False,
 )

@@ -42,7 +42,7 @@ def _dt(dtype):
 
 
 # The Hopper backward of a 16-bit batch (dense or packed) adds dQ into an fp32 workspace in a
-# varying order unless deterministic=True (README, "Determinism" and "Resources").
+# varying order unless deterministic=True (docs/reference.md, "Reliability": determinism and resources).
 _HOPPER = torch.cuda.is_available() and hopper_skip_reason("") is None
 _ULP = {torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7, torch.float32: 5e-6}
 

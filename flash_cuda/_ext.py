@@ -18,7 +18,8 @@ They come from, in order:
 :func:`is_available` or :func:`require` (e.g. the first attention call) does the rest, once
 per process, and prints one line when it compiles. Processes that start at once build once:
 torch's builder holds a lock file (``lock``) in the build directory while it compiles, and the
-others wait for it (a build killed midway leaves the file behind: delete it).
+others wait for it (before torch 2.14 a build killed midway leaves the file behind and later
+builds wait for it: delete it; from 2.14 the lock is released with its holder).
 
 :func:`is_available` is exact: True once the kernels are loaded, False when they cannot be, with
 the reason (what to install) in :func:`unavailable_reason` (``flash_cuda.unavailable_reason()``),
@@ -277,9 +278,16 @@ def load_or_compile(archs: Sequence[str], verbose: bool = False, reason: str = "
     return module, directory, True
 
 
+def _lock_file_is_the_lock() -> bool:
+    # Before torch 2.14 the builder's lock is the file's existence (a killed build leaves it and
+    # later builds wait); from 2.14 it is an operating-system lock on a file that always stays.
+    major_minor = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+    return major_minor < (2, 14)
+
+
 def _announcement(archs: Sequence[str], directory: Path) -> str:
     targets = ", ".join(f"sm_{a}" for a in archs)
-    if (directory / "lock").exists():
+    if (directory / "lock").exists() and _lock_file_is_the_lock():
         return (f"flash_cuda: waiting for another process that compiles the CUDA kernels for {targets} in "
                 f"{directory} (if none does, a build was interrupted: delete {directory / 'lock'})")
     jobs = int(os.environ.get("MAX_JOBS") or 0) or os.cpu_count() or 1

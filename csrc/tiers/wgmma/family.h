@@ -1,7 +1,7 @@
 // tiers/wgmma/family.h — the Hopper (sm_90a) family: its entry points, the contract the binding
 // calls (applies / plan / run), its dQ workspace, and its ablation switches. Host code only.
 //
-//   forward   fwd.cuh       warp-specialized: TMA producer warp, consumer warpgroups, ping-pong,
+//   forward   fwd/          warp-specialized: TMA producer warp, consumer warpgroups, ping-pong,
 //                           persistent tiles, GQA packing; head dims 33..256
 //   backward  bwd_ws.cuh    warp-specialized, dQ by bulk reductions into an fp32 workspace;
 //                           head dims 33..128 (deterministic=False)

@@ -1,0 +1,118 @@
+// tiers/wgmma/fwd/config.cuh — the warp-specialized forward's instance configuration: tile shapes,
+// pipeline depth, register budgets and shared-memory sizes (WsConfig), the schedules, and the
+// tensor maps a launch hands its kernel.
+//
+// Shared memory: Q (kBlockM x kHeadDim) | K[kStages] | V[kStages] | O staging | mbarriers |
+// tile slots. Q, K, V and O are in the 128-byte-swizzled slab layout of arch/sm90.cuh, which
+// is what TMA's 128-byte swizzle writes (and reads) for a box of 64 columns (one slab) when the
+// slab starts on a 1024-byte boundary. The barriers are mainloop.cuh's.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "../../../arch/gpu_class.h"
+#include "../../../arch/sm90.cuh"
+#include "../../../arch/tile.cuh"
+#include "../../../include/tiles.h"
+
+namespace flash_cuda {
+namespace sm90 {
+namespace ws {
+
+// The tensor maps of one call (a kernel parameter, read by the TMA unit; CUtensorMap carries
+// its own alignment). o_by_tma: O leaves the staging tile through TMA stores on map o (16-row
+// boxes: one consumer warp's rows); 0 where O is not staged, where its view is one TMA cannot
+// address (and in the ablation build with FLASH_CUDA_WS_TMA_STORE=0): the warps' lanes copy it
+// (normalize_output).
+struct TmaMaps {
+  CUtensorMap q, k, v, o;
+  int o_by_tma;
+};
+
+// Named barriers (0 is __syncthreads): warpgroup w's turn to issue its products (kOverlap) is
+// kTurnBarrier + w; each phase counts two warpgroups (the one handing over, the one taking).
+constexpr int kTurnBarrier = 1;
+constexpr int kTurnThreads = 256;
+
+enum WsSchedule : int { kSerial = 0, kOverlap = 1 };
+
+// Keys per step: 128 up to d = 128; 64 beyond, where two stages of 128-key K/V tiles and Q
+// would not fit next to each other (d = 256: Q 64 KiB + 4 x 32 KiB at 64 keys).
+constexpr int ws_block_n(int head_dim) { return tiles::wgmma_fwd_block_n(head_dim); }
+
+// The tiles and the pipeline's sizes. kBlockN_: keys per step.
+// kPolyEvery_: the share of exponentials taken on the FMA pipe (core/softmax.cuh:
+// exponentiate_scores; an ablation rung).
+// kStages_: K/V stages of the ring (2 fit every head dim; more only at d = 64).
+// kConsumerWGs_: consumer warpgroups, 64 query rows each (3 only at d = 64: 192-row tiles).
+// kDepth_: the head dims the instance serves (<= kHeadDim_): S = Q K^T stops after its k-steps,
+// the tiles keep the bucket's width with TMA's zeros past d (d = 96: 6 of the 128-wide tile's 8).
+// kSerialOnly_: the instance has the serial schedule alone (launch_fwd_sm90_ws), whose consumers
+// hold one S tile, not two: at d = 256 they fit in 232 registers and the producer gets 40.
+template <typename T_, int kHeadDim_, int kBlockN_ = ws_block_n(kHeadDim_), int kPolyEvery_ = 0, int kStages_ = 2,
+          int kConsumerWGs_ = 2, int kDepth_ = kHeadDim_, bool kSerialOnly_ = false>
+struct WsConfig {
+  using T = T_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kBlockM = 64 * kConsumerWGs_;  // 64 query rows per consumer warpgroup
+  static constexpr int kNTiles = kBlockN / 8;         // C-fragment tiles of S (core/fragment.cuh)
+  static constexpr int kDTiles = kHeadDim / 8;        // of O
+  static constexpr size_t kTileQ = size_t(kBlockM) * kHeadDim * sizeof(T);
+  static constexpr size_t kTileKV = size_t(kBlockN) * kHeadDim * sizeof(T);
+  static_assert(kHeadDim % 64 == 0, "swizzled slabs are 64 columns wide");
+  static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "wgmma N");
+  static constexpr int kQKSteps = (kDepth_ + 15) / 16;
+  static_assert(kDepth_ <= kHeadDim_, "the tiles hold the instance's head dims");
+  static constexpr int kPolyEvery = kPolyEvery_;
+  static constexpr int kStages = kStages_;
+  static constexpr int kConsumerWGs = kConsumerWGs_;
+  static constexpr bool kSerialOnly = kSerialOnly_;
+  static constexpr int kConsumerThreads = 128 * kConsumerWGs;
+  static constexpr int kConsumerWarps = kConsumerThreads / 32;
+  static constexpr int kThreads = 128 + kConsumerThreads;
+  static constexpr int kSlabs = kHeadDim_ / kSlabCols;
+  // Registers per thread after setmaxnreg (see the static_assert below for the total). One
+  // producer warp walks the tile loop (the rest of its warpgroup exits); a dense batch's loop
+  // fits in 24 with little to spare (one more live value spilled it), a packed one's (its
+  // sequence's offsets, lengths and mask per tile) in 40, which up to d = 192 it keeps. At
+  // d = 256 the overlapped consumers need 240 for the 64 x 256 O accumulator beside two S tiles
+  // (232 spills), which leaves the producer 24, enough for a dense batch only; the serial-only
+  // instances (the extended ones, packed batches among them) keep 232 / 40. Three consumer
+  // warpgroups (d = 64): 24 / 160.
+  static constexpr bool kWideOverlap = kHeadDim_ > 192 && !kSerialOnly_;
+  static constexpr int kProducerRegs = kConsumerWGs == 3 ? 24 : (kWideOverlap ? 24 : 40);
+  static constexpr int kConsumerRegs = kConsumerWGs == 3 ? 160 : (kWideOverlap ? 240 : 232);
+  static_assert(kConsumerWGs == 2 || (kConsumerWGs == 3 && kHeadDim_ == 64), "measured shapes");
+  // setmaxnreg moves registers within what the CTA was launched with: kThreads x the per-thread
+  // count that __launch_bounds__(kThreads, 1) allows (65536 / kThreads, a multiple of 8).
+  static_assert(128 * kProducerRegs + kConsumerThreads * kConsumerRegs <= kThreads * (65536 / kThreads / 8 * 8),
+                "the registers the CTA is launched with");
+  // Shared-memory pointers that the compiler knows as such (aligned_smem_base), except where
+  // that form spills (three consumer warpgroups, d = 256: 8 bytes).
+  static constexpr bool kSharedBase = kConsumerWGs == 2 && kHeadDim_ <= 192;
+  // q_full, q_empty, k_full / v_full / k_empty / v_empty per stage, v_tail, then the two tile
+  // slots.
+  static constexpr int kBarriers = 3 + 4 * kStages;
+  static constexpr size_t kBarrierBytes = sizeof(uint64_t) * kBarriers + 2 * sizeof(int);
+  static constexpr size_t kRingBytes = kTileQ + 2 * kStages * kTileKV;
+  // O is staged in its own tile, so that a persistent CTA's producer may already fill the ring
+  // with the next tile's K/V while the consumers write this tile's O. The tile has Q's swizzled
+  // slab layout (no padding: the swizzle keeps the fragment writes conflict-free), which is
+  // what a TMA store of 64-column boxes reads; the lanes' 16-byte copies (a packed sequence's
+  // last rows, FLASH_CUDA_WS_TMA_STORE=0) read it too. Where that tile does not fit (d = 256),
+  // each thread stores its own pairs.
+  static constexpr size_t kStagedO = size_t(kBlockM) * kHeadDim_ * sizeof(T_);
+  static constexpr bool kStageO = kRingBytes + kStagedO + kBarrierBytes + 1024 <= kSmemHopper;
+  static constexpr size_t kTileO = kStageO ? kStagedO : 0;
+  static constexpr size_t kSmemBytes = kRingBytes + kTileO + kBarrierBytes + 1024;
+  static_assert(kTileQ % 1024 == 0 && kTileKV % 1024 == 0, "slabs stay 1024-byte aligned");
+  static_assert(kTileO % 1024 == 0, "the O tile's slabs stay 1024-byte aligned, and the barriers after it 8");
+  static_assert(kBlockM <= 256 && kBlockN <= 256, "a TMA box has at most 256 rows");
+  static_assert(kSmemBytes <= kSmemHopper, "fits a Hopper block");
+};
+
+}  // namespace ws
+}  // namespace sm90
+}  // namespace flash_cuda

@@ -1,11 +1,6 @@
 // tiers/wgmma/fwd/config.cuh — the warp-specialized forward's instance configuration: tile shapes,
-// pipeline depth, register budgets and shared-memory sizes (WsConfig), the schedules, and the
-// tensor maps a launch hands its kernel.
-//
-// Shared memory: Q (kBlockM x kHeadDim) | K[kStages] | V[kStages] | O staging | mbarriers |
-// tile slots. Q, K, V and O are in the 128-byte-swizzled slab layout of arch/sm90.cuh, which
-// is what TMA's 128-byte swizzle writes (and reads) for a box of 64 columns (one slab) when the
-// slab starts on a 1024-byte boundary. The barriers are mainloop.cuh's.
+// pipeline depth, register budgets and shared-memory size (WsConfig; the layout is smem.h's), the
+// schedules, and the tensor maps a launch hands its kernel.
 #pragma once
 
 #include <cstddef>
@@ -15,6 +10,7 @@
 #include "../../../arch/sm90.cuh"
 #include "../../../arch/tile.cuh"
 #include "../../../include/tiles.h"
+#include "smem.h"
 
 namespace flash_cuda {
 namespace sm90 {
@@ -92,23 +88,14 @@ struct WsConfig {
   // Shared-memory pointers that the compiler knows as such (aligned_smem_base), except where
   // that form spills (three consumer warpgroups, d = 256: 8 bytes).
   static constexpr bool kSharedBase = kConsumerWGs == 2 && kHeadDim_ <= 192;
-  // q_full, q_empty, k_full / v_full / k_empty / v_empty per stage, v_tail, then the two tile
-  // slots.
-  static constexpr int kBarriers = 3 + 4 * kStages;
-  static constexpr size_t kBarrierBytes = sizeof(uint64_t) * kBarriers + 2 * sizeof(int);
-  static constexpr size_t kRingBytes = kTileQ + 2 * kStages * kTileKV;
-  // O is staged in its own tile, so that a persistent CTA's producer may already fill the ring
-  // with the next tile's K/V while the consumers write this tile's O. The tile has Q's swizzled
-  // slab layout (no padding: the swizzle keeps the fragment writes conflict-free), which is
-  // what a TMA store of 64-column boxes reads; the lanes' 16-byte copies (a packed sequence's
-  // last rows, FLASH_CUDA_WS_TMA_STORE=0) read it too. Where that tile does not fit (d = 256),
-  // each thread stores its own pairs.
-  static constexpr size_t kStagedO = size_t(kBlockM) * kHeadDim_ * sizeof(T_);
-  static constexpr bool kStageO = kRingBytes + kStagedO + kBarrierBytes + 1024 <= kSmemHopper;
-  static constexpr size_t kTileO = kStageO ? kStagedO : 0;
-  static constexpr size_t kSmemBytes = kRingBytes + kTileO + kBarrierBytes + 1024;
-  static_assert(kTileQ % 1024 == 0 && kTileKV % 1024 == 0, "slabs stay 1024-byte aligned");
-  static_assert(kTileO % 1024 == 0, "the O tile's slabs stay 1024-byte aligned, and the barriers after it 8");
+  // Shared memory (smem.h), with the O staging tile where it fits. kSmemBytes: the storage and
+  // the 1024 bytes by which aligned_smem_base may move the dynamic base to the swizzle's period.
+  template <bool kWithO>
+  using Storage = FwdSharedStorage<T_, kBlockM, kBlockN_, kHeadDim_, kStages_, kWithO>;
+  static constexpr bool kStageO = Storage<true>::kBytes + kSwizzleAlign <= kSmemHopper;
+  using SharedStorage = Storage<kStageO>;
+  static constexpr size_t kSmemBytes = SharedStorage::kBytes + kSwizzleAlign;
+  static_assert(kTileQ % 1024 == 0 && kTileKV % 1024 == 0, "TMA's boxes fill whole slabs");
   static_assert(kBlockM <= 256 && kBlockN <= 256, "a TMA box has at most 256 rows");
   static_assert(kSmemBytes <= kSmemHopper, "fits a Hopper block");
 };

@@ -72,19 +72,18 @@ __device__ __forceinline__ void fwd_ws_block(const FwdParams& p, const TmaMaps& 
   using Rows = std::conditional_t<kPackGqa, GqaPackedRows, OneQueryPerRow>;
   constexpr int kStages = Cfg::kStages;
   extern __shared__ unsigned char smem_raw[];
-  unsigned char* smem = aligned_smem_base<Cfg::kSharedBase>(smem_raw);
-  T* sQ = reinterpret_cast<T*>(smem);
-  T* sO = reinterpret_cast<T*>(smem + Cfg::kTileQ + 2 * kStages * Cfg::kTileKV);
-  uint64_t* bars = reinterpret_cast<uint64_t*>(smem + Cfg::kTileQ + 2 * kStages * Cfg::kTileKV + Cfg::kTileO);
-  QueryTile qt{bars, bars + 1, reinterpret_cast<int*>(bars + Cfg::kBarriers)};
+  auto& smem = *reinterpret_cast<typename Cfg::SharedStorage*>(aligned_smem_base<Cfg::kSharedBase>(smem_raw));
+  T* sQ = smem.tiles.q;
+  T* sO = smem.o_staging();
+  QueryTile qt{&smem.sync.q_full, &smem.sync.q_empty, smem.sync.tile_slot};
   Ring<Cfg> ring;
-  ring.sK = reinterpret_cast<T*>(smem + Cfg::kTileQ);
-  ring.sV = reinterpret_cast<T*>(smem + Cfg::kTileQ + kStages * Cfg::kTileKV);
-  ring.k_full = bars + 2;
-  ring.v_full = ring.k_full + kStages;
-  ring.k_empty = ring.v_full + kStages;
-  ring.v_empty = ring.k_empty + kStages;
-  ring.v_tail = ring.v_empty + kStages;
+  ring.sK = smem.tiles.k[0];
+  ring.sV = smem.tiles.v[0];
+  ring.k_full = smem.sync.k_full;
+  ring.v_full = smem.sync.v_full;
+  ring.k_empty = smem.sync.k_empty;
+  ring.v_empty = smem.sync.v_empty;
+  ring.v_tail = &smem.sync.v_tail;
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   if constexpr (kDrop) dropout_record(p.dropout);  // the (seed, offset) for the backward

@@ -187,51 +187,10 @@ __device__ __forceinline__ void fwd_ws_block(const FwdParams& p, const TmaMaps& 
     if (cv.range.count() == 0) qt.release();
     first += cv.range.count();
 
-    // Step 4 through this warp's own 16 rows of the O staging tile, or straight from registers
-    // where that tile does not fit (kStageO). Before the rows are rewritten, the previous
-    // tile's reads of them are done: the lanes' copies (normalize_output's __syncwarp and the
-    // one in wait_o_staging), the TMA unit's (wait_o_staging). Only the sequence's rows are
-    // stored (rows_valid): a packed tile's rows past its end hold another sequence's queries,
-    // so a warp whose rows cross its sequence's end copies lane by lane; a TMA store would
-    // write all 16 rows (its map runs over every packed row). A dense batch's map ends with
-    // the sequence: the store leaves out the rows past it. A GQA-packed tile's rows go to their
-    // own heads and queries, lane by lane (O's map has one head per box).
-    if constexpr (Cfg::kStageO) {
-      wait_o_staging();
-    } else {
-      __syncwarp();
-    }
-    const int h = kPackGqa ? tile.h << shift : tile.h;  // the tile's (first) query head
-    T* o = w.seq.q_rows(static_cast<T*>(p.o), p.o_batch_stride, p.o_head_stride, p.o_row_stride, h) +
-           static_cast<int64_t>(w.q0) * p.o_row_stride;
-    float* lse = p.softmax_lse + w.seq.stat_offset(p, h) + w.q0;
-    const int warp_rows_valid = min(16, w.rows_valid - 16 * cwarp);
-    T* sO_warp = sO + cwarp * 16 * kSlabCols;
-    // A consumer warp's 16 rows of the O staging tile (whose slabs hold all kBlockM rows): row r
-    // of the warp is row 16 w + r of the tile, which has the same swizzle phase (r % 8), so the
-    // warp's rows are addressed as those of a kBlockM-row tile from its first row on.
-    using Staging = SwizzledTile<Cfg::kBlockM>;
-    if constexpr (kPackGqa) {
-      normalize_output<T, Staging, Cfg::kStageO, /*kInTileLoop=*/true>(
-          acc_o, stats, sO_warp, o, p.o_row_stride, lse, warp_rows_valid, p.d, /*copy=*/true,
-          GqaOutRows{16 * cwarp, shift, p.o_head_stride, p.stat_head_stride});
-    } else {
-      const bool packed = kExt && p.cu_seqlens_q != nullptr;
-      const bool by_tma =
-          Cfg::kStageO && maps.o_by_tma != 0 && (warp_rows_valid == 16 || (!packed && warp_rows_valid > 0));
-      normalize_output<T, Staging, Cfg::kStageO, /*kInTileLoop=*/true>(
-          acc_o, stats, sO_warp, o + static_cast<int64_t>(16 * cwarp) * p.o_row_stride, p.o_row_stride,
-          lse + 16 * cwarp, warp_rows_valid, p.d, /*copy=*/!by_tma);
-      if (by_tma) {
-        store_o_tma<Cfg>(&maps.o, sO_warp, w.seq.q_start + w.q0 + 16 * cwarp, tile.h, packed ? 0 : tile.b);
-      }
-    }
+    // Step 4, normalize_output, and the stores.
+    store_tile_output<Cfg, kExt, kPackGqa>(acc_o, stats, sO, p, maps, tile, w, cwarp, shift);
   }
-  // The last tile's stores are done (not only their reads of shared memory) before the CTA
-  // retires.
-  if constexpr (Cfg::kStageO) {
-    if (threadIdx.x % 32 == 0) bulk_wait<0>();
-  }
+  finish_output_stores<Cfg>();
 }
 
 template <typename Cfg, int kSchedule, bool kExt>

@@ -9,7 +9,7 @@
 #include "../../../arch/gpu_class.h"
 #include "../../../arch/sm90.cuh"
 #include "../../../arch/tile.cuh"
-#include "../../../include/tiles.h"
+#include "../tile_policy.h"
 #include "smem.h"
 
 namespace flash_cuda {
@@ -33,26 +33,24 @@ constexpr int kTurnThreads = 256;
 
 enum WsSchedule : int { kSerial = 0, kOverlap = 1 };
 
-// Keys per step: 128 up to d = 128; 64 beyond, where two stages of 128-key K/V tiles and Q
-// would not fit next to each other (d = 256: Q 64 KiB + 4 x 32 KiB at 64 keys).
-constexpr int ws_block_n(int head_dim) { return tiles::wgmma_fwd_block_n(head_dim); }
-
-// The tiles and the pipeline's sizes. kBlockN_: keys per step.
+// The tiles and the pipeline's sizes (tile_policy.h chooses them per head dim and call).
+// kHeadDim_: the tiles' width. kBlockN_: keys per step.
 // kPolyEvery_: the share of exponentials taken on the FMA pipe (core/softmax.cuh:
 // exponentiate_scores; an ablation rung).
-// kStages_: K/V stages of the ring (2 fit every head dim; more only at d = 64).
-// kConsumerWGs_: consumer warpgroups, 64 query rows each (3 only at d = 64: 192-row tiles).
+// kStages_: K/V stages of the ring.
+// kConsumerWGs_: consumer warpgroups, 64 query rows each.
 // kDepth_: the head dims the instance serves (<= kHeadDim_): S = Q K^T stops after its k-steps,
 // the tiles keep the bucket's width with TMA's zeros past d (d = 96: 6 of the 128-wide tile's 8).
 // kSerialOnly_: the instance has the serial schedule alone (launch_fwd_sm90_ws), whose consumers
 // hold one S tile, not two: at d = 256 they fit in 232 registers and the producer gets 40.
-template <typename T_, int kHeadDim_, int kBlockN_ = ws_block_n(kHeadDim_), int kPolyEvery_ = 0, int kStages_ = 2,
-          int kConsumerWGs_ = 2, int kDepth_ = kHeadDim_, bool kSerialOnly_ = false>
+template <typename T_, int kHeadDim_, int kBlockN_ = wgmma::fwd_block_n(kHeadDim_), int kPolyEvery_ = 0,
+          int kStages_ = wgmma::FwdTile<kHeadDim_>::kStages, int kConsumerWGs_ = wgmma::FwdTile<kHeadDim_>::kConsumerWGs,
+          int kDepth_ = kHeadDim_, bool kSerialOnly_ = false>
 struct WsConfig {
   using T = T_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockN = kBlockN_;
-  static constexpr int kBlockM = 64 * kConsumerWGs_;  // 64 query rows per consumer warpgroup
+  static constexpr int kBlockM = wgmma::kFwdRowsPerConsumer * kConsumerWGs_;
   static constexpr int kNTiles = kBlockN / 8;         // C-fragment tiles of S (core/fragment.cuh)
   static constexpr int kDTiles = kHeadDim / 8;        // of O
   static constexpr size_t kTileQ = size_t(kBlockM) * kHeadDim * sizeof(T);

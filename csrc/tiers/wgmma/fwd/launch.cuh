@@ -15,16 +15,35 @@
 #include "../../../arch/host.h"
 #include "../../../arch/tma.h"
 #include "../../../core/scheduler.cuh"
+#include "../../../include/ablation.h"
 #include "../config.h"
+#include "../tile_policy.h"
 #include "kernel.cuh"
 
 namespace flash_cuda {
+namespace sm90 {
+namespace ws {
+
+// How a launch runs beyond its tiles. Production launches take the defaults; an ablation build's
+// launcher (ablation.cuh) sets them from its switches.
+struct WsLaunch {
+  bool persistent = true;  // one CTA per SM looping over the tiles, else one CTA per tile
+};
+
+// The schedule an instance is built with: the overlapped one, except where the serial one alone
+// fits (WsConfig: kSerialOnly).
+template <typename Cfg>
+constexpr int kDefaultSchedule = Cfg::kSerialOnly ? kSerial : kOverlap;
+
+}  // namespace ws
+}  // namespace sm90
 
 // The maps, shared memory and grid of either kernel, whose tiles hold kBlockM / group queries of
 // `group` query heads each (group 1: one head per tile), and the launch; false, having launched
 // nothing, where TMA cannot address a view.
 template <typename Cfg, typename Kernel>
-bool launch_ws_tiles(Kernel kernel, const FwdParams& p, cudaStream_t stream, int group) {
+bool launch_ws_tiles(Kernel kernel, const FwdParams& p, cudaStream_t stream, int group,
+                     const sm90::ws::WsLaunch& opt) {
   sm90::ws::TmaMaps maps;  // a packed batch's maps span all its rows (arch/tma.h: MapRows)
   if (!make_qkv_tensor_maps(p, &maps.q, &maps.k, &maps.v, Cfg::kBlockM, Cfg::kBlockN, group)) return false;
   // O's map (one head per box) serves the unpacked tiles; without it the lanes copy the staged rows.
@@ -33,7 +52,7 @@ bool launch_ws_tiles(Kernel kernel, const FwdParams& p, cudaStream_t stream, int
   set_smem_limit(kernel, Cfg::kSmemBytes, "fwd_sm90_ws");
   // One CTA per SM fits (shared memory and registers): a persistent grid of num_sms CTAs.
   const int64_t tiles = int64_t(ceil_div(p.sq, Cfg::kBlockM / group)) * (p.hq / group) * p.b;
-  const int grid = persistent_grid(tiles, p.num_sms, wgmma::ws_persistent());
+  const int grid = persistent_grid(tiles, p.num_sms, opt.persistent);
   if (grid == 0) return false;
   FwdParams params = p;
   params.tile_section = tile_section(p, group, Cfg::kBlockM / group);
@@ -44,124 +63,120 @@ bool launch_ws_tiles(Kernel kernel, const FwdParams& p, cudaStream_t stream, int
 
 // Launches the warp-specialized forward and returns true, or returns false having launched
 // nothing: not an sm_90 device or not built for sm_90a, a call of another variant, or a view
-// TMA cannot address. The serial schedule is built for the configurations that have it alone
-// (kSerialOnly) and, in an ablation build, beside the overlapped one of the 128-row tiles.
-template <typename Cfg, int kVariant>
-bool launch_fwd_sm90_ws(const FwdParams& p, cudaStream_t stream) {
-  constexpr bool kExt = kVariant != kPlain;
-  constexpr bool kSerialRung = kAblations && !Cfg::kSerialOnly && Cfg::kPolyEvery == 0 && Cfg::kStages == 2 &&
-                               Cfg::kConsumerWGs == 2;
-  auto kernel = sm90::ws::fwd_sm90_ws_kernel<Cfg, Cfg::kSerialOnly ? sm90::ws::kSerial : sm90::ws::kOverlap, kExt>;
-  if constexpr (kSerialRung) {
-    if (wgmma::ws_serial()) kernel = sm90::ws::fwd_sm90_ws_kernel<Cfg, sm90::ws::kSerial, kExt>;
-  }
+// TMA cannot address. kSchedule: the instance's (kDefaultSchedule), or in an ablation build the
+// serial one beside it.
+template <typename Cfg, int kVariant, int kSchedule = sm90::ws::kDefaultSchedule<Cfg>>
+bool launch_fwd_sm90_ws(const FwdParams& p, cudaStream_t stream, const sm90::ws::WsLaunch& opt = {}) {
+  auto kernel = sm90::ws::fwd_sm90_ws_kernel<Cfg, kSchedule, /*kExt=*/kVariant != kPlain>;
   if (p.sm_arch != 90 || !sm90_kernel_built(kernel)) return false;
   if (variant_of(p, /*backward=*/false) != kVariant) return false;
-  return launch_ws_tiles<Cfg>(kernel, p, stream, /*group=*/1);
+  return launch_ws_tiles<Cfg>(kernel, p, stream, /*group=*/1, opt);
 }
 
 // The GQA-packed forward (kPlain only): false, having launched nothing, where G = hq / hkv is
 // not a divisor > 1 of the tile's rows or the call is not a plain dense one.
 template <typename Cfg>
-bool launch_fwd_sm90_ws_gqa(const FwdParams& p, cudaStream_t stream) {
+bool launch_fwd_sm90_ws_gqa(const FwdParams& p, cudaStream_t stream, const sm90::ws::WsLaunch& opt = {}) {
   auto kernel = sm90::ws::fwd_sm90_ws_gqa_kernel<Cfg>;
   if (p.sm_arch != 90 || !sm90_kernel_built(kernel)) return false;
   if (variant_of(p, /*backward=*/false) != kPlain || p.hkv <= 0 || p.hq % p.hkv != 0) return false;
   const int group = p.hq / p.hkv;
   if (group < 2 || Cfg::kBlockM % group != 0) return false;
-  return launch_ws_tiles<Cfg>(kernel, p, stream, group);
+  return launch_ws_tiles<Cfg>(kernel, p, stream, group, opt);
 }
 
 // The forward with attention dropout: false, having launched nothing, where its instances do not
 // serve the call (config.h: fwd_dropout_applies; the mma.sync family serves those with dropout).
 template <typename Cfg>
-bool launch_fwd_sm90_ws_dropout(const FwdParams& p, cudaStream_t stream) {
+bool launch_fwd_sm90_ws_dropout(const FwdParams& p, cudaStream_t stream, const sm90::ws::WsLaunch& opt = {}) {
   auto kernel = sm90::ws::fwd_sm90_ws_dropout_kernel<Cfg>;
   if (p.sm_arch != 90 || !sm90_kernel_built(kernel)) return false;
   if (!has_dropout(p) || !wgmma::fwd_dropout_applies(p)) return false;
-  return launch_ws_tiles<Cfg>(kernel, p, stream, /*group=*/1);
+  return launch_ws_tiles<Cfg>(kernel, p, stream, /*group=*/1, opt);
 }
 
-// The ablation rungs of the d 64 / 128 kPlain forward (family.h: the switches), each one
-// configuration measured against the default in OPTIMIZATION.md: the poly-exp2 share, and at
-// d = 64 192-key steps and a 4-stage ring. Declines (false) where no switch is set.
-template <typename T, int kHeadDim, int kVariant>
-bool launch_fwd_sm90_ws_rung(const FwdParams& p, cudaStream_t stream) {
+// The tiles of a (head-dim bucket, variant) for a call (tile_policy.h), handed to `launch` as a
+// WsConfig value: launch(WsConfig<...>{}). tall: d = 64's 192-row tiles (fwd_tall_tiles).
+template <typename T, int kHeadDim, int kVariant, typename Launch>
+bool with_fwd_tiles(const FwdParams& p, bool tall, Launch&& launch) {
   using sm90::ws::WsConfig;
-  if constexpr (kAblations && (kHeadDim == 64 || kHeadDim == 128) && kVariant == kPlain) {
-    constexpr int kBlockN = sm90::ws::ws_block_n(kHeadDim);
-    switch (wgmma::ws_exp2_poly_every()) {
-      case 4: return launch_fwd_sm90_ws<WsConfig<T, kHeadDim, kBlockN, 4>, kVariant>(p, stream);
-      case 8: return launch_fwd_sm90_ws<WsConfig<T, kHeadDim, kBlockN, 8>, kVariant>(p, stream);
-      default: break;
-    }
-    if constexpr (kHeadDim == 64) {
-      if (wgmma::ws_block_n_override() == 192) return launch_fwd_sm90_ws<WsConfig<T, 64, 192>, kVariant>(p, stream);
-      if (wgmma::ws_stages_override() == 4) return launch_fwd_sm90_ws<WsConfig<T, 64, 128, 0, 4>, kVariant>(p, stream);
-      if (wgmma::ws_block_m_override() == 128 || wgmma::ws_serial()) {
-        return launch_fwd_sm90_ws<WsConfig<T, 64>, kVariant>(p, stream);
-      }
-    }
-  }
-  return false;
-}
-
-template <int kDType, int kHeadDim, int kVariant>
-bool run_fwd_sm90_ws(const FwdParams& p, cudaStream_t stream) {
-  using T = typename ElementOf<kDType>::type;
-  using sm90::ws::WsConfig;
-  if (launch_fwd_sm90_ws_rung<T, kHeadDim, kVariant>(p, stream)) return true;
+  using Tile = wgmma::FwdTile<kHeadDim, /*kExtended=*/kVariant != kPlain>;
   if constexpr (kHeadDim == 64 && kVariant == kPlain) {
+    constexpr int kTallN = wgmma::kFwdTallBlockN, kTallWGs = wgmma::kFwdTallConsumerWGs;
     // d <= 32 (config.h: narrow_fwd_applies): these tiles with Q K^T 32 deep, TMA's zeros past d;
     // P V still 64 wide. The shapes of d = 64 and its threshold.
     if (p.d <= wgmma::kNarrowDepth) {
-      if (p.sq >= 2048) return launch_fwd_sm90_ws<WsConfig<T, 64, 96, 0, 2, 3, wgmma::kNarrowDepth>, kVariant>(p, stream);
-      return launch_fwd_sm90_ws<WsConfig<T, 64, 128, 0, 2, 2, wgmma::kNarrowDepth>, kVariant>(p, stream);
+      if (wgmma::fwd_tall_tiles(p.sq)) {
+        return launch(WsConfig<T, 64, kTallN, 0, Tile::kStages, kTallWGs, wgmma::kNarrowDepth>{});
+      }
+      return launch(WsConfig<T, 64, Tile::kBlockN, 0, Tile::kStages, Tile::kConsumerWGs, wgmma::kNarrowDepth>{});
     }
+    if (tall) return launch(WsConfig<T, 64, kTallN, 0, Tile::kStages, kTallWGs>{});
   }
-  if constexpr (kHeadDim == 64 && kVariant == kPlain) {
-    // 192-row tiles: three consumer warpgroups, so three warps per scheduler interleave their
-    // dependent softmax chains (d = 64 is latency-bound), with 96-key steps (at 160 registers a
-    // consumer holds S of 96 keys beside P and O; 128 spill). Short queries lose with them
-    // (fewer, partly empty tiles), hence the threshold (OPTIMIZATION.md, "192-row tiles").
-    if (p.sq >= 2048 || wgmma::ws_block_m_override() == 192) {
-      return launch_fwd_sm90_ws<WsConfig<T, 64, 96, 0, 2, 3>, kVariant>(p, stream);
-    }
-  }
-  if constexpr (kHeadDim == 96) {
-    // d 65..96: the 128-wide tiles, Q K^T 96 deep.
-    return launch_fwd_sm90_ws<WsConfig<T, 128, sm90::ws::ws_block_n(128), 0, 2, 2, 96>, kVariant>(p, stream);
-  } else if constexpr (kHeadDim == 256 && kVariant != kPlain) {
-    // d = 256 with the extended state (softcap's C and 1 / C, ALiBi's slope, a sequence's
-    // offsets): the overlapped schedule's second S tile beside O's 128 accumulator registers
-    // and those words spill, so the serial schedule alone (WsConfig: kSerialOnly_).
-    return launch_fwd_sm90_ws<WsConfig<T, 256, 64, 0, 2, 2, 256, true>, kVariant>(p, stream);
+  return launch(WsConfig<T, Tile::kWidth, Tile::kBlockN, 0, Tile::kStages, Tile::kConsumerWGs, Tile::kDepth,
+                         Tile::kSerialOnly>{});
+}
+
+// In an ablation build, the entry points below hand the call to fwd/ablation.cuh (its rungs and
+// launch options); a production build compiles none of it.
+namespace sm90 {
+namespace ws {
+namespace ablation {
+template <int kDType, int kHeadDim, int kVariant>
+bool run_fwd_sm90_ws(const FwdParams& p, cudaStream_t stream);
+template <typename Cfg>
+bool run_fwd_sm90_ws_gqa(const FwdParams& p, cudaStream_t stream);
+template <typename Cfg>
+bool run_fwd_sm90_ws_dropout(const FwdParams& p, cudaStream_t stream);
+}  // namespace ablation
+}  // namespace ws
+}  // namespace sm90
+
+template <int kDType, int kHeadDim, int kVariant>
+bool run_fwd_sm90_ws(const FwdParams& p, cudaStream_t stream) {
+  if constexpr (kAblations) {
+    return sm90::ws::ablation::run_fwd_sm90_ws<kDType, kHeadDim, kVariant>(p, stream);
   } else {
-    return launch_fwd_sm90_ws<WsConfig<T, kHeadDim>, kVariant>(p, stream);
+    using T = typename ElementOf<kDType>::type;
+    return with_fwd_tiles<T, kHeadDim, kVariant>(p, wgmma::fwd_tall_tiles(p.sq), [&](auto cfg) {
+      return launch_fwd_sm90_ws<decltype(cfg), kVariant>(p, stream);
+    });
   }
 }
 
-// The GQA-packed tiles at the default shape of each bucket: 128 x 128 tiles, two consumer
-// warpgroups (d 65..96: the 128-wide tiles, Q K^T 96 deep).
+// The GQA-packed tiles at the default shape of each bucket (d 65..96: the 128-wide tiles, Q K^T
+// 96 deep).
 template <int kDType, int kHeadDim>
 bool run_fwd_sm90_ws_gqa(const FwdParams& p, cudaStream_t stream) {
   using T = typename ElementOf<kDType>::type;
+  using Tile = wgmma::FwdTile<kHeadDim>;
   static_assert(kHeadDim == 64 || kHeadDim == 96 || kHeadDim == 128, "the buckets with packed instances");
-  constexpr int kWidth = kHeadDim == 96 ? 128 : kHeadDim;
-  return launch_fwd_sm90_ws_gqa<sm90::ws::WsConfig<T, kWidth, sm90::ws::ws_block_n(kWidth), 0, 2, 2, kHeadDim>>(
-      p, stream);
+  using Cfg = sm90::ws::WsConfig<T, Tile::kWidth, Tile::kBlockN, 0, Tile::kStages, Tile::kConsumerWGs, Tile::kDepth>;
+  if constexpr (kAblations) {
+    return sm90::ws::ablation::run_fwd_sm90_ws_gqa<Cfg>(p, stream);
+  } else {
+    return launch_fwd_sm90_ws_gqa<Cfg>(p, stream);
+  }
 }
 
-// The dropout instances: 128-row tiles, two consumer warpgroups; at d 64 the default 128-key
-// steps, on the 128-wide tiles (d 65..128; 65..96 with Q K^T 96 deep) 96-key steps: with 128 the
-// draws' registers beside S, P and O spill 44-56 bytes, with 96 nothing.
+// The dropout instances: the default tiles but for their keys per step (tile_policy.h:
+// fwd_dropout_block_n).
 template <int kDType, int kHeadDim>
 bool run_fwd_sm90_ws_dropout(const FwdParams& p, cudaStream_t stream) {
   using T = typename ElementOf<kDType>::type;
+  using Tile = wgmma::FwdTile<kHeadDim>;
   static_assert(kHeadDim == 64 || kHeadDim == 96 || kHeadDim == 128, "the buckets with dropout instances");
-  constexpr int kWidth = kHeadDim == 96 ? 128 : kHeadDim;
-  constexpr int kBlockN = kWidth == 128 ? 96 : sm90::ws::ws_block_n(kWidth);
-  return launch_fwd_sm90_ws_dropout<sm90::ws::WsConfig<T, kWidth, kBlockN, 0, 2, 2, kHeadDim>>(p, stream);
+  using Cfg = sm90::ws::WsConfig<T, Tile::kWidth, wgmma::fwd_dropout_block_n(Tile::kWidth), 0, Tile::kStages,
+                                 Tile::kConsumerWGs, Tile::kDepth>;
+  if constexpr (kAblations) {
+    return sm90::ws::ablation::run_fwd_sm90_ws_dropout<Cfg>(p, stream);
+  } else {
+    return launch_fwd_sm90_ws_dropout<Cfg>(p, stream);
+  }
 }
 
 }  // namespace flash_cuda
+
+#if defined(FLASH_CUDA_ABLATIONS)
+#include "ablation.cuh"
+#endif

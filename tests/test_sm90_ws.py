@@ -3,7 +3,7 @@ ring, a producer warp, two consumer warpgroups, persistent CTAs). kernel='auto' 
 wherever it applies, so every GPU test file exercises it; these tests reach it directly through
 the extension's tier 4 and hold it to the same float64 rule as every other kernel
 (tests/attn_check.py). In a build with the ablation rungs (FLASH_CUDA_ABLATIONS=1) they also run
-under each ablation switch (csrc/tiers/wgmma/config.h); elsewhere those cases skip.
+under each ablation switch (csrc/tiers/wgmma/ablation.h); elsewhere those cases skip.
 GPU-only, sm_90 only."""
 
 import math

@@ -70,7 +70,7 @@ WGMMA_BWD = (64, 96, 128)
 # The wide backward (bwd_wide.cuh, head dims 129..256).
 WGMMA_BWD_WIDE = (192, 256)
 
-# ---- fp16 / bf16, split-KV decode (tiers/decode) ----
+# ---- fp16 / bf16, split-KV decode (tiers/mma/decode.cuh) ----
 # Head-dim buckets; the tile shapes follow from the rows of a call (decode.cuh: Config, 16, 32 or
 # 64 packed query rows, 16 keys per warp per step) and the 96 KiB shared-memory budget.
 DECODE_BUCKETS = (64, 128, 256)

@@ -19,7 +19,7 @@ namespace ws {
 // The tensor maps of one call (a kernel parameter, read by the TMA unit; CUtensorMap carries
 // its own alignment). o_by_tma: O leaves the staging tile through TMA stores on map o (16-row
 // boxes: one consumer warp's rows); 0 where O is not staged, where its view is one TMA cannot
-// address (and in the ablation build with FLASH_CUDA_WS_TMA_STORE=0): the warps' lanes copy it
+// address (and with FLASH_CUDA_WS_TMA_STORE=0, config.h: ws_tma_store): the warps' lanes copy it
 // (normalize_output).
 struct TmaMaps {
   CUtensorMap q, k, v, o;
@@ -44,8 +44,9 @@ enum WsSchedule : int { kSerial = 0, kOverlap = 1 };
 // kSerialOnly_: the instance has the serial schedule alone (launch_fwd_sm90_ws), whose consumers
 // hold one S tile, not two: at d = 256 they fit in 232 registers and the producer gets 40.
 template <typename T_, int kHeadDim_, int kBlockN_ = wgmma::fwd_block_n(kHeadDim_), int kPolyEvery_ = 0,
-          int kStages_ = wgmma::FwdTile<kHeadDim_>::kStages, int kConsumerWGs_ = wgmma::FwdTile<kHeadDim_>::kConsumerWGs,
-          int kDepth_ = kHeadDim_, bool kSerialOnly_ = false>
+          int kStages_ = wgmma::FwdTile<kHeadDim_>::kStages,
+          int kConsumerWGs_ = wgmma::FwdTile<kHeadDim_>::kConsumerWGs, int kDepth_ = kHeadDim_,
+          bool kSerialOnly_ = false>
 struct WsConfig {
   using T = T_;
   static constexpr int kHeadDim = kHeadDim_;

@@ -3,7 +3,7 @@
 //
 // Scope of this version: fp16 / bf16, head dims 64, 128, 192 and 256 (64 keys per step above
 // 128), causal, windows, Sq != Sk, GQA, and in the kExtended instances packed batches, softcap
-// and ALiBi (at d = 256 with the serial schedule: run_fwd_sm90_ws); views whose base and
+// and ALiBi (at d = 256 with the serial schedule: tile_policy.h, FwdTile); views whose base and
 // strides TMA can address (16-byte multiples). The launcher returns false otherwise and
 // the caller runs the mma.sync forward (tiers/mma). kernel='auto' uses every instance
 // (family.h).

@@ -1,10 +1,7 @@
 // tiers/wgmma/fwd/mainloop.cuh — the warp-specialized forward's main loop: the producer, which
 // fills the TMA ring (K/V stages guarded by mbarriers) and Q, and the consumer step, S = Q K^T,
-// the online softmax and O += P V, in two schedules. Barriers: q_full / q_empty (Q of the current
-// tile), and per stage k_full, v_full (producer arrival + transaction bytes: V may still be
-// landing while S = Q K^T runs), k_empty, v_empty (one arrival per consumer warp; K is freed as
-// soon as S is done); v_tail, the producer's own, on which a packed sequence's partial last V
-// block lands.
+// the online softmax and O += P V, in two schedules. The tiles and barriers they share are
+// smem.h's.
 //
 // Two consumer schedules (WsSchedule):
 //   kSerial:  per key block, S = Q K^T, softmax, O += P V, each product waited for at once.

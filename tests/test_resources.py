@@ -214,7 +214,7 @@ def test_packed_backward_workspace(D, deterministic):
     """A packed batch's backward: dq + dk + dv + delta (Hq * total_q floats), and on Hopper
     without deterministic=True the fp32 dQ tiles of the warp-specialized kernel: per head
     total_q // M + B + 1 tiles of M rows x the head-dim bucket (M = 128 at D = 64, 64 at D = 128;
-    csrc/tiers/wgmma/family.h, plan_bwd_dq_accum_floats)."""
+    csrc/tiers/wgmma/family.h: WgmmaFamily::plan; tile_policy.h: bwd_block_m)."""
     lens_q, lens_k = (300, 1, 0, 700, 129, 64), (200, 64, 5, 700, 1000, 1)
     Hq, Hkv, dtype = 8, 2, torch.bfloat16
     q, k, v, cu_q, cu_k, mq, mk = make_varlen_inputs(lens_q, lens_k, Hq, Hkv, D, dtype, "cuda", seed=5)

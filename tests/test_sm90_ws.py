@@ -1,9 +1,9 @@
-"""The warp-specialized Hopper forward (csrc/tiers/wgmma/fwd.cuh: TMA loads into an mbarrier
+"""The warp-specialized Hopper forward (csrc/tiers/wgmma/fwd/: TMA loads into an mbarrier
 ring, a producer warp, two consumer warpgroups, persistent CTAs). kernel='auto' runs it on sm_90
 wherever it applies, so every GPU test file exercises it; these tests reach it directly through
 the extension's tier 4 and hold it to the same float64 rule as every other kernel
 (tests/attn_check.py). In a build with the ablation rungs (FLASH_CUDA_ABLATIONS=1) they also run
-under each ablation switch (csrc/tiers/wgmma/config.h); elsewhere those cases skip.
+under each ablation switch (csrc/tiers/wgmma/ablation.h); elsewhere those cases skip.
 GPU-only, sm_90 only."""
 
 import math
@@ -481,7 +481,7 @@ def test_ws_varlen_route(D, kernel):
                            label=f"route D={D} kernel={kernel}")
 
 
-# ---- GQA packing (csrc/tiers/wgmma/fwd.cuh, fwd_sm90_ws_gqa_kernel): the query heads of a KV group in one
+# ---- GQA packing (csrc/tiers/wgmma/fwd/kernel.cuh, fwd_sm90_ws_gqa_kernel): the query heads of a KV group in one
 # 128-row tile, row r = query q0 + r / G of head r % G; dense kPlain batches at d 33..128 ----
 def _gqa_cases():
     """(B, Hq, Hkv, Sq, Sk, D, is_causal, window, layout, dtype): every group size G in 2, 4, 8, 16

@@ -454,7 +454,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(
   const Shape s = check_qkv(q_in, k_in, v_in, m);
   FLASH_CHECK(std::isfinite(scale), "flash_cuda: scale must be finite");
   const Tier t = resolve_tier(tier, dtype_of(q_in));
-  FLASH_CHECK(t != Tier::kWgmma || m.softcap == 0 || (!deterministic && !wgmma::bwd_split()), kNoWgmmaSoftcap);
+  FLASH_CHECK(t != Tier::kWgmma || m.softcap == 0 || WgmmaFamily::one_pass_backward(deterministic), kNoWgmmaSoftcap);
   FLASH_CHECK(dropout_p == 0.0 || t == Tier::kAuto || t == Tier::kMma || t == Tier::kSimt || t == Tier::kWgmmaWs,
               "flash_cuda: dropout runs on kernel='auto', 'mma' or 'simt'");
   FLASH_CHECK(dout_in.sizes() == q_in.sizes() && out_in.sizes() == q_in.sizes(),

@@ -1,5 +1,5 @@
 // core/combine.cuh — merges the partial results of split key ranges: split query blocks of the
-// fp32 forward, the split-KV decode's rows (tiers/decode), and the partials of context-parallel
+// fp32 forward, the split-KV decode's rows (tiers/mma/decode.cuh), and the partials of context-parallel
 // attention's ring steps (MergeParams, at the end). A query block whose key range was
 // cut into num_splits pieces (the fp32 forward's last wave: plan_tail_split,
 // core/scheduler.cuh) left, per piece r, its O_r normalized by its own l_r and its row

@@ -124,9 +124,9 @@ struct AttnMask {
 // Which query a row of a kernel's tile holds: the mask and the score modifiers of a row are
 // those of its query. Every kernel that gives each query head its own tiles has one query per
 // row and counts rows in query indices (OneQueryPerRow, the helpers' default). The Hopper
-// forward's packed GQA tiles (tiers/wgmma/fwd.cuh) hold the G = 2^shift query heads of one KV group
-// side by side: tile row r is query q0 + r / G of the group's head r % G, so rows [r0, r1) of a
-// tile cover the queries [query(r0), query(r1 - 1) + 1).
+// forward's packed GQA tiles (tiers/wgmma/fwd/kernel.cuh) hold the G = 2^shift query heads of one
+// KV group side by side: tile row r is query q0 + r / G of the group's head r % G, so rows
+// [r0, r1) of a tile cover the queries [query(r0), query(r1 - 1) + 1).
 struct OneQueryPerRow {
   FLASH_HOST_DEVICE int query(int row) const { return row; }
 };

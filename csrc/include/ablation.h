@@ -4,7 +4,8 @@
 // below returns the default, and the kernels OPTIMIZATION.md measured against the defaults are not
 // built. `FLASH_CUDA_ABLATIONS=1 pip install ...` (setup.py: -DFLASH_CUDA_ABLATIONS) builds them
 // and reads each rung's environment switch at launch, so that a rung is measured against the
-// default on the same build; the families document their switches (tiers/*/family.h).
+// default on the same build. The Hopper family's switches are documented in
+// tiers/wgmma/ablation.h.
 #pragma once
 
 #include <cstdlib>

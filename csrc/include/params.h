@@ -29,8 +29,11 @@ enum class Tier : int {
   kSimt = 1,  // fp32 on the CUDA cores (true fp32 FMA arithmetic): tiers/simt
   kMma = 2,   // fp16/bf16 on the tensor cores of every GPU (mma.sync, ldmatrix, cp.async): tiers/mma
   kWgmma = 3, // fp16/bf16 on Hopper (wgmma, TMA, swizzled shared memory), sm_90 only: tiers/wgmma
-  // The Hopper forward alone, an error where it does not apply (for its tests and benchmarks);
-  // its backward is kAuto's.
+  // Not a kernel= choice of the package (flash_cuda.KERNELS has none for it): the extension's
+  // route to the Hopper forward with no fallback, for the tests that must know that kernel ran
+  // (tests/test_sm90_ws.py, test_dropout_gpu.py). The forward runs the Hopper family wherever it
+  // has an instance (kernel='auto''s calls on sm_90: every head dim 33..256, d <= 32 where
+  // narrow_fwd_applies, dropout), and is an error where it does not apply; the backward is kAuto's.
   kWgmmaWs = 4,
 };
 
@@ -124,7 +127,7 @@ struct FwdParams {
   float* o_accum = nullptr;
   float* stats_accum = nullptr;
 
-  // ---- KV cache and split-KV decode (tiers/decode) ----
+  // ---- KV cache and split-KV decode (tiers/mma/decode.cuh) ----
   // The decode family reads keys through these fields; the others leave them at their defaults.
   // k / v above are then the cache: dense [b][hkv][sk][d] with sk = its capacity S_max, or paged
   // [num_pages][hkv][page_size][d] (k_batch_stride is then the page stride) with sk = the

@@ -50,22 +50,5 @@ template <> struct MmaBwd<128> { using Tile = MmaBwdShape<4, 1, 48, false, 2, 8,
 template <> struct MmaBwd<192> { using Tile = MmaBwdShape<8, 1, 32, true, 1, 8, 1, 32, 1>; using Large = Tile; using Compact = MmaBwdShape<4, 1, 16, true, 2, 4, 1, 16, 2>; static constexpr bool kLargeSm90Only = false; };
 template <> struct MmaBwd<256> { using Tile = MmaBwdShape<4, 1, 32, true, 1, 4, 1, 32, 1>; using Large = MmaBwdShape<8, 1, 32, true, 1, 8, 1, 32, 1>; using Compact = MmaBwdShape<3, 1, 16, true, 2, 3, 1, 16, 2>; static constexpr bool kLargeSm90Only = true; };
 
-// ---- Hopper (tiers/wgmma) ----
-// The forward's keys per step by bucket.
-constexpr int wgmma_fwd_block_n(int bucket) {
-  if (bucket == 64) return 128;
-  if (bucket == 96) return 128;
-  if (bucket == 128) return 128;
-  if (bucket == 192) return 64;
-  if (bucket == 256) return 64;
-  return 0;
-}
-template <int kKVWarpGroups_, int kKVBlockM_, int kQWarpGroups_, int kQBlockN_>
-struct WgmmaBwdShape { static constexpr int kKVWarpGroups = kKVWarpGroups_; static constexpr int kKVBlockM = kKVBlockM_; static constexpr int kQWarpGroups = kQWarpGroups_; static constexpr int kQBlockN = kQBlockN_; };
-template <int kHeadDim> struct WgmmaBwd;
-template <> struct WgmmaBwd<64> { using Tile = WgmmaBwdShape<2, 128, 2, 128>; static constexpr int kWidth = 64; };
-template <> struct WgmmaBwd<128> { using Tile = WgmmaBwdShape<2, 64, 2, 96>; static constexpr int kWidth = 128; };
-template <> struct WgmmaBwd<96> { using Tile = WgmmaBwd<128>::Tile; static constexpr int kWidth = 128; };
-
 }  // namespace tiles
 }  // namespace flash_cuda

@@ -42,13 +42,13 @@ def _entries(t) -> list:
          "mma.sync forward"),
         ("mma_bwd", "mma/bwd.cuh", "run_bwd_mma", "BwdParams", "void", t.MMA_BUCKETS, ("", "_ext", "_softcap"),
          "mma.sync backward"),
-        ("wgmma_fwd", "wgmma/fwd.cuh", "run_fwd_sm90_ws", "FwdParams", "bool", tuple(t.WGMMA_FWD), ("",),
+        ("wgmma_fwd", "wgmma/fwd/launch.cuh", "run_fwd_sm90_ws", "FwdParams", "bool", tuple(t.WGMMA_FWD), ("",),
          "Hopper warp-specialized forward"),
-        ("wgmma_fwd", "wgmma/fwd.cuh", "run_fwd_sm90_ws", "FwdParams", "bool", t.WGMMA_FWD_EXT, ("_ext",),
+        ("wgmma_fwd", "wgmma/fwd/launch.cuh", "run_fwd_sm90_ws", "FwdParams", "bool", t.WGMMA_FWD_EXT, ("_ext",),
          "Hopper warp-specialized forward"),
-        ("wgmma_fwd_gqa", "wgmma/fwd.cuh", "run_fwd_sm90_ws_gqa", "FwdParams", "bool", t.WGMMA_FWD_GQA, (None,),
+        ("wgmma_fwd_gqa", "wgmma/fwd/launch.cuh", "run_fwd_sm90_ws_gqa", "FwdParams", "bool", t.WGMMA_FWD_GQA, (None,),
          "Hopper warp-specialized forward, GQA-packed tiles (the query heads of a KV group in one tile)"),
-        ("wgmma_fwd_dropout", "wgmma/fwd.cuh", "run_fwd_sm90_ws_dropout", "FwdParams", "bool", t.WGMMA_FWD_DROPOUT,
+        ("wgmma_fwd_dropout", "wgmma/fwd/launch.cuh", "run_fwd_sm90_ws_dropout", "FwdParams", "bool", t.WGMMA_FWD_DROPOUT,
          (None,), "Hopper warp-specialized forward with attention dropout (dense batches, no score modifier)"),
         ("wgmma_bwd", "wgmma/bwd_ws.cuh", "run_bwd_sm90", "BwdParams", "bool", tuple(t.WGMMA_BWD),
          ("", "_ext", "_softcap"), "Hopper backward (warp-specialized; cp.async when deterministic)"),
@@ -120,7 +120,6 @@ MMA_FWD_SHAPE = [("int", "kBlockM"), ("int", "kBlockN"), ("int", "kNWarps"), ("i
 MMA_BWD_SHAPE = [("int", "kKVWarps"), ("int", "kKVMTiles"), ("int", "kKVBlockM"), ("bool", "kSplitDKDV"),
                  ("int", "kKVMinBlocks"), ("int", "kQWarps"), ("int", "kQMTiles"), ("int", "kQBlockN"),
                  ("int", "kQMinBlocks")]
-WGMMA_BWD_SHAPE = [("int", "kKVWarpGroups"), ("int", "kKVBlockM"), ("int", "kQWarpGroups"), ("int", "kQBlockN")]
 
 
 def _specialization(family: str, d: int, body: list) -> str:
@@ -134,6 +133,7 @@ def tiles_header() -> str:
            "#include <utility>\n\nnamespace flash_cuda {\nnamespace tiles {\n\n// ---- head-dim buckets ----\n"]
     out.append(_sequence("SimtBuckets", t.SIMT_BUCKETS))
     out.append(_sequence("MmaBuckets", t.MMA_BUCKETS))
+    # The Hopper family's tile shapes are tiers/wgmma/tile_policy.h's.
     out.append(_sequence("WgmmaFwdBuckets", tuple(t.WGMMA_FWD)))
     out.append(_sequence("WgmmaBwdBuckets", tuple(t.WGMMA_BWD)))
     out.append(_sequence("WgmmaBwdWideBuckets", t.WGMMA_BWD_WIDE))
@@ -172,20 +172,6 @@ def tiles_header() -> str:
             f"using Compact = {'MmaBwdShape<' + _args(e['compact']) + '>' if 'compact' in e else 'Tile'};",
             f"static constexpr bool kLargeSm90Only = {_args(['large' in e])};"]))
 
-    out.append("\n// ---- Hopper (tiers/wgmma) ----\n// The forward's keys per step by bucket.\n"
-               "constexpr int wgmma_fwd_block_n(int bucket) {\n")
-    for d, e in t.WGMMA_FWD.items():
-        out.append(f"  if (bucket == {d}) return {e['block_n']};\n")
-    out.append("  return 0;\n}\n" + _shape("WgmmaBwdShape", WGMMA_BWD_SHAPE))
-    out.append("template <int kHeadDim> struct WgmmaBwd;\n")
-    # The buckets with a tile of their own first: the others name one of them.
-    for d, e in sorted(t.WGMMA_BWD.items(), key=lambda de: "tile" not in de[1]):
-        if "tile" in e:
-            out.append(_specialization("WgmmaBwd", d, [f"using Tile = WgmmaBwdShape<{_args(e['tile'])}>;",
-                                                       f"static constexpr int kWidth = {d};"]))
-        else:
-            out.append(_specialization("WgmmaBwd", d, [f"using Tile = WgmmaBwd<{e['width']}>::Tile;",
-                                                       f"static constexpr int kWidth = {e['width']};"]))
     out.append("\n}  // namespace tiles\n}  // namespace flash_cuda\n")
     return "".join(out)
 

@@ -1,6 +1,7 @@
-"""The tile table of flash_cuda: every kernel family's head-dim buckets and tile shapes, in one
-place. generate.py writes it out as csrc/include/tiles.h (the families' C++ reads the shapes
-from there) and writes the instance files from its buckets. Why each shape was chosen, with the
+"""The tile table of flash_cuda: every kernel family's head-dim buckets and the tile shapes of the
+simt and mma.sync families, in one place (the Hopper family's shapes depend on the call and live in
+csrc/tiers/wgmma/tile_policy.h). generate.py writes it out as csrc/include/tiles.h (the families'
+C++ reads the shapes from there) and writes the instance files from its buckets. Why each shape was chosen, with the
 measurements, is in OPTIMIZATION.md; a line here says what the numbers are.
 """
 
@@ -55,24 +56,21 @@ MMA_BWD = {
 }
 
 # ---- fp16 / bf16, Hopper (tiers/wgmma) ----
-# Forward (warp-specialized): keys per step by bucket; 64 query rows per consumer warpgroup. The
-# buckets with extended (varlen, softcap, ALiBi) and GQA-packed instances.
-WGMMA_FWD = {64: dict(block_n=128), 96: dict(block_n=128), 128: dict(block_n=128), 192: dict(block_n=64),
-             256: dict(block_n=64)}
+# The buckets with instances; every Hopper tile shape is csrc/tiers/wgmma/tile_policy.h's.
+# Forward (warp-specialized), and the buckets with extended (varlen, softcap, ALiBi) and
+# GQA-packed instances.
+WGMMA_FWD = (64, 96, 128, 192, 256)
 WGMMA_FWD_EXT = (64, 96, 128, 192, 256)
 WGMMA_FWD_GQA = (64, 96, 128)
 WGMMA_FWD_DROPOUT = (64, 96, 128)  # the forward with attention dropout (dense, no score modifier)
-# The warp-specialized backward with dropout: every bucket on the 128-wide tiles (64-query steps;
-# bucket 64 with its products over d 64 deep): the 64-wide tiles' 128-query steps leave no
-# registers for the keep bits.
+# The warp-specialized backward with dropout (on the 128-wide tiles at every bucket).
 WGMMA_BWD_DROPOUT = (64, 96, 128)
-# Backward (dK/dV and dQ kernels of bwd.cuh, which bwd_ws.cuh builds on): (kKVWarpGroups,
-# kKVBlockM, kQWarpGroups, kQBlockN); 96 runs the 128-wide tiles.
-WGMMA_BWD = {64: dict(tile=(2, 128, 2, 128)), 96: dict(width=128), 128: dict(tile=(2, 64, 2, 96))}
+# Backward (dK/dV and dQ kernels of bwd.cuh, which bwd_ws.cuh builds on).
+WGMMA_BWD = (64, 96, 128)
 # The wide backward (bwd_wide.cuh, head dims 129..256).
 WGMMA_BWD_WIDE = (192, 256)
 
-# ---- fp16 / bf16, split-KV decode (tiers/decode) ----
+# ---- fp16 / bf16, split-KV decode (tiers/mma/decode.cuh) ----
 # Head-dim buckets; the tile shapes follow from the rows of a call (decode.cuh: Config, 16, 32 or
 # 64 packed query rows, 16 keys per warp per step) and the 96 KiB shared-memory budget.
 DECODE_BUCKETS = (64, 128, 256)

@@ -71,10 +71,8 @@ struct BwdConfig {
   static constexpr size_t kDqSmem = kDqTiles + 2 * kQBlockM * sizeof(float) + 1024;
 };
 
-// The tiles per head-dim bucket come from the tile table (include/tiles.h: WgmmaBwd): larger steps
-// help while the accumulators fit (OPTIMIZATION.md: d = 64 with 128 queries / keys per step;
-// d = 128 with 96 keys per dQ step). Head dims 65..96 run the 128-wide tiles.
-template <int kHeadDim, typename E = tiles::WgmmaBwd<kHeadDim>>
+// The tiles per head-dim bucket come from the tile policy (tile_policy.h: BwdTile).
+template <int kHeadDim, typename E = wgmma::BwdTile<kHeadDim>>
 using BwdTraits = BwdConfig<E::kWidth, E::Tile::kKVWarpGroups, E::Tile::kKVBlockM, E::Tile::kQWarpGroups,
                             E::Tile::kQBlockN>;
 

@@ -130,13 +130,14 @@ constexpr size_t wide_smem_bytes(int d, int stages) {
 // kD: the bucket, the width of the Q, dO, K, V tiles (TMA zero-fills the columns past d). The
 // member names are those bwd_ws::Smem and bwd_ws::produce read. The ring takes 3 stages where
 // they fit (d = 192: 232056 bytes of 232448), else 2 (d = 256).
-template <int kD_, int kStages_ = wide_smem_bytes(kD_, 3) <= kSmemHopper ? 3 : 2>
+template <int kD_, int kStages_ = wide_smem_bytes(kD_, wgmma::kWideMaxStages) <= kSmemHopper ? wgmma::kWideMaxStages
+                                                                                    : wgmma::kWideMinStages>
 struct WideConfig {
   static constexpr int kD = kD_;
   static constexpr int kSlabs = kD / kSlabCols;
   static constexpr int kQKSteps = kD / 16;
-  static constexpr int kBlockN = 64;  // keys of the CTA, shared by both warpgroups
-  static constexpr int kBlockM = 64;  // queries per step
+  static constexpr int kBlockN = wgmma::kWideBlockN;  // keys of the CTA, shared by both warpgroups
+  static constexpr int kBlockM = wgmma::kWideBlockM;  // queries per step
   static constexpr int kHalfM = kBlockM / 2;  // queries of S^T, dP^T per warpgroup
   static constexpr int kStages = kStages_;
   static constexpr int kThreads = 128 + kConsumerThreads;

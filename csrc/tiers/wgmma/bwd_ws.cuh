@@ -117,7 +117,7 @@ struct WsBwdConfig : Traits {
   static_assert(regs_balance<kPlain>() && regs_balance<kExtended>() && regs_balance<kSoftcapGrad>(),
                 "the consumers' registers come from the producer's");
   static_assert(Traits::kKVWarpGroups == 2, "two consumer warpgroups of 64 keys");
-  static_assert(kBlockM == wgmma::bwd_block_m(kD), "the dQ workspace is sized with this tile height (config.h)");
+  static_assert(kBlockM == wgmma::bwd_block_m(kD), "the dQ workspace is sized with this tile height (tile_policy.h)");
   // dQ staging, two buffers: a query block's kBlockM x d floats in the order of the accumulator
   // fragments (DqTile), as the workspace holds them.
   static constexpr uint32_t kTileDQ = kBlockM * kD * 4;

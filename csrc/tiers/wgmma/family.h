@@ -1,7 +1,8 @@
 // tiers/wgmma/family.h — the Hopper (sm_90a) family: its entry points, the contract the binding
-// calls (applies / plan / run), its dQ workspace, and its ablation switches. Host code only.
+// calls (applies / plan / run) and its dQ workspace; in an ablation build, where the backward's
+// ablation switches (ablation.h) are consulted. Host code only.
 //
-//   forward   fwd.cuh       warp-specialized: TMA producer warp, consumer warpgroups, ping-pong,
+//   forward   fwd/          warp-specialized: TMA producer warp, consumer warpgroups, ping-pong,
 //                           persistent tiles, GQA packing; head dims 33..256
 //   backward  bwd_ws.cuh    warp-specialized, dQ by bulk reductions into an fp32 workspace;
 //                           head dims 33..128 (deterministic=False)
@@ -25,6 +26,7 @@
 
 #include "../../include/dispatch.h"
 #include "../../include/params.h"
+#include "ablation.h"
 #include "config.h"
 
 namespace flash_cuda {
@@ -53,7 +55,13 @@ template <int kDType, int kVariant> struct FwdEntry {
     }
     if constexpr (kVariant == kPlain && kD <= 128) {
       // GQA-packed tiles where they pay; the launcher may decline.
-      if (pack_gqa(p) && run_fwd_sm90_ws_gqa<kDType, kD>(p, s)) return true;
+      bool pack;
+      if constexpr (kAblations) {
+        pack = ablation::pack_gqa(p);
+      } else {
+        pack = pack_gqa(p);
+      }
+      if (pack && run_fwd_sm90_ws_gqa<kDType, kD>(p, s)) return true;
     }
     return run_fwd_sm90_ws<kDType, kD, kVariant>(p, s);
   }
@@ -97,12 +105,12 @@ struct WgmmaFamily {
     return tier == Tier::kAuto || tier == Tier::kWgmmaWs;
   }
   static bool applies(const BwdParams& p, Tier tier) {
-    tier = bwd_tier(tier);
-    if (p.sm_arch != 90) return false;
-    if (has_dropout(p)) return tier == Tier::kAuto && wgmma::bwd_dropout_applies(p);
-    if (wgmma::narrow_bwd_applies(p)) return tier == Tier::kAuto;
-    return ((tier == Tier::kAuto || tier == Tier::kWgmma) && wgmma::bwd_head_dim(p.d)) ||
-           wgmma::wide_bwd_applies(p, tier);
+    if constexpr (kAblations) {
+      if (p.d > 128 && !wgmma::ablation::bwd_wide_enabled()) return false;
+      return applies_bwd(wgmma::ablation::bwd_call(p), tier);
+    } else {
+      return applies_bwd(p, tier);
+    }
   }
   static Workspace plan(FwdParams&, Tier) {
     Workspace ws;
@@ -110,13 +118,11 @@ struct WgmmaFamily {
     return ws;
   }
   static Workspace plan(BwdParams& p, Tier) {
-    Workspace ws;
-    if (p.deterministic || wgmma::bwd_split() || !bwd_wants_all(p)) return ws;
-    const int bucket_d = wgmma::bwd_tile_width(p);
-    const int block_m = wgmma::bwd_block_m(bucket_d);
-    ws.floats = wgmma::dq_tile_count(p, block_m) * block_m * bucket_d;
-    ws.zero_floats = true;
-    return ws;
+    if constexpr (kAblations) {
+      return plan_bwd(wgmma::ablation::bwd_call(p));
+    } else {
+      return plan_bwd(p);
+    }
   }
   static void attach(FwdParams& p, float*, int* ints) { p.tile_counter = ints; }
   static void attach(BwdParams& p, float* floats, int*) { p.dq_accum = floats; }
@@ -124,6 +130,41 @@ struct WgmmaFamily {
     return with_dtype_variant<wgmma::FwdEntry, tiles::WgmmaFwdBuckets>(p, variant_of(p, /*backward=*/false), stream);
   }
   static bool run(const BwdParams& p, Tier tier, cudaStream_t stream) {
+    if constexpr (kAblations) {
+      return run_bwd(wgmma::ablation::bwd_call(p), tier, stream);
+    } else {
+      return run_bwd(p, tier, stream);
+    }
+  }
+  // Whether the backward of a call runs the one-pass warp-specialized kernels (which alone have
+  // softcap's derivative) rather than the deterministic two-kernel ones.
+  static bool one_pass_backward(bool deterministic) {
+    if constexpr (kAblations) {
+      return !deterministic && !wgmma::ablation::bwd_split();
+    } else {
+      return !deterministic;
+    }
+  }
+
+ private:
+  static bool applies_bwd(const BwdParams& p, Tier tier) {
+    tier = bwd_tier(tier);
+    if (p.sm_arch != 90) return false;
+    if (has_dropout(p)) return tier == Tier::kAuto && wgmma::bwd_dropout_applies(p);
+    if (wgmma::narrow_bwd_applies(p)) return tier == Tier::kAuto;
+    return ((tier == Tier::kAuto || tier == Tier::kWgmma) && wgmma::bwd_head_dim(p.d)) ||
+           wgmma::wide_bwd_applies(p, tier);
+  }
+  static Workspace plan_bwd(const BwdParams& p) {
+    Workspace ws;
+    if (p.deterministic || !bwd_wants_all(p)) return ws;
+    const int bucket_d = wgmma::bwd_tile_width(p);
+    const int block_m = wgmma::bwd_block_m(bucket_d);
+    ws.floats = wgmma::dq_tile_count(p, block_m) * block_m * bucket_d;
+    ws.zero_floats = true;
+    return ws;
+  }
+  static bool run_bwd(const BwdParams& p, Tier tier, cudaStream_t stream) {
     tier = bwd_tier(tier);
     const Variant variant = variant_of(p, /*backward=*/true);
     if ((((tier == Tier::kAuto || tier == Tier::kWgmma) && wgmma::bwd_head_dim(p.d)) ||
@@ -135,8 +176,6 @@ struct WgmmaFamily {
            with_dtype_variant<wgmma::WideBwdEntry, tiles::WgmmaBwdWideBuckets, /*kWithSoftcapGrad=*/true>(
                p, variant, stream);
   }
-
- private:
   static Tier bwd_tier(Tier tier) { return tier == Tier::kWgmmaWs ? Tier::kAuto : tier; }
 };
 

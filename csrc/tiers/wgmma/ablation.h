@@ -1,0 +1,63 @@
+// tiers/wgmma/ablation.h — the Hopper family's ablation switches (include/ablation.h): each names
+// one configuration OPTIMIZATION.md measured against the default. They are read only in a build
+// with FLASH_CUDA_ABLATIONS, and only where that build consults its ablations first: the
+// forward's ablation launcher (fwd/ablation.cuh) and the family's contract (family.h, the
+// backward's two switches below). The production decisions (config.h, tile_policy.h) read none.
+// Host code only.
+#pragma once
+
+#include "../../include/ablation.h"
+#include "../../include/params.h"
+#include "config.h"
+
+namespace flash_cuda {
+namespace wgmma {
+namespace ablation {
+
+// ---- forward (fwd/ablation.cuh) ----
+// FLASH_CUDA_WS_SCHEDULE=serial: the forward's serial schedule (each product waited for at once)
+//     instead of the overlapped one (intra-warpgroup overlap and ping-pong).
+inline bool ws_serial() { return ablation_is("FLASH_CUDA_WS_SCHEDULE", "serial"); }
+// FLASH_CUDA_WS_PERSISTENT=0: one CTA per tile instead of one per SM looping over tiles.
+inline bool ws_persistent() { return ablation_int("FLASH_CUDA_WS_PERSISTENT", 1) != 0; }
+// FLASH_CUDA_WS_BLOCK_N=192: the d = 64 kPlain forward steps over 192 keys instead of 128.
+inline int ws_block_n_override() { return ablation_int("FLASH_CUDA_WS_BLOCK_N", 0); }
+// FLASH_CUDA_WS_STAGES=4: the d = 64 kPlain forward with 4 K/V stages in its ring instead of 2.
+inline int ws_stages_override() { return ablation_int("FLASH_CUDA_WS_STAGES", 0); }
+// FLASH_CUDA_WS_BLOCK_M=128 | 192: the d = 64 kPlain forward's tiles, 128 x 128 or 192 rows
+// (three consumer warpgroups) x 96 keys; unset: 192 rows from Sq = 2048 on.
+inline int ws_block_m_override() { return ablation_int("FLASH_CUDA_WS_BLOCK_M", 0); }
+// FLASH_CUDA_WS_EXP2_POLY=N (4 or 8): in the d 64 / 128 kPlain forward every N-th 8-key tile of
+// P is exponentiated on the FMA pipe (poly_exp2) instead of MUFU.
+inline int ws_exp2_poly_every() { return ablation_int("FLASH_CUDA_WS_EXP2_POLY", 0); }
+// FLASH_CUDA_WS_PACK_GQA=1 | 0: GQA packing wherever it can run, or never (unset: config.h's
+// pack_gqa).
+inline int ws_pack_gqa_force() { return ablation_int("FLASH_CUDA_WS_PACK_GQA", -1); }
+// Whether a switch of a forward rung with tiles other than the default is set: GQA packing (which
+// runs the default tiles, overlapped) then stays off.
+inline bool fwd_rung_set() {
+  return ws_serial() || ws_exp2_poly_every() != 0 || ws_block_n_override() != 0 || ws_stages_override() != 0 ||
+         ws_block_m_override() != 0;
+}
+// GQA packing for a call: where it can run, forced on or off, else config.h's rule.
+inline bool pack_gqa(const FwdParams& p) {
+  if (!can_pack_gqa(p) || fwd_rung_set()) return false;
+  const int force = ws_pack_gqa_force();
+  return force >= 0 ? force != 0 : wgmma::pack_gqa(p);
+}
+
+// ---- backward (family.h) ----
+// FLASH_CUDA_SM90_BWD=split: the deterministic two-kernel backward also for deterministic=False:
+// the family then decides on a call as on its deterministic=True twin.
+inline bool bwd_split() { return ablation_is("FLASH_CUDA_SM90_BWD", "split"); }
+inline BwdParams bwd_call(const BwdParams& p) {
+  BwdParams q = p;
+  if (bwd_split()) q.deterministic = true;
+  return q;
+}
+// FLASH_CUDA_SM90_BWD_D256=0: head dims 129..256 run the mma.sync backward instead of the wide one.
+inline bool bwd_wide_enabled() { return ablation_int("FLASH_CUDA_SM90_BWD_D256", 1) != 0; }
+
+}  // namespace ablation
+}  // namespace wgmma
+}  // namespace flash_cuda

@@ -1,0 +1,104 @@
+// tiers/wgmma/fwd/config.cuh — the warp-specialized forward's instance configuration: tile shapes,
+// pipeline depth, register budgets and shared-memory size (WsConfig; the layout is smem.h's), the
+// schedules, and the tensor maps a launch hands its kernel.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "../../../arch/gpu_class.h"
+#include "../../../arch/sm90.cuh"
+#include "../../../arch/tile.cuh"
+#include "../tile_policy.h"
+#include "smem.h"
+
+namespace flash_cuda {
+namespace sm90 {
+namespace ws {
+
+// The tensor maps of one call (a kernel parameter, read by the TMA unit; CUtensorMap carries
+// its own alignment). o_by_tma: O leaves the staging tile through TMA stores on map o (16-row
+// boxes: one consumer warp's rows); 0 where O is not staged, where its view is one TMA cannot
+// address (and with FLASH_CUDA_WS_TMA_STORE=0, config.h: ws_tma_store): the warps' lanes copy it
+// (normalize_output).
+struct TmaMaps {
+  CUtensorMap q, k, v, o;
+  int o_by_tma;
+};
+
+// Named barriers (0 is __syncthreads): warpgroup w's turn to issue its products (kOverlap) is
+// kTurnBarrier + w; each phase counts two warpgroups (the one handing over, the one taking).
+constexpr int kTurnBarrier = 1;
+constexpr int kTurnThreads = 256;
+
+enum WsSchedule : int { kSerial = 0, kOverlap = 1 };
+
+// The tiles and the pipeline's sizes (tile_policy.h chooses them per head dim and call).
+// kHeadDim_: the tiles' width. kBlockN_: keys per step.
+// kPolyEvery_: the share of exponentials taken on the FMA pipe (core/softmax.cuh:
+// exponentiate_scores; an ablation rung).
+// kStages_: K/V stages of the ring.
+// kConsumerWGs_: consumer warpgroups, 64 query rows each.
+// kDepth_: the head dims the instance serves (<= kHeadDim_): S = Q K^T stops after its k-steps,
+// the tiles keep the bucket's width with TMA's zeros past d (d = 96: 6 of the 128-wide tile's 8).
+// kSerialOnly_: the instance has the serial schedule alone (launch_fwd_sm90_ws), whose consumers
+// hold one S tile, not two: at d = 256 they fit in 232 registers and the producer gets 40.
+template <typename T_, int kHeadDim_, int kBlockN_ = wgmma::fwd_block_n(kHeadDim_), int kPolyEvery_ = 0,
+          int kStages_ = wgmma::FwdTile<kHeadDim_>::kStages,
+          int kConsumerWGs_ = wgmma::FwdTile<kHeadDim_>::kConsumerWGs, int kDepth_ = kHeadDim_,
+          bool kSerialOnly_ = false>
+struct WsConfig {
+  using T = T_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kBlockM = wgmma::kFwdRowsPerConsumer * kConsumerWGs_;
+  static constexpr int kNTiles = kBlockN / 8;         // C-fragment tiles of S (core/fragment.cuh)
+  static constexpr int kDTiles = kHeadDim / 8;        // of O
+  static constexpr size_t kTileQ = size_t(kBlockM) * kHeadDim * sizeof(T);
+  static constexpr size_t kTileKV = size_t(kBlockN) * kHeadDim * sizeof(T);
+  static_assert(kHeadDim % 64 == 0, "swizzled slabs are 64 columns wide");
+  static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "wgmma N");
+  static constexpr int kQKSteps = (kDepth_ + 15) / 16;
+  static_assert(kDepth_ <= kHeadDim_, "the tiles hold the instance's head dims");
+  static constexpr int kPolyEvery = kPolyEvery_;
+  static constexpr int kStages = kStages_;
+  static constexpr int kConsumerWGs = kConsumerWGs_;
+  static constexpr bool kSerialOnly = kSerialOnly_;
+  static constexpr int kConsumerThreads = 128 * kConsumerWGs;
+  static constexpr int kConsumerWarps = kConsumerThreads / 32;
+  static constexpr int kThreads = 128 + kConsumerThreads;
+  static constexpr int kSlabs = kHeadDim_ / kSlabCols;
+  // Registers per thread after setmaxnreg (see the static_assert below for the total). One
+  // producer warp walks the tile loop (the rest of its warpgroup exits); a dense batch's loop
+  // fits in 24 with little to spare (one more live value spilled it), a packed one's (its
+  // sequence's offsets, lengths and mask per tile) in 40, which up to d = 192 it keeps. At
+  // d = 256 the overlapped consumers need 240 for the 64 x 256 O accumulator beside two S tiles
+  // (232 spills), which leaves the producer 24, enough for a dense batch only; the serial-only
+  // instances (the extended ones, packed batches among them) keep 232 / 40. Three consumer
+  // warpgroups (d = 64): 24 / 160.
+  static constexpr bool kWideOverlap = kHeadDim_ > 192 && !kSerialOnly_;
+  static constexpr int kProducerRegs = kConsumerWGs == 3 ? 24 : (kWideOverlap ? 24 : 40);
+  static constexpr int kConsumerRegs = kConsumerWGs == 3 ? 160 : (kWideOverlap ? 240 : 232);
+  static_assert(kConsumerWGs == 2 || (kConsumerWGs == 3 && kHeadDim_ == 64), "measured shapes");
+  // setmaxnreg moves registers within what the CTA was launched with: kThreads x the per-thread
+  // count that __launch_bounds__(kThreads, 1) allows (65536 / kThreads, a multiple of 8).
+  static_assert(128 * kProducerRegs + kConsumerThreads * kConsumerRegs <= kThreads * (65536 / kThreads / 8 * 8),
+                "the registers the CTA is launched with");
+  // Shared-memory pointers that the compiler knows as such (aligned_smem_base), except where
+  // that form spills (three consumer warpgroups, d = 256: 8 bytes).
+  static constexpr bool kSharedBase = kConsumerWGs == 2 && kHeadDim_ <= 192;
+  // Shared memory (smem.h), with the O staging tile where it fits. kSmemBytes: the storage and
+  // the 1024 bytes by which aligned_smem_base may move the dynamic base to the swizzle's period.
+  template <bool kWithO>
+  using Storage = FwdSharedStorage<T_, kBlockM, kBlockN_, kHeadDim_, kStages_, kWithO>;
+  static constexpr bool kStageO = Storage<true>::kBytes + kSwizzleAlign <= kSmemHopper;
+  using SharedStorage = Storage<kStageO>;
+  static constexpr size_t kSmemBytes = SharedStorage::kBytes + kSwizzleAlign;
+  static_assert(kTileQ % 1024 == 0 && kTileKV % 1024 == 0, "TMA's boxes fill whole slabs");
+  static_assert(kBlockM <= 256 && kBlockN <= 256, "a TMA box has at most 256 rows");
+  static_assert(kSmemBytes <= kSmemHopper, "fits a Hopper block");
+};
+
+}  // namespace ws
+}  // namespace sm90
+}  // namespace flash_cuda

@@ -1,0 +1,73 @@
+// tiers/wgmma/fwd/smem.h — the warp-specialized forward's shared memory, as one struct.
+//
+// Q (kBlockM x kHeadDim) | K[kStages] | V[kStages] | O staging | mbarriers | tile slots. Q, K, V
+// and O are in the 128-byte-swizzled slab layout of arch/sm90.cuh, which is what TMA's 128-byte
+// swizzle writes (and reads) for a box of 64 columns (one slab) when the slab starts on a
+// 1024-byte boundary: every tile is alignas(1024) and a whole number of slabs, so no padding
+// falls between them. Nothing aliases: O is staged in its own tile, so that a persistent CTA's
+// producer may already fill the ring with the next tile's K/V while the consumers write this
+// tile's O. Where that tile does not fit (d = 256: WsConfig::kStageO), the struct has none and
+// each consumer thread stores its own pairs.
+//
+// Barriers (mainloop.cuh): q_full / q_empty (Q of the current tile), and per stage k_full,
+// v_full (producer arrival + transaction bytes: V may still be landing while S = Q K^T runs),
+// k_empty, v_empty (one arrival per consumer warp; K is freed as soon as S is done); v_tail, the
+// producer's own, on which a packed sequence's partial last V block lands. Then the two slots
+// through which the producer names the consumers' next tile (QueryTile).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <type_traits>
+
+namespace flash_cuda {
+namespace sm90 {
+namespace ws {
+
+// 1024 bytes: the swizzle pattern's period (8 lines of 128 bytes).
+constexpr size_t kSwizzleAlign = 1024;
+
+template <typename T, int kBlockM, int kBlockN, int kHeadDim, int kStages>
+struct FwdRingTiles {
+  alignas(kSwizzleAlign) T q[kBlockM * kHeadDim];
+  alignas(kSwizzleAlign) T k[kStages][kBlockN * kHeadDim];
+  alignas(kSwizzleAlign) T v[kStages][kBlockN * kHeadDim];
+};
+// The O staging tile after the ring: Q's slab layout (no padding: the swizzle keeps the fragment
+// writes conflict-free), which is what a TMA store of 64-column boxes reads.
+template <typename T, int kBlockM, int kBlockN, int kHeadDim, int kStages>
+struct FwdRingAndOTiles : FwdRingTiles<T, kBlockM, kBlockN, kHeadDim, kStages> {
+  alignas(kSwizzleAlign) T o[kBlockM * kHeadDim];
+};
+
+template <int kStages>
+struct FwdSync {
+  uint64_t q_full, q_empty;
+  uint64_t k_full[kStages], v_full[kStages], k_empty[kStages], v_empty[kStages];
+  uint64_t v_tail;
+  int tile_slot[2];
+};
+
+template <typename T, int kBlockM, int kBlockN, int kHeadDim, int kStages, bool kStageO>
+struct FwdSharedStorage {
+  using Tiles = std::conditional_t<kStageO, FwdRingAndOTiles<T, kBlockM, kBlockN, kHeadDim, kStages>,
+                                   FwdRingTiles<T, kBlockM, kBlockN, kHeadDim, kStages>>;
+  using Sync = FwdSync<kStages>;
+  Tiles tiles;
+  Sync sync;
+  // The bytes the CTA uses: sizeof(FwdSharedStorage) would round up to the tiles' alignment.
+  static constexpr size_t kBytes = sizeof(Tiles) + sizeof(Sync);
+  static_assert(sizeof(Tiles) % kSwizzleAlign == 0, "the words follow the last slab without padding");
+  // The O staging tile; none (nullptr, never written) where it does not fit.
+  __device__ __forceinline__ T* o_staging() {
+    if constexpr (kStageO) {
+      return tiles.o;
+    } else {
+      return nullptr;
+    }
+  }
+};
+
+}  // namespace ws
+}  // namespace sm90
+}  // namespace flash_cuda

@@ -1,0 +1,93 @@
+// tiers/wgmma/tile_policy.h — every tile choice of the Hopper family, forward and backward, in
+// one place: the launchers (fwd/launch.cuh, bwd_ws.cuh, bwd.cuh, bwd_wide.cuh) and the family's
+// contract (config.h, family.h) read them here. Which head-dim buckets have instances is the tile
+// table's (csrc/instances/tiles.py); why each shape won, with the measurements, is in
+// OPTIMIZATION.md. Host and device code; no switch is read here.
+#pragma once
+
+namespace flash_cuda {
+namespace wgmma {
+
+// ---- head dims served on tiles wider than d ----
+// d <= 32 runs the 64-wide tiles with the products over d 32 deep (TMA's zeros past d), for
+// dense batches without score modifiers or dropout (and, backward, the one-pass kernel): what was
+// measured there (config.h: narrow_fwd_applies / narrow_bwd_applies). d 65..96 runs the 128-wide
+// tiles 96 deep, which at d = 96 still beats the mma.sync kernels of the 96 bucket by far.
+constexpr int kNarrowDepth = 32;
+constexpr int tile_width(int bucket) { return bucket == 96 ? 128 : bucket; }
+
+// ---- forward (fwd/) ----
+// Query rows per consumer warpgroup: one wgmma M of 64.
+constexpr int kFwdRowsPerConsumer = 64;
+
+// The default tiles of a head-dim bucket: keys per step, K/V stages, consumer warpgroups (64
+// query rows each), and the depth of S = Q K^T (the bucket's head dims; the tile keeps its width).
+//   Keys per step: 128 up to d = 128; 64 beyond, where two stages of 128-key K/V tiles and Q
+//   would not fit next to each other (d = 256: Q 64 KiB + 4 x 32 KiB at 64 keys).
+//   Two stages fit every head dim; more only at d = 64, where they did not pay.
+// kSerialOnly (d = 256, the extended instances): softcap's C and 1 / C, ALiBi's slope and a
+// packed sequence's offsets beside O's 128 accumulator registers spill with the overlapped
+// schedule's second S tile, so those instances have the serial schedule alone.
+constexpr int fwd_block_n(int width) { return width <= 128 ? 128 : 64; }
+template <int kBucket, bool kExtended = false>
+struct FwdTile {
+  static constexpr int kWidth = tile_width(kBucket);
+  static constexpr int kBlockN = fwd_block_n(kWidth);
+  static constexpr int kStages = 2;
+  static constexpr int kConsumerWGs = 2;
+  static constexpr int kDepth = kBucket;
+  static constexpr bool kSerialOnly = kBucket == 256 && kExtended;
+};
+
+// d = 64, dense batches without modifiers (kPlain): 192-row tiles, three consumer warpgroups, so
+// that three warps per scheduler interleave their dependent softmax chains (d = 64 is
+// latency-bound), with 96-key steps (at 160 registers a consumer holds S of 96 keys beside P and
+// O; 128 spill). Short queries lose with them (fewer, partly empty tiles), hence the threshold.
+// d <= 32 takes the same two shapes and threshold, 32 deep.
+constexpr int kFwdTallConsumerWGs = 3;
+constexpr int kFwdTallBlockN = 96;
+constexpr int kFwdTallMinSq = 2048;
+constexpr bool fwd_tall_tiles(int sq) { return sq >= kFwdTallMinSq; }
+
+// GQA packing (fwd/launch.cuh: run_fwd_sm90_ws_gqa) runs the bucket's default tiles, for
+// Sq <= kPackGqaMaxSq (config.h: pack_gqa says why there).
+constexpr int kPackGqaMaxSq = 64;
+
+// The dropout instances: the default tiles, except 96-key steps on the 128-wide tiles: with 128
+// the draws' registers beside S, P and O spill 44-56 bytes, with 96 nothing.
+constexpr int fwd_dropout_block_n(int width) { return width == 128 ? 96 : fwd_block_n(width); }
+
+// ---- backward ----
+// The dK/dV and dQ kernels of bwd.cuh per bucket (bwd_ws.cuh builds on the first): the dK/dV CTA
+// has kKVWarpGroups x 64 keys and steps over kKVBlockM queries; the dQ CTA has kQWarpGroups x 64
+// queries and steps over kQBlockN keys. Larger steps help while the accumulators fit (d = 64: 128
+// queries / keys per step; d = 128: 96 keys per dQ step). d 65..96 runs the 128-wide tiles.
+template <int kKVWarpGroups_, int kKVBlockM_, int kQWarpGroups_, int kQBlockN_>
+struct BwdShape {
+  static constexpr int kKVWarpGroups = kKVWarpGroups_;
+  static constexpr int kKVBlockM = kKVBlockM_;
+  static constexpr int kQWarpGroups = kQWarpGroups_;
+  static constexpr int kQBlockN = kQBlockN_;
+};
+template <int kBucket> struct BwdTile;
+template <> struct BwdTile<64> { using Tile = BwdShape<2, 128, 2, 128>; static constexpr int kWidth = 64; };
+template <> struct BwdTile<128> { using Tile = BwdShape<2, 64, 2, 96>; static constexpr int kWidth = 128; };
+template <> struct BwdTile<96> { using Tile = BwdTile<128>::Tile; static constexpr int kWidth = tile_width(96); };
+
+// Query rows per step of the warp-specialized backward at a tile width (bwd_ws.cuh:
+// WsBwdConfig::kBlockM static_asserts against this): the height of its dQ workspace tiles.
+constexpr int bwd_block_m(int width) { return width <= 64 ? 128 : 64; }
+
+// The backward with dropout runs the 128-wide tiles at every d (64-query steps): the 64-wide
+// tiles' 128-query steps leave no registers for the keep bits.
+constexpr int kBwdDropoutTileWidth = 128;
+
+// The wide backward (bwd_wide.cuh, d 129..256): 64 keys per CTA shared by both consumer
+// warpgroups, 64 queries per step; a ring of three Q / dO stages where they fit (d = 192), else two.
+constexpr int kWideBlockN = 64;
+constexpr int kWideBlockM = 64;
+constexpr int kWideMaxStages = 3;
+constexpr int kWideMinStages = 2;
+
+}  // namespace wgmma
+}  // namespace flash_cuda

@@ -52,9 +52,9 @@
 
 #include <type_traits>
 
-#include "../../arch/tma.h"
 #include "../../core/dropout.cuh"
 #include "bwd.cuh"
+#include "tma_maps.h"
 
 namespace flash_cuda {
 namespace sm90 {
@@ -62,7 +62,7 @@ namespace bwd_ws {
 
 struct TmaMaps {
   CUtensorMap q, dout, k, v;
-  // Q and dO in boxes of block_m rows (dO has Q's rows: arch/tma.h, MapRows), K and V of
+  // Q and dO in boxes of block_m rows (dO has Q's rows: tma_maps.h, MapRows), K and V of
   // block_n; false where TMA cannot address a view (the launcher then launches nothing).
   bool make(const BwdParams& p, int block_m, int block_n) {
     const MapRows rows = MapRows::of(p);

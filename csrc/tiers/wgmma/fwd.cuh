@@ -79,7 +79,6 @@
 #include "../../arch/host.h"
 #include "../../arch/sm90.cuh"
 #include "../../arch/tile.cuh"
-#include "../../arch/tma.h"
 #include "../../core/block.cuh"
 #include "../../core/dropout.cuh"
 #include "../../core/epilogue.cuh"
@@ -87,6 +86,7 @@
 #include "../../core/softmax.cuh"
 #include "../../include/tiles.h"
 #include "config.h"
+#include "tma_maps.h"
 
 namespace flash_cuda {
 namespace sm90 {
@@ -793,7 +793,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 // nothing, where TMA cannot address a view.
 template <typename Cfg, typename Kernel>
 bool launch_ws_tiles(Kernel kernel, const FwdParams& p, cudaStream_t stream, int group) {
-  sm90::ws::TmaMaps maps;  // a packed batch's maps span all its rows (arch/tma.h: MapRows)
+  sm90::ws::TmaMaps maps;  // a packed batch's maps span all its rows (tma_maps.h: MapRows)
   if (!make_qkv_tensor_maps(p, &maps.q, &maps.k, &maps.v, Cfg::kBlockM, Cfg::kBlockN, group)) return false;
   // O's map (one head per box) serves the unpacked tiles; without it the lanes copy the staged rows.
   maps.o_by_tma =

@@ -153,8 +153,7 @@ __device__ __forceinline__ void bwd_dkdv_block(const BwdParams& p) {
   float* sDelta = smem.delta[0];
 
   const int tid = threadIdx.x;
-  const int warp = tid / 32;
-  const int wg = warp / 4;
+  const int warp = tid / 32, wg = warp / 4;
   const int hkv = blockIdx.y;
   const SeqInfo seq = SeqInfo::make<kVariant != kPlain>(p, blockIdx.z);
   const int n0 = blockIdx.x * kBlockN;
@@ -237,8 +236,7 @@ __device__ __forceinline__ void bwd_dq_block(const BwdParams& p) {
   T* sV = smem.v[0];
 
   const int tid = threadIdx.x;
-  const int warp = tid / 32;
-  const int wg = warp / 4;
+  const int warp = tid / 32, wg = warp / 4;
   const int h = blockIdx.y;
   const SeqInfo seq = SeqInfo::make<kVariant != kPlain>(p, blockIdx.z);
   const AttnMask mask = seq.mask<kVariant != kPlain>(p);

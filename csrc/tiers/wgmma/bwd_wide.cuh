@@ -420,8 +420,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   extern __shared__ unsigned char smem_raw[];
   const Smem<T, Cfg> sm(aligned_smem_base<true>(smem_raw));
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (threadIdx.x == 0) sm.template init_barriers</*kDqWriter=*/false>();
-  __syncthreads();  // the only CTA-wide barrier
+  sm.template init_barriers</*kDqWriter=*/false>();
 
   const int n0 = blockIdx.x * Cfg::kBlockN;
   const int hkv = blockIdx.y, bi = blockIdx.z;

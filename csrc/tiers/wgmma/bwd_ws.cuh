@@ -176,24 +176,27 @@ struct Smem {
     tail = &st.tail;
     dq_dst = st.dq_dst;
   }
-  // The barriers, by thread 0 before the CTA's one __syncthreads (kDqWriter: with the dQ writer's
-  // hand-over pair).
+  // The barriers, by thread 0, published by the CTA's one __syncthreads (kDqWriter: with the dQ
+  // writer's hand-over pair).
   template <bool kDqWriter>
   __device__ __forceinline__ void init_barriers() const {
-    mbarrier_init(kv_full, 32);
-    mbarrier_init(tail, 1);
-    for (int s = 0; s < Cfg::kStages; ++s) {
-      mbarrier_init(&q_full[s], 32);
-      mbarrier_init(&q_empty[s], kConsumerThreads);
-    }
-    if constexpr (kDqWriter) {
-      for (int b = 0; b < 2; ++b) {
-        mbarrier_init(&dq_full[b], Cfg::kConsumerWarps);
-        mbarrier_init(&dq_empty[b], 1);
+    if (threadIdx.x == 0) {
+      mbarrier_init(kv_full, 32);
+      mbarrier_init(tail, 1);
+      for (int s = 0; s < Cfg::kStages; ++s) {
+        mbarrier_init(&q_full[s], 32);
+        mbarrier_init(&q_empty[s], kConsumerThreads);
       }
+      if constexpr (kDqWriter) {
+        for (int b = 0; b < 2; ++b) {
+          mbarrier_init(&dq_full[b], Cfg::kConsumerWarps);
+          mbarrier_init(&dq_empty[b], 1);
+        }
+      }
+      mbarrier_init(ds_empty, kConsumerThreads);
+      fence_barrier_init();
     }
-    mbarrier_init(ds_empty, kConsumerThreads);
-    fence_barrier_init();
+    __syncthreads();
   }
   __device__ __forceinline__ float* dq(int b) const { return sdQ + b * kDqTile; }
   __device__ __forceinline__ T* q(int s) const { return sQ + s * kQTile; }
@@ -456,8 +459,7 @@ __device__ __forceinline__ void bwd_ws_block(const BwdParams& p, const TmaMaps& 
   // offsets and mask from cu_seqlens; kPlain folds all of it to the dense constants.
   constexpr bool kVarlen = kVariant != kPlain;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (threadIdx.x == 0) sm.template init_barriers</*kDqWriter=*/true>();
-  __syncthreads();  // the only CTA-wide barrier
+  sm.template init_barriers</*kDqWriter=*/true>();
 
   // The CTA's keys, its KV head and batch, and the (head, query block) steps: each role derives
   // them after the split, so that nothing computed before it stays live in the producer's 24

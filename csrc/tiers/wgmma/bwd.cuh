@@ -31,11 +31,11 @@
 #include "../../arch/tile.cuh"
 #include "../../core/block.cuh"
 #include "../../core/bwd_preprocess.cuh"
+#include "../../core/bwd_smem.h"
 #include "../../core/epilogue.cuh"
 #include "../../core/softmax.cuh"
 #include "../../core/tile_io.cuh"
 #include "../../include/tiles.h"
-#include "bwd_smem.h"
 #include "config.h"
 
 namespace flash_cuda {
@@ -64,7 +64,8 @@ struct BwdConfig {
 
   static_assert(kKVBlockM % 64 == 0, "dS^T slabs (bwd_ws.cuh) are 64 queries wide");
 
-  // The kernels' shared memory (bwd_smem.h).
+  // The kernels' shared memory (core/bwd_smem.h), rows of kHeadDim: every tile is whole 8-row
+  // swizzle periods (its rows and kQBlockN a multiple of 8), so each slab starts aligned.
   template <typename T>
   using DkdvSmem = DkdvStorage<T, kHeadDim, kKVBlockN, kKVBlockM>;
   template <typename T>
@@ -142,18 +143,17 @@ template <typename T, typename Cfg, int kVariant>
 __device__ __forceinline__ void bwd_dkdv_block(const BwdParams& p) {
   constexpr int kD = Cfg::kHeadDim, kThreads = Cfg::kKVThreads;
   constexpr int kBlockN = Cfg::kKVBlockN, kBlockM = Cfg::kKVBlockM;  // keys of the CTA, queries per step
-  extern __shared__ unsigned char smem_raw[];
-  auto& smem = *reinterpret_cast<typename Cfg::template DkdvSmem<T>*>(aligned_smem_base<true>(smem_raw));
   // Stages are addressed as offsets from the first: nvcc schedules indexing of the member arrays
   // differently, and this is the code measured.
   constexpr int kQTile = kBlockM * kD;  // elements of one Q or dO stage
+  extern __shared__ unsigned char smem_raw[];
+  auto& smem = *reinterpret_cast<typename Cfg::template DkdvSmem<T>*>(aligned_smem_base<true>(smem_raw));
   T* sQ = smem.q[0];
   T* sdO = smem.dout[0];
   float* sLse = smem.lse[0];
   float* sDelta = smem.delta[0];
 
-  const int tid = threadIdx.x;
-  const int warp = tid / 32, wg = warp / 4;
+  const int tid = threadIdx.x, warp = tid / 32, wg = warp / 4;
   const int hkv = blockIdx.y;
   const SeqInfo seq = SeqInfo::make<kVariant != kPlain>(p, blockIdx.z);
   const int n0 = blockIdx.x * kBlockN;
@@ -176,7 +176,7 @@ __device__ __forceinline__ void bwd_dkdv_block(const BwdParams& p) {
   int h = h_begin, m_block = m_range.begin, stage = 0;
   if (m_range.count() == 0) h = h_end;  // no query sees these keys
   if (h < h_end) {
-    copy_key_block_async<kBlockN, kD, kThreads, SwizzledTile<kBlockN>>(p, seq, hkv, n0, smem.k, smem.v, tid);
+    copy_key_block_async<kBlockN, kD, kThreads, SwizzledTile<kBlockN>>(p, seq, hkv, n0, smem.kv[0], smem.kv[1], tid);
     load_query_block(h, m_block, 0);
     cp_async_commit();
   }
@@ -203,8 +203,8 @@ __device__ __forceinline__ void bwd_dkdv_block(const BwdParams& p) {
       // S^T = K Q^T and dP^T = V dO^T, P^T and dS^T.
       float pt[1][kBlockM / 8][4];
       float dst[1][kBlockM / 8][4];
-      probs_and_ds<true, kVariant, kD / 16, T>(pt, dst, KMajor<kBlockN>{smem.k, 64 * wg}, KMajor<kBlockM>{sQ_s, 0},
-                                               KMajor<kBlockN>{smem.v, 64 * wg}, KMajor<kBlockM>{sdO_s, 0},
+      probs_and_ds<true, kVariant, kD / 16, T>(pt, dst, KMajor<kBlockN>{smem.kv[0], 64 * wg}, KMajor<kBlockM>{sQ_s, 0},
+                                               KMajor<kBlockN>{smem.kv[1], 64 * wg}, KMajor<kBlockM>{sdO_s, 0},
                                                sLse + stage * kBlockM, sDelta + stage * kBlockM, needs_mask,
                                                warp_key0, m0, mask, p, seq, h);
       uint32_t a_pt[kBlockM / 16][4];
@@ -235,8 +235,7 @@ __device__ __forceinline__ void bwd_dq_block(const BwdParams& p) {
   T* sK = smem.k[0];
   T* sV = smem.v[0];
 
-  const int tid = threadIdx.x;
-  const int warp = tid / 32, wg = warp / 4;
+  const int tid = threadIdx.x, warp = tid / 32, wg = warp / 4;
   const int h = blockIdx.y;
   const SeqInfo seq = SeqInfo::make<kVariant != kPlain>(p, blockIdx.z);
   const AttnMask mask = seq.mask<kVariant != kPlain>(p);

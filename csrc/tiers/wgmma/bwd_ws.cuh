@@ -54,6 +54,7 @@
 
 #include "../../core/dropout.cuh"
 #include "bwd.cuh"
+#include "bwd_smem.h"
 #include "tma_maps.h"
 
 namespace flash_cuda {
@@ -146,7 +147,7 @@ struct Smem {
   T* sQ;    // [kStages]
   T* sdO;   // [kStages]
   T* sdS;   // [Cfg::kDsBuffers]
-  float* sdQ;    // [2] (Cfg::kStagesDq)
+  float* sdQ = nullptr;  // [2] (Cfg::kStagesDq)
   float* lse;    // [kStages][kBlockM]
   float* delta;  // [kStages][kBlockM]
   uint64_t* kv_full;

@@ -215,7 +215,7 @@ void fill_fwd(FwdParams& p, const Shape& s, const MaskArgs& m, const at::Tensor&
   s.view(k, p.k, p.k_batch_stride, p.k_head_stride, p.k_row_stride);
   s.view(v, p.v, p.v_batch_stride, p.v_head_stride, p.v_row_stride);
   s.view(out, p.o, p.o_batch_stride, p.o_head_stride, p.o_row_stride);
-  p.softmax_lse = lse.data_ptr<float>();
+  p.softmax_lse = lse.defined() ? lse.data_ptr<float>() : nullptr;  // (fwd_kvcache: lse when asked for)
   // Row statistics: dense [b][hq][sq], varlen [hq][total_q] (include/params.h).
   p.stat_batch_stride = vl ? 0 : s.Hq * s.Sq;
   p.stat_head_stride = vl ? s.rows_q : s.Sq;
@@ -393,6 +393,33 @@ void set_dropout(FwdParams& p, double dropout_p, const std::optional<at::Tensor>
   p.dropout.rng_state = state;
 }
 
+namespace {
+
+// What the forward and the backward check alike: the mask arguments, q / k / v's shapes, the
+// scale, the kernel family and whether it runs dropout.
+struct CallArgs {
+  MaskArgs m;
+  Shape s;
+  Tier t;
+};
+
+CallArgs check_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
+                    int64_t window_left, int64_t window_right, double softcap,
+                    const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& cu_seqlens_q,
+                    const std::optional<at::Tensor>& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
+                    int64_t tier, double dropout_p) {
+  const MaskArgs m = mask_args(window_left, window_right, softcap, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
+                               max_seqlen_q, max_seqlen_k);
+  const Shape s = check_qkv(q, k, v, m);
+  FLASH_CHECK(std::isfinite(scale), "flash_cuda: scale must be finite");
+  const Tier t = resolve_tier(tier, dtype_of(q));
+  FLASH_CHECK(dropout_p == 0.0 || t == Tier::kAuto || t == Tier::kMma || t == Tier::kSimt || t == Tier::kWgmmaWs,
+              "flash_cuda: dropout runs on kernel='auto', 'mma' or 'simt'");
+  return {m, s, t};
+}
+
+}  // namespace
+
 // out, lse, aux = fwd(q, k, v, scale, window_left, window_right, softcap, alibi_slopes,
 //                     cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, tier)
 std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd(
@@ -401,13 +428,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd(
     const std::optional<at::Tensor>& cu_seqlens_q, const std::optional<at::Tensor>& cu_seqlens_k,
     int64_t max_seqlen_q, int64_t max_seqlen_k, int64_t tier, double dropout_p,
     const std::optional<at::Tensor>& rng_state) {
-  const MaskArgs m = mask_args(window_left, window_right, softcap, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
-                               max_seqlen_q, max_seqlen_k);
-  const Shape s = check_qkv(q_in, k_in, v_in, m);
-  FLASH_CHECK(std::isfinite(scale), "flash_cuda: scale must be finite");
-  const Tier t = resolve_tier(tier, dtype_of(q_in));
-  FLASH_CHECK(dropout_p == 0.0 || t == Tier::kAuto || t == Tier::kMma || t == Tier::kSimt || t == Tier::kWgmmaWs,
-              "flash_cuda: dropout runs on kernel='auto', 'mma' or 'simt'");
+  const auto [m, s, t] = check_call(q_in, k_in, v_in, scale, window_left, window_right, softcap, alibi_slopes,
+                                    cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, tier, dropout_p);
 
   at::Tensor out = at::empty_like(q_in);
   at::Tensor lse = at::empty(s.lse_shape(), q_in.options().dtype(at::kFloat));
@@ -449,14 +471,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(
     const std::optional<at::Tensor>& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
     bool deterministic, int64_t tier, bool need_dq, bool need_dkdv, double dropout_p,
     const std::optional<at::Tensor>& rng_state) {
-  const MaskArgs m = mask_args(window_left, window_right, softcap, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
-                               max_seqlen_q, max_seqlen_k);
-  const Shape s = check_qkv(q_in, k_in, v_in, m);
-  FLASH_CHECK(std::isfinite(scale), "flash_cuda: scale must be finite");
-  const Tier t = resolve_tier(tier, dtype_of(q_in));
+  const auto [m, s, t] = check_call(q_in, k_in, v_in, scale, window_left, window_right, softcap, alibi_slopes,
+                                    cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, tier, dropout_p);
   FLASH_CHECK(t != Tier::kWgmma || m.softcap == 0 || WgmmaFamily::one_pass_backward(deterministic), kNoWgmmaSoftcap);
-  FLASH_CHECK(dropout_p == 0.0 || t == Tier::kAuto || t == Tier::kMma || t == Tier::kSimt || t == Tier::kWgmmaWs,
-              "flash_cuda: dropout runs on kernel='auto', 'mma' or 'simt'");
   FLASH_CHECK(dout_in.sizes() == q_in.sizes() && out_in.sizes() == q_in.sizes(),
               "flash_cuda: dout and out must have q's shape");
   FLASH_CHECK(dout_in.scalar_type() == q_in.scalar_type() && out_in.scalar_type() == q_in.scalar_type(),
@@ -626,36 +643,28 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache(
     if (return_lse) lse.fill_(NAN);
   }
 
-  FwdParams p;
-  const Shape dense;  // every tensor here is (batch or page, head, row, dim)
-  dense.view(q, p.q, p.q_batch_stride, p.q_head_stride, p.q_row_stride);
-  dense.view(k_cache, p.k, p.k_batch_stride, p.k_head_stride, p.k_row_stride);
-  dense.view(v_cache, p.v, p.v_batch_stride, p.v_head_stride, p.v_row_stride);
-  dense.view(out, p.o, p.o_batch_stride, p.o_head_stride, p.o_row_stride);
-  p.softmax_lse = return_lse ? lse.data_ptr<float>() : nullptr;
-  p.stat_batch_stride = Hq * Sq;
-  p.stat_head_stride = Sq;
-  p.b = static_cast<int>(B);
-  p.hq = static_cast<int>(Hq);
-  p.hkv = static_cast<int>(Hkv);
-  p.sq = static_cast<int>(Sq);
-  p.sk = static_cast<int>(capacity);
-  p.d = static_cast<int>(D);
-  scale = std::abs(scale);
-  p.scale = static_cast<float>(scale);
-  p.scale_log2 = std::max(static_cast<float>(scale * M_LOG2E), 1e-30f);
-  const int64_t span = Sq + capacity;
-  p.window_left = window_left < 0 ? -1 : static_cast<int>(std::min(window_left, span));
-  p.window_right = window_right < 0 ? -1 : static_cast<int>(std::min(window_right, span));
-  p.softcap = static_cast<float>(softcap);
+  // The cache as a dense batch of `capacity` keys (each entry's own length is read by the kernel,
+  // p.cache_seqlens / cache_len); every tensor here is (batch or page, head, row, dim).
+  Shape dense;
+  dense.B = B;
+  dense.Hq = Hq;
+  dense.Hkv = Hkv;
+  dense.Sq = dense.rows_q = Sq;
+  dense.Sk = dense.rows_k = capacity;
+  dense.D = D;
+  MaskArgs m;
+  m.window_left = window_left;
+  m.window_right = window_right;
+  m.softcap = softcap;
   if (alibi_slopes.has_value() && alibi_slopes->defined()) {
     const at::Tensor& a = *alibi_slopes;
     FLASH_CHECK(a.scalar_type() == at::kFloat && a.is_contiguous() && a.device() == q_in.device() &&
                     ((a.dim() == 1 && a.size(0) == Hq) || (a.dim() == 2 && a.size(0) == B && a.size(1) == Hq)),
                 "flash_cuda: alibi_slopes must be contiguous float32 (heads,) or (batch, heads) on q's device");
-    p.alibi_slopes = a.data_ptr<float>();
-    p.alibi_batch_stride = a.dim() == 2 ? Hq : 0;
+    m.alibi_slopes = a;
   }
+  FwdParams p;
+  fill_fwd(p, dense, m, q, k_cache, v_cache, out, lse, std::abs(scale));  // q holds a negative scale's sign
   p.cache_seqlens = lens_on_device ? cache_seqlens->data_ptr<int32_t>() : nullptr;
   p.cache_len = lens_on_device ? 0 : static_cast<int>(cache_len);
   if (paged) {
@@ -670,10 +679,6 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache(
     p.s_new = static_cast<int>(s_new);
   }
   p.splits_wanted = static_cast<int>(std::min<int64_t>(num_splits, 1024));
-  p.dtype = dtype_of(q);
-  const auto prop = at::cuda::getDeviceProperties(q.device().index());
-  p.sm_arch = emulated_arch() > 0 ? emulated_arch() : prop->major * 10 + prop->minor;
-  p.num_sms = prop->multiProcessorCount;
   FLASH_CHECK(p.sm_arch >= 80, "flash_cuda: needs a GPU of compute capability 8.0 or newer");
   FLASH_CHECK(run_family<DecodeFamily>(p, Tier::kAuto, q.options()),
               "flash_cuda: attention_with_kvcache: no decode kernel fits this GPU's shared memory at head dim ", D,

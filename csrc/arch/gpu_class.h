@@ -1,4 +1,4 @@
-// core/gpu_class.h — the GPU classes flash_cuda chooses tile configurations for, and the
+// arch/gpu_class.h — the GPU classes flash_cuda chooses tile configurations for, and the
 // emulation switch that lets one GPU test another class's choices. Host code (no CUDA).
 #pragma once
 

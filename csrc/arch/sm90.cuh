@@ -83,6 +83,14 @@ __device__ __forceinline__ unsigned char* aligned_smem_base(unsigned char* raw) 
   }
 }
 
+// The dynamic shared memory a kernel whose layout is the struct Storage requests: its bytes and
+// the room aligned_smem_base may skip.
+constexpr size_t kSmemBaseSlack = kSwizzleAlign;
+template <typename Storage>
+constexpr size_t smem_request_bytes() {
+  return sizeof(Storage) + kSmemBaseSlack;
+}
+
 // ---------------------------------------------------------------------------------
 // Descriptors.
 // ---------------------------------------------------------------------------------

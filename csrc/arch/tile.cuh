@@ -43,6 +43,7 @@ struct PaddedTile {
 //     (col / 64) * kRows * 128 + r * 128 + 16 * ((col % 64) / 8 ^ r % 8) + 2 * (col % 8).
 constexpr int kSwizzleBytes = 128;  // one line of a slab
 constexpr int kSlabCols = 64;       // 16-bit columns per line
+constexpr int kSwizzleAlign = 8 * kSwizzleBytes;  // one period of the pattern: where a slab starts
 template <int kRows>
 struct SwizzledTile {
   __device__ __forceinline__ static int at(int r, int col) { return static_cast<int>(offset(r, col) / 2); }  // elements

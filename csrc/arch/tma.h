@@ -1,5 +1,6 @@
-// arch/tma.h — the host side of TMA: tensor maps over flash_cuda's [batch][head][row][d] views
-// (no kernels here; the device side is arch/sm90.cuh).
+// arch/tma.h — the host side of TMA: tensor maps over [batch][head][row][d] views given by their
+// base, extents and strides (no kernels here; the device side is arch/sm90.cuh; the maps of a
+// call's tensors are built in tiers/wgmma/tma_maps.h).
 #pragma once
 
 #include <cuda.h>
@@ -7,8 +8,6 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-
-#include "../include/params.h"
 
 namespace flash_cuda {
 
@@ -38,7 +37,7 @@ inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
 // exactly one column slab of the swizzled tile layout (arch/sm90.cuh). Rows past `rows` and
 // columns past `d` are filled with zeros. Returns false (nothing to use) when TMA cannot
 // address the view: a base or a stride that is not a multiple of 16 bytes.
-// box_heads > 1 (the GQA-packed Q of tiers/wgmma/fwd.cuh): the map orders the dimensions
+// box_heads > 1 (the GQA-packed Q of the Hopper forward, tiers/wgmma/fwd/): the map orders the dimensions
 // (d, head, row, batch) instead, and a box is 64 columns x box_heads heads x box_rows / box_heads
 // rows, with its first head and row given as coordinates 1 and 2. TMA writes a box innermost
 // dimension first, so its 128-byte lines land as tile rows q * box_heads + g (row q of the box,
@@ -74,40 +73,6 @@ inline bool make_row_tensor_map(CUtensorMap* map, const void* base, bool bf16, i
                             CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
                             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return r == CUDA_SUCCESS;
-}
-
-// The row extents of a call's maps. A packed batch's maps cover all rows of the packed tensors
-// with batch extent 1 (the batch strides, 0, are then never used): a kernel tells the sequences
-// apart by cu_seqlens and adds a sequence's first row to its coordinates.
-struct MapRows {
-  int q, k, batch;
-  static MapRows of(const FwdParams& p) {
-    const bool packed = p.cu_seqlens_q != nullptr;
-    return {packed ? p.total_q : p.sq, packed ? p.total_k : p.sk, packed ? 1 : p.b};
-  }
-};
-
-// The maps of a call's Q (boxes of block_m rows; q_group > 1: of block_m / q_group rows of
-// q_group heads each, the GQA-packed tiles), K and V (block_n rows); false where TMA cannot
-// address one of the views.
-inline bool make_qkv_tensor_maps(const FwdParams& p, CUtensorMap* q, CUtensorMap* k, CUtensorMap* v, int block_m,
-                                 int block_n, int q_group = 1) {
-  const bool bf16 = p.dtype == DType::kBFloat16;
-  const MapRows rows = MapRows::of(p);
-  return make_row_tensor_map(q, p.q, bf16, p.d, rows.q, p.hq, rows.batch, p.q_row_stride, p.q_head_stride,
-                             p.q_batch_stride, block_m, q_group) &&
-         make_row_tensor_map(k, p.k, bf16, p.d, rows.k, p.hkv, rows.batch, p.k_row_stride, p.k_head_stride,
-                             p.k_batch_stride, block_n) &&
-         make_row_tensor_map(v, p.v, bf16, p.d, rows.k, p.hkv, rows.batch, p.v_row_stride, p.v_head_stride,
-                             p.v_batch_stride, block_n);
-}
-
-// The map of a call's O, written in boxes of box_rows rows (TMA stores); false where TMA cannot
-// address the view.
-inline bool make_o_tensor_map(const FwdParams& p, CUtensorMap* o, int box_rows) {
-  const MapRows rows = MapRows::of(p);
-  return make_row_tensor_map(o, p.o, p.dtype == DType::kBFloat16, p.d, rows.q, p.hq, rows.batch, p.o_row_stride,
-                             p.o_head_stride, p.o_batch_stride, box_rows);
 }
 
 }  // namespace flash_cuda

@@ -71,6 +71,7 @@
 #include "../../arch/tile.cuh"
 #include "../../core/block.cuh"
 #include "../../core/bwd_preprocess.cuh"
+#include "../../core/bwd_smem.h"
 #include "../../core/dropout.cuh"
 #include "../../core/epilogue.cuh"
 #include "../../core/softmax.cuh"
@@ -104,7 +105,6 @@ struct Config {
   static constexpr bool kSm90Only = false;  // see Sm90Only below
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kPitch = kHeadDim + 8;  // padded shared-memory row, in elements
-  static constexpr int kElemBytes = 2;         // fp16 / bf16
 
   static constexpr int kKVWarps = kKVWarps_;
   static constexpr int kKVMTiles = kKVMTiles_;
@@ -125,20 +125,14 @@ struct Config {
   static_assert(kKVBlockM % 16 == 0 && kQBlockN % 16 == 0, "MMA k-steps are 16 wide");
   static_assert(kKVBlockM <= kKVThreads && kQBlockM <= kQThreads, "one thread per lse / delta entry");
 
-  // dK/dV kernel: K [kKVBlockN], V [kKVBlockN] (not in the dV-only pass), then two stages of
-  // Q [kKVBlockM], dO [kKVBlockM], then two stages of lse [kKVBlockM], delta [kKVBlockM].
-  static constexpr size_t dkdv_smem_bytes(bool with_v) {
-    return static_cast<size_t>((with_v ? 2 : 1) * kKVBlockN + 2 * 2 * kKVBlockM) * kPitch * kElemBytes +
-           2 * 2 * kKVBlockM * sizeof(float);
-  }
-  // dQ kernel: Q [kQBlockM], dO [kQBlockM], then two stages of K [kQBlockN], V [kQBlockN],
-  // then lse [kQBlockM], delta [kQBlockM].
-  static constexpr size_t dq_smem_bytes() {
-    return static_cast<size_t>(2 * kQBlockM + 2 * 2 * kQBlockN) * kPitch * kElemBytes +
-           2 * kQBlockM * sizeof(float);
-  }
+  // The kernels' shared memory (core/bwd_smem.h), padded rows of kPitch; kWithV: V is left out
+  // of the dV-only pass. Any 16-bit T gives the same bytes.
+  template <typename T, bool kWithV = true>
+  using DkdvSmem = DkdvStorage<T, kPitch, kKVBlockN, kKVBlockM, kWithV ? 2 : 1>;
+  template <typename T>
+  using DqSmem = DqStorage<T, kPitch, kQBlockM, kQBlockN>;
   static constexpr size_t max_smem_bytes() {
-    return dkdv_smem_bytes(true) > dq_smem_bytes() ? dkdv_smem_bytes(true) : dq_smem_bytes();
+    return sizeof(DkdvSmem<uint16_t>) > sizeof(DqSmem<uint16_t>) ? sizeof(DkdvSmem<uint16_t>) : sizeof(DqSmem<uint16_t>);
   }
 };
 
@@ -217,12 +211,14 @@ __global__ void __launch_bounds__(Cfg::kKVThreads, Cfg::kKVMinBlocks)
   using Padded = PaddedTile<kPitch>;
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  T* sK = reinterpret_cast<T*>(smem_raw);       // [kBlockN][kPitch]
-  T* sV = sK + kBlockN * kPitch;                // [kBlockN][kPitch] (kDoDK only)
-  T* sQ = sV + (kDoDK ? kBlockN * kPitch : 0);  // [2][kBlockM][kPitch]
-  T* sdO = sQ + 2 * kBlockM * kPitch;           // [2][kBlockM][kPitch]
-  float* sLse = reinterpret_cast<float*>(sdO + 2 * kBlockM * kPitch);  // [2][kBlockM]
-  float* sDelta = sLse + 2 * kBlockM;                                   // [2][kBlockM]
+  auto& smem = *reinterpret_cast<typename Cfg::template DkdvSmem<T, kDoDK>*>(smem_raw);
+  // Stages are addressed as offsets from the first (tiers/wgmma/bwd.cuh says why).
+  T* sK = smem.kv[0];
+  T* sV = smem.kv[kDoDK ? 1 : 0];  // (kDoDK only)
+  T* sQ = smem.q[0];
+  T* sdO = smem.dout[0];
+  float* sLse = smem.lse[0];
+  float* sDelta = smem.delta[0];
 
   const int warp = threadIdx.x / 32;
   const int hkv = blockIdx.y;
@@ -350,12 +346,9 @@ __device__ __forceinline__ void bwd_dq_block(const BwdParams& p) {
   using Padded = PaddedTile<kPitch>;
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  T* sQ = reinterpret_cast<T*>(smem_raw);  // [kBlockM][kPitch]
-  T* sdO = sQ + kBlockM * kPitch;          // [kBlockM][kPitch]
-  T* sK = sdO + kBlockM * kPitch;          // [2][kBlockN][kPitch]
-  T* sV = sK + 2 * kBlockN * kPitch;       // [2][kBlockN][kPitch]
-  float* sLse = reinterpret_cast<float*>(sV + 2 * kBlockN * kPitch);  // [kBlockM]
-  float* sDelta = sLse + kBlockM;                                      // [kBlockM]
+  auto& smem = *reinterpret_cast<typename Cfg::template DqSmem<T>*>(smem_raw);
+  T* sK = smem.k[0];  // stages addressed from the first, as in bwd_dkdv_block
+  T* sV = smem.v[0];
 
   const int warp = threadIdx.x / 32;
   // With a bounded right side the last query blocks see the most keys: launch them first.
@@ -379,7 +372,8 @@ __device__ __forceinline__ void bwd_dq_block(const BwdParams& p) {
   if (n_range.count() > 0) {
     // Rows past sq get lse = delta = 0 next to zero Q and dO rows: their dS is finite or not,
     // but they are never written, and each row of dQ depends on its own row of dS only.
-    copy_query_block_async<kBlockM, kD, kThreads, Padded>(p, seq, h, m0, sQ, sdO, sLse, sDelta, threadIdx.x);
+    copy_query_block_async<kBlockM, kD, kThreads, Padded>(p, seq, h, m0, smem.q, smem.dout, smem.lse, smem.delta,
+                                                          threadIdx.x);
     load_key_block(n_range.begin, n_range.begin & 1);  // block n lives in ring slot n % 2
     cp_async_commit();
   }
@@ -408,14 +402,14 @@ __device__ __forceinline__ void bwd_dq_block(const BwdParams& p) {
     // S = Q K^T, P.
     float s[kMTiles][kBlockN / 8][4];
     DtanhTile<kVariant, kMTiles, kBlockN / 8> dtanh;
-    scores_to_probs<false, kVariant, T, kD, kPitch>(s, dtanh, sQ + kWarpRows * warp * kPitch, sK_s,
-                                                    sLse + kWarpRows * warp, needs_mask, warp_q0, n0, mask, p, seq, h);
+    scores_to_probs<false, kVariant, T, kD, kPitch>(s, dtanh, smem.q + kWarpRows * warp * kPitch, sK_s,
+                                                    smem.lse + kWarpRows * warp, needs_mask, warp_q0, n0, mask, p, seq, h);
 
     // dP = dO V^T (with dropout: times keep * scale, the gradient of P), dS = P (dP - delta),
     // dQ += dS K.
     float ds[kMTiles][kBlockN / 8][4];
-    grads_to_ds<false, kVariant, T, kD, kPitch>(ds, s, dtanh, sdO + kWarpRows * warp * kPitch, sV_s,
-                                                sDelta + kWarpRows * warp, [&](auto& dp) {
+    grads_to_ds<false, kVariant, T, kD, kPitch>(ds, s, dtanh, smem.dout + kWarpRows * warp * kPitch, sV_s,
+                                                smem.delta + kWarpRows * warp, [&](auto& dp) {
                                                   if constexpr (kVariant != kPlain) {
                                                     if (has_dropout(p)) {
                                                       // (the forward's key, from its record)
@@ -453,7 +447,7 @@ __global__ void __launch_bounds__(Cfg::kQThreads, Cfg::kQMinBlocks)
 // ---------------------------------------------------------------------------------
 template <typename T, typename Cfg, bool kDoDV, bool kDoDK, int kVariant>
 inline void launch_bwd_dkdv(const BwdParams& p, cudaStream_t stream, const char* name) {
-  constexpr size_t kSmem = Cfg::dkdv_smem_bytes(kDoDK);
+  constexpr size_t kSmem = sizeof(typename Cfg::template DkdvSmem<T, kDoDK>);
   auto kernel = bwd_dkdv_kernel<T, Cfg, kDoDV, kDoDK, kVariant>;
   set_smem_limit(kernel, kSmem, name);
   const dim3 grid(ceil_div(p.sk, Cfg::kKVBlockN), p.hkv, p.b);
@@ -463,7 +457,7 @@ inline void launch_bwd_dkdv(const BwdParams& p, cudaStream_t stream, const char*
 
 template <typename T, typename Cfg, int kVariant>
 inline void launch_bwd_dq(const BwdParams& p, cudaStream_t stream) {
-  constexpr size_t kSmem = Cfg::dq_smem_bytes();
+  constexpr size_t kSmem = sizeof(typename Cfg::template DqSmem<T>);
   auto kernel = bwd_dq_kernel<T, Cfg, kVariant>;
   set_smem_limit(kernel, kSmem, "bwd_dq_mma");
   const dim3 grid(ceil_div(p.sq, Cfg::kQBlockM), p.hq, p.b);

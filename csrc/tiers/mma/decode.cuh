@@ -64,11 +64,20 @@ struct Config {
   static constexpr size_t kStageBytes = size_t(2) * kBlockN * kPitch * sizeof(T);  // K and V
   static constexpr int kStages =
       static_cast<int>(std::min<size_t>(kMaxStages, std::max<size_t>(2, kRingBytes / kStageBytes)));
-  static constexpr size_t kSmemQ = size_t(kRows) * kPitch * sizeof(T);
-  // The warps' final (m, l) and O, fp32, over the K / V ring once the keys are done.
   static constexpr int kMergePitch = kHeadDim + 4;
-  static constexpr size_t kSmemMerge = size_t(kWarpsN) * kRows * (kMergePitch + 2) * sizeof(float);
-  static constexpr size_t kSmemBytes = kSmemQ + std::max(size_t(kStages) * kStageBytes, kSmemMerge);
+  // Shared memory: Q, then the K / V ring, over which the warps merge their final O and (m, l),
+  // fp32, once the keys are done.
+  struct Storage {
+    T q[kRows * kPitch];
+    union {
+      T kv[kStages][2][kBlockN * kPitch];  // a step's K, then its V
+      struct {
+        float o[kWarpsN][kRows * kMergePitch];
+        float stats[kWarpsN][kRows][2];
+      } merge;
+    };
+  };
+  static constexpr size_t kSmemBytes = sizeof(Storage);
   // Q's A fragments stay in registers for the whole key loop where they fit next to O's
   // accumulators (d <= 128: 32 registers); at d = 256 they are read from shared memory per step.
   static constexpr bool kQInRegs = kHeadDim <= 128;
@@ -290,8 +299,10 @@ template <typename Cfg>
 __global__ void __launch_bounds__(Cfg::kThreads) decode_kernel(const FwdParams p) {
   using T = typename Cfg::T;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  T* sQ = reinterpret_cast<T*>(smem_raw);
-  T* sKV = sQ + Cfg::kRows * Cfg::kPitch;  // [kStages][K, V][kBlockN][kPitch]
+  auto& smem = *reinterpret_cast<typename Cfg::Storage*>(smem_raw);
+  // Stages are addressed as offsets from the first (tiers/wgmma/bwd.cuh says why).
+  T* sQ = smem.q;
+  T* sKV = smem.kv[0][0];
   constexpr int kStageElems = 2 * Cfg::kBlockN * Cfg::kPitch;
 
   const int split = blockIdx.x % p.num_splits, chunk = blockIdx.x / p.num_splits;
@@ -386,8 +397,8 @@ __global__ void __launch_bounds__(Cfg::kThreads) decode_kernel(const FwdParams p
   __syncthreads();  // the ring is free for the merge
 
   // Each warp's rows: (m, l) and its unnormalized O, fp32, in its slot of the merge area.
-  float* sO = reinterpret_cast<float*>(sKV);
-  float* sStats = sO + Cfg::kWarpsN * Cfg::kRows * Cfg::kMergePitch;
+  float* sO = smem.merge.o[0];
+  float* sStats = smem.merge.stats[0][0];
   {
     const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     float* o_slot = sO + wn * Cfg::kRows * Cfg::kMergePitch;

@@ -68,9 +68,13 @@ struct Config {
   static constexpr int kDTiles = kHeadDim / 8;    // 8-column MMA tiles of O
   static constexpr int kPitch = kHeadDim + 8;    // padded shared-memory row (elements)
   static constexpr int kStages = 2;               // K/V ring depth
-  static constexpr size_t kSmemQ = size_t(kBlockM) * kPitch * sizeof(T);
-  static constexpr size_t kSmemKV = size_t(kBlockN) * kPitch * sizeof(T);  // one K or V block
-  static constexpr size_t kSmemBytes = kSmemQ + 2 * kStages * kSmemKV;
+  // Shared memory: Q, then the K / V ring, in padded rows of kPitch.
+  struct Storage {
+    T q[kBlockM * kPitch];
+    T k[kStages][kBlockN * kPitch];
+    T v[kStages][kBlockN * kPitch];
+  };
+  static constexpr size_t kSmemBytes = sizeof(Storage);
   static_assert(kWarpRows % 16 == 0, "a warp owns whole 16-row MMA tiles");
   static_assert(kBlockN % 16 == 0 && kHeadDim % 16 == 0, "MMA k-steps are 16 wide");
 };
@@ -126,9 +130,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) fwd_mma_kernel
   constexpr bool kExt = kVariant != kPlain;
   using T = typename Cfg::T;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  T* sQ = reinterpret_cast<T*>(smem_raw);
-  T* sK = sQ + Cfg::kBlockM * Cfg::kPitch;                      // [kStages][kBlockN][kPitch]
-  T* sV = sK + Cfg::kStages * Cfg::kBlockN * Cfg::kPitch;       // [kStages][kBlockN][kPitch]
+  auto& smem = *reinterpret_cast<typename Cfg::Storage*>(smem_raw);
+  // Stages are addressed as offsets from the first (tiers/wgmma/bwd.cuh says why).
+  T* sQ = smem.q;
+  T* sK = smem.k[0];
+  T* sV = smem.v[0];
   using Padded = PaddedTile<Cfg::kPitch>;
 
   const int h = blockIdx.y;

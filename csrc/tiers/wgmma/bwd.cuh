@@ -31,6 +31,7 @@
 #include "../../arch/tile.cuh"
 #include "../../core/block.cuh"
 #include "../../core/bwd_preprocess.cuh"
+#include "../../core/bwd_smem.h"
 #include "../../core/epilogue.cuh"
 #include "../../core/softmax.cuh"
 #include "../../core/tile_io.cuh"
@@ -46,7 +47,6 @@ struct BwdConfig {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kKVMinBlocks = kKVMinBlocks_;  // CTAs per SM the registers are budgeted for
   static constexpr int kQMinBlocks = kQMinBlocks_;
-  static constexpr int kElemBytes = 2;
   // dK/dV kernel
   static constexpr int kKVWarpGroups = kKVWarpGroups_;
   static constexpr int kKVThreads = 128 * kKVWarpGroups;
@@ -62,13 +62,14 @@ struct BwdConfig {
   static_assert(kKVBlockM % 16 == 0 && kQBlockN % 16 == 0, "wgmma k-steps are 16 wide");
   static_assert(kKVBlockM <= kKVThreads && kQBlockM <= kQThreads, "one thread per lse / delta entry");
 
-  // K, V tiles [kKVBlockN]; two stages of Q, dO tiles [kKVBlockM]; two stages of lse, delta.
-  static constexpr size_t kDkdvTiles = size_t(2 * kKVBlockN + 2 * 2 * kKVBlockM) * kHeadDim * kElemBytes;
-  static constexpr size_t kDkdvSmem = kDkdvTiles + 2 * 2 * kKVBlockM * sizeof(float) + 1024;
   static_assert(kKVBlockM % 64 == 0, "dS^T slabs (bwd_ws.cuh) are 64 queries wide");
-  // Q, dO tiles [kQBlockM]; two stages of K, V tiles [kQBlockN]; lse, delta.
-  static constexpr size_t kDqTiles = size_t(2 * kQBlockM + 2 * 2 * kQBlockN) * kHeadDim * kElemBytes;
-  static constexpr size_t kDqSmem = kDqTiles + 2 * kQBlockM * sizeof(float) + 1024;
+
+  // The kernels' shared memory (core/bwd_smem.h), rows of kHeadDim: every tile is whole 8-row
+  // swizzle periods (its rows and kQBlockN a multiple of 8), so each slab starts aligned.
+  template <typename T>
+  using DkdvSmem = DkdvStorage<T, kHeadDim, kKVBlockN, kKVBlockM>;
+  template <typename T>
+  using DqSmem = DqStorage<T, kHeadDim, kQBlockM, kQBlockN>;
 };
 
 // The tiles per head-dim bucket come from the tile policy (tile_policy.h: BwdTile).
@@ -140,20 +141,17 @@ template <typename T, typename Cfg, int kVariant>
 __device__ __forceinline__ void bwd_dkdv_block(const BwdParams& p) {
   constexpr int kD = Cfg::kHeadDim, kThreads = Cfg::kKVThreads;
   constexpr int kBlockN = Cfg::kKVBlockN, kBlockM = Cfg::kKVBlockM;  // keys of the CTA, queries per step
+  // Stages are addressed as offsets from the first: nvcc schedules indexing of the member arrays
+  // differently, and this is the code measured.
   constexpr int kQTile = kBlockM * kD;  // elements of one Q or dO stage
-
   extern __shared__ unsigned char smem_raw[];
-  unsigned char* smem = aligned_smem_base<true>(smem_raw);
-  T* sK = reinterpret_cast<T*>(smem);
-  T* sV = sK + kBlockN * kD;
-  T* sQ = sV + kBlockN * kD;   // [2] stages
-  T* sdO = sQ + 2 * kQTile;    // [2] stages
-  float* sLse = reinterpret_cast<float*>(sdO + 2 * kQTile);  // [2][kBlockM]
-  float* sDelta = sLse + 2 * kBlockM;                         // [2][kBlockM]
+  auto& smem = *reinterpret_cast<typename Cfg::template DkdvSmem<T>*>(aligned_smem_base<true>(smem_raw));
+  T* sQ = smem.q[0];
+  T* sdO = smem.dout[0];
+  float* sLse = smem.lse[0];
+  float* sDelta = smem.delta[0];
 
-  const int tid = threadIdx.x;
-  const int warp = tid / 32;
-  const int wg = warp / 4;
+  const int tid = threadIdx.x, warp = tid / 32, wg = warp / 4;
   const int hkv = blockIdx.y;
   const SeqInfo seq = SeqInfo::make<kVariant != kPlain>(p, blockIdx.z);
   const int n0 = blockIdx.x * kBlockN;
@@ -176,7 +174,7 @@ __device__ __forceinline__ void bwd_dkdv_block(const BwdParams& p) {
   int h = h_begin, m_block = m_range.begin, stage = 0;
   if (m_range.count() == 0) h = h_end;  // no query sees these keys
   if (h < h_end) {
-    copy_key_block_async<kBlockN, kD, kThreads, SwizzledTile<kBlockN>>(p, seq, hkv, n0, sK, sV, tid);
+    copy_key_block_async<kBlockN, kD, kThreads, SwizzledTile<kBlockN>>(p, seq, hkv, n0, smem.kv[0], smem.kv[1], tid);
     load_query_block(h, m_block, 0);
     cp_async_commit();
   }
@@ -203,8 +201,8 @@ __device__ __forceinline__ void bwd_dkdv_block(const BwdParams& p) {
       // S^T = K Q^T and dP^T = V dO^T, P^T and dS^T.
       float pt[1][kBlockM / 8][4];
       float dst[1][kBlockM / 8][4];
-      probs_and_ds<true, kVariant, kD / 16, T>(pt, dst, KMajor<kBlockN>{sK, 64 * wg}, KMajor<kBlockM>{sQ_s, 0},
-                                               KMajor<kBlockN>{sV, 64 * wg}, KMajor<kBlockM>{sdO_s, 0},
+      probs_and_ds<true, kVariant, kD / 16, T>(pt, dst, KMajor<kBlockN>{smem.kv[0], 64 * wg}, KMajor<kBlockM>{sQ_s, 0},
+                                               KMajor<kBlockN>{smem.kv[1], 64 * wg}, KMajor<kBlockM>{sdO_s, 0},
                                                sLse + stage * kBlockM, sDelta + stage * kBlockM, needs_mask,
                                                warp_key0, m0, mask, p, seq, h);
       uint32_t a_pt[kBlockM / 16][4];
@@ -229,20 +227,13 @@ template <typename T, typename Cfg, int kVariant>
 __device__ __forceinline__ void bwd_dq_block(const BwdParams& p) {
   constexpr int kD = Cfg::kHeadDim, kThreads = Cfg::kQThreads;
   constexpr int kBlockM = Cfg::kQBlockM, kBlockN = Cfg::kQBlockN;  // queries of the CTA, keys per step
-  constexpr int kKTile = kBlockN * kD;  // elements of one K or V stage
-
   extern __shared__ unsigned char smem_raw[];
-  unsigned char* smem = aligned_smem_base<true>(smem_raw);
-  T* sQ = reinterpret_cast<T*>(smem);
-  T* sdO = sQ + kBlockM * kD;
-  T* sK = sdO + kBlockM * kD;  // [2] stages
-  T* sV = sK + 2 * kKTile;     // [2] stages
-  float* sLse = reinterpret_cast<float*>(sV + 2 * kKTile);  // [kBlockM]
-  float* sDelta = sLse + kBlockM;                            // [kBlockM]
+  auto& smem = *reinterpret_cast<typename Cfg::template DqSmem<T>*>(aligned_smem_base<true>(smem_raw));
+  constexpr int kKTile = kBlockN * kD;  // elements of one K or V stage (addressed as in bwd_dkdv_block)
+  T* sK = smem.k[0];
+  T* sV = smem.v[0];
 
-  const int tid = threadIdx.x;
-  const int warp = tid / 32;
-  const int wg = warp / 4;
+  const int tid = threadIdx.x, warp = tid / 32, wg = warp / 4;
   const int h = blockIdx.y;
   const SeqInfo seq = SeqInfo::make<kVariant != kPlain>(p, blockIdx.z);
   const AttnMask mask = seq.mask<kVariant != kPlain>(p);
@@ -263,7 +254,8 @@ __device__ __forceinline__ void bwd_dq_block(const BwdParams& p) {
 
 
   if (n_range.count() > 0) {
-    copy_query_block_async<kBlockM, kD, kThreads, SwizzledTile<kBlockM>>(p, seq, h, m0, sQ, sdO, sLse, sDelta, tid);
+    copy_query_block_async<kBlockM, kD, kThreads, SwizzledTile<kBlockM>>(p, seq, h, m0, smem.q, smem.dout, smem.lse,
+                                                                         smem.delta, tid);
     load_key_block(n_range.begin, n_range.begin & 1);  // block n lives in ring slot n % 2
     cp_async_commit();
   }
@@ -291,9 +283,10 @@ __device__ __forceinline__ void bwd_dq_block(const BwdParams& p) {
     // S = Q K^T and dP = dO V^T, P and dS.
     float s[1][kBlockN / 8][4];
     float ds[1][kBlockN / 8][4];
-    probs_and_ds<false, kVariant, kD / 16, T>(s, ds, KMajor<kBlockM>{sQ, 64 * wg}, KMajor<kBlockN>{sK_s, 0},
-                                              KMajor<kBlockM>{sdO, 64 * wg}, KMajor<kBlockN>{sV_s, 0}, sLse + 16 * warp,
-                                              sDelta + 16 * warp, needs_mask, warp_q0, n0, mask, p, seq, h);
+    probs_and_ds<false, kVariant, kD / 16, T>(s, ds, KMajor<kBlockM>{smem.q, 64 * wg}, KMajor<kBlockN>{sK_s, 0},
+                                              KMajor<kBlockM>{smem.dout, 64 * wg}, KMajor<kBlockN>{sV_s, 0},
+                                              smem.lse + 16 * warp, smem.delta + 16 * warp, needs_mask, warp_q0, n0,
+                                              mask, p, seq, h);
     uint32_t a_ds[kBlockN / 16][4];
     accumulator_to_a<T>(a_ds, ds[0]);
 
@@ -329,16 +322,18 @@ template <typename T, typename Cfg, int kVariant>
 bool launch_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
   auto dkdv = sm90::bwd_dkdv_sm90_kernel<T, Cfg, kVariant>;
   auto dq = sm90::bwd_dq_sm90_kernel<T, Cfg, kVariant>;
+  constexpr size_t kDkdvBytes = sm90::smem_request_bytes<typename Cfg::template DkdvSmem<T>>();
+  constexpr size_t kDqBytes = sm90::smem_request_bytes<typename Cfg::template DqSmem<T>>();
   if (p.sm_arch != 90 || !sm90_kernel_built(dkdv)) return false;
   launch_bwd_preprocess<T>(p, stream);
   if (bwd_wants_dkdv(p)) {
-    set_smem_limit(dkdv, Cfg::kDkdvSmem, "bwd_dkdv_sm90");
-    dkdv<<<dim3(ceil_div(p.sk, Cfg::kKVBlockN), p.hkv, p.b), Cfg::kKVThreads, Cfg::kDkdvSmem, stream>>>(p);
+    set_smem_limit(dkdv, kDkdvBytes, "bwd_dkdv_sm90");
+    dkdv<<<dim3(ceil_div(p.sk, Cfg::kKVBlockN), p.hkv, p.b), Cfg::kKVThreads, kDkdvBytes, stream>>>(p);
     check_launch("bwd_dkdv_sm90");
   }
   if (bwd_wants_dq(p)) {
-    set_smem_limit(dq, Cfg::kDqSmem, "bwd_dq_sm90");
-    dq<<<dim3(ceil_div(p.sq, Cfg::kQBlockM), p.hq, p.b), Cfg::kQThreads, Cfg::kDqSmem, stream>>>(p);
+    set_smem_limit(dq, kDqBytes, "bwd_dq_sm90");
+    dq<<<dim3(ceil_div(p.sq, Cfg::kQBlockM), p.hq, p.b), Cfg::kQThreads, kDqBytes, stream>>>(p);
     check_launch("bwd_dq_sm90");
   }
   return true;

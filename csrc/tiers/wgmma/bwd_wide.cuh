@@ -104,10 +104,10 @@ using bwd_ws::Smem;
 // Per stage: the dq_accum tile (config.h: dq_tile) of the block whose Q, dO it holds, written
 // by consumer thread 0 when the block's step begins and read by each warp's lane 0 when it
 // sends the block's dQ: computed there, at the end of a block, its offset spilled softcap's
-// consumers. In the words of Smem's dq_dst[2] (unused by this kernel).
+// consumers. In WsStorage's dq_tile words (bwd_ws.cuh's dq_dst).
 template <typename T, typename Cfg>
 __device__ __forceinline__ volatile int* dq_tile_of(const Smem<T, Cfg>& sm) {
-  static_assert(Cfg::kStages <= 4, "dq_dst holds 4 ints");
+  static_assert(Cfg::kStages <= std::extent<decltype(Smem<T, Cfg>::Storage::dq_tile)>::value, "a word per stage");
   return reinterpret_cast<volatile int*>(sm.dq_dst);
 }
 
@@ -120,18 +120,19 @@ __device__ __forceinline__ volatile int* dq_tile_of(const Smem<T, Cfg>& sm) {
 // kSoftcapGrad: C tiles (8 queries each) of P^T, dS^T computed per slice.
 constexpr int kSoftcapSliceTiles = 1;
 
-// The shared-memory bytes of WideConfig<kD> with a ring of `stages` Q / dO stages (layout in
-// the file comment).
-constexpr size_t wide_smem_bytes(int d, int stages) {
-  return 2 * size_t(64) * d * 2 + 2 * size_t(stages) * 64 * d * 2 + 2 * size_t(2) * 64 * 64 * 2 +
-         2 * size_t(stages) * 64 * sizeof(float) + (9 + 2 * size_t(stages)) * sizeof(uint64_t) + 1024;
-}
+// The layout of WideConfig<kD> with a ring of kStages Q / dO stages (bwd_smem.h: WsStorage, this
+// kernel's part WideExchange; the bytes in the file comment), with tile_policy.h's keys per CTA
+// and queries per step.
+template <typename T, int kD, int kStages>
+using WideStorage = WsStorage<T, kD, wgmma::kWideBlockN, wgmma::kWideBlockM, kStages,
+                              WideExchange<T, wgmma::kWideBlockN, wgmma::kWideBlockM>>;
 
 // kD: the bucket, the width of the Q, dO, K, V tiles (TMA zero-fills the columns past d). The
 // member names are those bwd_ws::Smem and bwd_ws::produce read. The ring takes 3 stages where
-// they fit (d = 192: 232056 bytes of 232448), else 2 (d = 256).
-template <int kD_, int kStages_ = wide_smem_bytes(kD_, wgmma::kWideMaxStages) <= kSmemHopper ? wgmma::kWideMaxStages
-                                                                                    : wgmma::kWideMinStages>
+// they fit (d = 192: 232056 bytes of 232448), else 2 (d = 256); any 16-bit T gives the same bytes.
+template <int kD_, int kStages_ = smem_request_bytes<WideStorage<uint16_t, kD_, wgmma::kWideMaxStages>>() <= kSmemHopper
+                                      ? wgmma::kWideMaxStages
+                                      : wgmma::kWideMinStages>
 struct WideConfig {
   static constexpr int kD = kD_;
   static constexpr int kSlabs = kD / kSlabCols;
@@ -145,19 +146,10 @@ struct WideConfig {
   // Columns of dK, dV, dQ per warpgroup: whole 64-column slabs, the first warpgroup the larger share.
   static constexpr int kCols0 = (kSlabs + 1) / 2 * kSlabCols;
   static constexpr int kCols1 = kD - kCols0;
-  static constexpr uint32_t kTileKV = kBlockN * kD * 2;
-  static constexpr uint32_t kTileQ = kBlockM * kD * 2;
-  static constexpr uint32_t kTileP = kBlockN * kBlockM * 2;  // one of P^T, dS^T
-  static constexpr uint32_t kTileDS = 2 * kTileP;            // an exchange buffer: P^T | dS^T
-  static constexpr uint32_t kTileDQ = 0;                     // no dQ staging (atomics)
-  static constexpr int kDsBuffers = 2;
-  static constexpr size_t kStats = 2 * size_t(kStages) * kBlockM * sizeof(float);
-  // bwd_ws::Smem's words: kv_full, q_full[kStages], q_empty[kStages], dq_full[2], dq_empty[2],
-  // ds_empty (here the exchange barrier), tail, dq_dst[2] (dq_full, dq_empty, tail, dq_dst unused).
-  static constexpr int kBarriers = 9 + 2 * kStages;
-  static constexpr size_t kTiles =
-      2 * size_t(kTileKV) + 2 * size_t(kStages) * kTileQ + size_t(kDsBuffers) * kTileDS;
-  static constexpr size_t kSmemBytes = kTiles + kStats + kBarriers * sizeof(uint64_t) + 1024;
+  static constexpr int kDsBuffers = 2;      // exchange buffers
+  static constexpr bool kStagesDq = false;  // dQ leaves through the Q / dO stage (consume)
+  template <typename T>
+  using Storage = WideStorage<T, kD, kStages>;
   static constexpr int kLaunchRegs = 65536 / kThreads / 8 * 8;
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = 240;
@@ -165,9 +157,7 @@ struct WideConfig {
                 "the consumers' registers come from the producer's");
   static_assert(kD % kSlabCols == 0 && kCols0 <= 128 && kCols1 > 0 && kCols1 <= kCols0, "two column shares");
   static_assert(kBlockM == kSlabCols, "P^T, dS^T tiles are one 64-query slab");
-  static_assert(kTileKV % 1024 == 0 && kTileQ % 1024 == 0 && kTileP % 1024 == 0, "slabs stay 1024-byte aligned");
-  static_assert(kSmemBytes <= kSmemHopper, "fits a Hopper block");
-  static_assert(kSmemBytes == wide_smem_bytes(kD, kStages), "the stage count was chosen with this layout");
+  static_assert(kBlockN == 64 && kBlockM == 64, "the tiles of WideStorage");
 };
 
 // Writes C tiles [j0, j0 + kTiles) of a warpgroup's query half of an fp32 tile (P^T or dS^T, 64
@@ -327,7 +317,7 @@ __device__ __forceinline__ void consume(const BwdParams& p, const Smem<T, Cfg>& 
     T* sQ_s = sm.q(s);
     T* sdO_s = sm.dout(s);
     T* sPt = sm.ds(e);
-    T* sdSt = sPt + Cfg::kTileP / sizeof(T);
+    T* sdSt = sPt + kBlockN * kBlockM;  // the buffer's second tile (WideExchange)
     ++e;
 
     {
@@ -434,8 +424,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   extern __shared__ unsigned char smem_raw[];
   const Smem<T, Cfg> sm(aligned_smem_base<true>(smem_raw));
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (threadIdx.x == 0) sm.template init_barriers</*kDqWriter=*/false>();
-  __syncthreads();  // the only CTA-wide barrier
+  sm.template init_barriers</*kDqWriter=*/false>();
 
   const int n0 = blockIdx.x * Cfg::kBlockN;
   const int hkv = blockIdx.y, bi = blockIdx.z;

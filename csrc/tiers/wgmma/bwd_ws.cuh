@@ -50,9 +50,12 @@
 // the mma.sync backward, run_bwd_sm90).
 #pragma once
 
-#include "../../arch/tma.h"
+#include <type_traits>
+
 #include "../../core/dropout.cuh"
 #include "bwd.cuh"
+#include "bwd_smem.h"
+#include "tma_maps.h"
 
 namespace flash_cuda {
 namespace sm90 {
@@ -60,7 +63,7 @@ namespace bwd_ws {
 
 struct TmaMaps {
   CUtensorMap q, dout, k, v;
-  // Q and dO in boxes of block_m rows (dO has Q's rows: arch/tma.h, MapRows), K and V of
+  // Q and dO in boxes of block_m rows (dO has Q's rows: tma_maps.h, MapRows), K and V of
   // block_n; false where TMA cannot address a view (the launcher then launches nothing).
   bool make(const BwdParams& p, int block_m, int block_n) {
     const MapRows rows = MapRows::of(p);
@@ -89,9 +92,6 @@ struct WsBwdConfig : Traits {
   static constexpr int kThreads = 128 + kConsumerThreads;
   static constexpr int kConsumerWarps = kConsumerThreads / 32;
   static constexpr int kSlabs = kD / kSlabCols;
-  static constexpr uint32_t kTileKV = kBlockN * kD * 2;
-  static constexpr uint32_t kTileQ = kBlockM * kD * 2;
-  static constexpr uint32_t kTileDS = kBlockN * kBlockM * 2;
   // The consumers hold dK, dV (64 x d each), the P^T and dS^T fragments and the dQ accumulator.
   // setmaxnreg.inc takes registers only from those the CTA's own warps gave back with
   // setmaxnreg.dec (the CTA starts at 168 each, 65536 / 384 rounded down to 8), so the
@@ -118,92 +118,91 @@ struct WsBwdConfig : Traits {
                 "the consumers' registers come from the producer's");
   static_assert(Traits::kKVWarpGroups == 2, "two consumer warpgroups of 64 keys");
   static_assert(kBlockM == wgmma::bwd_block_m(kD), "the dQ workspace is sized with this tile height (tile_policy.h)");
-  // dQ staging, two buffers: a query block's kBlockM x d floats in the order of the accumulator
-  // fragments (DqTile), as the workspace holds them.
-  static constexpr uint32_t kTileDQ = kBlockM * kD * 4;
-  static constexpr size_t kStats = 2 * size_t(kStages) * kBlockM * sizeof(float);
-  // kv_full, q_full[kStages], q_empty[kStages], dq_full[2], dq_empty[2], ds_empty, tail, and the
-  // dQ slots[2]
-  static constexpr int kBarriers = 9 + 2 * kStages;
-  // K | V | Q[kStages] | dO[kStages] | dS^T[kDsBuffers] | dQ[2] | lse[kStages] | delta[kStages] | barriers
-  static constexpr size_t tiles(int ds_buffers) {
-    return 2 * size_t(kTileKV) + 2 * size_t(kStages) * kTileQ + size_t(ds_buffers) * kTileDS + 2 * size_t(kTileDQ);
-  }
-  static constexpr size_t smem_bytes(int ds_buffers) {
-    return tiles(ds_buffers) + kStats + kBarriers * sizeof(uint64_t) + 1024;
-  }
-  // Two dS^T buffers unless they do not fit: d = 64 (128-query steps: its two 32 KiB dQ buffers
-  // and the ring leave 32 KiB for dS^T).
-  static constexpr int kDsBuffers = smem_bytes(2) <= kSmemHopper ? 2 : 1;
-  static constexpr size_t kTiles = tiles(kDsBuffers);
-  static constexpr size_t kSmemBytes = smem_bytes(kDsBuffers);
-  static_assert(kTileKV % 1024 == 0 && kTileQ % 1024 == 0 && kTileDS % 1024 == 0, "slabs stay 1024-byte aligned");
   static_assert(kBlockM % 32 == 0 && kBlockN <= 256 && kBlockM <= 256, "stats by lanes, TMA boxes of <= 256 rows");
-  static_assert(kSmemBytes <= kSmemHopper, "fits a Hopper block");
+  // The layout (bwd_smem.h: WsStorage, this kernel's part WsExchange: dS^T and the two dQ staging
+  // buffers, a query block's kBlockM x d floats in the order of the accumulator fragments, DqTile,
+  // as the workspace holds them). Two dS^T buffers unless they do not fit: d = 64 (128-query
+  // steps: its two 32 KiB dQ buffers and the ring leave 32 KiB for dS^T). Any 16-bit T gives the
+  // same bytes.
+  template <typename T, int kBuffers>
+  using StorageWith = WsStorage<T, kD, kBlockN, kBlockM, kStages, WsExchange<T, kD, kBlockN, kBlockM, kBuffers>>;
+  static constexpr int kDsBuffers = smem_request_bytes<StorageWith<uint16_t, 2>>() <= kSmemHopper ? 2 : 1;
+  template <typename T>
+  using Storage = StorageWith<T, kDsBuffers>;
+  static constexpr bool kStagesDq = true;  // the dQ writer's buffers (Smem::dq)
 };
 
+// The kernel's view of its shared memory (Cfg::Storage, bwd_smem.h: the members say what each
+// holds), for bwd_ws.cuh and bwd_wide.cuh alike: pointers taken from the members once, stages and
+// buffers addressed from their first (nvcc schedules indexing of the member arrays differently,
+// and this is the code measured).
 template <typename T, typename Cfg>
 struct Smem {
+  using Storage = typename Cfg::template Storage<T>;
+  static constexpr int kQTile = Cfg::kBlockM * Cfg::kD;  // elements of one Q or dO stage
+  static constexpr int kDsTile = std::extent<decltype(Storage::exchange.ds), 1>::value;  // of one dS^T buffer
+  static constexpr int kDqTile = Cfg::kBlockM * Cfg::kD;  // floats of one dQ staging buffer
   T* sK;
   T* sV;
   T* sQ;    // [kStages]
   T* sdO;   // [kStages]
-  T* sdS;   // [kDsBuffers]: dS^T [kBlockN keys][kBlockM queries]
-  float* sdQ;    // [2][kBlockM * kD], DqTile order
+  T* sdS;   // [Cfg::kDsBuffers]
+  float* sdQ = nullptr;  // [2] (Cfg::kStagesDq)
   float* lse;    // [kStages][kBlockM]
   float* delta;  // [kStages][kBlockM]
-  uint64_t* kv_full;  // K, V (bytes) and the producer's 32 lanes (load_pair)
-  uint64_t* q_full;   // [kStages]: Q, dO (bytes) and the producer's 32 lanes, which wrote lse, delta
-  uint64_t* q_empty;  // [kStages]: one arrival per consumer thread
-  uint64_t* dq_full;   // [2]: one arrival per consumer warp: sdQ[b] holds a block's dQ
-  uint64_t* dq_empty;  // [2]: the writer's arrival: the bulk reduction has read sdQ[b]
-  uint64_t* ds_empty;  // kDsBuffers == 1: one arrival per consumer thread: its dQ product has read sdS
-  uint64_t* tail;      // the producer's own: a packed block's tiles landed (bytes), before it zeroes rows
-  // Where the block staged in sdQ[b] goes, published with dq_full[b]: its tile of dq_accum
-  // (nullptr: no more blocks).
+  uint64_t* kv_full;
+  uint64_t* q_full;   // [kStages]
+  uint64_t* q_empty;  // [kStages]
+  uint64_t* dq_full;   // [2]
+  uint64_t* dq_empty;  // [2]
+  uint64_t* ds_empty;
+  uint64_t* tail;
   float** dq_dst;  // [2]
   __device__ __forceinline__ explicit Smem(unsigned char* base) {
-    sK = reinterpret_cast<T*>(base);
-    sV = reinterpret_cast<T*>(base + Cfg::kTileKV);
-    sQ = reinterpret_cast<T*>(base + 2 * Cfg::kTileKV);
-    sdO = reinterpret_cast<T*>(base + 2 * Cfg::kTileKV + Cfg::kStages * Cfg::kTileQ);
-    sdS = reinterpret_cast<T*>(base + 2 * Cfg::kTileKV + 2 * Cfg::kStages * Cfg::kTileQ);
-    sdQ = reinterpret_cast<float*>(base + 2 * Cfg::kTileKV + 2 * Cfg::kStages * Cfg::kTileQ +
-                                   Cfg::kDsBuffers * Cfg::kTileDS);
-    lse = reinterpret_cast<float*>(base + Cfg::kTiles);
-    delta = lse + Cfg::kStages * Cfg::kBlockM;
-    kv_full = reinterpret_cast<uint64_t*>(base + Cfg::kTiles + Cfg::kStats);
-    q_full = kv_full + 1;
-    q_empty = q_full + Cfg::kStages;
-    dq_full = q_empty + Cfg::kStages;
-    dq_empty = dq_full + 2;
-    ds_empty = dq_empty + 2;
-    tail = ds_empty + 1;
-    dq_dst = reinterpret_cast<float**>(tail + 1);
+    Storage& st = *reinterpret_cast<Storage*>(base);
+    sK = st.k;
+    sV = st.v;
+    sQ = st.q[0];
+    sdO = st.dout[0];
+    sdS = st.exchange.ds[0];
+    if constexpr (Cfg::kStagesDq) sdQ = st.exchange.dq[0];
+    lse = st.lse[0];
+    delta = st.delta[0];
+    kv_full = &st.kv_full;
+    q_full = st.q_full;
+    q_empty = st.q_empty;
+    dq_full = st.dq_full;
+    dq_empty = st.dq_empty;
+    ds_empty = &st.ds_empty;
+    tail = &st.tail;
+    dq_dst = st.dq_dst;
   }
-  // The barriers, by thread 0 before the CTA's one __syncthreads (kDqWriter: with the dQ writer's
-  // hand-over pair).
+  // The barriers, by thread 0, published by the CTA's one __syncthreads (kDqWriter: with the dQ
+  // writer's hand-over pair).
   template <bool kDqWriter>
   __device__ __forceinline__ void init_barriers() const {
-    mbarrier_init(kv_full, 32);
-    mbarrier_init(tail, 1);
-    for (int s = 0; s < Cfg::kStages; ++s) {
-      mbarrier_init(&q_full[s], 32);
-      mbarrier_init(&q_empty[s], kConsumerThreads);
-    }
-    if constexpr (kDqWriter) {
-      for (int b = 0; b < 2; ++b) {
-        mbarrier_init(&dq_full[b], Cfg::kConsumerWarps);
-        mbarrier_init(&dq_empty[b], 1);
+    if (threadIdx.x == 0) {
+      mbarrier_init(kv_full, 32);
+      mbarrier_init(tail, 1);
+      for (int s = 0; s < Cfg::kStages; ++s) {
+        mbarrier_init(&q_full[s], 32);
+        mbarrier_init(&q_empty[s], kConsumerThreads);
       }
+      if constexpr (kDqWriter) {
+        for (int b = 0; b < 2; ++b) {
+          mbarrier_init(&dq_full[b], Cfg::kConsumerWarps);
+          mbarrier_init(&dq_empty[b], 1);
+        }
+      }
+      mbarrier_init(ds_empty, kConsumerThreads);
+      fence_barrier_init();
     }
-    mbarrier_init(ds_empty, kConsumerThreads);
-    fence_barrier_init();
+    __syncthreads();
   }
-  __device__ __forceinline__ float* dq(int b) const { return sdQ + b * (Cfg::kTileDQ / 4); }
-  __device__ __forceinline__ T* q(int s) const { return sQ + s * (Cfg::kTileQ / 2); }
-  __device__ __forceinline__ T* dout(int s) const { return sdO + s * (Cfg::kTileQ / 2); }
-  __device__ __forceinline__ T* ds(int i) const { return sdS + (i % Cfg::kDsBuffers) * (Cfg::kTileDS / 2); }
+  __device__ __forceinline__ float* dq(int b) const { return sdQ + b * kDqTile; }
+  __device__ __forceinline__ T* q(int s) const { return sQ + s * kQTile; }
+  __device__ __forceinline__ T* dout(int s) const { return sdO + s * kQTile; }
+  __device__ __forceinline__ T* ds(int i) const { return sdS + (i % Cfg::kDsBuffers) * kDsTile; }
 };
 
 // Two tiles of kRows rows (K and V, or Q and dO) from row `row` of head h, batch entry b of their
@@ -399,7 +398,7 @@ __device__ __forceinline__ void write_dq(const Smem<T, Cfg>& sm) {
     mbarrier_wait(&sm.dq_full[b], (x >> 1) & 1);
     float* dst = sm.dq_dst[b];
     if (dst == nullptr) break;
-    bulk_reduce_add_f32(dst, sm.dq(b), Cfg::kTileDQ);
+    bulk_reduce_add_f32(dst, sm.dq(b), Smem<T, Cfg>::kDqTile * sizeof(float));
     bulk_commit();
     bulk_wait_read<0>();
     mbarrier_arrive(&sm.dq_empty[b]);
@@ -461,8 +460,7 @@ __device__ __forceinline__ void bwd_ws_block(const BwdParams& p, const TmaMaps& 
   // offsets and mask from cu_seqlens; kPlain folds all of it to the dense constants.
   constexpr bool kVarlen = kVariant != kPlain;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (threadIdx.x == 0) sm.template init_barriers</*kDqWriter=*/true>();
-  __syncthreads();  // the only CTA-wide barrier
+  sm.template init_barriers</*kDqWriter=*/true>();
 
   // The CTA's keys, its KV head and batch, and the (head, query block) steps: each role derives
   // them after the split, so that nothing computed before it stays live in the producer's 24
@@ -603,7 +601,7 @@ __device__ __forceinline__ void bwd_ws_block(const BwdParams& p, const TmaMaps& 
   // producer issues no more), so the stores are whole 16-byte rows. At d = 64 (half the
   // stores) the extra barrier costs as much as the wider stores gain: direct stores there.
   if constexpr (kD > 64) {
-    static_assert(Cfg::kConsumerWarps * 16 * kStagedPitch<kD> * sizeof(T) <= 2 * Cfg::kStages * Cfg::kTileQ,
+    static_assert(Cfg::kConsumerWarps * 16 * kStagedPitch<kD> <= 2 * Cfg::kStages * Smem<T, Cfg>::kQTile,
                   "the staged dK / dV rows fit the Q / dO ring");
     named_barrier_sync(kDsBarrier, kConsumerThreads);
     store_dk_dv<T, kD, true>(p, seq, acc_dk, acc_dv, hkv, warp_key0, sm.q(0) + cwarp * 16 * kStagedPitch<kD>);
@@ -701,11 +699,13 @@ void launch_convert_dq_tiles(const BwdParams& p, cudaStream_t stream) {
 // False, having launched nothing, where a view TMA cannot address.
 template <typename T, typename Cfg, typename Kernel>
 bool launch_bwd_ws_main(Kernel kernel, const BwdParams& p, const char* name, cudaStream_t stream) {
+  constexpr size_t kSmemBytes = sm90::smem_request_bytes<typename Cfg::template Storage<T>>();
+  static_assert(kSmemBytes <= kSmemHopper, "fits a Hopper block");
   sm90::bwd_ws::TmaMaps maps;
   if (!maps.make(p, Cfg::kBlockM, Cfg::kBlockN)) return false;
   launch_bwd_preprocess<T>(p, stream);
-  set_smem_limit(kernel, Cfg::kSmemBytes, name);
-  kernel<<<dim3(ceil_div(p.sk, Cfg::kBlockN), p.hkv, p.b), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p, maps);
+  set_smem_limit(kernel, kSmemBytes, name);
+  kernel<<<dim3(ceil_div(p.sk, Cfg::kBlockN), p.hkv, p.b), Cfg::kThreads, kSmemBytes, stream>>>(p, maps);
   check_launch(name);
   return true;
 }

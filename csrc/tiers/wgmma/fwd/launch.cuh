@@ -13,7 +13,7 @@
 #include <cstdint>
 
 #include "../../../arch/host.h"
-#include "../../../arch/tma.h"
+#include "../tma_maps.h"
 #include "../../../core/scheduler.cuh"
 #include "../../../include/ablation.h"
 #include "../config.h"
@@ -44,7 +44,7 @@ constexpr int kDefaultSchedule = Cfg::kSerialOnly ? kSerial : kOverlap;
 template <typename Cfg, typename Kernel>
 bool launch_ws_tiles(Kernel kernel, const FwdParams& p, cudaStream_t stream, int group,
                      const sm90::ws::WsLaunch& opt) {
-  sm90::ws::TmaMaps maps;  // a packed batch's maps span all its rows (arch/tma.h: MapRows)
+  sm90::ws::TmaMaps maps;  // a packed batch's maps span all its rows (tma_maps.h: MapRows)
   if (!make_qkv_tensor_maps(p, &maps.q, &maps.k, &maps.v, Cfg::kBlockM, Cfg::kBlockN, group)) return false;
   // O's map (one head per box) serves the unpacked tiles; without it the lanes copy the staged rows.
   maps.o_by_tma =

@@ -1,0 +1,45 @@
+// tiers/wgmma/tma_maps.h — the tensor maps of a call's Q, K, V and O for the warp-specialized
+// Hopper kernels (fwd.cuh, bwd_ws.cuh): which rows, heads and strides of the params each map
+// spans; arch/tma.h encodes a map from them.
+#pragma once
+
+#include "../../arch/tma.h"
+#include "../../include/params.h"
+
+namespace flash_cuda {
+
+// The row extents of a call's maps. A packed batch's maps cover all rows of the packed tensors
+// with batch extent 1 (the batch strides, 0, are then never used): a kernel tells the sequences
+// apart by cu_seqlens and adds a sequence's first row to its coordinates.
+struct MapRows {
+  int q, k, batch;
+  static MapRows of(const FwdParams& p) {
+    const bool packed = p.cu_seqlens_q != nullptr;
+    return {packed ? p.total_q : p.sq, packed ? p.total_k : p.sk, packed ? 1 : p.b};
+  }
+};
+
+// The maps of a call's Q (boxes of block_m rows; q_group > 1: of block_m / q_group rows of
+// q_group heads each, the GQA-packed tiles), K and V (block_n rows); false where TMA cannot
+// address one of the views.
+inline bool make_qkv_tensor_maps(const FwdParams& p, CUtensorMap* q, CUtensorMap* k, CUtensorMap* v, int block_m,
+                                 int block_n, int q_group = 1) {
+  const bool bf16 = p.dtype == DType::kBFloat16;
+  const MapRows rows = MapRows::of(p);
+  return make_row_tensor_map(q, p.q, bf16, p.d, rows.q, p.hq, rows.batch, p.q_row_stride, p.q_head_stride,
+                             p.q_batch_stride, block_m, q_group) &&
+         make_row_tensor_map(k, p.k, bf16, p.d, rows.k, p.hkv, rows.batch, p.k_row_stride, p.k_head_stride,
+                             p.k_batch_stride, block_n) &&
+         make_row_tensor_map(v, p.v, bf16, p.d, rows.k, p.hkv, rows.batch, p.v_row_stride, p.v_head_stride,
+                             p.v_batch_stride, block_n);
+}
+
+// The map of a call's O, written in boxes of box_rows rows (TMA stores); false where TMA cannot
+// address the view.
+inline bool make_o_tensor_map(const FwdParams& p, CUtensorMap* o, int box_rows) {
+  const MapRows rows = MapRows::of(p);
+  return make_row_tensor_map(o, p.o, p.dtype == DType::kBFloat16, p.d, rows.q, p.hq, rows.batch, p.o_row_stride,
+                             p.o_head_stride, p.o_batch_stride, box_rows);
+}
+
+}  // namespace flash_cuda

@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import common  # noqa: E402 (bench/common.py)
 import flash_cuda  # noqa: E402
 from flash_cuda import distributed as fcd  # noqa: E402
+from flash_cuda.validation import ScoreOptions  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -139,7 +140,7 @@ def main():
                 ring_ms = timed(make_step(lambda a, b, c: fcd.ring_attention(a, b, c, **opts), q, k, v, do, mode),
                                 args.iters, args.warmup)
                 method = fcd._pick_method(args.method, args.heads, hkv, tokens, W)
-                cfg = fcd._Config(fcd._CudaBlocks(q, args.d ** -0.5, 0.0, False, 0), fcd._Ring(None, W, rank),
+                cfg = fcd._Config(fcd._CudaBlocks(q, ScoreOptions(args.d ** -0.5), False, 0), fcd._Ring(None, W, rank),
                                   method, args.layout, -1, 0 if causal else -1, mode == "fwd_bwd",
                                   mode == "fwd_bwd")
                 hidden = comm_ms = compute_ms = float("nan")

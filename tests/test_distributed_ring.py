@@ -26,6 +26,7 @@ import torch.distributed as dist
 from flash_cuda import distributed as fcd
 from spawn_ranks import run_cases, spawn_ranks
 from flash_cuda.reference import attention_naive
+from flash_cuda.validation import ScoreOptions
 
 WORLD_SIZES = (1, 2, 3, 4)
 TIMEOUT_S = 240  # the workers of one world size, all cases; a hang fails instead of blocking CI
@@ -348,7 +349,8 @@ def test_cuda_block_calls_match_the_reference_blocks(mock_extension, method):
     k, v = (torch.randn(2, 2, 16, 16, generator=g).to(torch.bfloat16) for _ in range(2))
     dlse = torch.randn(2, 4, 16, generator=g)
     got = []
-    for kernel in (fcd._CudaBlocks(q, 0.25, 0.0, False, 0), fcd._ReferenceBlocks(q, 0.25, 0.0)):
+    opts = ScoreOptions(0.25)
+    for kernel in (fcd._CudaBlocks(q, opts, False, 0), fcd._ReferenceBlocks(q, opts)):
         cfg = fcd._Config(kernel, fcd._NoComm(3, 1), "ring", "zigzag", 6, 0, True, True)
         qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
         if method == "ring":
@@ -380,8 +382,8 @@ def test_bfloat16_merges_in_float32(mock_extension, blocks):
     naive_out, _ = attention_naive(*naive_in)
     naive = (naive_out, *torch.autograd.grad((naive_out.float() * do.float()).sum(), naive_in))
     qb, kb, vb = (t.to(torch.bfloat16).requires_grad_() for t in (q, k, v))
-    kernel = (fcd._CudaBlocks(qb, 0.25, 0.0, False, 0) if blocks == "cuda" else fcd._ReferenceBlocks(qb, 0.25, 0.0))
-    kernel.scale = 16 ** -0.5
+    opts = ScoreOptions(16 ** -0.5)
+    kernel = fcd._CudaBlocks(qb, opts, False, 0) if blocks == "cuda" else fcd._ReferenceBlocks(qb, opts)
     cfg = fcd._Config(kernel, fcd._NoComm(4, 2), "ring", "zigzag", -1, -1, True, True)
     out, _ = fcd._RingAttention.apply(qb, kb, vb, cfg)
     ((out.float() * do.float()).sum()).backward()

@@ -61,7 +61,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import _ext, ops, reference, validation
+from . import _ext, ops, validation
+from .cpu_backend import ReferenceBlocks
 from .validation import ScoreOptions
 
 __all__ = ["ring_attention", "shard", "unshard", "LAYOUTS", "METHODS"]
@@ -321,7 +322,7 @@ def _plan(q_chunks: Sequence[_Chunk], k_chunks: Sequence[_Chunk], left: int, rig
 
 
 # ---------------------------------------------------------------------------------------
-# Block kernels: flash_cuda's CUDA kernels, or the reference on CPU
+# Block kernels: flash_cuda's CUDA kernels, or the reference on CPU (cpu_backend.ReferenceBlocks)
 # ---------------------------------------------------------------------------------------
 
 
@@ -355,30 +356,6 @@ class _CudaBlocks:
     def merge(a, a_lse, a_stats, b, b_lse, b_stats, out, out_lse, out_stats):
         """out = the merge of partials a and b (out may be a): one kernel (core/combine.cuh)."""
         _ext.require().merge_partials(a, a_lse, a_stats, b, b_lse, b_stats, out, out_lse, out_stats)
-
-
-class _ReferenceBlocks:
-    """flash_cuda.reference's blocked forward / backward (any device, float64 included)."""
-
-    def __init__(self, q: Tensor, opts: ScoreOptions):
-        self.opts = opts
-        self.acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-        self.has_stats = False
-
-    def forward(self, q, k, v, wl, wr):
-        out, lse = reference.attention_forward_blocked(q, k, v, scale=self.opts.scale, window_size=(wl, wr),
-                                                       softcap=self.opts.softcap)
-        return out, lse.to(self.acc_dtype), None
-
-    def backward(self, dout, q, k, v, out, lse, stats, dlse, wl, wr, need_dq, need_dkdv):
-        return reference.attention_backward_blocked(dout, q, k, v, out, lse, scale=self.opts.scale,
-                                                    window_size=(wl, wr), softcap=self.opts.softcap, dlse=dlse)
-
-    def merge(self, a, a_lse, a_stats, b, b_lse, b_stats, out, out_lse, out_stats):
-        o, lse = reference.combine_splits([a.to(self.acc_dtype), b.to(self.acc_dtype)], [a_lse, b_lse.to(a_lse.dtype)],
-                                          out.dtype)
-        out.copy_(o)
-        out_lse.copy_(lse)
 
 
 # ---------------------------------------------------------------------------------------
@@ -570,19 +547,6 @@ class _Ring:
     def wait(handles) -> None:
         for h in handles:
             h.wait()
-
-
-class _NoComm(_Ring):
-    """Keeps the blocks in hand instead of exchanging them: the ring's compute alone (bench)."""
-
-    def __init__(self, world: int, rank: int):
-        self.group, self.world, self.rank = None, world, rank
-
-    def exchange(self, send, recv, tag0=0):
-        for s, r in zip(send, recv):
-            if r.data_ptr() != s.data_ptr():
-                r.copy_(s)
-        return []
 
 
 # ---------------------------------------------------------------------------------------
@@ -1108,7 +1072,7 @@ def ring_attention(
     if q.is_cuda:
         kernel = _CudaBlocks(q, local, deterministic, 0)
     else:
-        kernel = _ReferenceBlocks(q, local)
+        kernel = ReferenceBlocks(q, local)
     chosen = _pick_method(method, q.shape[1], k.shape[1], q.shape[2], world)
     cfg = _Config(kernel, _Ring(group, world, rank), chosen, layout, local.window_left, local.window_right, need_dq,
                   need_dkdv, agreement)

@@ -24,9 +24,11 @@ import torch
 import torch.distributed as dist
 
 from flash_cuda import distributed as fcd
-from spawn_ranks import run_cases, spawn_ranks
+from flash_cuda.cpu_backend import ReferenceBlocks
 from flash_cuda.reference import attention_naive
 from flash_cuda.validation import ScoreOptions
+from ring_helpers import NoComm
+from spawn_ranks import run_cases, spawn_ranks
 
 WORLD_SIZES = (1, 2, 3, 4)
 TIMEOUT_S = 240  # the workers of one world size, all cases; a hang fails instead of blocking CI
@@ -341,7 +343,7 @@ def test_shard_without_group_and_bad_lengths():
 
 @pytest.mark.parametrize("method", ["ring", "allgather"])
 def test_cuda_block_calls_match_the_reference_blocks(mock_extension, method):
-    """The ring's steps on one rank of a pretend world of 3 whose blocks never move (_NoComm):
+    """The ring's steps on one rank of a pretend world of 3 whose blocks never move (NoComm):
     flash_cuda's extension entry points (here the mock, which asserts the binding's argument
     contract) and the reference blocks must give the same result."""
     g = torch.Generator().manual_seed(5)
@@ -350,13 +352,13 @@ def test_cuda_block_calls_match_the_reference_blocks(mock_extension, method):
     dlse = torch.randn(2, 4, 16, generator=g)
     got = []
     opts = ScoreOptions(0.25)
-    for kernel in (fcd._CudaBlocks(q, opts, False, 0), fcd._ReferenceBlocks(q, opts)):
-        cfg = fcd._Config(kernel, fcd._NoComm(3, 1), "ring", "zigzag", 6, 0, True, True)
+    for kernel in (fcd._CudaBlocks(q, opts, False, 0), ReferenceBlocks(q, opts)):
+        cfg = fcd._Config(kernel, NoComm(3, 1), "ring", "zigzag", 6, 0, True, True)
         qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
         if method == "ring":
             out, lse = fcd._RingAttention.apply(qq, kk, vv, cfg)
         else:  # the all-gather's calls: q's two chunks against the pretend whole sequence k
-            cfg = cfg._replace(method="allgather", ring=fcd._NoComm(1, 0))
+            cfg = cfg._replace(method="allgather", ring=NoComm(1, 0))
             out, lse = fcd._RingAttention.apply(qq, kk, vv, cfg)
         ((out.float() * do.float()).sum() + (lse * dlse).sum()).backward()
         got.append((out, lse, qq.grad, kk.grad, vv.grad))
@@ -369,7 +371,7 @@ def test_cuda_block_calls_match_the_reference_blocks(mock_extension, method):
 
 @pytest.mark.parametrize("blocks", ["cuda", "reference"])
 def test_bfloat16_merges_in_float32(mock_extension, blocks):
-    """Four non-causal steps on blocks that never move (_NoComm): the sequence is the local
+    """Four non-causal steps on blocks that never move (NoComm): the sequence is the local
     block four times, so the result is attention on the local block. bf16 rows merged four
     times go through the float32 accumulator and are rounded once at the end, dQ too, and dK /
     dV travel in float32: errors against float64 stay at the level of one bf16 attention."""
@@ -383,8 +385,8 @@ def test_bfloat16_merges_in_float32(mock_extension, blocks):
     naive = (naive_out, *torch.autograd.grad((naive_out.float() * do.float()).sum(), naive_in))
     qb, kb, vb = (t.to(torch.bfloat16).requires_grad_() for t in (q, k, v))
     opts = ScoreOptions(16 ** -0.5)
-    kernel = fcd._CudaBlocks(qb, opts, False, 0) if blocks == "cuda" else fcd._ReferenceBlocks(qb, opts)
-    cfg = fcd._Config(kernel, fcd._NoComm(4, 2), "ring", "zigzag", -1, -1, True, True)
+    kernel = fcd._CudaBlocks(qb, opts, False, 0) if blocks == "cuda" else ReferenceBlocks(qb, opts)
+    cfg = fcd._Config(kernel, NoComm(4, 2), "ring", "zigzag", -1, -1, True, True)
     out, _ = fcd._RingAttention.apply(qb, kb, vb, cfg)
     ((out.float() * do.float()).sum()).backward()
     for name, got, r, nv in zip(("out", "dq", "dk", "dv"), (out, qb.grad, kb.grad, vb.grad), ref, naive):

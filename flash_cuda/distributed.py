@@ -959,14 +959,30 @@ def _agree_start(meta: List[int], group, device, error: Optional[BaseException])
     return _Agreement(every, _all_gather(every, mine, group=group, async_op=True), group, error)
 
 
+def _all_gather_text(text: str, group, device) -> List[str]:
+    """Every rank's ``text``, through two all-gathers of small tensors (the byte counts, then the
+    UTF-8 bytes padded to the longest): no pickling, so no numpy needed either."""
+    W = dist.get_world_size(group)
+    data = list(text.encode("utf-8"))
+    sizes = torch.empty(W, dtype=torch.int64, device=device)
+    _all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64, device=device), group=group)
+    sizes = sizes.tolist()
+    longest = max(1, max(sizes))
+    mine = torch.zeros(longest, dtype=torch.uint8, device=device)
+    mine[:len(data)] = torch.tensor(data, dtype=torch.uint8, device=device)
+    every = torch.empty(W * longest, dtype=torch.uint8, device=device)
+    _all_gather(every, mine, group=group)
+    rows = every.view(W, longest).tolist()
+    return [bytes(rows[r][:sizes[r]]).decode("utf-8", errors="replace") for r in range(W)]
+
+
 def _agree_check(every: Tensor, group, error: Optional[BaseException]) -> None:
     W = dist.get_world_size(group)
     rows = every.view(W, _META_LEN).tolist()
     failed = [r for r in range(W) if rows[r][0] != 0]
     if failed:
         # Only now, as every rank knows that one failed, do they all exchange the messages.
-        messages = [None] * W
-        dist.all_gather_object(messages, None if error is None else f"{type(error).__name__}: {error}", group=group)
+        messages = _all_gather_text("" if error is None else f"{type(error).__name__}: {error}", group, every.device)
         if error is not None:
             raise error
         details = "; ".join(f"rank {r}: {messages[r]}" for r in failed)

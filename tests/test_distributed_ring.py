@@ -188,6 +188,20 @@ def _bad_shapes(world, rank):
     return seen
 
 
+def _bad_shapes_without_numpy(world, rank):
+    """_bad_shapes where numpy is missing (Tensor.numpy raises as it does then): the ranks'
+    messages still travel, and every rank raises its own error, not numpy's."""
+    def no_numpy(self, *args, **kwargs):
+        raise RuntimeError("Numpy is not available")
+
+    real = torch.Tensor.numpy
+    torch.Tensor.numpy = no_numpy
+    try:
+        return _bad_shapes(world, rank)
+    finally:
+        torch.Tensor.numpy = real
+
+
 def _worker(rank, world, store_path, out_dir):
     torch.set_num_threads(1)
     results = {}
@@ -196,7 +210,7 @@ def _worker(rank, world, store_path, out_dir):
                                 timeout=timedelta(seconds=60))
         run_cases(results, CASES, _run_case, world, rank)
         for name, fn in (("ring_vs_allgather", _ring_vs_allgather), ("round_trip", _round_trip),
-                         ("bad_shapes", _bad_shapes)):
+                         ("bad_shapes", _bad_shapes), ("bad_shapes_without_numpy", _bad_shapes_without_numpy)):
             try:
                 results[name] = fn(world, rank)
             except Exception:  # noqa: BLE001
@@ -231,8 +245,9 @@ def test_against_reference(results, world, name):
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES)
-def test_bad_inputs_raise_on_every_rank(results, world):
-    per_rank = [r["bad_shapes"] for r in results(world)]
+@pytest.mark.parametrize("numpy", [True, False], ids=["numpy", "without_numpy"])
+def test_bad_inputs_raise_on_every_rank(results, world, numpy):
+    per_rank = [r["bad_shapes" if numpy else "bad_shapes_without_numpy"] for r in results(world)]
     assert all(isinstance(p, dict) for p in per_rank), per_rank
     bad = world - 1
     for rank, seen in enumerate(per_rank):

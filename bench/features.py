@@ -16,7 +16,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common as C  # noqa: E402 (bench/common.py)
-import run as R  # noqa: E402 (bench/run.py: providers, check, timing)
+import measure as M  # noqa: E402 (bench/measure.py: providers, check, timing)
 
 WINDOW, WINDOW_S = (1024, 0), 16384
 VARLEN_B, VARLEN_S = 8, 2048
@@ -58,7 +58,7 @@ def pairs(call) -> int:
 
 
 def flops(call) -> float:
-    return 4.0 * call.H * call.D * pairs(call) * R.MODE_FLOP_FACTOR[call.mode]
+    return 4.0 * call.H * call.D * pairs(call) * M.MODE_FLOP_FACTOR[call.mode]
 
 
 def label(call) -> str:
@@ -75,32 +75,32 @@ def label(call) -> str:
 class Row:
     """The flash_cuda call with the feature vs the plain flash_cuda call."""
     feature: str
-    call: R.Call
-    base: R.Call
+    call: M.Call
+    base: M.Call
     goal: float | None = None
 
     @property
-    def sdpa(self) -> R.Call:
+    def sdpa(self) -> M.Call:
         return replace(self.base, provider="sdpa")
 
 
 def build_rows(d_list, causal_list, modes) -> list:
     def dense(D, causal, mode, B, S):
-        return R.Call("flash_cuda", D, R.HIDDEN // D, bool(causal), mode, (S,) * B)
+        return M.Call("flash_cuda", D, M.HIDDEN // D, bool(causal), mode, (S,) * B)
 
     rows, mixed = [], mixed_seqlens(VARLEN_B, *MIXED_RANGE, MIXED_SEED)
     for D, mode in itertools.product(d_list if 1 in causal_list else [], modes):
-        base = dense(D, 1, mode, max(1, R.TOKENS // WINDOW_S), WINDOW_S)
+        base = dense(D, 1, mode, max(1, M.TOKENS // WINDOW_S), WINDOW_S)
         rows.append(Row("window", replace(base, window=WINDOW), base, GOAL_WINDOW))
     for D, causal, mode in itertools.product(d_list, causal_list, modes):
         base = dense(D, causal, mode, VARLEN_B, VARLEN_S)
         rows += [Row("varlen", replace(base, varlen=True), base, GOAL_VARLEN),
                  Row("varlen mixed", replace(base, varlen=True, seqlens=mixed), base)]
     for causal, mode in itertools.product(causal_list if SMALL_D in d_list else [], modes):
-        base = dense(SMALL_D, causal, mode, R.TOKENS // SMALL_S, SMALL_S)
+        base = dense(SMALL_D, causal, mode, M.TOKENS // SMALL_S, SMALL_S)
         rows += [Row("softcap", replace(base, softcap=SOFTCAP), base), Row("alibi", replace(base, alibi=True), base)]
     for D, causal, mode in itertools.product(d_list, causal_list, modes):
-        base = dense(D, causal, mode, max(1, R.TOKENS // DROPOUT_S), DROPOUT_S)
+        base = dense(D, causal, mode, max(1, M.TOKENS // DROPOUT_S), DROPOUT_S)
         rows.append(Row("dropout", replace(base, dropout=DROPOUT_P), base, GOAL_DROPOUT))
     return rows
 
@@ -123,7 +123,7 @@ def markdown_table(rows, results) -> list[str]:
     """One line per row: the feature call, its vs call, the ratio against the goal, SDPA on the vs call."""
     def cell(call):
         r = results.get(call)
-        return "" if r is None else R.status_tag(r["status"]) if tflops(results, call) is None else f"{r['tflops']:.1f}"
+        return "" if r is None else M.status_tag(r["status"]) if tflops(results, call) is None else f"{r['tflops']:.1f}"
 
     def goal(row, ratio):
         text = "" if row.goal is None else f">= {row.goal:.2f}"
@@ -169,9 +169,9 @@ def csv_frame(rows, results, dtype) -> pd.DataFrame:
 def run_features(args, rows, dtype, timer, env, device="cuda") -> dict:
     """Measure every distinct call once, write features.csv / features.md. -> {call: result}."""
     t0, calls = time.time(), distinct_calls(rows)
-    results = R.measure_all({c: flops(c) for c in calls}, dtype, timer, args.seed, not args.no_check, device)
+    results = M.measure_all({c: flops(c) for c in calls}, dtype, timer, args.seed, not args.no_check, device)
     table = markdown_table(rows, results)
-    title = (f"flash_cuda features, {R.DTYPE_SHORT[dtype]}, {len(rows)} rows, {len(calls)} calls "
+    title = (f"flash_cuda features, {M.DTYPE_SHORT[dtype]}, {len(rows)} rows, {len(calls)} calls "
              f"({time.time() - t0:.0f} s)")
     C.write_results(args.out_dirs[dtype], "features", csv_frame(rows, results, dtype), title, env, table)
     print(f"\n## {title}\n\n" + "\n".join(table))

@@ -36,10 +36,13 @@ import torch.distributed as dist  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 import common  # noqa: E402 (bench/common.py)
 import flash_cuda  # noqa: E402
 from flash_cuda import distributed as fcd  # noqa: E402
+from flash_cuda.validation import ScoreOptions  # noqa: E402
+from ring_helpers import NoComm  # noqa: E402 (tests/ring_helpers.py)
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -139,12 +142,12 @@ def main():
                 ring_ms = timed(make_step(lambda a, b, c: fcd.ring_attention(a, b, c, **opts), q, k, v, do, mode),
                                 args.iters, args.warmup)
                 method = fcd._pick_method(args.method, args.heads, hkv, tokens, W)
-                cfg = fcd._Config(fcd._CudaBlocks(q, args.d ** -0.5, 0.0, False, 0), fcd._Ring(None, W, rank),
+                cfg = fcd._Config(fcd._CudaBlocks(q, ScoreOptions(args.d ** -0.5), False, 0), fcd._Ring(None, W, rank),
                                   method, args.layout, -1, 0 if causal else -1, mode == "fwd_bwd",
                                   mode == "fwd_bwd")
                 hidden = comm_ms = compute_ms = float("nan")
                 if method == "ring" and W > 1:
-                    still = cfg._replace(ring=fcd._NoComm(W, rank))
+                    still = cfg._replace(ring=NoComm(W, rank))
                     compute_ms = timed(make_step(lambda a, b, c: fcd._RingAttention.apply(a, b, c, still)[0],
                                                  q, k, v, do, mode), args.iters, args.warmup)
                     comm_ms = timed(comm_only(cfg, k.contiguous(), v.contiguous(), mode), args.iters, args.warmup)

@@ -61,7 +61,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import _ext, interface, reference
+from . import _ext, ops, validation
+from .cpu_backend import ReferenceBlocks
+from .validation import ScoreOptions
 
 __all__ = ["ring_attention", "shard", "unshard", "LAYOUTS", "METHODS"]
 
@@ -320,60 +322,40 @@ def _plan(q_chunks: Sequence[_Chunk], k_chunks: Sequence[_Chunk], left: int, rig
 
 
 # ---------------------------------------------------------------------------------------
-# Block kernels: flash_cuda's CUDA kernels, or the reference on CPU
+# Block kernels: flash_cuda's CUDA kernels, or the reference on CPU (cpu_backend.ReferenceBlocks)
 # ---------------------------------------------------------------------------------------
 
 
 class _CudaBlocks:
-    """flash_cuda's kernels. For float32 inputs the fp32 backward recomputes P from per-row
-    statistics (m, log2 l) rather than from lse (interface: aux); they are merged across
-    blocks as lse is, so that the backward of each block sees the row's global statistics."""
+    """flash_cuda's kernels with the options ``opts`` (its window is set per block). For float32
+    inputs the fp32 backward recomputes P from per-row statistics (m, log2 l) rather than from
+    lse (the ops' aux); they are merged across blocks as lse is, so that the backward of each
+    block sees the row's global statistics."""
 
-    def __init__(self, q: Tensor, scale: float, softcap: float, deterministic: bool, tier: int):
-        self.scale, self.softcap, self.deterministic, self.tier = scale, softcap, deterministic, tier
+    def __init__(self, q: Tensor, opts: ScoreOptions, deterministic: bool, tier: int):
+        self.opts, self.deterministic, self.tier = opts, deterministic, tier
         self.acc_dtype = torch.float32
         self.has_stats = q.dtype == torch.float32
         self._no_stats = q.new_empty((0,), dtype=torch.float32)
 
+    def _block_options(self, wl: int, wr: int) -> ScoreOptions:
+        return ScoreOptions(self.opts.scale, wl, wr, self.opts.softcap)
+
     def forward(self, q, k, v, wl, wr):
-        out, lse, aux = interface._fwd_impl(q, k, v, self.scale, wl, wr, self.softcap, None, self.tier)
+        out, lse, aux = ops.fwd_impl(q, k, v, self._block_options(wl, wr), self.tier)
         return out, lse, (aux if self.has_stats else None)
 
     def backward(self, dout, q, k, v, out, lse, stats, dlse, wl, wr, need_dq, need_dkdv):
         aux = stats.contiguous() if self.has_stats else self._no_stats
         if dlse is not None:
             dlse = dlse.contiguous()  # a slice of the rows; the binding takes it dense
-        return interface._bwd_impl(dout, q, k, v, out, lse, aux, dlse, self.scale, wl, wr, self.softcap, None,
-                                   self.deterministic, self.tier, need_dq, need_dkdv)
+        return ops.bwd_impl(dout, q, k, v, out, lse, aux, dlse, self._block_options(wl, wr), self.deterministic,
+                            self.tier, need_dq, need_dkdv)
 
     @staticmethod
     def merge(a, a_lse, a_stats, b, b_lse, b_stats, out, out_lse, out_stats):
         """out = the merge of partials a and b (out may be a): one kernel (core/combine.cuh)."""
         _ext.require().merge_partials(a, a_lse, a_stats, b, b_lse, b_stats, out, out_lse, out_stats)
-
-
-class _ReferenceBlocks:
-    """flash_cuda.reference's blocked forward / backward (any device, float64 included)."""
-
-    def __init__(self, q: Tensor, scale: float, softcap: float):
-        self.scale, self.softcap = scale, softcap
-        self.acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-        self.has_stats = False
-
-    def forward(self, q, k, v, wl, wr):
-        out, lse = reference.attention_forward_blocked(q, k, v, scale=self.scale, window_size=(wl, wr),
-                                                       softcap=self.softcap)
-        return out, lse.to(self.acc_dtype), None
-
-    def backward(self, dout, q, k, v, out, lse, stats, dlse, wl, wr, need_dq, need_dkdv):
-        return reference.attention_backward_blocked(dout, q, k, v, out, lse, scale=self.scale,
-                                                    window_size=(wl, wr), softcap=self.softcap, dlse=dlse)
-
-    def merge(self, a, a_lse, a_stats, b, b_lse, b_stats, out, out_lse, out_stats):
-        o, lse = reference.combine_splits([a.to(self.acc_dtype), b.to(self.acc_dtype)], [a_lse, b_lse.to(a_lse.dtype)],
-                                          out.dtype)
-        out.copy_(o)
-        out_lse.copy_(lse)
 
 
 # ---------------------------------------------------------------------------------------
@@ -565,19 +547,6 @@ class _Ring:
     def wait(handles) -> None:
         for h in handles:
             h.wait()
-
-
-class _NoComm(_Ring):
-    """Keeps the blocks in hand instead of exchanging them: the ring's compute alone (bench)."""
-
-    def __init__(self, world: int, rank: int):
-        self.group, self.world, self.rank = None, world, rank
-
-    def exchange(self, send, recv, tag0=0):
-        for s, r in zip(send, recv):
-            if r.data_ptr() != s.data_ptr():
-                r.copy_(s)
-        return []
 
 
 # ---------------------------------------------------------------------------------------
@@ -872,18 +841,10 @@ def _bits_float(b: int) -> float:
     return struct.unpack("<d", struct.pack("<q", int(b)))[0]
 
 
-class _Local(NamedTuple):
-    scale: float
-    left: int
-    right: int
-    softcap: float
-    tier: int
-
-
 def _validate_local(q, k, v, *, is_causal, scale, window_size, softcap, layout, method, return_lse,
-                    deterministic, nccl: bool) -> _Local:
+                    deterministic, nccl: bool) -> ScoreOptions:
     p = _PREFIX
-    interface._check_types(q, k, v, is_causal, return_lse, deterministic, p)
+    validation.check_types(q, k, v, is_causal, return_lse, deterministic, p)
     _check_layout(layout, p)
     if not isinstance(method, str) or method not in METHODS:
         raise ValueError(f"{p}method must be one of {METHODS}, got {method!r}")
@@ -891,7 +852,7 @@ def _validate_local(q, k, v, *, is_causal, scale, window_size, softcap, layout, 
         raise RuntimeError(f"{p}q, k and v must be on the same device, got q: {q.device}, k: {k.device}, "
                            f"v: {v.device}")
     if q.is_cuda:
-        interface._check_dtypes(q, k, v, p)
+        validation.check_dtypes(q, k, v, p)
     else:
         for name, t in (("q", q), ("k", k), ("v", v)):
             if t.dtype not in _CPU_DTYPES:
@@ -899,8 +860,8 @@ def _validate_local(q, k, v, *, is_causal, scale, window_size, softcap, layout, 
                                 f"supported dtypes are float16, bfloat16, float32 and float64")
         if not (q.dtype == k.dtype == v.dtype):
             raise TypeError(f"{p}q, k and v must have the same dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    interface._check_shapes(q, k, v, p)
-    interface._check_strides(q, k, v, p)
+    validation.check_shapes(q, k, v, p)
+    validation.check_strides(q, k, v, p)
     S = q.shape[2]
     if k.shape[2] != S:
         raise ValueError(
@@ -912,8 +873,7 @@ def _validate_local(q, k, v, *, is_causal, scale, window_size, softcap, layout, 
         raise ValueError(
             f"{p}layout='zigzag' holds two equal chunks per rank, so the local length must be even, "
             f"got {S} (cut the sequence with flash_cuda.distributed.shard, or use layout='contiguous')")
-    scale, left, right, softcap = interface._check_score_options(q.shape[-1], scale, is_causal, window_size,
-                                                                 softcap, p)
+    opts = validation.check_score_options(q.shape[-1], scale, is_causal, window_size, softcap, p)
     if q.is_cuda:
         if not nccl:
             raise RuntimeError(f"{p}CUDA tensors need a process group with the NCCL backend, got "
@@ -923,18 +883,18 @@ def _validate_local(q, k, v, *, is_causal, scale, window_size, softcap, layout, 
                 f"{p}the inputs are on {q.device} but the current CUDA device is "
                 f"cuda:{torch.cuda.current_device()}; call torch.cuda.set_device({q.device.index}) first "
                 f"(NCCL transfers run on the current device)")
-        interface._check_device(q, k, v, p)
+        validation.check_device(q, k, v, p)
         if not _ext.is_available():
             raise RuntimeError(_ext.unavailable_message())
-    return _Local(float(scale), left, right, float(softcap), 0)
+    return ScoreOptions(float(opts.scale), opts.window_left, opts.window_right, float(opts.softcap))
 
 
-def _metadata(ok: bool, q, k, local: Optional[_Local], is_causal, layout, method, return_lse, deterministic,
+def _metadata(ok: bool, q, k, local: Optional[ScoreOptions], is_causal, layout, method, return_lse, deterministic,
               need_dq, need_dkdv) -> List[int]:
     if not ok:
         return [1] + [0] * (_META_LEN - 1)
-    return ([0, *q.shape, *k.shape, _DTYPE_CODES[q.dtype], int(q.is_cuda), int(is_causal), local.left,
-             local.right, LAYOUTS.index(layout), METHODS.index(method), int(return_lse), int(deterministic),
+    return ([0, *q.shape, *k.shape, _DTYPE_CODES[q.dtype], int(q.is_cuda), int(is_causal), local.window_left,
+             local.window_right, LAYOUTS.index(layout), METHODS.index(method), int(return_lse), int(deterministic),
              _float_bits(local.scale), _float_bits(local.softcap), int(need_dq), int(need_dkdv)])
 
 
@@ -999,14 +959,30 @@ def _agree_start(meta: List[int], group, device, error: Optional[BaseException])
     return _Agreement(every, _all_gather(every, mine, group=group, async_op=True), group, error)
 
 
+def _all_gather_text(text: str, group, device) -> List[str]:
+    """Every rank's ``text``, through two all-gathers of small tensors (the byte counts, then the
+    UTF-8 bytes padded to the longest): no pickling, so no numpy needed either."""
+    W = dist.get_world_size(group)
+    data = list(text.encode("utf-8"))
+    sizes = torch.empty(W, dtype=torch.int64, device=device)
+    _all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64, device=device), group=group)
+    sizes = sizes.tolist()
+    longest = max(1, max(sizes))
+    mine = torch.zeros(longest, dtype=torch.uint8, device=device)
+    mine[:len(data)] = torch.tensor(data, dtype=torch.uint8, device=device)
+    every = torch.empty(W * longest, dtype=torch.uint8, device=device)
+    _all_gather(every, mine, group=group)
+    rows = every.view(W, longest).tolist()
+    return [bytes(rows[r][:sizes[r]]).decode("utf-8", errors="replace") for r in range(W)]
+
+
 def _agree_check(every: Tensor, group, error: Optional[BaseException]) -> None:
     W = dist.get_world_size(group)
     rows = every.view(W, _META_LEN).tolist()
     failed = [r for r in range(W) if rows[r][0] != 0]
     if failed:
         # Only now, as every rank knows that one failed, do they all exchange the messages.
-        messages = [None] * W
-        dist.all_gather_object(messages, None if error is None else f"{type(error).__name__}: {error}", group=group)
+        messages = _all_gather_text("" if error is None else f"{type(error).__name__}: {error}", group, every.device)
         if error is not None:
             raise error
         details = "; ".join(f"rank {r}: {messages[r]}" for r in failed)
@@ -1110,12 +1086,12 @@ def ring_attention(
         agreement.finish()  # raises on this rank; the others raise in theirs
 
     if q.is_cuda:
-        kernel = _CudaBlocks(q, local.scale, local.softcap, deterministic, local.tier)
+        kernel = _CudaBlocks(q, local, deterministic, 0)
     else:
-        kernel = _ReferenceBlocks(q, local.scale, local.softcap)
+        kernel = ReferenceBlocks(q, local)
     chosen = _pick_method(method, q.shape[1], k.shape[1], q.shape[2], world)
-    cfg = _Config(kernel, _Ring(group, world, rank), chosen, layout, local.left, local.right, need_dq, need_dkdv,
-                  agreement)
+    cfg = _Config(kernel, _Ring(group, world, rank), chosen, layout, local.window_left, local.window_right, need_dq,
+                  need_dkdv, agreement)
     if need_dq or need_dkdv:
         out, lse = _RingAttention.apply(q, k, v, cfg)
     else:

@@ -17,9 +17,9 @@ import torch
 from torch import Tensor
 
 from . import _ext
-from .interface import (MAX_GRID_YZ, MAX_HEAD_DIM, MAX_SEQLEN, MIN_CAPABILITY, MIN_HEAD_DIM,
-                        _capability_cache, _check_alibi, _check_capability, _check_score_options,
-                        _dtype_name, _fwd_impl)
+from .ops import fwd_impl
+from .validation import (MAX_GRID_YZ, MAX_HEAD_DIM, MAX_SEQLEN, MIN_CAPABILITY, MIN_HEAD_DIM, ScoreOptions,
+                         check_alibi, check_capability, check_score_options, device_capability, dtype_name)
 
 __all__ = ["attention_with_kvcache", "PAGE_SIZE_MULTIPLE", "MAX_NUM_SPLITS"]
 
@@ -47,13 +47,6 @@ def _check_tensor(name: str, t, ndim: int, layout: str) -> None:
                           f"{tuple(t.stride())}")
 
 
-def _device_capability_of(index: int) -> Tuple[int, int]:
-    cap = _capability_cache.get(index)
-    if cap is None:
-        cap = _capability_cache[index] = tuple(torch.cuda.get_device_capability(index))
-    return cap
-
-
 _side_streams: dict = {}
 
 
@@ -68,7 +61,7 @@ def _side_stream(device: torch.device) -> "torch.cuda.Stream":
 
 def _check_same(name: str, t: Tensor, q: Tensor) -> None:
     if t.dtype != q.dtype:
-        _fail(TypeError, f"{name} must have q's dtype {_dtype_name(q.dtype)}, got {_dtype_name(t.dtype)}")
+        _fail(TypeError, f"{name} must have q's dtype {dtype_name(q.dtype)}, got {dtype_name(t.dtype)}")
     if t.device != q.device:
         _fail(RuntimeError, f"{name} must be on q's device {q.device}, got {t.device}")
 
@@ -181,7 +174,7 @@ def attention_with_kvcache(
             _check_tensor(name, t, 4, layout)
     dt = q.dtype
     if dt is not torch.float16 and dt is not torch.bfloat16:
-        _fail(TypeError, f"q has dtype {_dtype_name(dt)}; the KV-cache kernels take float16 or bfloat16")
+        _fail(TypeError, f"q has dtype {dtype_name(dt)}; the KV-cache kernels take float16 or bfloat16")
     dev = q.get_device()
     if k_cache.dtype is not dt or k_cache.get_device() != dev:
         _check_same("k_cache", k_cache, q)
@@ -213,7 +206,7 @@ def attention_with_kvcache(
             _fail(TypeError, f"block_table must be None or an int32 tensor (batch, max_pages), got "
                              f"{type(block_table).__name__}")
         if block_table.dtype != torch.int32:
-            _fail(TypeError, f"block_table must be an int32 tensor, got {_dtype_name(block_table.dtype)}")
+            _fail(TypeError, f"block_table must be an int32 tensor, got {dtype_name(block_table.dtype)}")
         if block_table.dim() != 2 or block_table.shape[0] != B:
             _fail(ValueError, f"block_table must have shape ({B}, max_pages_per_sequence), got "
                               f"{tuple(block_table.shape)}")
@@ -253,7 +246,7 @@ def attention_with_kvcache(
     if isinstance(cache_seqlens, Tensor):
         if cache_seqlens.dtype is not torch.int32:
             _fail(TypeError, f"cache_seqlens must be an int or an int32 tensor, got "
-                             f"{_dtype_name(cache_seqlens.dtype)}")
+                             f"{dtype_name(cache_seqlens.dtype)}")
         if cache_seqlens.dim() != 1 or cache_seqlens.shape[0] != B:
             _fail(ValueError, f"cache_seqlens must have shape ({B},), got {tuple(cache_seqlens.shape)}")
         if cache_seqlens.get_device() != dev:
@@ -278,16 +271,17 @@ def attention_with_kvcache(
     if type(num_splits) is not int or not 0 <= num_splits <= MAX_NUM_SPLITS:
         _fail(ValueError, f"num_splits must be an int in [0, {MAX_NUM_SPLITS}] (0: chosen from the shapes), "
                           f"got {num_splits!r}")
-    scale, left, right, softcap = _check_score_options(D, scale, is_causal, window_size, softcap, _PREFIX)
+    opts = check_score_options(D, scale, is_causal, window_size, softcap, _PREFIX)
     if alibi_slopes is not None:
-        alibi_slopes = _check_alibi(alibi_slopes, B, Hq, _PREFIX)
+        alibi_slopes = check_alibi(alibi_slopes, B, Hq, _PREFIX)
         if alibi_slopes.get_device() != dev:
             _fail(RuntimeError, f"alibi_slopes must be on q's device {q.device}, got {alibi_slopes.device}")
+        opts = ScoreOptions(opts.scale, opts.window_left, opts.window_right, opts.softcap, alibi_slopes)
     if dev < 0:
         _fail(RuntimeError, f"inputs must be CUDA tensors, got device '{q.device}'; flash_cuda runs only on "
                             f"NVIDIA GPUs (flash_cuda.reference.attention_with_kvcache_reference runs anywhere)")
-    if _device_capability_of(dev) < MIN_CAPABILITY:
-        _check_capability(q.device, _PREFIX)
+    if device_capability(dev) < MIN_CAPABILITY:
+        check_capability(q.device, _PREFIX)
     C = _ext.require()  # compiles the kernels at their first use
     if check_inputs or _ENV_CHECK in os.environ:
         if _check_enabled(check_inputs):
@@ -308,17 +302,16 @@ def attention_with_kvcache(
             with torch.cuda.stream(side):
                 k_cache[:, :, :s_new].copy_(k)
                 v_cache[:, :, :s_new].copy_(v)
-            out, lse, _ = _fwd_impl(q, k, v, scale, left, right, softcap, alibi_slopes, 0)
+            out, lse, _ = fwd_impl(q, k, v, opts, 0)
             main.wait_stream(side)
         else:
             if s_new:
                 k_cache[:, :, cache_len:total].copy_(k)
                 v_cache[:, :, cache_len:total].copy_(v)
-            out, lse, _ = _fwd_impl(q, k_cache[:, :, :total], v_cache[:, :, :total], scale, left, right, softcap,
-                                    alibi_slopes, 0)
+            out, lse, _ = fwd_impl(q, k_cache[:, :, :total], v_cache[:, :, :total], opts, 0)
     else:
-        out, lse = C.fwd_kvcache(q, k_cache, v_cache, k, v, lens, cache_len, block_table, scale, left, right,
-                                 softcap, alibi_slopes, num_splits, return_lse)
+        out, lse = C.fwd_kvcache(q, k_cache, v_cache, k, v, lens, cache_len, block_table, *opts, num_splits,
+                                 return_lse)
     if return_lse:
         return out, lse
     return out

@@ -68,7 +68,7 @@ if str(TESTS_DIR) not in sys.path:
 import torch  # noqa: E402
 
 import flash_cuda  # noqa: E402
-from flash_cuda import _ext, interface  # noqa: E402
+from flash_cuda import _ext, validation  # noqa: E402
 from flash_cuda.reference import (attention_backward_blocked, attention_forward_blocked,  # noqa: E402
                                   attention_varlen_backward_blocked,
                                   attention_varlen_forward_blocked, combine_splits,
@@ -309,11 +309,11 @@ def mock_extension(monkeypatch):
     monkeypatch.setattr(_ext, "_AVAILABLE", True)
     monkeypatch.setattr(_ext, "_IMPORT_ERROR", None)
 
-    def same_device_only(q, k, v, prefix=interface._PREFIX):
+    def same_device_only(q, k, v, prefix=validation.PREFIX):
         if not (q.device == k.device == v.device):
             raise RuntimeError(f"{prefix}q, k and v must be on the same device")
 
-    monkeypatch.setattr(interface, "_check_device", same_device_only)
+    monkeypatch.setattr(validation, "check_device", same_device_only)
     yield mock
 
 

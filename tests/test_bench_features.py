@@ -53,10 +53,10 @@ def test_visible_pairs_closed_forms(feat):
 
 
 def test_call_pairs_and_flops(feat):
-    R, Call = feat.R, feat.R.Call
+    M, Call = feat.M, feat.M.Call
     # dense non-causal: same FLOPs as run.py's convention
     plain = Call("flash_cuda", 128, 16, False, "fwd", (4096,) * 4)
-    assert feat.flops(plain) == R.attention_flops(4, 16, 4096, 4096, 128, False, "fwd")
+    assert feat.flops(plain) == M.attention_flops(4, 16, 4096, 4096, 128, False, "fwd")
     # causal: exact S(S+1)/2 per sequence, bwd 2.5x
     causal = Call("flash_cuda", 64, 32, True, "bwd", (2048,) * 8)
     assert feat.pairs(causal) == 8 * 2048 * 2049 // 2
@@ -94,7 +94,7 @@ def test_rows_plan(feat):
     for r in rows:
         c = r.call
         assert c.H * c.D == 2048 and r.base.provider == "flash_cuda" and r.sdpa.provider == "sdpa"
-        assert r.base == feat.R.Call("flash_cuda", c.D, c.H, c.causal, c.mode, r.base.seqlens)
+        assert r.base == feat.M.Call("flash_cuda", c.D, c.H, c.causal, c.mode, r.base.seqlens)
     for r in by["window"]:
         assert r.call.causal and r.call.window == (1024, 0) and r.call.seqlens == (16384,)
         assert r.goal == 0.85
@@ -173,9 +173,9 @@ def test_features_end_to_end_on_cpu(feat, monkeypatch, tmp_path, capsys, broken)
     import argparse
     sys.path.append(str(ROOT))
     ref = pytest.importorskip("flash_cuda.reference")
-    R = feat.R
-    monkeypatch.setattr(R, "TOKENS", 128)
-    monkeypatch.setattr(R, "HIDDEN", 64)
+    M = feat.M
+    monkeypatch.setattr(M, "TOKENS", 128)
+    monkeypatch.setattr(M, "HIDDEN", 64)
     monkeypatch.setattr(feat, "WINDOW_S", 64)
     monkeypatch.setattr(feat, "WINDOW", (9, 0))
     monkeypatch.setattr(feat, "VARLEN_B", 3)
@@ -184,17 +184,17 @@ def test_features_end_to_end_on_cpu(feat, monkeypatch, tmp_path, capsys, broken)
     monkeypatch.setattr(feat, "SMALL_S", 32)
     monkeypatch.setattr(feat, "SMALL_D", 32)
     monkeypatch.setattr(feat, "SOFTCAP", 1.0)  # 50 barely moves N(0, 1) logits
-    monkeypatch.setattr(R, "load_flash_cuda", lambda: _FakeFlash(ref, broken))
+    monkeypatch.setattr(M, "load_flash_cuda", lambda: _FakeFlash(ref, broken))
     monkeypatch.setattr(feat, "DROPOUT_S", 32)
     monkeypatch.setattr(feat, "DROPOUT_P", 0.3)
-    monkeypatch.setattr(R, "next_philox", lambda device: _PHILOX)
+    monkeypatch.setattr(M, "next_philox", lambda device: _PHILOX)
 
     def fake_time_call(fwd, q, k, v, dout, mode, timer):
         out = fwd(q, k, v)
         if mode != "fwd":
             out.backward(dout)
         return 2.0, 0.0
-    monkeypatch.setattr(R, "time_call", fake_time_call)
+    monkeypatch.setattr(M, "time_call", fake_time_call)
     rows = feat.build_rows([32], [1], ["fwd", "bwd"])
     args = argparse.Namespace(no_check=False, seed=0, out_dirs={torch.float32: tmp_path})
     env = {"gpu": "none (CPU test)", "git commit": "abc1234"}

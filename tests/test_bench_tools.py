@@ -246,12 +246,12 @@ def test_flops_formula(run):
     # FlashAttention convention: fwd = 4*B*H*S*S*D, halved when causal; bwd 2.5x, fwd_bwd 3.5x
     B, H, S, D = 4, 8, 1024, 64
     fwd = 4 * B * H * S * S * D
-    assert run.attention_flops(B, H, S, S, D, False, "fwd") == fwd
-    assert run.attention_flops(B, H, S, S, D, True, "fwd") == fwd / 2
-    assert run.attention_flops(B, H, S, S, D, False, "bwd") == 2.5 * fwd
-    assert run.attention_flops(B, H, S, S, D, True, "fwd_bwd") == 3.5 * fwd / 2
+    assert run.M.attention_flops(B, H, S, S, D, False, "fwd") == fwd
+    assert run.M.attention_flops(B, H, S, S, D, True, "fwd") == fwd / 2
+    assert run.M.attention_flops(B, H, S, S, D, False, "bwd") == 2.5 * fwd
+    assert run.M.attention_flops(B, H, S, S, D, True, "fwd_bwd") == 3.5 * fwd / 2
     # anchor check: sdpa_cudnn bf16 D=64 S=16384 B=1 H=32 fwd 4.7510 ms -> 462.9 TFLOPS
-    flops = run.attention_flops(1, 32, 16384, 16384, 64, False, "fwd")
+    flops = run.M.attention_flops(1, 32, 16384, 16384, 64, False, "fwd")
     assert flops / 4.7510e-3 / 1e12 == pytest.approx(462.9, abs=0.1)
 
 
@@ -295,13 +295,13 @@ def test_parse_args_sizes_and_defaults(run):
 
 def test_classify_error(run):
     import torch
-    assert run.classify_error(run.Unavailable("unavailable: no GPU")) == "unavailable: no GPU"
-    assert run.classify_error(torch.cuda.OutOfMemoryError("CUDA out of memory.")) == "OOM"
-    assert run.classify_error(RuntimeError("No available kernel. Aborting execution.\nmore")) == (
+    assert run.M.classify_error(run.M.Unavailable("unavailable: no GPU")) == "unavailable: no GPU"
+    assert run.M.classify_error(torch.cuda.OutOfMemoryError("CUDA out of memory.")) == "OOM"
+    assert run.M.classify_error(RuntimeError("No available kernel. Aborting execution.\nmore")) == (
         "unsupported: No available kernel. Aborting execution.")
-    assert run.classify_error(ValueError("head dim 72 " + "x" * 200)).startswith("unsupported: head dim 72 x")
-    assert len(run.classify_error(ValueError("x" * 200))) == len("unsupported: ") + 80
-    assert run.classify_error(KeyError("k")) == "error: KeyError: 'k'"
+    assert run.M.classify_error(ValueError("head dim 72 " + "x" * 200)).startswith("unsupported: head dim 72 x")
+    assert len(run.M.classify_error(ValueError("x" * 200))) == len("unsupported: ") + 80
+    assert run.M.classify_error(KeyError("k")) == "error: KeyError: 'k'"
 
 
 def test_default_providers_follow_dtype(run):
@@ -427,8 +427,8 @@ def test_grid_end_to_end_on_cpu(run, monkeypatch, tmp_path, capsys):
     results.csv / results.md with the environment, anchors."""
     import argparse
     import torch
-    monkeypatch.setattr(run, "load_flash_cuda", lambda: _WrongFlash())
-    monkeypatch.setattr(run, "time_call", lambda fwd, q, k, v, dout, mode, timer: (2.0, 0.5))
+    monkeypatch.setattr(run.M, "load_flash_cuda", lambda: _WrongFlash())
+    monkeypatch.setattr(run.M, "time_call", lambda fwd, q, k, v, dout, mode, timer: (2.0, 0.5))
     grid = run.build_grid([16], [0, 1], ["fwd", "bwd"], [64], batch=2, heads=3)
     # SDPA's math backend here: about 2.2e-4 GiB forward, 3.8e-4 backward
     args = argparse.Namespace(no_check=False, seed=0, max_quadratic_gib=3.0e-4, out_dirs={torch.bfloat16: tmp_path},
@@ -443,7 +443,7 @@ def test_grid_end_to_end_on_cpu(run, monkeypatch, tmp_path, capsys):
         assert status[("sdpa_math", causal, "fwd")] == "ok"
         assert status[("sdpa_math", causal, "bwd")].startswith("skipped: O(S^2) memory")
     ok = res[res.status == "ok"]
-    flops = [run.attention_flops(2, 3, 64, 64, 16, c, m) for c, m in zip(ok.causal, ok["mode"])]
+    flops = [run.M.attention_flops(2, 3, 64, 64, 16, c, m) for c, m in zip(ok.causal, ok["mode"])]
     assert list(ok.tflops) == pytest.approx([f / 2.0e-3 / 1e12 for f in flops])
     (tmp_path / "anchors.csv").write_text("provider,dtype,D,causal,S,B,H,mode,ms,tflops,peak_gib\n"
                                           "sdpa_default,bfloat16,16,0,64,2,3,fwd,1,1e-6,0.1\n")

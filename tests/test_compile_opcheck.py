@@ -276,10 +276,10 @@ def test_compile_fullgraph_cpu_mock(mock_extension, dtype, is_causal, layout):
 
 @pytest.mark.parametrize("varlen", [False, True], ids=["dense", "packed"])
 def test_eager_path_matches_ops_cpu_mock(mock_extension, monkeypatch, varlen):
-    """Plain eager tensors take interface._EagerFwd / _EagerVarlenFwd (no custom-op dispatch);
+    """Plain eager tensors take ops.EagerFwd / EagerVarlenFwd (no custom-op dispatch);
     the ops, which tracing, fake tensors, subclasses and modes take, must give the same out,
     lse and gradients, bitwise, with dlse flowing too."""
-    from flash_cuda import interface
+    from flash_cuda import ops
 
     if varlen:
         q, k, v, cu_q, cu_k, mq, mk = make_varlen_inputs((7, 0, 19), (11, 5, 13), 4, 2, 16, F32, "cpu", seed=4)
@@ -294,12 +294,12 @@ def test_eager_path_matches_ops_cpu_mock(mock_extension, monkeypatch, varlen):
             return flash_cuda.attention(*leaves, is_causal=True, softcap=3.0, return_lse=True)
 
     def outputs_and_grads(eager):
-        monkeypatch.setattr(interface, "_eager_ok", lambda *ts: eager)
+        monkeypatch.setattr(ops, "eager_ok", lambda *ts: eager)
         calls = mock_extension.fwd_calls
         leaves = _leaf(q, k, v)
         out, lse = run(leaves)
         assert mock_extension.fwd_calls == calls + 1
-        assert type(out.grad_fn).__name__.startswith("_Eager") == eager, type(out.grad_fn).__name__
+        assert type(out.grad_fn).__name__.startswith("Eager") == eager, type(out.grad_fn).__name__
         g = torch.Generator().manual_seed(0)
         grads = torch.autograd.grad((out, lse), leaves, (torch.randn(out.shape, generator=g),
                                                          torch.randn(lse.shape, generator=g)))
@@ -330,19 +330,19 @@ def test_func_grad_matches_autograd_cpu_mock(mock_extension):
 def test_eager_path_only_for_plain_eager_tensors():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from flash_cuda import interface
+    from flash_cuda import ops
 
     x = torch.zeros(2)
-    assert interface._eager_ok(x, None, x)
+    assert ops.eager_ok(x, None, x)
     with FakeTensorMode():
-        assert not interface._eager_ok(torch.zeros(2))
+        assert not ops.eager_ok(torch.zeros(2))
     with torch.overrides.TorchFunctionMode():
-        assert not interface._eager_ok(x)
+        assert not ops.eager_ok(x)
 
 
 def test_eager_call_binds_no_signature_cpu_mock(mock_extension, monkeypatch):
     """The eager path skips Function.apply's per-call inspect.signature binding (tens of
-    microseconds of host time per call; interface._EagerFunction), forward and backward,
+    microseconds of host time per call; ops.EagerFunction), forward and backward,
     dense and packed, and its gradients stay those of the ops."""
     import inspect
 
@@ -626,9 +626,9 @@ def _subset_leaves(tensors, wanted):
 def test_grad_subsets_reach_extension_cpu_mock(mock_extension, monkeypatch, path, varlen, wanted, needs):
     """The flags reach _C.bwd, the gradients not asked for stay None (and are not computed:
     the mock returns None for them), the others equal the all-gradients run's, with dlse too."""
-    from flash_cuda import interface
+    from flash_cuda import ops
 
-    monkeypatch.setattr(interface, "_eager_ok", lambda *ts: path == "eager")
+    monkeypatch.setattr(ops, "eager_ok", lambda *ts: path == "eager")
     if varlen:
         q, k, v, cu_q, cu_k, mq, mk = make_varlen_inputs((7, 0, 19), (11, 5, 13), 4, 2, 16, F32, "cpu", seed=8)
 

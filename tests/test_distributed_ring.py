@@ -24,8 +24,11 @@ import torch
 import torch.distributed as dist
 
 from flash_cuda import distributed as fcd
-from spawn_ranks import run_cases, spawn_ranks
+from flash_cuda.cpu_backend import ReferenceBlocks
 from flash_cuda.reference import attention_naive
+from flash_cuda.validation import ScoreOptions
+from ring_helpers import NoComm
+from spawn_ranks import run_cases, spawn_ranks
 
 WORLD_SIZES = (1, 2, 3, 4)
 TIMEOUT_S = 240  # the workers of one world size, all cases; a hang fails instead of blocking CI
@@ -185,6 +188,20 @@ def _bad_shapes(world, rank):
     return seen
 
 
+def _bad_shapes_without_numpy(world, rank):
+    """_bad_shapes where numpy is missing (Tensor.numpy raises as it does then): the ranks'
+    messages still travel, and every rank raises its own error, not numpy's."""
+    def no_numpy(self, *args, **kwargs):
+        raise RuntimeError("Numpy is not available")
+
+    real = torch.Tensor.numpy
+    torch.Tensor.numpy = no_numpy
+    try:
+        return _bad_shapes(world, rank)
+    finally:
+        torch.Tensor.numpy = real
+
+
 def _worker(rank, world, store_path, out_dir):
     torch.set_num_threads(1)
     results = {}
@@ -193,7 +210,7 @@ def _worker(rank, world, store_path, out_dir):
                                 timeout=timedelta(seconds=60))
         run_cases(results, CASES, _run_case, world, rank)
         for name, fn in (("ring_vs_allgather", _ring_vs_allgather), ("round_trip", _round_trip),
-                         ("bad_shapes", _bad_shapes)):
+                         ("bad_shapes", _bad_shapes), ("bad_shapes_without_numpy", _bad_shapes_without_numpy)):
             try:
                 results[name] = fn(world, rank)
             except Exception:  # noqa: BLE001
@@ -228,8 +245,9 @@ def test_against_reference(results, world, name):
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES)
-def test_bad_inputs_raise_on_every_rank(results, world):
-    per_rank = [r["bad_shapes"] for r in results(world)]
+@pytest.mark.parametrize("numpy", [True, False], ids=["numpy", "without_numpy"])
+def test_bad_inputs_raise_on_every_rank(results, world, numpy):
+    per_rank = [r["bad_shapes" if numpy else "bad_shapes_without_numpy"] for r in results(world)]
     assert all(isinstance(p, dict) for p in per_rank), per_rank
     bad = world - 1
     for rank, seen in enumerate(per_rank):
@@ -340,7 +358,7 @@ def test_shard_without_group_and_bad_lengths():
 
 @pytest.mark.parametrize("method", ["ring", "allgather"])
 def test_cuda_block_calls_match_the_reference_blocks(mock_extension, method):
-    """The ring's steps on one rank of a pretend world of 3 whose blocks never move (_NoComm):
+    """The ring's steps on one rank of a pretend world of 3 whose blocks never move (NoComm):
     flash_cuda's extension entry points (here the mock, which asserts the binding's argument
     contract) and the reference blocks must give the same result."""
     g = torch.Generator().manual_seed(5)
@@ -348,13 +366,14 @@ def test_cuda_block_calls_match_the_reference_blocks(mock_extension, method):
     k, v = (torch.randn(2, 2, 16, 16, generator=g).to(torch.bfloat16) for _ in range(2))
     dlse = torch.randn(2, 4, 16, generator=g)
     got = []
-    for kernel in (fcd._CudaBlocks(q, 0.25, 0.0, False, 0), fcd._ReferenceBlocks(q, 0.25, 0.0)):
-        cfg = fcd._Config(kernel, fcd._NoComm(3, 1), "ring", "zigzag", 6, 0, True, True)
+    opts = ScoreOptions(0.25)
+    for kernel in (fcd._CudaBlocks(q, opts, False, 0), ReferenceBlocks(q, opts)):
+        cfg = fcd._Config(kernel, NoComm(3, 1), "ring", "zigzag", 6, 0, True, True)
         qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
         if method == "ring":
             out, lse = fcd._RingAttention.apply(qq, kk, vv, cfg)
         else:  # the all-gather's calls: q's two chunks against the pretend whole sequence k
-            cfg = cfg._replace(method="allgather", ring=fcd._NoComm(1, 0))
+            cfg = cfg._replace(method="allgather", ring=NoComm(1, 0))
             out, lse = fcd._RingAttention.apply(qq, kk, vv, cfg)
         ((out.float() * do.float()).sum() + (lse * dlse).sum()).backward()
         got.append((out, lse, qq.grad, kk.grad, vv.grad))
@@ -367,7 +386,7 @@ def test_cuda_block_calls_match_the_reference_blocks(mock_extension, method):
 
 @pytest.mark.parametrize("blocks", ["cuda", "reference"])
 def test_bfloat16_merges_in_float32(mock_extension, blocks):
-    """Four non-causal steps on blocks that never move (_NoComm): the sequence is the local
+    """Four non-causal steps on blocks that never move (NoComm): the sequence is the local
     block four times, so the result is attention on the local block. bf16 rows merged four
     times go through the float32 accumulator and are rounded once at the end, dQ too, and dK /
     dV travel in float32: errors against float64 stay at the level of one bf16 attention."""
@@ -380,9 +399,9 @@ def test_bfloat16_merges_in_float32(mock_extension, blocks):
     naive_out, _ = attention_naive(*naive_in)
     naive = (naive_out, *torch.autograd.grad((naive_out.float() * do.float()).sum(), naive_in))
     qb, kb, vb = (t.to(torch.bfloat16).requires_grad_() for t in (q, k, v))
-    kernel = (fcd._CudaBlocks(qb, 0.25, 0.0, False, 0) if blocks == "cuda" else fcd._ReferenceBlocks(qb, 0.25, 0.0))
-    kernel.scale = 16 ** -0.5
-    cfg = fcd._Config(kernel, fcd._NoComm(4, 2), "ring", "zigzag", -1, -1, True, True)
+    opts = ScoreOptions(16 ** -0.5)
+    kernel = fcd._CudaBlocks(qb, opts, False, 0) if blocks == "cuda" else ReferenceBlocks(qb, opts)
+    cfg = fcd._Config(kernel, NoComm(4, 2), "ring", "zigzag", -1, -1, True, True)
     out, _ = fcd._RingAttention.apply(qb, kb, vb, cfg)
     ((out.float() * do.float()).sum()).backward()
     for name, got, r, nv in zip(("out", "dq", "dk", "dv"), (out, qb.grad, kb.grad, vb.grad), ref, naive):

@@ -27,7 +27,7 @@ def _inputs(dtype=torch.bfloat16, B=2, Hq=4, Hkv=2, S=48, D=16, seed=0):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_dropout_forward_backward_use_one_mask(mock_extension, monkeypatch, is_causal, path, dtype):
     if path == "op":  # the torch.library ops instead of the eager autograd Function
-        monkeypatch.setattr(flash_cuda.interface, "_eager_ok", lambda *t: False)
+        monkeypatch.setattr(flash_cuda.ops, "eager_ok", lambda *t: False)
     q, k, v, do = _inputs(dtype)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     out = flash_cuda.attention(*leaves, is_causal=is_causal, dropout_p=0.25)
@@ -80,7 +80,7 @@ def test_dropout_is_refused_on_the_hopper_kernel_alone(mock_extension):
 @pytest.mark.parametrize("path", ["eager", "op"])
 def test_packed_dropout_forward_backward_use_one_mask(mock_extension, monkeypatch, path):
     if path == "op":
-        monkeypatch.setattr(flash_cuda.interface, "_eager_ok", lambda *t: False)
+        monkeypatch.setattr(flash_cuda.ops, "eager_ok", lambda *t: False)
     g = torch.Generator().manual_seed(4)
     lq, lk = [9, 30, 0, 17], [12, 30, 3, 17]
     cq = torch.tensor([0, 9, 39, 39, 56], dtype=torch.int32)

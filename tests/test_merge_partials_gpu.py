@@ -14,7 +14,8 @@ import pytest
 import torch
 
 import flash_cuda
-from flash_cuda import _ext, interface
+from flash_cuda import _ext, ops
+from flash_cuda.validation import ScoreOptions
 from flash_cuda.reference import combine_splits
 
 pytestmark = pytest.mark.gpu
@@ -27,7 +28,7 @@ def _partials(dtype, B=2, H=3, S=40, D=64, split=29, seed=0):
     g = torch.Generator(device="cuda").manual_seed(seed)
     q, k, v = (torch.randn(B, H, S if i == 0 else 70, D, device="cuda", generator=g).to(dtype) for i in range(3))
     scale = D ** -0.5
-    run = lambda kk, vv: interface._fwd_impl(q, kk, vv, scale, -1, -1, 0.0, None, 0)  # noqa: E731
+    run = lambda kk, vv: ops.fwd_impl(q, kk, vv, ScoreOptions(scale), 0)  # noqa: E731
     return run(k[:, :, :split], v[:, :, :split]), run(k[:, :, split:], v[:, :, split:]), run(k, v)
 
 

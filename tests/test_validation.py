@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import flash_cuda
-from flash_cuda import _ext, interface
+from flash_cuda import _ext, validation
 
 F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
 
@@ -54,10 +54,10 @@ def test_import_without_extension_subprocess():
         import sys
         sys.modules["flash_cuda._C"] = None   # any import of the extension fails
         import torch, flash_cuda
-        from flash_cuda import _ext, interface
+        from flash_cuda import _ext, validation
         _ext.sources_dir = lambda: None   # nor kernel sources to compile at first use
         assert flash_cuda.is_available() is False
-        interface._check_device = lambda q, k, v: None   # CPU tensors reach the build check
+        validation.check_device = lambda q, k, v: None   # CPU tensors reach the build check
         q = torch.randn(1, 1, 4, 8)
         try:
             flash_cuda.attention(q, q, q)
@@ -94,7 +94,7 @@ def test_public_api():
 
 
 def test_attention_without_extension_raises_build_message(no_extension, monkeypatch):
-    monkeypatch.setattr(interface, "_check_device", lambda q, k, v: None)
+    monkeypatch.setattr(validation, "check_device", lambda q, k, v: None)
     q, k, v = qkv()
     with pytest.raises(RuntimeError) as info:
         flash_cuda.attention(q, k, v)
@@ -136,15 +136,15 @@ def test_different_devices():
 
 
 def test_capability_below_8_rejected(monkeypatch):
-    monkeypatch.setattr(interface, "_device_capability", lambda device: (7, 5))
+    monkeypatch.setattr(validation, "device_capability", lambda device: (7, 5))
     with pytest.raises(RuntimeError, match=r"compute capability 8\.0 or newer.*7\.5"):
-        interface._check_capability(torch.device("cuda", 0))
+        validation.check_capability(torch.device("cuda", 0))
 
 
 def test_capability_8_accepted(monkeypatch):
     for cap in ((8, 0), (8, 6), (9, 0), (10, 0)):
-        monkeypatch.setattr(interface, "_device_capability", lambda device, cap=cap: cap)
-        interface._check_capability(torch.device("cuda", 0))
+        monkeypatch.setattr(validation, "device_capability", lambda device, cap=cap: cap)
+        validation.check_capability(torch.device("cuda", 0))
 
 
 # ---------------------------------------------------------------------------------------
@@ -319,8 +319,8 @@ def test_scale_accepted(scale):
 
 
 def test_default_scale():
-    assert interface._check_scale(None, 64) == 1.0 / math.sqrt(64)
-    assert interface._check_scale(3, 64) == 3.0
+    assert validation.check_scale(None, 64) == 1.0 / math.sqrt(64)
+    assert validation.check_scale(3, 64) == 3.0
 
 
 @pytest.mark.parametrize("kernel", ["fast", "MMA", "", None, 1])
@@ -346,7 +346,7 @@ def test_tensor_core_kernels_need_16bit(kernel):
                                                (F16, "mma", 2), (BF16, "mma", 2), (F16, "wgmma", 3),
                                                (BF16, "wgmma", 3)])
 def test_kernel_tiers(dtype, kernel, tier):
-    assert interface._check_kernel(kernel, dtype) == tier
+    assert validation.check_kernel(kernel, dtype) == tier
 
 
 # ---------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import flash_cuda
-from flash_cuda import interface
+from flash_cuda import validation
 from flash_cuda.reference import attention_varlen_naive
 
 from attn_check import cu_seqlens_from_lengths, make_alibi_slopes
@@ -102,7 +102,7 @@ def test_causal_with_right_window(right):
     (True, (4, -1), (4, 0)), (False, [0, 0], (0, 0)), (False, (2**31 - 1, 3), (2**31 - 1, 3)),
 ])
 def test_window_accepted(is_causal, window, expected):
-    assert interface._check_window(window, is_causal) == expected
+    assert validation.check_window(window, is_causal) == expected
     raises(RuntimeError, CUDA_CHECK, *qkv(), is_causal=is_causal, window_size=window)
 
 
@@ -124,8 +124,8 @@ def test_softcap_bad_value(softcap):
 
 @pytest.mark.parametrize("softcap", [0, 0.0, 1e-3, 5, 30.0])
 def test_softcap_accepted(softcap):
-    assert interface._check_softcap(softcap) == float(softcap)
-    assert type(interface._check_softcap(softcap)) is float
+    assert validation.check_softcap(softcap) == float(softcap)
+    assert type(validation.check_softcap(softcap)) is float
     raises(RuntimeError, CUDA_CHECK, *qkv(), softcap=softcap)
 
 
@@ -357,7 +357,7 @@ def test_varlen_new_options_validated():
 
 
 def test_varlen_without_extension(no_extension, monkeypatch):
-    monkeypatch.setattr(interface, "_check_device", lambda q, k, v, prefix=None: None)
+    monkeypatch.setattr(validation, "check_device", lambda q, k, v, prefix=None: None)
     with pytest.raises(RuntimeError, match="pip install --no-build-isolation"):
         flash_cuda.varlen_attention(*packed())
 

@@ -55,7 +55,8 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from .. import _ext, interface
+from .. import _ext, ops
+from ..validation import ScoreOptions, check_dropout, dtype_name, validate, validate_varlen
 
 __all__ = ["IMPL_NAME", "MIN_TORCH_VERSION", "is_supported", "register", "activate", "deactivate",
            "flash_window"]
@@ -106,11 +107,11 @@ def _check_supported(op: str, query: Tensor, dropout_p: float, return_debug_mask
                      **unsupported) -> None:
     """The options flash_cuda cannot honour; ``unsupported`` maps argument names to values that
     must be None."""
-    interface._check_dropout(dropout_p, "auto", f"{_PREFIX}{op}: ")
+    check_dropout(dropout_p, "auto", f"{_PREFIX}{op}: ")
     if query.dtype not in _DTYPES:
         raise RuntimeError(
             f"{_PREFIX}{op}: the flash backend takes float16 or bfloat16 inputs, got "
-            f"{interface._dtype_name(query.dtype)}")
+            f"{dtype_name(query.dtype)}")
     if return_debug_mask:
         raise RuntimeError(f"{_PREFIX}{op}: return_debug_mask=True is not supported (flash_cuda "
                            f"never materialises the attention matrix)")
@@ -164,15 +165,12 @@ def _dense_forward(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: Opti
     """(out, lse, rng_state), rng_state None without dropout."""
     window = flash_window(is_causal, window_left, window_right, k.shape[2])
     q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
-    opts = interface._validate(q, k, v, scale=scale, window_size=window)
+    opts, tier = validate(q, k, v, scale=scale, window_size=window)
     _calls["forward"] += 1
     if dropout_p:
-        out, lse, _, rng_state = interface._fwd_dropout_impl(q, k, v, opts.scale, opts.window_left,
-                                                             opts.window_right, 0.0, None, opts.tier,
-                                                             float(dropout_p))
+        out, lse, _, rng_state = ops.fwd_dropout_impl(q, k, v, opts, tier, float(dropout_p))
         return out, lse, rng_state
-    out, lse, _ = interface._fwd_impl(q, k, v, opts.scale, opts.window_left, opts.window_right, 0.0,
-                                      None, opts.tier)
+    out, lse, _ = ops.fwd_impl(q, k, v, opts, tier)
     return out, lse, None
 
 
@@ -184,9 +182,8 @@ def _dense_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, 
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     args = [_last_dim_contiguous(t) for t in (dout, q, k, v, out)]
     _calls["backward"] += 1
-    return interface._bwd_impl(*args, lse.contiguous(), _no_aux(q), None, scale, wl, wr, 0.0, None,
-                               torch.are_deterministic_algorithms_enabled(), 0,
-                               **_dropout_args(dropout_p, rng_state))
+    return ops.bwd_impl(*args, lse.contiguous(), _no_aux(q), None, ScoreOptions(scale, wl, wr),
+                        torch.are_deterministic_algorithms_enabled(), 0, **_dropout_args(dropout_p, rng_state))
 
 
 def _dropout_args(dropout_p: float, rng_state: Optional[Tensor]) -> dict:
@@ -196,7 +193,7 @@ def _dropout_args(dropout_p: float, rng_state: Optional[Tensor]) -> dict:
     if rng_state is None or rng_state.numel() != 2 or rng_state.element_size() != 8:
         raise RuntimeError(f"{_PREFIX}the backward with dropout_p={dropout_p} needs the forward's rng_state "
                            f"(2 64-bit elements), got {None if rng_state is None else tuple(rng_state.shape)}")
-    return interface._dropout_kwargs(dropout_p, rng_state.contiguous().view(torch.int64))
+    return ops.dropout_kwargs(dropout_p, rng_state.contiguous().view(torch.int64))
 
 
 def _packed_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
@@ -205,17 +202,15 @@ def _packed_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_se
                     dropout_p: float = 0.0) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
     window = flash_window(is_causal, window_left, window_right, int(max_k))
     q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
-    opts, max_q, max_k = interface._validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_q),
-                                                    int(max_k), scale=scale, window_size=window)
+    opts, tier, max_q, max_k = validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_q), int(max_k),
+                                               scale=scale, window_size=window)
     _calls["forward"] += 1
+    cu_q, cu_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
     if dropout_p:
-        out, lse, _, rng_state = interface._varlen_fwd_dropout_impl(
-            q, k, v, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), max_q, max_k, opts.scale,
-            opts.window_left, opts.window_right, 0.0, None, opts.tier, False, float(dropout_p))
+        out, lse, _, rng_state = ops.varlen_fwd_dropout_impl(q, k, v, cu_q, cu_k, max_q, max_k, opts, tier, False,
+                                                             float(dropout_p))
         return out, lse, rng_state
-    out, lse, _ = interface._varlen_fwd_impl(q, k, v, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(),
-                                             max_q, max_k, opts.scale, opts.window_left,
-                                             opts.window_right, 0.0, None, opts.tier, False)
+    out, lse, _ = ops.varlen_fwd_impl(q, k, v, cu_q, cu_k, max_q, max_k, opts, tier, False)
     return out, lse, None
 
 
@@ -228,11 +223,9 @@ def _packed_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     args = [_last_dim_contiguous(t) for t in (dout, q, k, v, out)]
     _calls["backward"] += 1
-    return interface._varlen_bwd_impl(*args, lse.contiguous(), _no_aux(q), None,
-                                      cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), int(max_q),
-                                      int(max_k), scale, wl, wr, 0.0, None,
-                                      torch.are_deterministic_algorithms_enabled(), 0,
-                                      **_dropout_args(dropout_p, rng_state))
+    return ops.varlen_bwd_impl(*args, lse.contiguous(), _no_aux(q), None, cu_seqlens_q.contiguous(),
+                               cu_seqlens_k.contiguous(), int(max_q), int(max_k), ScoreOptions(scale, wl, wr),
+                               torch.are_deterministic_algorithms_enabled(), 0, **_dropout_args(dropout_p, rng_state))
 
 
 # ---------------------------------------------------------------------------------------

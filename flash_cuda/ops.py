@@ -1,0 +1,466 @@
+"""The custom ops around the compiled extension, their fake (meta) versions, their autograd
+formula, and the eager path that runs the same extension calls without the ops' dispatch.
+
+* ``flash_cuda::fwd`` / ``::bwd`` (dense 4-D inputs), ``::varlen_fwd`` / ``::varlen_bwd``
+  (packed 3-D inputs with cu_seqlens), and the forwards with attention dropout
+  ``::fwd_dropout`` / ``::varlen_fwd_dropout``: ``torch.library`` custom ops around the
+  extension's two entry points (``fwd`` / ``bwd``, which take the dense or the packed
+  layout). Each has a fake implementation, so ``torch.compile(fullgraph=True)`` traces
+  through them without a graph break, and the forward ops have an autograd formula that
+  calls the backward op for the gradients autograd asks for alone (dQ, or dK and dV, or all
+  three).
+* The forward ops return (out, lse, aux): aux is the extension's opaque per-row softmax
+  statistics (float32 lse.shape + (2,) for float32 inputs, empty (0,) otherwise), saved for
+  the backward with out and lse and handed back to it unchanged.
+* Empty problems (no batch entry, no query row or no key) are answered here without a
+  kernel launch.
+* The ``*_impl`` functions are the extension calls behind the ops; they take the validated
+  :class:`~flash_cuda.validation.ScoreOptions`. The ops' schemas take plain values, so an op
+  call spreads the options (``*opts``) and the op body gathers them again.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from . import _ext
+from .validation import ScoreOptions, check_cu_seqlens_enabled, check_cu_seqlens_values
+
+__all__ = ["fwd", "bwd", "fwd_dropout", "varlen_fwd", "varlen_bwd", "varlen_fwd_dropout"]
+
+
+def _aux_shape(dtype: torch.dtype, lse_shape) -> Tuple[int, ...]:
+    return tuple(lse_shape) + (2,) if dtype == torch.float32 else (0,)
+
+
+def _fwd_fake_outputs(q: Tensor, lse_shape) -> Tuple[Tensor, Tensor, Tensor]:
+    return (torch.empty_like(q), q.new_empty(lse_shape, dtype=torch.float32),
+            q.new_empty(_aux_shape(q.dtype, lse_shape), dtype=torch.float32))
+
+
+def _empty_fwd(q: Tensor, lse_shape) -> Tuple[Tensor, Tensor, Tensor]:
+    """Every row sees no key (or there are no rows): out 0, lse -inf; nothing launched."""
+    return (torch.zeros_like(q),
+            torch.full(lse_shape, float("-inf"), dtype=torch.float32, device=q.device),
+            torch.zeros(_aux_shape(q.dtype, lse_shape), dtype=torch.float32, device=q.device))
+
+
+def _dense_lse_shape(q: Tensor) -> Tuple[int, int, int]:
+    return (q.shape[0], q.shape[1], q.shape[2])
+
+
+def _varlen_lse_shape(q: Tensor) -> Tuple[int, int]:
+    return (q.shape[1], q.shape[0])
+
+
+def _is_empty(q: Tensor, k: Tensor) -> bool:
+    return q.shape[0] == 0 or q.shape[2] == 0 or k.shape[2] == 0
+
+
+def _is_empty_varlen(q: Tensor, k: Tensor, cu_seqlens_q: Tensor, max_seqlen_q: int,
+                     max_seqlen_k: int) -> bool:
+    # max_seqlen 0: every sequence is empty (the kernels would get an empty grid).
+    return (q.shape[0] == 0 or k.shape[0] == 0 or cu_seqlens_q.shape[0] <= 1
+            or max_seqlen_q == 0 or max_seqlen_k == 0)
+
+
+# ---------------------------------------------------------------------------------------
+# The extension calls behind the ops, shared by the ops and the eager path (below)
+# ---------------------------------------------------------------------------------------
+
+
+def fwd_impl(q, k, v, opts: ScoreOptions, tier):
+    if _is_empty(q, k):
+        return _empty_fwd(q, _dense_lse_shape(q))
+    return _ext.require().fwd(q, k, v, *opts.ext_args(), None, None, 0, 0, int(tier))
+
+
+# need_dq / need_dkdv: which gradients to compute (dK and dV come from the same products, so
+# they go together); one not computed is None, and the extension neither allocates nor works on it.
+def _empty_grads(q, k, v, need_dq, need_dkdv):
+    """The gradients of a call with no query row or no key: zeros, None where not wanted."""
+    return (torch.zeros_like(q) if need_dq else None, torch.zeros_like(k) if need_dkdv else None,
+            torch.zeros_like(v) if need_dkdv else None)
+
+
+def dropout_kwargs(dropout_p, rng_state) -> dict:
+    """The extension's dropout keywords for a backward: none without dropout."""
+    return {"dropout_p": float(dropout_p), "rng_state": rng_state} if dropout_p else {}
+
+
+def _new_rng_state(q: Tensor) -> Tensor:
+    """Where a forward with dropout records the (seed, offset) of its draws for the backward."""
+    return torch.zeros(2, dtype=torch.int64, device=q.device)
+
+
+def bwd_impl(dout, q, k, v, out, lse, aux, dlse, opts: ScoreOptions, deterministic, tier, need_dq=True,
+             need_dkdv=True, dropout_p=0.0, rng_state=None):
+    if _is_empty(q, k):
+        return _empty_grads(q, k, v, need_dq, need_dkdv)
+    return _ext.require().bwd(dout, q, k, v, out, lse, aux, dlse, *opts.ext_args(), None, None, 0, 0,
+                              bool(deterministic), int(tier), bool(need_dq), bool(need_dkdv),
+                              **dropout_kwargs(dropout_p, rng_state))
+
+
+def fwd_dropout_impl(q, k, v, opts: ScoreOptions, tier, dropout_p):
+    """The forward with dropout: (out, lse, aux, rng_state), rng_state the (seed, offset) of the
+    draws (int64 [2]) for the backward."""
+    rng_state = _new_rng_state(q)
+    if _is_empty(q, k):
+        return (*_empty_fwd(q, _dense_lse_shape(q)), rng_state)
+    out, lse, aux = _ext.require().fwd(q, k, v, *opts.ext_args(), None, None, 0, 0, int(tier),
+                                       dropout_p=float(dropout_p), rng_state=rng_state)
+    return out, lse, aux, rng_state
+
+
+def varlen_fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, opts: ScoreOptions, tier,
+                    check_cu_seqlens):
+    if check_cu_seqlens_enabled(check_cu_seqlens):
+        check_cu_seqlens_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0],
+                                max_seqlen_q, max_seqlen_k)
+    if _is_empty_varlen(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k):
+        return _empty_fwd(q, _varlen_lse_shape(q))
+    return _ext.require().fwd(q, k, v, *opts.ext_args(), cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
+                              int(max_seqlen_k), int(tier))
+
+
+def varlen_fwd_dropout_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, opts: ScoreOptions,
+                            tier, check_cu_seqlens, dropout_p):
+    """The packed forward with dropout: (out, lse, aux, rng_state)."""
+    rng_state = _new_rng_state(q)
+    if check_cu_seqlens_enabled(check_cu_seqlens):
+        check_cu_seqlens_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0],
+                                max_seqlen_q, max_seqlen_k)
+    if _is_empty_varlen(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k):
+        return (*_empty_fwd(q, _varlen_lse_shape(q)), rng_state)
+    out, lse, aux = _ext.require().fwd(q, k, v, *opts.ext_args(), cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
+                                       int(max_seqlen_k), int(tier), dropout_p=float(dropout_p),
+                                       rng_state=rng_state)
+    return out, lse, aux, rng_state
+
+
+def varlen_bwd_impl(dout, q, k, v, out, lse, aux, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                    max_seqlen_k, opts: ScoreOptions, deterministic, tier, need_dq=True, need_dkdv=True,
+                    dropout_p=0.0, rng_state=None):
+    if _is_empty_varlen(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k):
+        return _empty_grads(q, k, v, need_dq, need_dkdv)
+    return _ext.require().bwd(dout, q, k, v, out, lse, aux, dlse, *opts.ext_args(), cu_seqlens_q, cu_seqlens_k,
+                              int(max_seqlen_q), int(max_seqlen_k), bool(deterministic), int(tier),
+                              bool(need_dq), bool(need_dkdv), **dropout_kwargs(dropout_p, rng_state))
+
+
+# ---------------------------------------------------------------------------------------
+# The custom ops (plain-valued schemas) and their fakes
+# ---------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("flash_cuda::fwd", mutates_args=())
+def fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, window_left: int, window_right: int,
+        softcap: float, alibi_slopes: Optional[Tensor], deterministic: bool,
+        tier: int) -> Tuple[Tensor, Tensor, Tensor]:
+    """Forward: returns (out, lse, aux). ``deterministic`` is only read by the backward."""
+    out, lse, aux = fwd_impl(q, k, v, ScoreOptions(scale, window_left, window_right, softcap, alibi_slopes), tier)
+    return out, lse, aux
+
+
+@fwd.register_fake
+def _fwd_fake(q, k, v, scale, window_left, window_right, softcap, alibi_slopes, deterministic,
+              tier):
+    return _fwd_fake_outputs(q, _dense_lse_shape(q))
+
+
+def _op_grads(q, k, v, grads, need_dq, need_dkdv):
+    """A custom op returns tensors, never None: a gradient not wanted comes back as an empty
+    (0,) tensor (also where the extension computed it anyway), which the autograd formula
+    turns into None."""
+    dq, dk, dv = grads
+    return (dq if need_dq else q.new_empty(0), dk if need_dkdv else k.new_empty(0),
+            dv if need_dkdv else v.new_empty(0))
+
+
+def _bwd_fake_outputs(q, k, v, need_dq, need_dkdv):
+    return _op_grads(q, k, v, (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)),
+                     need_dq, need_dkdv)
+
+
+@torch.library.custom_op("flash_cuda::bwd", mutates_args=())
+def bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, aux: Tensor,
+        dlse: Optional[Tensor], scale: float, window_left: int, window_right: int,
+        softcap: float, alibi_slopes: Optional[Tensor], deterministic: bool,
+        tier: int, need_dq: bool = True, need_dkdv: bool = True, dropout_p: float = 0.0,
+        rng_state: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
+    """Backward: returns (dq, dk, dv); ``dlse`` is the optional upstream gradient of lse.
+    ``need_dq`` / ``need_dkdv`` say which gradients to compute; the others are empty (0,).
+    With dropout, ``rng_state`` is the forward's record of its draws."""
+    opts = ScoreOptions(scale, window_left, window_right, softcap, alibi_slopes)
+    grads = bwd_impl(dout, q, k, v, out, lse, aux, dlse, opts, deterministic, tier, need_dq, need_dkdv,
+                     dropout_p, rng_state)
+    return _op_grads(q, k, v, grads, need_dq, need_dkdv)
+
+
+@bwd.register_fake
+def _bwd_fake(dout, q, k, v, out, lse, aux, dlse, scale, window_left, window_right, softcap,
+              alibi_slopes, deterministic, tier, need_dq=True, need_dkdv=True, dropout_p=0.0, rng_state=None):
+    return _bwd_fake_outputs(q, k, v, need_dq, need_dkdv)
+
+
+@torch.library.custom_op("flash_cuda::fwd_dropout", mutates_args=())
+def fwd_dropout(q: Tensor, k: Tensor, v: Tensor, scale: float, window_left: int, window_right: int,
+                softcap: float, alibi_slopes: Optional[Tensor], deterministic: bool, tier: int,
+                dropout_p: float) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Forward with attention dropout: (out, lse, aux, rng_state)."""
+    opts = ScoreOptions(scale, window_left, window_right, softcap, alibi_slopes)
+    return fwd_dropout_impl(q, k, v, opts, tier, dropout_p)
+
+
+@fwd_dropout.register_fake
+def _fwd_dropout_fake(q, k, v, scale, window_left, window_right, softcap, alibi_slopes, deterministic, tier,
+                      dropout_p):
+    return (*_fwd_fake_outputs(q, _dense_lse_shape(q)), q.new_empty((2,), dtype=torch.int64))
+
+
+@torch.library.custom_op("flash_cuda::varlen_fwd", mutates_args=())
+def varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+               max_seqlen_q: int, max_seqlen_k: int, scale: float, window_left: int,
+               window_right: int, softcap: float, alibi_slopes: Optional[Tensor],
+               deterministic: bool, tier: int,
+               check_cu_seqlens: bool) -> Tuple[Tensor, Tensor, Tensor]:
+    """Packed forward: returns (out (total_q, Hq, D), lse (Hq, total_q), aux).
+
+    With ``check_cu_seqlens`` (or FLASH_CUDA_CHECK_CU_SEQLENS=1) the values of cu_seqlens
+    are checked here, at run time (also inside a compiled graph), before any launch."""
+    opts = ScoreOptions(scale, window_left, window_right, softcap, alibi_slopes)
+    out, lse, aux = varlen_fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, opts, tier,
+                                    check_cu_seqlens)
+    return out, lse, aux
+
+
+@varlen_fwd.register_fake
+def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
+                     window_left, window_right, softcap, alibi_slopes, deterministic, tier,
+                     check_cu_seqlens):
+    return _fwd_fake_outputs(q, _varlen_lse_shape(q))
+
+
+@torch.library.custom_op("flash_cuda::varlen_bwd", mutates_args=())
+def varlen_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+               aux: Tensor, dlse: Optional[Tensor], cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+               max_seqlen_q: int, max_seqlen_k: int, scale: float, window_left: int,
+               window_right: int, softcap: float, alibi_slopes: Optional[Tensor],
+               deterministic: bool, tier: int, need_dq: bool = True,
+               need_dkdv: bool = True, dropout_p: float = 0.0,
+               rng_state: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
+    """Packed backward: returns (dq, dk, dv) shaped like (q, k, v), empty (0,) where not
+    wanted (``need_dq`` / ``need_dkdv``)."""
+    opts = ScoreOptions(scale, window_left, window_right, softcap, alibi_slopes)
+    grads = varlen_bwd_impl(dout, q, k, v, out, lse, aux, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                            max_seqlen_k, opts, deterministic, tier, need_dq, need_dkdv, dropout_p, rng_state)
+    return _op_grads(q, k, v, grads, need_dq, need_dkdv)
+
+
+@varlen_bwd.register_fake
+def _varlen_bwd_fake(dout, q, k, v, out, lse, aux, dlse, cu_seqlens_q, cu_seqlens_k,
+                     max_seqlen_q, max_seqlen_k, scale, window_left, window_right, softcap,
+                     alibi_slopes, deterministic, tier, need_dq=True, need_dkdv=True, dropout_p=0.0,
+                     rng_state=None):
+    return _bwd_fake_outputs(q, k, v, need_dq, need_dkdv)
+
+
+@torch.library.custom_op("flash_cuda::varlen_fwd_dropout", mutates_args=())
+def varlen_fwd_dropout(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                       max_seqlen_q: int, max_seqlen_k: int, scale: float, window_left: int,
+                       window_right: int, softcap: float, alibi_slopes: Optional[Tensor],
+                       deterministic: bool, tier: int, check_cu_seqlens: bool,
+                       dropout_p: float) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Packed forward with attention dropout: (out, lse, aux, rng_state)."""
+    opts = ScoreOptions(scale, window_left, window_right, softcap, alibi_slopes)
+    return varlen_fwd_dropout_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, opts, tier,
+                                   check_cu_seqlens, dropout_p)
+
+
+@varlen_fwd_dropout.register_fake
+def _varlen_fwd_dropout_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
+                             window_left, window_right, softcap, alibi_slopes, deterministic, tier,
+                             check_cu_seqlens, dropout_p):
+    return (*_fwd_fake_outputs(q, _varlen_lse_shape(q)), q.new_empty((2,), dtype=torch.int64))
+
+
+# ---------------------------------------------------------------------------------------
+# Autograd: one backward for both layouts
+# ---------------------------------------------------------------------------------------
+
+
+def _save_common(ctx, q, k, v, output, alibi_slopes, cu_seqlens_q, cu_seqlens_k, scale,
+                 window_left, window_right, softcap, deterministic, tier, dropout_p=0.0) -> None:
+    out, lse, aux = output[:3]
+    rng_state = output[3] if dropout_p else None
+    ctx.save_for_backward(q, k, v, out, lse, aux, alibi_slopes, cu_seqlens_q, cu_seqlens_k, rng_state)
+    ctx.dropout_p = dropout_p
+    if rng_state is not None:
+        ctx.mark_non_differentiable(rng_state)
+    ctx.opts = ScoreOptions(scale, window_left, window_right, softcap)  # the slopes are saved above
+    ctx.deterministic = deterministic
+    ctx.tier = tier
+    ctx.mark_non_differentiable(aux)
+    # Unused outputs then arrive as None instead of a zero tensor: no dlse is passed
+    # (and nothing is allocated for it) when only `out` is differentiated.
+    ctx.set_materialize_grads(False)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, scale, window_left, window_right, softcap, alibi_slopes, deterministic, tier = inputs
+    _save_common(ctx, q, k, v, output, alibi_slopes, None, None, scale, window_left,
+                 window_right, softcap, deterministic, tier)
+    ctx.varlen = None
+    ctx.unused = len(inputs) - 3
+
+
+def _dropout_setup_context(ctx, inputs, output):
+    q, k, v, scale, window_left, window_right, softcap, alibi_slopes, deterministic, tier, dropout_p = inputs
+    _save_common(ctx, q, k, v, output, alibi_slopes, None, None, scale, window_left,
+                 window_right, softcap, deterministic, tier, dropout_p)
+    ctx.varlen = None
+    ctx.unused = len(inputs) - 3
+
+
+def _varlen_setup_context(ctx, inputs, output):
+    (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, window_left,
+     window_right, softcap, alibi_slopes, deterministic, tier, check_cu_seqlens) = inputs[:15]
+    dropout_p = inputs[15] if len(inputs) > 15 else 0.0
+    _save_common(ctx, q, k, v, output, alibi_slopes, cu_seqlens_q, cu_seqlens_k, scale,
+                 window_left, window_right, softcap, deterministic, tier, dropout_p)
+    ctx.varlen = (max_seqlen_q, max_seqlen_k)
+    ctx.unused = len(inputs) - 3
+
+
+def _backward(ctx, dout, dlse, daux, *drng, eager: bool = False):
+    # Only the gradients autograd asks for are computed (and allocated): dK and dV together,
+    # as they come from the same products.
+    need_q, need_k, need_v = ctx.needs_input_grad[:3]
+    need_dkdv = need_k or need_v
+    unused = (None,) * ctx.unused  # the other inputs: no gradient
+    if not (need_q or need_dkdv):
+        return (None, None, None) + unused
+    q, k, v, out, lse, aux, alibi_slopes, cu_seqlens_q, cu_seqlens_k, rng_state = ctx.saved_tensors
+    if dout is None:
+        dout = torch.zeros_like(out)
+    elif dout.stride(-1) != 1:
+        dout = dout.contiguous()
+    if dlse is not None:
+        dlse = dlse.to(torch.float32).contiguous()
+    opts = ctx.opts._replace(alibi_slopes=alibi_slopes)
+    rest = (ctx.deterministic, ctx.tier, need_q, need_dkdv, ctx.dropout_p, rng_state)
+    if ctx.varlen is None:
+        saved = (dout, q, k, v, out, lse, aux, dlse)
+        dq, dk, dv = bwd_impl(*saved, opts, *rest) if eager else bwd(*saved, *opts, *rest)
+    else:
+        saved = (dout, q, k, v, out, lse, aux, dlse, cu_seqlens_q, cu_seqlens_k, *ctx.varlen)
+        dq, dk, dv = varlen_bwd_impl(*saved, opts, *rest) if eager else varlen_bwd(*saved, *opts, *rest)
+    return (dq if need_q else None, dk if need_k else None, dv if need_v else None) + unused
+
+
+fwd.register_autograd(_backward, setup_context=_setup_context)
+fwd_dropout.register_autograd(_backward, setup_context=_dropout_setup_context)
+varlen_fwd.register_autograd(_backward, setup_context=_varlen_setup_context)
+varlen_fwd_dropout.register_autograd(_backward, setup_context=_varlen_setup_context)
+
+
+# ---------------------------------------------------------------------------------------
+# The eager path
+#
+# Outside torch.compile the ops' dispatch (custom-op wrappers, default filling, the generated
+# autograd node) costs several times what the extension call itself does: on an H100 host a
+# small call's forward + backward spent ~0.7 ms more than SDPA's (OPTIMIZATION.md), so a
+# short sequence's step was bound by the host, not the GPU. Plain eager tensors therefore go
+# through these autograd.Functions, which make the same extension calls, save the same
+# tensors and run the same backward; anything the ops exist for (tracing, fake or
+# functional tensors, tensor subclasses, dispatch or function modes) takes the ops.
+# ---------------------------------------------------------------------------------------
+
+
+def eager_ok(*tensors) -> bool:
+    """Whether a call on these tensors may take the eager path."""
+    if torch.compiler.is_compiling() or torch._C._is_torch_function_mode_enabled():
+        return False
+    if torch._C._len_torch_dispatch_stack() > 0:
+        return False
+    return all(t is None or type(t) is torch.Tensor for t in tensors)
+
+
+class EagerFunction(torch.autograd.Function):
+    """A forward / setup_context / backward triple, applied without per-call argument binding.
+
+    Function.apply binds its arguments through inspect.signature on every call of a Function
+    that defines setup_context (in Python up to torch 2.13, in C++ from 2.14): about 40 us of
+    host time per call, more than the rest of this layer. torch.func's gradient transforms
+    need that split form, so each subclass also gets a twin in the one-step form
+    (``forward(ctx, *args)`` running the same forward, then the same setup_context), whose
+    apply binds nothing; :meth:`run` takes the twin outside torch.func transforms. The
+    callers pass every argument positionally, as the twin needs."""
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        forward, setup_context = cls.forward, cls.setup_context
+
+        def one_step_forward(ctx, *args):
+            output = forward(*args)
+            setup_context(ctx, args, output)
+            return output
+
+        cls.one_step = type(cls.__name__, (torch.autograd.Function,),
+                            {"forward": staticmethod(one_step_forward), "backward": staticmethod(cls.backward),
+                             "__module__": cls.__module__, "__qualname__": f"{cls.__qualname__}.one_step"})
+
+    @staticmethod
+    def backward(ctx, dout, dlse, daux, *drng):
+        return _backward(ctx, dout, dlse, daux, *drng, eager=True)
+
+    @classmethod
+    def run(cls, *args):
+        if torch._C._are_functorch_transforms_active():
+            return cls.apply(*args)
+        # The C++ apply, as Function.apply calls it outside transforms (a one-step Function
+        # has no arguments to bind).
+        return super(torch.autograd.Function, cls.one_step).apply(*args)
+
+
+class EagerFwd(EagerFunction):
+    @staticmethod
+    def forward(q, k, v, scale, window_left, window_right, softcap, alibi_slopes, deterministic, tier):
+        return fwd_impl(q, k, v, ScoreOptions(scale, window_left, window_right, softcap, alibi_slopes), tier)
+
+    setup_context = staticmethod(_setup_context)
+
+
+class EagerFwdDropout(EagerFunction):
+    @staticmethod
+    def forward(q, k, v, scale, window_left, window_right, softcap, alibi_slopes, deterministic, tier, dropout_p):
+        opts = ScoreOptions(scale, window_left, window_right, softcap, alibi_slopes)
+        return fwd_dropout_impl(q, k, v, opts, tier, dropout_p)
+
+    setup_context = staticmethod(_dropout_setup_context)
+
+
+class EagerVarlenFwd(EagerFunction):
+    @staticmethod
+    def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, window_left,
+                window_right, softcap, alibi_slopes, deterministic, tier, check_cu_seqlens):
+        opts = ScoreOptions(scale, window_left, window_right, softcap, alibi_slopes)
+        return varlen_fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, opts, tier,
+                               check_cu_seqlens)
+
+    setup_context = staticmethod(_varlen_setup_context)
+
+
+class EagerVarlenFwdDropout(EagerFunction):
+    @staticmethod
+    def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, window_left,
+                window_right, softcap, alibi_slopes, deterministic, tier, check_cu_seqlens, dropout_p):
+        opts = ScoreOptions(scale, window_left, window_right, softcap, alibi_slopes)
+        return varlen_fwd_dropout_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, opts,
+                                       tier, check_cu_seqlens, dropout_p)
+
+    setup_context = staticmethod(_varlen_setup_context)

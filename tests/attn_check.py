@@ -110,6 +110,15 @@ def hopper_skip_reason(what: str) -> Optional[str]:
     return None
 
 
+def smem_class_kib() -> int:
+    """The opt-in shared memory per block (KiB) of the GPU class the kernels are chosen for:
+    FLASH_CUDA_EMULATE_ARCH's class where it is set (csrc/arch/gpu_class.h), else the device's."""
+    emulated = int(os.environ.get("FLASH_CUDA_EMULATE_ARCH", "0") or 0)
+    if emulated:
+        return 163 if emulated in (80, 87) else 227 if emulated in (90, 100, 103) else 99
+    return torch.cuda.get_device_properties(0).shared_memory_per_block_optin // 1024
+
+
 # ---------------------------------------------------------------------------------------
 # Inputs
 # ---------------------------------------------------------------------------------------

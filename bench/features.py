@@ -1,4 +1,5 @@
-"""The attention features next to the plain call: `python bench/run.py --features` (bench/README.md)."""
+"""The attention features next to the plain call: `python bench/run.py --features` (bench/README.md); with
+`--providers fa4` also FlashAttention-4 on each feature call."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ GOAL_DROPOUT = 1 / 1.1  # dropout_p = 0.1 within 10% of dropout_p = 0 in time
 
 CSV_COLUMNS = ["feature", "dtype", "D", "H", "causal", "mode", "layout", "B", "seqlens", "total_tokens", "window_left",
                "window_right", "softcap", "alibi", "dropout_p", "visible_pairs", "ms", "tflops", "peak_gib", "status",
-               "baseline_tflops", "ratio", "goal", "sdpa_tflops"]
+               "baseline_tflops", "ratio", "goal", "sdpa_tflops", "fa4_tflops"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -83,6 +84,15 @@ class Row:
     def sdpa(self) -> M.Call:
         return replace(self.base, provider="sdpa")
 
+    def other(self, provider: str) -> M.Call:
+        """The feature call on another library's provider (fa4)."""
+        return replace(self.call, provider=provider)
+
+
+def others(args) -> list[str]:
+    """The other libraries' providers of --providers (fa4): a column each, on the feature call."""
+    return [p for p in M.OTHER if p in (getattr(args, "providers", None) or ())]
+
 
 def build_rows(d_list, causal_list, modes) -> list:
     def dense(D, causal, mode, B, S):
@@ -105,8 +115,8 @@ def build_rows(d_list, causal_list, modes) -> list:
     return rows
 
 
-def distinct_calls(rows) -> list:
-    return list(dict.fromkeys(c for r in rows for c in (r.call, r.base, r.sdpa)))
+def distinct_calls(rows, other=()) -> list:
+    return list(dict.fromkeys(c for r in rows for c in (r.call, r.base, r.sdpa, *map(r.other, other))))
 
 
 def tflops(results, call) -> float | None:
@@ -119,8 +129,9 @@ def ratio_of(row: Row, results) -> float | None:
     return a / b if a is not None and b is not None else None
 
 
-def markdown_table(rows, results) -> list[str]:
-    """One line per row: the feature call, its vs call, the ratio against the goal, SDPA on the vs call."""
+def markdown_table(rows, results, other=()) -> list[str]:
+    """One line per row: the feature call, its vs call, the ratio against the goal, SDPA on the vs call; per other
+    provider (fa4) its TFLOPS on the feature call and flash_cuda / it."""
     def cell(call):
         r = results.get(call)
         return "" if r is None else M.status_tag(r["status"]) if tflops(results, call) is None else f"{r['tflops']:.1f}"
@@ -128,17 +139,25 @@ def markdown_table(rows, results) -> list[str]:
     def goal(row, ratio):
         text = "" if row.goal is None else f">= {row.goal:.2f}"
         return text + (" yes" if ratio >= row.goal else " NO") if text and ratio is not None else text
+
+    def ratio(a, b):
+        return C.fmt(pd.Series([a / b if a is not None and b is not None else None]), ".2f")[0]
     table = pd.DataFrame([(r.feature, r.call.D, int(r.call.causal), r.call.mode, label(r.call), cell(r.call),
-                           label(r.base), cell(r.base), C.fmt(pd.Series([ratio_of(r, results)]), ".2f")[0],
-                           goal(r, ratio_of(r, results)), cell(r.sdpa)) for r in rows],
+                           label(r.base), cell(r.base), ratio(tflops(results, r.call), tflops(results, r.base)),
+                           goal(r, ratio_of(r, results)), cell(r.sdpa),
+                           *(x for p in other for x in (cell(r.other(p)), ratio(tflops(results, r.call),
+                                                                                tflops(results, r.other(p))))))
+                          for r in rows],
                          columns=["feature", "D", "causal", "mode", "flash_cuda call", "TFLOPS", "vs (flash_cuda)",
-                                  "TFLOPS", "ratio", "goal", "SDPA default (vs call)"])
-    lines = C.markdown(table, align="--- ---: ---: --- --- ---: --- ---: ---: --- ---:".split()).splitlines()
+                                  "TFLOPS", "ratio", "goal", "SDPA default (vs call)",
+                                  *(x for p in other for x in (f"{p} (same call)", f"fc/{p}"))])
+    align = "--- ---: ---: --- --- ---: --- ---: ---: --- ---:".split() + ["---:"] * 2 * len(other)
+    lines = C.markdown(table, align=align).splitlines()
     lines += ["", "TFLOPS on visible (query, key) pairs: fwd 4*H*D*pairs, bwd 2.5x; ratio = feature / vs (flash_cuda "
               "both)."]
     lines += [f"varlen mixed lengths (seed {MIXED_SEED}): {', '.join(map(str, m))}."
               for m in dict.fromkeys(r.call.seqlens for r in rows if r.feature == "varlen mixed")]
-    notes = collections.Counter((label(c), results[c]["status"]) for c in distinct_calls(rows)
+    notes = collections.Counter((label(c), results[c]["status"]) for c in distinct_calls(rows, other)
                                 if c in results and tflops(results, c) is None)
     if notes:
         lines += ["", "Cells without a number:"]
@@ -159,18 +178,18 @@ def csv_frame(rows, results, dtype) -> pd.DataFrame:
             "softcap": call.softcap, "alibi": int(call.alibi), "dropout_p": call.dropout, "visible_pairs": pairs(call),
             **results[call],
             "baseline_tflops": tflops(results, row.base), "ratio": ratio_of(row, results), "goal": row.goal,
-            "sdpa_tflops": tflops(results, row.sdpa)})
+            "sdpa_tflops": tflops(results, row.sdpa), "fa4_tflops": tflops(results, row.other("fa4"))})
     df = pd.DataFrame(out, columns=CSV_COLUMNS)
     formats = {"ms": ".4f", "tflops": ".1f", "peak_gib": ".3f", "baseline_tflops": ".1f", "ratio": ".3f", "goal": "g",
-               "sdpa_tflops": ".1f"}
+               "sdpa_tflops": ".1f", "fa4_tflops": ".1f"}
     return df.assign(**{c: C.fmt(df[c], f) for c, f in formats.items()})
 
 
 def run_features(args, rows, dtype, timer, env, device="cuda") -> dict:
     """Measure every distinct call once, write features.csv / features.md. -> {call: result}."""
-    t0, calls = time.time(), distinct_calls(rows)
+    t0, calls = time.time(), distinct_calls(rows, others(args))
     results = M.measure_all({c: flops(c) for c in calls}, dtype, timer, args.seed, not args.no_check, device)
-    table = markdown_table(rows, results)
+    table = markdown_table(rows, results, others(args))
     title = (f"flash_cuda features, {M.DTYPE_SHORT[dtype]}, {len(rows)} rows, {len(calls)} calls "
              f"({time.time() - t0:.0f} s)")
     C.write_results(args.out_dirs[dtype], "features", csv_frame(rows, results, dtype), title, env, table)
@@ -182,5 +201,6 @@ def dry_run(args, rows) -> None:
     for row in rows:
         print(f"{row.feature:13s} D={row.call.D:<3d} causal={int(row.call.causal)} {row.call.mode:7s} "
               f"{label(row.call)}  vs  {label(row.base)}")
-    print(f"{len(rows)} rows, {len(distinct_calls(rows))} timed calls per dtype ({', '.join(args.dtype)}); "
+    n = len(distinct_calls(rows, others(args)))
+    print(f"{len(rows)} rows, {n} timed calls per dtype ({', '.join(args.dtype)}); "
           f"output {', '.join(str(Path(d) / 'features.csv') for d in args.out_dirs.values())}")

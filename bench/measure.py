@@ -1,6 +1,7 @@
 """What bench/run.py and bench/features.py measure with: the providers, one measured call
 (:class:`Call`), its inputs, the correctness check against flash_cuda.reference, the timing, and
-the statuses a failure becomes."""
+the statuses a failure becomes. FlashAttention-4 (`fa4`, `pip install flash-attn-4`) is optional:
+without `flash_attn.cute` its cells are skipped, the reason as their status."""
 
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ MODE_FLOP_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}  # a backward = 2.5 
 FLASH_KERNEL = {"flash_cuda": "auto", "flash_cuda_simt": "simt", "flash_cuda_mma": "mma", "flash_cuda_det": "auto"}
 SDPA_BACKEND = {"sdpa": None, "sdpa_flash": "FLASH_ATTENTION", "sdpa_cudnn": "CUDNN_ATTENTION",
                 "sdpa_efficient": "EFFICIENT_ATTENTION", "sdpa_math": "MATH"}
-PROVIDERS = [*FLASH_KERNEL, *SDPA_BACKEND]
+OTHER = {"fa4": "FlashAttention-4"}  # other libraries' providers, on (B, S, H, D) tensors
+PROVIDERS = [*FLASH_KERNEL, *SDPA_BACKEND, *OTHER]
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DTYPE_SHORT = {t: name for name, t in DTYPES.items()}
 # Relative L2 error allowed against the float32 reference: (output, gradients).
@@ -89,6 +91,58 @@ def load_flash_cuda():
     return flash_cuda
 
 
+def load_fa4():
+    """FlashAttention-4's (flash_attn_func, flash_attn_varlen_func); Unavailable, a skipped status, without them."""
+    try:
+        from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
+    except Exception as exc:  # not installed, or its runtime does not load
+        raise Unavailable(f"skipped: flash_attn.cute is not importable ({type(exc).__name__}: {short_text(exc)}; "
+                          "pip install flash-attn-4)") from None
+    return flash_attn_func, flash_attn_varlen_func
+
+
+def missing(provider: str) -> str | None:
+    """The status of every cell of a provider that cannot run here (FA4 not importable), else None."""
+    if provider in OTHER:
+        try:
+            load_fa4()
+        except Unavailable as exc:
+            return str(exc)
+    return None
+
+
+def fa4_version() -> str:
+    """flash-attn-4's version, or why the fa4 cells are skipped."""
+    import importlib.metadata
+    try:
+        return missing("fa4") or f"flash-attn-4 {importlib.metadata.version('flash-attn-4')}"
+    except importlib.metadata.PackageNotFoundError:
+        return "flash_attn.cute importable (no flash-attn-4 package metadata)"
+
+
+def bshd(call: Call) -> bool:
+    """Whether the provider takes dense (B, S, H, D) tensors (made once from the (B, H, S, D) inputs, untimed)."""
+    return call.provider in OTHER and not call.varlen
+
+
+def fa4_fn(call: Call, cu, dtype):
+    """(q, k, v) -> out of FlashAttention-4, (B, S, H, D) or packed (total, H, D); what it lacks raises."""
+    if dtype not in (torch.float16, torch.bfloat16):
+        raise NotImplementedError(f"FlashAttention-4 takes fp16 / bf16, not {DTYPE_SHORT[dtype]}")
+    if call.alibi or call.dropout:
+        raise NotImplementedError(f"FlashAttention-4 has no {'ALiBi' if call.alibi else 'dropout'}")
+    dense, varlen = load_fa4()
+    opts = {"causal": call.causal, "window_size": tuple(None if w < 0 else w for w in call.window),
+            "softcap": call.softcap}
+    m = max(call.seqlens)
+
+    def fwd(q, k, v):
+        out = (varlen(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=m, max_seqlen_k=m, **opts)
+               if call.varlen else dense(q, k, v, **opts))
+        return out[0] if isinstance(out, tuple) else out
+    return fwd
+
+
 def alibi_slopes(H: int) -> torch.Tensor:
     return torch.tensor([2.0 ** (-8.0 * (h + 1) / H) for h in range(H)], dtype=torch.float32)
 
@@ -105,8 +159,10 @@ def make_inputs(call: Call, dtype, seed: int, device="cuda"):
         return None
 
 
-def make_fn(call: Call, cu, device):
+def make_fn(call: Call, cu, device, dtype):
     """(q, k, v) -> out of the call's provider (measure() forces SDPA's backend)."""
+    if call.provider in OTHER:
+        return fa4_fn(call, cu, dtype)
     if call.provider in SDPA_BACKEND:
         return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=call.causal, dropout_p=call.dropout)
     fc, opts = load_flash_cuda(), call.options()
@@ -130,6 +186,7 @@ def check(call: Call, fwd, q, k, v, dout, cu, dtype) -> str:
     a, b = (int(cu[-2]), int(cu[-1])) if call.varlen else (None, None)
 
     def view(t):  # -> (1, heads, S, D) float32
+        t = t.transpose(1, 2) if bshd(call) else t
         if call.varlen:
             return t.detach()[a:b].index_select(1, heads).transpose(0, 1).unsqueeze(0).float()
         return t.detach()[-1:].index_select(1, heads).float()
@@ -219,14 +276,15 @@ def measure(call: Call, inputs, flops: float, dtype, timer, check_first: bool = 
     """{ms, tflops, peak_gib, status} of the call on new leaves of inputs; a failure becomes the status."""
     if inputs is None:
         return {"status": "OOM (inputs)"}
-    q, k, v = (t.detach().requires_grad_(call.mode != "fwd") for t in inputs[:3])
-    dout, cu = inputs[3:]
+    q, k, v, dout = (t.transpose(1, 2).contiguous() if bshd(call) else t for t in inputs[:4])
+    q, k, v = (t.detach().requires_grad_(call.mode != "fwd") for t in (q, k, v))
+    cu = inputs[4]
     with warnings.catch_warnings():  # SDPA warns why each backend refused; the status says it is unsupported
         warnings.simplefilter("ignore")
         try:
             backend = SDPA_BACKEND.get(call.provider)
             with sdpa_kernel(getattr(SDPBackend, backend)) if backend else contextlib.nullcontext():
-                fwd = make_fn(call, cu, q.device)
+                fwd = make_fn(call, cu, q.device, dtype)
                 status = check(call, fwd, q, k, v, dout, cu, dtype) if check_first else "ok"
                 if status == "ok":
                     ms, peak = time_call(fwd, q, k, v, dout, call.mode, timer)
@@ -239,11 +297,17 @@ def measure(call: Call, inputs, flops: float, dtype, timer, check_first: bool = 
 
 
 def measure_all(flops: dict, dtype, timer, seed: int, check_first: bool, device="cuda") -> dict:
-    """{call: measure()} for flops ({call: FLOP count}); the calls of one shape share one set of inputs."""
+    """{call: measure()} for flops ({call: FLOP count}); the calls of one shape share one set of inputs. A provider
+    that cannot run here (missing()) is not measured: its reason is the status."""
     groups, results = collections.defaultdict(list), {}
+    absent = {p: missing(p) for p in dict.fromkeys(c.provider for c in flops)}
     for c in flops:
-        groups[c.varlen, c.D, c.H, c.seqlens].append(c)
-    bar = tqdm(total=len(flops), disable=None, file=sys.stderr, dynamic_ncols=True)  # off where not a terminal
+        if absent[c.provider]:
+            results[c] = {"status": absent[c.provider]}
+        else:
+            groups[c.varlen, c.D, c.H, c.seqlens].append(c)
+    bar = tqdm(total=len(flops) - len(results), disable=None, file=sys.stderr,  # off where not a terminal
+               dynamic_ncols=True)
     for i, group in enumerate(groups.values()):
         inputs = make_inputs(group[0], dtype, seed + i, device)
         for c in group:

@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Benchmark flash_cuda against PyTorch SDPA's backends: TFLOPS per (D, causal, mode, S) cell (bench/README.md)."""
+"""Benchmark flash_cuda against PyTorch SDPA's backends and, with `--providers ... fa4`, FlashAttention-4: TFLOPS per
+(D, causal, mode, S) cell (bench/README.md)."""
 
 from __future__ import annotations
 
@@ -60,7 +61,8 @@ def run_grid(args, grid: pd.DataFrame, providers, dtype, timer, device="cuda") -
 
 
 def grid_table(res: pd.DataFrame) -> list[str]:
-    """Markdown: TFLOPS per provider, the first flash_cuda provider / each SDPA one, the reasons of empty cells."""
+    """Markdown: TFLOPS per provider, the first flash_cuda provider / each SDPA one and FA4, the reasons of empty
+    cells."""
     providers = list(dict.fromkeys(res.provider))
     order = pd.MultiIndex.from_frame(res[GRID_KEYS].drop_duplicates())
 
@@ -69,7 +71,7 @@ def grid_table(res: pd.DataFrame) -> list[str]:
     table = wide(C.fmt(res.tflops, ".1f").where(res.status == "ok", res.status.map(M.status_tag)))
     tflops = wide(res.tflops.where(res.status == "ok"))
     num = next((p for p in providers if p in M.FLASH_KERNEL), None)
-    for p in (p for p in M.SDPA_BACKEND if p in providers and num):
+    for p in (p for p in [*M.SDPA_BACKEND, *M.OTHER] if p in providers and num):
         label = {"sdpa_efficient": "eff"}.get(p, p.removeprefix("sdpa_"))
         table[f"{'fc' if num == 'flash_cuda' else num}/{label}"] = C.fmt(tflops[num] / tflops[p], ".2f")
     table = table.reset_index().assign(S=lambda t: t.S.map(C.fmt_size))
@@ -152,7 +154,7 @@ def anchor_comparison(res: pd.DataFrame, anchors: pd.DataFrame) -> pd.DataFrame:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(
         prog="python bench/run.py",
-        description="Benchmark flash_cuda against PyTorch SDPA's backends (TFLOPS, median of "
+        description="Benchmark flash_cuda against PyTorch SDPA's backends and FlashAttention-4 (TFLOPS, median of "
                     "triton.testing.do_bench with the L2 flushed; bench/README.md).")
     a = p.add_argument
     a("--d", type=int, nargs="+", default=DEFAULT_D, metavar="D", help="head dims (default 64 128)")
@@ -161,7 +163,8 @@ def parse_args(argv=None):
     a("--seqlen", nargs="+", type=C.parse_size, metavar="S", help="e.g. 4096 or 4k (default 512 1k 2k 4k 8k 16k)")
     a("--dtype", nargs="+", default=["bf16"], choices=sorted(M.DTYPES), help="several: one results folder each")
     a("--providers", nargs="+", choices=M.PROVIDERS, metavar="P",
-      help=f"subset of: {', '.join(M.PROVIDERS)} (default: flash_cuda, the dtype's tier, every sdpa*)")
+      help=f"subset of: {', '.join(M.PROVIDERS)} (default: flash_cuda, the dtype's tier, every sdpa*; fa4 = "
+           "FlashAttention-4, skipped where flash_attn.cute does not import; with --features: fa4 adds its column)")
     a("--batch", type=int, help="B of every config (default 16384 // S)")
     a("--heads", type=int, help="H of every config (default 2048 // D)")
     a("--quick", action="store_true", help="S in {1k, 4k, 16k}, do_bench budgets 10 / 30 ms instead of 25 / 100")
@@ -199,13 +202,18 @@ def dry_run(args) -> None:
               f"S {[C.fmt_size(s) for s in args.seqlens]}, {shape_text(grid)}\n  output: {out}")
 
 
+def other_versions(providers) -> dict:
+    """{"fa4": its version, or why its cells are skipped} when fa4 is among the providers, else {}."""
+    return {"fa4": M.fa4_version()} if "fa4" in (providers or ()) else {}
+
+
 def report(args, res: pd.DataFrame, dtype, env: dict, elapsed: float) -> None:
     out_dir = Path(args.out_dirs[dtype])
     title = (f"flash_cuda benchmark, {M.DTYPE_SHORT[dtype]}, {shape_text(res)}, {len(res[GRID_KEYS].drop_duplicates())}"
              f" configs x {res.provider.nunique()} providers ({elapsed:.0f} s)")
     table = grid_table(res)
     print(f"\n## {title}\n\n" + "\n".join(table))
-    body = ["TFLOPS (ratios: flash_cuda / SDPA backend; >1 means flash_cuda is faster)", "", *table]
+    body = ["TFLOPS (ratios: flash_cuda / SDPA backend or FA4; >1 means flash_cuda is faster)", "", *table]
     if args.compare_anchors:
         anchor_dir, anchors = load_anchors(args.compare_anchors)
         if anchor_dir is None:
@@ -234,6 +242,8 @@ def main(argv=None) -> int:
             features.dry_run(args, rows)
         else:
             dry_run(args)
+        for line in C.env_lines(other_versions(args.providers)):
+            print(line)
         return 0
     if not torch.cuda.is_available():
         print("bench/run.py needs a CUDA GPU (use --dry-run to see the plan).", file=sys.stderr)
@@ -243,7 +253,7 @@ def main(argv=None) -> int:
         version = M.load_flash_cuda().__version__
     except M.Unavailable as exc:
         version = str(exc)
-    env = C.environment(flash_cuda=version, timer=timer.name)
+    env = C.environment(flash_cuda=version, **other_versions(args.providers), timer=timer.name)
     print("\n".join(C.env_lines(env)))
     for dtype in args.out_dirs:
         if args.features:

@@ -216,3 +216,66 @@ def test_features_end_to_end_on_cpu(feat, monkeypatch, tmp_path, capsys, broken)
     md = (tmp_path / "features.md").read_text()
     assert "| window | 32 | 1 | fwd | B=2 S=64 window (9, 0) |" in md
     assert "gpu: none (CPU test)" in md and "git commit: abc1234" in md
+
+
+def test_features_fa4_on_cpu(feat, monkeypatch, tmp_path, capsys):
+    """--features --providers fa4 with a stand-in flash_attn.cute: FA4 on each feature call (window, softcap, varlen
+    through its own layouts and keywords; ALiBi and dropout unsupported, with the reason), its column and fc/fa4."""
+    import argparse
+    import fake_fa4
+    sys.path.append(str(ROOT))
+    ref = pytest.importorskip("flash_cuda.reference")
+    M = feat.M
+    calls = []
+    fake_fa4.install(monkeypatch, fake_fa4.make_module(calls=calls))
+    for name, value in (("TOKENS", 128), ("HIDDEN", 64)):
+        monkeypatch.setattr(M, name, value)
+    for name, value in (("WINDOW_S", 64), ("WINDOW", (9, 0)), ("VARLEN_B", 3), ("VARLEN_S", 24),
+                        ("MIXED_RANGE", (5, 40)), ("SMALL_S", 32), ("SMALL_D", 32), ("SOFTCAP", 1.0),
+                        ("DROPOUT_S", 32)):
+        monkeypatch.setattr(feat, name, value)
+    monkeypatch.setattr(M, "load_flash_cuda", lambda: _FakeFlash(ref))
+    monkeypatch.setattr(M, "next_philox", lambda device: _PHILOX)
+    monkeypatch.setattr(M, "time_call", lambda fwd, q, k, v, dout, mode, timer: (
+        1.0 if q.dim() == 4 and q.shape[1] > q.shape[2] else 2.0, 0.0))  # FA4's dense (B, S, H, D): 1 ms
+    rows = feat.build_rows([32], [1], ["fwd", "bwd"])
+    args = argparse.Namespace(no_check=False, seed=0, out_dirs={torch.bfloat16: tmp_path}, providers=["fa4"])
+    results = feat.run_features(args, rows, torch.bfloat16, None, {"gpu": "none (CPU test)"}, device="cpu")
+    for row in rows:
+        r = results[row.other("fa4")]
+        if row.feature in ("alibi", "dropout"):
+            name = "ALiBi" if row.feature == "alibi" else "dropout"
+            assert r["status"] == f"unsupported: FlashAttention-4 has no {name}"
+        else:
+            assert r["status"] == "ok", (row.call, r)
+    kw = {c[0]: c[3] for c in calls}
+    assert set(kw) == {"flash_attn_func", "flash_attn_varlen_func"}
+    assert any(c[3]["window_size"] == (9, 0) and c[3]["causal"] for c in calls)
+    assert any(c[3]["softcap"] == 1.0 for c in calls)
+    assert all(c[2] for c in calls) and {c[1] for c in calls if c[0] == "flash_attn_func"} == {(2, 64, 2, 32),
+                                                                                            (4, 32, 2, 32)}
+    table = "\n".join(feat.markdown_table(rows, results, ["fa4"]))
+    assert "| SDPA default (vs call) | fa4 (same call) | fc/fa4 |" in table.splitlines()[0]
+    assert "| window | 32 | 1 | fwd | B=2 S=64 window (9, 0) | " in table
+    window = next(line for line in table.splitlines() if line.startswith("| window | 32 | 1 | fwd |"))
+    assert window.endswith("| 0.50 |")  # fc 2 ms, FA4 1 ms on the same call
+    assert next(line for line in table.splitlines() if line.startswith("| alibi |")).endswith("| n/s |  |")
+    assert "- B=4 S=32 alibi [fa4] (2x): unsupported: FlashAttention-4 has no ALiBi" in table
+    csv = (tmp_path / "features.csv").read_text().splitlines()
+    assert csv[1].endswith(",sdpa_tflops,fa4_tflops")
+    assert csv[2].startswith("window,") and csv[2].split(",")[-1] != ""
+
+
+def test_features_without_fa4_skip_it(feat, monkeypatch, capsys):
+    import argparse
+    import fake_fa4
+    fake_fa4.install(monkeypatch, None)
+    rows = feat.build_rows([128], [1], ["fwd"])
+    calls = feat.distinct_calls(rows, ["fa4"])
+    results = feat.M.measure_all({c: feat.flops(c) for c in calls if c.provider == "fa4"}, torch.bfloat16, None, 0,
+                                 True, device="cpu")
+    assert {r["status"] for r in results.values()} == {
+        "skipped: flash_attn.cute is not importable (ModuleNotFoundError: import of flash_attn.cute halted; None in "
+        "sys.modules; pip install flash-attn-4)"}
+    assert feat.others(argparse.Namespace(providers=["flash_cuda", "fa4"])) == ["fa4"]
+    assert feat.others(argparse.Namespace(providers=None)) == [] and feat.others(argparse.Namespace()) == []

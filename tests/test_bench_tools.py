@@ -459,6 +459,87 @@ def test_grid_end_to_end_on_cpu(run, monkeypatch, tmp_path, capsys):
     assert "gpu: none (CPU test)" in md and "Anchors from" in md and "- flash_cuda: WRONG" in md
 
 
+class _RightFlash(_WrongFlash):
+    def attention(self, q, k, v, is_causal=False, **_):
+        import torch.nn.functional as F
+        return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
+
+
+def _bshd_time_call(fwd, q, k, v, dout, mode, timer):
+    """Runs the call; 1 ms on FA4's (B, S, H, D) tensors (S = 64 > H = 3), 2 ms on (B, H, S, D) ones."""
+    out = fwd(q, k, v)
+    if mode != "fwd":
+        out.backward(dout)
+    return (1.0 if q.shape[1] > q.shape[2] else 2.0), 0.0
+
+
+@pytest.mark.parametrize("bshd", [True, False])
+def test_fa4_grid_on_cpu(run, monkeypatch, bshd):
+    """fa4 through a stand-in flash_attn.cute: contiguous (B, S, H, D) tensors in, the output and gradients
+    checked after the transposes back (a stand-in that misreads the layout is WRONG), the fc/fa4 column."""
+    import argparse
+    import torch
+    import fake_fa4
+    calls = []
+    fake_fa4.install(monkeypatch, fake_fa4.make_module(bshd=bshd, calls=calls))
+    monkeypatch.setattr(run.M, "load_flash_cuda", lambda: _RightFlash())
+    monkeypatch.setattr(run.M, "time_call", _bshd_time_call)
+    grid = run.build_grid([16], [0, 1], ["fwd", "bwd"], [64], batch=2, heads=3)
+    args = argparse.Namespace(no_check=False, seed=0, max_quadratic_gib=40.0)
+    res = run.run_grid(args, grid, ["flash_cuda", "fa4", "sdpa_cudnn"], torch.bfloat16, None, device="cpu")
+    fa4 = res[res.provider == "fa4"]
+    if not bshd:
+        assert all(s.startswith("WRONG (out rel err") for s in fa4.status), list(fa4.status)
+        return
+    assert list(res[res.provider != "sdpa_cudnn"].status) == ["ok"] * 8, list(res.status)
+    assert {c[:3] for c in calls} == {("flash_attn_func", (2, 64, 3, 16), True)}
+    assert [c[3]["causal"] for c in calls[::2]] == [False, False, True, True]  # check + timing, fwd then bwd
+    assert all(c[3]["window_size"] == (None, None) and c[3]["softcap"] == 0.0 for c in calls)
+    table = run.grid_table(res)
+    assert table[0] == "| D | causal | mode | S | B | H | flash_cuda | fa4 | sdpa_cudnn | fc/cudnn | fc/fa4 |"
+    assert all(line.endswith("|  | 0.50 |") for line in table[2:6])  # fc: 2 ms, fa4: 1 ms; cuDNN n/a on CPU
+
+
+def test_fa4_unsupported_dtype(run, monkeypatch):
+    import argparse
+    import torch
+    import fake_fa4
+    fake_fa4.install(monkeypatch, fake_fa4.make_module())
+    monkeypatch.setattr(run.M, "time_call", _bshd_time_call)
+    grid = run.build_grid([16], [1], ["fwd"], [64], batch=2, heads=3)
+    args = argparse.Namespace(no_check=False, seed=0, max_quadratic_gib=40.0)
+    res = run.run_grid(args, grid, ["fa4"], torch.float32, None, device="cpu")
+    assert list(res.status) == ["unsupported: FlashAttention-4 takes fp16 / bf16, not fp32"]
+    assert "- fa4: unsupported: FlashAttention-4 takes fp16 / bf16, not fp32 (1 config)" in run.grid_table(res)
+
+
+def test_fa4_missing_is_skipped_with_reason(run, monkeypatch, tmp_path, capsys):
+    """Without flash_attn.cute the fa4 cells are skipped with the reason (not measured) and main() returns 0: the
+    whole driver on CPU (CUDA's presence, the timer and the environment stood in for)."""
+    import argparse
+    import functools
+    import torch
+    import fake_fa4
+    fake_fa4.install(monkeypatch, None)
+    monkeypatch.setattr(run.M, "load_flash_cuda", lambda: _RightFlash())
+    monkeypatch.setattr(run.M, "time_call", _bshd_time_call)
+    monkeypatch.setattr(run.M, "fa4_fn", lambda *a: pytest.fail("fa4 was measured"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(run.C, "Timer", lambda *a: argparse.Namespace(name="stand-in timer"))
+    monkeypatch.setattr(run.C, "environment", lambda **kw: {"gpu": "none (CPU test)", **kw})
+    monkeypatch.setattr(run, "run_grid", functools.partial(run.run_grid, device="cpu"))
+    argv = ["--d", "16", "--causal", "1", "--mode", "fwd", "--seqlen", "64", "--batch", "2", "--heads", "3",
+            "--providers", "flash_cuda", "fa4", "--out", str(tmp_path), "--no-plots"]
+    assert run.main(argv) == 0
+    out = capsys.readouterr().out
+    reason = "skipped: flash_attn.cute is not importable (ModuleNotFoundError: "
+    assert f"fa4: {reason}" in out  # the environment line
+    assert "| 16 | 1 | fwd | 64 | 2 | 3 | " in out and "| skip |  |" in out
+    assert f"- fa4: {reason}" in out and "pip install flash-attn-4) (1 config)" in out
+    csv = (tmp_path / "results.csv").read_text()
+    assert f"# fa4: {reason}" in csv and f",{reason}" in csv
+
+
 def test_run_help_and_dry_run():
     pytest.importorskip("torch")
     proc = subprocess.run([sys.executable, str(BENCH / "run.py"), "--help"],

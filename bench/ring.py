@@ -11,10 +11,11 @@ For each cell (tokens per GPU x causal x mode), with B = 1, 16 heads, D = 128, b
   after WARMUP, every rank in step: a barrier before each timed loop);
 * ideal: flash_cuda.attention on the whole sequence (W x tokens) on rank 0 alone, divided by
   W; `efficiency` = ideal / ring (1.0: the sequence split over W GPUs runs W times faster);
-* compute: the same ring steps with the blocks kept in hand instead of exchanged (the kernels
-  and merges alone, plus a device-local copy in place of each transfer), comm: the ring's
-  transfers alone (W - 1 hops of K and V; the backward also W - 1 hops of K, V and W of dK, dV,
-  in the input dtype on two GPUs where the ring sends them so, else float32);
+* compute: the same ring steps with the blocks kept in hand instead of exchanged
+  (flash_cuda.ring.NoComm: the kernels and merges alone, plus a device-local copy in place of
+  each transfer), comm: the ring's transfers alone (W - 1 hops of K and V; the backward also
+  W - 1 hops of K, V and W of dK, dV, in the input dtype on two GPUs where the ring sends them
+  so, else float32);
   `hidden` = (compute + comm - ring) / comm, the share of the transfer time that overlaps
   compute (1.0: all of it).
 
@@ -36,13 +37,12 @@ import torch.distributed as dist  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 import common  # noqa: E402 (bench/common.py)
 import flash_cuda  # noqa: E402
 from flash_cuda import distributed as fcd  # noqa: E402
+from flash_cuda import ring as fcr  # noqa: E402
 from flash_cuda.validation import ScoreOptions  # noqa: E402
-from ring_helpers import NoComm  # noqa: E402 (tests/ring_helpers.py)
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -87,7 +87,7 @@ def comm_only(cfg, k, v, mode):
         bufs = [(torch.empty_like(k), torch.empty_like(v)) for _ in range(2)]
         kv = (k, v)
         # dK / dV travel in the input dtype or float32, as the ring's backward sends them
-        travel = (k.dtype if fcd._dkv_travels_in_input_dtype(cfg.layout, W, k.shape[2], cfg.left, cfg.right)
+        travel = (k.dtype if fcr.dkv_travels_in_input_dtype(cfg.layout, W, k.shape[2], cfg.left, cfg.right)
                   else torch.float32)
         dkv = (torch.zeros(k.shape, dtype=travel, device=k.device), torch.zeros(v.shape, dtype=travel, device=v.device))
         for s in range(n):
@@ -96,7 +96,7 @@ def comm_only(cfg, k, v, mode):
                 incoming = (torch.empty_like(dkv[0]), torch.empty_like(dkv[1]))
                 handles += ring.exchange(dkv, incoming, tag0=2)
                 dkv = incoming
-            fcd._Ring.wait(handles)
+            fcr.Ring.wait(handles)
             kv = bufs[s % 2]
 
     def step():
@@ -141,14 +141,14 @@ def main():
                 opts = dict(is_causal=causal, layout=args.layout, method=args.method)
                 ring_ms = timed(make_step(lambda a, b, c: fcd.ring_attention(a, b, c, **opts), q, k, v, do, mode),
                                 args.iters, args.warmup)
-                method = fcd._pick_method(args.method, args.heads, hkv, tokens, W)
-                cfg = fcd._Config(fcd._CudaBlocks(q, ScoreOptions(args.d ** -0.5), False, 0), fcd._Ring(None, W, rank),
-                                  method, args.layout, -1, 0 if causal else -1, mode == "fwd_bwd",
-                                  mode == "fwd_bwd")
+                method = fcr.pick_method(args.method, args.heads, hkv, tokens, W)
+                cfg = fcr.Config(fcr.CudaBlocks(q, ScoreOptions(args.d ** -0.5), False, 0), fcr.Ring(None, W, rank),
+                                 method, args.layout, -1, 0 if causal else -1, mode == "fwd_bwd",
+                                 mode == "fwd_bwd")
                 hidden = comm_ms = compute_ms = float("nan")
                 if method == "ring" and W > 1:
-                    still = cfg._replace(ring=NoComm(W, rank))
-                    compute_ms = timed(make_step(lambda a, b, c: fcd._RingAttention.apply(a, b, c, still)[0],
+                    still = cfg._replace(ring=fcr.NoComm(W, rank))
+                    compute_ms = timed(make_step(lambda a, b, c: fcr.RingAttention.apply(a, b, c, still)[0],
                                                  q, k, v, do, mode), args.iters, args.warmup)
                     comm_ms = timed(comm_only(cfg, k.contiguous(), v.contiguous(), mode), args.iters, args.warmup)
                     hidden = min(1.0, max(0.0, (compute_ms + comm_ms - ring_ms) / comm_ms))

@@ -2,7 +2,7 @@
 float64 included): :mod:`flash_cuda.reference`'s blocked forward / backward and its merge of
 partial results, behind the interface the ring expects of a block kernel (``forward``,
 ``backward``, ``merge``, ``acc_dtype``, ``has_stats``; the CUDA one is
-``flash_cuda.distributed``'s). :mod:`flash_cuda.reference` itself stays the specification.
+:class:`flash_cuda.ring.CudaBlocks`). :mod:`flash_cuda.reference` itself stays the specification.
 """
 
 from __future__ import annotations

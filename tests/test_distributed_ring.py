@@ -24,10 +24,11 @@ import torch
 import torch.distributed as dist
 
 from flash_cuda import distributed as fcd
+from flash_cuda import ring as fcr
 from flash_cuda.cpu_backend import ReferenceBlocks
 from flash_cuda.reference import attention_naive
+from flash_cuda.ring import NoComm
 from flash_cuda.validation import ScoreOptions
-from ring_helpers import NoComm
 from spawn_ranks import run_cases, spawn_ranks
 
 WORLD_SIZES = (1, 2, 3, 4)
@@ -286,7 +287,7 @@ def _covered(calls, q_chunks, k_chunks, s_local_k):
         sq, sk = c.q1 - c.q0, c.k1 - c.k0
         for i in range(sq):
             for j in range(sk):
-                lo, hi = fcd._window_band(c.wl, c.wr, sq, sk)
+                lo, hi = fcr._window_band(c.wl, c.wr, sq, sk)
                 if lo <= j - i <= hi:
                     key = (glob(q_chunks, c.q0 + i), glob(k_chunks, c.k0 + j))
                     cells[key] = cells.get(key, 0) + 1
@@ -301,18 +302,18 @@ def test_plans_cover_the_mask_exactly(layout, window):
         S = s_local * world
         left, right = window
         for rank in range(world):
-            mine = fcd._rank_chunks(layout, world, rank, s_local)
+            mine = fcr._rank_chunks(layout, world, rank, s_local)
             cells = {}
             for src in range(world):
-                theirs = fcd._rank_chunks(layout, world, src, s_local)
-                calls = fcd._plan(mine, theirs, left, right)
+                theirs = fcr._rank_chunks(layout, world, src, s_local)
+                calls = fcr._plan(mine, theirs, left, right)
                 for key, n in _covered(calls, mine, theirs, s_local).items():
                     cells[key] = cells.get(key, 0) + n
                 if window == (-1, -1):
                     assert len(calls) == 1, calls  # unmasked: one call per block
             # all-gather: the same cells against the whole sequence
-            ag = fcd._plan(mine, [fcd._Chunk(0, 0, S)], left, right)
-            assert _covered(ag, mine, [fcd._Chunk(0, 0, S)], S) == cells
+            ag = fcr._plan(mine, [fcr._Chunk(0, 0, S)], left, right)
+            assert _covered(ag, mine, [fcr._Chunk(0, 0, S)], S) == cells
             expected = {(c.start + i, t) for c in mine for i in range(c.length) for t in range(S)
                         if (left < 0 or t >= c.start + i - left) and (right < 0 or t <= c.start + i + right)}
             assert set(cells) == expected and all(n == 1 for n in cells.values()), (world, rank)
@@ -321,9 +322,9 @@ def test_plans_cover_the_mask_exactly(layout, window):
 def test_zigzag_causal_is_one_balanced_call_per_step():
     world, s_local = 4, 16
     for rank in range(world):
-        mine = fcd._rank_chunks("zigzag", world, rank, s_local)
+        mine = fcr._rank_chunks("zigzag", world, rank, s_local)
         for src in range(world):
-            calls = fcd._plan(mine, fcd._rank_chunks("zigzag", world, src, s_local), -1, 0)
+            calls = fcr._plan(mine, fcr._rank_chunks("zigzag", world, src, s_local), -1, 0)
             assert len(calls) == 1
             c = calls[0]
             if src == rank:
@@ -333,11 +334,11 @@ def test_zigzag_causal_is_one_balanced_call_per_step():
 
 
 def test_pick_method():
-    assert fcd._pick_method("ring", 8, 1, 8192, 4) == "ring"
-    assert fcd._pick_method("auto", 32, 8, 8192, 4) == "allgather"  # gathered K/V <= local q
-    assert fcd._pick_method("auto", 16, 16, 8192, 4) == "ring"
-    assert fcd._pick_method("auto", 16, 16, 256, 4) == "allgather"  # too little work per step
-    assert fcd._pick_method("auto", 16, 16, 256, 1) == "ring"
+    assert fcr.pick_method("ring", 8, 1, 8192, 4) == "ring"
+    assert fcr.pick_method("auto", 32, 8, 8192, 4) == "allgather"  # gathered K/V <= local q
+    assert fcr.pick_method("auto", 16, 16, 8192, 4) == "ring"
+    assert fcr.pick_method("auto", 16, 16, 256, 4) == "allgather"  # too little work per step
+    assert fcr.pick_method("auto", 16, 16, 256, 1) == "ring"
 
 
 def test_shard_without_group_and_bad_lengths():
@@ -367,14 +368,14 @@ def test_cuda_block_calls_match_the_reference_blocks(mock_extension, method):
     dlse = torch.randn(2, 4, 16, generator=g)
     got = []
     opts = ScoreOptions(0.25)
-    for kernel in (fcd._CudaBlocks(q, opts, False, 0), ReferenceBlocks(q, opts)):
-        cfg = fcd._Config(kernel, NoComm(3, 1), "ring", "zigzag", 6, 0, True, True)
+    for kernel in (fcr.CudaBlocks(q, opts, False, 0), ReferenceBlocks(q, opts)):
+        cfg = fcr.Config(kernel, NoComm(3, 1), "ring", "zigzag", 6, 0, True, True)
         qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
         if method == "ring":
-            out, lse = fcd._RingAttention.apply(qq, kk, vv, cfg)
+            out, lse = fcr.RingAttention.apply(qq, kk, vv, cfg)
         else:  # the all-gather's calls: q's two chunks against the pretend whole sequence k
             cfg = cfg._replace(method="allgather", ring=NoComm(1, 0))
-            out, lse = fcd._RingAttention.apply(qq, kk, vv, cfg)
+            out, lse = fcr.RingAttention.apply(qq, kk, vv, cfg)
         ((out.float() * do.float()).sum() + (lse * dlse).sum()).backward()
         got.append((out, lse, qq.grad, kk.grad, vv.grad))
     assert mock_extension.fwd_calls > 0 and mock_extension.bwd_calls > 0
@@ -400,9 +401,9 @@ def test_bfloat16_merges_in_float32(mock_extension, blocks):
     naive = (naive_out, *torch.autograd.grad((naive_out.float() * do.float()).sum(), naive_in))
     qb, kb, vb = (t.to(torch.bfloat16).requires_grad_() for t in (q, k, v))
     opts = ScoreOptions(16 ** -0.5)
-    kernel = fcd._CudaBlocks(qb, opts, False, 0) if blocks == "cuda" else ReferenceBlocks(qb, opts)
-    cfg = fcd._Config(kernel, NoComm(4, 2), "ring", "zigzag", -1, -1, True, True)
-    out, _ = fcd._RingAttention.apply(qb, kb, vb, cfg)
+    kernel = fcr.CudaBlocks(qb, opts, False, 0) if blocks == "cuda" else ReferenceBlocks(qb, opts)
+    cfg = fcr.Config(kernel, NoComm(4, 2), "ring", "zigzag", -1, -1, True, True)
+    out, _ = fcr.RingAttention.apply(qb, kb, vb, cfg)
     ((out.float() * do.float()).sum()).backward()
     for name, got, r, nv in zip(("out", "dq", "dk", "dv"), (out, qb.grad, kb.grad, vb.grad), ref, naive):
         assert got.dtype == torch.bfloat16
@@ -433,8 +434,8 @@ def test_merge_schedule(layout, world, window):
     which writes the output ("T"); rows no call covers are the untouched ones."""
     s_local = 12
     for rank in range(world):
-        for sched in (fcd._ring_schedule_of(layout, world, rank, s_local, *window),
-                      fcd._allgather_schedule_of(layout, world, rank, s_local, *window)):
+        for sched in (fcr._ring_schedule_of(layout, world, rank, s_local, *window),
+                      fcr._allgather_schedule_of(layout, world, rank, s_local, *window)):
             covered = {}
             for step in sched.steps:
                 for c in step:

@@ -1,12 +1,14 @@
 """The Python package's layering: no module of flash_cuda reaches into another module's
-underscore names.
+underscore names, and neither does a script of bench/.
 
 A name used across modules is public within the package (no leading underscore), so that
 what a module keeps to itself can change without a search of the whole package. Checked on
 the source with ``ast``: ``from .x import _name`` (relative or ``flash_cuda.x``), and
 ``x._name`` where ``x`` is a flash_cuda module bound by an import in that file. Private
 *modules* (``_ext``, ``_build``) may be imported; their underscore attributes may not. Dunder
-names (``__version__``) and third-party access (``torch._C``) are outside the rule.
+names (``__version__``) and third-party access (``torch._C``) are outside the rule. bench/*.py
+is held to the same rule towards flash_cuda (what a benchmark needs, the package names
+publicly).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import pytest
 
 PACKAGE = "flash_cuda"
 ROOT = Path(__file__).resolve().parent.parent / PACKAGE
+BENCH = ROOT.parent / "bench"
 
 # Underscore names of another flash_cuda module that a module may still use, as the check
 # reports them ("flash_cuda.user: flash_cuda.owner._name"). Empty: an entry would be a debt,
@@ -109,8 +112,19 @@ def test_no_module_uses_another_modules_underscore_names():
     assert not found, "underscore names used across flash_cuda's modules:\n" + "\n".join(found)
 
 
+def test_bench_uses_no_underscore_names_of_flash_cuda():
+    submodules = {_module_name(p, ROOT) for p in _package_files()}
+    scripts = sorted(BENCH.glob("*.py"))
+    assert scripts
+    found = []
+    for path in scripts:
+        found += violations(path.read_text(), f"bench.{path.stem}", False, submodules)
+    assert not found, "underscore names of flash_cuda used by bench/:\n" + "\n".join(found)
+
+
 _SUBMODULES = {"flash_cuda", "flash_cuda._ext", "flash_cuda.ops", "flash_cuda.validation",
-               "flash_cuda.integrations", "flash_cuda.integrations.sdpa"}
+               "flash_cuda.integrations", "flash_cuda.integrations.sdpa", "flash_cuda.distributed",
+               "flash_cuda.ring"}
 
 
 @pytest.mark.parametrize("line,module,bad", [
@@ -126,6 +140,14 @@ _SUBMODULES = {"flash_cuda", "flash_cuda._ext", "flash_cuda.ops", "flash_cuda.va
     ("import torch\ntorch._C._are_functorch_transforms_active()", "flash_cuda.ops", False),
     ("from . import ops\nops.fwd.__name__", "flash_cuda.interface", False),    # dunder
     ("from .validation import _check_rank", "flash_cuda.validation", False),   # its own name
+    # a bench script (outside the package)
+    ("from flash_cuda import distributed as fcd\nfcd._Config", "bench.ring", True),
+    ("from flash_cuda.ring import _plan", "bench.ring", True),
+    ("import flash_cuda\nflash_cuda.ring._Chunk(0, 0, 1)", "bench.ring", True),
+    ("import flash_cuda._ext as ext\next._C", "bench.ab_builds", True),
+    ("from flash_cuda import ring as fcr\nfcr.RingAttention.apply", "bench.ring", False),
+    ("from flash_cuda import ring\ncfg = ring.Config\ncfg._replace", "bench.ring", False),
+    ("import flash_cuda._ext as ext\next.is_available()", "bench.ab_builds", False),
 ])
 def test_the_check_itself(line, module, bad):
     """The checker finds what it must find and nothing else (a check that cannot fail proves

@@ -26,7 +26,7 @@ Semantics shared by every function here and by the CUDA kernels:
   cu_seqlens_k[b+1] of k / v and is attended exactly like a dense batch entry of those
   lengths (its own bottom-right alignment, its own ALiBi slopes row when the slopes are
   (B, Hq)). lse is (Hq, total_q).
-* Attention sinks (``sinks``: one logit per query head, shape (Hq,), float32 in the API):
+* Attention sinks (``sinks``: one logit per query head, (Hq,), float32 for the kernels):
   row i of head h takes its softmax over its visible logits and one more, the sink s_h,
   which has no value row: lse_i = log(exp(s_h) + sum over visible j of exp(x_ij)),
   p_ij = exp(x_ij - lse_i), out_i = sum_j p_ij v_j; the sink's share exp(s_h - lse_i)

@@ -26,6 +26,19 @@ Semantics shared by every function here and by the CUDA kernels:
   cu_seqlens_k[b+1] of k / v and is attended exactly like a dense batch entry of those
   lengths (its own bottom-right alignment, its own ALiBi slopes row when the slopes are
   (B, Hq)). lse is (Hq, total_q).
+* Attention sinks (``sinks``: one logit per query head, (Hq,), float32 for the kernels):
+  row i of head h takes its softmax over its visible logits and one more, the sink s_h,
+  which has no value row: lse_i = log(exp(s_h) + sum over visible j of exp(x_ij)),
+  p_ij = exp(x_ij - lse_i), out_i = sum_j p_ij v_j; the sink's share exp(s_h - lse_i)
+  multiplies nothing. s_h is a logit in the units of step 4's x_ij (as gpt-oss defines
+  it: it joins scale * q.k after the scale), so the scale, softcap and ALiBi do not apply
+  to it, and no mask hides it: a row that sees no key has out 0 and lse = s_h. The query
+  heads of a GQA group have their own sinks. Dropout acts on the p_ij as before (the
+  sink has no value to drop; lse is unchanged by dropout). s_h = -inf is no sink (the
+  results are those without one), and every -inf sink gets the gradient 0. The gradient:
+  d s_h = -sum over the rows of head h of exp(s_h - lse_i) * delta_i, with the backward's
+  delta_i = rowsum(dO_i * O_i) - dlse_i; dq, dk, dv keep their formulas, with the lse
+  that includes the sink.
 
 Implementations:
 
@@ -224,6 +237,23 @@ def _slopes_view(alibi_slopes: Optional[Tensor], B: int, Hq: int, Hkv: int,
     return s.reshape(-1, Hkv, Hq // Hkv, 1, 1)
 
 
+def _sinks_view(sinks: Optional[Tensor], Hq: int, Hkv: int, dtype: torch.dtype) -> Optional[Tensor]:
+    """Attention sinks (Hq,) -> (1, Hkv, G, 1) in ``dtype`` (differentiable), one per row
+    of a (B, Hkv, G, rows) statistic; None without sinks."""
+    if sinks is None:
+        return None
+    if tuple(sinks.shape) != (Hq,) or not sinks.is_floating_point():
+        raise ValueError(f"sinks must be a floating tensor of shape ({Hq},), got {sinks.dtype} "
+                         f"{tuple(sinks.shape)}")
+    return sinks.to(dtype).reshape(1, Hkv, Hq // Hkv, 1)
+
+
+def _sinks_log2(sinks: Optional[Tensor], Hq: int, Hkv: int, dtype: torch.dtype) -> Optional[Tensor]:
+    """The blocked loops' form of the sinks: (1, Hkv, G, 1) times log2(e), no autograd."""
+    sink = _sinks_view(sinks, Hq, Hkv, dtype)
+    return None if sink is None else sink.detach() * LOG2E
+
+
 # ---------------------------------------------------------------------------------------
 # Naive attention
 # ---------------------------------------------------------------------------------------
@@ -233,7 +263,8 @@ def attention_naive(q: Tensor, k: Tensor, v: Tensor, *, is_causal: bool = False,
                     scale: Optional[float] = None, window_size: Sequence[int] = (-1, -1),
                     softcap: float = 0.0,
                     alibi_slopes: Optional[Tensor] = None, dropout_p: float = 0.0,
-                    dropout_mask: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+                    dropout_mask: Optional[Tensor] = None,
+                    sinks: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """Attention with the full logit matrix, computed in the inputs' dtype.
 
     The four steps of the module docstring, literally: x = scale * q @ k^T; softcap;
@@ -242,7 +273,9 @@ def attention_naive(q: Tensor, k: Tensor, v: Tensor, *, is_causal: bool = False,
     in the inputs' dtype too and gets no gradient. With ``dropout_p`` > 0, the
     probabilities are multiplied by ``dropout_mask`` ((B, Hq, Sq, Sk) bool, default
     :func:`dropout_keep_mask` with seed 0 and offset 0) and :func:`dropout_scale` before
-    the product with V; lse is that of the probabilities before dropout.
+    the product with V; lse is that of the probabilities before dropout. ``sinks`` ((Hq,)):
+    one more logit per row, used in the inputs' dtype, that enters lse and no product with
+    V (the module docstring); differentiable.
 
     Returns (out, lse): out like q's shape and dtype, lse (B, Hq, Sq) in the inputs'
     dtype. Differentiable with torch autograd (also through lse), and NaN-free for rows
@@ -266,7 +299,16 @@ def attention_naive(q: Tensor, k: Tensor, v: Tensor, *, is_causal: bool = False,
         # masked_fill (not an additive -inf bias) also zeroes the gradient of masked
         # entries, which keeps fully masked rows NaN-free in the backward.
         s = s.masked_fill(~key_visible(rows, cols, Sq, Sk, wl, wr), NEG_INF)
-    lse = torch.logsumexp(s, dim=-1)  # -inf for rows without a visible key
+    sink = _sinks_view(sinks, Hq, Hkv, s.dtype)
+    if sink is None:
+        lse = torch.logsumexp(s, dim=-1)  # -inf for rows without a visible key
+    else:
+        # The sink as one more column of logits, seen by every row; the masked_fill leaves
+        # the values and zeroes the gradient of -inf sinks (NaN in a row that has nothing
+        # else: exp(-inf - (-inf))), as the mask does for the keys.
+        col = sink.unsqueeze(-1).expand(B, Hkv, Hq // Hkv, Sq, 1)
+        col = col.masked_fill(col == NEG_INF, NEG_INF)
+        lse = torch.logsumexp(torch.cat([s, col], dim=-1), dim=-1)
     lse_safe = torch.where(lse == NEG_INF, torch.zeros_like(lse), lse)
     p = torch.exp(s - lse_safe.unsqueeze(-1))  # masked entries: exp(-inf) = 0
     keep = _dropout_keep(dropout_p, dropout_mask, B, Hq, Hkv, Sq, Sk, p.dtype, q.device)
@@ -492,9 +534,30 @@ def compute_block_softmax_and_weighted_v(s: Tensor, row_sum: Tensor, acc_o: Tens
 
 
 def normalize_output(acc_o: Tensor, row_sum: Tensor, row_max: Tensor,
-                     out_dtype: torch.dtype) -> Tuple[Tensor, Tensor]:
+                     out_dtype: torch.dtype,
+                     sink_log2: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """Step 4: O /= l and lse = (m + log2 l) * ln 2; a row with l == 0 (no visible key)
-    gets O = 0 and lse = -inf."""
+    gets O = 0 and lse = -inf.
+
+    ``sink_log2`` (the attention sink times log2(e), broadcastable to ``row_max``) is
+    merged first, as one more block of a single visible logit with P = 1 and no V:
+    m' = max(m, sink), l' = l * exp2(m - m') + exp2(sink - m'), O' = O * exp2(m - m').
+
+    The sink enters here, once per row after the key loop, rather than as the start of the
+    running statistics (m = sink, l = 1): the loop stays the sink-free one, and P = exp2(S -
+    m) keeps the keys' own scale, so a dominant sink cannot push P towards underflow before
+    its 16-bit rounding for P @ V (O' is one per-row factor times the exact sum). Taking the
+    max, rather than adding exp2(sink - m) to l, keeps l finite when the sink exceeds every
+    logit by more than the float range (and serves rows with no key: m = -inf, l' = 1,
+    lse = sink). A -inf sink changes nothing, bit for bit: exp2(m - m') = 1 and
+    exp2(sink - m') = 0. Split-KV partials leave the sink out; :func:`combine_splits` adds
+    it once."""
+    if sink_log2 is not None:
+        m_new = torch.maximum(row_max, sink_log2)  # -inf only when both are
+        alpha = torch.exp2(row_max - _safe_max(m_new))
+        row_sum = row_sum * alpha + torch.exp2(sink_log2 - _safe_max(m_new))
+        acc_o = acc_o * alpha.unsqueeze(-1)
+        row_max = m_new
     has_keys = row_sum != 0  # NaN rows stay NaN (a NaN input must not look like "no key")
     inv = torch.where(has_keys, 1.0 / torch.where(has_keys, row_sum, torch.ones_like(row_sum)),
                       torch.zeros_like(row_sum))
@@ -510,11 +573,13 @@ def attention_forward_blocked(q: Tensor, k: Tensor, v: Tensor, *, is_causal: boo
                               window_size: Sequence[int] = (-1, -1), softcap: float = 0.0,
                               alibi_slopes: Optional[Tensor] = None, block_m: int = 64,
                               block_n: int = 64, max_lag: float = 0.0, dropout_p: float = 0.0,
-                              dropout_mask: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+                              dropout_mask: Optional[Tensor] = None,
+                              sinks: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """The kernels' forward: returns (out in q's dtype, lse in float32 — float64 for float64
     inputs). Memory per step is O(block_m * block_n), never O(Sq * Sk). ``max_lag``: the
     running max's lag (:func:`merge_block_stats`). ``dropout_p`` / ``dropout_mask``: as
-    :func:`attention_naive` (the mask is read a tile at a time).
+    :func:`attention_naive` (the mask is read a tile at a time). ``sinks`` ((Hq,)): merged
+    by :func:`normalize_output` after each query block's key loop.
 
     A query block visits only the key blocks that meet the union of its rows' windows
     (:func:`_key_range`; causal is the window (-1, 0)), and masks only the tiles that a
@@ -524,6 +589,7 @@ def attention_forward_blocked(q: Tensor, k: Tensor, v: Tensor, *, is_causal: boo
     scale_log2, wl, wr, acc, G = _forward_setup(q, scale, is_causal, window_size, Hkv)
     dev = q.device
     slopes = _slopes_view(alibi_slopes, B, Hq, Hkv, acc)
+    sink_log2 = _sinks_log2(sinks, Hq, Hkv, acc)
 
     qg = _group_view(q, Hkv)
     out = torch.empty((B, Hkv, G, Sq, D), dtype=q.dtype, device=dev)
@@ -562,7 +628,7 @@ def attention_forward_blocked(q: Tensor, k: Tensor, v: Tensor, *, is_causal: boo
                 s, row_sum, acc_o, row_max, v_blk, q.dtype,
                 _keep_tile(keep_all, row0, rows, block_m, key_base, cols, block_n))
 
-        o_blk, lse_blk = normalize_output(acc_o, row_sum, row_max, q.dtype)
+        o_blk, lse_blk = normalize_output(acc_o, row_sum, row_max, q.dtype, sink_log2)
         out[:, :, :, row0:row0 + rows] = o_blk[..., :rows, :]
         lse[:, :, :, row0:row0 + rows] = lse_blk[..., :rows]
 
@@ -612,6 +678,23 @@ def _bwd_preprocess(dout: Tensor, out: Tensor, dlse: Optional[Tensor], acc: torc
     return delta
 
 
+def _sinks_grad(sinks: Tensor, lse: Tensor, delta: Tensor) -> Tensor:
+    """d sinks (Hq,) in the sinks' dtype, from lse and delta (..., Hq, rows): the sink's
+    probability P_sink = exp(sink - lse) enters lse (d lse / d sink = P_sink) and, through
+    the denominator, every p_ij (d p_ij / d sink = -p_ij P_sink), so that
+    d sink_h = sum over the head's rows of P_sink * (dlse - rowsum(dO * O)) =
+    -sum P_sink * delta. Rows with lse = -inf (no key and a -inf sink) give 0, as does a
+    -inf sink. The kernels would add it up in the delta preprocess, which reads each row's
+    dO, O and dlse already: one more load (lse), one exp2 per row, one sum per head."""
+    acc = delta.dtype
+    sink = sinks.detach().to(acc).view(-1, 1)
+    lse = lse.to(acc)
+    no_mass = lse == NEG_INF
+    p_sink = torch.where(no_mass, torch.zeros_like(lse),
+                         torch.exp(sink - torch.where(no_mass, torch.zeros_like(lse), lse)))
+    return -(p_sink * delta).transpose(0, -2).reshape(sinks.shape[0], -1).sum(dim=1).to(sinks.dtype)
+
+
 def attention_backward_blocked(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
                                lse: Tensor, *, is_causal: bool = False,
                                scale: Optional[float] = None,
@@ -619,7 +702,8 @@ def attention_backward_blocked(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, ou
                                alibi_slopes: Optional[Tensor] = None,
                                dlse: Optional[Tensor] = None, block_m: int = 64,
                                block_n: int = 64, dropout_p: float = 0.0,
-                               dropout_mask: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
+                               dropout_mask: Optional[Tensor] = None,
+                               sinks: Optional[Tensor] = None):
     """Gradients (dq, dk, dv) in the inputs' dtype, from the forward's out and lse (and the
     forward's ``dropout_p`` / ``dropout_mask``, the same mask regenerated).
 
@@ -627,6 +711,10 @@ def attention_backward_blocked(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, ou
     [* (1 - tanh^2) with softcap]: dV = P^T dO, dK = scale * dS^T Q, dQ = scale * dS K.
     ``dlse`` (optional, (B, Hq, Sq)) is the upstream gradient of lse; it enters only
     through delta. Only the tiles that meet the window are visited, as in the forward.
+
+    ``sinks`` ((Hq,)): the forward's sinks. lse already holds them, so dq, dk, dv need
+    nothing more; the result is (dq, dk, dv, dsinks), dsinks (Hq,) in the sinks' dtype
+    (:func:`_sinks_grad`).
     """
     B, Hq, Hkv, Sq, Sk, D = _sizes(q, k, v)
     scale = _default_scale(scale, D)
@@ -637,7 +725,9 @@ def attention_backward_blocked(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, ou
     dev = q.device
     slopes = _slopes_view(alibi_slopes, B, Hq, Hkv, acc)
 
-    delta = _group_view(_bwd_preprocess(dout, out, dlse, acc).unsqueeze(-1), Hkv).squeeze(-1)
+    delta_rows = _bwd_preprocess(dout, out, dlse, acc)  # (B, Hq, Sq)
+    dsinks = None if sinks is None else _sinks_grad(sinks, lse, delta_rows)
+    delta = _group_view(delta_rows.unsqueeze(-1), Hkv).squeeze(-1)
     lse_log2 = _group_view((lse.to(acc) * LOG2E).unsqueeze(-1), Hkv).squeeze(-1)  # (B,Hkv,G,Sq)
     qg = _group_view(q, Hkv).to(acc)
     dog = _group_view(dout, Hkv).to(acc)
@@ -693,6 +783,8 @@ def attention_backward_blocked(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, ou
             dq_acc += torch.matmul(_round_like_kernel(ds, dt), k_acc[:, :, :, key_base:key_base + cols])
         dq[:, :, :, row0:row0 + rows] = (dq_acc * scale).to(dt)
 
+    if dsinks is not None:
+        return dq.reshape(B, Hq, Sq, D), dk, dv, dsinks
     return dq.reshape(B, Hq, Sq, D), dk, dv
 
 
@@ -752,11 +844,13 @@ def attention_varlen_naive(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
                            scale: Optional[float] = None, window_size: Sequence[int] = (-1, -1),
                            softcap: float = 0.0,
                            alibi_slopes: Optional[Tensor] = None, dropout_p: float = 0.0,
-                           dropout_masks: Optional[Sequence[Tensor]] = None) -> Tuple[Tensor, Tensor]:
+                           dropout_masks: Optional[Sequence[Tensor]] = None,
+                           sinks: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """:func:`attention_naive` over a packed batch, one sequence at a time (see the module
     docstring). Returns out (total_q, Hq, D) in q's dtype and lse (Hq, total_q) in the
-    inputs' dtype; differentiable in q, k, v. Empty sequences are allowed. Dropout: one mask
-    per sequence (default :func:`dropout_keep_masks_varlen` with seed 0 and offset 0)."""
+    inputs' dtype; differentiable in q, k, v (and ``sinks``, one per query head, shared by
+    the sequences). Empty sequences are allowed. Dropout: one mask per sequence (default
+    :func:`dropout_keep_masks_varlen` with seed 0 and offset 0)."""
     total_q, Hq, total_k, Hkv, D = _varlen_sizes(q, k, v)
     scale = _default_scale(scale, D)
     masks = _varlen_dropout_masks(dropout_p, dropout_masks, cu_seqlens_q, cu_seqlens_k, Hq, q.device)
@@ -766,7 +860,7 @@ def attention_varlen_naive(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
         o, l = attention_naive(_seq_dense(q, qa, qb), _seq_dense(k, ka, kb), _seq_dense(v, ka, kb),
                                is_causal=is_causal, scale=scale, window_size=window_size,
                                softcap=softcap, alibi_slopes=_seq_slopes(alibi_slopes, b),
-                               dropout_p=dropout_p, dropout_mask=masks[b])
+                               dropout_p=dropout_p, dropout_mask=masks[b], sinks=sinks)
         outs.append(o[0].transpose(0, 1))
         lses.append(l[0])
     return torch.cat(outs, dim=0), torch.cat(lses, dim=1)
@@ -778,7 +872,8 @@ def attention_varlen_forward_blocked(q: Tensor, k: Tensor, v: Tensor, cu_seqlens
                                      window_size: Sequence[int] = (-1, -1), softcap: float = 0.0,
                                      alibi_slopes: Optional[Tensor] = None, block_m: int = 64,
                                      block_n: int = 64, dropout_p: float = 0.0,
-                                     dropout_masks: Optional[Sequence[Tensor]] = None) -> Tuple[Tensor, Tensor]:
+                                     dropout_masks: Optional[Sequence[Tensor]] = None,
+                                     sinks: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """:func:`attention_forward_blocked` over a packed batch: out (total_q, Hq, D) in q's
     dtype, lse (Hq, total_q) in float32 (float64 for float64 inputs)."""
     total_q, Hq, total_k, Hkv, D = _varlen_sizes(q, k, v)
@@ -791,7 +886,7 @@ def attention_varlen_forward_blocked(q: Tensor, k: Tensor, v: Tensor, cu_seqlens
             _seq_dense(q, qa, qb), _seq_dense(k, ka, kb), _seq_dense(v, ka, kb),
             is_causal=is_causal, scale=scale, window_size=window_size, softcap=softcap,
             alibi_slopes=_seq_slopes(alibi_slopes, b), block_m=block_m, block_n=block_n,
-            dropout_p=dropout_p, dropout_mask=masks[b])
+            dropout_p=dropout_p, dropout_mask=masks[b], sinks=sinks)
         out[qa:qb] = o[0].transpose(0, 1)
         lse[:, qa:qb] = l[0]
     return out, lse
@@ -804,14 +899,16 @@ def attention_varlen_backward_blocked(dout: Tensor, q: Tensor, k: Tensor, v: Ten
                                       alibi_slopes: Optional[Tensor] = None,
                                       dlse: Optional[Tensor] = None, block_m: int = 64,
                                       block_n: int = 64, dropout_p: float = 0.0,
-                                      dropout_masks: Optional[Sequence[Tensor]] = None
-                                      ) -> Tuple[Tensor, Tensor, Tensor]:
+                                      dropout_masks: Optional[Sequence[Tensor]] = None,
+                                      sinks: Optional[Tensor] = None):
     """:func:`attention_backward_blocked` over a packed batch: (dq, dk, dv) shaped like
-    (q, k, v); ``lse`` and ``dlse`` are (Hq, total_q)."""
+    (q, k, v); ``lse`` and ``dlse`` are (Hq, total_q). With ``sinks`` also dsinks (Hq,),
+    summed over the sequences."""
     total_q, Hq, total_k, Hkv, D = _varlen_sizes(q, k, v)
     scale = _default_scale(scale, D)
     masks = _varlen_dropout_masks(dropout_p, dropout_masks, cu_seqlens_q, cu_seqlens_k, Hq, q.device)
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    dsinks = None if sinks is None else torch.zeros_like(sinks)
     for b, (qa, qb, ka, kb) in enumerate(_varlen_spans(cu_seqlens_q, cu_seqlens_k, total_q, total_k)):
         g = attention_backward_blocked(
             _seq_dense(dout, qa, qb), _seq_dense(q, qa, qb), _seq_dense(k, ka, kb),
@@ -819,10 +916,15 @@ def attention_varlen_backward_blocked(dout: Tensor, q: Tensor, k: Tensor, v: Ten
             is_causal=is_causal, scale=scale, window_size=window_size, softcap=softcap,
             alibi_slopes=_seq_slopes(alibi_slopes, b),
             dlse=None if dlse is None else dlse[:, qa:qb].unsqueeze(0),
-            block_m=block_m, block_n=block_n, dropout_p=dropout_p, dropout_mask=masks[b])
+            block_m=block_m, block_n=block_n, dropout_p=dropout_p, dropout_mask=masks[b],
+            sinks=sinks)
         dq[qa:qb] = g[0][0].transpose(0, 1)
         dk[ka:kb] = g[1][0].transpose(0, 1)
         dv[ka:kb] = g[2][0].transpose(0, 1)
+        if dsinks is not None:
+            dsinks += g[3]
+    if dsinks is not None:
+        return dq, dk, dv, dsinks
     return dq, dk, dv
 
 
@@ -892,7 +994,7 @@ def split_key_ranges(num_keys: int, num_splits: int, block_n: int) -> List[Tuple
 
 
 def combine_splits(o_parts: Sequence[Tensor], lse_parts: Sequence[Tensor],
-                   out_dtype: torch.dtype) -> Tuple[Tensor, Tensor]:
+                   out_dtype: torch.dtype, sink: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """Merges the partial results of a split key range (the combine after split-KV).
 
     Range r left O_r normalized by its own row sum and lse_r = log(sum of its exp(x_ij))
@@ -903,10 +1005,17 @@ def combine_splits(o_parts: Sequence[Tensor], lse_parts: Sequence[Tensor],
     lse = -inf. The merge runs in the parts' dtype (the accumulation dtype): O is rounded to
     ``out_dtype`` once, at the end, as the kernel writes its fp32 workspace out once.
     Returns (out in ``out_dtype``, lse in the parts' dtype).
+
+    ``sink`` (natural log, broadcastable to the lse parts; the partials leave it out) is one
+    more part with lse_r = sink and O_r = 0: it takes its share of the mass and adds nothing.
     """
     assert len(o_parts) == len(lse_parts) and len(o_parts) >= 1
-    lse_r = torch.stack(list(lse_parts))  # (n, ...)
-    o_r = torch.stack(list(o_parts))  # (n, ..., D)
+    lse_parts, o_parts = list(lse_parts), list(o_parts)
+    if sink is not None:
+        lse_parts.append(sink.to(lse_parts[0].dtype).expand_as(lse_parts[0]))
+        o_parts.append(torch.zeros_like(o_parts[0]))
+    lse_r = torch.stack(lse_parts)  # (n, ...)
+    o_r = torch.stack(o_parts)  # (n, ..., D)
     m = _safe_max(lse_r.amax(dim=0))
     mass = torch.exp(lse_r - m).sum(dim=0)  # in units of exp(m); 0 for a row no range saw
     has_keys = mass != 0  # NaN stays NaN, as in normalize_output
@@ -922,13 +1031,16 @@ def _kvcache_range_forward(qg: Tensor, k_cache: Tensor, v_cache: Tensor,
                            block_table: Optional[Tensor], b: int, num_keys: int,
                            key_first: int, key_end: int, scale_log2: float, wl: int, wr: int,
                            softcap: float, slopes: Optional[Tensor], block_m: int, block_n: int,
-                           in_dtype: torch.dtype) -> Tuple[Tensor, Tensor]:
+                           in_dtype: torch.dtype,
+                           sink_log2: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """One sequence's queries qg (1, Hkv, G, Sq, D) against the keys [key_first, key_end)
     of its cache (block aligned, see :func:`split_key_ranges`), num_keys = L_b being the
     sequence's length for the mask and ALiBi. The loop of :func:`attention_forward_blocked`
     with the key blocks read from the cache and clipped to the range. Returns O normalized
     by the range's own row sum and its lse, both in the accumulation dtype (a split's
-    partial stays unrounded until the combine); rows that saw no key: O = 0, lse = -inf."""
+    partial stays unrounded until the combine); rows that saw no key: O = 0, lse = -inf.
+    ``sink_log2`` ((1, Hkv, G, 1), log2 units): merged by :func:`normalize_output`; given
+    only when the range is the whole of [0, L_b) (a split's partial leaves it out)."""
     _, Hkv, G, Sq, D = qg.shape
     acc = _acc_dtype(in_dtype)
     dev = qg.device
@@ -972,7 +1084,7 @@ def _kvcache_range_forward(qg: Tensor, k_cache: Tensor, v_cache: Tensor,
             row_sum, acc_o = compute_block_softmax_and_weighted_v(s, row_sum, acc_o, row_max,
                                                                   v_blk, in_dtype)
 
-        o_blk, lse_blk = normalize_output(acc_o, row_sum, row_max, acc)
+        o_blk, lse_blk = normalize_output(acc_o, row_sum, row_max, acc, sink_log2)
         out[:, :, :, row0:row0 + rows] = o_blk[..., :rows, :]
         lse[:, :, :, row0:row0 + rows] = lse_blk[..., :rows]
     return out, lse
@@ -985,7 +1097,7 @@ def attention_with_kvcache_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor
                                      window_size: Sequence[int] = (-1, -1), softcap: float = 0.0,
                                      alibi_slopes: Optional[Tensor] = None, num_splits: int = 1,
                                      return_lse: bool = False, block_m: int = 64,
-                                     block_n: int = 64):
+                                     block_n: int = 64, sinks: Optional[Tensor] = None):
     """Attention over a KV cache (FlashAttention's flash_attn_with_kvcache, in the (B, H, S, D)
     layout): append the new keys / values to the cache in place, then attend to the cache.
 
@@ -1009,6 +1121,9 @@ def attention_with_kvcache_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor
       num_splits = 1 runs the one range and writes it out without a combine.
     * ``block_m`` / ``block_n``: the query and key block sizes of the loop (they move only
       rounding, and the split boundaries).
+    * ``sinks`` ((Hq,)): the attention sinks of the module docstring, entering each row
+      once: in :func:`normalize_output` with one range, in :func:`combine_splits` with
+      several (a row with L_b = 0 has out 0 and lse = its sink).
 
     Computed in float32 (float64 for float64 inputs), P rounded to the 16-bit input dtype
     before P @ V as in the kernels. Returns out (B, Hq, Sq, D) in q's dtype, and with
@@ -1041,6 +1156,7 @@ def attention_with_kvcache_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor
     if alibi_slopes is not None:
         assert tuple(alibi_slopes.shape) in ((Hq,), (B, Hq)), "alibi_slopes must be (Hq,) or (B, Hq)"
     scale_log2, wl, wr, acc, G = _forward_setup(q, scale, is_causal, window_size, Hkv)
+    sink_log2 = _sinks_log2(sinks, Hq, Hkv, acc)
     dev = q.device
 
     # The append comes first: the new keys are part of what the queries see.
@@ -1057,12 +1173,13 @@ def attention_with_kvcache_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor
         slopes = _slopes_view(_seq_slopes(alibi_slopes, b), 1, Hq, Hkv, acc)
         parts = [_kvcache_range_forward(qg[b:b + 1], k_cache, v_cache, block_table, b, L, lo, hi,
                                         scale_log2, wl, wr, softcap, slopes, block_m, block_n,
-                                        q.dtype)
+                                        q.dtype, sink_log2 if num_splits == 1 else None)
                  for lo, hi in split_key_ranges(L, num_splits, block_n)]
         if num_splits == 1:
             o_b, lse_b = parts[0][0].to(q.dtype), parts[0][1]
         else:
-            o_b, lse_b = combine_splits([p[0] for p in parts], [p[1] for p in parts], q.dtype)
+            o_b, lse_b = combine_splits([p[0] for p in parts], [p[1] for p in parts], q.dtype,
+                                        None if sink_log2 is None else sink_log2 * LN2)
         out[b:b + 1] = o_b
         lse[b:b + 1] = lse_b
 

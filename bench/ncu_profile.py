@@ -25,7 +25,8 @@ iterations), which is a quick way to check a config before profiling it.
 
 Shapes follow bench/run.py: B*S = 16384 tokens and H*D = 2048 unless --batch / --heads are
 given. --provider sdpa_cudnn (or sdpa, sdpa_flash, sdpa_efficient, sdpa_math) profiles a
-PyTorch backend under the same range name, for side-by-side reports.
+PyTorch backend, and --provider fa4 FlashAttention-4 (`flash_attn.cute`, inputs made in its
+(B, S, H, D) layout), under the same range name, for side-by-side reports.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ def parse_args(argv=None):
                    help="flash_cuda tier (default auto)")
     p.add_argument("--deterministic", action="store_true",
                    help="flash_cuda backward without float atomics")
-    p.add_argument("--provider", choices=["flash_cuda"] + SDPA_BACKENDS, default="flash_cuda",
+    p.add_argument("--provider", choices=["flash_cuda", "fa4"] + SDPA_BACKENDS, default="flash_cuda",
                    help="what runs inside the range (default flash_cuda)")
     p.add_argument("--warmup", type=int, default=3, help="un-profiled iterations first")
     p.add_argument("--iters", type=int, default=3, help="profiled iterations (NVTX ranges)")
@@ -124,14 +125,24 @@ def make_forward(args):
         return lambda q, k, v: flash_cuda.attention(q, k, v, is_causal=causal, window_size=window,
                                                     kernel=args.kernel,
                                                     deterministic=args.deterministic)
+    if args.provider == "fa4":
+        # FlashAttention-4 takes (B, S, H, D): main() makes its inputs in that layout, so no
+        # transpose runs inside the profiled range.
+        from flash_attn.cute import flash_attn_func  # noqa: WPS433
+        window = tuple(None if w < 0 else w for w in args.window) if args.window else (None, None)
+
+        def fa4(q, k, v):
+            out = flash_attn_func(q, k, v, causal=causal, window_size=window, deterministic=args.deterministic)
+            return out[0] if isinstance(out, tuple) else out
+        return fa4
     if args.window:
-        raise SystemExit("--window: flash_cuda only (SDPA takes no window)")
+        raise SystemExit("--window: flash_cuda and fa4 only (SDPA takes no window)")
     return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
 
 def backend_context(provider: str):
     import contextlib
-    if provider in ("flash_cuda", "sdpa"):
+    if provider in ("flash_cuda", "fa4", "sdpa"):
         return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel
     return sdpa_kernel({"sdpa_flash": SDPBackend.FLASH_ATTENTION,
@@ -153,8 +164,8 @@ def main(argv=None) -> int:
     B, H, S, D = args.B, args.H, args.S, args.d
     gen = torch.Generator(device="cuda")
     gen.manual_seed(args.seed)
-    q, k, v, dout = (torch.randn(B, H, S, D, device="cuda", dtype=dtype, generator=gen)
-                     for _ in range(4))
+    shape = (B, S, H, D) if args.provider == "fa4" else (B, H, S, D)
+    q, k, v, dout = (torch.randn(shape, device="cuda", dtype=dtype, generator=gen) for _ in range(4))
     need_grad = args.mode != "fwd"
     if need_grad:
         for t in (q, k, v):

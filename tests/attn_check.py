@@ -68,6 +68,14 @@ __all__ = [
     "naive_chunked",
     "gpu_skip_reason",
     "dtype_name",
+    "WS_FORWARD_KERNELS",
+    "OTHER_FORWARD_KERNELS",
+    "DECODE_MAX_QUERIES",
+    "profiled",
+    "assert_ws_forward",
+    "ws_tier",
+    "ws_fwd",
+    "ws_fwd_traced",
 ]
 
 # "contiguous" is an alias of "bhsd".
@@ -544,3 +552,66 @@ def check_varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
                                       out_rows=lambda m: m.transpose(0, 1),
                                       check_grad=check_grad, with_dlse=with_dlse, seed=seed,
                                       what="flash_cuda.varlen_attention")
+
+
+# ---------------------------------------------------------------------------------------
+# Which kernel ran (torch.profiler)
+# ---------------------------------------------------------------------------------------
+
+# The warp-specialized Hopper forward kernels (csrc/tiers/wgmma/fwd/kernel.cuh) and the other
+# forwards (mma.sync, split-KV decode, fp32 SIMT); a profile's kernel names contain these.
+WS_FORWARD_KERNELS = ("fwd_sm90_ws_kernel", "fwd_sm90_ws_gqa_kernel", "fwd_sm90_ws_dropout_kernel")
+OTHER_FORWARD_KERNELS = ("fwd_mma_kernel", "decode_kernel", "flash_fwd_simt_kernel", "flash_fwd_simt_outer_kernel")
+
+# kernel='auto' sends attention() calls with at most this many queries to the split-KV decode
+# kernels (csrc/tiers/mma/family.h: decode::kMaxDecodeQueries).
+DECODE_MAX_QUERIES = 16
+
+
+def profiled(fn):
+    """(fn()'s result, the names of the CUDA kernels it launched, space-separated)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        result = fn()
+        torch.cuda.synchronize()
+    return result, " ".join(e.name for e in prof.events())
+
+
+def assert_ws_forward(names: str, what: str = "the call") -> None:
+    """A warp-specialized forward kernel is among ``names`` (profiled's) and no other forward is."""
+    assert names, f"{what}: torch.profiler recorded no CUDA kernel, so nothing tells which forward ran"
+    assert any(k in names for k in WS_FORWARD_KERNELS), f"{what}: no warp-specialized forward ran: {names}"
+    others = [k for k in OTHER_FORWARD_KERNELS if k in names]
+    assert not others, f"{what}: {others} ran besides the warp-specialized forward: {names}"
+
+
+def ws_tier(q: Tensor, cu_seqlens_q: Optional[Tensor], max_seqlen_q: int) -> int:
+    """The tier id (flash_cuda.validation.KERNELS) under which the extension's forward runs the
+    warp-specialized kernel for such a q: kernel='auto', except for decode-shaped calls (at most
+    DECODE_MAX_QUERIES queries), which 'auto' gives the decode kernels and 'wgmma' (head dims
+    33..128) keeps on the Hopper family."""
+    sq = max_seqlen_q if cu_seqlens_q is not None else q.shape[-2]
+    if sq > DECODE_MAX_QUERIES:
+        return flash_cuda.KERNELS["auto"]
+    assert 33 <= q.shape[-1] <= 128, (f"a decode-shaped call (Sq {sq}) at head dim {q.shape[-1]}: no kernel= "
+                                      "runs the warp-specialized forward there")
+    return flash_cuda.KERNELS["wgmma"]
+
+
+def ws_fwd_traced(q, k, v, scale, window_left, window_right, softcap, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
+                  max_seqlen_q, max_seqlen_k, **kwargs):
+    """The extension's forward (out, lse, aux) on the warp-specialized Hopper kernels, and the
+    profile's kernel names: the tier from ws_tier, one profile, and a failure unless a
+    warp-specialized forward ran and no other forward did. kwargs: dropout_p, rng_state."""
+    from flash_cuda import _ext
+
+    tier = ws_tier(q, cu_seqlens_q, max_seqlen_q)
+    result, names = profiled(lambda: _ext.require().fwd(q, k, v, scale, window_left, window_right, softcap,
+                                                        alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                        max_seqlen_k, tier, **kwargs))
+    assert_ws_forward(names, f"fwd (tier {tier}, q {tuple(q.shape)}, max_seqlen_q {max_seqlen_q})")
+    return result, names
+
+
+def ws_fwd(*args, **kwargs):
+    """ws_fwd_traced's (out, lse, aux) alone."""
+    return ws_fwd_traced(*args, **kwargs)[0]

@@ -20,8 +20,8 @@ import torch
 import flash_cuda
 from flash_cuda.reference import attention_naive
 
-from attn_check import (ATOL_BASE, LSE_ATOL_BASE, check_attention, climb_scores, dtype_name,
-                        hopper_skip_reason, make_inputs, naive_chunked, rule_error)
+from attn_check import (ATOL_BASE, LSE_ATOL_BASE, assert_ws_forward, check_attention, climb_scores, dtype_name,
+                        hopper_skip_reason, make_inputs, naive_chunked, profiled, rule_error)
 
 pytestmark = pytest.mark.gpu
 
@@ -113,11 +113,10 @@ def test_explicit_kernel(dtype, kernel, D, is_causal):
     out_auto = flash_cuda.attention(q, k, v, is_causal=is_causal)
     if _ws_forward_only(dtype, D):
         # No kernel name selects the warp-specialized forward above d = 128 or below 33
-        # (kernel='wgmma' is the tier of head dims 33..128): auto's forward there is tier 4.
-        from flash_cuda import _ext
-        out_explicit = _ext.require().fwd(q, k, v, 1.0 / math.sqrt(D), -1, 0 if is_causal else -1, 0.0, None,
-                                          None, None, 0, 0, 4)[0]
-        assert torch.equal(out_auto, out_explicit), "kernel='auto' must run the warp-specialized forward"
+        # (kernel='wgmma' is the tier of head dims 33..128): the profiler tells what auto ran.
+        out_profiled, names = profiled(lambda: flash_cuda.attention(q, k, v, is_causal=is_causal))
+        assert_ws_forward(names, f"kernel='auto' at D={D} dtype={dtype_name(dtype)}")
+        assert torch.equal(out_auto, out_profiled), "kernel='auto' must give the same bits call after call"
         return
     out_explicit = flash_cuda.attention(q, k, v, is_causal=is_causal, kernel=_auto_kernel(dtype, D))
     assert torch.equal(out_auto, out_explicit), f"kernel='auto' must pick {_auto_kernel(dtype, D)!r}"
@@ -453,3 +452,8 @@ def test_binding_checks_raise():
     q = torch.randn(1, 2, 16, 64, device="cuda", dtype=BF16)
     with pytest.raises(RuntimeError, match="unknown kernel tier 99"):
         _ext.require().fwd(q, q, q, 0.125, -1, -1, 0.0, None, None, None, 0, 0, 99)
+    # The tier ids are flash_cuda.KERNELS' values (0..3) and no others.
+    assert sorted(flash_cuda.KERNELS.values()) == [0, 1, 2, 3]
+    for tier in (-1, 4):
+        with pytest.raises(RuntimeError, match=f"unknown kernel tier {tier}"):
+            _ext.require().fwd(q, q, q, 0.125, -1, -1, 0.0, None, None, None, 0, 0, tier)

@@ -37,10 +37,13 @@ def test_mask_op_rejects_a_bad_threshold():
 # rng_state name the mask exactly (reference.dropout_keep_mask).
 # ---------------------------------------------------------------------------------------
 
-from attn_check import ATOL_BASE, make_inputs, rule_error  # noqa: E402
+from attn_check import ATOL_BASE, hopper_skip_reason, make_inputs, rule_error, ws_fwd_traced  # noqa: E402
 
 
-def _run(q, k, v, do, p, is_causal, window, kernel_tier=0, deterministic=False):
+def _run(q, k, v, do, p, is_causal, window, kernel_tier=0, deterministic=False, hopper_fwd=False):
+    """The extension's forward and backward with dropout. hopper_fwd: the forward through
+    attn_check.ws_fwd_traced (profiled: a failure unless the warp-specialized forward's dropout
+    kernel ran)."""
     C = _ext.require()
     D = q.shape[-1]
     scale = D ** -0.5
@@ -48,8 +51,13 @@ def _run(q, k, v, do, p, is_causal, window, kernel_tier=0, deterministic=False):
     if is_causal:
         wr = 0
     rng = torch.empty(2, dtype=torch.int64, device="cuda")
-    out, lse, aux = C.fwd(q, k, v, scale, wl, wr, 0.0, None, None, None, 0, 0, kernel_tier, dropout_p=p,
-                          rng_state=rng)
+    if hopper_fwd:
+        (out, lse, aux), names = ws_fwd_traced(q, k, v, scale, wl, wr, 0.0, None, None, None, 0, 0, dropout_p=p,
+                                               rng_state=rng)
+        assert "fwd_sm90_ws_dropout_kernel" in names, names[:800]
+    else:
+        out, lse, aux = C.fwd(q, k, v, scale, wl, wr, 0.0, None, None, None, 0, 0, kernel_tier, dropout_p=p,
+                              rng_state=rng)
     dq, dk, dv = C.bwd(do, q, k, v, out, lse, aux, None, scale, wl, wr, 0.0, None, None, None, 0, 0, deterministic,
                        kernel_tier, dropout_p=p, rng_state=rng)
     return (out, lse, dq, dk, dv), rng, scale, (wl, wr)
@@ -66,16 +74,16 @@ DTYPE_IDS = ["fp16", "bf16", "fp32"]
                                                     ((2, 2, 1, 257, 257), False, (40, 8))], ids=str)
 @pytest.mark.parametrize("p", [0.1, 0.5])
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
-@pytest.mark.parametrize("tier", [0, 4], ids=["auto", "hopper_fwd"])
-def test_attention_with_dropout_matches_reference(dtype, D, shape, is_causal, window, p, deterministic, tier):
+@pytest.mark.parametrize("hopper_fwd", [False, True], ids=["auto", "hopper_fwd"])
+def test_attention_with_dropout_matches_reference(dtype, D, shape, is_causal, window, p, deterministic, hopper_fwd):
     if deterministic and (p != 0.1 or D != 64):
         pytest.skip("the deterministic backward: one p and head dim suffice")
-    if tier == 4 and (dtype == torch.float32 or torch.cuda.get_device_capability() != (9, 0) or deterministic):
-        pytest.skip("tier 4: the Hopper forward alone (its dropout instances), fp16 / bf16 on sm_90")
+    if hopper_fwd and (dtype == torch.float32 or deterministic or hopper_skip_reason("hopper_fwd") is not None):
+        pytest.skip("hopper_fwd: the Hopper forward's dropout instances, profiled, fp16 / bf16 on sm_90")
     B, Hq, Hkv, Sq, Sk = shape
     q, k, v = make_inputs(B, Hq, Hkv, Sq, Sk, D, dtype, "cuda", seed=D + Sq)
     do = make_inputs(B, Hq, Hq, Sq, Sq, D, dtype, "cuda", seed=7)[0]
-    got, rng, scale, win = _run(q, k, v, do, p, is_causal, window, kernel_tier=tier, deterministic=deterministic)
+    got, rng, scale, win = _run(q, k, v, do, p, is_causal, window, deterministic=deterministic, hopper_fwd=hopper_fwd)
     seed, offset = (int(x) for x in rng.tolist())
     mask = R.dropout_keep_mask(B, Hq, Sq, Sk, p, seed=seed, offset=offset, device="cuda")
 

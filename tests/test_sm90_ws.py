@@ -1,9 +1,10 @@
 """The warp-specialized Hopper forward (csrc/tiers/wgmma/fwd/: TMA loads into an mbarrier
 ring, a producer warp, two consumer warpgroups, persistent CTAs). kernel='auto' runs it on sm_90
-wherever it applies, so every GPU test file exercises it; these tests reach it directly through
-the extension's tier 4 and hold it to the same float64 rule as every other kernel
-(tests/attn_check.py). In a build with the ablation rungs (FLASH_CUDA_ABLATIONS=1) they also run
-under each ablation switch (csrc/tiers/wgmma/ablation.h); elsewhere those cases skip.
+wherever it applies, so every GPU test file exercises it; these tests call the extension's
+forward and hold it to the same float64 rule as every other kernel (tests/attn_check.py), each
+call profiled to prove that the warp-specialized kernel ran (attn_check.ws_fwd). In a build with
+the ablation rungs (FLASH_CUDA_ABLATIONS=1) they also run under each ablation switch
+(csrc/tiers/wgmma/ablation.h); elsewhere those cases skip.
 GPU-only, sm_90 only."""
 
 import math
@@ -12,13 +13,13 @@ import os
 import pytest
 import torch
 
-from attn_check import _check_against_references, check_attention, check_varlen_attention, climb_scores, \
-    hopper_skip_reason, make_alibi_slopes, make_inputs, make_varlen_inputs
+from attn_check import DECODE_MAX_QUERIES, WS_FORWARD_KERNELS, _check_against_references, assert_ws_forward, \
+    check_attention, check_varlen_attention, climb_scores, hopper_skip_reason, make_alibi_slopes, make_inputs, \
+    make_varlen_inputs, profiled, ws_fwd, ws_fwd_traced
 from flash_cuda import _ext
 from flash_cuda.reference import attention_naive, attention_varlen_naive
 
 F16, BF16 = torch.float16, torch.bfloat16
-WS_TIER = 4
 
 
 _SKIP = hopper_skip_reason("the warp-specialized forward")
@@ -80,7 +81,7 @@ def schedule(request, monkeypatch):
 
 
 def _ws_dense_run_and_check(desc, q, k, v, is_causal, window, what):
-    """The warp-specialized forward alone (tier 4: an error if it did not run) on a dense batch
+    """The warp-specialized forward (ws_fwd: a failure if it did not run) on a dense batch
     without score modifiers, against float64 with the rule of tests/attn_check.py; returns the
     call for further use."""
     B, Hq, Sq, D = q.shape
@@ -90,7 +91,7 @@ def _ws_dense_run_and_check(desc, q, k, v, is_causal, window, what):
         wr = 0
 
     def flash_fn(qf, kf, vf):
-        out, lse, _ = _ext.require().fwd(qf, kf, vf, scale, wl, wr, 0.0, None, None, None, 0, 0, WS_TIER)
+        out, lse, _ = ws_fwd(qf, kf, vf, scale, wl, wr, 0.0, None, None, None, 0, 0)
         return out, lse
 
     def ref_fn(qr, kr, vr):
@@ -156,7 +157,7 @@ def test_ws_forward_poly_exp2_keeps_nan(monkeypatch, every):
     for key in range(0, 128, 4):
         kk = k.clone()
         kk[:, :, key] = float("nan")
-        out = _ext.require().fwd(q, kk, v, 0.1, -1, -1, 0.0, None, None, None, 0, 0, WS_TIER)[0]
+        out = ws_fwd(q, kk, v, 0.1, -1, -1, 0.0, None, None, None, 0, 0)[0]
         assert bool(torch.isnan(out).all()), f"key {key}: a NaN key row did not reach every output"
 
 
@@ -187,7 +188,7 @@ def test_ws_forward_with_score_modifiers(schedule, dtype, B, Hq, Hkv, Sq, Sk, D,
         wr = 0
 
     def flash_fn(qf, kf, vf):
-        out, lse, _ = _ext.require().fwd(qf, kf, vf, scale, wl, wr, softcap, slopes, None, None, 0, 0, WS_TIER)
+        out, lse, _ = ws_fwd(qf, kf, vf, scale, wl, wr, softcap, slopes, None, None, 0, 0)
         return out, lse
 
     def ref_fn(qr, kr, vr):
@@ -214,7 +215,7 @@ def test_ws_forward_lagging_max(schedule, dtype, D, is_causal, rise):
     wr = 0 if is_causal else -1
 
     def flash_fn(qf, kf, vf):
-        out, lse, _ = _ext.require().fwd(qf, kf, vf, scale, -1, wr, 0.0, None, None, None, 0, 0, WS_TIER)
+        out, lse, _ = ws_fwd(qf, kf, vf, scale, -1, wr, 0.0, None, None, None, 0, 0)
         return out, lse
 
     def ref_fn(qr, kr, vr):
@@ -228,7 +229,7 @@ def test_ws_forward_lagging_max(schedule, dtype, D, is_causal, rise):
 
 def test_ws_forward_is_deterministic(schedule):
     q, k, v = make_inputs(2, 4, 4, 1000, 1000, 128, BF16, "cuda", seed=3)
-    runs = [_ext.require().fwd(q, k, v, 0.1, -1, 0, 0.0, None, None, None, 0, 0, WS_TIER)[0] for _ in range(3)]
+    runs = [ws_fwd(q, k, v, 0.1, -1, 0, 0.0, None, None, None, 0, 0)[0] for _ in range(3)]
     assert all(torch.equal(runs[0], r) for r in runs[1:])
 
 
@@ -240,9 +241,9 @@ def test_ws_schedules_agree():
 
     if not _ext.ablations():
         pytest.skip("the schedules and grids other than the default are ablation rungs: this build has none")
-    code = ("import torch, flash_cuda; from flash_cuda import _ext; from attn_check import make_inputs; "
+    code = ("import torch, flash_cuda; from attn_check import make_inputs, ws_fwd; "
             "q, k, v = make_inputs(4, 16, 4, 1000, 1100, 128, torch.bfloat16, 'cuda', seed=5); "
-            f"o = _ext.require().fwd(q, k, v, 0.1, -1, 0, 0.0, None, None, None, 0, 0, {WS_TIER})[0]; "
+            "o = ws_fwd(q, k, v, 0.1, -1, 0, 0.0, None, None, None, 0, 0)[0]; "
             "import hashlib; print(hashlib.sha256(o.contiguous().view(torch.uint8).cpu().numpy().tobytes()).hexdigest())")
     outs = []
     for sched, persistent in SWITCHES:
@@ -287,7 +288,7 @@ def test_ws_tma_store_matches_lane_copy(monkeypatch, schedule, B, Hq, Hkv, Sq, S
         monkeypatch.setenv("FLASH_CUDA_WS_TMA_STORE", tma)
         test_ws_forward_matches_float64(f"{schedule}-tma_store{tma}", BF16, B, Hq, Hkv, Sq, Sk, D, is_causal,
                                         (-1, -1), layout)
-        out, lse, _ = _ext.require().fwd(q, k, v, 1.0 / math.sqrt(D), -1, wr, 0.0, None, None, None, 0, 0, WS_TIER)
+        out, lse, _ = ws_fwd(q, k, v, 1.0 / math.sqrt(D), -1, wr, 0.0, None, None, None, 0, 0)
         results[tma] = (out, lse)
     for tma, (out, lse) in results.items():
         assert torch.equal(results["1"][0], out), "out differs between the TMA store and the lane copy"
@@ -321,7 +322,7 @@ def test_ws_varlen_tma_store_matches_lane_copy(monkeypatch, schedule, lens_q, le
         monkeypatch.setenv("FLASH_CUDA_WS_TMA_STORE", tma)
         desc = f"schedule={schedule} tma_store={tma} varlen seqlens_q={lens_q} seqlens_k={lens_k} D={D}"
         _ws_varlen_check(desc, q, k, v, cu_q, cu_k, mq, mk, is_causal=is_causal, window=(-1, -1))
-        out, lse, _ = _ext.require().fwd(q, k, v, scale, -1, wr, 0.0, None, cu_q, cu_k, mq, mk, WS_TIER)
+        out, lse, _ = ws_fwd(q, k, v, scale, -1, wr, 0.0, None, cu_q, cu_k, mq, mk)
         results[tma] = (out, lse)
     for tma, (out, lse) in results.items():
         assert torch.equal(results["1"][0], out), "out differs between the TMA store and the lane copy"
@@ -339,11 +340,18 @@ def test_ws_forward_sections_of_heads():
                     label="sections of heads, GQA, window")
 
 
-def test_ws_forward_rejects_what_it_does_not_serve():
-    # Head dims up to 32 only without score modifiers (config.h: narrow_fwd_applies).
+def test_ws_forward_declines_what_it_does_not_serve():
+    """Head dims up to 32 run on the warp-specialized forward only without score modifiers
+    (config.h: narrow_fwd_applies): with softcap, kernel='auto' runs the mma.sync forward instead,
+    under the same float64 rule."""
+    import flash_cuda
+
     q, k, v = make_inputs(1, 2, 2, 64, 64, 32, BF16, "cuda")
-    with pytest.raises(RuntimeError, match="warp-specialized"):
-        _ext.require().fwd(q, k, v, 0.1, -1, -1, 5.0, None, None, None, 0, 0, WS_TIER)
+    _, names = profiled(lambda: flash_cuda.attention(q, k, v, softcap=5.0))
+    assert "fwd_mma_kernel" in names, names
+    assert not any(name in names for name in WS_FORWARD_KERNELS), names
+    check_attention(q, k, v, is_causal=False, scale=None, softcap=5.0, check_grad=False,
+                    label="d 32 softcap: the mma.sync forward")
 
 
 # ---- packed (varlen) batches: the kExtended instances, head dims 33..256 ----
@@ -369,7 +377,7 @@ VARLEN_CASES = [
 
 
 def _ws_varlen_check(desc, q, k, v, cu_q, cu_k, mq, mk, *, is_causal, window, softcap=0.0, slopes=None):
-    """The warp-specialized forward alone (tier 4: an error if it did not run) on a packed batch,
+    """The warp-specialized forward (ws_fwd: a failure if it did not run) on a packed batch,
     against attention_varlen_naive in float64 with the rule of tests/attn_check.py."""
     total_q, Hq, D = q.shape
     scale = 1.0 / math.sqrt(D)
@@ -378,7 +386,7 @@ def _ws_varlen_check(desc, q, k, v, cu_q, cu_k, mq, mk, *, is_causal, window, so
         wr = 0
 
     def flash_fn(qf, kf, vf):
-        out, lse, _ = _ext.require().fwd(qf, kf, vf, scale, wl, wr, softcap, slopes, cu_q, cu_k, mq, mk, WS_TIER)
+        out, lse, _ = ws_fwd(qf, kf, vf, scale, wl, wr, softcap, slopes, cu_q, cu_k, mq, mk)
         return out, lse
 
     def ref_fn(qr, kr, vr):
@@ -433,7 +441,7 @@ def test_ws_varlen_nonfinite_stays_in_its_sequence(schedule, poison, D, is_causa
     wr = 0 if is_causal else -1
 
     def run(qf, kf, vf):
-        return _ext.require().fwd(qf, kf, vf, scale, -1, wr, 0.0, None, cu_q, cu_k, mq, mk, WS_TIER)[:2]
+        return ws_fwd(qf, kf, vf, scale, -1, wr, 0.0, None, cu_q, cu_k, mq, mk)[:2]
 
     _ws_varlen_check(f"schedule={schedule} clean batch D={D} causal={is_causal}", q, k, v, cu_q, cu_k, mq, mk,
                      is_causal=is_causal, window=(-1, -1))
@@ -457,14 +465,6 @@ def test_ws_varlen_nonfinite_stays_in_its_sequence(schedule, poison, D, is_causa
             assert torch.equal(lse[:, a:b], clean_lse[:, a:b]), f"{where}: lse differs from the clean batch"
 
 
-def _forward_kernels(fn):
-    """The names of the CUDA kernels fn() launches (the profiler's view)."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return " ".join(e.name for e in prof.events())
-
-
 @pytest.mark.parametrize("D,kernel", [(64, "auto"), (128, "auto"), (192, "auto"), (128, "wgmma"), (256, "auto")])
 def test_ws_varlen_route(D, kernel):
     """The route of a packed forward: kernel='auto' (and 'wgmma' at its head dims) runs the
@@ -473,10 +473,10 @@ def test_ws_varlen_route(D, kernel):
 
     lens_q, lens_k = (300, 1, 129), (257, 64, 1)
     q, k, v, cu_q, cu_k, mq, mk = make_varlen_inputs(lens_q, lens_k, 4, 2, D, BF16, "cuda", seed=D)
-    names = _forward_kernels(lambda: flash_cuda.varlen_attention(q, k, v, cu_q, cu_k, mq, mk, is_causal=True,
-                                                                 kernel=kernel))
+    _, names = profiled(lambda: flash_cuda.varlen_attention(q, k, v, cu_q, cu_k, mq, mk, is_causal=True,
+                                                            kernel=kernel))
+    assert_ws_forward(names, f"varlen_attention D={D} kernel={kernel}")
     assert "fwd_sm90_ws_kernel" in names, names
-    assert "fwd_mma_kernel" not in names, names
     check_varlen_attention(q, k, v, cu_q, cu_k, mq, mk, is_causal=True, kernel=kernel, check_grad=False,
                            label=f"route D={D} kernel={kernel}")
 
@@ -566,15 +566,11 @@ def test_ws_gqa_packing_is_bitwise_unpacked(monkeypatch, D, is_causal, window):
     runs = []
     for pack in ("1", "0"):
         monkeypatch.setenv("FLASH_CUDA_WS_PACK_GQA", pack)
-        out, lse, _ = _ext.require().fwd(q, k, v, 0.125, wl, wr, 0.0, None, None, None, 0, 0, WS_TIER)
+        out, lse, _ = ws_fwd(q, k, v, 0.125, wl, wr, 0.0, None, None, None, 0, 0)
         runs.append((out, lse))
     assert torch.equal(runs[0][0], runs[1][0]), "out: packed != unpacked"
     assert torch.equal(runs[0][1], runs[1][1]), "lse: packed != unpacked"
 
-
-# attention() calls with at most this many queries go to the split-KV decode kernels
-# (tiers/mma/family.h: decode::kMaxDecodeQueries) under kernel='auto'.
-DECODE_MAX_QUERIES = 16
 
 # (B, Hq, Hkv, Sq, Sk, D, FLASH_CUDA_WS_PACK_GQA or None, extra env): the route of a forward.
 GQA_ROUTES = [
@@ -588,31 +584,34 @@ GQA_ROUTES = [
     (1, 4, 4, 16, 300, 128, "1", {}),          # MHA: nothing to pack
     (1, 6, 2, 16, 300, 64, "1", {}),           # G = 3 does not divide the tile
     (1, 8, 2, 16, 300, 192, "1", {}),          # d > 128: no packed instance
+    (1, 8, 2, 100, 300, 192, "1", {}),         # ... at Sq = 100 too (past the decode kernels' 16 queries)
     (1, 8, 2, 16, 300, 128, "1", {"FLASH_CUDA_WS_SCHEDULE": "serial"}),  # the overlapped schedule only
     (1, 8, 2, 16, 300, 64, "1", {"FLASH_CUDA_WS_STAGES": "4"}),          # nor with a shape ablation
 ]
 
 
-@pytest.mark.parametrize("kernel", ["auto", "tier4"])
+@pytest.mark.parametrize("kernel", ["auto", "ws"])
 @pytest.mark.parametrize("B,Hq,Hkv,Sq,Sk,D,pack,env", GQA_ROUTES)
 def test_ws_gqa_route(monkeypatch, kernel, B, Hq, Hkv, Sq, Sk, D, pack, env):
     """The profiler sees fwd_sm90_ws_gqa_kernel exactly where config.h's pack_gqa takes it
-    (kernel='auto' and tier 4 alike), the unpacked warp-specialized kernel otherwise, and each
-    route holds to the float64 rule. Softcap (an extended call) never packs. The routes with
-    switches run in an ablation build."""
+    (flash_cuda.attention with kernel='auto', and the extension's forward on the warp-specialized
+    kernels, attn_check.ws_fwd, which reaches the decode-shaped calls too), the unpacked
+    warp-specialized kernel otherwise, and each route holds to the float64 rule. Softcap (an
+    extended call) never packs. The routes with switches run in an ablation build."""
     import flash_cuda
 
+    if kernel == "ws" and Sq <= DECODE_MAX_QUERIES and D > 128:
+        pytest.skip("a decode-shaped call above d = 128: kernel='auto' runs the decode kernels and no other "
+                    "kernel= reaches the warp-specialized forward (kernel='wgmma' serves d 33..128)")
     if pack is not None or env:
         _ablation(monkeypatch, **({} if pack is None else {"FLASH_CUDA_WS_PACK_GQA": pack}), **env)
     q, k, v = make_inputs(B, Hq, Hkv, Sq, Sk, D, BF16, "cuda", layout="bshd", seed=Sq + D)
     expected = _ws_pack_expected(Hq, Hkv, Sq, D, pack) and not env
     for softcap in (0.0, 5.0):
         if kernel == "auto":
-            run = lambda: flash_cuda.attention(q, k, v, is_causal=True, softcap=softcap)  # noqa: E731
+            _, names = profiled(lambda: flash_cuda.attention(q, k, v, is_causal=True, softcap=softcap))
         else:
-            run = lambda: _ext.require().fwd(q, k, v, 0.1, -1, 0, softcap, None, None, None, 0, 0,  # noqa: E731
-                                             WS_TIER)
-        names = _forward_kernels(run)
+            _, names = ws_fwd_traced(q, k, v, 0.1, -1, 0, softcap, None, None, None, 0, 0)
         if kernel == "auto" and Sq <= DECODE_MAX_QUERIES:
             # kernel='auto' sends decode-shaped calls to the split-KV decode kernels instead.
             assert "decode_kernel" in names, names

@@ -73,12 +73,13 @@ DType dtype_of(const at::Tensor& t) {
 
 // kAuto stays kAuto for 16-bit inputs: dispatch tries the Hopper tier first.
 Tier resolve_tier(int64_t tier, DType dtype) {
-  FLASH_CHECK(tier >= 0 && tier <= 4, "flash_cuda: unknown kernel tier ", tier);
+  FLASH_CHECK(tier >= static_cast<int64_t>(Tier::kAuto) && tier <= static_cast<int64_t>(Tier::kWgmma),
+              "flash_cuda: unknown kernel tier ", tier);
   Tier t = static_cast<Tier>(tier);
   if (t == Tier::kAuto && dtype == DType::kFloat32) t = Tier::kSimt;
   FLASH_CHECK(t != Tier::kSimt || dtype == DType::kFloat32,
               "flash_cuda: the 'simt' kernel takes float32 inputs only");
-  FLASH_CHECK((t != Tier::kMma && t != Tier::kWgmma && t != Tier::kWgmmaWs) || dtype != DType::kFloat32,
+  FLASH_CHECK((t != Tier::kMma && t != Tier::kWgmma) || dtype != DType::kFloat32,
               "flash_cuda: the 'mma' and 'wgmma' kernels take float16 or bfloat16 inputs only");
   return t;
 }
@@ -308,21 +309,16 @@ bool run_family(Params& p, Tier tier, const at::TensorOptions& options) {
 }
 
 // The families in the order they are asked: fp32 -> simt; fp16 / bf16 -> split-KV decode for
-// decode-shaped calls, the Hopper family where it applies, else mma.sync. kernel='wgmma' and
-// tier 4 allow the Hopper family alone (tier 4's backward is kernel='auto''s).
+// decode-shaped calls, the Hopper family where it applies, else mma.sync. kernel='wgmma' allows
+// the Hopper family alone.
 template <typename Params>
 void dispatch(Params& p, Tier tier, const at::TensorOptions& options) {
-  constexpr bool kBackward = std::is_same<Params, BwdParams>::value;
   if (run_family<SimtFamily>(p, tier, options) || run_family<DecodeFamily>(p, tier, options) ||
       run_family<WgmmaFamily>(p, tier, options)) {
     return;
   }
-  FLASH_CHECK(kBackward || tier != Tier::kWgmmaWs,
-              "flash_cuda: the warp-specialized forward (tier 4) needs an sm_90 GPU, a build with the 90a target, "
-              "head dim 33..256 (or up to 32 without softcap, ALiBi, dropout or packed batches), and 16-byte "
-              "aligned strides");
   FLASH_CHECK(tier != Tier::kWgmma, kNoWgmma);
-  FLASH_CHECK(run_family<MmaFamily>(p, kBackward && tier == Tier::kWgmmaWs ? Tier::kAuto : tier, options),
+  FLASH_CHECK(run_family<MmaFamily>(p, tier, options),
               "flash_cuda: internal error: no kernel family ran the call");
 }
 
@@ -413,7 +409,7 @@ CallArgs check_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   const Shape s = check_qkv(q, k, v, m);
   FLASH_CHECK(std::isfinite(scale), "flash_cuda: scale must be finite");
   const Tier t = resolve_tier(tier, dtype_of(q));
-  FLASH_CHECK(dropout_p == 0.0 || t == Tier::kAuto || t == Tier::kMma || t == Tier::kSimt || t == Tier::kWgmmaWs,
+  FLASH_CHECK(dropout_p == 0.0 || t == Tier::kAuto || t == Tier::kMma || t == Tier::kSimt,
               "flash_cuda: dropout runs on kernel='auto', 'mma' or 'simt'");
   return {m, s, t};
 }

@@ -23,18 +23,13 @@ namespace flash_cuda {
 
 enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 
-// Which kernel family runs the call (csrc/tiers/<family>/, the user's kernel= option).
+// Which kernel family runs the call (csrc/tiers/<family>/): the user's kernel= option, one id per
+// name of flash_cuda.validation.KERNELS; the binding rejects any other id (resolve_tier).
 enum class Tier : int {
   kAuto = 0,  // the binding picks: fp32 -> kSimt; fp16/bf16 -> kWgmma where it applies, else kMma
   kSimt = 1,  // fp32 on the CUDA cores (true fp32 FMA arithmetic): tiers/simt
   kMma = 2,   // fp16/bf16 on the tensor cores of every GPU (mma.sync, ldmatrix, cp.async): tiers/mma
   kWgmma = 3, // fp16/bf16 on Hopper (wgmma, TMA, swizzled shared memory), sm_90 only: tiers/wgmma
-  // Not a kernel= choice of the package (flash_cuda.KERNELS has none for it): the extension's
-  // route to the Hopper forward with no fallback, for the tests that must know that kernel ran
-  // (tests/test_sm90_ws.py, test_dropout_gpu.py). The forward runs the Hopper family wherever it
-  // has an instance (kernel='auto''s calls on sm_90: every head dim 33..256, d <= 32 where
-  // narrow_fwd_applies, dropout), and is an error where it does not apply; the backward is kAuto's.
-  kWgmmaWs = 4,
 };
 
 // Attention dropout (core/dropout.cuh; flash_cuda.reference, "Attention dropout"): an element of

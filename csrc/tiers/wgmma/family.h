@@ -85,11 +85,10 @@ template <int kDType, int kVariant> struct WideBwdEntry {
 
 // fp16 / bf16 on sm_90.
 //   Forward: kernel='auto' at every head dim it has (d <= 32: dense calls without score modifiers
-//   or dropout, config.h), kernel='wgmma' at the head dims its backward also has, tier 4 (the
-//   Hopper forward alone) always. Workspace: the tile scheduler's counter
-//   (FwdParams::tile_counter), one zeroed int.
-//   Backward (tier 4 runs kernel='auto''s): kernel='auto' and 'wgmma' at d 33..128, kernel='auto'
-//   at d 129..256 with deterministic=False (the wide kernel) and at d <= 32 for the calls of
+//   or dropout, config.h), kernel='wgmma' at the head dims its backward also has. Workspace: the
+//   tile scheduler's counter (FwdParams::tile_counter), one zeroed int.
+//   Backward: kernel='auto' and 'wgmma' at d 33..128, kernel='auto' at d 129..256 with
+//   deterministic=False (the wide kernel) and at d <= 32 for the calls of
 //   config.h: narrow_bwd_applies. Workspace, with deterministic=False
 //   and every gradient wanted (the warp-specialized kernels run only then):
 //   the fp32 dQ the warp-specialized kernels add into, zero-filled: tiles of 64 or 128 rows at
@@ -99,10 +98,10 @@ struct WgmmaFamily {
   static bool applies(const FwdParams& p, Tier tier) {
     // Dropout: the dropout instances where they apply, else the mma.sync family.
     if (p.sm_arch != 90 || (has_dropout(p) && !wgmma::fwd_dropout_applies(p))) return false;
-    if (wgmma::narrow_fwd_applies(p)) return tier == Tier::kAuto || tier == Tier::kWgmmaWs;
+    if (wgmma::narrow_fwd_applies(p)) return tier == Tier::kAuto;
     if (!wgmma::fwd_head_dim(p.d)) return false;
     if (tier == Tier::kWgmma) return wgmma::bwd_head_dim(p.d);
-    return tier == Tier::kAuto || tier == Tier::kWgmmaWs;
+    return tier == Tier::kAuto;
   }
   static bool applies(const BwdParams& p, Tier tier) {
     if constexpr (kAblations) {
@@ -148,7 +147,6 @@ struct WgmmaFamily {
 
  private:
   static bool applies_bwd(const BwdParams& p, Tier tier) {
-    tier = bwd_tier(tier);
     if (p.sm_arch != 90) return false;
     if (has_dropout(p)) return tier == Tier::kAuto && wgmma::bwd_dropout_applies(p);
     if (wgmma::narrow_bwd_applies(p)) return tier == Tier::kAuto;
@@ -165,7 +163,6 @@ struct WgmmaFamily {
     return ws;
   }
   static bool run_bwd(const BwdParams& p, Tier tier, cudaStream_t stream) {
-    tier = bwd_tier(tier);
     const Variant variant = variant_of(p, /*backward=*/true);
     if ((((tier == Tier::kAuto || tier == Tier::kWgmma) && wgmma::bwd_head_dim(p.d)) ||
          (tier == Tier::kAuto && wgmma::narrow_bwd_applies(p))) &&
@@ -176,7 +173,6 @@ struct WgmmaFamily {
            with_dtype_variant<wgmma::WideBwdEntry, tiles::WgmmaBwdWideBuckets, /*kWithSoftcapGrad=*/true>(
                p, variant, stream);
   }
-  static Tier bwd_tier(Tier tier) { return tier == Tier::kWgmmaWs ? Tier::kAuto : tier; }
 };
 
 }  // namespace flash_cuda

@@ -61,16 +61,18 @@ def _op_args(q, kc, vc, k, v, table, lens, *, is_causal=True, return_lse=False, 
             check_inputs)
 
 
-# (Sq, s_new, page_size, lens): decode, speculative decode, no new keys, paged, and the prefill
-# routes of a dense cache with an int length (an empty cache, and one that holds keys already).
+# (Sq, s_new, page_size, transposed_pool, lens): decode, speculative decode, no new keys, paged
+# (also a (pages, page_size, Hkv, D) pool seen transposed), and the prefill routes of a dense
+# cache with an int length (an empty cache, and one that holds keys already).
 CASES = {
-    "decode-tensor-lens": (1, 1, None, [5, 30]),
-    "decode-int-len": (1, 1, None, 17),
-    "spec-no-new-keys": (3, 0, None, [40, 3]),
-    "paged": (2, 2, 16, [33, 0]),
-    "prefill-empty": (20, 20, None, 0),
-    "prefill-cached": (20, 20, None, 9),
-    "prefill-tensor-lens": (20, 20, None, [9, 0]),
+    "decode-tensor-lens": (1, 1, None, False, [5, 30]),
+    "decode-int-len": (1, 1, None, False, 17),
+    "spec-no-new-keys": (3, 0, None, False, [40, 3]),
+    "paged": (2, 2, 16, False, [33, 0]),
+    "paged-transposed-pool": (1, 1, 16, True, [20, 47]),
+    "prefill-empty": (20, 20, None, False, 0),
+    "prefill-cached": (20, 20, None, False, 9),
+    "prefill-tensor-lens": (20, 20, None, False, [9, 0]),
 }
 
 
@@ -81,18 +83,14 @@ def _lens(lens):
 @pytest.mark.parametrize("name", list(CASES))
 @pytest.mark.parametrize("return_lse", [False, True])
 def test_opcheck_cpu_mock(mock_kvcache, name, return_lse):
-    Sq, s_new, page_size, lens = CASES[name]
-    q, kc, vc, k, v, table = _case(Sq=Sq, s_new=s_new, page_size=page_size, seed=Sq + s_new)
-    alibi = torch.tensor([0.5, 0.25, 0.125, 0.0625]) if name == "paged" else None
+    Sq, s_new, page_size, transposed, lens = CASES[name]
+    q, kc, vc, k, v, table = _case(Sq=Sq, s_new=s_new, page_size=page_size, transposed_pool=transposed,
+                                   seed=Sq + s_new)
+    alibi = torch.tensor([0.5, 0.25, 0.125, 0.0625]) if name.startswith("paged") else None
     torch.library.opcheck(OP, _op_args(q, kc, vc, k, v, table, _lens(lens), return_lse=return_lse, alibi=alibi))
     out, lse = OP(*_op_args(q, kc, vc, k, v, table, _lens(lens), return_lse=return_lse, alibi=alibi))
     assert out.shape == q.shape and out.dtype == q.dtype and out.stride() == torch.empty_like(q).stride()
     assert lse.dtype == torch.float32 and lse.shape == (tuple(q.shape[:3]) if return_lse else (0,))
-
-
-def test_opcheck_transposed_pool_cpu_mock(mock_kvcache):
-    q, kc, vc, k, v, table = _case(page_size=16, transposed_pool=True, s_new=1)
-    torch.library.opcheck(OP, _op_args(q, kc, vc, k, v, table, torch.tensor([20, 47], dtype=torch.int32)))
 
 
 def _step(q, kc, vc, k, v, lens, table, return_lse):
@@ -109,8 +107,9 @@ def _clones(*ts):
 def test_compile_matches_eager_cpu_mock(mock_kvcache, name, backend):
     """fullgraph=True traces the whole step (any graph break raises); the compiled step returns
     what the eager one does and leaves the caches as the eager one does, appended."""
-    Sq, s_new, page_size, lens = CASES[name]
-    q, kc, vc, k, v, table = _case(Sq=Sq, s_new=s_new, page_size=page_size, seed=len(name))
+    Sq, s_new, page_size, transposed, lens = CASES[name]
+    q, kc, vc, k, v, table = _case(Sq=Sq, s_new=s_new, page_size=page_size, transposed_pool=transposed,
+                                   seed=len(name))
     lens = _lens(lens)
     before = _clones(kc, vc)
     ek, ev = _clones(kc, vc)

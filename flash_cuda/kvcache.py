@@ -271,10 +271,10 @@ _MAX_PLANS = 256
 
 def _signature(q, k_cache, v_cache, k, v, cache_seqlens, block_table, scale, window_size, softcap,
                alibi_slopes, is_causal, num_splits, return_lse):
-    """Everything the checks read, as a hashable key; the caller made sure that the tensors are
-    plain tensors and the flags plain bools and ints. Values that compare equal across types
-    (1 == 1.0) carry their type, so a key never stands for an argument the checks would reject.
-    An int ``cache_seqlens`` enters by its type: its value is checked on every call."""
+    """Everything the checks read, as a hashable key (:func:`_plain` and :func:`_simple_options`
+    hold). Values that compare equal across types (1 == 1.0) carry their type, so a key never
+    stands for an argument the checks would reject. An int ``cache_seqlens`` enters as None:
+    its value is checked on every call."""
     return (q.shape, q.stride(), q.dtype, q.get_device(),
             k_cache.shape, k_cache.stride(), k_cache.dtype, k_cache.get_device(), k_cache.data_ptr() & 15,
             v_cache.shape, v_cache.stride(), v_cache.dtype, v_cache.get_device(), v_cache.data_ptr() & 15,
@@ -289,18 +289,23 @@ def _signature(q, k_cache, v_cache, k, v, cache_seqlens, block_table, scale, win
             scale, type(scale), window_size, softcap, type(softcap), is_causal, num_splits, return_lse)
 
 
-def _plain(q, k_cache, v_cache, k, v, cache_seqlens, block_table, alibi_slopes, window_size, is_causal, num_splits,
-           return_lse) -> bool:
-    """Whether a call may use (and fill) the plans: plain tensors outside tracing and modes, and
-    the flags of the types the checks accept (others take the checks, which name the problem)."""
+def _plain(q, k_cache, v_cache, k, v, cache_seqlens, block_table, alibi_slopes) -> bool:
+    """Whether a call may skip the op's dispatch: plain tensors, outside tracing and modes."""
     return (type(q) is Tensor and type(k_cache) is Tensor and type(v_cache) is Tensor
             and (k is None or type(k) is Tensor) and (v is None or type(v) is Tensor)
             and (type(cache_seqlens) is Tensor or type(cache_seqlens) is int)
             and (block_table is None or type(block_table) is Tensor)
-            and (alibi_slopes is None or type(alibi_slopes) is Tensor)
+            and (alibi_slopes is None or type(alibi_slopes) is Tensor) and eager_ok())
+
+
+def _simple_options(scale, window_size, softcap, is_causal, num_splits, return_lse) -> bool:
+    """Whether the options may enter a signature: of the types the checks accept, hashable
+    (anything else takes the checks, which name the problem)."""
+    return ((scale is None or type(scale) is float or type(scale) is int)
+            and (type(softcap) is float or type(softcap) is int)
             and type(window_size) is tuple and len(window_size) == 2 and type(window_size[0]) is int
             and type(window_size[1]) is int and (is_causal is True or is_causal is False)
-            and (return_lse is True or return_lse is False) and type(num_splits) is int and eager_ok())
+            and (return_lse is True or return_lse is False) and type(num_splits) is int)
 
 
 # ---------------------------------------------------------------------------------------
@@ -439,8 +444,8 @@ def attention_with_kvcache(
         TypeError, ValueError, RuntimeError: a bad argument, named with what is accepted, before
             anything is written or launched.
     """
-    if _plain(q, k_cache, v_cache, k, v, cache_seqlens, block_table, alibi_slopes, window_size, is_causal,
-              num_splits, return_lse):
+    eager = _plain(q, k_cache, v_cache, k, v, cache_seqlens, block_table, alibi_slopes)
+    if eager and _simple_options(scale, window_size, softcap, is_causal, num_splits, return_lse):
         key = _signature(q, k_cache, v_cache, k, v, cache_seqlens, block_table, scale, window_size, softcap,
                          alibi_slopes, is_causal, num_splits, return_lse)
         plan = _plans.get(key)
@@ -452,11 +457,9 @@ def attention_with_kvcache(
             _plans[key] = plan
         elif type(cache_seqlens) is int:
             _check_cache_len(cache_seqlens, plan.s_new, plan.capacity)
-        eager = True
     else:
         plan = _validate(q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_causal, scale, window_size,
                          softcap, alibi_slopes, num_splits, return_lse)
-        eager = False
     if isinstance(cache_seqlens, Tensor):
         lens, cache_len = (cache_seqlens.contiguous() if plan.fix_lens else cache_seqlens), 0
     else:

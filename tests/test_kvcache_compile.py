@@ -300,6 +300,11 @@ def test_kept_signature_rejects_what_the_checks_reject_cpu_mock(mock_kvcache):
         call(kc=flat[4:].view(kc.shape))  # the same shape and strides, 8 bytes off
     with pytest.raises(ValueError, match="both have shape"):
         call(k=k[:, :1], v=v[:, :1])
+    with pytest.raises(TypeError, match="softcap must be a finite real number >= 0 .*, got list"):
+        call(cache_seqlens=lens, softcap=[2.0])  # unhashable: the checks, not a failed lookup
+    # options of other accepted types pass the checks on every call, with the same result
+    want = call(cache_seqlens=lens, is_causal=True, window_size=(4, 0))
+    assert torch.equal(call(cache_seqlens=lens, is_causal=True, window_size=[4, 0]), want)
     call()  # and the signature that passed still passes
 
 

@@ -6,22 +6,33 @@ Inference only: no autograd graph is recorded. The launch plan depends on shapes
 cache's capacity, never the lengths in ``cache_seqlens``), so one CUDA graph captured around a
 decode step serves every later step. :func:`flash_cuda.reference.attention_with_kvcache_reference`
 is the executable specification (pure PyTorch, runs on CPU).
+
+* ``flash_cuda::fwd_kvcache``: the ``torch.library`` custom op behind it, declared as mutating
+  ``k_cache`` and ``v_cache`` (so functionalization under ``torch.compile`` keeps the append),
+  with a fake implementation: ``torch.compile(fullgraph=True)`` traces a decode step without
+  a graph break. It always returns ``(out, lse)``; lse is an empty float32 ``(0,)`` tensor
+  unless ``return_lse``.
+* The host path: a decode step calls this with the same shapes, strides and options every
+  time, so the outcome of the checks is kept per signature of the arguments (their metadata,
+  never their values) and a repeated signature skips them. Plain eager tensors then run the
+  extension call without the op's dispatch; anything the op exists for (tracing, fake or
+  functional tensors, tensor subclasses, dispatch or function modes) takes the op.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Optional, Tuple, Union
+from typing import NamedTuple, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
 
 from . import _ext
-from .ops import fwd_impl
+from .ops import eager_ok, fwd_impl
 from .validation import (MAX_GRID_YZ, MAX_HEAD_DIM, MAX_SEQLEN, MIN_CAPABILITY, MIN_HEAD_DIM, ScoreOptions,
                          check_alibi, check_capability, check_score_options, device_capability, dtype_name)
 
-__all__ = ["attention_with_kvcache", "PAGE_SIZE_MULTIPLE", "MAX_NUM_SPLITS"]
+__all__ = ["attention_with_kvcache", "fwd_kvcache", "PAGE_SIZE_MULTIPLE", "MAX_NUM_SPLITS"]
 
 _PREFIX = "flash_cuda.attention_with_kvcache: "
 _DTYPES = (torch.float16, torch.bfloat16)
@@ -75,6 +86,28 @@ def _aligned_rows(t: Tensor) -> bool:
             and (n2 <= 1 or s2 * es % 16 == 0))
 
 
+def _check_alignment(k_cache: Tensor, v_cache: Tensor) -> None:
+    if not (_aligned_rows(k_cache) and _aligned_rows(v_cache)):
+        _fail(ValueError, "the caches are written in place, so their rows must be 16-byte aligned: a base "
+                          "address and strides (in bytes) that are multiples of 16")
+
+
+def _check_device(q: Tensor, dev: int) -> None:
+    """q on a CUDA device (index ``dev``, -1 for any other device) of capability 8.0 or newer."""
+    if dev < 0:
+        _fail(RuntimeError, f"inputs must be CUDA tensors, got device '{q.device}'; flash_cuda runs only on "
+                            f"NVIDIA GPUs (flash_cuda.reference.attention_with_kvcache_reference runs anywhere)")
+    # The capability query cannot be traced; the extension checks it again on every launch.
+    if not torch.compiler.is_compiling() and device_capability(dev) < MIN_CAPABILITY:
+        check_capability(q.device, _PREFIX)
+
+
+def _check_cache_len(cache_len: int, s_new: int, capacity: int) -> None:
+    if cache_len < 0 or cache_len + s_new > capacity:
+        _fail(ValueError, f"cache_seqlens = {cache_len} with {s_new} new tokens needs {cache_len + s_new} "
+                          f"positions, but the cache holds {capacity} per sequence (cache_seqlens must be >= 0)")
+
+
 _ENV_CHECK = "FLASH_CUDA_CHECK_KVCACHE"
 
 
@@ -100,6 +133,246 @@ def _check_values(lens: list, block_table: Optional[Tensor], s_new: int, capacit
             if bad:
                 _fail(ValueError, f"block_table[{b}] names page {bad[0]}, outside [0, {num_pages}) "
                                   f"(the cache has {num_pages} pages)")
+
+
+class _Plan(NamedTuple):
+    """What the checks of one signature found: the score options (without the ALiBi slopes,
+    a tensor of the call) and the sizes the per-call checks need."""
+    scale: float
+    window_left: int
+    window_right: int
+    softcap: float
+    capacity: int  # positions per sequence
+    s_new: int
+    fix_lens: bool  # a tensor cache_seqlens that needs .contiguous()
+    fix_table: bool  # a block_table whose rows need .contiguous()
+
+
+def _validate(q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_causal, scale, window_size, softcap,
+              alibi_slopes, num_splits, return_lse) -> _Plan:
+    """Every check of :func:`attention_with_kvcache`'s arguments but the per-call ones (an int
+    ``cache_seqlens``'s value, ``check_inputs``), in the order the errors are documented."""
+    # A call with a new signature (and every traced call) comes here: the checks are plain
+    # comparisons on the tensors' metadata, and the error helpers build a message only on failure.
+    paged = block_table is not None
+    cache_layout = ("(num_pages, kv_heads, page_size, head_dim)" if paged
+                    else "(batch, kv_heads, max_seqlen, head_dim)")
+    for name, t, layout in (("q", q, "(batch, heads, seqlen_q, head_dim)"), ("k_cache", k_cache, cache_layout),
+                            ("v_cache", v_cache, cache_layout)):
+        if not isinstance(t, Tensor) or t.dim() != 4 or t.stride(-1) != 1:
+            _check_tensor(name, t, 4, layout)
+    dt = q.dtype
+    if dt is not torch.float16 and dt is not torch.bfloat16:
+        _fail(TypeError, f"q has dtype {dtype_name(dt)}; the KV-cache kernels take float16 or bfloat16")
+    dev = q.get_device()
+    if k_cache.dtype is not dt or k_cache.get_device() != dev:
+        _check_same("k_cache", k_cache, q)
+    if v_cache.dtype is not dt or v_cache.get_device() != dev:
+        _check_same("v_cache", v_cache, q)
+    B, Hq, Sq, D = q.shape
+    cshape = k_cache.shape
+    if cshape != v_cache.shape:
+        _fail(ValueError, f"k_cache and v_cache must have the same shape, got {tuple(k_cache.shape)} and "
+                          f"{tuple(v_cache.shape)}")
+    Hkv = cshape[1]
+    if cshape[3] != D:
+        _fail(ValueError, f"the caches' head dim {cshape[3]} differs from q's {D}")
+    if Hkv < 1 or Hq % Hkv:
+        _fail(ValueError, f"the number of query heads ({Hq}) must be a multiple of the caches' kv heads "
+                          f"({Hkv}) (dim 1)")
+    if D < MIN_HEAD_DIM or D > MAX_HEAD_DIM or D % 8:
+        _fail(ValueError, f"unsupported head dim {D}; the head dim must be a multiple of 8 in "
+                          f"[{MIN_HEAD_DIM}, {MAX_HEAD_DIM}]")
+    if Sq < 1:
+        _fail(ValueError, "q must hold at least one query (seqlen_q >= 1, dim 2)")
+    if B > MAX_GRID_YZ or Hq > MAX_GRID_YZ:
+        _fail(ValueError, f"batch size ({B}) and query heads ({Hq}) must each be at most {MAX_GRID_YZ}")
+    # Under torch.compile the tensors are fake (no address): the op checks the rows when it runs.
+    if not torch.compiler.is_compiling():
+        _check_alignment(k_cache, v_cache)
+    if paged:
+        if not isinstance(block_table, Tensor):
+            _fail(TypeError, f"block_table must be None or an int32 tensor (batch, max_pages), got "
+                             f"{type(block_table).__name__}")
+        if block_table.dtype != torch.int32:
+            _fail(TypeError, f"block_table must be an int32 tensor, got {dtype_name(block_table.dtype)}")
+        if block_table.dim() != 2 or block_table.shape[0] != B:
+            _fail(ValueError, f"block_table must have shape ({B}, max_pages_per_sequence), got "
+                              f"{tuple(block_table.shape)}")
+        if block_table.get_device() != dev:
+            _fail(RuntimeError, f"block_table must be on q's device {q.device}, got {block_table.device}")
+        page_size = cshape[2]
+        if page_size % PAGE_SIZE_MULTIPLE or page_size == 0:
+            _fail(ValueError, f"the page size (k_cache dim 2) must be a positive multiple of "
+                              f"{PAGE_SIZE_MULTIPLE}, got {page_size}")
+        if cshape[0] < 1:
+            _fail(ValueError, "a paged cache needs at least one page (k_cache dim 0)")
+        capacity = block_table.shape[1] * page_size
+    else:
+        if cshape[0] != B:
+            _fail(ValueError, f"a dense cache must have q's batch size {B} (dim 0), got {cshape[0]}; "
+                              f"pass block_table for a paged cache")
+        capacity = cshape[2]
+    if capacity > MAX_SEQLEN:
+        _fail(ValueError, f"the cache holds {capacity} positions per sequence; at most 2^31 - 1 are supported")
+    s_new = 0
+    if k is not None or v is not None:
+        if k is None or v is None:
+            _fail(ValueError, "pass both k and v (the new keys and values), or neither")
+        layout = "(batch, kv_heads, seqlen_new, head_dim)"
+        for name, t in (("k", k), ("v", v)):
+            if not isinstance(t, Tensor) or t.dim() != 4 or t.stride(-1) != 1:
+                _check_tensor(name, t, 4, layout)
+            if t.dtype is not dt or t.get_device() != dev:
+                _check_same(name, t, q)
+        kshape = k.shape
+        if kshape != v.shape or kshape[0] != B or kshape[1] != Hkv or kshape[3] != D:
+            _fail(ValueError, f"k and v must both have shape ({B}, {Hkv}, seqlen_new, {D}), got "
+                              f"{tuple(k.shape)} and {tuple(v.shape)}")
+        s_new = kshape[2]
+    if isinstance(cache_seqlens, Tensor):
+        if cache_seqlens.dtype is not torch.int32:
+            _fail(TypeError, f"cache_seqlens must be an int or an int32 tensor, got "
+                             f"{dtype_name(cache_seqlens.dtype)}")
+        if cache_seqlens.dim() != 1 or cache_seqlens.shape[0] != B:
+            _fail(ValueError, f"cache_seqlens must have shape ({B},), got {tuple(cache_seqlens.shape)}")
+        if cache_seqlens.get_device() != dev:
+            _fail(RuntimeError, f"cache_seqlens must be on q's device {q.device}, got {cache_seqlens.device}")
+        if s_new > capacity:
+            _fail(ValueError, f"{s_new} new tokens do not fit a cache of {capacity} positions per sequence")
+    elif isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
+        _check_cache_len(cache_seqlens, s_new, capacity)
+    else:
+        _fail(TypeError, f"cache_seqlens must be an int or an int32 tensor (batch,), got "
+                         f"{type(cache_seqlens).__name__}")
+    if is_causal is not False and is_causal is not True:
+        _fail(TypeError, f"is_causal must be a bool, got {type(is_causal).__name__}")
+    if return_lse is not False and return_lse is not True:
+        _fail(TypeError, f"return_lse must be a bool, got {type(return_lse).__name__}")
+    if type(num_splits) is not int or not 0 <= num_splits <= MAX_NUM_SPLITS:
+        _fail(ValueError, f"num_splits must be an int in [0, {MAX_NUM_SPLITS}] (0: chosen from the shapes), "
+                          f"got {num_splits!r}")
+    opts = check_score_options(D, scale, is_causal, window_size, softcap, _PREFIX)
+    if alibi_slopes is not None:
+        alibi_slopes = check_alibi(alibi_slopes, B, Hq, _PREFIX)
+        if alibi_slopes.get_device() != dev:
+            _fail(RuntimeError, f"alibi_slopes must be on q's device {q.device}, got {alibi_slopes.device}")
+    _check_device(q, dev)
+    return _Plan(opts.scale, opts.window_left, opts.window_right, opts.softcap, capacity, s_new,
+                 isinstance(cache_seqlens, Tensor) and cache_seqlens.stride(0) != 1,
+                 paged and block_table.stride(1) != 1)
+
+
+# Plans of the signatures seen, keyed by _signature. A decode loop meets a handful (one per
+# batch shape and query count); prompts of many lengths would add one each, hence the bound.
+_plans: dict = {}
+_MAX_PLANS = 256
+
+
+def _signature(q, k_cache, v_cache, k, v, cache_seqlens, block_table, scale, window_size, softcap,
+               alibi_slopes, is_causal, num_splits, return_lse):
+    """Everything the checks read, as a hashable key (:func:`_plain` and :func:`_simple_options`
+    hold). Values that compare equal across types (1 == 1.0) carry their type, so a key never
+    stands for an argument the checks would reject. An int ``cache_seqlens`` enters as None:
+    its value is checked on every call."""
+    return (q.shape, q.stride(), q.dtype, q.get_device(),
+            k_cache.shape, k_cache.stride(), k_cache.dtype, k_cache.get_device(), k_cache.data_ptr() & 15,
+            v_cache.shape, v_cache.stride(), v_cache.dtype, v_cache.get_device(), v_cache.data_ptr() & 15,
+            None if k is None else (k.shape, k.stride(), k.dtype, k.get_device()),
+            None if v is None else (v.shape, v.stride(), v.dtype, v.get_device()),
+            (cache_seqlens.shape, cache_seqlens.stride(), cache_seqlens.dtype, cache_seqlens.get_device())
+            if type(cache_seqlens) is Tensor else None,
+            None if block_table is None else (block_table.shape, block_table.stride(), block_table.dtype,
+                                              block_table.get_device()),
+            None if alibi_slopes is None else (alibi_slopes.shape, alibi_slopes.stride(), alibi_slopes.dtype,
+                                               alibi_slopes.get_device()),
+            scale, type(scale), window_size, softcap, type(softcap), is_causal, num_splits, return_lse)
+
+
+def _plain(q, k_cache, v_cache, k, v, cache_seqlens, block_table, alibi_slopes) -> bool:
+    """Whether a call may skip the op's dispatch: plain tensors, outside tracing and modes."""
+    return (type(q) is Tensor and type(k_cache) is Tensor and type(v_cache) is Tensor
+            and (k is None or type(k) is Tensor) and (v is None or type(v) is Tensor)
+            and (type(cache_seqlens) is Tensor or type(cache_seqlens) is int)
+            and (block_table is None or type(block_table) is Tensor)
+            and (alibi_slopes is None or type(alibi_slopes) is Tensor) and eager_ok())
+
+
+def _simple_options(scale, window_size, softcap, is_causal, num_splits, return_lse) -> bool:
+    """Whether the options may enter a signature: of the types the checks accept, hashable
+    (anything else takes the checks, which name the problem)."""
+    return ((scale is None or type(scale) is float or type(scale) is int)
+            and (type(softcap) is float or type(softcap) is int)
+            and type(window_size) is tuple and len(window_size) == 2 and type(window_size[0]) is int
+            and type(window_size[1]) is int and (is_causal is True or is_causal is False)
+            and (return_lse is True or return_lse is False) and type(num_splits) is int)
+
+
+# ---------------------------------------------------------------------------------------
+# The extension call (and its routes) behind the op and the eager path
+# ---------------------------------------------------------------------------------------
+
+
+def _run(C, q, k_cache, v_cache, k, v, lens, cache_len, block_table, scale, window_left, window_right, softcap,
+         alibi_slopes, num_splits, return_lse, check_inputs):
+    """The validated call: (out, lse), lse None unless ``return_lse``. ``lens`` (the tensor
+    ``cache_seqlens``, contiguous) or ``cache_len`` (the int) gives the cached lengths."""
+    if check_inputs or _ENV_CHECK in os.environ:
+        if _check_enabled(check_inputs):
+            B, s_new = q.shape[0], 0 if k is None else k.shape[2]
+            capacity = k_cache.shape[2] * (1 if block_table is None else block_table.shape[1])
+            _check_values(lens.tolist() if lens is not None else [cache_len] * B, block_table, s_new, capacity,
+                          k_cache.shape[0])
+    if lens is None and block_table is None and q.shape[2] > _DECODE_MAX_QUERIES:
+        # Prefill against a dense cache whose length the host knows: the append is a copy, and the
+        # attention is attention()'s query-tiled forward over the filled rows, which runs
+        # prompt-sized work at that forward's speed (the decode kernels stream keys for few rows).
+        opts = ScoreOptions(scale, window_left, window_right, softcap, alibi_slopes)
+        s_new = 0 if k is None else k.shape[2]
+        total = cache_len + s_new
+        if cache_len == 0 and s_new and q.is_cuda:
+            # An empty cache: the keys are k / v themselves. The append runs on a side stream
+            # beside the (compute-bound) attention instead of before it; the call's stream waits
+            # for it before returning (a fork and a join, which CUDA graph capture keeps).
+            main = torch.cuda.current_stream(q.device)
+            side = _side_stream(q.device)
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                k_cache[:, :, :s_new].copy_(k)
+                v_cache[:, :, :s_new].copy_(v)
+            out, lse, _ = fwd_impl(q, k, v, opts, 0)
+            main.wait_stream(side)
+        else:
+            if s_new:
+                k_cache[:, :, cache_len:total].copy_(k)
+                v_cache[:, :, cache_len:total].copy_(v)
+            out, lse, _ = fwd_impl(q, k_cache[:, :, :total], v_cache[:, :, :total], opts, 0)
+        return out, (lse if return_lse else None)
+    return C.fwd_kvcache(q, k_cache, v_cache, k, v, lens, cache_len, block_table, scale, window_left, window_right,
+                         softcap, alibi_slopes, num_splits, return_lse)
+
+
+@torch.library.custom_op("flash_cuda::fwd_kvcache", mutates_args=("k_cache", "v_cache"))
+def fwd_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor], v: Optional[Tensor],
+                cache_seqlens: Optional[Tensor], cache_len: int, block_table: Optional[Tensor], scale: float,
+                window_left: int, window_right: int, softcap: float, alibi_slopes: Optional[Tensor],
+                num_splits: int, return_lse: bool, check_inputs: bool) -> Tuple[Tensor, Tensor]:
+    """Attention against a KV cache after appending k / v to it in place: (out, lse), lse empty
+    (0,) unless ``return_lse``. The arguments are the extension's (``cache_seqlens`` a
+    contiguous int32 tensor or None, then ``cache_len`` the int length of every sequence),
+    validated by :func:`attention_with_kvcache`, plus ``check_inputs``: the values of
+    cache_seqlens and block_table checked here, at run time (also inside a compiled graph)."""
+    _check_alignment(k_cache, v_cache)  # the addresses, which tracing could not see
+    out, lse = _run(_ext.require(), q, k_cache, v_cache, k, v, cache_seqlens, cache_len, block_table, scale,
+                    window_left, window_right, softcap, alibi_slopes, num_splits, return_lse, check_inputs)
+    return out, (lse if lse is not None else q.new_empty((0,), dtype=torch.float32))
+
+
+@fwd_kvcache.register_fake
+def _fwd_kvcache_fake(q, k_cache, v_cache, k, v, cache_seqlens, cache_len, block_table, scale, window_left,
+                      window_right, softcap, alibi_slopes, num_splits, return_lse, check_inputs):
+    lse_shape = tuple(q.shape[:3]) if return_lse else (0,)
+    return torch.empty_like(q), q.new_empty(lse_shape, dtype=torch.float32)
 
 
 def attention_with_kvcache(
@@ -157,161 +430,52 @@ def attention_with_kvcache(
             Also switched on by ``FLASH_CUDA_CHECK_KVCACHE=1``.
 
     Returns:
-        ``out`` with q's shape and dtype, or ``(out, lse)`` with ``return_lse``.
+        ``out`` with q's shape and dtype (laid out like ``torch.empty_like(q)``), or ``(out,
+        lse)`` with ``return_lse``.
+
+    Works under ``torch.compile(fullgraph=True)`` (the custom op
+    ``torch.ops.flash_cuda.fwd_kvcache``, declared as mutating the caches, so the append is
+    kept) and inside CUDA graphs (captured by hand or by ``mode="reduce-overhead"``): with a
+    tensor ``cache_seqlens`` one captured step serves every length. Repeated calls with the
+    same shapes, strides, dtypes, devices and options are checked once (the outcome is kept
+    per signature); an int ``cache_seqlens`` is checked on every call.
 
     Raises:
         TypeError, ValueError, RuntimeError: a bad argument, named with what is accepted, before
             anything is written or launched.
     """
-    # Every check below is on the path of each decode step: they are written as plain
-    # comparisons on the tensors' metadata, and the error helpers build a message only on failure.
-    paged = block_table is not None
-    cache_layout = ("(num_pages, kv_heads, page_size, head_dim)" if paged
-                    else "(batch, kv_heads, max_seqlen, head_dim)")
-    for name, t, layout in (("q", q, "(batch, heads, seqlen_q, head_dim)"), ("k_cache", k_cache, cache_layout),
-                            ("v_cache", v_cache, cache_layout)):
-        if not isinstance(t, Tensor) or t.dim() != 4 or t.stride(-1) != 1:
-            _check_tensor(name, t, 4, layout)
-    dt = q.dtype
-    if dt is not torch.float16 and dt is not torch.bfloat16:
-        _fail(TypeError, f"q has dtype {dtype_name(dt)}; the KV-cache kernels take float16 or bfloat16")
-    dev = q.get_device()
-    if k_cache.dtype is not dt or k_cache.get_device() != dev:
-        _check_same("k_cache", k_cache, q)
-    if v_cache.dtype is not dt or v_cache.get_device() != dev:
-        _check_same("v_cache", v_cache, q)
-    B, Hq, Sq, D = q.shape
-    cshape = k_cache.shape
-    if cshape != v_cache.shape:
-        _fail(ValueError, f"k_cache and v_cache must have the same shape, got {tuple(k_cache.shape)} and "
-                          f"{tuple(v_cache.shape)}")
-    Hkv = cshape[1]
-    if cshape[3] != D:
-        _fail(ValueError, f"the caches' head dim {cshape[3]} differs from q's {D}")
-    if Hkv < 1 or Hq % Hkv:
-        _fail(ValueError, f"the number of query heads ({Hq}) must be a multiple of the caches' kv heads "
-                          f"({Hkv}) (dim 1)")
-    if D < MIN_HEAD_DIM or D > MAX_HEAD_DIM or D % 8:
-        _fail(ValueError, f"unsupported head dim {D}; the head dim must be a multiple of 8 in "
-                          f"[{MIN_HEAD_DIM}, {MAX_HEAD_DIM}]")
-    if Sq < 1:
-        _fail(ValueError, "q must hold at least one query (seqlen_q >= 1, dim 2)")
-    if B > MAX_GRID_YZ or Hq > MAX_GRID_YZ:
-        _fail(ValueError, f"batch size ({B}) and query heads ({Hq}) must each be at most {MAX_GRID_YZ}")
-    if not (_aligned_rows(k_cache) and _aligned_rows(v_cache)):
-        _fail(ValueError, "the caches are written in place, so their rows must be 16-byte aligned: a base "
-                          "address and strides (in bytes) that are multiples of 16")
-    if paged:
-        if not isinstance(block_table, Tensor):
-            _fail(TypeError, f"block_table must be None or an int32 tensor (batch, max_pages), got "
-                             f"{type(block_table).__name__}")
-        if block_table.dtype != torch.int32:
-            _fail(TypeError, f"block_table must be an int32 tensor, got {dtype_name(block_table.dtype)}")
-        if block_table.dim() != 2 or block_table.shape[0] != B:
-            _fail(ValueError, f"block_table must have shape ({B}, max_pages_per_sequence), got "
-                              f"{tuple(block_table.shape)}")
-        if block_table.get_device() != dev:
-            _fail(RuntimeError, f"block_table must be on q's device {q.device}, got {block_table.device}")
-        page_size = cshape[2]
-        if page_size % PAGE_SIZE_MULTIPLE or page_size == 0:
-            _fail(ValueError, f"the page size (k_cache dim 2) must be a positive multiple of "
-                              f"{PAGE_SIZE_MULTIPLE}, got {page_size}")
-        if cshape[0] < 1:
-            _fail(ValueError, "a paged cache needs at least one page (k_cache dim 0)")
-        if block_table.stride(1) != 1:
-            block_table = block_table.contiguous()
-        capacity = block_table.shape[1] * page_size
+    eager = _plain(q, k_cache, v_cache, k, v, cache_seqlens, block_table, alibi_slopes)
+    if eager and _simple_options(scale, window_size, softcap, is_causal, num_splits, return_lse):
+        key = _signature(q, k_cache, v_cache, k, v, cache_seqlens, block_table, scale, window_size, softcap,
+                         alibi_slopes, is_causal, num_splits, return_lse)
+        plan = _plans.get(key)
+        if plan is None:
+            plan = _validate(q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_causal, scale, window_size,
+                             softcap, alibi_slopes, num_splits, return_lse)
+            if len(_plans) >= _MAX_PLANS:
+                _plans.clear()
+            _plans[key] = plan
+        elif type(cache_seqlens) is int:
+            _check_cache_len(cache_seqlens, plan.s_new, plan.capacity)
     else:
-        if cshape[0] != B:
-            _fail(ValueError, f"a dense cache must have q's batch size {B} (dim 0), got {cshape[0]}; "
-                              f"pass block_table for a paged cache")
-        capacity = cshape[2]
-    if capacity > MAX_SEQLEN:
-        _fail(ValueError, f"the cache holds {capacity} positions per sequence; at most 2^31 - 1 are supported")
-    s_new = 0
-    if k is not None or v is not None:
-        if k is None or v is None:
-            _fail(ValueError, "pass both k and v (the new keys and values), or neither")
-        layout = "(batch, kv_heads, seqlen_new, head_dim)"
-        for name, t in (("k", k), ("v", v)):
-            if not isinstance(t, Tensor) or t.dim() != 4 or t.stride(-1) != 1:
-                _check_tensor(name, t, 4, layout)
-            if t.dtype is not dt or t.get_device() != dev:
-                _check_same(name, t, q)
-        kshape = k.shape
-        if kshape != v.shape or kshape[0] != B or kshape[1] != Hkv or kshape[3] != D:
-            _fail(ValueError, f"k and v must both have shape ({B}, {Hkv}, seqlen_new, {D}), got "
-                              f"{tuple(k.shape)} and {tuple(v.shape)}")
-        s_new = kshape[2]
+        plan = _validate(q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_causal, scale, window_size,
+                         softcap, alibi_slopes, num_splits, return_lse)
     if isinstance(cache_seqlens, Tensor):
-        if cache_seqlens.dtype is not torch.int32:
-            _fail(TypeError, f"cache_seqlens must be an int or an int32 tensor, got "
-                             f"{dtype_name(cache_seqlens.dtype)}")
-        if cache_seqlens.dim() != 1 or cache_seqlens.shape[0] != B:
-            _fail(ValueError, f"cache_seqlens must have shape ({B},), got {tuple(cache_seqlens.shape)}")
-        if cache_seqlens.get_device() != dev:
-            _fail(RuntimeError, f"cache_seqlens must be on q's device {q.device}, got {cache_seqlens.device}")
-        if s_new > capacity:
-            _fail(ValueError, f"{s_new} new tokens do not fit a cache of {capacity} positions per sequence")
-        cache_len = 0
-        lens = cache_seqlens if cache_seqlens.stride(0) == 1 else cache_seqlens.contiguous()
-    elif isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
-        if cache_seqlens < 0 or cache_seqlens + s_new > capacity:
-            _fail(ValueError, f"cache_seqlens = {cache_seqlens} with {s_new} new tokens needs "
-                              f"{cache_seqlens + s_new} positions, but the cache holds {capacity} per "
-                              f"sequence (cache_seqlens must be >= 0)")
-        cache_len, lens = cache_seqlens, None
+        lens, cache_len = (cache_seqlens.contiguous() if plan.fix_lens else cache_seqlens), 0
     else:
-        _fail(TypeError, f"cache_seqlens must be an int or an int32 tensor (batch,), got "
-                         f"{type(cache_seqlens).__name__}")
-    if is_causal is not False and is_causal is not True:
-        _fail(TypeError, f"is_causal must be a bool, got {type(is_causal).__name__}")
-    if return_lse is not False and return_lse is not True:
-        _fail(TypeError, f"return_lse must be a bool, got {type(return_lse).__name__}")
-    if type(num_splits) is not int or not 0 <= num_splits <= MAX_NUM_SPLITS:
-        _fail(ValueError, f"num_splits must be an int in [0, {MAX_NUM_SPLITS}] (0: chosen from the shapes), "
-                          f"got {num_splits!r}")
-    opts = check_score_options(D, scale, is_causal, window_size, softcap, _PREFIX)
+        lens, cache_len = None, cache_seqlens
+    if plan.fix_table:
+        block_table = block_table.contiguous()
     if alibi_slopes is not None:
-        alibi_slopes = check_alibi(alibi_slopes, B, Hq, _PREFIX)
-        if alibi_slopes.get_device() != dev:
-            _fail(RuntimeError, f"alibi_slopes must be on q's device {q.device}, got {alibi_slopes.device}")
-        opts = ScoreOptions(opts.scale, opts.window_left, opts.window_right, opts.softcap, alibi_slopes)
-    if dev < 0:
-        _fail(RuntimeError, f"inputs must be CUDA tensors, got device '{q.device}'; flash_cuda runs only on "
-                            f"NVIDIA GPUs (flash_cuda.reference.attention_with_kvcache_reference runs anywhere)")
-    if device_capability(dev) < MIN_CAPABILITY:
-        check_capability(q.device, _PREFIX)
-    C = _ext.require()  # compiles the kernels at their first use
-    if check_inputs or _ENV_CHECK in os.environ:
-        if _check_enabled(check_inputs):
-            _check_values(lens.tolist() if lens is not None else [cache_len] * B, block_table, s_new, capacity,
-                          cshape[0])
-    if lens is None and not paged and Sq > _DECODE_MAX_QUERIES:
-        # Prefill against a dense cache whose length the host knows: the append is a copy, and the
-        # attention is attention()'s query-tiled forward over the filled rows, which runs
-        # prompt-sized work at that forward's speed (the decode kernels stream keys for few rows).
-        total = cache_len + s_new
-        if cache_len == 0 and s_new:
-            # An empty cache: the keys are k / v themselves. The append runs on a side stream
-            # beside the (compute-bound) attention instead of before it; the call's stream waits
-            # for it before returning (a fork and a join, which CUDA graph capture keeps).
-            main = torch.cuda.current_stream(q.device)
-            side = _side_stream(q.device)
-            side.wait_stream(main)
-            with torch.cuda.stream(side):
-                k_cache[:, :, :s_new].copy_(k)
-                v_cache[:, :, :s_new].copy_(v)
-            out, lse, _ = fwd_impl(q, k, v, opts, 0)
-            main.wait_stream(side)
-        else:
-            if s_new:
-                k_cache[:, :, cache_len:total].copy_(k)
-                v_cache[:, :, cache_len:total].copy_(v)
-            out, lse, _ = fwd_impl(q, k_cache[:, :, :total], v_cache[:, :, :total], opts, 0)
+        alibi_slopes = alibi_slopes.detach().contiguous()
+    args = (q, k_cache, v_cache, k, v, lens, cache_len, block_table, plan.scale, plan.window_left,
+            plan.window_right, plan.softcap, alibi_slopes, num_splits, return_lse, check_inputs)
+    if eager:
+        out, lse = _run(_ext.require(), *args)  # require() compiles the kernels at their first use
     else:
-        out, lse = C.fwd_kvcache(q, k_cache, v_cache, k, v, lens, cache_len, block_table, *opts, num_splits,
-                                 return_lse)
+        if not _ext.is_available():
+            raise RuntimeError(_ext.unavailable_message())
+        out, lse = fwd_kvcache(*args)
     if return_lse:
         return out, lse
     return out

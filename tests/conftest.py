@@ -68,11 +68,11 @@ if str(TESTS_DIR) not in sys.path:
 import torch  # noqa: E402
 
 import flash_cuda  # noqa: E402
-from flash_cuda import _ext, validation  # noqa: E402
+from flash_cuda import _ext, kvcache, validation  # noqa: E402
 from flash_cuda.reference import (attention_backward_blocked, attention_forward_blocked,  # noqa: E402
                                   attention_varlen_backward_blocked,
-                                  attention_varlen_forward_blocked, combine_splits,
-                                  dropout_keep_mask, dropout_keep_masks_varlen)
+                                  attention_varlen_forward_blocked, attention_with_kvcache_reference,
+                                  combine_splits, dropout_keep_mask, dropout_keep_masks_varlen)
 
 from attn_check import gpu_skip_reason  # noqa: E402
 
@@ -128,6 +128,9 @@ class MockExtension:
             alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
             deterministic, tier, need_dq=True, need_dkdv=True) -> (dq, dk, dv)
         merge_partials(a, a_lse, a_stats, b, b_lse, b_stats, out, out_lse, out_stats)
+        fwd_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens, cache_len, block_table,
+                    scale, window_left, window_right, softcap, alibi_slopes, num_splits,
+                    return_lse) -> (out, lse or None)
 
     where dq is None unless need_dq and dk, dv are None unless need_dkdv (the binding
     neither computes nor allocates a gradient not wanted).
@@ -142,6 +145,7 @@ class MockExtension:
         self.fwd_calls = 0
         self.bwd_calls = 0
         self.merge_calls = 0
+        self.kvcache_calls = 0
         self.merge_dtypes = set()  # (a, b, out) of every merge
         self.last_bwd_dlse = "unset"
         self.last_bwd_needs = None  # (need_dq, need_dkdv) of the last bwd call
@@ -274,6 +278,32 @@ class MockExtension:
         wanted = (need_dq, need_dkdv, need_dkdv)
         return tuple(self._like(g, like) if w else None for g, like, w in zip(grads, (q, k, v), wanted))
 
+    def fwd_kvcache(self, q, k_cache, v_cache, k_new, v_new, cache_seqlens, cache_len, block_table, scale,
+                    window_left, window_right, softcap, alibi_slopes, num_splits, return_lse):
+        """The binding's contract on the KV-cache reference: k_new / v_new written into the
+        caches in place, then the attention over each sequence's rows; lse only when asked."""
+        assert q.dim() == 4 and q.stride(-1) == 1 and q.dtype in (torch.float16, torch.bfloat16)
+        for c in (k_cache, v_cache):
+            assert c.dim() == 4 and c.dtype == q.dtype and c.stride(-1) == 1 and c.device == q.device
+        assert (k_new is None) == (v_new is None), "k_new and v_new go together"
+        assert type(cache_len) is int and cache_len >= 0
+        if cache_seqlens is not None:
+            assert cache_seqlens.dtype == torch.int32 and cache_seqlens.is_contiguous()
+            assert tuple(cache_seqlens.shape) == (q.shape[0],) and cache_len == 0
+        if block_table is not None:
+            assert block_table.dtype == torch.int32 and block_table.dim() == 2 and block_table.stride(1) == 1
+        assert type(scale) is float and type(softcap) is float
+        assert type(window_left) is int and type(window_right) is int
+        assert type(num_splits) is int and 0 <= num_splits <= 256 and type(return_lse) is bool
+        if alibi_slopes is not None:
+            assert alibi_slopes.dtype == torch.float32 and alibi_slopes.is_contiguous()
+        self.kvcache_calls += 1
+        out, lse = attention_with_kvcache_reference(
+            q, k_cache, v_cache, k_new, v_new, cache_seqlens=cache_len if cache_seqlens is None else cache_seqlens,
+            block_table=block_table, scale=scale, window_size=(window_left, window_right), softcap=softcap,
+            alibi_slopes=alibi_slopes, num_splits=max(num_splits, 1), return_lse=True, block_m=32, block_n=16)
+        return self._like(out, q), (lse.to(torch.float32).contiguous() if return_lse else None)
+
     def merge_partials(self, a, a_lse, a_stats, b, b_lse, b_stats, out, out_lse, out_stats):
         """out (which may be a) = the merge of the partials a and b by their row statistics, in
         float32 or wider, out rounded once; (m, log2 l) pairs merged too where all three come."""
@@ -305,7 +335,8 @@ class MockExtension:
 def mock_extension(monkeypatch):
     """Makes flash_cuda run on CPU tensors through MockExtension; yields the mock."""
     mock = MockExtension()
-    monkeypatch.setattr(_ext, "_C", SimpleNamespace(fwd=mock.fwd, bwd=mock.bwd, merge_partials=mock.merge_partials))
+    monkeypatch.setattr(_ext, "_C", SimpleNamespace(fwd=mock.fwd, bwd=mock.bwd, merge_partials=mock.merge_partials,
+                                                    fwd_kvcache=mock.fwd_kvcache))
     monkeypatch.setattr(_ext, "_AVAILABLE", True)
     monkeypatch.setattr(_ext, "_IMPORT_ERROR", None)
 
@@ -315,6 +346,16 @@ def mock_extension(monkeypatch):
 
     monkeypatch.setattr(validation, "check_device", same_device_only)
     yield mock
+
+
+@pytest.fixture
+def mock_kvcache(mock_extension, monkeypatch):
+    """mock_extension, and flash_cuda.attention_with_kvcache accepting CPU tensors (its
+    CUDA-device check lifted) with no checked signature kept from before or for after the
+    test (a CPU call's signature must not let a later call skip the device check)."""
+    monkeypatch.setattr(kvcache, "_check_device", lambda q, dev: None)
+    monkeypatch.setattr(kvcache, "_plans", {})
+    yield mock_extension
 
 
 @pytest.fixture

@@ -61,7 +61,8 @@ _FEATURES_DOC = r"""
             mask). The slopes get no gradient.
         return_lse: also return ``lse``, float32, the natural log of ``sum_j exp(x_ij)``
             over the visible keys of the final logits ``x`` (``-inf`` for a row that sees
-            none). ``lse`` is differentiable too: a loss that uses it sends its gradient
+            none; with ``sinks`` the sink's term is part of the sum). ``lse`` is
+            differentiable too: a loss that uses it sends its gradient
             (``dlse``) through the backward kernels.
         deterministic: ``True`` makes every backward bitwise reproducible run to run.
             By default two backwards add dQ across key blocks in an unordered way (so dq
@@ -143,10 +144,11 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, is_causal: bool = False, scale
         when q is dense, else a dense layout in q's dimension order), or ``(out, lse)`` when
         ``return_lse`` is true, lse float32 ``(batch, heads, seqlen_q)``.
 
-    Gradients flow to q, k and v (autograd; and to ``sinks`` when it requires them); dk / dv are
-    summed over the query heads of a group for GQA. The op is a ``torch.library`` custom op (``torch.ops.flash_cuda.fwd`` /
-    ``.bwd``) and works under ``torch.compile(fullgraph=True)``; eager calls on plain tensors
-    run the same kernels without the op's dispatch.
+    Gradients flow to q, k and v (autograd; and to ``sinks`` when it requires them); dk / dv
+    are summed over the query heads of a group for GQA. The op is a ``torch.library`` custom
+    op (``torch.ops.flash_cuda.fwd`` / ``.bwd``) and works under
+    ``torch.compile(fullgraph=True)``; eager calls on plain tensors run the same kernels
+    without the op's dispatch.
 
     Raises:
         TypeError: an argument is not a tensor / bool / int, or a dtype is unsupported or

@@ -357,13 +357,13 @@ at::Tensor check_sinks(const std::optional<at::Tensor>& sinks, const at::Tensor&
 
 // What a row that sees no key gets for lse: -inf, or with sinks its head's sink. lse is dense
 // (B, Hq, Sq) or packed (Hq, total_q).
-void fill_empty_lse(at::Tensor& lse, const at::Tensor& sinks) {
+void fill_empty_lse(at::Tensor& lse, const at::Tensor& sinks, int64_t Hq) {
   if (!sinks.defined()) {
     lse.fill_(-INFINITY);
   } else if (lse.dim() == 3) {
-    lse.copy_(sinks.view({1, -1, 1}).expand_as(lse));
+    lse.copy_(sinks.view({1, Hq, 1}).expand_as(lse));
   } else {
-    lse.copy_(sinks.view({-1, 1}).expand_as(lse));
+    lse.copy_(sinks.view({Hq, 1}).expand_as(lse));
   }
 }
 
@@ -463,7 +463,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd(
   at::Tensor aux = make_aux(s, q_in);
   if (s.empty()) {  // no query, or no key at all: every row is empty
     out.zero_();
-    fill_empty_lse(lse, sinks);
+    fill_empty_lse(lse, sinks, s.Hq);
     return {out, lse, aux};
   }
 

@@ -340,3 +340,28 @@ def test_sinks_fwd_kvcache(dtype, paged, num_splits, s_new, kind):
         if kind == "large" and kb.shape[2] > 0:
             err = float((out[b:b + 1].double() - ref).abs().max())
             assert err <= 4 * ATOL_BASE[dtype] * float(ref.abs().max()), f"{label}: relative out error {err:.3e}"
+
+
+# ---------------------------------------------------------------------------------------
+# The binding's own checks and its answer to calls without keys
+# ---------------------------------------------------------------------------------------
+
+
+def test_binding_checks_the_sinks():
+    """What the kernels' memory safety rests on: float32, contiguous, on q's device, Hq values."""
+    C = _ext.require()
+    q, k, v = make_inputs(1, 4, 2, 20, 30, 64, BF16, DEV, seed=1)
+    args = (q, k, v, 0.125, -1, -1, 0.0, None, None, None, 0, 0, 0)
+    for bad in (torch.zeros(4, dtype=BF16, device=DEV), torch.zeros(5, device=DEV), torch.zeros(8, device=DEV)[::2],
+                torch.zeros(4)):
+        with pytest.raises(RuntimeError, match="sinks must be a contiguous float32 tensor"):
+            C.fwd(*args, sinks=bad)
+    cache = torch.zeros(1, 2, 64, 64, dtype=BF16, device=DEV)
+    lens = torch.tensor([10], dtype=torch.int32, device=DEV)
+    with pytest.raises(RuntimeError, match="sinks must be a contiguous float32 tensor"):
+        C.fwd_kvcache(q[:, :, :1], cache, cache.clone(), None, None, lens, 0, None, 0.125, -1, 0, 0.0, None, 1, True,
+                      torch.zeros(3, device=DEV))
+    # keys: none at all (answered without a launch): out 0, lse the sinks
+    s = _sinks(4, seed=1)
+    out, lse, _ = C.fwd(q, k[:, :, :0], v[:, :, :0], 0.125, -1, -1, 0.0, None, None, None, 0, 0, 0, sinks=s)
+    assert bool((out == 0).all()) and torch.equal(lse, s.view(1, 4, 1).expand_as(lse))

@@ -15,8 +15,8 @@ import torch
 from torch import Tensor
 
 from . import _ext, ops
-from .validation import (KERNELS, MAX_HEAD_DIM, MIN_HEAD_DIM, SUPPORTED_DTYPES, VARLEN_PREFIX, check_dropout,
-                         validate, validate_varlen)
+from .validation import (KERNELS, MAX_HEAD_DIM, MIN_HEAD_DIM, PREFIX, SUPPORTED_DTYPES, VARLEN_PREFIX,
+                         check_aux_devices, check_dropout, check_sinks, validate, validate_varlen)
 
 __all__ = ["attention", "varlen_attention", "SUPPORTED_DTYPES", "KERNELS", "MIN_HEAD_DIM",
            "MAX_HEAD_DIM"]
@@ -61,7 +61,8 @@ _FEATURES_DOC = r"""
             mask). The slopes get no gradient.
         return_lse: also return ``lse``, float32, the natural log of ``sum_j exp(x_ij)``
             over the visible keys of the final logits ``x`` (``-inf`` for a row that sees
-            none). ``lse`` is differentiable too: a loss that uses it sends its gradient
+            none; with ``sinks`` the sink's term is part of the sum). ``lse`` is
+            differentiable too: a loss that uses it sends its gradient
             (``dlse``) through the backward kernels.
         deterministic: ``True`` makes every backward bitwise reproducible run to run.
             By default two backwards add dQ across key blocks in an unordered way (so dq
@@ -87,13 +88,23 @@ _FEATURES_DOC = r"""
             ``deterministic=False``); else ``"mma"`` (mma.sync tensor-core
             kernels, sm_80 and newer, every head dim and option). Both tensor-core tiers accumulate in fp32. Asking for ``"simt"`` with
             16-bit inputs, ``"mma"`` / ``"wgmma"`` with float32 inputs, or ``"wgmma"`` where
-            it does not apply is an error."""
+            it does not apply is an error.
+        sinks: ``None`` or attention sinks as in gpt-oss: one learned logit per query head,
+            a floating tensor of shape ``(heads,)`` on q's device (any floating dtype; the
+            kernels take it as float32). Every row's softmax gets one more term,
+            ``exp(sinks[h])``, with no value row: ``out_i = sum_j exp(x_ij - lse_i) v_j``
+            with ``lse_i = log(exp(sinks[h]) + sum_j exp(x_ij))`` (the returned lse includes
+            it), so a row may give attention to "nothing". The sink is in the units of the
+            final logits ``x`` (no scale, softcap, ALiBi or mask applies to it); a row that
+            sees no key gets output 0 and lse ``sinks[h]``; ``-inf`` is no sink. With
+            ``requires_grad`` the sinks get their gradient (in their own dtype).
+            Works with every other option, dropout included."""
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, *, is_causal: bool = False, scale: Optional[float] = None,
               window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0, alibi_slopes: Optional[Tensor] = None,
               return_lse: bool = False, deterministic: bool = False, kernel: str = "auto",
-              dropout_p: float = 0.0) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+              dropout_p: float = 0.0, sinks: Optional[Tensor] = None) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     r"""Exact softmax attention on NVIDIA GPUs, a drop-in for ``scaled_dot_product_attention``.
 
     Computes ``out = softmax(x) @ v`` in blocks, without materialising the (seqlen_q x
@@ -133,17 +144,18 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, is_causal: bool = False, scale
         when q is dense, else a dense layout in q's dimension order), or ``(out, lse)`` when
         ``return_lse`` is true, lse float32 ``(batch, heads, seqlen_q)``.
 
-    Gradients flow to q, k and v (autograd); dk / dv are summed over the query heads of a
-    group for GQA. The op is a ``torch.library`` custom op (``torch.ops.flash_cuda.fwd`` /
-    ``.bwd``) and works under ``torch.compile(fullgraph=True)``; eager calls on plain tensors
-    run the same kernels without the op's dispatch.
+    Gradients flow to q, k and v (autograd; and to ``sinks`` when it requires them); dk / dv
+    are summed over the query heads of a group for GQA. The op is a ``torch.library`` custom
+    op (``torch.ops.flash_cuda.fwd`` / ``.bwd``) and works under
+    ``torch.compile(fullgraph=True)``; eager calls on plain tensors run the same kernels
+    without the op's dispatch.
 
     Raises:
         TypeError: an argument is not a tensor / bool / int, or a dtype is unsupported or
-            mixed (also the ALiBi slopes' dtype).
-        ValueError: a shape, stride, head dim, scale, window, softcap, ALiBi shape or kernel
-            name is not accepted.
-        RuntimeError: the inputs (and ALiBi slopes) are not on one CUDA device, the GPU is
+            mixed (also the ALiBi slopes' dtype; sinks not floating).
+        ValueError: a shape, stride, head dim, scale, window, softcap, ALiBi shape, sinks shape
+            or kernel name is not accepted.
+        RuntimeError: the inputs (and ALiBi slopes, sinks) are not on one CUDA device, the GPU is
             older than compute capability 8.0, or the compiled extension is not built.
     """
     q, k, v = _autocast(q, k, v)
@@ -151,18 +163,22 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, is_causal: bool = False, scale
                           softcap=softcap, alibi_slopes=alibi_slopes, return_lse=return_lse,
                           deterministic=deterministic, kernel=kernel)
     dropout_p = check_dropout(dropout_p, kernel)
+    if sinks is not None:
+        sinks = check_sinks(sinks, q.shape[1])
+        check_aux_devices(q, PREFIX, sinks=sinks)
     if not _ext.is_available():
         raise RuntimeError(_ext.unavailable_message())
-    eager = ops.eager_ok(q, k, v, opts.alibi_slopes)
+    eager = ops.eager_ok(q, k, v, opts.alibi_slopes, sinks)
     if dropout_p:
         fwd = ops.EagerFwdDropout.run if eager else ops.fwd_dropout
-        out, lse = fwd(q, k, v, *opts, deterministic, tier, dropout_p)[:2]
-    elif eager and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
+        out, lse = fwd(q, k, v, *opts, deterministic, tier, dropout_p, sinks)[:2]
+    elif eager and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                                     or (sinks is not None and sinks.requires_grad))):
         # Inference (no gradient wanted, e.g. a decode step under torch.no_grad()): the extension
         # call alone, without the autograd Function's bookkeeping.
-        out, lse, _ = ops.fwd_impl(q, k, v, opts, tier)
+        out, lse, _ = ops.fwd_impl(q, k, v, opts, tier, sinks)
     else:
-        out, lse, _ = (ops.EagerFwd.run if eager else ops.fwd)(q, k, v, *opts, deterministic, tier)
+        out, lse, _ = (ops.EagerFwd.run if eager else ops.fwd)(q, k, v, *opts, deterministic, tier, sinks)
     if return_lse:
         return out, lse
     return out
@@ -173,7 +189,7 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
                      window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
                      alibi_slopes: Optional[Tensor] = None, return_lse: bool = False, deterministic: bool = False,
                      kernel: str = "auto", check_cu_seqlens: bool = False,
-                     dropout_p: float = 0.0) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+                     dropout_p: float = 0.0, sinks: Optional[Tensor] = None) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     r"""Attention over a packed batch of sequences of different lengths (no padding).
 
     Sequence ``b`` owns rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` of q and rows
@@ -228,15 +244,19 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
         return_lse=return_lse, deterministic=deterministic, kernel=kernel,
         check_cu_seqlens=check_cu_seqlens)
     dropout_p = check_dropout(dropout_p, kernel, VARLEN_PREFIX)
+    if sinks is not None:
+        sinks = check_sinks(sinks, q.shape[1], VARLEN_PREFIX)
+        check_aux_devices(q, VARLEN_PREFIX, sinks=sinks)
     if not _ext.is_available():
         raise RuntimeError(_ext.unavailable_message())
-    eager = ops.eager_ok(q, k, v, cu_seqlens_q, cu_seqlens_k, opts.alibi_slopes)
+    eager = ops.eager_ok(q, k, v, cu_seqlens_q, cu_seqlens_k, opts.alibi_slopes, sinks)
     args = (q, k, v, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), max_q, max_k, *opts, deterministic,
             tier, check_cu_seqlens)
     if dropout_p:
-        out, lse = (ops.EagerVarlenFwdDropout.run if eager else ops.varlen_fwd_dropout)(*args, dropout_p)[:2]
+        out, lse = (ops.EagerVarlenFwdDropout.run if eager else ops.varlen_fwd_dropout)(*args, dropout_p,
+                                                                                       sinks)[:2]
     else:
-        out, lse, _ = (ops.EagerVarlenFwd.run if eager else ops.varlen_fwd)(*args)
+        out, lse, _ = (ops.EagerVarlenFwd.run if eager else ops.varlen_fwd)(*args, sinks)
     if return_lse:
         return out, lse
     return out

@@ -14,6 +14,10 @@ formula, and the eager path that runs the same extension calls without the ops' 
   the backward with out and lse and handed back to it unchanged.
 * Empty problems (no batch entry, no query row or no key) are answered here without a
   kernel launch.
+* Attention sinks (gpt-oss's learned per-head logit, ``sinks``: float32 ``(Hq,)``, the last,
+  optional argument of every forward op) enter the kernels' softmax; their gradient needs no
+  kernel: the backward ops run unchanged with the sink-including lse, and d(sinks) comes from
+  lse, out and dout here (:func:`sinks_grad`).
 * The ``*_impl`` functions are the extension calls behind the ops; they take the validated
   :class:`~flash_cuda.validation.ScoreOptions`. The ops' schemas take plain values, so an op
   call spreads the options (``*opts``) and the op body gathers them again.
@@ -41,11 +45,21 @@ def _fwd_fake_outputs(q: Tensor, lse_shape) -> Tuple[Tensor, Tensor, Tensor]:
             q.new_empty(_aux_shape(q.dtype, lse_shape), dtype=torch.float32))
 
 
-def _empty_fwd(q: Tensor, lse_shape) -> Tuple[Tensor, Tensor, Tensor]:
-    """Every row sees no key (or there are no rows): out 0, lse -inf; nothing launched."""
-    return (torch.zeros_like(q),
-            torch.full(lse_shape, float("-inf"), dtype=torch.float32, device=q.device),
+def _empty_fwd(q: Tensor, lse_shape, sinks: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
+    """Every row sees no key (or there are no rows): out 0, lse -inf (with sinks: the row's
+    head's sink, the only term of its softmax); nothing launched."""
+    if sinks is None:
+        lse = torch.full(lse_shape, float("-inf"), dtype=torch.float32, device=q.device)
+    else:
+        heads = sinks.detach().to(torch.float32)
+        lse = (heads.view(1, -1, 1) if len(lse_shape) == 3 else heads.view(-1, 1)).expand(lse_shape).contiguous()
+    return (torch.zeros_like(q), lse,
             torch.zeros(_aux_shape(q.dtype, lse_shape), dtype=torch.float32, device=q.device))
+
+
+def _sinks_kwargs(sinks: Optional[Tensor]) -> dict:
+    """The extension's ``sinks`` keyword: none without sinks."""
+    return {} if sinks is None else {"sinks": sinks}
 
 
 def _dense_lse_shape(q: Tensor) -> Tuple[int, int, int]:
@@ -72,10 +86,10 @@ def _is_empty_varlen(q: Tensor, k: Tensor, cu_seqlens_q: Tensor, max_seqlen_q: i
 # ---------------------------------------------------------------------------------------
 
 
-def fwd_impl(q, k, v, opts: ScoreOptions, tier):
+def fwd_impl(q, k, v, opts: ScoreOptions, tier, sinks: Optional[Tensor] = None):
     if _is_empty(q, k):
-        return _empty_fwd(q, _dense_lse_shape(q))
-    return _ext.require().fwd(q, k, v, *opts.ext_args(), None, None, 0, 0, int(tier))
+        return _empty_fwd(q, _dense_lse_shape(q), sinks)
+    return _ext.require().fwd(q, k, v, *opts.ext_args(), None, None, 0, 0, int(tier), **_sinks_kwargs(sinks))
 
 
 # need_dq / need_dkdv: which gradients to compute (dK and dV come from the same products, so
@@ -105,40 +119,40 @@ def bwd_impl(dout, q, k, v, out, lse, aux, dlse, opts: ScoreOptions, determinist
                               **dropout_kwargs(dropout_p, rng_state))
 
 
-def fwd_dropout_impl(q, k, v, opts: ScoreOptions, tier, dropout_p):
+def fwd_dropout_impl(q, k, v, opts: ScoreOptions, tier, dropout_p, sinks: Optional[Tensor] = None):
     """The forward with dropout: (out, lse, aux, rng_state), rng_state the (seed, offset) of the
     draws (int64 [2]) for the backward."""
     rng_state = _new_rng_state(q)
     if _is_empty(q, k):
-        return (*_empty_fwd(q, _dense_lse_shape(q)), rng_state)
+        return (*_empty_fwd(q, _dense_lse_shape(q), sinks), rng_state)
     out, lse, aux = _ext.require().fwd(q, k, v, *opts.ext_args(), None, None, 0, 0, int(tier),
-                                       dropout_p=float(dropout_p), rng_state=rng_state)
+                                       dropout_p=float(dropout_p), rng_state=rng_state, **_sinks_kwargs(sinks))
     return out, lse, aux, rng_state
 
 
 def varlen_fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, opts: ScoreOptions, tier,
-                    check_cu_seqlens):
+                    check_cu_seqlens, sinks: Optional[Tensor] = None):
     if check_cu_seqlens_enabled(check_cu_seqlens):
         check_cu_seqlens_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0],
                                 max_seqlen_q, max_seqlen_k)
     if _is_empty_varlen(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k):
-        return _empty_fwd(q, _varlen_lse_shape(q))
+        return _empty_fwd(q, _varlen_lse_shape(q), sinks)
     return _ext.require().fwd(q, k, v, *opts.ext_args(), cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
-                              int(max_seqlen_k), int(tier))
+                              int(max_seqlen_k), int(tier), **_sinks_kwargs(sinks))
 
 
 def varlen_fwd_dropout_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, opts: ScoreOptions,
-                            tier, check_cu_seqlens, dropout_p):
+                            tier, check_cu_seqlens, dropout_p, sinks: Optional[Tensor] = None):
     """The packed forward with dropout: (out, lse, aux, rng_state)."""
     rng_state = _new_rng_state(q)
     if check_cu_seqlens_enabled(check_cu_seqlens):
         check_cu_seqlens_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0],
                                 max_seqlen_q, max_seqlen_k)
     if _is_empty_varlen(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k):
-        return (*_empty_fwd(q, _varlen_lse_shape(q)), rng_state)
+        return (*_empty_fwd(q, _varlen_lse_shape(q), sinks), rng_state)
     out, lse, aux = _ext.require().fwd(q, k, v, *opts.ext_args(), cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
                                        int(max_seqlen_k), int(tier), dropout_p=float(dropout_p),
-                                       rng_state=rng_state)
+                                       rng_state=rng_state, **_sinks_kwargs(sinks))
     return out, lse, aux, rng_state
 
 
@@ -160,15 +174,17 @@ def varlen_bwd_impl(dout, q, k, v, out, lse, aux, dlse, cu_seqlens_q, cu_seqlens
 @torch.library.custom_op("flash_cuda::fwd", mutates_args=())
 def fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, window_left: int, window_right: int,
         softcap: float, alibi_slopes: Optional[Tensor], deterministic: bool,
-        tier: int) -> Tuple[Tensor, Tensor, Tensor]:
-    """Forward: returns (out, lse, aux). ``deterministic`` is only read by the backward."""
-    out, lse, aux = fwd_impl(q, k, v, ScoreOptions(scale, window_left, window_right, softcap, alibi_slopes), tier)
+        tier: int, sinks: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
+    """Forward: returns (out, lse, aux). ``deterministic`` is only read by the backward.
+    ``sinks``: None or the attention sinks, float32 (Hq,), contiguous."""
+    opts = ScoreOptions(scale, window_left, window_right, softcap, alibi_slopes)
+    out, lse, aux = fwd_impl(q, k, v, opts, tier, sinks)
     return out, lse, aux
 
 
 @fwd.register_fake
 def _fwd_fake(q, k, v, scale, window_left, window_right, softcap, alibi_slopes, deterministic,
-              tier):
+              tier, sinks=None):
     return _fwd_fake_outputs(q, _dense_lse_shape(q))
 
 
@@ -210,15 +226,15 @@ def _bwd_fake(dout, q, k, v, out, lse, aux, dlse, scale, window_left, window_rig
 @torch.library.custom_op("flash_cuda::fwd_dropout", mutates_args=())
 def fwd_dropout(q: Tensor, k: Tensor, v: Tensor, scale: float, window_left: int, window_right: int,
                 softcap: float, alibi_slopes: Optional[Tensor], deterministic: bool, tier: int,
-                dropout_p: float) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+                dropout_p: float, sinks: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """Forward with attention dropout: (out, lse, aux, rng_state)."""
     opts = ScoreOptions(scale, window_left, window_right, softcap, alibi_slopes)
-    return fwd_dropout_impl(q, k, v, opts, tier, dropout_p)
+    return fwd_dropout_impl(q, k, v, opts, tier, dropout_p, sinks)
 
 
 @fwd_dropout.register_fake
 def _fwd_dropout_fake(q, k, v, scale, window_left, window_right, softcap, alibi_slopes, deterministic, tier,
-                      dropout_p):
+                      dropout_p, sinks=None):
     return (*_fwd_fake_outputs(q, _dense_lse_shape(q)), q.new_empty((2,), dtype=torch.int64))
 
 
@@ -227,21 +243,21 @@ def varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens
                max_seqlen_q: int, max_seqlen_k: int, scale: float, window_left: int,
                window_right: int, softcap: float, alibi_slopes: Optional[Tensor],
                deterministic: bool, tier: int,
-               check_cu_seqlens: bool) -> Tuple[Tensor, Tensor, Tensor]:
+               check_cu_seqlens: bool, sinks: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
     """Packed forward: returns (out (total_q, Hq, D), lse (Hq, total_q), aux).
 
     With ``check_cu_seqlens`` (or FLASH_CUDA_CHECK_CU_SEQLENS=1) the values of cu_seqlens
     are checked here, at run time (also inside a compiled graph), before any launch."""
     opts = ScoreOptions(scale, window_left, window_right, softcap, alibi_slopes)
     out, lse, aux = varlen_fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, opts, tier,
-                                    check_cu_seqlens)
+                                    check_cu_seqlens, sinks)
     return out, lse, aux
 
 
 @varlen_fwd.register_fake
 def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
                      window_left, window_right, softcap, alibi_slopes, deterministic, tier,
-                     check_cu_seqlens):
+                     check_cu_seqlens, sinks=None):
     return _fwd_fake_outputs(q, _varlen_lse_shape(q))
 
 
@@ -274,17 +290,17 @@ def varlen_fwd_dropout(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu
                        max_seqlen_q: int, max_seqlen_k: int, scale: float, window_left: int,
                        window_right: int, softcap: float, alibi_slopes: Optional[Tensor],
                        deterministic: bool, tier: int, check_cu_seqlens: bool,
-                       dropout_p: float) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+                       dropout_p: float, sinks: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """Packed forward with attention dropout: (out, lse, aux, rng_state)."""
     opts = ScoreOptions(scale, window_left, window_right, softcap, alibi_slopes)
     return varlen_fwd_dropout_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, opts, tier,
-                                   check_cu_seqlens, dropout_p)
+                                   check_cu_seqlens, dropout_p, sinks)
 
 
 @varlen_fwd_dropout.register_fake
 def _varlen_fwd_dropout_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
                              window_left, window_right, softcap, alibi_slopes, deterministic, tier,
-                             check_cu_seqlens, dropout_p):
+                             check_cu_seqlens, dropout_p, sinks=None):
     return (*_fwd_fake_outputs(q, _varlen_lse_shape(q)), q.new_empty((2,), dtype=torch.int64))
 
 
@@ -293,11 +309,16 @@ def _varlen_fwd_dropout_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
 # ---------------------------------------------------------------------------------------
 
 
-def _save_common(ctx, q, k, v, output, alibi_slopes, cu_seqlens_q, cu_seqlens_k, scale,
-                 window_left, window_right, softcap, deterministic, tier, dropout_p=0.0) -> None:
+def _save_common(ctx, inputs, q, k, v, output, alibi_slopes, cu_seqlens_q, cu_seqlens_k, scale,
+                 window_left, window_right, softcap, deterministic, tier, dropout_p=0.0, sinks_at=None) -> None:
+    """sinks_at: where the forward's inputs hold the sinks (their last argument; an eager
+    call may leave it out)."""
     out, lse, aux = output[:3]
     rng_state = output[3] if dropout_p else None
-    ctx.save_for_backward(q, k, v, out, lse, aux, alibi_slopes, cu_seqlens_q, cu_seqlens_k, rng_state)
+    sinks = inputs[sinks_at] if sinks_at is not None and len(inputs) > sinks_at else None
+    ctx.save_for_backward(q, k, v, out, lse, aux, alibi_slopes, cu_seqlens_q, cu_seqlens_k, rng_state, sinks)
+    ctx.num_inputs = len(inputs)
+    ctx.sinks_at = None if sinks is None else sinks_at
     ctx.dropout_p = dropout_p
     if rng_state is not None:
         ctx.mark_non_differentiable(rng_state)
@@ -311,29 +332,56 @@ def _save_common(ctx, q, k, v, output, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, scale, window_left, window_right, softcap, alibi_slopes, deterministic, tier = inputs
-    _save_common(ctx, q, k, v, output, alibi_slopes, None, None, scale, window_left,
-                 window_right, softcap, deterministic, tier)
+    q, k, v, scale, window_left, window_right, softcap, alibi_slopes, deterministic, tier = inputs[:10]
+    _save_common(ctx, inputs, q, k, v, output, alibi_slopes, None, None, scale, window_left,
+                 window_right, softcap, deterministic, tier, sinks_at=10)
     ctx.varlen = None
-    ctx.unused = len(inputs) - 3
 
 
 def _dropout_setup_context(ctx, inputs, output):
-    q, k, v, scale, window_left, window_right, softcap, alibi_slopes, deterministic, tier, dropout_p = inputs
-    _save_common(ctx, q, k, v, output, alibi_slopes, None, None, scale, window_left,
-                 window_right, softcap, deterministic, tier, dropout_p)
+    q, k, v, scale, window_left, window_right, softcap, alibi_slopes, deterministic, tier, dropout_p = inputs[:11]
+    _save_common(ctx, inputs, q, k, v, output, alibi_slopes, None, None, scale, window_left,
+                 window_right, softcap, deterministic, tier, dropout_p, sinks_at=11)
     ctx.varlen = None
-    ctx.unused = len(inputs) - 3
+
+
+def _varlen_setup(ctx, inputs, output, dropout: bool):
+    (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, window_left,
+     window_right, softcap, alibi_slopes, deterministic, tier, check_cu_seqlens) = inputs[:15]
+    dropout_p = inputs[15] if dropout else 0.0
+    _save_common(ctx, inputs, q, k, v, output, alibi_slopes, cu_seqlens_q, cu_seqlens_k, scale,
+                 window_left, window_right, softcap, deterministic, tier, dropout_p,
+                 sinks_at=16 if dropout else 15)
+    ctx.varlen = (max_seqlen_q, max_seqlen_k)
 
 
 def _varlen_setup_context(ctx, inputs, output):
-    (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, window_left,
-     window_right, softcap, alibi_slopes, deterministic, tier, check_cu_seqlens) = inputs[:15]
-    dropout_p = inputs[15] if len(inputs) > 15 else 0.0
-    _save_common(ctx, q, k, v, output, alibi_slopes, cu_seqlens_q, cu_seqlens_k, scale,
-                 window_left, window_right, softcap, deterministic, tier, dropout_p)
-    ctx.varlen = (max_seqlen_q, max_seqlen_k)
-    ctx.unused = len(inputs) - 3
+    _varlen_setup(ctx, inputs, output, dropout=False)
+
+
+def _varlen_dropout_setup_context(ctx, inputs, output):
+    _varlen_setup(ctx, inputs, output, dropout=True)
+
+
+def sinks_grad(sinks: Tensor, out: Tensor, dout: Optional[Tensor], lse: Tensor, dlse: Optional[Tensor],
+               varlen: bool) -> Tensor:
+    """d(sinks) (Hq,) in float32 from the forward's out and lse and the upstream gradients
+    (either may be None). Each row's sink takes the share P = exp(sink - lse) of its softmax:
+    d lse / d sink = P and d p_ij / d sink = -p_ij P, so that
+    d sink_h = sum over the rows of head h (every batch entry) of P * (dlse - rowsum(dout * out)).
+    A row with lse = -inf (no key and a -inf sink) contributes 0. Dense: out (B, Hq, Sq, D),
+    lse (B, Hq, Sq); packed: out (total_q, Hq, D), lse (Hq, total_q)."""
+    acc = torch.float32
+    lse = lse.to(acc)
+    heads = sinks.detach().to(acc)
+    sink = heads.view(-1, 1) if varlen else heads.view(1, -1, 1)
+    no_mass = lse == float("-inf")
+    p = torch.where(no_mass, torch.zeros_like(lse), torch.exp(sink - torch.where(no_mass, torch.zeros_like(lse), lse)))
+    g = torch.zeros_like(lse) if dlse is None else dlse.to(acc)
+    if dout is not None:
+        rowsum = (dout.to(acc) * out.to(acc)).sum(-1)  # (B, Hq, Sq) or (total_q, Hq)
+        g = g - (rowsum.t() if varlen else rowsum)
+    return (p * g).sum(dim=1) if varlen else (p * g).sum(dim=(0, 2))
 
 
 def _backward(ctx, dout, dlse, daux, *drng, eager: bool = False):
@@ -341,16 +389,22 @@ def _backward(ctx, dout, dlse, daux, *drng, eager: bool = False):
     # as they come from the same products.
     need_q, need_k, need_v = ctx.needs_input_grad[:3]
     need_dkdv = need_k or need_v
-    unused = (None,) * ctx.unused  # the other inputs: no gradient
-    if not (need_q or need_dkdv):
-        return (None, None, None) + unused
-    q, k, v, out, lse, aux, alibi_slopes, cu_seqlens_q, cu_seqlens_k, rng_state = ctx.saved_tensors
-    if dout is None:
-        dout = torch.zeros_like(out)
-    elif dout.stride(-1) != 1:
+    need_sinks = ctx.sinks_at is not None and ctx.needs_input_grad[ctx.sinks_at]
+    grads = [None] * ctx.num_inputs  # the other inputs: no gradient
+    if not (need_q or need_dkdv or need_sinks):
+        return tuple(grads)
+    (q, k, v, out, lse, aux, alibi_slopes, cu_seqlens_q, cu_seqlens_k, rng_state,
+     sinks) = ctx.saved_tensors
+    if dout is not None and dout.stride(-1) != 1:
         dout = dout.contiguous()
     if dlse is not None:
         dlse = dlse.to(torch.float32).contiguous()
+    if need_sinks:
+        grads[ctx.sinks_at] = sinks_grad(sinks, out, dout, lse, dlse, ctx.varlen is not None)
+    if not (need_q or need_dkdv):
+        return tuple(grads)
+    if dout is None:
+        dout = torch.zeros_like(out)
     opts = ctx.opts._replace(alibi_slopes=alibi_slopes)
     rest = (ctx.deterministic, ctx.tier, need_q, need_dkdv, ctx.dropout_p, rng_state)
     if ctx.varlen is None:
@@ -359,13 +413,14 @@ def _backward(ctx, dout, dlse, daux, *drng, eager: bool = False):
     else:
         saved = (dout, q, k, v, out, lse, aux, dlse, cu_seqlens_q, cu_seqlens_k, *ctx.varlen)
         dq, dk, dv = varlen_bwd_impl(*saved, opts, *rest) if eager else varlen_bwd(*saved, *opts, *rest)
-    return (dq if need_q else None, dk if need_k else None, dv if need_v else None) + unused
+    grads[:3] = (dq if need_q else None, dk if need_k else None, dv if need_v else None)
+    return tuple(grads)
 
 
 fwd.register_autograd(_backward, setup_context=_setup_context)
 fwd_dropout.register_autograd(_backward, setup_context=_dropout_setup_context)
 varlen_fwd.register_autograd(_backward, setup_context=_varlen_setup_context)
-varlen_fwd_dropout.register_autograd(_backward, setup_context=_varlen_setup_context)
+varlen_fwd_dropout.register_autograd(_backward, setup_context=_varlen_dropout_setup_context)
 
 
 # ---------------------------------------------------------------------------------------
@@ -429,17 +484,18 @@ class EagerFunction(torch.autograd.Function):
 
 class EagerFwd(EagerFunction):
     @staticmethod
-    def forward(q, k, v, scale, window_left, window_right, softcap, alibi_slopes, deterministic, tier):
-        return fwd_impl(q, k, v, ScoreOptions(scale, window_left, window_right, softcap, alibi_slopes), tier)
+    def forward(q, k, v, scale, window_left, window_right, softcap, alibi_slopes, deterministic, tier, sinks=None):
+        return fwd_impl(q, k, v, ScoreOptions(scale, window_left, window_right, softcap, alibi_slopes), tier, sinks)
 
     setup_context = staticmethod(_setup_context)
 
 
 class EagerFwdDropout(EagerFunction):
     @staticmethod
-    def forward(q, k, v, scale, window_left, window_right, softcap, alibi_slopes, deterministic, tier, dropout_p):
+    def forward(q, k, v, scale, window_left, window_right, softcap, alibi_slopes, deterministic, tier, dropout_p,
+                sinks=None):
         opts = ScoreOptions(scale, window_left, window_right, softcap, alibi_slopes)
-        return fwd_dropout_impl(q, k, v, opts, tier, dropout_p)
+        return fwd_dropout_impl(q, k, v, opts, tier, dropout_p, sinks)
 
     setup_context = staticmethod(_dropout_setup_context)
 
@@ -447,10 +503,10 @@ class EagerFwdDropout(EagerFunction):
 class EagerVarlenFwd(EagerFunction):
     @staticmethod
     def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, window_left,
-                window_right, softcap, alibi_slopes, deterministic, tier, check_cu_seqlens):
+                window_right, softcap, alibi_slopes, deterministic, tier, check_cu_seqlens, sinks=None):
         opts = ScoreOptions(scale, window_left, window_right, softcap, alibi_slopes)
         return varlen_fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, opts, tier,
-                               check_cu_seqlens)
+                               check_cu_seqlens, sinks)
 
     setup_context = staticmethod(_varlen_setup_context)
 
@@ -458,9 +514,9 @@ class EagerVarlenFwd(EagerFunction):
 class EagerVarlenFwdDropout(EagerFunction):
     @staticmethod
     def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, window_left,
-                window_right, softcap, alibi_slopes, deterministic, tier, check_cu_seqlens, dropout_p):
+                window_right, softcap, alibi_slopes, deterministic, tier, check_cu_seqlens, dropout_p, sinks=None):
         opts = ScoreOptions(scale, window_left, window_right, softcap, alibi_slopes)
         return varlen_fwd_dropout_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, opts,
-                                       tier, check_cu_seqlens, dropout_p)
+                                       tier, check_cu_seqlens, dropout_p, sinks)
 
-    setup_context = staticmethod(_varlen_setup_context)
+    setup_context = staticmethod(_varlen_dropout_setup_context)

@@ -267,6 +267,23 @@ def check_alibi(alibi_slopes, batch: int, heads: int, prefix: str = PREFIX) -> O
     return alibi_slopes.detach().contiguous()
 
 
+def check_sinks(sinks, heads: int, prefix: str = PREFIX) -> Optional[Tensor]:
+    """Type, dtype and shape of the attention sinks (the device is checked with the others):
+    one logit per query head, shape ``(heads,)``, any floating dtype (gpt-oss keeps them in the
+    model's dtype). Returns them as the kernels take them, float32 and contiguous; the
+    conversion is differentiable, so a gradient reaches the sinks in their own dtype."""
+    if sinks is None:
+        return None
+    accepted = f"a floating tensor of shape ({heads},) (one logit per query head)"
+    if not isinstance(sinks, Tensor):
+        raise TypeError(f"{prefix}sinks must be None or {accepted}, got {type(sinks).__name__}")
+    if not sinks.is_floating_point():
+        raise TypeError(f"{prefix}sinks must be {accepted}, got dtype {dtype_name(sinks.dtype)}")
+    if tuple(sinks.shape) != (heads,):
+        raise ValueError(f"{prefix}sinks must be {accepted}, got shape {tuple(sinks.shape)}")
+    return sinks.to(torch.float32).contiguous()
+
+
 def check_cu_seqlens_tensors(cu_seqlens_q, cu_seqlens_k, prefix: str = VARLEN_PREFIX) -> int:
     """Type, dtype and shape of cu_seqlens_q / cu_seqlens_k; returns the batch size B."""
     for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):

@@ -363,12 +363,16 @@ def _features_desc(window_size, softcap, alibi_slopes) -> str:
 
 def _check_against_references(desc: str, q: Tensor, k: Tensor, v: Tensor, flash_fn, ref_fn, *,
                               lse_shape: Tuple[int, ...], out_rows, check_grad: bool,
-                              with_dlse: bool, seed: int, what: str) -> Dict[str, Dict[str, float]]:
+                              with_dlse: bool, seed: int, what: str,
+                              sinks: Optional[Tensor] = None) -> Dict[str, Dict[str, float]]:
     """The body of check_attention / check_varlen_attention.
 
     ``flash_fn(q, k, v) -> (out, lse)`` runs flash_cuda, ``ref_fn(q, k, v) -> (out, lse)``
     the naive reference (called on float64 copies and on the inputs' dtype); ``out_rows``
     maps an lse-shaped bool mask to the matching rows of out (the layouts differ).
+    ``sinks`` (attention sinks, (Hq,)): both functions then take them as a fourth argument
+    (flash_cuda float32, the references float64 / the inputs' dtype), lse is finite where
+    the reference's is, and with ``check_grad`` d(sinks) is checked as well.
     """
     dtype = q.dtype
     D = q.shape[-1]
@@ -378,7 +382,11 @@ def _check_against_references(desc: str, q: Tensor, k: Tensor, v: Tensor, flash_
     qf = q.detach().requires_grad_(check_grad)
     kf = k.detach().requires_grad_(check_grad)
     vf = v.detach().requires_grad_(check_grad)
-    out, lse = flash_fn(qf, kf, vf)
+    leaves = (qf, kf, vf)
+    if sinks is not None:
+        sf = sinks.detach().to(torch.float32).requires_grad_(check_grad)
+        leaves = leaves + (sf,)
+    out, lse = flash_fn(*leaves)
     if out.shape != q.shape or out.dtype != dtype or out.device != q.device:
         problems.append(f"out metadata: shape {tuple(out.shape)} dtype {out.dtype} device {out.device}")
     if out.stride() != torch.empty_like(q).stride():
@@ -397,7 +405,7 @@ def _check_against_references(desc: str, q: Tensor, k: Tensor, v: Tensor, flash_
         if with_dlse:
             dlse = _randn(lse.shape, torch.float32, q.device, gen)
         outputs, grad_outputs = ((out, lse), (dout, dlse)) if with_dlse else ((out,), (dout,))
-        grads = torch.autograd.grad(outputs, (qf, kf, vf), grad_outputs)
+        grads = torch.autograd.grad(outputs, leaves, grad_outputs)
 
     # ---- references: float64 ground truth and naive in the inputs' dtype ----
     prev_tf32 = torch.backends.cuda.matmul.allow_tf32
@@ -408,14 +416,17 @@ def _check_against_references(desc: str, q: Tensor, k: Tensor, v: Tensor, flash_
             qr = q.detach().to(rdtype).requires_grad_(check_grad)
             kr = k.detach().to(rdtype).requires_grad_(check_grad)
             vr = v.detach().to(rdtype).requires_grad_(check_grad)
-            o_r, l_r = ref_fn(qr, kr, vr)
+            leaves_r = (qr, kr, vr)
+            if sinks is not None:
+                leaves_r = leaves_r + (sinks.detach().to(rdtype).requires_grad_(check_grad),)
+            o_r, l_r = ref_fn(*leaves_r)
             g_r = ()
             if check_grad:
                 outs_r = (o_r, l_r) if with_dlse else (o_r,)
                 gouts_r = ((dout.to(rdtype), dlse.to(rdtype)) if with_dlse else (dout.to(rdtype),))
-                g_r = torch.autograd.grad(outs_r, (qr, kr, vr), gouts_r, allow_unused=True)
+                g_r = torch.autograd.grad(outs_r, leaves_r, gouts_r, allow_unused=True)
                 g_r = tuple(torch.zeros_like(t) if g is None else g
-                            for g, t in zip(g_r, (qr, kr, vr)))
+                            for g, t in zip(g_r, leaves_r))
             refs[name] = (o_r.detach(), l_r.detach(), tuple(g.detach() for g in g_r))
     finally:
         torch.backends.cuda.matmul.allow_tf32 = prev_tf32
@@ -455,12 +466,20 @@ def _check_against_references(desc: str, q: Tensor, k: Tensor, v: Tensor, flash_
         # same-dtype gradient is then exactly 0 too). The rounding of that difference scales
         # with the gradients' overall size, so the absolute term uses the largest of the
         # three gradient magnitudes rather than the (possibly zero) one being checked.
-        grad_mag = max([1.0] + [_magnitude(g64) for g64 in grads64])
+        grad_mag = max([1.0] + [_magnitude(g64) for g64 in grads64[:3]])
         for name, g, g64, gn in zip(("dq", "dk", "dv"), grads, grads64, gradsn):
             if g.shape != g64.shape or g.dtype != dtype:
                 problems.append(f"{name} metadata: shape {tuple(g.shape)} dtype {g.dtype}")
                 continue
             compare(name, g, g64, gn, ATOL_BASE[dtype], min_mag=grad_mag)
+        if sinks is not None:
+            # d(sinks) sums P_sink * (dlse - rowsum(dO * O)) over every row of a head: its
+            # own magnitude, and float32 arithmetic from the rounded out and dout.
+            g, g64, gn = grads[3], grads64[3], gradsn[3]
+            if g.shape != g64.shape or g.dtype != torch.float32:
+                problems.append(f"dsinks metadata: shape {tuple(g.shape)} dtype {g.dtype}")
+            else:
+                compare("dsinks", g, g64, gn, ATOL_BASE[dtype])
 
     if problems:
         table = "\n".join(f"    {n}: flash {r['flash']:.3e}  naive {r['naive']:.3e}  tol {r['tol']:.3e}"
@@ -474,12 +493,13 @@ def check_attention(q: Tensor, k: Tensor, v: Tensor, *, is_causal: bool, scale: 
                     window_size: Sequence[int] = (-1, -1), softcap: float = 0.0,
                     alibi_slopes: Optional[Tensor] = None, check_grad: bool = True,
                     kernel: str = "auto", label: str = "", with_dlse: Optional[bool] = None,
-                    deterministic: bool = False, seed: int = 0) -> Dict[str, Dict[str, float]]:
+                    deterministic: bool = False, seed: int = 0,
+                    sinks: Optional[Tensor] = None) -> Dict[str, Dict[str, float]]:
     """Runs flash_cuda.attention(return_lse=True) (and its backward with a random dout and,
     when ``with_dlse`` — by default on about a third of the calls — a random dlse) and
     checks every result against the float64 reference with the rule of this module. The
-    options (causal, scale, window, softcap, ALiBi slopes) go to flash_cuda and to the
-    reference alike.
+    options (causal, scale, window, softcap, ALiBi slopes, attention sinks) go to flash_cuda
+    and to the reference alike; with ``sinks`` also d(sinks) is checked.
 
     Raises AssertionError listing every failing quantity with the case description.
     Returns {name: {"flash": err, "naive": err, "tol": tol}} for the caller's records.
@@ -493,21 +513,22 @@ def check_attention(q: Tensor, k: Tensor, v: Tensor, *, is_causal: bool, scale: 
             f"causal={is_causal} scale={scale} {_features_desc(window_size, softcap, alibi_slopes)} "
             f"kernel={kernel} dlse={with_dlse} "
             f"deterministic={deterministic} q.stride={tuple(q.stride())} "
-            f"q.offset={q.storage_offset()} k.stride={tuple(k.stride())}")
+            f"q.offset={q.storage_offset()} k.stride={tuple(k.stride())}"
+            + ("" if sinks is None else f" sinks=[{float(sinks.min()):.3g}..{float(sinks.max()):.3g}]"))
     opts = dict(is_causal=is_causal, scale=scale, window_size=tuple(window_size), softcap=softcap,
                 alibi_slopes=alibi_slopes)
 
-    def flash_fn(qf, kf, vf):
+    def flash_fn(qf, kf, vf, sf=None):
         return flash_cuda.attention(qf, kf, vf, return_lse=True, kernel=kernel,
-                                    deterministic=deterministic, **opts)
+                                    deterministic=deterministic, sinks=sf, **opts)
 
-    def ref_fn(qr, kr, vr):
-        return attention_naive(qr, kr, vr, **opts)
+    def ref_fn(qr, kr, vr, sr=None):
+        return attention_naive(qr, kr, vr, sinks=sr, **opts)
 
     return _check_against_references(desc, q, k, v, flash_fn, ref_fn, lse_shape=(B, Hq, Sq),
                                       out_rows=lambda m: m, check_grad=check_grad,
                                       with_dlse=with_dlse, seed=seed,
-                                      what="flash_cuda.attention")
+                                      what="flash_cuda.attention", sinks=sinks)
 
 
 def check_varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
@@ -517,7 +538,7 @@ def check_varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
                            alibi_slopes: Optional[Tensor] = None, check_grad: bool = True,
                            kernel: str = "auto", label: str = "", with_dlse: Optional[bool] = None,
                            deterministic: bool = False, check_cu_seqlens: bool = False,
-                           seed: int = 0) -> Dict[str, Dict[str, float]]:
+                           seed: int = 0, sinks: Optional[Tensor] = None) -> Dict[str, Dict[str, float]]:
     """check_attention for flash_cuda.varlen_attention: out, lse ((Hq, total_q)) and the
     gradients of the packed batch against flash_cuda.reference.attention_varlen_naive in
     float64 and in the inputs' dtype, with the same rule (the maxima run over every
@@ -535,23 +556,24 @@ def check_varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
             f"dtype={dtype_name(q.dtype)} causal={is_causal} scale={scale} "
             f"{_features_desc(window_size, softcap, alibi_slopes)} kernel={kernel} "
             f"dlse={with_dlse} deterministic={deterministic} q.stride={tuple(q.stride())} "
-            f"q.offset={q.storage_offset()} k.stride={tuple(k.stride())}")
+            f"q.offset={q.storage_offset()} k.stride={tuple(k.stride())}"
+            + ("" if sinks is None else f" sinks=[{float(sinks.min()):.3g}..{float(sinks.max()):.3g}]"))
     opts = dict(is_causal=is_causal, scale=scale, window_size=tuple(window_size), softcap=softcap,
                 alibi_slopes=alibi_slopes)
 
-    def flash_fn(qf, kf, vf):
+    def flash_fn(qf, kf, vf, sf=None):
         return flash_cuda.varlen_attention(qf, kf, vf, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                            max_seqlen_k, return_lse=True, kernel=kernel,
                                            deterministic=deterministic,
-                                           check_cu_seqlens=check_cu_seqlens, **opts)
+                                           check_cu_seqlens=check_cu_seqlens, sinks=sf, **opts)
 
-    def ref_fn(qr, kr, vr):
-        return attention_varlen_naive(qr, kr, vr, cu_seqlens_q, cu_seqlens_k, **opts)
+    def ref_fn(qr, kr, vr, sr=None):
+        return attention_varlen_naive(qr, kr, vr, cu_seqlens_q, cu_seqlens_k, sinks=sr, **opts)
 
     return _check_against_references(desc, q, k, v, flash_fn, ref_fn, lse_shape=(Hq, total_q),
                                       out_rows=lambda m: m.transpose(0, 1),
                                       check_grad=check_grad, with_dlse=with_dlse, seed=seed,
-                                      what="flash_cuda.varlen_attention")
+                                      what="flash_cuda.varlen_attention", sinks=sinks)
 
 
 # ---------------------------------------------------------------------------------------

@@ -123,7 +123,8 @@ class MockExtension:
     binding expects:
 
         fwd(q, k, v, scale, window_left, window_right, softcap, alibi_slopes, cu_seqlens_q,
-            cu_seqlens_k, max_seqlen_q, max_seqlen_k, tier) -> (out, lse, aux)
+            cu_seqlens_k, max_seqlen_q, max_seqlen_k, tier, dropout_p=0.0, rng_state=None,
+            sinks=None) -> (out, lse, aux)
         bwd(dout, q, k, v, out, lse, aux, dlse, scale, window_left, window_right, softcap,
             alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
             deterministic, tier, need_dq=True, need_dkdv=True) -> (dq, dk, dv)
@@ -150,6 +151,7 @@ class MockExtension:
         self.last_bwd_dlse = "unset"
         self.last_bwd_needs = None  # (need_dq, need_dkdv) of the last bwd call
         self.last_fwd_args = None
+        self.last_fwd_sinks = "unset"  # the sinks of the last fwd call
 
     @staticmethod
     def _check_common(q, k, v, scale, window_left, window_right, softcap, alibi_slopes,
@@ -212,10 +214,14 @@ class MockExtension:
         return dropout_keep_mask(B, Hq, Sq, k.shape[2], dropout_p, seed=seed, offset=offset, device=q.device)
 
     def fwd(self, q, k, v, scale, window_left, window_right, softcap, alibi_slopes, cu_seqlens_q,
-            cu_seqlens_k, max_seqlen_q, max_seqlen_k, tier, dropout_p=0.0, rng_state=None):
+            cu_seqlens_k, max_seqlen_q, max_seqlen_k, tier, dropout_p=0.0, rng_state=None, sinks=None):
         args = (scale, window_left, window_right, softcap, alibi_slopes)
         varlen = self._check_common(q, k, v, *args, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                     max_seqlen_k, tier)
+        if sinks is not None:  # the binding's checks (csrc/api/flash_api.cpp: check_sinks)
+            assert sinks.dtype == torch.float32 and sinks.is_contiguous() and sinks.device == q.device
+            assert tuple(sinks.shape) == (q.shape[1],), sinks.shape
+        self.last_fwd_sinks = sinks
         self.fwd_calls += 1
         self.last_fwd_args = dict(scale=scale, window=(window_left, window_right),
                                   softcap=softcap, alibi_slopes=alibi_slopes, tier=tier,
@@ -228,9 +234,9 @@ class MockExtension:
                 q, k, dropout_p, rng_state, True, (cu_seqlens_q, cu_seqlens_k) if varlen else None)}
         if varlen:
             o, lse = attention_varlen_forward_blocked(q, k, v, cu_seqlens_q, cu_seqlens_k,
-                                                      **self._kwargs(*args), **drop)
+                                                      **self._kwargs(*args), **drop, sinks=sinks)
         else:
-            o, lse = attention_forward_blocked(q, k, v, **self._kwargs(*args), **drop)
+            o, lse = attention_forward_blocked(q, k, v, **self._kwargs(*args), **drop, sinks=sinks)
         lse = lse.to(torch.float32).contiguous()
         if q.dtype == torch.float32:
             aux = torch.stack((lse, torch.full_like(lse, self.AUX_MARK)), dim=-1)

@@ -340,6 +340,29 @@ MaskArgs mask_args(int64_t window_left, int64_t window_right, double softcap,
   return m;
 }
 
+// The attention sinks (FwdParams::sinks), checked where the kernels' memory safety rests on them:
+// float32, contiguous, on q's device, one per query head. Undefined: none.
+at::Tensor check_sinks(const std::optional<at::Tensor>& sinks, const at::Tensor& q, int64_t Hq) {
+  if (!sinks.has_value() || !sinks->defined()) return at::Tensor();
+  const at::Tensor& t = *sinks;
+  FLASH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.device() == q.device() && t.numel() == Hq,
+              "flash_cuda: sinks must be a contiguous float32 tensor of one logit per query head (", Hq,
+              ") on q's device");
+  return t;
+}
+
+// What a row that sees no key gets for lse: -inf, or with sinks its head's sink. lse is dense
+// (B, Hq, Sq) or packed (Hq, total_q).
+void fill_empty_lse(at::Tensor& lse, const at::Tensor& sinks, int64_t Hq) {
+  if (!sinks.defined()) {
+    lse.fill_(-INFINITY);
+  } else if (lse.dim() == 3) {
+    lse.copy_(sinks.view({1, Hq, 1}).expand_as(lse));
+  } else {
+    lse.copy_(sinks.view({Hq, 1}).expand_as(lse));
+  }
+}
+
 // The fp32 family's per-row softmax statistics (include/params.h: softmax_stats) travel from the
 // forward to the backward as `aux`: lse's shape + (2,) for float32, empty otherwise.
 at::Tensor make_aux(const Shape& s, const at::Tensor& q) {
@@ -417,22 +440,26 @@ CallArgs check_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
 }  // namespace
 
 // out, lse, aux = fwd(q, k, v, scale, window_left, window_right, softcap, alibi_slopes,
-//                     cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, tier)
+//                     cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, tier,
+//                     dropout_p=0, rng_state=None, sinks=None)
+// sinks: None, or float32 (Hq,), the attention sinks (include/params.h: FwdParams::sinks); the
+// backward needs nothing of them (P = exp(s - lse) with their lse, and delta is unchanged).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd(
     const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, double scale, int64_t window_left,
     int64_t window_right, double softcap, const std::optional<at::Tensor>& alibi_slopes,
     const std::optional<at::Tensor>& cu_seqlens_q, const std::optional<at::Tensor>& cu_seqlens_k,
     int64_t max_seqlen_q, int64_t max_seqlen_k, int64_t tier, double dropout_p,
-    const std::optional<at::Tensor>& rng_state) {
+    const std::optional<at::Tensor>& rng_state, const std::optional<at::Tensor>& sinks_in) {
   const auto [m, s, t] = check_call(q_in, k_in, v_in, scale, window_left, window_right, softcap, alibi_slopes,
                                     cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, tier, dropout_p);
+  const at::Tensor sinks = check_sinks(sinks_in, q_in, s.Hq);
 
   at::Tensor out = at::empty_like(q_in);
   at::Tensor lse = at::empty(s.lse_shape(), q_in.options().dtype(at::kFloat));
   at::Tensor aux = make_aux(s, q_in);
   if (s.empty()) {  // no query, or no key at all: every row is empty
     out.zero_();
-    lse.fill_(-INFINITY);
+    fill_empty_lse(lse, sinks, s.Hq);
     return {out, lse, aux};
   }
 
@@ -448,6 +475,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd(
   FwdParams p;
   fill_fwd(p, s, m, q, k, v, out, lse, scale);
   if (aux.numel() > 0) p.softmax_stats = aux.data_ptr<float>();
+  if (sinks.defined()) p.sinks = sinks.data_ptr<float>();
   set_dropout(p, dropout_p, rng_state, /*forward=*/true);
   dispatch(p, t, q.options());
   return {out, lse, aux};
@@ -552,8 +580,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(
 }
 
 // out, lse = fwd_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens, cache_len, block_table,
-//                        scale, window_left, window_right, softcap, alibi_slopes, num_splits, return_lse)
-// (lse is None unless return_lse.)
+//                        scale, window_left, window_right, softcap, alibi_slopes, num_splits, return_lse,
+//                        sinks=None)
+// (lse is None unless return_lse. sinks as fwd's: with split key ranges, their merge adds them.)
 // Attention of q against a KV cache (include/params.h: the KV-cache fields), after writing the
 // new keys k_new / v_new into it in place. flash_cuda.attention_with_kvcache validates every
 // argument first; the checks here are the ones memory safety rests on. The cache is never
@@ -563,7 +592,8 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache(
     const std::optional<at::Tensor>& k_new_in, const std::optional<at::Tensor>& v_new_in,
     const std::optional<at::Tensor>& cache_seqlens, int64_t cache_len, const std::optional<at::Tensor>& block_table,
     double scale, int64_t window_left, int64_t window_right, double softcap,
-    const std::optional<at::Tensor>& alibi_slopes, int64_t num_splits, bool return_lse) {
+    const std::optional<at::Tensor>& alibi_slopes, int64_t num_splits, bool return_lse,
+    const std::optional<at::Tensor>& sinks_in) {
   FLASH_CHECK(q_in.dim() == 4 && k_cache.dim() == 4 && v_cache.dim() == 4,
               "flash_cuda: q, k_cache, v_cache must be 4-d");
   FLASH_CHECK(q_in.is_cuda() && k_cache.device() == q_in.device() && v_cache.device() == q_in.device(),
@@ -627,6 +657,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache(
               "flash_cuda: sizes out of range");
   FLASH_CHECK(std::isfinite(scale) && std::isfinite(softcap) && softcap >= 0 && num_splits >= 0,
               "flash_cuda: bad scale, softcap or num_splits");
+  const at::Tensor sinks = check_sinks(sinks_in, q_in, Hq);
 
   at::Tensor out = at::empty_like(q_in);
   // lse only when asked for (None otherwise): one allocation less on every decode step.
@@ -663,6 +694,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache(
   fill_fwd(p, dense, m, q, k_cache, v_cache, out, lse, std::abs(scale));  // q holds a negative scale's sign
   p.cache_seqlens = lens_on_device ? cache_seqlens->data_ptr<int32_t>() : nullptr;
   p.cache_len = lens_on_device ? 0 : static_cast<int>(cache_len);
+  if (sinks.defined()) p.sinks = sinks.data_ptr<float>();
   if (paged) {
     p.block_table = block_table->data_ptr<int32_t>();
     p.block_table_stride = block_table->stride(0);
@@ -788,14 +820,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fwd", &flash_cuda::fwd, "attention forward: (out, lse, aux)", py::arg("q"), py::arg("k"),
         py::arg("v"), py::arg("scale"), py::arg("window_left"), py::arg("window_right"), py::arg("softcap"),
         py::arg("alibi_slopes"), py::arg("cu_seqlens_q"), py::arg("cu_seqlens_k"), py::arg("max_seqlen_q"),
-        py::arg("max_seqlen_k"), py::arg("tier"), py::arg("dropout_p") = 0.0, py::arg("rng_state") = py::none());
+        py::arg("max_seqlen_k"), py::arg("tier"), py::arg("dropout_p") = 0.0, py::arg("rng_state") = py::none(),
+        py::arg("sinks") = py::none());
   m.def("bwd", &flash_cuda::bwd, "attention backward: (dq, dk, dv)", py::arg("dout"), py::arg("q"),
         py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("aux"), py::arg("dlse"),
         py::arg("scale"), py::arg("window_left"), py::arg("window_right"), py::arg("softcap"),
         py::arg("alibi_slopes"), py::arg("cu_seqlens_q"), py::arg("cu_seqlens_k"), py::arg("max_seqlen_q"),
         py::arg("max_seqlen_k"), py::arg("deterministic"), py::arg("tier"), py::arg("need_dq") = true,
         py::arg("need_dkdv") = true, py::arg("dropout_p") = 0.0, py::arg("rng_state") = py::none());
-  m.def("fwd_kvcache", &flash_cuda::fwd_kvcache, "attention against a KV cache, new keys appended: (out, lse)");
+  m.def("fwd_kvcache", &flash_cuda::fwd_kvcache, "attention against a KV cache, new keys appended: (out, lse)",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("k_new"), py::arg("v_new"),
+        py::arg("cache_seqlens"), py::arg("cache_len"), py::arg("block_table"), py::arg("scale"),
+        py::arg("window_left"), py::arg("window_right"), py::arg("softcap"), py::arg("alibi_slopes"),
+        py::arg("num_splits"), py::arg("return_lse"), py::arg("sinks") = py::none());
   m.def("dropout_mask", &flash_cuda::dropout_mask,
         "the mask of kept elements the kernels' dropout draws (uint8, batch x heads x sq x sk)");
   m.def("merge_partials", &flash_cuda::merge_partials,

@@ -10,7 +10,8 @@
 //   O = sum_r w_r O_r,  w_r = l_r 2^(m_r - m) / l = 2^((m_r - m) + log2 l_r - log2 l)
 // and the row's statistics are (m, l) (store_row_stats: lse, and the pair where the call keeps
 // it). The merge is in fp32 whatever the output's element type T (fp32, fp16, bf16): O is
-// rounded to T once, when written.
+// rounded to T once, when written. The attention sink (FwdParams::sinks), which the pieces
+// leave out, enters here once per row: one more piece with (m, log2 l) = (sink, 0) and no O.
 #pragma once
 
 #include <cmath>
@@ -61,18 +62,21 @@ __device__ __forceinline__ float4 load4(const T* src) {
 // ...): piece i's statistics are stats(i) = (m_i, log2 l_i) (m_i = +inf: the piece saw no key,
 // skipped) and columns c .. c + 3 of its normalized O row are load(i, c) (a float4). Writes the
 // row of O as T at o_row and, from lane 0, its lse / (m, l) pair through store_row_stats (either
-// may be nullptr). A row no piece saw gets O = 0 and lse = -inf.
+// may be nullptr). sink_log2: the row's attention sink (log2 units; -inf: none), the piece
+// (sink, 0) without O. A row that no piece saw gets O = 0 and lse = -inf (with a sink: its sink).
 template <typename T, typename Stats, typename Load>
 __device__ __forceinline__ void merge_row_pieces(int n, int d, Stats&& stats, Load&& load, T* o_row,
-                                                 float* lse, float* stats_out, int r) {
+                                                 float* lse, float* stats_out, int r,
+                                                 float sink_log2 = -INFINITY) {
   const int lane = static_cast<int>(threadIdx.x) % 32;
-  float m = -INFINITY;
+  float m = sink_log2;
   for (int i = 0; i < n; ++i) {
     const float mi = stats(i).x;
     if (mi != INFINITY) m = fmaxf(m, mi);
   }
-  const bool empty = m == -INFINITY;  // no range saw a key
-  float l = 0.f;
+  const bool empty = m == -INFINITY;  // no range saw a key, and no sink
+  // The sink's share, 2^(sink - m): 0 without a sink (m finite), 1 where it is the max.
+  float l = empty ? 0.f : ex2_approx(sink_log2 - m);
   if (!empty) {
     for (int i = 0; i < n; ++i) {
       const float2 st = stats(i);
@@ -124,7 +128,7 @@ __global__ void __launch_bounds__(kCombineThreads) combine_splits_kernel(const F
       p.num_splits, p.d,
       [&](int i) { return reinterpret_cast<const float2*>(p.stats_accum)[(first_piece + i) * kRows + r]; },
       [&](int i, int c) { return load4(p.o_accum + ((first_piece + i) * kRows + r) * p.d + c); }, o_row,
-      p.softmax_lse + stat0, stats_tile(p.softmax_stats, stat0), r);
+      p.softmax_lse + stat0, stats_tile(p.softmax_stats, stat0), r, sink_log2_of(p.sinks, h));
 }
 
 // Merges the split_blocks split query blocks of a launch with p's split fields (p.stats_accum
@@ -157,7 +161,14 @@ __global__ void __launch_bounds__(32 * kKeySplitWarps) combine_key_splits_kernel
   const int n = p.num_splits;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const float2* stats = reinterpret_cast<const float2*>(p.stats_accum) + row;  // piece s at stats[s * rows]
-  // m = max over the pieces that saw a key (m_s = +inf marks one that did not).
+  // The row's place in lse's layout: dense row (bi, h, i) = ((bi hq) + h) sq + i; packed row
+  // (h, t) = h total_q + t.
+  const bool packed = p.cu_seqlens_q != nullptr;
+  const int h = packed ? static_cast<int>(row / p.total_q) : static_cast<int>((row / p.sq) % p.hq);
+  // The sink (log2 units; -inf: none), which the pieces leave out: one more piece (sink, 0) with
+  // no O, as in merge_row_pieces.
+  const float sink_log2 = sink_log2_of(p.sinks, h);
+  // m = max over the sink and the pieces that saw a key (m_s = +inf marks one that did not).
   float m = -INFINITY;
   for (int s = threadIdx.x; s < n; s += kThreads) {
     const float ms = stats[s * rows].x;
@@ -170,8 +181,10 @@ __global__ void __launch_bounds__(32 * kKeySplitWarps) combine_key_splits_kernel
 #pragma unroll
   for (int w = 1; w < kKeySplitWarps; ++w) m = fmaxf(m, s_red[w]);
   __syncthreads();
-  const bool empty = m == -INFINITY;  // no range saw a key
-  float l = 0.f;
+  m = fmaxf(m, sink_log2);
+  const bool empty = m == -INFINITY;  // no range saw a key, and no sink
+  // The sink's share 2^(sink - m) (0 without one), counted by one thread.
+  float l = threadIdx.x == 0 && !empty ? ex2_approx(sink_log2 - m) : 0.f;
   for (int s = threadIdx.x; s < n && !empty; s += kThreads) {
     const float2 st = stats[s * rows];
     if (st.x != INFINITY) l += ex2_approx((st.x - m) + st.y);
@@ -184,15 +197,14 @@ __global__ void __launch_bounds__(32 * kKeySplitWarps) combine_key_splits_kernel
   for (int w = 0; w < kKeySplitWarps; ++w) l += s_red[w];
   const float log2l = empty ? 0.f : log2f(l);
 
-  // The row's place in o: dense row (bi, h, i) = ((bi hq) + h) sq + i; packed row (h, t) = h total_q + t.
+  // The row's place in o.
   T* o_row;
-  if (p.cu_seqlens_q != nullptr) {
-    const int h = static_cast<int>(row / p.total_q), t = static_cast<int>(row % p.total_q);
+  if (packed) {
+    const int t = static_cast<int>(row % p.total_q);
     o_row = static_cast<T*>(p.o) + h * p.o_head_stride + static_cast<int64_t>(t) * p.o_row_stride;
   } else {
     const int i = static_cast<int>(row % p.sq);
-    const int64_t bh = row / p.sq;
-    const int h = static_cast<int>(bh % p.hq), bi = static_cast<int>(bh / p.hq);
+    const int bi = static_cast<int>(row / p.sq / p.hq);
     o_row = static_cast<T*>(p.o) + bi * p.o_batch_stride + h * p.o_head_stride + i * p.o_row_stride;
   }
   for (int c0 = 0; c0 < p.d; c0 += 128) {

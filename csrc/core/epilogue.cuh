@@ -19,9 +19,11 @@ namespace flash_cuda {
 // Where row r of a warp's output goes: row r of a head (StridedRows), or of a GQA-packed tile
 // (GqaOutRows): o(r, o_row_stride) elements from the warp's first row of O, lse(r) from its first
 // lse entry.
+// head(r): row r's query head, counted from the warp's first (the index of its sink).
 struct StridedRows {
   __device__ __forceinline__ int64_t o(int r, int64_t o_row_stride) const { return r * o_row_stride; }
   __device__ __forceinline__ int lse(int r) const { return r; }
+  __device__ __forceinline__ int head(int) const { return 0; }
 };
 
 // The GQA-packed tiles of the Hopper forward, counted from the tile's first query of the group's
@@ -37,6 +39,7 @@ struct GqaOutRows {
     const int t = row0 + r;
     return (t & ((1 << shift) - 1)) * lse_head_stride + (t >> shift);
   }
+  __device__ __forceinline__ int head(int r) const { return (row0 + r) & ((1 << shift) - 1); }
 };
 
 // ---------------------------------------------------------------------------------
@@ -48,13 +51,16 @@ struct GqaOutRows {
 // sO_warp + Stage::at(r, col) (arch/tile.cuh: PaddedTile, SwizzledTile; 16-byte chunks stay
 // whole). copy = false: the rows are only staged, and the caller moves them to global memory
 // itself (the warp-specialized Hopper forward's TMA store; it orders the staging writes before
-// it). `out` places the warp's row r in o and lse (StridedRows, GqaOutRows).
+// it). `out` places the warp's row r in o and lse (StridedRows, GqaOutRows). sinks: the attention
+// sinks from the warp's first query head on (row r's is sinks[out.head(r)]), merged into the
+// row's finished statistics (merge_sink); nullptr: none (a warp-uniform branch, once per tile).
 // ---------------------------------------------------------------------------------
 template <typename T, typename Stage, bool kStaged = true, bool kInTileLoop = false, typename OutRows = StridedRows,
           int kM, int kD>
 __device__ __forceinline__ void normalize_output(float (&acc_o)[kM][kD][4], const RowStats<kM>& stats, T* sO_warp,
                                                  T* o_rows, int64_t o_row_stride, float* lse_rows, int rows_valid,
-                                                 int d, bool copy = true, const OutRows& out = {}) {
+                                                 int d, bool copy = true, const OutRows& out = {},
+                                                 const float* sinks = nullptr) {
   const int lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
   constexpr float kLn2 = 0.6931471805599453f;
@@ -62,11 +68,14 @@ __device__ __forceinline__ void normalize_output(float (&acc_o)[kM][kD][4], cons
   for (int mt = 0; mt < kM; ++mt) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      const float l = group_sum<4>(stats.sum[mt][half]);
-      // l == 0 only for a row that saw no key: output 0, lse -inf. (Testing l > 0 instead
-      // would also send a NaN row to -inf and hide the NaN from the backward.)
-      const float inv = l == 0.f ? 0.f : 1.f / l;
+      float l = group_sum<4>(stats.sum[mt][half]);
+      float m = stats.max[mt][half];
       const int r = mt * 16 + g + half * 8;
+      float o_scale = 1.f;
+      if (sinks != nullptr) o_scale = merge_sink(m, l, sink_log2_of(sinks, out.head(r)));
+      // l == 0 only for a row that saw no key (and has no sink): output 0, lse -inf. (Testing
+      // l > 0 instead would also send a NaN row to -inf and hide the NaN from the backward.)
+      const float inv = l == 0.f ? 0.f : o_scale / l;
 #pragma unroll
       for (int dt = 0; dt < kD; ++dt) {
         const uint32_t packed = pack2<T>(acc_o[mt][dt][half * 2] * inv, acc_o[mt][dt][half * 2 + 1] * inv);
@@ -77,7 +86,7 @@ __device__ __forceinline__ void normalize_output(float (&acc_o)[kM][kD][4], cons
         }
       }
       if (t == 0 && r < rows_valid) {
-        lse_rows[out.lse(r)] = l == 0.f ? -INFINITY : (stats.max[mt][half] + __log2f(l)) * kLn2;
+        lse_rows[out.lse(r)] = l == 0.f ? -INFINITY : (m + __log2f(l)) * kLn2;
       }
     }
   }

@@ -208,6 +208,32 @@ __device__ __forceinline__ void exponentiate_block(float (&s)[kM][kN][4], RowSta
 }
 
 // ---------------------------------------------------------------------------------
+// Attention sinks (FwdParams::sinks): after the key loop, the sink joins a row's finished
+// statistics as one more block of a single logit with P = 1 and no value row:
+//   m' = max(m, sink), l' = l 2^(m - m') + 2^(sink - m'), O' = O 2^(m - m').
+// Merged at the end rather than as the loop's start (m = sink, l = 1): the loop stays the
+// sink-free one, and P = 2^(S - m) keeps the keys' own scale, so a dominant sink cannot push
+// P towards underflow before its 16-bit rounding for P V. Taking the max keeps l finite when
+// the sink exceeds every logit by more than the float range, and serves a row that saw no key
+// (m = -inf: l' = 1, O' = 0, lse = sink). A -inf sink changes nothing, bit for bit.
+// l must be the row's whole sum (after the quad / row-group reduction): the sink's term is
+// added once per row. Returns the factor O takes (2^(m - m')); m and l become m' and l'.
+// ---------------------------------------------------------------------------------
+__device__ __forceinline__ float merge_sink(float& m, float& l, float sink_log2) {
+  const float m_new = fmaxf(m, sink_log2);  // -inf only when both are (a NaN m: NaN stays in l)
+  const float ref = safe_max(m_new);
+  const float alpha = exp2f(m - ref);
+  l = fmaf(l, alpha, exp2f(sink_log2 - ref));
+  m = m_new;
+  return alpha;
+}
+
+// Query head h's sink in the kernels' log2 units; -inf (no sink) without sinks.
+__device__ __forceinline__ float sink_log2_of(const float* sinks, int h) {
+  return sinks == nullptr ? -INFINITY : sinks[h] * 1.4426950408889634f;
+}
+
+// ---------------------------------------------------------------------------------
 // Backward: P and dS recomputed per tile, element by element on the accumulators.
 // ---------------------------------------------------------------------------------
 

@@ -60,7 +60,8 @@ struct FwdParams {
   // ---- outputs ----
   void* o = nullptr;  // [b][hq][sq][d], dtype of q
   int64_t o_batch_stride = 0, o_head_stride = 0, o_row_stride = 0;
-  // Log-sum-exp of the (modified) logits, natural log, float32. A row that sees no key gets -inf.
+  // Log-sum-exp of the (modified) logits, natural log, float32. A row that sees no key gets -inf
+  // (with sinks: its sink).
   // Row statistics (lse here; delta, the fp32 softmax stats and dq_accum rows in BwdParams) are
   // indexed by SeqInfo::stat_offset(h) + row (core/seqlen.cuh):
   //   dense  [b][hq][sq]:   stat_batch_stride = hq * sq, stat_head_stride = sq
@@ -100,6 +101,12 @@ struct FwdParams {
   float softcap = 0.f;                  // logits = softcap * tanh(logits / softcap); 0: off
   const float* alibi_slopes = nullptr;  // logits -= slope[bi, h] * |i + sk - sq - j|; nullptr: off
   int64_t alibi_batch_stride = 0;       // 0 for slopes of shape (hq,), hq for (b, hq)
+  // Attention sinks (gpt-oss): one logit per query head, [hq], in the units of the final logits
+  // (scale * q.k after softcap and ALiBi, natural log; no mask hides it). Every row's softmax
+  // gets exp(sinks[h]) as one more term with no value row, so lse includes it and a row that
+  // sees no key gets O = 0 and lse = sinks[h]. Merged once per row into the finished statistics
+  // (core/softmax.cuh: merge_sink; split pieces leave it to their merge). nullptr: off.
+  const float* sinks = nullptr;
 
   // ---- variable-length (packed) batches: core/seqlen.cuh (nullptr: dense) ----
   // sq / sk above then hold max_seqlen_q / max_seqlen_k; total_q / total_k are the row counts

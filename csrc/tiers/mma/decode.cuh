@@ -233,8 +233,8 @@ __device__ __forceinline__ void compute_block_softmax_and_weighted_v(float (&s)[
 }
 
 // Step 4, after the warps of a slice left their (m, l) and O rows in shared memory: the rows'
-// merged statistics, then O / l and lse into the output (one range), or the range's normalized
-// O and (m, log2 l) into the split workspace.
+// merged statistics, then O / l and lse into the output (one range; the sink merged in), or the
+// range's normalized O and (m, log2 l) into the split workspace.
 template <typename Cfg>
 __device__ __forceinline__ void normalize_output(const FwdParams& p, const CacheSeq& seq, const float* sO,
                                                  const float* sStats, int bi, int h0, int r0, int rows_valid,
@@ -258,10 +258,14 @@ __device__ __forceinline__ void normalize_output(const FwdParams& p, const Cache
       weight[w] = lw == 0.f ? 0.f : ex2_approx(mw - safe_max(m));
       l += lw * weight[w];
     }
-    const float inv = l == 0.f ? 0.f : 1.f / l;
     const int R = r0 + r, i = R / heads, h = h0 + R % heads;
     const int64_t row = seq.stat_row(p, bi, h, i);
     const bool split_out = p.num_splits > 1;
+    // The head's sink joins a whole range's statistics here; a split's range leaves it to the
+    // merge of the splits (core/combine.cuh: combine_key_splits_kernel), which adds it once.
+    float o_scale = 1.f;
+    if (p.sinks != nullptr && !split_out) o_scale = merge_sink(m, l, sink_log2_of(p.sinks, h));
+    const float inv = l == 0.f ? 0.f : o_scale / l;
     T* o = static_cast<T*>(p.o) + bi * p.o_batch_stride + h * p.o_head_stride +
            static_cast<int64_t>(seq.q_start + i) * p.o_row_stride;
     float* o_piece = p.o_accum + (split * all_rows + row) * p.d;

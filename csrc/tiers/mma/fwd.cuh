@@ -224,7 +224,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) fwd_mma_kernel
   const int warp_rows_valid = min(Cfg::kWarpRows, rows_valid - warp * Cfg::kWarpRows);
   normalize_output<T, Padded>(acc_o, stats, sQ + warp * Cfg::kWarpRows * Cfg::kPitch,
                               o + static_cast<int64_t>(warp * Cfg::kWarpRows) * p.o_row_stride, p.o_row_stride,
-                              lse + warp * Cfg::kWarpRows, warp_rows_valid, p.d);
+                              lse + warp * Cfg::kWarpRows, warp_rows_valid, p.d, /*copy=*/true, StridedRows{},
+                              p.sinks == nullptr ? nullptr : p.sinks + h);
 }
 
 }  // namespace fwd_mma

@@ -547,12 +547,14 @@ __device__ __forceinline__ AttnMask cta_mask(const FwdParams& p, const CtaFacts*
 // of store_row_stats (lse and the (m, log2 l) pairs; nullptr: not written). A whole block writes
 // the outputs of its (batch, query head) (of_block); a split piece its own rows of the fp32
 // workspace, O and the pairs, which core/combine.cuh merges (of_piece: o_accum
-// [piece][kRows][d], stats_accum [piece][kRows][2]).
+// [piece][kRows][d], stats_accum [piece][kRows][2]). sink_log2: the head's attention sink in
+// log2 units (merge_sink), -inf for none; a piece leaves it to the merge of the pieces.
 struct QueryBlockOut {
   float* o;
   int64_t o_row_stride;
   float* lse;
   float* stats;
+  float sink_log2;
 
   __device__ __forceinline__ static QueryBlockOut of_block(const FwdParams& p, const SeqInfo& seq,
                                                            int hi, int m0) {
@@ -560,12 +562,12 @@ struct QueryBlockOut {
                           p.o_row_stride, hi) +
                m0 * p.o_row_stride;
     const int64_t stat0 = seq.stat_offset(p, hi) + m0;
-    return {o, p.o_row_stride, p.softmax_lse + stat0, stats_tile(p.softmax_stats, stat0)};
+    return {o, p.o_row_stride, p.softmax_lse + stat0, stats_tile(p.softmax_stats, stat0), sink_log2_of(p.sinks, hi)};
   }
   template <int kRows>
   __device__ __forceinline__ static QueryBlockOut of_piece(const FwdParams& p, int piece) {
     return {p.o_accum + static_cast<int64_t>(piece) * kRows * p.d, p.d, nullptr,
-            p.stats_accum + static_cast<int64_t>(piece) * kRows * 2};
+            p.stats_accum + static_cast<int64_t>(piece) * kRows * 2, -INFINITY};
   }
 };
 
@@ -670,10 +672,13 @@ __device__ __forceinline__ void normalize_output(const float (&o)[Cfg::kTM][Cfg:
   float inv_l[Cfg::kTM];
 #pragma unroll
   for (int i = 0; i < Cfg::kTM; ++i) {
-    const float l = group_sum<Cfg::kG>(stats.sum[i]);
-    inv_l[i] = l == 0.f ? 0.f : 1.f / l;  // l == 0: no key seen; a NaN l stays NaN
+    float l = group_sum<Cfg::kG>(stats.sum[i]);
+    float m = stats.max[i];
+    float o_scale = 1.f;
+    if (out.sink_log2 != -INFINITY) o_scale = merge_sink(m, l, out.sink_log2);  // uniform: one head
+    inv_l[i] = l == 0.f ? 0.f : o_scale / l;  // l == 0: no key seen (and no sink); a NaN l stays NaN
     const int r = rg + i * Cfg::kRowGroups;
-    if (cg == 0 && r < rows_valid) store_row_stats(out.lse, out.stats, r, stats.max[i], l);
+    if (cg == 0 && r < rows_valid) store_row_stats(out.lse, out.stats, r, m, l);
   }
   store_row_tile<Cfg>(out.o, out.o_row_stride, rows_valid, d, o, inv_l, rg, cg);
 }

@@ -467,8 +467,20 @@ __device__ __forceinline__ void normalize_output(const float (&o)[Cfg::kTM][Cfg:
 #pragma unroll
     for (int i = 0; i < kTM; ++i) l[i] += __shfl_xor_sync(0xffffffffu, l[i], off);
   }
+  // The head's sink (a uniform branch: one head per block), into the finished sums; l stays >= 1
+  // once a key or the sink counts (the larger of the two contributes 2^0).
+  float m[kTM];
 #pragma unroll
-  for (int i = 0; i < kTM; ++i) inv_l[i] = l[i] == 0.f ? 0.f : reciprocal(l[i]);  // NaN stays
+  for (int i = 0; i < kTM; ++i) m[i] = stats.max[i];
+  if (out.sink_log2 != -INFINITY) {
+#pragma unroll
+    for (int i = 0; i < kTM; ++i) inv_l[i] = merge_sink(m[i], l[i], out.sink_log2);
+  } else {
+#pragma unroll
+    for (int i = 0; i < kTM; ++i) inv_l[i] = 1.f;
+  }
+#pragma unroll
+  for (int i = 0; i < kTM; ++i) inv_l[i] = l[i] == 0.f ? 0.f : inv_l[i] * reciprocal(l[i]);  // NaN stays
 
   float* rows = out.o + 4 * rg * out.o_row_stride + 4 * cg;  // row 4 rg, column 4 cg
 #pragma unroll
@@ -489,7 +501,7 @@ __device__ __forceinline__ void normalize_output(const float (&o)[Cfg::kTM][Cfg:
 #pragma unroll
     for (int i = 0; i < kTM; ++i) {
       const int r = query_row(rg, i);
-      if (r < rows_valid) store_row_stats(out.lse, out.stats, r, stats.max[i], l[i]);
+      if (r < rows_valid) store_row_stats(out.lse, out.stats, r, m[i], l[i]);
     }
   }
 }

@@ -70,6 +70,8 @@ __device__ __forceinline__ void store_tile_output(float (&acc_o)[1][Cfg::kDTiles
          static_cast<int64_t>(w.q0) * p.o_row_stride;
   float* lse = p.softmax_lse + w.seq.stat_offset(p, h) + w.q0;
   const int warp_rows_valid = min(16, w.rows_valid - 16 * cwarp);
+  // The sinks from the tile's first query head on (a GQA-packed row's head is its GqaOutRows::head).
+  const float* sinks = p.sinks == nullptr ? nullptr : p.sinks + h;
   T* sO_warp = sO + cwarp * 16 * kSlabCols;
   // A consumer warp's 16 rows of the O staging tile (whose slabs hold all kBlockM rows): row r
   // of the warp is row 16 w + r of the tile, which has the same swizzle phase (r % 8), so the
@@ -78,14 +80,14 @@ __device__ __forceinline__ void store_tile_output(float (&acc_o)[1][Cfg::kDTiles
   if constexpr (kPackGqa) {
     normalize_output<T, Staging, Cfg::kStageO, /*kInTileLoop=*/true>(
         acc_o, stats, sO_warp, o, p.o_row_stride, lse, warp_rows_valid, p.d, /*copy=*/true,
-        GqaOutRows{16 * cwarp, shift, p.o_head_stride, p.stat_head_stride});
+        GqaOutRows{16 * cwarp, shift, p.o_head_stride, p.stat_head_stride}, sinks);
   } else {
     const bool packed = kExt && p.cu_seqlens_q != nullptr;
     const bool by_tma =
         Cfg::kStageO && maps.o_by_tma != 0 && (warp_rows_valid == 16 || (!packed && warp_rows_valid > 0));
     normalize_output<T, Staging, Cfg::kStageO, /*kInTileLoop=*/true>(
         acc_o, stats, sO_warp, o + static_cast<int64_t>(16 * cwarp) * p.o_row_stride, p.o_row_stride,
-        lse + 16 * cwarp, warp_rows_valid, p.d, /*copy=*/!by_tma);
+        lse + 16 * cwarp, warp_rows_valid, p.d, /*copy=*/!by_tma, StridedRows{}, sinks);
     if (by_tma) {
       store_o_tma<Cfg>(&maps.o, sO_warp, w.seq.q_start + w.q0 + 16 * cwarp, tile.h, packed ? 0 : tile.b);
     }

@@ -14,6 +14,13 @@ from hf_models import fc_hf, transformers
 FAMILIES = list(hf_models.FAMILIES)
 
 
+@pytest.fixture
+def sinks(mock_extension, monkeypatch):
+    """flash_cuda on CPU (the mock extension) and, for calls with attention sinks, the stand-in
+    of hf_models.SinksStandIn."""
+    return hf_models.SinksStandIn(monkeypatch)
+
+
 def close(a, b, tol=2e-4):
     err = (a.float() - b.float()).abs().max().item()
     scale = b.float().abs().max().item()
@@ -77,8 +84,6 @@ class _Module(torch.nn.Module):
 
 def test_unsupported_requests_raise_before_any_launch():
     q = torch.randn(1, 2, 4, 16)
-    with pytest.raises(ValueError, match="sinks"):
-        fc_hf.attention_forward(_Module(), q, q, q, None, s_aux=torch.zeros(2))
     with pytest.raises(ValueError, match="2-D padding mask"):
         fc_hf.attention_forward(_Module(), q, q, q, torch.ones(1, 1, 4, 4, dtype=torch.bool))
     with pytest.raises(ValueError, match="head dim"):
@@ -112,14 +117,17 @@ def test_cache_of_plans_follows_the_mask_object(mock_extension):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_dense_batch_loss_and_gradients(mock_extension, family):
+def test_dense_batch_loss_and_gradients(mock_extension, sinks, family):
     eager, ours = hf_models.build(family, torch.float32, "cpu")
     ids = torch.randint(1, hf_models.VOCAB, (2, 24), generator=torch.Generator().manual_seed(3))
     le, xe, ge = hf_models.loss_and_grads(eager, input_ids=ids, labels=ids)
     calls = mock_extension.fwd_calls
     lo, xo, go = hf_models.loss_and_grads(ours, input_ids=ids, labels=ids)
-    assert mock_extension.fwd_calls - calls == ours.config.num_hidden_layers
-    assert mock_extension.bwd_calls == ours.config.num_hidden_layers
+    layers = ours.config.num_hidden_layers
+    assert mock_extension.fwd_calls - calls + sinks.reference_calls == layers
+    assert sinks.sink_calls == (layers if family in hf_models.SINK_FAMILIES else 0)
+    if not sinks.reference_calls:
+        assert mock_extension.bwd_calls == layers
     close(lo, le)
     close(xo, xe)
     assert ge.keys() == go.keys()
@@ -128,12 +136,12 @@ def test_dense_batch_loss_and_gradients(mock_extension, family):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_padded_batch_runs_packed(mock_extension, family):
+def test_padded_batch_runs_packed(mock_extension, sinks, family):
     eager, ours = hf_models.build(family, torch.float32, "cpu")
     ids, mask, labels = hf_models.left_padded_batch([24, 13, 5], 24, "cpu")
     le, xe, ge = hf_models.loss_and_grads(eager, input_ids=ids, attention_mask=mask, labels=labels)
     lo, xo, go = hf_models.loss_and_grads(ours, input_ids=ids, attention_mask=mask, labels=labels)
-    assert mock_extension.last_fwd_args["varlen"]
+    assert sinks.last_call == "varlen"
     close(lo, le)
     keep = mask.bool()
     close(xo[keep], xe[keep])
@@ -143,7 +151,7 @@ def test_padded_batch_runs_packed(mock_extension, family):
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("how", ["position_ids", "cu_seq_lens"])
-def test_padding_free_packed_batch(mock_extension, family, how):
+def test_padding_free_packed_batch(mock_extension, sinks, family, how):
     eager, ours = hf_models.build(family, torch.float32, "cpu")
     lengths = [11, 4, 17]
     ids, pos, labels, cu = hf_models.packed_batch(lengths, "cpu")
@@ -153,9 +161,12 @@ def test_padding_free_packed_batch(mock_extension, family, how):
     extra = {}
     if how == "cu_seq_lens":
         extra = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(lengths), max_length_k=max(lengths))
-    le, xe, ge = hf_models.loss_and_grads(eager, input_ids=ids, position_ids=pos, labels=labels)
+    if family in hf_models.EAGER_IGNORES_PACKING:
+        le, xe, ge = hf_models.per_sequence_loss_and_grads(eager, ids, labels, cu)
+    else:
+        le, xe, ge = hf_models.loss_and_grads(eager, input_ids=ids, position_ids=pos, labels=labels)
     lo, xo, go = hf_models.loss_and_grads(ours, input_ids=ids, position_ids=pos, labels=labels, **extra)
-    assert mock_extension.last_fwd_args["varlen"]
+    assert sinks.last_call == "varlen"
     close(xo, ref)
     close(lo, le)
     for name in ge:
@@ -163,7 +174,7 @@ def test_padding_free_packed_batch(mock_extension, family, how):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_greedy_generate_with_the_default_cache(mock_extension, family):
+def test_greedy_generate_with_the_default_cache(mock_extension, sinks, family):
     eager, ours = hf_models.build(family, torch.float32, "cpu")
     ids, mask, _ = hf_models.left_padded_batch([12, 7], 12, "cpu", seed=4)
     steps = 6

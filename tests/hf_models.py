@@ -119,11 +119,12 @@ def per_sequence_loss_and_grads(model, ids, labels, cu):
     return loss.detach(), torch.cat(logits, dim=1), grads
 
 
-def greedy_steps(model, ids, mask, steps):
-    """Greedy generate() with the default cache; returns the sequences and the logits of each
-    step (batch, steps, vocab)."""
+def greedy_steps(model, ids, mask, steps, **generate_kwargs):
+    """Greedy generate() (the default cache unless generate_kwargs choose another); returns the
+    sequences and the logits of each step (batch, steps, vocab)."""
     out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=steps, min_new_tokens=steps,
-                         do_sample=False, return_dict_in_generate=True, output_logits=True, pad_token_id=0)
+                         do_sample=False, return_dict_in_generate=True, output_logits=True, pad_token_id=0,
+                         **generate_kwargs)
     return out.sequences, torch.stack(out.logits, dim=1)
 
 
@@ -192,5 +193,24 @@ class SinksStandIn:
         from flash_cuda import reference
 
         self.reference_calls += 1
-        return reference.attention_varlen_naive(q, k, v, cu_seqlens_q, cu_seqlens_k, sinks=sinks,
-                                                **self._reference_options(kwargs))[0]
+        opts = self._reference_options(kwargs)
+        if torch.compiler.is_compiling():  # the reference loops over the sequences: opaque to the graph
+            return _reference_varlen_op(q, k, v, cu_seqlens_q, cu_seqlens_k, sinks, opts["is_causal"],
+                                        opts["scale"], list(opts["window_size"]), opts["softcap"])
+        return reference.attention_varlen_naive(q, k, v, cu_seqlens_q, cu_seqlens_k, sinks=sinks, **opts)[0]
+
+
+@torch.library.custom_op("flash_cuda_tests::reference_varlen_sinks", mutates_args=())
+def _reference_varlen_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                         cu_seqlens_k: torch.Tensor, sinks: torch.Tensor, is_causal: bool, scale: float | None,
+                         window_size: list[int], softcap: float) -> torch.Tensor:
+    """SinksStandIn's packed call as one op, for torch.compile (forward only)."""
+    from flash_cuda import reference
+
+    return reference.attention_varlen_naive(q, k, v, cu_seqlens_q, cu_seqlens_k, sinks=sinks, is_causal=is_causal,
+                                            scale=scale, window_size=window_size, softcap=softcap)[0].contiguous()
+
+
+@_reference_varlen_op.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, sinks, is_causal, scale, window_size, softcap):
+    return torch.empty_like(q, memory_format=torch.contiguous_format)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch._dynamo.testing import CompileCounterWithBackend
 
 import hf_models
 from hf_models import fc_hf, transformers
@@ -207,3 +208,137 @@ def test_from_pretrained_with_the_name(mock_extension, tmp_path):
     ids = torch.randint(1, hf_models.VOCAB, (1, 9), generator=torch.Generator().manual_seed(6))
     with torch.no_grad():
         close(model(input_ids=ids).logits, eager(input_ids=ids).logits)
+
+
+# ---------------------------------------------------------------------------------------
+# Attention sinks (gpt-oss's s_aux)
+# ---------------------------------------------------------------------------------------
+
+
+def test_sinks_reach_flash_cuda_on_every_path(sinks):
+    """s_aux goes to flash_cuda as sinks, unchanged, dense, padded and packed alike; the result
+    is the reference's attention with those sinks."""
+    from flash_cuda import reference as R
+    g = torch.Generator().manual_seed(8)
+    q = torch.randn(2, 4, 10, 16, generator=g)
+    k, v = (torch.randn(2, 2, 10, 16, generator=g) for _ in range(2))
+    s_aux = torch.randn(4, generator=g)
+    out, _ = fc_hf.attention_forward(_Module(), q, k, v, None, scaling=0.3, s_aux=s_aux)
+    assert sinks.last_sinks is s_aux and sinks.last_call == "attention"
+    ref, _ = R.attention_naive(q.double(), k.double(), v.double(), scale=0.3, is_causal=True, sinks=s_aux.double())
+    close(out.transpose(1, 2), ref)
+    plain, _ = fc_hf.attention_forward(_Module(), q, k, v, None, scaling=0.3)
+    assert not torch.allclose(out, plain, atol=1e-3)
+
+    mask = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, 1, 1], [1] * 10], dtype=torch.bool)
+    out, _ = fc_hf.attention_forward(_Module(), q, k, v, mask, scaling=0.3, s_aux=s_aux)
+    assert sinks.last_sinks is s_aux and sinks.last_call == "varlen"
+    short, _ = R.attention_naive(q[:1, :, 3:].double(), k[:1, :, 3:].double(), v[:1, :, 3:].double(), scale=0.3,
+                                 is_causal=True, sinks=s_aux.double())
+    close(out[0, 3:].transpose(0, 1), short[0])
+    assert not out[0, :3].any()
+
+    pos = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 0, 1, 2]])
+    out, _ = fc_hf.attention_forward(_Module(), q[:1], k[:1], v[:1], None, scaling=0.3, s_aux=s_aux, position_ids=pos)
+    assert sinks.last_sinks is s_aux and sinks.last_call == "varlen"
+    first, _ = R.attention_naive(q[:1, :, :4].double(), k[:1, :, :4].double(), v[:1, :, :4].double(), scale=0.3,
+                                 is_causal=True, sinks=s_aux.double())
+    close(out[0, :4].transpose(0, 1), first[0])
+
+
+def test_gpt_oss_sinks_get_gradients(sinks):
+    """Every layer's sinks get a gradient through flash_cuda, that of eager attention."""
+    eager, ours = hf_models.build("gpt_oss", torch.float32, "cpu")
+    ids = torch.randint(1, hf_models.VOCAB, (2, 20), generator=torch.Generator().manual_seed(9))
+    _, _, ge = hf_models.loss_and_grads(eager, input_ids=ids, labels=ids)
+    _, _, go = hf_models.loss_and_grads(ours, input_ids=ids, labels=ids)
+    names = [n for n in ge if n.endswith("sinks")]
+    assert len(names) == ours.config.num_hidden_layers
+    for name in names:
+        assert go[name].abs().max() > 0
+        close(go[name], ge[name], tol=1e-3)
+
+
+# ---------------------------------------------------------------------------------------
+# Static cache and torch.compile
+# ---------------------------------------------------------------------------------------
+
+
+def _attention_inputs(batch, q_len, kv_len, seed, requires_grad=False):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, 4, q_len, 16, generator=g)
+    k, v = (torch.randn(batch, 2, kv_len, 16, generator=g) for _ in range(2))
+    return [t.requires_grad_(requires_grad) for t in (q, k, v)]
+
+
+@pytest.mark.parametrize("with_sinks", [False, True], ids=["plain", "sinks"])
+@pytest.mark.parametrize("case", ["prefill", "holes", "static_decode", "static_chunk", "sliding"])
+def test_static_shapes_padded_path_matches_the_unpadded_one(sinks, case, with_sinks):
+    """The padded path that torch.compile runs (no data-dependent shapes) gives the eager
+    path's outputs and gradients: left padding, holes, a static cache longer than the mask."""
+    masks = {
+        "prefill": ([[0, 0, 0, 1, 1, 1, 1, 1], [1] * 8, [0] * 7 + [1]], 8, 8),
+        "holes": ([[1, 0, 1, 1, 0, 1, 1, 1], [0, 1, 1, 1, 1, 1, 1, 1], [1] * 8], 8, 8),
+        "static_decode": ([[0, 0, 1, 1, 1, 1], [1] * 6, [0] * 5 + [1]], 1, 11),
+        "static_chunk": ([[0, 0, 1, 1, 1, 1], [1] * 6, [0, 1, 0, 1, 1, 1]], 3, 11),
+        "sliding": ([[0, 1, 1, 1, 1, 1], [1] * 6, [0] * 3 + [1] * 3], 2, 6),
+    }
+    rows, q_len, kv_len = masks[case]
+    mask = torch.tensor(rows, dtype=torch.bool)
+    q, k, v = _attention_inputs(3, q_len, kv_len, seed=10, requires_grad=True)
+    window = 3 if case == "sliding" else None
+    s_aux = torch.randn(4).requires_grad_() if with_sinks else None
+    opts = fc_hf._options(True, 0.25, window, None, 0.0, s_aux)
+    leaves = [q, k, v] + ([s_aux] if with_sinks else [])
+    results = []
+    for path in (fc_hf._padded, fc_hf._padded_static_shapes):
+        out = path(q.transpose(1, 2), k, v, mask, opts)
+        (grads) = torch.autograd.grad((out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum(), leaves)
+        results.append((out.detach(), grads))
+    (out_a, grads_a), (out_b, grads_b) = results
+    close(out_b, out_a, tol=1e-5)
+    for ga, gb in zip(grads_a, grads_b):
+        close(gb, ga, tol=1e-5)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_generate_with_a_static_cache(sinks, family):
+    """generate() with cache_implementation="static" (not compiled on CPU): the padded path over
+    the static cache's written rows gives eager attention's logits."""
+    eager, ours = hf_models.build(family, torch.float32, "cpu")
+    ids, mask, _ = hf_models.left_padded_batch([12, 7], 12, "cpu", seed=4)
+    steps = 6
+    with torch.no_grad():
+        seq_e, logits_e = hf_models.greedy_steps(eager, ids, mask, steps)
+        seq_o, logits_o = hf_models.greedy_steps(ours, ids, mask, steps, cache_implementation="static")
+    close(logits_o, logits_e)
+    assert torch.equal(seq_o, seq_e)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt_oss"])
+def test_compiled_decode_over_a_static_cache_is_one_graph(sinks, family):
+    """A decode step over transformers' StaticCache compiles with fullgraph=True (no graph
+    break in the integration, the mask hook included; the custom ops traced with fake tensors)
+    and gives eager attention's logits."""
+    eager, ours = hf_models.build(family, torch.float32, "cpu")
+    ids, mask, _ = hf_models.left_padded_batch([12, 7], 12, "cpu", seed=4)
+    steps = 4
+    with torch.no_grad():
+        _, logits_e = hf_models.greedy_steps(eager, ids, mask, steps)
+        torch._dynamo.reset()
+        counter = CompileCounterWithBackend("aot_eager")
+        step = torch.compile(ours.forward, fullgraph=True, backend=counter)
+        cache = transformers.StaticCache(config=ours.config, max_cache_len=24)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        out = ours(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
+        logits = [out.logits[:, -1]]
+        for i in range(steps - 1):
+            token = logits[-1].argmax(-1, keepdim=True)
+            mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
+            pos = pos[:, -1:] + 1
+            out = step(input_ids=token, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
+            logits.append(out.logits[:, -1])
+    close(torch.stack(logits, 1), logits_e)
+    assert counter.frame_count >= 1
+    if family in hf_models.SINK_FAMILIES:
+        assert sinks.sink_calls > 0

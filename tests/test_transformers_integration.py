@@ -342,3 +342,53 @@ def test_compiled_decode_over_a_static_cache_is_one_graph(sinks, family):
     assert counter.frame_count >= 1
     if family in hf_models.SINK_FAMILIES:
         assert sinks.sink_calls > 0
+
+
+# ---------------------------------------------------------------------------------------
+# Continuous batching ("paged|fcuda")
+# ---------------------------------------------------------------------------------------
+
+
+def test_paged_name_is_registered():
+    from transformers import AttentionInterface
+
+    assert fc_hf.PAGED_ATTN_IMPLEMENTATION == "paged|" + fc_hf.ATTN_IMPLEMENTATION
+    assert AttentionInterface._global_mapping[fc_hf.PAGED_ATTN_IMPLEMENTATION] is fc_hf.paged_attention_forward
+    q = torch.randn(1, 2, 4, 16)
+    with pytest.raises(ValueError, match="continuous batching"):
+        fc_hf.paged_attention_forward(_Module(), q, q, q, None)
+
+
+def continuous_batching(model, prompts, new_tokens, monkeypatch):
+    """Greedy generate_batch() on CPU: the tokens generated for each prompt, in order."""
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+    from transformers.generation.continuous_batching import cache as cb_cache
+
+    # Without psutil transformers sees no CPU memory for the paged cache: give it 8 GiB.
+    monkeypatch.setattr(cb_cache, "get_device_and_memory_breakdown",
+                        lambda: (torch.device("cpu"), 8 << 30, 0, 0))
+    config = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    # Pages of 16 tokens: the longer prompts span several.
+    cb_config = ContinuousBatchingConfig(block_size=16, num_blocks=32, max_batch_tokens=64)
+    out = model.generate_batch(inputs=prompts, generation_config=config, continuous_batching_config=cb_config,
+                               progress_bar=False)
+    return [out[key].generated_tokens for key in sorted(out, key=lambda r: int(r.split("_")[-1]))]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_continuous_batching_gives_the_tokens_of_paged_sdpa(sinks, mock_extension, monkeypatch, family):
+    """generate_batch() with "paged|fcuda" (packed prefill and decode over transformers' paged
+    cache through varlen_attention) generates the tokens of "paged|sdpa" ("paged|eager" for
+    gpt-oss, which has no SDPA path), prompts longer than the sliding windows included."""
+    eager, ours = hf_models.build(family, torch.float32, "cpu")
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(1, hf_models.VOCAB, (n,), generator=g).tolist() for n in (5, 21, 3, 12)]
+    eager.set_attn_implementation("paged|eager" if family in hf_models.SINK_FAMILIES else "paged|sdpa")
+    ours.set_attn_implementation(fc_hf.PAGED_ATTN_IMPLEMENTATION)
+    with torch.no_grad():
+        expected = continuous_batching(eager, prompts, 8, monkeypatch)
+        calls = mock_extension.fwd_calls + sinks.reference_calls
+        got = continuous_batching(ours, prompts, 8, monkeypatch)
+    assert mock_extension.fwd_calls + sinks.reference_calls > calls and sinks.last_call == "varlen"
+    assert [len(t) for t in got] == [8] * len(prompts)
+    assert got == expected

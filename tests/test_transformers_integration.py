@@ -315,8 +315,20 @@ def test_greedy_generate_with_a_static_cache(sinks, family):
     assert torch.equal(seq_o, seq_e)
 
 
+def trace_static_shapes_path(monkeypatch):
+    """A list that gets an entry each time the compile-time padded path runs (is traced)."""
+    calls, path = [], fc_hf._padded_static_shapes
+
+    def counting(*args):
+        calls.append(1)
+        return path(*args)
+
+    monkeypatch.setattr(fc_hf, "_padded_static_shapes", counting)
+    return calls
+
+
 @pytest.mark.parametrize("family", ["llama", "gpt_oss"])
-def test_compiled_decode_over_a_static_cache_is_one_graph(sinks, family):
+def test_compiled_decode_over_a_static_cache_is_one_graph(sinks, monkeypatch, family):
     """A decode step over transformers' StaticCache compiles with fullgraph=True (no graph
     break in the integration, the mask hook included; the custom ops traced with fake tensors)
     and gives eager attention's logits."""
@@ -326,6 +338,7 @@ def test_compiled_decode_over_a_static_cache_is_one_graph(sinks, family):
     with torch.no_grad():
         _, logits_e = hf_models.greedy_steps(eager, ids, mask, steps)
         torch._dynamo.reset()
+        traced = trace_static_shapes_path(monkeypatch)
         counter = CompileCounterWithBackend("aot_eager")
         step = torch.compile(ours.forward, fullgraph=True, backend=counter)
         cache = transformers.StaticCache(config=ours.config, max_cache_len=24)
@@ -339,7 +352,7 @@ def test_compiled_decode_over_a_static_cache_is_one_graph(sinks, family):
             out = step(input_ids=token, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
             logits.append(out.logits[:, -1])
     close(torch.stack(logits, 1), logits_e)
-    assert counter.frame_count >= 1
+    assert counter.frame_count >= 1 and traced
     if family in hf_models.SINK_FAMILIES:
         assert sinks.sink_calls > 0
 
@@ -392,3 +405,25 @@ def test_continuous_batching_gives_the_tokens_of_paged_sdpa(sinks, mock_extensio
     assert mock_extension.fwd_calls + sinks.reference_calls > calls and sinks.last_call == "varlen"
     assert [len(t) for t in got] == [8] * len(prompts)
     assert got == expected
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt_oss"])
+def test_generate_compiles_its_static_cache_decode_steps(sinks, monkeypatch, family):
+    """generate(cache_implementation="static") with a fullgraph compile config (transformers
+    compiles the decode steps on CUDA by itself; here it is told to on CPU): the tokens and
+    logits of eager attention."""
+    from transformers import CompileConfig
+
+    eager, ours = hf_models.build(family, torch.float32, "cpu")
+    ids, mask, _ = hf_models.left_padded_batch([12, 7], 12, "cpu", seed=4)
+    config = CompileConfig(fullgraph=True, backend="aot_eager", mode=None)
+    config._compile_all_devices = True
+    traced = trace_static_shapes_path(monkeypatch)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        seq_e, logits_e = hf_models.greedy_steps(eager, ids, mask, 5)
+        seq_o, logits_o = hf_models.greedy_steps(ours, ids, mask, 5, cache_implementation="static",
+                                                 compile_config=config)
+    assert hasattr(ours, "_compiled_call") and traced
+    close(logits_o, logits_e)
+    assert torch.equal(seq_o, seq_e)

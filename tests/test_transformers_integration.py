@@ -427,3 +427,22 @@ def test_generate_compiles_its_static_cache_decode_steps(sinks, monkeypatch, fam
     assert hasattr(ours, "_compiled_call") and traced
     close(logits_o, logits_e)
     assert torch.equal(seq_o, seq_e)
+
+
+def test_generate_batch_switches_the_model_to_the_paged_name(sinks, mock_extension, monkeypatch):
+    """A model loaded with "fcuda" runs continuous batching as "paged|fcuda" (without a
+    FlashAttention package installed, which transformers would prefer) and gets "fcuda" back."""
+    import transformers.generation.continuous_batching.continuous_api as cb_api
+
+    monkeypatch.setattr(cb_api, "is_flash_attn_3_available", lambda **kw: False)
+    monkeypatch.setattr(cb_api, "is_flash_attn_2_available", lambda **kw: False)
+    eager, ours = hf_models.build("llama", torch.float32, "cpu")
+    prompts = [[5, 6, 7, 8], [9, 10]]
+    eager.set_attn_implementation("paged|sdpa")
+    with torch.no_grad():
+        expected = continuous_batching(eager, prompts, 4, monkeypatch)
+        calls = mock_extension.fwd_calls
+        got = continuous_batching(ours, prompts, 4, monkeypatch)
+    assert mock_extension.fwd_calls > calls and sinks.last_call == "varlen"
+    assert got == expected
+    assert ours.config._attn_implementation == fc_hf.ATTN_IMPLEMENTATION

@@ -7,14 +7,20 @@
 Importing this module registers two functions with transformers under the name
 ``ATTN_IMPLEMENTATION``: the attention itself (``AttentionInterface``) and the mask hook
 (``AttentionMaskInterface``), which hands the attention the model's 2-D padding mask instead
-of a materialised 4-D mask. The attention then takes one of three paths:
+of a materialised 4-D mask. A third, under ``PAGED_ATTN_IMPLEMENTATION`` (``"paged|fcuda"``),
+is the attention of transformers' continuous batching (``model.generate_batch``). The
+attention then takes one of three paths:
 
 * no padding: :func:`flash_cuda.attention` on the model's (batch, heads, seq, head_dim) tensors,
   bottom-right causal (a prefill or a decode step against a cache lines up without a mask);
   a decode step (one to sixteen new tokens) runs the split-KV decode kernels;
 * a 2-D padding mask: the padded tokens are dropped and the batch runs packed through
   :func:`flash_cuda.varlen_attention`, then the output is scattered back (zeros at the padded
-  query positions);
+  query positions). A static cache (``cache_implementation="static"``) always comes with the
+  mask, which marks the cache's written rows. Under ``torch.compile`` the same result comes
+  from a path without data-dependent shapes or host syncs (each row's kept tokens sorted to
+  its end, two packed sequences per row), so a compiled decode step over a static cache is
+  one graph;
 * a padding-free packed batch (one row holding several sequences, either with transformers'
   ``cu_seq_lens_q`` / ``cu_seq_lens_k`` / ``max_length_q`` / ``max_length_k`` keyword
   arguments or with ``position_ids`` that restart): :func:`flash_cuda.varlen_attention` over the
@@ -24,8 +30,20 @@ From the model it takes the module's scaling, ``is_causal``, grouped-query heads
 never repeated), the sliding window (a window of ``w`` tokens sees the ``w - 1`` before it and
 itself, as transformers' masks define it), logit softcapping (Gemma-2) and attention dropout
 (the module's ``attention_dropout`` in training; a padded batch draws per sequence as
-:func:`flash_cuda.varlen_attention` does). Attention sinks are not supported: a model that asks
-for them gets a ValueError.
+:func:`flash_cuda.varlen_attention` does) and attention sinks (gpt-oss: the module's ``s_aux``,
+one logit per query head, goes to flash_cuda as ``sinks`` and gets its gradient).
+
+Continuous batching packs the new tokens of every request into one row; the paged cache
+(``cache.update``) returns each request's keys and values, and
+:func:`flash_cuda.varlen_attention` attends them with the ``cu_seq_lens_q`` / ``cu_seq_lens_k``
+it is given (per layer type for models with sliding and full layers), causal and bottom-right
+aligned per request. transformers gives its decode fast path (``flash_attn_with_kvcache`` over
+a block table) and CUDA graphs by default only to implementations named like FlashAttention
+packages, so ``"paged|fcuda"`` runs every step, prefill and decode, through the packed path.
+``generate_batch`` on a model loaded with ``ATTN_IMPLEMENTATION`` switches it to
+``"paged|fcuda"`` by itself, unless a FlashAttention package is installed: then transformers
+prefers that package; ``model.set_attn_implementation(PAGED_ATTN_IMPLEMENTATION)`` first keeps
+flash_cuda.
 
 The name carries no "flash": transformers treats every implementation whose name contains it
 as a FlashAttention package to load from its kernel hub.

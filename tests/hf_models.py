@@ -27,7 +27,19 @@ FAMILIES = {
     # Gemma-2: logit softcapping, a scale from query_pre_attn_scalar, sliding and full layers.
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM",
                dict(head_dim=32, sliding_window=8, attn_logit_softcapping=50.0, query_pre_attn_scalar=24)),
+    # gpt-oss: attention sinks, sliding and full layers, a mixture of experts. Every token takes
+    # both experts, so the routing weights change smoothly with the hidden states (a top-k that
+    # drops experts could pick differently under two attentions' rounding).
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM",
+                dict(head_dim=32, sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+                     num_local_experts=2, num_experts_per_tok=2,
+                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
 }
+# Families whose attention has sinks (one logit per query head, transformers' s_aux).
+SINK_FAMILIES = ("gpt_oss",)
+# Families whose eager masks ignore restarting position_ids (gpt-oss builds its masks without
+# them): their reference for a packed row is each sequence run alone.
+EAGER_IGNORES_PACKING = ("gpt_oss",)
 
 
 def build(family: str, dtype: torch.dtype, device, seed: int = 0):
@@ -42,6 +54,8 @@ def build(family: str, dtype: torch.dtype, device, seed: int = 0):
         for name, p in eager.named_parameters():
             if p.dim() == 2 and "embed" not in name:
                 p.normal_(0.0, 0.08)
+            elif name.endswith("sinks"):  # sinks comparable to the logits, so that they change the outputs
+                p.uniform_(-1.0, 2.0)
     eager = eager.to(device=device, dtype=dtype).eval()
     ours = copy.deepcopy(eager)
     ours.set_attn_implementation(fc_hf.ATTN_IMPLEMENTATION)
@@ -86,11 +100,31 @@ def loss_and_grads(model, **inputs):
     return out.loss.detach(), out.logits.detach(), grads
 
 
-def greedy_steps(model, ids, mask, steps):
-    """Greedy generate() with the default cache; returns the sequences and the logits of each
-    step (batch, steps, vocab)."""
+def per_sequence_loss_and_grads(model, ids, labels, cu):
+    """loss_and_grads of a packed row (packed_batch) with each sequence run alone: the same
+    token-mean cross entropy over the labels, the logits concatenated."""
+    model.zero_grad(set_to_none=True)
+    starts = cu.tolist()
+    total, count, logits = 0.0, 0, []
+    for a, b in zip(starts, starts[1:]):
+        out = model(input_ids=ids[:, a:b], use_cache=False).logits
+        targets = labels[0, a + 1: b]
+        total = total + torch.nn.functional.cross_entropy(out[0, :-1].float(), targets, ignore_index=-100,
+                                                          reduction="sum")
+        count += int((targets != -100).sum())
+        logits.append(out.detach())
+    loss = total / count
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), torch.cat(logits, dim=1), grads
+
+
+def greedy_steps(model, ids, mask, steps, **generate_kwargs):
+    """Greedy generate() (the default cache unless generate_kwargs choose another); returns the
+    sequences and the logits of each step (batch, steps, vocab)."""
     out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=steps, min_new_tokens=steps,
-                         do_sample=False, return_dict_in_generate=True, output_logits=True, pad_token_id=0)
+                         do_sample=False, return_dict_in_generate=True, output_logits=True, pad_token_id=0,
+                         **generate_kwargs)
     return out.sequences, torch.stack(out.logits, dim=1)
 
 
@@ -101,3 +135,82 @@ def teacher_forced_logits(model, sequences, mask, prompt_len, steps):
     pos = (full_mask.cumsum(-1) - 1).clamp(min=0)
     logits = model(input_ids=sequences, attention_mask=full_mask, position_ids=pos, use_cache=False).logits
     return logits[:, prompt_len - 1: prompt_len - 1 + steps]
+
+
+class SinksStandIn:
+    """Stands in for flash_cuda.attention / varlen_attention as the integration calls them
+    (``flash_cuda.interface``), for the CPU tests: a call with ``sinks`` runs
+    flash_cuda.reference's naive attention when flash_cuda's own functions do not take sinks,
+    else flash_cuda's functions (on CPU behind the mock extension); a call without sinks always
+    runs flash_cuda's functions. Counts the calls with sinks and those the reference ran, and
+    remembers which function the last call was ("attention" or "varlen")."""
+
+    def __init__(self, monkeypatch):
+        import inspect
+
+        from flash_cuda import interface
+
+        self.native = "sinks" in inspect.signature(interface.attention).parameters
+        self.sink_calls = 0
+        self.reference_calls = 0
+        self.last_sinks = None
+        self.last_call = None
+        self._attention, self._varlen = interface.attention, interface.varlen_attention
+        monkeypatch.setattr(interface, "attention", self.attention)
+        monkeypatch.setattr(interface, "varlen_attention", self.varlen_attention)
+
+    def _reference_options(self, kwargs):
+        kwargs = dict(kwargs)
+        kwargs.pop("deterministic", None)
+        if kwargs.pop("dropout_p", 0.0):
+            raise NotImplementedError("the sinks stand-in runs without dropout")
+        return kwargs
+
+    def attention(self, q, k, v, *, sinks=None, **kwargs):
+        self.last_call = "attention"
+        if sinks is None:
+            return self._attention(q, k, v, **kwargs)
+        self.sink_calls += 1
+        self.last_sinks = sinks
+        if self.native:
+            return self._attention(q, k, v, sinks=sinks, **kwargs)
+        from flash_cuda import reference
+
+        self.reference_calls += 1
+        return reference.attention_naive(q, k, v, sinks=sinks, **self._reference_options(kwargs))[0]
+
+    def varlen_attention(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, sinks=None,
+                         **kwargs):
+        assert type(max_seqlen_q) is int and type(max_seqlen_k) is int
+        self.last_call = "varlen"
+        if sinks is None:
+            return self._varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **kwargs)
+        self.sink_calls += 1
+        self.last_sinks = sinks
+        if self.native:
+            return self._varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sinks=sinks,
+                                **kwargs)
+        from flash_cuda import reference
+
+        self.reference_calls += 1
+        opts = self._reference_options(kwargs)
+        if torch.compiler.is_compiling():  # the reference loops over the sequences: opaque to the graph
+            return _reference_varlen_op(q, k, v, cu_seqlens_q, cu_seqlens_k, sinks, opts["is_causal"],
+                                        opts["scale"], list(opts["window_size"]), opts["softcap"])
+        return reference.attention_varlen_naive(q, k, v, cu_seqlens_q, cu_seqlens_k, sinks=sinks, **opts)[0]
+
+
+@torch.library.custom_op("flash_cuda_tests::reference_varlen_sinks", mutates_args=())
+def _reference_varlen_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                         cu_seqlens_k: torch.Tensor, sinks: torch.Tensor, is_causal: bool, scale: float | None,
+                         window_size: list[int], softcap: float) -> torch.Tensor:
+    """SinksStandIn's packed call as one op, for torch.compile (forward only)."""
+    from flash_cuda import reference
+
+    return reference.attention_varlen_naive(q, k, v, cu_seqlens_q, cu_seqlens_k, sinks=sinks, is_causal=is_causal,
+                                            scale=scale, window_size=window_size, softcap=softcap)[0].contiguous()
+
+
+@_reference_varlen_op.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, sinks, is_causal, scale, window_size, softcap):
+    return torch.empty_like(q, memory_format=torch.contiguous_format)

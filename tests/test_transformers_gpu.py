@@ -1,8 +1,10 @@
-"""flash_cuda.integrations.transformers on the GPU: tiny Llama / Mistral / Qwen2 / Gemma-2 style
-models in bf16 and fp16 with flash_cuda's kernels, against the same weights in float32 with
-eager attention. flash_cuda's error must stay within twice eager attention's own error in the
-same dtype (plus a small absolute term): loss, logits, every parameter gradient, and the logits
-of each greedy generate() step."""
+"""flash_cuda.integrations.transformers on the GPU: tiny Llama / Mistral / Qwen2 / Gemma-2 /
+gpt-oss (attention sinks) style models in bf16 and fp16 with flash_cuda's kernels, against the
+same weights in float32 with eager attention. flash_cuda's error must stay within twice eager
+attention's own error in the same dtype (plus a small absolute term): loss, logits, every
+parameter gradient (the sinks' included), and the logits of each greedy generate() step, with
+transformers' default cache and with a static cache under torch.compile. Continuous batching
+("paged|fcuda") must generate the tokens of transformers' own paged attention (float32)."""
 
 from __future__ import annotations
 
@@ -50,8 +52,14 @@ def test_loss_logits_and_every_gradient(family, dtype, batch):
     else:
         ids, pos, labels, _ = hf_models.packed_batch([40, 7, 49], "cuda")
         inputs, keep = dict(input_ids=ids, position_ids=pos, labels=labels), (slice(None),)
-    lr, xr, gr = hf_models.loss_and_grads(ref, **inputs)
-    le, xe, ge = hf_models.loss_and_grads(eager, **inputs)
+    if batch == "packed" and family in hf_models.EAGER_IGNORES_PACKING:
+        # Eager attention would let the sequences see each other: each runs alone instead.
+        cu = hf_models.packed_batch([40, 7, 49], "cuda")[3]
+        lr, xr, gr = hf_models.per_sequence_loss_and_grads(ref, ids, labels, cu)
+        le, xe, ge = hf_models.per_sequence_loss_and_grads(eager, ids, labels, cu)
+    else:
+        lr, xr, gr = hf_models.loss_and_grads(ref, **inputs)
+        le, xe, ge = hf_models.loss_and_grads(eager, **inputs)
     lo, xo, go = hf_models.loss_and_grads(ours, **inputs)
     within_twice_eager(lo, le, lr, "loss")
     within_twice_eager(xo[keep], xe[keep], xr[keep], "logits")
@@ -96,3 +104,50 @@ def test_autocast_training_step():
     for name in ge:
         assert go[name].dtype == torch.float32
         assert _err(go[name], ge[name]) <= 5e-2 * max(ge[name].abs().max().item(), 1e-6), name
+
+
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+@pytest.mark.parametrize("family", ["llama", "gpt_oss"])
+def test_compiled_generate_with_a_static_cache(family, mode):
+    """generate() with cache_implementation="static" compiles its decode steps (transformers
+    does on CUDA) with fullgraph=True, so that any graph break fails; "reduce-overhead" also
+    replays them as CUDA graphs. Every step's logits as in test_greedy_generate_step_by_step."""
+    from transformers import CompileConfig
+
+    eager, ours, ref = models(family, torch.bfloat16)
+    ids, mask, _ = hf_models.left_padded_batch([48, 30, 11], 48, "cuda", seed=7)
+    steps = 12
+    torch._dynamo.reset()
+    with torch.no_grad():
+        seq, step_logits = hf_models.greedy_steps(ours, ids, mask, steps, cache_implementation="static",
+                                                  compile_config=CompileConfig(fullgraph=True, mode=mode))
+        assert hasattr(ours, "_compiled_call"), "generate() did not compile the decode steps"
+        assert torch.equal(seq[:, -steps:], step_logits.argmax(-1))
+        ref_tf = hf_models.teacher_forced_logits(ref, seq, mask, ids.shape[1], steps)
+        eager_tf = hf_models.teacher_forced_logits(eager, seq, mask, ids.shape[1], steps)
+    for i in range(steps):
+        within_twice_eager(step_logits[:, i], eager_tf[:, i], ref_tf[:, i], f"generate step {i}", atol=2e-3)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_continuous_batching_gives_the_tokens_of_paged_sdpa(family):
+    """generate_batch() with "paged|fcuda" generates, greedily in float32, the tokens of
+    "paged|sdpa" ("paged|eager" for gpt-oss, which has no SDPA path)."""
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+
+    eager, ours = hf_models.build(family, torch.float32, "cuda")
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(1, hf_models.VOCAB, (n,), generator=g).tolist() for n in (5, 70, 3, 33, 17)]
+    eager.set_attn_implementation("paged|eager" if family in hf_models.SINK_FAMILIES else "paged|sdpa")
+    ours.set_attn_implementation(fc_hf.PAGED_ATTN_IMPLEMENTATION)
+    config = GenerationConfig(max_new_tokens=16, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    results = []
+    for model in (eager, ours):
+        cb_config = ContinuousBatchingConfig(block_size=32, num_blocks=64, max_batch_tokens=128)
+        with torch.no_grad():
+            out = model.generate_batch(inputs=prompts, generation_config=config,
+                                       continuous_batching_config=cb_config, progress_bar=False)
+        results.append([out[key].generated_tokens for key in sorted(out, key=lambda r: int(r.split("_")[-1]))])
+    expected, got = results
+    assert [len(t) for t in got] == [16] * len(prompts)
+    assert got == expected

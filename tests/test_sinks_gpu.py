@@ -31,13 +31,12 @@ from flash_cuda import _ext
 from flash_cuda.reference import attention_naive, attention_varlen_naive
 
 from attn_check import (ATOL_BASE, LSE_ATOL_BASE, check_attention, check_varlen_attention, hopper_skip_reason,
-                        make_alibi_slopes, make_inputs, make_varlen_inputs, rule_error)
+                        make_alibi_slopes, make_inputs, make_varlen_inputs, rule_error, ws_fwd)
 
 pytestmark = pytest.mark.gpu
 
 F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
 DEV = "cuda"
-WS_TIER = 4  # the extension's route to the warp-specialized Hopper forward alone (include/params.h)
 
 
 def _sinks(Hq: int, kind: str = "mixed", seed: int = 0, dtype=F32) -> torch.Tensor:
@@ -171,7 +170,7 @@ def test_sinks_with_dropout():
 
 
 # ---------------------------------------------------------------------------------------
-# The warp-specialized Hopper forward alone (tier 4), GQA-packed and not
+# The warp-specialized Hopper forward alone (attn_check.ws_fwd: the profile shows it ran), GQA-packed and not
 # ---------------------------------------------------------------------------------------
 
 _WS_SKIP = hopper_skip_reason("the warp-specialized forward")
@@ -188,7 +187,7 @@ def test_sinks_ws_forward_alone(dtype, Hq, Hkv, Sq, Sk, D, is_causal):
     sinks = _sinks(Hq, seed=Hq)
     scale = 1.0 / math.sqrt(D)
     wr = 0 if is_causal else -1
-    out, lse, _ = _ext.require().fwd(q, k, v, scale, -1, wr, 0.0, None, None, None, 0, 0, WS_TIER, sinks=sinks)
+    out, lse, _ = ws_fwd(q, k, v, scale, -1, wr, 0.0, None, None, None, 0, 0, sinks=sinks)
     ref, ref_lse = attention_naive(q.double(), k.double(), v.double(), is_causal=is_causal, sinks=sinks.double())
     naive, naive_lse = attention_naive(q, k, v, is_causal=is_causal, sinks=sinks.to(dtype))
     finite = torch.isfinite(ref_lse)  # (-inf: rows without a key of the -inf sink's head)

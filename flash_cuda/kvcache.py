@@ -30,7 +30,8 @@ from torch import Tensor
 from . import _ext
 from .ops import eager_ok, fwd_impl
 from .validation import (MAX_GRID_YZ, MAX_HEAD_DIM, MAX_SEQLEN, MIN_CAPABILITY, MIN_HEAD_DIM, ScoreOptions,
-                         check_alibi, check_capability, check_score_options, device_capability, dtype_name)
+                         check_alibi, check_capability, check_score_options, check_sinks, device_capability,
+                         dtype_name)
 
 __all__ = ["attention_with_kvcache", "fwd_kvcache", "PAGE_SIZE_MULTIPLE", "MAX_NUM_SPLITS"]
 
@@ -149,7 +150,7 @@ class _Plan(NamedTuple):
 
 
 def _validate(q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_causal, scale, window_size, softcap,
-              alibi_slopes, num_splits, return_lse) -> _Plan:
+              alibi_slopes, num_splits, return_lse, sinks=None) -> _Plan:
     """Every check of :func:`attention_with_kvcache`'s arguments but the per-call ones (an int
     ``cache_seqlens``'s value, ``check_inputs``), in the order the errors are documented."""
     # A call with a new signature (and every traced call) comes here: the checks are plain
@@ -257,6 +258,10 @@ def _validate(q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_causal, 
         alibi_slopes = check_alibi(alibi_slopes, B, Hq, _PREFIX)
         if alibi_slopes.get_device() != dev:
             _fail(RuntimeError, f"alibi_slopes must be on q's device {q.device}, got {alibi_slopes.device}")
+    if sinks is not None:
+        check_sinks(sinks, Hq, _PREFIX)
+        if sinks.device != q.device:
+            _fail(RuntimeError, f"sinks must be on q's device {q.device}, got {sinks.device}")
     _check_device(q, dev)
     return _Plan(opts.scale, opts.window_left, opts.window_right, opts.softcap, capacity, s_new,
                  isinstance(cache_seqlens, Tensor) and cache_seqlens.stride(0) != 1,
@@ -270,7 +275,7 @@ _MAX_PLANS = 256
 
 
 def _signature(q, k_cache, v_cache, k, v, cache_seqlens, block_table, scale, window_size, softcap,
-               alibi_slopes, is_causal, num_splits, return_lse):
+               alibi_slopes, is_causal, num_splits, return_lse, sinks=None):
     """Everything the checks read, as a hashable key (:func:`_plain` and :func:`_simple_options`
     hold). Values that compare equal across types (1 == 1.0) carry their type, so a key never
     stands for an argument the checks would reject. An int ``cache_seqlens`` enters as None:
@@ -286,16 +291,18 @@ def _signature(q, k_cache, v_cache, k, v, cache_seqlens, block_table, scale, win
                                               block_table.get_device()),
             None if alibi_slopes is None else (alibi_slopes.shape, alibi_slopes.stride(), alibi_slopes.dtype,
                                                alibi_slopes.get_device()),
+            None if sinks is None else (sinks.shape, sinks.dtype, sinks.get_device()),
             scale, type(scale), window_size, softcap, type(softcap), is_causal, num_splits, return_lse)
 
 
-def _plain(q, k_cache, v_cache, k, v, cache_seqlens, block_table, alibi_slopes) -> bool:
+def _plain(q, k_cache, v_cache, k, v, cache_seqlens, block_table, alibi_slopes, sinks=None) -> bool:
     """Whether a call may skip the op's dispatch: plain tensors, outside tracing and modes."""
     return (type(q) is Tensor and type(k_cache) is Tensor and type(v_cache) is Tensor
             and (k is None or type(k) is Tensor) and (v is None or type(v) is Tensor)
             and (type(cache_seqlens) is Tensor or type(cache_seqlens) is int)
             and (block_table is None or type(block_table) is Tensor)
-            and (alibi_slopes is None or type(alibi_slopes) is Tensor) and eager_ok())
+            and (alibi_slopes is None or type(alibi_slopes) is Tensor)
+            and (sinks is None or type(sinks) is Tensor) and eager_ok())
 
 
 def _simple_options(scale, window_size, softcap, is_causal, num_splits, return_lse) -> bool:
@@ -314,9 +321,10 @@ def _simple_options(scale, window_size, softcap, is_causal, num_splits, return_l
 
 
 def _run(C, q, k_cache, v_cache, k, v, lens, cache_len, block_table, scale, window_left, window_right, softcap,
-         alibi_slopes, num_splits, return_lse, check_inputs):
+         alibi_slopes, num_splits, return_lse, check_inputs, sinks=None):
     """The validated call: (out, lse), lse None unless ``return_lse``. ``lens`` (the tensor
-    ``cache_seqlens``, contiguous) or ``cache_len`` (the int) gives the cached lengths."""
+    ``cache_seqlens``, contiguous) or ``cache_len`` (the int) gives the cached lengths; ``sinks``
+    float32 and contiguous, or None."""
     if check_inputs or _ENV_CHECK in os.environ:
         if _check_enabled(check_inputs):
             B, s_new = q.shape[0], 0 if k is None else k.shape[2]
@@ -340,37 +348,42 @@ def _run(C, q, k_cache, v_cache, k, v, lens, cache_len, block_table, scale, wind
             with torch.cuda.stream(side):
                 k_cache[:, :, :s_new].copy_(k)
                 v_cache[:, :, :s_new].copy_(v)
-            out, lse, _ = fwd_impl(q, k, v, opts, 0)
+            out, lse, _ = fwd_impl(q, k, v, opts, 0, sinks)
             main.wait_stream(side)
         else:
             if s_new:
                 k_cache[:, :, cache_len:total].copy_(k)
                 v_cache[:, :, cache_len:total].copy_(v)
-            out, lse, _ = fwd_impl(q, k_cache[:, :, :total], v_cache[:, :, :total], opts, 0)
+            out, lse, _ = fwd_impl(q, k_cache[:, :, :total], v_cache[:, :, :total], opts, 0, sinks)
         return out, (lse if return_lse else None)
+    if sinks is None:  # (the binding's sinks argument is optional; leaving it out keeps older stand-ins working)
+        return C.fwd_kvcache(q, k_cache, v_cache, k, v, lens, cache_len, block_table, scale, window_left,
+                             window_right, softcap, alibi_slopes, num_splits, return_lse)
     return C.fwd_kvcache(q, k_cache, v_cache, k, v, lens, cache_len, block_table, scale, window_left, window_right,
-                         softcap, alibi_slopes, num_splits, return_lse)
+                         softcap, alibi_slopes, num_splits, return_lse, sinks)
 
 
 @torch.library.custom_op("flash_cuda::fwd_kvcache", mutates_args=("k_cache", "v_cache"))
 def fwd_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor], v: Optional[Tensor],
                 cache_seqlens: Optional[Tensor], cache_len: int, block_table: Optional[Tensor], scale: float,
                 window_left: int, window_right: int, softcap: float, alibi_slopes: Optional[Tensor],
-                num_splits: int, return_lse: bool, check_inputs: bool) -> Tuple[Tensor, Tensor]:
+                num_splits: int, return_lse: bool, check_inputs: bool,
+                sinks: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """Attention against a KV cache after appending k / v to it in place: (out, lse), lse empty
     (0,) unless ``return_lse``. The arguments are the extension's (``cache_seqlens`` a
     contiguous int32 tensor or None, then ``cache_len`` the int length of every sequence),
     validated by :func:`attention_with_kvcache`, plus ``check_inputs``: the values of
-    cache_seqlens and block_table checked here, at run time (also inside a compiled graph)."""
+    cache_seqlens and block_table checked here, at run time (also inside a compiled graph);
+    ``sinks`` float32 (heads,) or None."""
     _check_alignment(k_cache, v_cache)  # the addresses, which tracing could not see
     out, lse = _run(_ext.require(), q, k_cache, v_cache, k, v, cache_seqlens, cache_len, block_table, scale,
-                    window_left, window_right, softcap, alibi_slopes, num_splits, return_lse, check_inputs)
+                    window_left, window_right, softcap, alibi_slopes, num_splits, return_lse, check_inputs, sinks)
     return out, (lse if lse is not None else q.new_empty((0,), dtype=torch.float32))
 
 
 @fwd_kvcache.register_fake
 def _fwd_kvcache_fake(q, k_cache, v_cache, k, v, cache_seqlens, cache_len, block_table, scale, window_left,
-                      window_right, softcap, alibi_slopes, num_splits, return_lse, check_inputs):
+                      window_right, softcap, alibi_slopes, num_splits, return_lse, check_inputs, sinks=None):
     lse_shape = tuple(q.shape[:3]) if return_lse else (0,)
     return torch.empty_like(q), q.new_empty(lse_shape, dtype=torch.float32)
 
@@ -389,6 +402,7 @@ def attention_with_kvcache(
     window_size: Tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
     alibi_slopes: Optional[Tensor] = None,
+    sinks: Optional[Tensor] = None,
     num_splits: int = 0,
     return_lse: bool = False,
     check_inputs: bool = False,
@@ -421,6 +435,9 @@ def attention_with_kvcache(
             page_size]``, row ``p % page_size``.
         is_causal, scale, window_size, softcap, alibi_slopes: as in :func:`flash_cuda.attention`
             (bottom-right aligned to ``L_b``).
+        sinks: ``None`` or attention sinks as in :func:`flash_cuda.attention`: one logit per
+            query head, shape ``(heads,)``, any floating dtype; each row's softmax denominator
+            gets ``exp(sinks[h])`` (gpt-oss). No gradient flows through this function.
         num_splits: key ranges per query row: ``0`` (default) picks from the shapes alone (more
             ranges when few (batch, KV head) pairs would leave the GPU idle), ``1`` none, ``n``
             exactly ``n`` (at most 256).
@@ -444,14 +461,14 @@ def attention_with_kvcache(
         TypeError, ValueError, RuntimeError: a bad argument, named with what is accepted, before
             anything is written or launched.
     """
-    eager = _plain(q, k_cache, v_cache, k, v, cache_seqlens, block_table, alibi_slopes)
+    eager = _plain(q, k_cache, v_cache, k, v, cache_seqlens, block_table, alibi_slopes, sinks)
     if eager and _simple_options(scale, window_size, softcap, is_causal, num_splits, return_lse):
         key = _signature(q, k_cache, v_cache, k, v, cache_seqlens, block_table, scale, window_size, softcap,
-                         alibi_slopes, is_causal, num_splits, return_lse)
+                         alibi_slopes, is_causal, num_splits, return_lse, sinks)
         plan = _plans.get(key)
         if plan is None:
             plan = _validate(q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_causal, scale, window_size,
-                             softcap, alibi_slopes, num_splits, return_lse)
+                             softcap, alibi_slopes, num_splits, return_lse, sinks)
             if len(_plans) >= _MAX_PLANS:
                 _plans.clear()
             _plans[key] = plan
@@ -459,7 +476,7 @@ def attention_with_kvcache(
             _check_cache_len(cache_seqlens, plan.s_new, plan.capacity)
     else:
         plan = _validate(q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_causal, scale, window_size,
-                         softcap, alibi_slopes, num_splits, return_lse)
+                         softcap, alibi_slopes, num_splits, return_lse, sinks)
     if isinstance(cache_seqlens, Tensor):
         lens, cache_len = (cache_seqlens.contiguous() if plan.fix_lens else cache_seqlens), 0
     else:
@@ -468,8 +485,10 @@ def attention_with_kvcache(
         block_table = block_table.contiguous()
     if alibi_slopes is not None:
         alibi_slopes = alibi_slopes.detach().contiguous()
+    if sinks is not None:
+        sinks = sinks.detach().to(torch.float32).contiguous()
     args = (q, k_cache, v_cache, k, v, lens, cache_len, block_table, plan.scale, plan.window_left,
-            plan.window_right, plan.softcap, alibi_slopes, num_splits, return_lse, check_inputs)
+            plan.window_right, plan.softcap, alibi_slopes, num_splits, return_lse, check_inputs, sinks)
     if eager:
         out, lse = _run(_ext.require(), *args)  # require() compiles the kernels at their first use
     else:

@@ -285,7 +285,7 @@ class MockExtension:
         return tuple(self._like(g, like) if w else None for g, like, w in zip(grads, (q, k, v), wanted))
 
     def fwd_kvcache(self, q, k_cache, v_cache, k_new, v_new, cache_seqlens, cache_len, block_table, scale,
-                    window_left, window_right, softcap, alibi_slopes, num_splits, return_lse):
+                    window_left, window_right, softcap, alibi_slopes, num_splits, return_lse, sinks=None):
         """The binding's contract on the KV-cache reference: k_new / v_new written into the
         caches in place, then the attention over each sequence's rows; lse only when asked."""
         assert q.dim() == 4 and q.stride(-1) == 1 and q.dtype in (torch.float16, torch.bfloat16)
@@ -303,11 +303,15 @@ class MockExtension:
         assert type(num_splits) is int and 0 <= num_splits <= 256 and type(return_lse) is bool
         if alibi_slopes is not None:
             assert alibi_slopes.dtype == torch.float32 and alibi_slopes.is_contiguous()
+        if sinks is not None:  # the binding's checks (csrc/api/flash_api.cpp)
+            assert sinks.dtype == torch.float32 and sinks.is_contiguous() and tuple(sinks.shape) == (q.shape[1],)
+        self.last_kvcache_sinks = sinks
         self.kvcache_calls += 1
         out, lse = attention_with_kvcache_reference(
             q, k_cache, v_cache, k_new, v_new, cache_seqlens=cache_len if cache_seqlens is None else cache_seqlens,
             block_table=block_table, scale=scale, window_size=(window_left, window_right), softcap=softcap,
-            alibi_slopes=alibi_slopes, num_splits=max(num_splits, 1), return_lse=True, block_m=32, block_n=16)
+            alibi_slopes=alibi_slopes, sinks=sinks, num_splits=max(num_splits, 1), return_lse=True, block_m=32,
+            block_n=16)
         return self._like(out, q), (lse.to(torch.float32).contiguous() if return_lse else None)
 
     def merge_partials(self, a, a_lse, a_stats, b, b_lse, b_stats, out, out_lse, out_stats):

@@ -312,19 +312,26 @@ def _kvcache_case(B, Hq, Hkv, D, dtype, lens, s_new, page_size, seed):
 @pytest.mark.parametrize("paged", [False, True], ids=["dense", "paged"])
 @pytest.mark.parametrize("num_splits", [1, 4, 0], ids=["splits1", "splits4", "planned"])
 @pytest.mark.parametrize("s_new,kind", [(1, "mixed"), (4, "large"), (0, "small")])
-def test_sinks_fwd_kvcache(dtype, paged, num_splits, s_new, kind):
-    """The binding's fwd_kvcache (positional, sinks after return_lse): every sequence against
-    float64 attention over its own keys with the same sinks; with num_splits > 1 the key
-    ranges' merge adds the sink once."""
+@pytest.mark.parametrize("route", ["binding", "public"])
+def test_sinks_fwd_kvcache(dtype, paged, num_splits, s_new, kind, route):
+    """The binding's fwd_kvcache (positional, sinks after return_lse) and
+    flash_cuda.attention_with_kvcache(sinks=...): every sequence against float64 attention over
+    its own keys with the same sinks; with num_splits > 1 the key ranges' merge adds the sink once."""
     B, Hq, Hkv, D = 3, 8, 2, 128
     lens = [700, 0, 1300] if s_new else [700, 64, 1300]
     q, k_cache, v_cache, k_new, v_new, lens_t, block_table, keys, values = _kvcache_case(
         B, Hq, Hkv, D, dtype, lens, s_new, 16 if paged else None, seed=s_new + 10 * num_splits)
     sinks = _sinks(Hq, kind, seed=s_new)
     scale = 1.0 / math.sqrt(D)
-    # (The binding directly: flash_cuda.attention_with_kvcache does not pass sinks on yet.)
-    out, lse = _ext.require().fwd_kvcache(q, k_cache, v_cache, k_new, v_new, lens_t, 0, block_table, scale, -1, 0,
-                                          0.0, None, num_splits, True, sinks)
+    if route == "binding":
+        out, lse = _ext.require().fwd_kvcache(q, k_cache, v_cache, k_new, v_new, lens_t, 0, block_table, scale, -1,
+                                              0, 0.0, None, num_splits, True, sinks)
+    else:
+        new = k_new is not None and k_new.shape[2] > 0
+        out, lse = flash_cuda.attention_with_kvcache(q, k_cache, v_cache, k_new if new else None,
+                                                     v_new if new else None, cache_seqlens=lens_t,
+                                                     block_table=block_table, is_causal=True, scale=scale,
+                                                     num_splits=num_splits, sinks=sinks, return_lse=True)
     for b in range(B):
         kb, vb = keys[b].unsqueeze(0), values[b].unsqueeze(0)
         qb = q[b:b + 1]

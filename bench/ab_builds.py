@@ -72,10 +72,12 @@ def cells(args):
                     yield d, causal, s, mode
 
 
-def make_inputs(torch, d, s, tokens, width, dtype, mode, gen):
+def make_inputs(torch, d, s, tokens, width, dtype, mode, gen, group=1):
     b, h = max(1, tokens // s), max(1, width // d)
     shape = (b, h, s, d)
-    q, k, v = (torch.randn(shape, device="cuda", dtype=dtype, generator=gen) for _ in range(3))
+    kv_shape = (b, max(1, h // group), s, d)  # group query heads per KV head (GQA)
+    q = torch.randn(shape, device="cuda", dtype=dtype, generator=gen)
+    k, v = (torch.randn(kv_shape, device="cuda", dtype=dtype, generator=gen) for _ in range(2))
     dout = torch.randn(shape, device="cuda", dtype=dtype, generator=gen) if mode == "bwd" else None
     return b, h, q, k, v, dout
 
@@ -110,6 +112,7 @@ def main(argv=None):
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
     ap.add_argument("--tokens", type=int, default=16384, help="B * S")
     ap.add_argument("--width", type=int, default=2048, help="H * D")
+    ap.add_argument("--group", type=int, default=1, help="query heads per KV head (GQA); 1: MHA")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--rep-ms", type=int, default=60, help="do_bench's timing window per measurement")
     ap.add_argument("--json", type=Path, default=None, help="write every measurement here")
@@ -133,7 +136,7 @@ def main(argv=None):
         order = ("base", "new") if rnd % 2 == 0 else ("new", "base")
         for cell in all_cells:
             d, causal, s, mode = cell
-            b, h, q, k, v, dout = make_inputs(torch, d, s, args.tokens, args.width, dtype, mode, gen)
+            b, h, q, k, v, dout = make_inputs(torch, d, s, args.tokens, args.width, dtype, mode, gen, args.group)
             scale = d ** -0.5
             fwd = {tag: fwd_call(mods[tag], q, k, v, scale, causal) for tag in order}
             if rnd == 0:
@@ -165,7 +168,8 @@ def main(argv=None):
         print(f"round {rnd + 1} of {args.rounds} done", file=sys.stderr, flush=True)
 
     rows = []
-    print(f"\n{args.dtype}, B*S = {args.tokens}, H*D = {args.width}, {args.rounds} interleaved rounds, "
+    print(f"\n{args.dtype}, B*S = {args.tokens}, H*D = {args.width}, {args.group} query heads per KV head, "
+          f"{args.rounds} interleaved rounds, "
           f"{torch.cuda.get_device_name()}; new / base speed (above 1: new faster)")
     print("| D | causal | S | mode | base ms | new ms | new/base | TFLOPS (new) | outputs |")
     print("| ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | --- |")

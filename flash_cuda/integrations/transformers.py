@@ -297,25 +297,8 @@ def padding_mask(
     return mask
 
 
-def paged_attention_forward(
-    module: torch.nn.Module,
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    attention_mask: Optional[Tensor],
-    dropout: float = 0.0,
-    scaling: Optional[float] = None,
-    sliding_window: Optional[int] = None,
-    softcap: Optional[float] = None,
-    s_aux: Optional[Tensor] = None,
-    cache=None,
-    cu_seq_lens_q: Optional[Tensor] = None,
-    cu_seq_lens_k=None,
-    max_seqlen_q: Optional[int] = None,
-    max_seqlen_k=None,
-    block_table: Optional[Tensor] = None,
-    **kwargs,
-) -> Tuple[Tensor, None]:
+def paged_attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor,
+                            attention_mask: Optional[Tensor], **kwargs) -> Tuple[Tensor, None]:
     """transformers' continuous batching (``generate_batch``, ``attn_implementation=
     "paged|fcuda"``): query ``(1, heads, total_q, head_dim)`` holds the new tokens of every
     request of the batch, key / value ``(1, kv_heads, total_q, head_dim)`` theirs. The paged
@@ -324,6 +307,12 @@ def paged_attention_forward(
     ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (per layer type when the model mixes sliding and full
     layers), causal and bottom-right aligned per request. Returns ``(out, None)``, out
     ``(total_q, heads, head_dim)``."""
+    # The model's options (dropout, scaling, sliding_window, softcap, s_aux) and the batch's
+    # (cache, cu_seq_lens_*, max_seqlen_*, read / write indices, block_table) come as keywords.
+    cache, block_table = kwargs.get("cache"), kwargs.get("block_table")
+    cu_seq_lens_q, cu_seq_lens_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    max_seqlen_q, max_seqlen_k = kwargs.get("max_seqlen_q"), kwargs.get("max_seqlen_k")
+    sliding_window = kwargs.get("sliding_window")
     if cache is None or cu_seq_lens_q is None or cu_seq_lens_k is None:
         raise ValueError(
             f"'paged|{ATTN_IMPLEMENTATION}' is continuous batching's attention (generate_batch), called with its "
@@ -339,9 +328,11 @@ def paged_attention_forward(
         cu_seq_lens_k, max_seqlen_k = cu_seq_lens_k[layer_type], max_seqlen_k[layer_type]
     key, value = cache.update(key_states=key, value_states=value, layer_idx=module.layer_idx,
                               read_index=kwargs["read_index"], write_index=kwargs["write_index"])
+    opts = _options(True, kwargs.get("scaling"), sliding_window, kwargs.get("softcap"), kwargs.get("dropout", 0.0),
+                    kwargs.get("s_aux"))
     out = interface.varlen_attention(
         query.transpose(1, 2).squeeze(0), key, value, cu_seq_lens_q.to(torch.int32), cu_seq_lens_k.to(torch.int32),
-        int(max_seqlen_q), int(max_seqlen_k), **_options(True, scaling, sliding_window, softcap, dropout, s_aux))
+        int(max_seqlen_q), int(max_seqlen_k), **opts)
     return out, None
 
 

@@ -1308,8 +1308,9 @@ __all__ += ["attention_with_kvcache_reference", "split_key_ranges", "combine_spl
 #
 #   1. scores: S = (q8 . k8) in float32 (the products of e4m3 values are exact in float32,
 #      the sum is float32), times fp32(scale * log2 e) * fp32(q_descale * k_descale) (one
-#      float32 factor per (batch, KV head)); softcap, ALiBi and the mask as for 16-bit inputs,
-#      in float32, log2 domain;
+#      float32 factor per (batch, KV head)); with softcap c the factor inside the tanh is
+#      fp32(scale / c) * fp32(q_descale * k_descale) and S = tanh(.) * c log2 e; ALiBi and
+#      the mask as for 16-bit inputs, in float32, log2 domain;
 #   2. the running max m and its rescale of l and O by exp2(m_old - m_new): float32, as
 #      for 16-bit inputs (O is never rounded between blocks);
 #   3. P = exp2(S - (m - 8)) in float32: the reference max lowered by FP8_P_OFFSET = 8, so

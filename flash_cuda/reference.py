@@ -57,6 +57,15 @@ Implementations:
   dS is multiplied by the derivative of the cap, 1 - tanh^2.
 * :func:`attention_varlen_naive`, :func:`attention_varlen_forward_blocked` and
   :func:`attention_varlen_backward_blocked`: the packed layout, one sequence at a time.
+* FP8 (e4m3), forward only (the section "FP8 (e4m3)" says what is rounded where):
+  :func:`attention_fp8_forward_blocked` (and its packed form) is the kernels' FP8 forward,
+  the blocked loop above with q, k, v in float8_e4m3fn and float32 descales (stored value
+  times descale = real value), P = exp2(S - (m - 8)) rounded to e4m3 for P @ V;
+  :func:`attention_fp8_naive` (and its packed form) is the naive FP8 attention whose error
+  against float64 on the dequantized inputs sets the tolerance;
+  :func:`attention_with_kvcache_fp8_reference` is the KV cache over e4m3 caches with 16-bit
+  queries; :func:`quantize_e4m3`, :func:`dequantize_e4m3`, :func:`e4m3_round` and
+  :func:`fp8_descale` are the quantization and descale rules.
 
 Every (batch, head) pair runs the same block loop, so the blocked functions vectorise
 over batch and heads and loop in Python only over blocks.
@@ -135,9 +144,12 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def _round_like_kernel(x: Tensor, dtype: torch.dtype) -> Tensor:
     """Operands that the tensor-core kernels feed to an MMA are rounded to the 16-bit input
-    dtype (P before P @ V, dS before dS @ K); fp32/fp64 keep full precision."""
+    dtype (P before P @ V, dS before dS @ K); fp32/fp64 keep full precision. float8_e4m3fn
+    (the FP8 forward's P) rounds as :func:`e4m3_round`: saturating, as the kernels convert."""
     if dtype in (torch.float16, torch.bfloat16):
         return x.to(dtype).to(x.dtype)
+    if dtype == torch.float8_e4m3fn:
+        return e4m3_round(x)
     return x
 
 
@@ -451,19 +463,25 @@ def _keep_tile(keep: Optional[Tensor], row0: int, rows: int, block_m: int, key_b
 
 
 def _tile_logits_log2(q_blk: Tensor, k_blk: Tensor, scale_log2: float, softcap: float,
-                      bias_log2: Optional[Tensor]) -> Tuple[Tensor, Optional[Tensor]]:
+                      bias_log2: Optional[Tensor],
+                      qk_descale: Optional[Tensor] = None) -> Tuple[Tensor, Optional[Tensor]]:
     """The logits of one tile in the log2 domain, before the mask: scale * q.k, capped
     (softcap * tanh(scale * q.k / softcap), computed as c * tanh(q.k * scale_log2 / c) with
     c = softcap * log2(e)), minus the ALiBi bias. Also returns the tanh (None without
-    softcap), whose 1 - tanh^2 the backward needs."""
+    softcap), whose 1 - tanh^2 the backward needs.
+
+    ``qk_descale`` (FP8: q_descale * k_descale, float32, broadcastable to the tile) joins
+    the scale: the factor applied to the float32 q.k is fp32(scale_log2 [/ c]) times
+    qk_descale, one float32 product, as a kernel folds the descales into its scale once."""
     qk = torch.matmul(q_blk, k_blk.transpose(-1, -2))
     t = None
     if softcap > 0:
         cap_log2 = softcap * LOG2E
-        t = torch.tanh(qk * (scale_log2 / cap_log2))
+        f = scale_log2 / cap_log2
+        t = torch.tanh(qk * (f if qk_descale is None else qk_descale * f))
         s = t * cap_log2
     else:
-        s = qk * scale_log2
+        s = qk * (scale_log2 if qk_descale is None else qk_descale * scale_log2)
     if bias_log2 is not None:
         s = s - bias_log2
     return s, t
@@ -479,7 +497,8 @@ def _tile_bias_log2(slopes: Optional[Tensor], rows: Tensor, cols: Tensor, sq: in
 
 def compute_qk_scores_and_max(q_blk: Tensor, k_blk: Tensor, scale_log2: float,
                               visible: Optional[Tensor], softcap: float = 0.0,
-                              bias_log2: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+                              bias_log2: Optional[Tensor] = None,
+                              qk_descale: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """Step 1: the tile's logits in the log2 domain, masked, and their row maxima.
 
     S = (q_blk @ k_blk^T) * scale * log2(e), soft-capped when ``softcap`` > 0, minus
@@ -487,9 +506,11 @@ def compute_qk_scores_and_max(q_blk: Tensor, k_blk: Tensor, scale_log2: float,
     (..., G, bm, D) and k_blk (..., 1, bn, D) are in the accumulation dtype; ``visible``
     is a (bm, bn) bool mask or None when the block needs no masking (the kernels skip the
     mask work for blocks that no window edge crosses and that lie inside the keys).
+    ``qk_descale`` (FP8 inputs: q_descale * k_descale, float32, broadcastable to S) joins
+    the scale (:func:`_tile_logits_log2`); q_blk and k_blk then hold the stored e4m3 values.
     Returns (s, block_max) with masked entries at -inf.
     """
-    s, _ = _tile_logits_log2(q_blk, k_blk, scale_log2, softcap, bias_log2)
+    s, _ = _tile_logits_log2(q_blk, k_blk, scale_log2, softcap, bias_log2, qk_descale)
     if visible is not None:
         s = s.masked_fill(~visible, NEG_INF)
     return s, s.amax(dim=-1)
@@ -517,15 +538,24 @@ def merge_block_stats(row_max: Tensor, row_sum: Tensor, acc_o: Tensor,
 def compute_block_softmax_and_weighted_v(s: Tensor, row_sum: Tensor, acc_o: Tensor,
                                          row_max: Tensor, v_blk: Tensor,
                                          in_dtype: torch.dtype,
-                                         keep: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+                                         keep: Optional[Tensor] = None,
+                                         p_offset: float = 0.0) -> Tuple[Tensor, Tensor]:
     """Step 3: P = exp2(S - m) (masked entries -> 0), l += rowsum(P), O += P @ V.
 
     The row sum uses P in the accumulation dtype; the P @ V product uses P rounded to the
-    16-bit input dtype for fp16/bf16 inputs, as the tensor-core kernels do. ``keep``
-    (dropout: the tile's mask times :func:`dropout_scale`, 0 where dropped) multiplies P in
-    the product only: the row sum, and so lse, are those before dropout.
+    16-bit input dtype for fp16/bf16 inputs, as the tensor-core kernels do, and to e4m3 for
+    the FP8 forward (``in_dtype`` float8_e4m3fn, :func:`e4m3_round`). ``keep`` (dropout: the
+    tile's mask times :func:`dropout_scale`, 0 where dropped) multiplies P in the product
+    only: the row sum, and so lse, are those before dropout.
+
+    ``p_offset`` (log2 units; the FP8 forward uses :data:`FP8_P_OFFSET`): P = exp2(S - (m -
+    p_offset)), the reference max lowered by the offset (m - p_offset is one float32
+    subtraction), so P lies in [0, 2^p_offset] and its rounding to e4m3 keeps small
+    probabilities that [0, 1] would flush. l and O carry the same factor; the caller passes
+    m - p_offset to :func:`normalize_output`, which cancels it.
     """
-    p = torch.exp2(s - _safe_max(row_max).unsqueeze(-1))
+    m = _safe_max(row_max)
+    p = torch.exp2(s - (m if p_offset == 0 else m - p_offset).unsqueeze(-1))
     row_sum = row_sum + p.sum(dim=-1)
     if keep is not None:
         p = p * keep
@@ -535,9 +565,14 @@ def compute_block_softmax_and_weighted_v(s: Tensor, row_sum: Tensor, acc_o: Tens
 
 def normalize_output(acc_o: Tensor, row_sum: Tensor, row_max: Tensor,
                      out_dtype: torch.dtype,
-                     sink_log2: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+                     sink_log2: Optional[Tensor] = None,
+                     out_scale: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """Step 4: O /= l and lse = (m + log2 l) * ln 2; a row with l == 0 (no visible key)
     gets O = 0 and lse = -inf.
+
+    ``out_scale`` (FP8: v_descale, float32, broadcastable to ``row_sum``) multiplies the
+    inverse row sum: O = acc * (fp32(1 / l) * v_descale), one factor per row as the kernels
+    scale their accumulator once.
 
     ``sink_log2`` (the attention sink times log2(e), broadcastable to ``row_max``) is
     merged first, as one more block of a single visible logit with P = 1 and no V:
@@ -561,6 +596,8 @@ def normalize_output(acc_o: Tensor, row_sum: Tensor, row_max: Tensor,
     has_keys = row_sum != 0  # NaN rows stay NaN (a NaN input must not look like "no key")
     inv = torch.where(has_keys, 1.0 / torch.where(has_keys, row_sum, torch.ones_like(row_sum)),
                       torch.zeros_like(row_sum))
+    if out_scale is not None:
+        inv = inv * out_scale
     out = (acc_o * inv.unsqueeze(-1)).to(out_dtype)
     lse = torch.where(has_keys, (row_max + torch.log2(torch.where(has_keys, row_sum,
                                                                   torch.ones_like(row_sum)))) * LN2,
@@ -586,15 +623,33 @@ def attention_forward_blocked(q: Tensor, k: Tensor, v: Tensor, *, is_causal: boo
     window edge or the end of the keys cuts (:func:`_needs_mask`).
     """
     B, Hq, Hkv, Sq, Sk, D = _sizes(q, k, v)
+    acc = _acc_dtype(q.dtype)
+    keep_all = _dropout_keep(dropout_p, dropout_mask, B, Hq, Hkv, Sq, Sk, acc, q.device)
+    return _forward_blocked_loop(q, k, v, is_causal=is_causal, scale=scale, window_size=window_size,
+                                 softcap=softcap, alibi_slopes=alibi_slopes, block_m=block_m,
+                                 block_n=block_n, max_lag=max_lag, keep_all=keep_all, sinks=sinks,
+                                 p_dtype=q.dtype, out_dtype=q.dtype)
+
+
+def _forward_blocked_loop(q: Tensor, k: Tensor, v: Tensor, *, is_causal: bool, scale: Optional[float],
+                          window_size: Sequence[int], softcap: float, alibi_slopes: Optional[Tensor],
+                          block_m: int, block_n: int, max_lag: float, keep_all: Optional[Tensor],
+                          sinks: Optional[Tensor], p_dtype: torch.dtype, out_dtype: torch.dtype,
+                          qk_descale: Optional[Tensor] = None, v_descale: Optional[Tensor] = None,
+                          p_offset: float = 0.0) -> Tuple[Tensor, Tensor]:
+    """The block loop of :func:`attention_forward_blocked`, shared with the FP8 forward
+    (:func:`attention_fp8_forward_blocked`): ``p_dtype`` is what P is rounded to for P @ V,
+    ``qk_descale`` ((B, Hkv, 1, 1, 1) float32) joins the scores' scale, ``v_descale``
+    ((B, Hkv, 1, 1)) the normalization, ``p_offset`` lowers P's reference max."""
+    B, Hq, Hkv, Sq, Sk, D = _sizes(q, k, v)
     scale_log2, wl, wr, acc, G = _forward_setup(q, scale, is_causal, window_size, Hkv)
     dev = q.device
     slopes = _slopes_view(alibi_slopes, B, Hq, Hkv, acc)
     sink_log2 = _sinks_log2(sinks, Hq, Hkv, acc)
 
     qg = _group_view(q, Hkv)
-    out = torch.empty((B, Hkv, G, Sq, D), dtype=q.dtype, device=dev)
+    out = torch.empty((B, Hkv, G, Sq, D), dtype=out_dtype, device=dev)
     lse = torch.empty((B, Hkv, G, Sq), dtype=acc, device=dev)
-    keep_all = _dropout_keep(dropout_p, dropout_mask, B, Hq, Hkv, Sq, Sk, acc, dev)
 
     for row0 in range(0, Sq, block_m):
         rows = min(block_m, Sq - row0)
@@ -622,13 +677,15 @@ def attention_forward_blocked(q: Tensor, k: Tensor, v: Tensor, *, is_causal: boo
             bias = _tile_bias_log2(slopes, row_idx, col_idx, Sq, Sk)
 
             s, block_max = compute_qk_scores_and_max(q_blk, k_blk, scale_log2, visible,
-                                                     softcap, bias)
+                                                     softcap, bias, qk_descale)
             row_max, row_sum, acc_o = merge_block_stats(row_max, row_sum, acc_o, block_max, max_lag)
             row_sum, acc_o = compute_block_softmax_and_weighted_v(
-                s, row_sum, acc_o, row_max, v_blk, q.dtype,
-                _keep_tile(keep_all, row0, rows, block_m, key_base, cols, block_n))
+                s, row_sum, acc_o, row_max, v_blk, p_dtype,
+                _keep_tile(keep_all, row0, rows, block_m, key_base, cols, block_n), p_offset)
 
-        o_blk, lse_blk = normalize_output(acc_o, row_sum, row_max, q.dtype, sink_log2)
+        # P, l and O were taken against m - p_offset: lse and the sink merge use that max.
+        m_ref = row_max if p_offset == 0 else row_max - p_offset
+        o_blk, lse_blk = normalize_output(acc_o, row_sum, m_ref, out_dtype, sink_log2, v_descale)
         out[:, :, :, row0:row0 + rows] = o_blk[..., :rows, :]
         lse[:, :, :, row0:row0 + rows] = lse_blk[..., :rows]
 
@@ -1032,7 +1089,9 @@ def _kvcache_range_forward(qg: Tensor, k_cache: Tensor, v_cache: Tensor,
                            key_first: int, key_end: int, scale_log2: float, wl: int, wr: int,
                            softcap: float, slopes: Optional[Tensor], block_m: int, block_n: int,
                            in_dtype: torch.dtype,
-                           sink_log2: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+                           sink_log2: Optional[Tensor] = None,
+                           qk_descale: Optional[Tensor] = None,
+                           v_descale: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """One sequence's queries qg (1, Hkv, G, Sq, D) against the keys [key_first, key_end)
     of its cache (block aligned, see :func:`split_key_ranges`), num_keys = L_b being the
     sequence's length for the mask and ALiBi. The loop of :func:`attention_forward_blocked`
@@ -1040,7 +1099,10 @@ def _kvcache_range_forward(qg: Tensor, k_cache: Tensor, v_cache: Tensor,
     by the range's own row sum and its lse, both in the accumulation dtype (a split's
     partial stays unrounded until the combine); rows that saw no key: O = 0, lse = -inf.
     ``sink_log2`` ((1, Hkv, G, 1), log2 units): merged by :func:`normalize_output`; given
-    only when the range is the whole of [0, L_b) (a split's partial leaves it out)."""
+    only when the range is the whole of [0, L_b) (a split's partial leaves it out).
+    ``qk_descale`` / ``v_descale`` ((1, Hkv, 1, 1, 1) / (1, Hkv, 1, 1) float32): an FP8
+    cache's descales, in the scores' scale and the normalization (the cache rows are read
+    as their stored e4m3 values)."""
     _, Hkv, G, Sq, D = qg.shape
     acc = _acc_dtype(in_dtype)
     dev = qg.device
@@ -1079,12 +1141,13 @@ def _kvcache_range_forward(qg: Tensor, k_cache: Tensor, v_cache: Tensor,
                 visible = key_visible(row_idx, col_idx, Sq, num_keys, wl, wr)
             bias = _tile_bias_log2(slopes, row_idx, col_idx, Sq, num_keys)
 
-            s, block_max = compute_qk_scores_and_max(q_blk, k_blk, scale_log2, visible, softcap, bias)
+            s, block_max = compute_qk_scores_and_max(q_blk, k_blk, scale_log2, visible, softcap, bias,
+                                                     qk_descale)
             row_max, row_sum, acc_o = merge_block_stats(row_max, row_sum, acc_o, block_max)
             row_sum, acc_o = compute_block_softmax_and_weighted_v(s, row_sum, acc_o, row_max,
                                                                   v_blk, in_dtype)
 
-        o_blk, lse_blk = normalize_output(acc_o, row_sum, row_max, acc, sink_log2)
+        o_blk, lse_blk = normalize_output(acc_o, row_sum, row_max, acc, sink_log2, v_descale)
         out[:, :, :, row0:row0 + rows] = o_blk[..., :rows, :]
         lse[:, :, :, row0:row0 + rows] = lse_blk[..., :rows]
     return out, lse
@@ -1134,6 +1197,27 @@ def attention_with_kvcache_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor
     assert q.dim() == 4 and k_cache.dim() == 4 and k_cache.shape == v_cache.shape, \
         "q must be (B, Hq, Sq, D) and k_cache / v_cache one 4-D shape"
     assert q.dtype == k_cache.dtype == v_cache.dtype, "q and the cache must have one dtype"
+    B, Hq, Hkv, Sq, D, S_new, cached = _kvcache_shapes(q, k_cache, v_cache, k, v, cache_seqlens,
+                                                       block_table, num_splits, alibi_slopes)
+    scale_log2, wl, wr, acc, _ = _forward_setup(q, scale, is_causal, window_size, Hkv)
+    sink_log2 = _sinks_log2(sinks, Hq, Hkv, acc)
+
+    # The append comes first: the new keys are part of what the queries see.
+    if S_new > 0:
+        for b, c in enumerate(cached):
+            _write_kvcache(k_cache, block_table, b, c, k[b].to(k_cache.dtype))
+            _write_kvcache(v_cache, block_table, b, c, v[b].to(v_cache.dtype))
+
+    return _kvcache_attend(q, k_cache, v_cache, block_table, cached, S_new, scale_log2, wl, wr,
+                           softcap, alibi_slopes, num_splits, block_m, block_n, sink_log2,
+                           return_lse)
+
+
+def _kvcache_shapes(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor],
+                    v: Optional[Tensor], cache_seqlens, block_table: Optional[Tensor],
+                    num_splits: int, alibi_slopes: Optional[Tensor]):
+    """The shape rules of a KV-cache call (dense or paged), checked:
+    (B, Hq, Hkv, Sq, D, S_new, cached lengths)."""
     B, Hq, Sq, D = q.shape
     if block_table is None:
         Bc, Hkv, capacity, Dc = k_cache.shape
@@ -1155,25 +1239,32 @@ def attention_with_kvcache_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor
     assert isinstance(num_splits, int) and num_splits >= 1, "num_splits must be an int >= 1"
     if alibi_slopes is not None:
         assert tuple(alibi_slopes.shape) in ((Hq,), (B, Hq)), "alibi_slopes must be (Hq,) or (B, Hq)"
-    scale_log2, wl, wr, acc, G = _forward_setup(q, scale, is_causal, window_size, Hkv)
-    sink_log2 = _sinks_log2(sinks, Hq, Hkv, acc)
+    return B, Hq, Hkv, Sq, D, S_new, cached
+
+
+def _kvcache_attend(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Optional[Tensor],
+                    cached: List[int], S_new: int, scale_log2: float, wl: int, wr: int, softcap: float,
+                    alibi_slopes: Optional[Tensor], num_splits: int, block_m: int, block_n: int,
+                    sink_log2: Optional[Tensor], return_lse: bool,
+                    k_descale: Optional[Tensor] = None, v_descale: Optional[Tensor] = None):
+    """The attention half of a KV-cache call, after the append: every sequence over its
+    [0, L_b), split or not. ``k_descale`` / ``v_descale`` ((B, Hkv) float32): an FP8 cache's."""
+    B, Hq, Sq, D = q.shape
+    Hkv = k_cache.shape[1]
+    G = Hq // Hkv
+    acc = _acc_dtype(q.dtype)
     dev = q.device
-
-    # The append comes first: the new keys are part of what the queries see.
-    if S_new > 0:
-        for b, c in enumerate(cached):
-            _write_kvcache(k_cache, block_table, b, c, k[b].to(k_cache.dtype))
-            _write_kvcache(v_cache, block_table, b, c, v[b].to(v_cache.dtype))
-
     qg = _group_view(q, Hkv)
     out = torch.empty((B, Hkv, G, Sq, D), dtype=q.dtype, device=dev)
     lse = torch.empty((B, Hkv, G, Sq), dtype=acc, device=dev)
     for b in range(B):  # each sequence has its own length, hence its own mask and blocks
         L = cached[b] + S_new
         slopes = _slopes_view(_seq_slopes(alibi_slopes, b), 1, Hq, Hkv, acc)
+        kd = None if k_descale is None else k_descale[b:b + 1].view(1, Hkv, 1, 1, 1)
+        vd = None if v_descale is None else v_descale[b:b + 1].view(1, Hkv, 1, 1)
         parts = [_kvcache_range_forward(qg[b:b + 1], k_cache, v_cache, block_table, b, L, lo, hi,
                                         scale_log2, wl, wr, softcap, slopes, block_m, block_n,
-                                        q.dtype, sink_log2 if num_splits == 1 else None)
+                                        q.dtype, sink_log2 if num_splits == 1 else None, kd, vd)
                  for lo, hi in split_key_ranges(L, num_splits, block_n)]
         if num_splits == 1:
             o_b, lse_b = parts[0][0].to(q.dtype), parts[0][1]
@@ -1190,3 +1281,358 @@ def attention_with_kvcache_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor
 
 
 __all__ += ["attention_with_kvcache_reference", "split_key_ranges", "combine_splits"]
+
+
+# ---------------------------------------------------------------------------------------
+# FP8 (e4m3): quantization, the naive and the blocked forward, the FP8 KV cache
+# ---------------------------------------------------------------------------------------
+#
+# Scales. A stored e4m3 value x8 stands for the real value x8 * descale: the *descale* is
+# the factor that multiplies a stored value to give the real one, the only scale the
+# functions here take. Quantizing divides by it: x8 = e4m3(x / descale) (quantize_e4m3).
+# A descale is a Python float, a float32 tensor of shape () or (1,) (per tensor), or a
+# float32 (B, Hkv) tensor: one per (batch entry, KV head), FlashAttention-3's layout, which
+# the query heads of a GQA group share (q_descale too is (B, Hkv), not (B, Hq): a kernel
+# tile holds a whole group's rows). Descales are used as given (no check of their values).
+#
+# Rounding to e4m3 (e4m3_round, quantize_e4m3): round to nearest, ties to even; a finite
+# value beyond the largest e4m3 magnitude 448, and +-inf, saturate to +-448; NaN stays NaN.
+# That is the GPUs' cvt.rn.satfinite.e4m3x2.f32. torch's own float32 -> float8_e4m3fn
+# conversion rounds alike but has not always saturated (older releases turned magnitudes of
+# 480 and more, and inf, into NaN), so the values are clamped to +-448 first: the result does
+# not depend on the torch release. Values below half the smallest subnormal (2^-10) round to
+# (signed) zero.
+#
+# The FP8 forward (q, k, v all e4m3, each with its descale; attention_fp8_forward_blocked
+# is the kernels' algorithm, attention_fp8_naive the plain statement), what is rounded where:
+#
+#   1. scores: S = (q8 . k8) in float32 (the products of e4m3 values are exact in float32,
+#      the sum is float32), times fp32(scale * log2 e) * fp32(q_descale * k_descale) (one
+#      float32 factor per (batch, KV head)); with softcap c the factor inside the tanh is
+#      fp32(scale / c) * fp32(q_descale * k_descale) and S = tanh(.) * c log2 e; ALiBi and
+#      the mask as for 16-bit inputs, in float32, log2 domain;
+#   2. the running max m and its rescale of l and O by exp2(m_old - m_new): float32, as
+#      for 16-bit inputs (O is never rounded between blocks);
+#   3. P = exp2(S - (m - 8)) in float32: the reference max lowered by FP8_P_OFFSET = 8, so
+#      P lies in [0, 256] (FlashAttention-3's FP8 forward scales P by 2^8 the same way: [0, 1]
+#      would flush every P < 2^-10 to zero, i.e. every logit more than ~6.9 below the max);
+#      l += rowsum(P) with the unrounded float32 P; O += e4m3(P) @ v8 with float32
+#      accumulation (V's stored values; a kernel's transposition of V for the FP8 MMA is
+#      its own business, users pass (B, Hkv, S, D));
+#   4. O = acc * (fp32(1 / l) * v_descale), rounded once to out_dtype (bfloat16 by default);
+#      lse = ((m - 8) + log2 l) * ln 2 in float32 (the 2^8 cancels: the lse is that of the
+#      unrounded probabilities). Rows that see no key: O = 0, lse = -inf (or the sink).
+#
+# The FP8 KV cache (attention_with_kvcache_fp8_reference: 16-bit queries, e4m3 caches) is
+# the 16-bit KV-cache algorithm on the caches' stored values, which convert exactly to
+# float16 and bfloat16 (3 mantissa bits, exponents 2^-9 .. 2^8): the scores' factor is
+# fp32(scale * log2 e) * k_descale, P is rounded to the queries' dtype as in every 16-bit
+# kernel (the products are 16-bit MMAs of q and the converted cache rows; GPUs before sm_89
+# have no FP8 MMA at all), and O = acc * (fp32(1 / l) * v_descale) in each split's
+# normalization. The appended keys / values are quantized with the cache's descales:
+# k_cache[b, :, pos] = e4m3(k_new[b] / k_descale[b]) (float32 division, correctly rounded).
+
+E4M3_MAX = 448.0
+FP8_P_OFFSET = 8.0  # log2 units: P = exp2(S - (m - 8)) lies in [0, 2^8]
+_FP8_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_OTHER_FP8 = tuple(getattr(torch, n) for n in ("float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
+                                               "float8_e8m0fnu") if hasattr(torch, n))
+
+
+def e4m3_round(x: Tensor) -> Tensor:
+    """x rounded to the nearest e4m3 value (ties to even), saturating at +-448 (+-inf too),
+    NaN kept, returned in x's dtype: the kernels' conversion of P (see the section's
+    comment). clamp keeps NaN, so a NaN score still poisons its row as in the 16-bit path."""
+    return x.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).to(x.dtype)
+
+
+def quantize_e4m3(x: Tensor, descale=None) -> Tensor:
+    """x as float8_e4m3fn with the given descale: e4m3(fp32(x) / descale), the division in
+    float32 (correctly rounded), then :func:`e4m3_round`'s rounding (saturating). ``descale``:
+    None (1), a float, or a float32 tensor broadcastable to x (for a (B, H, S, D) tensor and
+    (B, H) descales: ``descale[..., None, None]``)."""
+    x32 = x.to(torch.float32)
+    if descale is not None:
+        x32 = x32 / (descale.to(torch.float32) if isinstance(descale, Tensor) else float(descale))
+    return x32.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+def dequantize_e4m3(x8: Tensor, descale=None) -> Tensor:
+    """The real values of stored e4m3 values: fp32(x8) * descale (float32; the descale as
+    in :func:`quantize_e4m3`)."""
+    x = x8.to(torch.float32)
+    if descale is None:
+        return x
+    return x * (descale.to(torch.float32) if isinstance(descale, Tensor) else float(descale))
+
+
+def fp8_descale(descale, batch: int, kv_heads: int, name: str = "descale", device=None) -> Tensor:
+    """A descale as the (batch, kv_heads) float32 tensor it means: None is 1; a float or a
+    float32 tensor of shape () or (1,) is per tensor; (batch, kv_heads) is per (batch entry,
+    KV head). Anything else is an error (TypeError for the type, ValueError for the shape)."""
+    if descale is None:
+        return torch.ones((batch, kv_heads), dtype=torch.float32, device=device)
+    if isinstance(descale, bool) or not isinstance(descale, (int, float, Tensor)):
+        raise TypeError(f"{name} must be a float or a float32 tensor, got {type(descale).__name__}")
+    if not isinstance(descale, Tensor):
+        return torch.full((batch, kv_heads), float(descale), dtype=torch.float32, device=device)
+    if descale.dtype != torch.float32:
+        raise TypeError(f"{name} must be float32 (the kernels read float32 descales), got {descale.dtype}")
+    shape = tuple(descale.shape)
+    if shape in ((), (1,)):
+        return descale.reshape(1, 1).expand(batch, kv_heads).to(device)
+    if shape == (batch, kv_heads):
+        return descale.to(device)
+    raise ValueError(f"{name} must be per tensor (a float, or a float32 tensor of shape () or (1,)) or "
+                     f"per (batch, KV head) of shape ({batch}, {kv_heads}); got shape {shape} (query "
+                     f"heads of a GQA group share their KV head's descale)")
+
+
+def _dtype_name(dt: torch.dtype) -> str:
+    return str(dt).replace("torch.", "")
+
+
+def _check_fp8_inputs(**tensors: Tensor) -> None:
+    """Every named tensor must be float8_e4m3fn: e5m2 and the other FP8 formats are named in
+    the message, as is a mix of FP8 and non-FP8 inputs."""
+    names = ", ".join(f"{n} {_dtype_name(t.dtype)}" for n, t in tensors.items())
+    for n, t in tensors.items():
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{n} must be a tensor, got {type(t).__name__}")
+    if any(t.dtype in _OTHER_FP8 for t in tensors.values()):
+        raise TypeError(f"only the e4m3 FP8 format (torch.float8_e4m3fn) is supported, got {names}: "
+                        f"float8_e5m2 and the fnuz / e8m0 formats are not (e5m2's 2 mantissa bits are "
+                        f"for gradients); quantize with quantize_e4m3")
+    if not all(t.dtype == torch.float8_e4m3fn for t in tensors.values()):
+        which = "mixed FP8 and non-FP8 inputs" if any(t.dtype == torch.float8_e4m3fn
+                                                      for t in tensors.values()) else "no FP8 input"
+        raise TypeError(f"the FP8 attention takes {', '.join(tensors)} all in torch.float8_e4m3fn, got "
+                        f"{names} ({which}; the 16-bit inputs go to attention_forward_blocked)")
+
+
+def _check_fp8_options(out_dtype: torch.dtype, p_offset: float, max_lag: float) -> None:
+    if out_dtype not in _FP8_OUT_DTYPES:
+        raise TypeError(f"out_dtype must be one of bfloat16, float16, float32, got {out_dtype}")
+    if not 0.0 <= p_offset or not 0.0 <= max_lag or p_offset + max_lag > math.log2(E4M3_MAX):
+        # P reaches 2^(p_offset + max_lag): beyond 448 it would saturate in its rounding.
+        raise ValueError(f"p_offset ({p_offset}) and max_lag ({max_lag}) must be >= 0 with "
+                         f"p_offset + max_lag <= log2(448) = {math.log2(E4M3_MAX):.3f}, so that "
+                         f"P <= 448 never saturates")
+
+
+def _fp8_descales(q: Tensor, k: Tensor, q_descale, k_descale, v_descale) -> Tuple[Tensor, Tensor, Tensor]:
+    """(q_descale, k_descale, v_descale) as (B, Hkv) float32 tensors."""
+    B, Hkv = k.shape[0], k.shape[1]
+    return tuple(fp8_descale(d, B, Hkv, n, q.device) for d, n in
+                 ((q_descale, "q_descale"), (k_descale, "k_descale"), (v_descale, "v_descale")))
+
+
+def attention_fp8_naive(q: Tensor, k: Tensor, v: Tensor, q_descale=None, k_descale=None,
+                        v_descale=None, *, is_causal: bool = False, scale: Optional[float] = None,
+                        window_size: Sequence[int] = (-1, -1), softcap: float = 0.0,
+                        alibi_slopes: Optional[Tensor] = None, sinks: Optional[Tensor] = None,
+                        out_dtype: torch.dtype = torch.bfloat16, round_p: bool = True,
+                        p_offset: float = FP8_P_OFFSET) -> Tuple[Tensor, Tensor]:
+    """FP8 attention the plain way: the "naive attention in the same precision" whose error
+    sets the FP8 forward's tolerance (the 2x rule against float64).
+
+    q, k, v float8_e4m3fn ((B, Hq, Sq, D), (B, Hkv, Sk, D)); the descales as
+    :func:`fp8_descale` takes them. The inputs are dequantized to float32 (x8 * descale), the
+    whole logit matrix x = scale * q @ k^T is formed in float32 (softcap, ALiBi, mask as in
+    :func:`attention_naive`), and with m the row max of the visible logits (the sink left
+    out, as the blocked loop leaves it out of P's reference), p = exp(x - m) * 2^p_offset,
+    l = rowsum(p) unrounded, out = (e4m3(p) @ v) / (l + 2^p_offset exp(sink - m)), lse =
+    log(exp(m) l 2^-p_offset + exp(sink)). ``round_p=False`` skips the e4m3 rounding of p
+    (the float32 attention of the dequantized inputs): the tests' witness that the rounding
+    is there. Returns out (B, Hq, Sq, D) in ``out_dtype``, lse (B, Hq, Sq) float32.
+    """
+    _check_fp8_inputs(q=q, k=k, v=v)
+    _check_fp8_options(out_dtype, p_offset, 0.0)
+    B, Hq, Hkv, Sq, Sk, D = _sizes(q, k, v)
+    qd, kd, vd = _fp8_descales(q, k, q_descale, k_descale, v_descale)
+    G = Hq // Hkv
+    f32 = torch.float32
+    scale = _default_scale(scale, D)
+    wl, wr = normalize_window(is_causal, window_size)
+    qg = dequantize_e4m3(_group_view(q, Hkv), qd.view(B, Hkv, 1, 1, 1))
+    kg = dequantize_e4m3(k, kd.view(B, Hkv, 1, 1)).unsqueeze(2)
+    vg = dequantize_e4m3(v, vd.view(B, Hkv, 1, 1)).unsqueeze(2)
+    x = torch.matmul(qg, kg.transpose(-1, -2)) * scale  # (B, Hkv, G, Sq, Sk)
+    if softcap > 0:
+        x = torch.tanh(x / softcap) * softcap
+    rows = torch.arange(Sq, device=q.device)
+    cols = torch.arange(Sk, device=q.device)
+    slopes = _slopes_view(alibi_slopes, B, Hq, Hkv, f32)
+    if slopes is not None:
+        x = x - slopes * alibi_bias(rows, cols, Sq, Sk).to(f32)
+    if wl >= 0 or wr >= 0:
+        x = x.masked_fill(~key_visible(rows, cols, Sq, Sk, wl, wr), NEG_INF)
+    m = _safe_max(x.amax(dim=-1, keepdim=True))
+    p = torch.exp(x - m) * 2.0 ** p_offset
+    l = p.sum(dim=-1, keepdim=True)
+    sink = _sinks_view(sinks, Hq, Hkv, f32)
+    if sink is not None:
+        sink = sink.detach().unsqueeze(-1)
+        l = l + torch.exp(sink - m) * 2.0 ** p_offset  # inf when the sink dwarfs the keys: out 0
+    acc = torch.matmul(e4m3_round(p) if round_p else p, vg)
+    has = l != 0
+    out = torch.where(has, acc / torch.where(has, l, torch.ones_like(l)), torch.zeros_like(acc))
+    lse = torch.where(has, m + torch.log(torch.where(has, l, torch.ones_like(l))) - p_offset * LN2,
+                      torch.full_like(l, NEG_INF))
+    if sink is not None:  # lse itself from the keys' mass and the sink, finite where either is
+        keys = p.sum(dim=-1, keepdim=True)
+        lse_keys = torch.where(keys != 0, m + torch.log(torch.where(keys != 0, keys, torch.ones_like(keys)))
+                               - p_offset * LN2, torch.full_like(keys, NEG_INF))
+        lse = torch.logaddexp(lse_keys, sink.expand_as(lse_keys))
+    return out.to(out_dtype).reshape(B, Hq, Sq, D), lse.reshape(B, Hq, Sq)
+
+
+def attention_fp8_forward_blocked(q: Tensor, k: Tensor, v: Tensor, q_descale=None, k_descale=None,
+                                  v_descale=None, *, is_causal: bool = False,
+                                  scale: Optional[float] = None,
+                                  window_size: Sequence[int] = (-1, -1), softcap: float = 0.0,
+                                  alibi_slopes: Optional[Tensor] = None,
+                                  sinks: Optional[Tensor] = None,
+                                  out_dtype: torch.dtype = torch.bfloat16, block_m: int = 64,
+                                  block_n: int = 64, max_lag: float = 0.0,
+                                  p_offset: float = FP8_P_OFFSET) -> Tuple[Tensor, Tensor]:
+    """The FP8 (e4m3) forward, the kernels' algorithm: :func:`attention_forward_blocked`'s
+    loop and four steps, with the roundings of the section's comment (scores of the stored
+    values times fp32(scale log2 e) * fp32(q_descale k_descale); P = exp2(S - (m -
+    p_offset)) in float32, its row sum unrounded, e4m3(P) @ v8 accumulated in float32; O =
+    acc * (fp32(1 / l) * v_descale) rounded once to ``out_dtype``).
+
+    q, k, v float8_e4m3fn, (B, Hq, Sq, D) and (B, Hkv, Sk, D); q_descale, k_descale,
+    v_descale per tensor or (B, Hkv) (:func:`fp8_descale`; None is 1). Causal, window,
+    softcap, ALiBi, GQA and sinks mean what they mean for 16-bit inputs (no dropout, no
+    backward). ``max_lag`` (:func:`merge_block_stats`) may only be used with p_offset +
+    max_lag <= log2(448): P reaches 2^(p_offset + max_lag). Returns out (B, Hq, Sq, D) in
+    ``out_dtype`` (bfloat16 by default) and lse (B, Hq, Sq) float32.
+    """
+    _check_fp8_inputs(q=q, k=k, v=v)
+    _check_fp8_options(out_dtype, p_offset, max_lag)
+    B, Hq, Hkv, Sq, Sk, D = _sizes(q, k, v)
+    qd, kd, vd = _fp8_descales(q, k, q_descale, k_descale, v_descale)
+    return _forward_blocked_loop(q, k, v, is_causal=is_causal, scale=scale, window_size=window_size,
+                                 softcap=softcap, alibi_slopes=alibi_slopes, block_m=block_m,
+                                 block_n=block_n, max_lag=max_lag, keep_all=None, sinks=sinks,
+                                 p_dtype=torch.float8_e4m3fn, out_dtype=out_dtype,
+                                 qk_descale=(qd * kd).view(B, Hkv, 1, 1, 1),
+                                 v_descale=vd.view(B, Hkv, 1, 1), p_offset=p_offset)
+
+
+def _varlen_fp8(fn, q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                q_descale, k_descale, v_descale, out_dtype: torch.dtype,
+                alibi_slopes: Optional[Tensor], **opts) -> Tuple[Tensor, Tensor]:
+    """A packed FP8 batch one sequence at a time through ``fn`` (the naive or the blocked FP8
+    forward); sequence b takes row b of (B, Hkv) descales (and of (B, Hq) ALiBi slopes)."""
+    _check_fp8_inputs(q=q, k=k, v=v)
+    total_q, Hq, total_k, Hkv, D = _varlen_sizes(q, k, v)
+    spans = _varlen_spans(cu_seqlens_q, cu_seqlens_k, total_q, total_k)
+    B = len(spans)
+    ds = [fp8_descale(d, B, Hkv, n, q.device) for d, n in
+          ((q_descale, "q_descale"), (k_descale, "k_descale"), (v_descale, "v_descale"))]
+    out = torch.zeros((total_q, Hq, D), dtype=out_dtype, device=q.device)
+    lse = torch.full((Hq, total_q), NEG_INF, dtype=torch.float32, device=q.device)
+    for b, (qa, qb, ka, kb) in enumerate(spans):
+        o, l = fn(_seq_dense(q, qa, qb), _seq_dense(k, ka, kb), _seq_dense(v, ka, kb),
+                  *(d[b:b + 1] for d in ds), out_dtype=out_dtype,
+                  alibi_slopes=_seq_slopes(alibi_slopes, b), **opts)
+        out[qa:qb] = o[0].transpose(0, 1)
+        lse[:, qa:qb] = l[0]
+    return out, lse
+
+
+def attention_fp8_varlen_naive(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
+                               cu_seqlens_k: Tensor, q_descale=None, k_descale=None, v_descale=None, *,
+                               is_causal: bool = False, scale: Optional[float] = None,
+                               window_size: Sequence[int] = (-1, -1), softcap: float = 0.0,
+                               alibi_slopes: Optional[Tensor] = None, sinks: Optional[Tensor] = None,
+                               out_dtype: torch.dtype = torch.bfloat16, round_p: bool = True,
+                               p_offset: float = FP8_P_OFFSET) -> Tuple[Tensor, Tensor]:
+    """:func:`attention_fp8_naive` over a packed batch (q (total_q, Hq, D), k / v (total_k,
+    Hkv, D), all float8_e4m3fn); (B, Hkv) descales have one row per sequence. Returns out
+    (total_q, Hq, D) in ``out_dtype`` and lse (Hq, total_q) float32."""
+    return _varlen_fp8(attention_fp8_naive, q, k, v, cu_seqlens_q, cu_seqlens_k, q_descale, k_descale,
+                       v_descale, out_dtype, alibi_slopes, is_causal=is_causal,
+                       scale=_default_scale(scale, q.shape[-1]), window_size=window_size,
+                       softcap=softcap, sinks=sinks, round_p=round_p, p_offset=p_offset)
+
+
+def attention_fp8_varlen_forward_blocked(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
+                                         cu_seqlens_k: Tensor, q_descale=None, k_descale=None,
+                                         v_descale=None, *, is_causal: bool = False,
+                                         scale: Optional[float] = None,
+                                         window_size: Sequence[int] = (-1, -1), softcap: float = 0.0,
+                                         alibi_slopes: Optional[Tensor] = None,
+                                         sinks: Optional[Tensor] = None,
+                                         out_dtype: torch.dtype = torch.bfloat16, block_m: int = 64,
+                                         block_n: int = 64, max_lag: float = 0.0,
+                                         p_offset: float = FP8_P_OFFSET) -> Tuple[Tensor, Tensor]:
+    """:func:`attention_fp8_forward_blocked` over a packed batch, one sequence at a time, each
+    attended as a dense batch entry of its lengths with row b of (B, Hkv) descales. Returns
+    out (total_q, Hq, D) in ``out_dtype`` and lse (Hq, total_q) float32."""
+    return _varlen_fp8(attention_fp8_forward_blocked, q, k, v, cu_seqlens_q, cu_seqlens_k, q_descale,
+                       k_descale, v_descale, out_dtype, alibi_slopes, is_causal=is_causal,
+                       scale=_default_scale(scale, q.shape[-1]), window_size=window_size,
+                       softcap=softcap, sinks=sinks, block_m=block_m, block_n=block_n,
+                       max_lag=max_lag, p_offset=p_offset)
+
+
+def attention_with_kvcache_fp8_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor,
+                                         k: Optional[Tensor] = None, v: Optional[Tensor] = None, *,
+                                         k_descale=None, v_descale=None, cache_seqlens,
+                                         block_table: Optional[Tensor] = None,
+                                         is_causal: bool = False, scale: Optional[float] = None,
+                                         window_size: Sequence[int] = (-1, -1), softcap: float = 0.0,
+                                         alibi_slopes: Optional[Tensor] = None, num_splits: int = 1,
+                                         return_lse: bool = False, block_m: int = 64,
+                                         block_n: int = 64, sinks: Optional[Tensor] = None):
+    """:func:`attention_with_kvcache_reference` over float8_e4m3fn caches, with float16 /
+    bfloat16 queries (see the section's comment for every rounding).
+
+    * k_cache / v_cache float8_e4m3fn, dense (B, Hkv, S_max, D) or paged (num_pages, Hkv,
+      page_size, D) with ``block_table``, as for 16-bit caches; ``k_descale`` /
+      ``v_descale`` per tensor or (B, Hkv) (:func:`fp8_descale`; None is 1). A paged pool's
+      rows take the descales of the sequence that reads them, so pages shared between
+      sequences need equal descales.
+    * The new k / v ((B, Hkv, S_new, D), q's dtype) are appended quantized:
+      e4m3(k[b] / k_descale[b]) (:func:`quantize_e4m3`, saturating at +-448), in place.
+    * Then the 16-bit KV-cache algorithm on the stored values: S = (q . k8) in float32
+      times fp32(scale log2 e) * k_descale; P rounded to q's dtype for P @ v8; each range's
+      O = acc * (fp32(1 / l) * v_descale), combined over the splits as for 16-bit caches.
+
+    Returns out (B, Hq, Sq, D) in q's dtype, and with ``return_lse`` lse (B, Hq, Sq) float32.
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t is not None and t.dtype not in (torch.float16, torch.bfloat16):
+            raise TypeError(f"{name} must be float16 or bfloat16 over an FP8 cache, got "
+                            f"{_dtype_name(t.dtype)} (FP8 queries over an FP8 cache are not specified yet)")
+    _check_fp8_inputs(k_cache=k_cache, v_cache=v_cache)
+    if (k is not None and k.dtype != q.dtype) or (v is not None and v.dtype != q.dtype):
+        raise TypeError(f"the new k / v must have q's dtype {_dtype_name(q.dtype)}, got "
+                        f"{_dtype_name(k.dtype) if k is not None else None} / "
+                        f"{_dtype_name(v.dtype) if v is not None else None}")
+    assert q.dim() == 4 and k_cache.dim() == 4 and k_cache.shape == v_cache.shape, \
+        "q must be (B, Hq, Sq, D) and k_cache / v_cache one 4-D shape"
+    B, Hq, Hkv, Sq, D, S_new, cached = _kvcache_shapes(q, k_cache, v_cache, k, v, cache_seqlens,
+                                                       block_table, num_splits, alibi_slopes)
+    kd = fp8_descale(k_descale, B, Hkv, "k_descale", q.device)
+    vd = fp8_descale(v_descale, B, Hkv, "v_descale", q.device)
+    scale_log2, wl, wr, acc, _ = _forward_setup(q, scale, is_causal, window_size, Hkv)
+    sink_log2 = _sinks_log2(sinks, Hq, Hkv, acc)
+
+    # The append comes first, quantized with the descales the attention then reads it with.
+    if S_new > 0:
+        for b, c in enumerate(cached):
+            _write_kvcache(k_cache, block_table, b, c, quantize_e4m3(k[b], kd[b].view(Hkv, 1, 1)))
+            _write_kvcache(v_cache, block_table, b, c, quantize_e4m3(v[b], vd[b].view(Hkv, 1, 1)))
+
+    return _kvcache_attend(q, k_cache, v_cache, block_table, cached, S_new, scale_log2, wl, wr,
+                           softcap, alibi_slopes, num_splits, block_m, block_n, sink_log2,
+                           return_lse, kd, vd)
+
+
+__all__ += ["E4M3_MAX", "FP8_P_OFFSET", "e4m3_round", "quantize_e4m3", "dequantize_e4m3", "fp8_descale",
+            "attention_fp8_naive", "attention_fp8_forward_blocked", "attention_fp8_varlen_naive",
+            "attention_fp8_varlen_forward_blocked", "attention_with_kvcache_fp8_reference"]

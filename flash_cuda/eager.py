@@ -52,16 +52,15 @@ def forward(q, k, v, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, plan: Plan
     return out, lse, aux, rng_state
 
 
-def _backward(ctx, dout, dlse):
+def _grads(ctx, dout, dlse):
+    """(dq, dk, dv, dsinks) of either form, whose first four inputs are q, k, v, sinks."""
     need_q, need_k, need_v, need_sinks = ctx.needs_input_grad[:4]
     if not (need_q or need_k or need_v or need_sinks):
-        return None, None, None, None, None, None, None, None
+        return None, None, None, None
     q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, sinks = ctx.saved_tensors
     aux, rng_state, plan = ctx.side
-    dq, dk, dv, dsinks = attention_grads(plan, (q, k, v, out, lse, aux, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
-                                                rng_state, sinks), need_q, need_k, need_v, need_sinks, dout, dlse,
-                                         eager=True)
-    return dq, dk, dv, dsinks, None, None, None, None
+    return attention_grads(plan, (q, k, v, out, lse, aux, alibi_slopes, cu_seqlens_q, cu_seqlens_k, rng_state, sinks),
+                           need_q, need_k, need_v, need_sinks, dout, dlse, eager=True)
 
 
 class EagerAttention(torch.autograd.Function):
@@ -91,18 +90,24 @@ class EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse, *unused):
-        return _backward(ctx, dout, dlse)
+        return (*_grads(ctx, dout, dlse), None, None, None, None)
 
     @staticmethod
     def run(q, k, v, sinks, alibi_slopes, cu_seqlens_q, cu_seqlens_k, plan):
         if _functorch_active():
             return EagerAttention.apply(q, k, v, sinks, alibi_slopes, cu_seqlens_q, cu_seqlens_k, plan)[:2]
-        return _one_step_apply(q, k, v, sinks, alibi_slopes, cu_seqlens_q, cu_seqlens_k, plan)
+        return _one_step_apply(q, k, v, sinks, (alibi_slopes, cu_seqlens_q, cu_seqlens_k, plan))
 
 
 class EagerAttentionStep(torch.autograd.Function):
+    """The one-step form of :class:`EagerAttention`. Its inputs are q, k, v, sinks (those that may
+    get a gradient) and one tuple of the rest: each input costs the apply time, and these get no
+    gradient. The slopes and cu_seqlens are still saved (so that a change to them before the
+    backward is detected)."""
+
     @staticmethod
-    def forward(ctx, q, k, v, sinks, alibi_slopes, cu_seqlens_q, cu_seqlens_k, plan):
+    def forward(ctx, q, k, v, sinks, rest):
+        alibi_slopes, cu_seqlens_q, cu_seqlens_k, plan = rest
         out, lse, aux, rng_state = forward(q, k, v, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, plan)
         # The sinks are saved only where their gradient is wanted (sinks_grad reads them).
         ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
@@ -113,7 +118,9 @@ class EagerAttentionStep(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         return out, lse
 
-    backward = staticmethod(_backward)
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        return (*_grads(ctx, dout, dlse), None)
 
 
 _functorch_active = torch._C._are_functorch_transforms_active

@@ -118,11 +118,15 @@ def plan_attention(q, k, v, is_causal, scale, window_size, softcap, alibi_slopes
     if not _simple(scale, window_size, softcap, dropout_p, kernel, is_causal, return_lse, deterministic):
         return check_attention(q, k, v, is_causal, scale, window_size, softcap, alibi_slopes, return_lse,
                                deterministic, kernel, dropout_p, sinks, True)
-    key = (validation.check_device, q.shape, q.stride(), q.dtype, q.device,
-           k.shape, k.stride(), k.dtype, k.device,
-           v.shape, v.stride(), v.dtype, v.device,
-           None if alibi_slopes is None else _meta(alibi_slopes), None if sinks is None else _meta(sinks),
-           is_causal, scale, window_size, softcap, return_lse, deterministic, kernel, dropout_p)
+    try:
+        key = (validation.check_device, q.shape, q.stride(), q.dtype, q.device,
+               k.shape, k.stride(), k.dtype, k.device,
+               v.shape, v.stride(), v.dtype, v.device,
+               None if alibi_slopes is None else _meta(alibi_slopes), None if sinks is None else _meta(sinks),
+               is_causal, scale, window_size, softcap, return_lse, deterministic, kernel, dropout_p)
+    except RuntimeError:  # a layout without strides (sparse, nested): the checks say what is wrong
+        return check_attention(q, k, v, is_causal, scale, window_size, softcap, alibi_slopes, return_lse,
+                               deterministic, kernel, dropout_p, sinks, True)
     plan = _dense_plans.get(key)
     if plan is None:
         plan = _dense_plans.keep(key, check_attention(q, k, v, is_causal, scale, window_size, softcap, alibi_slopes,
@@ -163,12 +167,17 @@ def plan_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         return check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale,
                             window_size, softcap, alibi_slopes, return_lse, deterministic, kernel, check_cu_seqlens,
                             dropout_p, sinks, True)
-    key = (validation.check_device, q.shape, q.stride(), q.dtype, q.device,
-           k.shape, k.stride(), k.dtype, k.device,
-           v.shape, v.stride(), v.dtype, v.device, _meta(cu_seqlens_q), _meta(cu_seqlens_k),
-           max_seqlen_q, max_seqlen_k, None if alibi_slopes is None else _meta(alibi_slopes),
-           None if sinks is None else _meta(sinks),
-           is_causal, scale, window_size, softcap, return_lse, deterministic, kernel, check_cu_seqlens, dropout_p)
+    try:
+        key = (validation.check_device, q.shape, q.stride(), q.dtype, q.device,
+               k.shape, k.stride(), k.dtype, k.device,
+               v.shape, v.stride(), v.dtype, v.device, _meta(cu_seqlens_q), _meta(cu_seqlens_k),
+               max_seqlen_q, max_seqlen_k, None if alibi_slopes is None else _meta(alibi_slopes),
+               None if sinks is None else _meta(sinks),
+               is_causal, scale, window_size, softcap, return_lse, deterministic, kernel, check_cu_seqlens, dropout_p)
+    except RuntimeError:  # as in plan_attention
+        return check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale,
+                            window_size, softcap, alibi_slopes, return_lse, deterministic, kernel, check_cu_seqlens,
+                            dropout_p, sinks, True)
     plan = _varlen_plans.get(key)
     if plan is None:
         plan = _varlen_plans.keep(key, check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,

@@ -236,8 +236,12 @@ def check_cu_seqlens_values(cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, total_q:
 
 
 def check_cu_seqlens_enabled(flag: bool) -> bool:
+    """The argument, or the environment variable, read on every call (not at import) so that it
+    can be switched on in a running process."""
+    if flag:
+        return True
     env = os.environ.get("FLASH_CUDA_CHECK_CU_SEQLENS", "").strip().lower()
-    return bool(flag) or env not in ("", "0", "false", "no", "off")
+    return env not in ("", "0", "false", "no", "off")
 
 
 _capability_cache: dict = {}

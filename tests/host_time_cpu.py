@@ -13,7 +13,8 @@ autograd Function, the extension call's argument passing.
 timed alternately, round by round, and the best round of each is printed (a loaded machine's noise
 only adds time). The cases: dense forward under no_grad at a decode shape (B 8, H 32, Sq 1, Sk 4096,
 D 128) and a 128-token prefill (B 1, H 32, S 128, D 128); forward + backward of a tiny call (B = H =
-1, S 128, D 64, causal, torch.autograd.grad with a given upstream gradient); a packed (varlen)
+1, S 128, D 64, causal), its forward alone (the graph recorded, no backward) and forward +
+torch.autograd.grad with a given upstream gradient; a packed (varlen)
 forward under no_grad (4 sequences, 512 rows, H 16, D 64). bfloat16 throughout.
 """
 
@@ -90,6 +91,9 @@ def cases(fc):
         with torch.no_grad():
             fc.attention(pq, pq, pq, is_causal=True)
 
+    def fwd_autograd():
+        fc.attention(tq, tk, tv, is_causal=True)
+
     def fwd_grad():
         out = fc.attention(tq, tk, tv, is_causal=True)
         torch.autograd.grad(out, (tq, tk, tv), tdout)
@@ -98,7 +102,43 @@ def cases(fc):
         with torch.no_grad():
             fc.varlen_attention(vq, vq, vq, cu, cu, 172, 172, is_causal=True)
 
-    return {"fwd_decode": decode, "fwd_prefill": prefill, "fwd_grad": fwd_grad, "varlen_fwd": varlen}
+    return {"fwd_decode": decode, "fwd_prefill": prefill, "fwd_autograd": fwd_autograd, "fwd_grad": fwd_grad,
+            "varlen_fwd": varlen}
+
+
+def autograd_floor():
+    """The floors of the cases: the tiny call's forward + backward, and its forward alone, through a
+    Function that does nothing (no validation, no extension call): what torch's autograd alone
+    costs; and the empty ``with torch.no_grad()`` block that the no_grad cases include."""
+    tq, tk, tv = (torch.randn(1, 1, 128, 64, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    tdout = torch.randn(1, 1, 128, 64, dtype=torch.bfloat16)
+    out, lse = torch.empty_like(tq), torch.empty(1, 1, 128)
+    grads = tuple(torch.empty_like(t) for t in (tq, tk, tv))
+
+    class Nothing(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v):
+            ctx.save_for_backward(q, k, v, out, lse)
+            ctx.set_materialize_grads(False)
+            return out, lse
+
+        @staticmethod
+        def backward(ctx, dout, dlse):
+            ctx.saved_tensors
+            return grads
+
+    def step():
+        o, _ = Nothing.apply(tq, tk, tv)
+        torch.autograd.grad(o, (tq, tk, tv), tdout)
+
+    def forward_alone():
+        Nothing.apply(tq, tk, tv)
+
+    def no_grad_block():
+        with torch.no_grad():
+            pass
+
+    return {"fwd_grad": step, "fwd_autograd": forward_alone, "the no_grad cases' torch.no_grad()": no_grad_block}
 
 
 def us_per_call(step, calls: int) -> float:
@@ -130,6 +170,8 @@ def main(argv=None) -> int:
         pstats.Stats(prof).sort_stats("tottime").print_stats(25)
         return 0
     best = {(n, c): float("inf") for n in names for c in all_cases[n]}
+    floors = autograd_floor()
+    best_floor = dict.fromkeys(floors, float("inf"))
     for name in names:  # warm-up: first calls validate, compile nothing, fill caches
         for step in all_cases[name].values():
             for _ in range(200):
@@ -139,10 +181,13 @@ def main(argv=None) -> int:
             for name in names:
                 t = us_per_call(all_cases[name][case], args.calls)
                 best[name, case] = min(best[name, case], t)
+        for case, floor in floors.items():
+            best_floor[case] = min(best_floor[case], us_per_call(floor, args.calls))
     print(f"host us/call, best of {args.rounds} rounds x {args.calls} calls (CPU, no-op extension)")
     print(f"{'case':14s}" + "".join(f"{n:>18s}" for n in names))
     for case in all_cases[names[0]]:
         print(f"{case:14s}" + "".join(f"{best[n, case]:18.2f}" for n in names))
+    print("floors (torch alone): " + ", ".join(f"{case} {t:.2f}" for case, t in best_floor.items()))
     return 0
 
 

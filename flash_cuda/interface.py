@@ -154,7 +154,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, is_causal: bool = False, scale
     are summed over the query heads of a group for GQA. The op is a ``torch.library`` custom
     op (``torch.ops.flash_cuda.fwd`` / ``.bwd``) and works under
     ``torch.compile(fullgraph=True)``; eager calls on plain tensors run the same kernels
-    without the op's dispatch.
+    without the op's dispatch, and a repeated signature of the arguments (shapes, strides,
+    dtypes, devices, options) skips the checks that it passed before.
 
     Raises:
         TypeError: an argument is not a tensor / bool / int, or a dtype is unsupported or

@@ -1,10 +1,11 @@
 """The public entry points :func:`attention` and :func:`varlen_attention`.
 
 Each validates every input first (:mod:`flash_cuda.validation`: clear errors, before anything
-is allocated or launched), then runs the forward: the custom op ``torch.ops.flash_cuda.fwd``
-(dense) or ``torch.ops.flash_cuda.varlen_fwd`` (packed sequences with cu_seqlens), or, for
-plain eager tensors, the same extension calls without the op's dispatch
-(:mod:`flash_cuda.ops`).
+is allocated or launched; for plain eager tensors the outcome is kept per signature of the
+arguments, :mod:`flash_cuda.signature`, so a repeated call skips the checks), then runs the
+forward: for plain eager tensors the extension call itself (:mod:`flash_cuda.eager`), else the
+custom op ``torch.ops.flash_cuda.fwd`` (dense) or ``torch.ops.flash_cuda.varlen_fwd`` (packed
+sequences with cu_seqlens) (:mod:`flash_cuda.ops`).
 """
 
 from __future__ import annotations
@@ -14,12 +15,17 @@ from typing import Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from . import _ext, ops
-from .validation import (KERNELS, MAX_HEAD_DIM, MIN_HEAD_DIM, PREFIX, SUPPORTED_DTYPES, VARLEN_PREFIX,
-                         check_aux_devices, check_dropout, check_sinks, validate, validate_varlen)
+from . import _ext, eager, ops
+from .signature import check_attention, check_varlen, plan_attention, plan_varlen
+from .validation import KERNELS, MAX_HEAD_DIM, MIN_HEAD_DIM, SUPPORTED_DTYPES
 
 __all__ = ["attention", "varlen_attention", "SUPPORTED_DTYPES", "KERNELS", "MIN_HEAD_DIM",
            "MAX_HEAD_DIM"]
+
+_is_autocast_enabled = torch.is_autocast_enabled
+_is_grad_enabled = torch.is_grad_enabled
+_F32 = torch.float32
+
 
 def _autocast(q, k, v):
     """Inside ``torch.autocast("cuda", dtype)`` attention runs in the autocast dtype, as SDPA
@@ -148,7 +154,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, is_causal: bool = False, scale
     are summed over the query heads of a group for GQA. The op is a ``torch.library`` custom
     op (``torch.ops.flash_cuda.fwd`` / ``.bwd``) and works under
     ``torch.compile(fullgraph=True)``; eager calls on plain tensors run the same kernels
-    without the op's dispatch.
+    without the op's dispatch, and a repeated signature of the arguments (shapes, strides,
+    dtypes, devices, options) skips the checks that it passed before.
 
     Raises:
         TypeError: an argument is not a tensor / bool / int, or a dtype is unsupported or
@@ -158,27 +165,34 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, is_causal: bool = False, scale
         RuntimeError: the inputs (and ALiBi slopes, sinks) are not on one CUDA device, the GPU is
             older than compute capability 8.0, or the compiled extension is not built.
     """
-    q, k, v = _autocast(q, k, v)
-    opts, tier = validate(q, k, v, scale=scale, is_causal=is_causal, window_size=window_size,
-                          softcap=softcap, alibi_slopes=alibi_slopes, return_lse=return_lse,
-                          deterministic=deterministic, kernel=kernel)
-    dropout_p = check_dropout(dropout_p, kernel)
-    if sinks is not None:
-        sinks = check_sinks(sinks, q.shape[1])
-        check_aux_devices(q, PREFIX, sinks=sinks)
+    if _is_autocast_enabled("cuda"):
+        q, k, v = _autocast(q, k, v)
+    on_eager = ops.eager_ok(q, k, v, alibi_slopes, sinks)
+    plan = (plan_attention(q, k, v, is_causal, scale, window_size, softcap, alibi_slopes, return_lse, deterministic,
+                           kernel, dropout_p, sinks) if on_eager else
+            check_attention(q, k, v, is_causal, scale, window_size, softcap, alibi_slopes, return_lse, deterministic,
+                            kernel, dropout_p, sinks, False))
     if not _ext.is_available():
         raise RuntimeError(_ext.unavailable_message())
-    eager = ops.eager_ok(q, k, v, opts.alibi_slopes, sinks)
-    if dropout_p:
-        fwd = ops.EagerFwdDropout.run if eager else ops.fwd_dropout
-        out, lse = fwd(q, k, v, *opts, deterministic, tier, dropout_p, sinks)[:2]
-    elif eager and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
-                                                     or (sinks is not None and sinks.requires_grad))):
-        # Inference (no gradient wanted, e.g. a decode step under torch.no_grad()): the extension
-        # call alone, without the autograd Function's bookkeeping.
-        out, lse, _ = ops.fwd_impl(q, k, v, opts, tier, sinks)
+    if alibi_slopes is not None and plan.fix_alibi:
+        alibi_slopes = alibi_slopes.detach().contiguous()
+    if sinks is not None and plan.fix_sinks:
+        sinks = sinks.to(_F32).contiguous()  # differentiable: the gradient reaches the sinks in their dtype
+    if on_eager:
+        if _is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                   or (sinks is not None and sinks.requires_grad)):
+            out, lse = eager.EagerAttention.run(q, k, v, sinks, alibi_slopes, None, None, plan)
+        else:
+            # Inference (no gradient wanted, e.g. a decode step under torch.no_grad()): the extension
+            # call alone, without an autograd Function's bookkeeping.
+            out, lse, _, _ = eager.forward(q, k, v, alibi_slopes, sinks, None, None, plan)
     else:
-        out, lse, _ = (ops.EagerFwd.run if eager else ops.fwd)(q, k, v, *opts, deterministic, tier, sinks)
+        args = (q, k, v, plan.scale, plan.window_left, plan.window_right, plan.softcap, alibi_slopes, deterministic,
+                plan.tier)
+        if plan.dropout_p:
+            out, lse = ops.fwd_dropout(*args, plan.dropout_p, sinks)[:2]
+        else:
+            out, lse, _ = ops.fwd(*args, sinks)
     if return_lse:
         return out, lse
     return out
@@ -237,26 +251,34 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
             on q's device (RuntimeError); max_seqlen not an int (TypeError) or negative
             (ValueError); with check_cu_seqlens, bad values (ValueError).
     """
-    q, k, v = _autocast(q, k, v)
-    opts, tier, max_q, max_k = validate_varlen(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale=scale,
-        is_causal=is_causal, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-        return_lse=return_lse, deterministic=deterministic, kernel=kernel,
-        check_cu_seqlens=check_cu_seqlens)
-    dropout_p = check_dropout(dropout_p, kernel, VARLEN_PREFIX)
-    if sinks is not None:
-        sinks = check_sinks(sinks, q.shape[1], VARLEN_PREFIX)
-        check_aux_devices(q, VARLEN_PREFIX, sinks=sinks)
+    if _is_autocast_enabled("cuda"):
+        q, k, v = _autocast(q, k, v)
+    on_eager = ops.eager_ok(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks)
+    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale, window_size, softcap,
+            alibi_slopes, return_lse, deterministic, kernel, check_cu_seqlens, dropout_p, sinks)
+    plan = plan_varlen(*args) if on_eager else check_varlen(*args, False)
     if not _ext.is_available():
         raise RuntimeError(_ext.unavailable_message())
-    eager = ops.eager_ok(q, k, v, cu_seqlens_q, cu_seqlens_k, opts.alibi_slopes, sinks)
-    args = (q, k, v, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), max_q, max_k, *opts, deterministic,
-            tier, check_cu_seqlens)
-    if dropout_p:
-        out, lse = (ops.EagerVarlenFwdDropout.run if eager else ops.varlen_fwd_dropout)(*args, dropout_p,
-                                                                                       sinks)[:2]
+    if alibi_slopes is not None and plan.fix_alibi:
+        alibi_slopes = alibi_slopes.detach().contiguous()
+    if sinks is not None and plan.fix_sinks:
+        sinks = sinks.to(_F32).contiguous()
+    if plan.fix_cu:
+        cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
+    if on_eager:
+        if _is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                   or (sinks is not None and sinks.requires_grad)):
+            out, lse = eager.EagerAttention.run(q, k, v, sinks, alibi_slopes, cu_seqlens_q, cu_seqlens_k, plan)
+        else:
+            out, lse, _, _ = eager.forward(q, k, v, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, plan)
     else:
-        out, lse, _ = (ops.EagerVarlenFwd.run if eager else ops.varlen_fwd)(*args, sinks)
+        args = (q, k, v, cu_seqlens_q, cu_seqlens_k, plan.max_seqlen_q, plan.max_seqlen_k, plan.scale,
+                plan.window_left, plan.window_right, plan.softcap, alibi_slopes, deterministic, plan.tier,
+                check_cu_seqlens)
+        if plan.dropout_p:
+            out, lse = ops.varlen_fwd_dropout(*args, plan.dropout_p, sinks)[:2]
+        else:
+            out, lse, _ = ops.varlen_fwd(*args, sinks)
     if return_lse:
         return out, lse
     return out

@@ -1,5 +1,6 @@
-"""The custom ops around the compiled extension, their fake (meta) versions, their autograd
-formula, and the eager path that runs the same extension calls without the ops' dispatch.
+"""The custom ops around the compiled extension, their fake (meta) versions and their autograd
+formula, whose backward :mod:`flash_cuda.eager` (the same extension calls without the ops'
+dispatch, for plain eager tensors) shares.
 
 * ``flash_cuda::fwd`` / ``::bwd`` (dense 4-D inputs), ``::varlen_fwd`` / ``::varlen_bwd``
   (packed 3-D inputs with cu_seqlens), and the forwards with attention dropout
@@ -31,9 +32,10 @@ import torch
 from torch import Tensor
 
 from . import _ext
+from .signature import Plan
 from .validation import ScoreOptions, check_cu_seqlens_enabled, check_cu_seqlens_values
 
-__all__ = ["fwd", "bwd", "fwd_dropout", "varlen_fwd", "varlen_bwd", "varlen_fwd_dropout"]
+__all__ = ["fwd", "bwd", "fwd_dropout", "varlen_fwd", "varlen_bwd", "varlen_fwd_dropout", "attention_grads", "eager_ok"]
 
 
 def _aux_shape(dtype: torch.dtype, lse_shape) -> Tuple[int, ...]:
@@ -45,7 +47,7 @@ def _fwd_fake_outputs(q: Tensor, lse_shape) -> Tuple[Tensor, Tensor, Tensor]:
             q.new_empty(_aux_shape(q.dtype, lse_shape), dtype=torch.float32))
 
 
-def _empty_fwd(q: Tensor, lse_shape, sinks: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
+def empty_fwd(q: Tensor, lse_shape, sinks: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
     """Every row sees no key (or there are no rows): out 0, lse -inf (with sinks: the row's
     head's sink, the only term of its softmax); nothing launched."""
     if sinks is None:
@@ -88,7 +90,7 @@ def _is_empty_varlen(q: Tensor, k: Tensor, cu_seqlens_q: Tensor, max_seqlen_q: i
 
 def fwd_impl(q, k, v, opts: ScoreOptions, tier, sinks: Optional[Tensor] = None):
     if _is_empty(q, k):
-        return _empty_fwd(q, _dense_lse_shape(q), sinks)
+        return empty_fwd(q, _dense_lse_shape(q), sinks)
     return _ext.require().fwd(q, k, v, *opts.ext_args(), None, None, 0, 0, int(tier), **_sinks_kwargs(sinks))
 
 
@@ -105,7 +107,7 @@ def dropout_kwargs(dropout_p, rng_state) -> dict:
     return {"dropout_p": float(dropout_p), "rng_state": rng_state} if dropout_p else {}
 
 
-def _new_rng_state(q: Tensor) -> Tensor:
+def new_rng_state(q: Tensor) -> Tensor:
     """Where a forward with dropout records the (seed, offset) of its draws for the backward."""
     return torch.zeros(2, dtype=torch.int64, device=q.device)
 
@@ -122,9 +124,9 @@ def bwd_impl(dout, q, k, v, out, lse, aux, dlse, opts: ScoreOptions, determinist
 def fwd_dropout_impl(q, k, v, opts: ScoreOptions, tier, dropout_p, sinks: Optional[Tensor] = None):
     """The forward with dropout: (out, lse, aux, rng_state), rng_state the (seed, offset) of the
     draws (int64 [2]) for the backward."""
-    rng_state = _new_rng_state(q)
+    rng_state = new_rng_state(q)
     if _is_empty(q, k):
-        return (*_empty_fwd(q, _dense_lse_shape(q), sinks), rng_state)
+        return (*empty_fwd(q, _dense_lse_shape(q), sinks), rng_state)
     out, lse, aux = _ext.require().fwd(q, k, v, *opts.ext_args(), None, None, 0, 0, int(tier),
                                        dropout_p=float(dropout_p), rng_state=rng_state, **_sinks_kwargs(sinks))
     return out, lse, aux, rng_state
@@ -136,7 +138,7 @@ def varlen_fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
         check_cu_seqlens_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0],
                                 max_seqlen_q, max_seqlen_k)
     if _is_empty_varlen(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k):
-        return _empty_fwd(q, _varlen_lse_shape(q), sinks)
+        return empty_fwd(q, _varlen_lse_shape(q), sinks)
     return _ext.require().fwd(q, k, v, *opts.ext_args(), cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
                               int(max_seqlen_k), int(tier), **_sinks_kwargs(sinks))
 
@@ -144,12 +146,12 @@ def varlen_fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
 def varlen_fwd_dropout_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, opts: ScoreOptions,
                             tier, check_cu_seqlens, dropout_p, sinks: Optional[Tensor] = None):
     """The packed forward with dropout: (out, lse, aux, rng_state)."""
-    rng_state = _new_rng_state(q)
+    rng_state = new_rng_state(q)
     if check_cu_seqlens_enabled(check_cu_seqlens):
         check_cu_seqlens_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0],
                                 max_seqlen_q, max_seqlen_k)
     if _is_empty_varlen(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k):
-        return (*_empty_fwd(q, _varlen_lse_shape(q), sinks), rng_state)
+        return (*empty_fwd(q, _varlen_lse_shape(q), sinks), rng_state)
     out, lse, aux = _ext.require().fwd(q, k, v, *opts.ext_args(), cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
                                        int(max_seqlen_k), int(tier), dropout_p=float(dropout_p),
                                        rng_state=rng_state, **_sinks_kwargs(sinks))
@@ -305,62 +307,8 @@ def _varlen_fwd_dropout_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
 
 
 # ---------------------------------------------------------------------------------------
-# Autograd: one backward for both layouts
+# Autograd: one backward for both layouts (and for the eager path, flash_cuda.eager)
 # ---------------------------------------------------------------------------------------
-
-
-def _save_common(ctx, inputs, q, k, v, output, alibi_slopes, cu_seqlens_q, cu_seqlens_k, scale,
-                 window_left, window_right, softcap, deterministic, tier, dropout_p=0.0, sinks_at=None) -> None:
-    """sinks_at: where the forward's inputs hold the sinks (their last argument; an eager
-    call may leave it out)."""
-    out, lse, aux = output[:3]
-    rng_state = output[3] if dropout_p else None
-    sinks = inputs[sinks_at] if sinks_at is not None and len(inputs) > sinks_at else None
-    ctx.save_for_backward(q, k, v, out, lse, aux, alibi_slopes, cu_seqlens_q, cu_seqlens_k, rng_state, sinks)
-    ctx.num_inputs = len(inputs)
-    ctx.sinks_at = None if sinks is None else sinks_at
-    ctx.dropout_p = dropout_p
-    if rng_state is not None:
-        ctx.mark_non_differentiable(rng_state)
-    ctx.opts = ScoreOptions(scale, window_left, window_right, softcap)  # the slopes are saved above
-    ctx.deterministic = deterministic
-    ctx.tier = tier
-    ctx.mark_non_differentiable(aux)
-    # Unused outputs then arrive as None instead of a zero tensor: no dlse is passed
-    # (and nothing is allocated for it) when only `out` is differentiated.
-    ctx.set_materialize_grads(False)
-
-
-def _setup_context(ctx, inputs, output):
-    q, k, v, scale, window_left, window_right, softcap, alibi_slopes, deterministic, tier = inputs[:10]
-    _save_common(ctx, inputs, q, k, v, output, alibi_slopes, None, None, scale, window_left,
-                 window_right, softcap, deterministic, tier, sinks_at=10)
-    ctx.varlen = None
-
-
-def _dropout_setup_context(ctx, inputs, output):
-    q, k, v, scale, window_left, window_right, softcap, alibi_slopes, deterministic, tier, dropout_p = inputs[:11]
-    _save_common(ctx, inputs, q, k, v, output, alibi_slopes, None, None, scale, window_left,
-                 window_right, softcap, deterministic, tier, dropout_p, sinks_at=11)
-    ctx.varlen = None
-
-
-def _varlen_setup(ctx, inputs, output, dropout: bool):
-    (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, window_left,
-     window_right, softcap, alibi_slopes, deterministic, tier, check_cu_seqlens) = inputs[:15]
-    dropout_p = inputs[15] if dropout else 0.0
-    _save_common(ctx, inputs, q, k, v, output, alibi_slopes, cu_seqlens_q, cu_seqlens_k, scale,
-                 window_left, window_right, softcap, deterministic, tier, dropout_p,
-                 sinks_at=16 if dropout else 15)
-    ctx.varlen = (max_seqlen_q, max_seqlen_k)
-
-
-def _varlen_setup_context(ctx, inputs, output):
-    _varlen_setup(ctx, inputs, output, dropout=False)
-
-
-def _varlen_dropout_setup_context(ctx, inputs, output):
-    _varlen_setup(ctx, inputs, output, dropout=True)
 
 
 def sinks_grad(sinks: Tensor, out: Tensor, dout: Optional[Tensor], lse: Tensor, dlse: Optional[Tensor],
@@ -384,36 +332,98 @@ def sinks_grad(sinks: Tensor, out: Tensor, dout: Optional[Tensor], lse: Tensor, 
     return (p * g).sum(dim=1) if varlen else (p * g).sum(dim=(0, 2))
 
 
-def _backward(ctx, dout, dlse, daux, *drng, eager: bool = False):
-    # Only the gradients autograd asks for are computed (and allocated): dK and dV together,
-    # as they come from the same products.
-    need_q, need_k, need_v = ctx.needs_input_grad[:3]
-    need_dkdv = need_k or need_v
-    need_sinks = ctx.sinks_at is not None and ctx.needs_input_grad[ctx.sinks_at]
-    grads = [None] * ctx.num_inputs  # the other inputs: no gradient
-    if not (need_q or need_dkdv or need_sinks):
-        return tuple(grads)
-    (q, k, v, out, lse, aux, alibi_slopes, cu_seqlens_q, cu_seqlens_k, rng_state,
-     sinks) = ctx.saved_tensors
+def attention_grads(plan: Plan, saved, need_q: bool, need_k: bool, need_v: bool, need_sinks: bool,
+                    dout: Optional[Tensor], dlse: Optional[Tensor], eager: bool):
+    """(dq, dk, dv, dsinks), None where not asked for, from the forward's saved tensors ``(q, k, v,
+    out, lse, aux, alibi_slopes, cu_seqlens_q, cu_seqlens_k, rng_state, sinks)`` and the upstream
+    gradients (None for an output not differentiated). Only the gradients asked for are computed
+    (and allocated): dK and dV together, as they come from the same products. ``eager``: the
+    extension directly (plain eager tensors, ``plan`` from flash_cuda.signature), else the ops."""
+    q, k, v, out, lse, aux, alibi_slopes, cu_seqlens_q, cu_seqlens_k, rng_state, sinks = saved
     if dout is not None and dout.stride(-1) != 1:
         dout = dout.contiguous()
-    if dlse is not None:
+    if dlse is not None and (dlse.dtype is not torch.float32 or not dlse.is_contiguous()):
         dlse = dlse.to(torch.float32).contiguous()
-    if need_sinks:
-        grads[ctx.sinks_at] = sinks_grad(sinks, out, dout, lse, dlse, ctx.varlen is not None)
+    dsinks = sinks_grad(sinks, out, dout, lse, dlse, plan.varlen) if need_sinks else None
+    need_dkdv = need_k or need_v
     if not (need_q or need_dkdv):
-        return tuple(grads)
+        return None, None, None, dsinks
     if dout is None:
         dout = torch.zeros_like(out)
-    opts = ctx.opts._replace(alibi_slopes=alibi_slopes)
-    rest = (ctx.deterministic, ctx.tier, need_q, need_dkdv, ctx.dropout_p, rng_state)
-    if ctx.varlen is None:
-        saved = (dout, q, k, v, out, lse, aux, dlse)
-        dq, dk, dv = bwd_impl(*saved, opts, *rest) if eager else bwd(*saved, *opts, *rest)
+    if eager:
+        if plan.empty:
+            dq, dk, dv = _empty_grads(q, k, v, need_q, need_dkdv)
+        else:
+            dq, dk, dv = _ext.require().bwd(
+                dout, q, k, v, out, lse, aux, dlse, plan.scale, plan.window_left, plan.window_right, plan.softcap,
+                alibi_slopes, cu_seqlens_q, cu_seqlens_k, plan.max_seqlen_q, plan.max_seqlen_k, plan.deterministic,
+                plan.tier, need_q, need_dkdv, **dropout_kwargs(plan.dropout_p, rng_state))
     else:
-        saved = (dout, q, k, v, out, lse, aux, dlse, cu_seqlens_q, cu_seqlens_k, *ctx.varlen)
-        dq, dk, dv = varlen_bwd_impl(*saved, opts, *rest) if eager else varlen_bwd(*saved, *opts, *rest)
-    grads[:3] = (dq if need_q else None, dk if need_k else None, dv if need_v else None)
+        opts = (plan.scale, plan.window_left, plan.window_right, plan.softcap, alibi_slopes)
+        rest = (plan.deterministic, plan.tier, need_q, need_dkdv, plan.dropout_p, rng_state)
+        if plan.varlen:
+            dq, dk, dv = varlen_bwd(dout, q, k, v, out, lse, aux, dlse, cu_seqlens_q, cu_seqlens_k,
+                                    plan.max_seqlen_q, plan.max_seqlen_k, *opts, *rest)
+        else:
+            dq, dk, dv = bwd(dout, q, k, v, out, lse, aux, dlse, *opts, *rest)
+    return dq if need_q else None, dk if need_k else None, dv if need_v else None, dsinks
+
+
+def _save(ctx, inputs, output, q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, plan: Plan, sinks_at: int):
+    """sinks_at: where the op's inputs hold the sinks (their last argument, which may be left out)."""
+    out, lse, aux = output[:3]
+    rng_state = output[3] if plan.dropout_p else None
+    sinks = inputs[sinks_at] if len(inputs) > sinks_at else None
+    ctx.save_for_backward(q, k, v, out, lse, aux, alibi_slopes, cu_seqlens_q, cu_seqlens_k, rng_state, sinks)
+    ctx.num_inputs = len(inputs)
+    ctx.sinks_at = None if sinks is None else sinks_at
+    ctx.plan = plan
+    if rng_state is not None:
+        ctx.mark_non_differentiable(rng_state)
+    ctx.mark_non_differentiable(aux)
+    # Unused outputs then arrive as None instead of a zero tensor: no dlse is passed
+    # (and nothing is allocated for it) when only `out` is differentiated.
+    ctx.set_materialize_grads(False)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, scale, window_left, window_right, softcap, alibi_slopes, deterministic, tier = inputs[:10]
+    plan = Plan(scale, window_left, window_right, softcap, deterministic, tier)
+    _save(ctx, inputs, output, q, k, v, alibi_slopes, None, None, plan, 10)
+
+
+def _dropout_setup_context(ctx, inputs, output):
+    q, k, v, scale, window_left, window_right, softcap, alibi_slopes, deterministic, tier, dropout_p = inputs[:11]
+    plan = Plan(scale, window_left, window_right, softcap, deterministic, tier, dropout_p)
+    _save(ctx, inputs, output, q, k, v, alibi_slopes, None, None, plan, 11)
+
+
+def _varlen_setup(ctx, inputs, output, dropout: bool):
+    (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, window_left,
+     window_right, softcap, alibi_slopes, deterministic, tier, check_cu_seqlens) = inputs[:15]
+    plan = Plan(scale, window_left, window_right, softcap, deterministic, tier, inputs[15] if dropout else 0.0,
+                max_seqlen_q, max_seqlen_k, varlen=True)
+    _save(ctx, inputs, output, q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, plan, 16 if dropout else 15)
+
+
+def _varlen_setup_context(ctx, inputs, output):
+    _varlen_setup(ctx, inputs, output, dropout=False)
+
+
+def _varlen_dropout_setup_context(ctx, inputs, output):
+    _varlen_setup(ctx, inputs, output, dropout=True)
+
+
+def _backward(ctx, dout, dlse, *unused):
+    needs = ctx.needs_input_grad
+    need_sinks = ctx.sinks_at is not None and needs[ctx.sinks_at]
+    grads = [None] * ctx.num_inputs  # the other inputs: no gradient
+    if needs[0] or needs[1] or needs[2] or need_sinks:
+        dq, dk, dv, dsinks = attention_grads(ctx.plan, ctx.saved_tensors, needs[0], needs[1], needs[2], need_sinks,
+                                             dout, dlse, eager=False)
+        grads[:3] = dq, dk, dv
+        if need_sinks:
+            grads[ctx.sinks_at] = dsinks
     return tuple(grads)
 
 
@@ -423,100 +433,19 @@ varlen_fwd.register_autograd(_backward, setup_context=_varlen_setup_context)
 varlen_fwd_dropout.register_autograd(_backward, setup_context=_varlen_dropout_setup_context)
 
 
-# ---------------------------------------------------------------------------------------
-# The eager path
-#
-# Outside torch.compile the ops' dispatch (custom-op wrappers, default filling, the generated
-# autograd node) costs several times what the extension call itself does: on an H100 host a
-# small call's forward + backward spent ~0.7 ms more than SDPA's (OPTIMIZATION.md), so a
-# short sequence's step was bound by the host, not the GPU. Plain eager tensors therefore go
-# through these autograd.Functions, which make the same extension calls, save the same
-# tensors and run the same backward; anything the ops exist for (tracing, fake or
-# functional tensors, tensor subclasses, dispatch or function modes) takes the ops.
-# ---------------------------------------------------------------------------------------
+# Bound once: eager_ok runs on every call, and these attribute chains cost more than the checks.
+_is_compiling = torch.compiler.is_compiling
+_function_mode_enabled = torch._C._is_torch_function_mode_enabled
+_dispatch_stack_len = torch._C._len_torch_dispatch_stack
 
 
 def eager_ok(*tensors) -> bool:
-    """Whether a call on these tensors may take the eager path."""
-    if torch.compiler.is_compiling() or torch._C._is_torch_function_mode_enabled():
+    """Whether a call on these tensors (None allowed) may skip the ops' dispatch
+    (:mod:`flash_cuda.eager`): plain tensors, outside tracing, function and dispatch modes. Anything
+    the ops exist for (tracing, fake or functional tensors, tensor subclasses, modes) takes the ops."""
+    if _is_compiling() or _function_mode_enabled() or _dispatch_stack_len():
         return False
-    if torch._C._len_torch_dispatch_stack() > 0:
-        return False
-    return all(t is None or type(t) is torch.Tensor for t in tensors)
-
-
-class EagerFunction(torch.autograd.Function):
-    """A forward / setup_context / backward triple, applied without per-call argument binding.
-
-    Function.apply binds its arguments through inspect.signature on every call of a Function
-    that defines setup_context (in Python up to torch 2.13, in C++ from 2.14): about 40 us of
-    host time per call, more than the rest of this layer. torch.func's gradient transforms
-    need that split form, so each subclass also gets a twin in the one-step form
-    (``forward(ctx, *args)`` running the same forward, then the same setup_context), whose
-    apply binds nothing; :meth:`run` takes the twin outside torch.func transforms. The
-    callers pass every argument positionally, as the twin needs."""
-
-    def __init_subclass__(cls, **kwargs):
-        super().__init_subclass__(**kwargs)
-        forward, setup_context = cls.forward, cls.setup_context
-
-        def one_step_forward(ctx, *args):
-            output = forward(*args)
-            setup_context(ctx, args, output)
-            return output
-
-        cls.one_step = type(cls.__name__, (torch.autograd.Function,),
-                            {"forward": staticmethod(one_step_forward), "backward": staticmethod(cls.backward),
-                             "__module__": cls.__module__, "__qualname__": f"{cls.__qualname__}.one_step"})
-
-    @staticmethod
-    def backward(ctx, dout, dlse, daux, *drng):
-        return _backward(ctx, dout, dlse, daux, *drng, eager=True)
-
-    @classmethod
-    def run(cls, *args):
-        if torch._C._are_functorch_transforms_active():
-            return cls.apply(*args)
-        # The C++ apply, as Function.apply calls it outside transforms (a one-step Function
-        # has no arguments to bind).
-        return super(torch.autograd.Function, cls.one_step).apply(*args)
-
-
-class EagerFwd(EagerFunction):
-    @staticmethod
-    def forward(q, k, v, scale, window_left, window_right, softcap, alibi_slopes, deterministic, tier, sinks=None):
-        return fwd_impl(q, k, v, ScoreOptions(scale, window_left, window_right, softcap, alibi_slopes), tier, sinks)
-
-    setup_context = staticmethod(_setup_context)
-
-
-class EagerFwdDropout(EagerFunction):
-    @staticmethod
-    def forward(q, k, v, scale, window_left, window_right, softcap, alibi_slopes, deterministic, tier, dropout_p,
-                sinks=None):
-        opts = ScoreOptions(scale, window_left, window_right, softcap, alibi_slopes)
-        return fwd_dropout_impl(q, k, v, opts, tier, dropout_p, sinks)
-
-    setup_context = staticmethod(_dropout_setup_context)
-
-
-class EagerVarlenFwd(EagerFunction):
-    @staticmethod
-    def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, window_left,
-                window_right, softcap, alibi_slopes, deterministic, tier, check_cu_seqlens, sinks=None):
-        opts = ScoreOptions(scale, window_left, window_right, softcap, alibi_slopes)
-        return varlen_fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, opts, tier,
-                               check_cu_seqlens, sinks)
-
-    setup_context = staticmethod(_varlen_setup_context)
-
-
-class EagerVarlenFwdDropout(EagerFunction):
-    @staticmethod
-    def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, window_left,
-                window_right, softcap, alibi_slopes, deterministic, tier, check_cu_seqlens, dropout_p, sinks=None):
-        opts = ScoreOptions(scale, window_left, window_right, softcap, alibi_slopes)
-        return varlen_fwd_dropout_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, opts,
-                                       tier, check_cu_seqlens, dropout_p, sinks)
-
-    setup_context = staticmethod(_varlen_dropout_setup_context)
+    for t in tensors:
+        if t is not None and type(t) is not Tensor:
+            return False
+    return True

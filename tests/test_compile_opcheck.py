@@ -276,7 +276,7 @@ def test_compile_fullgraph_cpu_mock(mock_extension, dtype, is_causal, layout):
 
 @pytest.mark.parametrize("varlen", [False, True], ids=["dense", "packed"])
 def test_eager_path_matches_ops_cpu_mock(mock_extension, monkeypatch, varlen):
-    """Plain eager tensors take ops.EagerFwd / EagerVarlenFwd (no custom-op dispatch);
+    """Plain eager tensors take eager.EagerAttention (no custom-op dispatch);
     the ops, which tracing, fake tensors, subclasses and modes take, must give the same out,
     lse and gradients, bitwise, with dlse flowing too."""
     from flash_cuda import ops
@@ -342,7 +342,7 @@ def test_eager_path_only_for_plain_eager_tensors():
 
 def test_eager_call_binds_no_signature_cpu_mock(mock_extension, monkeypatch):
     """The eager path skips Function.apply's per-call inspect.signature binding (tens of
-    microseconds of host time per call; ops.EagerFunction), forward and backward,
+    microseconds of host time per call; eager.EagerAttention.run), forward and backward,
     dense and packed, and its gradients stay those of the ops."""
     import inspect
 

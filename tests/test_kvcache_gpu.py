@@ -142,7 +142,9 @@ def _check_decode_fits(launches, D, rows):
     d > 128 with one 16-row slice (csrc/tiers/mma/decode.cuh: ConfigPolicy); the other classes
     keep the full tiles."""
     assert launches, "torch.profiler recorded no decode kernel"
-    budget = smem_class_kib() * 1024
+    # (+1 KiB: kernels compiled for sm_90 and newer list the 1 KiB the driver reserves per block,
+    # which lies outside the opt-in budget, and the profile may count it as static memory.)
+    budget = smem_class_kib() * 1024 + 1024
     half_steps = D > 128 and rows <= 16 and smem_class_kib() < 100
     for name, smem in launches:
         assert smem is not None, f"{name}: the profile records no shared memory size"

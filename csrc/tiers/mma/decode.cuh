@@ -99,12 +99,13 @@ constexpr int kFullStages = static_cast<int>(
 template <typename T, int kHeadDim, int kWarpsM>
 struct Config : Tile<T, kHeadDim, kWarpsM, kFullStages<T, kHeadDim, kWarpsM>> {};
 
-// The 99 KiB class at d = 256 with one 16-row slice (the common decode: Sq * group <= 16): two
-// whole steps of 64 keys (132 KiB) do not fit next to Q, so the ring is one step whose K and V
-// are loaded as two halves: a step's V streams in while S is computed from its K, and the next
-// step's K while P V runs. Always one half-step (32 KiB) in flight per CTA, the bytes a d = 128
-// step keeps in flight there; the same 64 keys per step, the same four warps and the same merge,
-// so the split planner and the numerics are those of the full tiles.
+// The 99 KiB class in the d = 256 bucket (head dims 129..256) with one 16-row slice (the common
+// decode: Sq * group <= 16): two whole steps of 64 keys (132 KiB) do not fit next to Q, so the
+// ring is one step whose K and V are loaded as two halves: a step's V streams in while S is
+// computed from its K, and the next step's K while P V runs. One half-step (32 KiB of cache) is in
+// flight per CTA, as much as a step of the d = 128 tiles keeps in flight on that class; the same
+// 64 keys per step, four warps and merge, so the split planner and the numerics are those of the
+// full tiles.
 template <typename T, int kHeadDim, int kWarpsM>
 struct HalfStepConfig : Tile<T, kHeadDim, kWarpsM, 1> {};
 

@@ -72,7 +72,8 @@ WGMMA_BWD_WIDE = (192, 256)
 
 # ---- fp16 / bf16, split-KV decode (tiers/mma/decode.cuh) ----
 # Head-dim buckets; the tile shapes follow from the rows of a call (decode.cuh: Config, 16, 32 or
-# 64 packed query rows, 16 keys per warp per step) and the 96 KiB shared-memory budget.
+# 64 packed query rows, 16 keys per warp per step), the 96 KiB ring budget and the GPU class
+# (decode.cuh: ConfigPolicy, the half-step tiles where two steps do not fit 99 KiB).
 DECODE_BUCKETS = (64, 128, 256)
 
 SIMT_BUCKETS = tuple(SIMT_FWD)

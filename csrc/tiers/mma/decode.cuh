@@ -9,7 +9,8 @@
 // cache) take several row chunks.
 //
 // Keys. Each step brings kBlockN keys into shared memory through a cp.async ring of kStages
-// stages, and the kWarpsN warps that share a 16-row slice split the step's keys, 16 each: with
+// stages (on GPUs whose shared memory holds less than two steps, one stage whose K and V halves
+// take turns: HalfStepConfig), and the kWarpsN warps that share a 16-row slice split the step's keys, 16 each: with
 // one 16-row tile (Sq * G <= 16, the common decode) all four warps stream keys. Each warp runs
 // the online softmax on its own keys (core/softmax.cuh, the four named steps), and at the end
 // the warps of a slice merge their (m, l, O) through shared memory. The key range of a row chunk
@@ -25,6 +26,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "../../arch/host.h"
 #include "../../arch/sm80.cuh"
@@ -47,8 +49,10 @@ namespace decode {
 constexpr size_t kRingBytes = 96 * 1024;
 constexpr int kMaxStages = 4;
 
-template <typename T_, int kHeadDim_, int kWarpsM_>
-struct Config {
+// The shapes of a decode tile; kStages_ = 1 is the one-stage ring whose K and V halves are
+// pipelined against each other (the kernel's half-step loop).
+template <typename T_, int kHeadDim_, int kWarpsM_, int kStages_>
+struct Tile {
   // The key copies ask the L2 for 256 bytes around each 16-byte request (cp_async_16_stream):
   // whole rows of keys come from DRAM in one request.
   static constexpr int kPrefetch = 256;
@@ -62,8 +66,8 @@ struct Config {
   static constexpr int kBlockN = kSubN * kWarpsN;  // keys per step
   static constexpr int kPitch = kHeadDim + 8;      // padded rows: conflict-free ldmatrix
   static constexpr size_t kStageBytes = size_t(2) * kBlockN * kPitch * sizeof(T);  // K and V
-  static constexpr int kStages =
-      static_cast<int>(std::min<size_t>(kMaxStages, std::max<size_t>(2, kRingBytes / kStageBytes)));
+  static constexpr int kStages = kStages_;
+  static constexpr bool kHalfSteps = kStages == 1;
   static constexpr int kMergePitch = kHeadDim + 4;
   // Shared memory: Q, then the K / V ring, over which the warps merge their final O and (m, l),
   // fp32, once the keys are done.
@@ -83,7 +87,48 @@ struct Config {
   static constexpr bool kQInRegs = kHeadDim <= 128;
   static constexpr int kQFrags = kQInRegs ? kHeadDim / 16 : 1;  // (one unused where they do not)
   static_assert(kWarpsM * kWarpsN == 4, "four warps");
+  static_assert(kStages >= 1 && kStages <= kMaxStages, "ring depth");
 };
+
+// The full tiles: what every GPU class runs where its opt-in shared memory holds them (all of them
+// on Hopper and the A100; up to d = 128 and the 32- / 64-row tiles at d = 256 on the 99 KiB class).
+// Their ring: as many whole steps as kRingBytes holds, two to kMaxStages.
+template <typename T, int kHeadDim, int kWarpsM>
+constexpr int kFullStages = static_cast<int>(
+    std::min<size_t>(kMaxStages, std::max<size_t>(2, kRingBytes / Tile<T, kHeadDim, kWarpsM, 1>::kStageBytes)));
+template <typename T, int kHeadDim, int kWarpsM>
+struct Config : Tile<T, kHeadDim, kWarpsM, kFullStages<T, kHeadDim, kWarpsM>> {};
+
+// The 99 KiB class in the d = 256 bucket (head dims 129..256) with one 16-row slice (the common
+// decode: Sq * group <= 16): two whole steps of 64 keys (132 KiB) do not fit next to Q, so the
+// ring is one step whose K and V are loaded as two halves: a step's V streams in while S is
+// computed from its K, and the next step's K while P V runs. One half-step (32 KiB of cache) is in
+// flight per CTA, as much as a step of the d = 128 tiles keeps in flight on that class; the same
+// 64 keys per step, four warps and merge, so the split planner and the numerics are those of the
+// full tiles.
+template <typename T, int kHeadDim, int kWarpsM>
+struct HalfStepConfig : Tile<T, kHeadDim, kWarpsM, 1> {};
+
+// The decode config per GPU class (arch/gpu_class.h): Full where the device's opt-in shared memory
+// holds it, else Compact, which fits every class. Compact is Full wherever Full fits 99 KiB, so
+// the instances of those head dims hold one kernel per row count.
+template <typename T, int kHeadDim, int kWarpsM>
+struct ConfigPolicy {
+  using Full = Config<T, kHeadDim, kWarpsM>;
+  using Compact =
+      std::conditional_t<Full::kSmemBytes <= kSmemConsumer, Full, HalfStepConfig<T, kHeadDim, kWarpsM>>;
+};
+
+template <typename T, int kHeadDim, int kWarpsM>
+constexpr bool kFitsEveryClass = ConfigPolicy<T, kHeadDim, kWarpsM>::Compact::kSmemBytes <= kSmemConsumer &&
+                                 ConfigPolicy<T, kHeadDim, kWarpsM>::Full::kSmemBytes <= kSmemA100;
+template <typename T, int kHeadDim>
+constexpr bool kBucketFits =
+    kFitsEveryClass<T, kHeadDim, 1> && kFitsEveryClass<T, kHeadDim, 2> && kFitsEveryClass<T, kHeadDim, 4>;
+// The 99 KiB class has a decode config at every head-dim bucket and row count; the A100 and
+// Hopper classes run the full tiles everywhere.
+static_assert(kBucketFits<__half, 64> && kBucketFits<__half, 128> && kBucketFits<__half, 256>,
+              "every head dim has a decode configuration for each GPU class");
 
 // The decode tile config for Sq * decode_heads rows: the fewest 16-row slices that hold them (up
 // to 4; more rows take several chunks of 64).
@@ -135,8 +180,9 @@ struct KeyCopier {
 // Keys [n0, n0 + kBlockN) of KV head h_kv into a stage: cached positions from the cache, new ones
 // from k_new / v_new, positions past the sequence (and columns past d) as zeros. Steps wholly
 // inside the cached tokens (all but the last) take the short paths: one pointer per step for a
-// dense cache and for pages that hold whole steps, a page lookup per row otherwise.
-template <typename Cfg>
+// dense cache and for pages that hold whole steps, a page lookup per row otherwise. kK / kV: which
+// of the two to copy (the half-step loop copies them apart).
+template <typename Cfg, bool kK = true, bool kV = true>
 __device__ __forceinline__ void load_key_block(const FwdParams& p, const CacheSeq& seq, const KeyCopier<Cfg>& cp,
                                                int bi, int h_kv, int n0, typename Cfg::T* sK, typename Cfg::T* sV) {
   using T = typename Cfg::T;
@@ -166,8 +212,8 @@ __device__ __forceinline__ void load_key_block(const FwdParams& p, const CacheSe
 #pragma unroll
     for (int pass = 0; pass < Copier::kPasses; ++pass) {
       const int r = pass * Copier::kRowsPerPass;
-      cp_async_16_stream<Cfg::kPrefetch>(sk + r * Cfg::kPitch, ks + r * p.k_row_stride, true);
-      cp_async_16_stream<Cfg::kPrefetch>(sv + r * Cfg::kPitch, vs + r * p.v_row_stride, true);
+      if constexpr (kK) cp_async_16_stream<Cfg::kPrefetch>(sk + r * Cfg::kPitch, ks + r * p.k_row_stride, true);
+      if constexpr (kV) cp_async_16_stream<Cfg::kPrefetch>(sv + r * Cfg::kPitch, vs + r * p.v_row_stride, true);
     }
     return;
   }
@@ -190,8 +236,8 @@ __device__ __forceinline__ void load_key_block(const FwdParams& p, const CacheSe
                r_new * p.vnew_row_stride + cp.c;
       }
     }
-    cp_async_16_stream<Cfg::kPrefetch>(sk + pass * Copier::kRowsPerPass * Cfg::kPitch, ksrc, valid);
-    cp_async_16_stream<Cfg::kPrefetch>(sv + pass * Copier::kRowsPerPass * Cfg::kPitch, vsrc, valid);
+    if constexpr (kK) cp_async_16_stream<Cfg::kPrefetch>(sk + pass * Copier::kRowsPerPass * Cfg::kPitch, ksrc, valid);
+    if constexpr (kV) cp_async_16_stream<Cfg::kPrefetch>(sv + pass * Copier::kRowsPerPass * Cfg::kPitch, vsrc, valid);
   }
 }
 
@@ -308,6 +354,9 @@ __global__ void __launch_bounds__(Cfg::kThreads) decode_kernel(const FwdParams p
   T* sQ = smem.q;
   T* sKV = smem.kv[0][0];
   constexpr int kStageElems = 2 * Cfg::kBlockN * Cfg::kPitch;
+  // The first stage's K and V halves, which the half-step loop refills apart.
+  [[maybe_unused]] T* const sK = sKV;
+  [[maybe_unused]] T* const sV = sKV + Cfg::kBlockN * Cfg::kPitch;
 
   const int split = blockIdx.x % p.num_splits, chunk = blockIdx.x / p.num_splits;
   const int heads = p.decode_heads;
@@ -352,11 +401,19 @@ __global__ void __launch_bounds__(Cfg::kThreads) decode_kernel(const FwdParams p
     T* stage = sKV + (nb % Cfg::kStages) * kStageElems;
     load_key_block<Cfg>(p, seq, copier, bi, h_kv, nb * Cfg::kBlockN, stage, stage + Cfg::kBlockN * Cfg::kPitch);
   };
-  // Prologue: Q with the first step, then kStages - 2 more steps in flight.
-#pragma unroll
-  for (int i = 0; i < Cfg::kStages - 1; ++i) {
-    if (nb_begin + i < nb_end) load(nb_begin + i);
+  // Prologue: Q with the first step, then kStages - 2 more steps in flight (the half-step loop:
+  // Q with the first step's K).
+  if constexpr (Cfg::kHalfSteps) {
+    if (nb_begin < nb_end) {
+      load_key_block<Cfg, true, false>(p, seq, copier, bi, h_kv, nb_begin * Cfg::kBlockN, sK, sV);
+    }
     cp_async_commit();
+  } else {
+#pragma unroll
+    for (int i = 0; i < Cfg::kStages - 1; ++i) {
+      if (nb_begin + i < nb_end) load(nb_begin + i);
+      cp_async_commit();
+    }
   }
 
   const int warp = threadIdx.x / 32;
@@ -374,25 +431,53 @@ __global__ void __launch_bounds__(Cfg::kThreads) decode_kernel(const FwdParams p
   start_online_softmax(acc_o, stats);
 
   uint32_t q_frags[Cfg::kQFrags][4];
-  for (int nb = nb_begin; nb < nb_end; ++nb) {
-    cp_async_wait<Cfg::kStages - 2>();  // one commit group per step, empty ones included
-    __syncthreads();  // step nb landed for all; step nb - 1's stage is free
-    if (nb + Cfg::kStages - 1 < nb_end) load(nb + Cfg::kStages - 1);
-    cp_async_commit();
-    if constexpr (Cfg::kQInRegs) {
-      if (nb == nb_begin) load_a_frags<Cfg::kHeadDim, Cfg::kPitch>(q_frags, sQ_warp);  // Q landed with step 0
+  if constexpr (Cfg::kHalfSteps) {
+    // The one stage's K and V halves in turn (HalfStepConfig): each wait leaves nothing else in
+    // flight, so a half is overwritten only after the barrier that follows every warp's last read.
+    for (int nb = nb_begin; nb < nb_end; ++nb) {
+      cp_async_wait<0>();
+      __syncthreads();  // step nb's K landed for all; every warp is done with step nb - 1's V
+      load_key_block<Cfg, false, true>(p, seq, copier, bi, h_kv, nb * Cfg::kBlockN, sK, sV);
+      cp_async_commit();
+      if constexpr (Cfg::kQInRegs) {
+        if (nb == nb_begin) load_a_frags<Cfg::kHeadDim, Cfg::kPitch>(q_frags, sQ_warp);  // Q landed with K
+      }
+      const int key_base = nb * Cfg::kBlockN + wn * Cfg::kSubN;
+      const bool needs_mask = mask.needs_mask(warp_q_lo, warp_q_hi, key_base, key_base + Cfg::kSubN);
+      float s[1][Cfg::kSubN / 8][4];
+      float block_max[1][2];
+      compute_qk_scores_and_max<Cfg>(s, block_max, sQ_warp, q_frags, sK + wn * Cfg::kSubN * Cfg::kPitch,
+                                     needs_mask, row_base, key_base, mask, mod, p.scale_log2, rows);
+      merge_block_stats(stats, block_max, acc_o);
+      cp_async_wait<0>();
+      __syncthreads();  // step nb's V landed for all; every warp is done with its K
+      if (nb + 1 < nb_end) {
+        load_key_block<Cfg, true, false>(p, seq, copier, bi, h_kv, (nb + 1) * Cfg::kBlockN, sK, sV);
+      }
+      cp_async_commit();
+      compute_block_softmax_and_weighted_v<Cfg>(s, stats, acc_o, sV + wn * Cfg::kSubN * Cfg::kPitch, exp_scale);
     }
+  } else {
+    for (int nb = nb_begin; nb < nb_end; ++nb) {
+      cp_async_wait<Cfg::kStages - 2>();  // one commit group per step, empty ones included
+      __syncthreads();  // step nb landed for all; step nb - 1's stage is free
+      if (nb + Cfg::kStages - 1 < nb_end) load(nb + Cfg::kStages - 1);
+      cp_async_commit();
+      if constexpr (Cfg::kQInRegs) {
+        if (nb == nb_begin) load_a_frags<Cfg::kHeadDim, Cfg::kPitch>(q_frags, sQ_warp);  // Q landed with step 0
+      }
 
-    const T* stage = sKV + (nb % Cfg::kStages) * kStageElems;
-    const int key_base = nb * Cfg::kBlockN + wn * Cfg::kSubN;
-    const bool needs_mask = mask.needs_mask(warp_q_lo, warp_q_hi, key_base, key_base + Cfg::kSubN);
-    float s[1][Cfg::kSubN / 8][4];
-    float block_max[1][2];
-    compute_qk_scores_and_max<Cfg>(s, block_max, sQ_warp, q_frags, stage + wn * Cfg::kSubN * Cfg::kPitch, needs_mask,
-                                   row_base, key_base, mask, mod, p.scale_log2, rows);
-    merge_block_stats(stats, block_max, acc_o);
-    compute_block_softmax_and_weighted_v<Cfg>(s, stats, acc_o,
-                                              stage + (Cfg::kBlockN + wn * Cfg::kSubN) * Cfg::kPitch, exp_scale);
+      const T* stage = sKV + (nb % Cfg::kStages) * kStageElems;
+      const int key_base = nb * Cfg::kBlockN + wn * Cfg::kSubN;
+      const bool needs_mask = mask.needs_mask(warp_q_lo, warp_q_hi, key_base, key_base + Cfg::kSubN);
+      float s[1][Cfg::kSubN / 8][4];
+      float block_max[1][2];
+      compute_qk_scores_and_max<Cfg>(s, block_max, sQ_warp, q_frags, stage + wn * Cfg::kSubN * Cfg::kPitch, needs_mask,
+                                     row_base, key_base, mask, mod, p.scale_log2, rows);
+      merge_block_stats(stats, block_max, acc_o);
+      compute_block_softmax_and_weighted_v<Cfg>(s, stats, acc_o,
+                                                stage + (Cfg::kBlockN + wn * Cfg::kSubN) * Cfg::kPitch, exp_scale);
+    }
   }
   cp_async_wait<0>();
   // The keys are read: the merge of the split ranges may launch now (it waits for this grid's
@@ -457,15 +542,24 @@ void launch_decode(const FwdParams& p, cudaStream_t stream) {
   if (p.num_splits > 1) launch_combine_key_splits<typename Cfg::T>(p, stream);
 }
 
-// Calls f(Cfg{}) with the decode config for this call's rows, if the device's shared memory
-// holds it (returns `none` otherwise: d = 256 needs more than the consumer GPUs' 99 KiB).
+// Calls f(Cfg{}) with the decode config for this call's rows and this device's class
+// (ConfigPolicy: the full tiles where the opt-in shared memory holds them, else the compact ones);
+// returns `none` where neither fits (a device below every class's budget).
 template <typename T, int kHeadDim, typename F, typename R>
 R with_decode_config(const FwdParams& p, R none, F&& f) {
-  auto fits = [&](auto cfg) -> R { return device_smem_optin() >= decltype(cfg)::kSmemBytes ? f(cfg) : none; };
+  auto fits = [&](auto policy) -> R {
+    using Policy = decltype(policy);
+    const size_t optin = device_smem_optin();
+    if (optin >= Policy::Full::kSmemBytes) return f(typename Policy::Full{});
+    if constexpr (!std::is_same_v<typename Policy::Full, typename Policy::Compact>) {
+      if (optin >= Policy::Compact::kSmemBytes) return f(typename Policy::Compact{});
+    }
+    return none;
+  };
   switch (decode::warps_m_for(p.sq * p.decode_heads)) {
-    case 1: return fits(decode::Config<T, kHeadDim, 1>{});
-    case 2: return fits(decode::Config<T, kHeadDim, 2>{});
-    default: return fits(decode::Config<T, kHeadDim, 4>{});
+    case 1: return fits(decode::ConfigPolicy<T, kHeadDim, 1>{});
+    case 2: return fits(decode::ConfigPolicy<T, kHeadDim, 2>{});
+    default: return fits(decode::ConfigPolicy<T, kHeadDim, 4>{});
   }
 }
 

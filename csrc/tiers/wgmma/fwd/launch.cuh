@@ -147,8 +147,8 @@ bool run_fwd_sm90_ws(const FwdParams& p, cudaStream_t stream) {
   }
 }
 
-// The GQA-packed tiles at the default shape of each bucket (d 65..96: the 128-wide tiles, Q K^T
-// 96 deep).
+// The GQA-packed tiles at the default shape of each bucket (d 65..96: the 128-wide Q and K tiles,
+// Q K^T 96 deep, V and O 96 wide).
 template <int kDType, int kHeadDim>
 bool run_fwd_sm90_ws_gqa(const FwdParams& p, cudaStream_t stream) {
   using T = typename ElementOf<kDType>::type;

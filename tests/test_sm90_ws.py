@@ -62,9 +62,15 @@ CASES = [
     (1, 2, 2, 300, 500, 160, True, (64, -1), "bhsd"),
     (1, 3, 1, 257, 129, 200, False, (-1, -1), "offset"),
     (2, 20, 4, 600, 600, 256, False, (-1, -1), "bhsd"),
-    # Head dims 65..96 on the 128-wide kernel (TMA fills the columns past d with zeros).
+    # Head dims 65..96: Q and K on the 128-wide tiles (TMA fills the columns past d with zeros),
+    # V, P V and O natively 96 wide (three 64-byte-swizzled 32-column V slabs); odd lengths,
+    # windows, GQA, d below 96 (the last V slab partly TMA's zeros), more tiles than SMs.
     (2, 4, 2, 1000, 1100, 96, True, (-1, -1), "bshd"),
     (1, 3, 3, 300, 257, 72, False, (-1, -1), "offset"),
+    (1, 6, 2, 1531, 1283, 96, False, (200, 50), "bhsd"),
+    (2, 16, 4, 999, 1001, 96, True, (-1, -1), "strided"),
+    (1, 2, 2, 333, 777, 80, True, (64, -1), "bshd"),
+    (3, 4, 1, 65, 129, 96, False, (-1, -1), "offset"),
 ]
 
 
@@ -171,6 +177,8 @@ MOD_CASES = [
     (1, 4, 4, 513, 1000, 64, False, (128, 64), 0.0, "heads"),
     (2, 2, 1, 300, 300, 192, True, (-1, -1), 5.0, "batch"),
     (2, 20, 4, 600, 700, 128, False, (-1, -1), 2.0, "heads"),
+    (2, 4, 2, 333, 517, 96, True, (-1, -1), 10.0, "heads"),
+    (1, 2, 1, 200, 301, 88, False, (64, 32), 0.0, "batch"),
 ]
 
 
@@ -205,7 +213,7 @@ def test_ws_forward_with_score_modifiers(schedule, dtype, B, Hq, Hkv, Sq, Sk, D,
 # The running max lags by up to 2^8 before O is rescaled (update_row_stats' kMaxLag): scores
 # that climb slowly, steeply or fall along the keys (attn_check.climb_scores).
 @pytest.mark.parametrize("rise", [3.0, 7.9, 20.0, -4.0])
-@pytest.mark.parametrize("D,is_causal", [(128, False), (64, True), (192, False)])
+@pytest.mark.parametrize("D,is_causal", [(128, False), (64, True), (192, False), (96, True)])
 @pytest.mark.parametrize("dtype", [F16, BF16], ids=["fp16", "bf16"])
 def test_ws_forward_lagging_max(schedule, dtype, D, is_causal, rise):
     B, Hq, Hkv, Sq, Sk = 1, 2, 1, 300, 1100
@@ -231,6 +239,31 @@ def test_ws_forward_is_deterministic(schedule):
     q, k, v = make_inputs(2, 4, 4, 1000, 1000, 128, BF16, "cuda", seed=3)
     runs = [ws_fwd(q, k, v, 0.1, -1, 0, 0.0, None, None, None, 0, 0)[0] for _ in range(3)]
     assert all(torch.equal(runs[0], r) for r in runs[1:])
+
+
+@pytest.mark.parametrize("D", [96, 80])
+def test_ws_forward_d96_value_layout(schedule, D):
+    """At d 65..96 V lands as three 64-byte-swizzled 32-column slabs that P V reads with one
+    m64n96k16 per k-step (csrc/tiers/wgmma/tile_policy.h: fwd_value_width). With q = 0 every
+    row weighs the keys it sees equally, so a structured V names what a wrong layout read:
+    V[k, c] = c gives O[i, c] = c (the column each output column came from), and V[k, c] =
+    k % 32 with a causal mask gives each row the mean over its keys 0..i (the key rows)."""
+    Sq = Sk = 300
+    q = torch.zeros(1, 2, Sq, D, dtype=F16, device="cuda")
+    k = make_inputs(1, 2, 2, Sq, Sk, D, F16, "cuda", seed=D)[1]  # any keys: every score is 0
+    keys = torch.arange(Sk, device="cuda", dtype=torch.float64).view(Sk, 1)
+    cols = torch.arange(D, device="cuda", dtype=torch.float64).view(1, D)
+    v = (cols + 0 * keys).to(F16).expand(1, 2, Sk, D).contiguous()
+    out = ws_fwd(q, k, v, 0.1, -1, -1, 0.0, None, None, None, 0, 0)[0].double()
+    got = out.round()[0, 0]
+    bad = (got != cols).any(dim=0).nonzero().flatten().tolist()
+    assert not bad, f"D={D}: output columns {bad[:16]} read V columns {got[0, bad[:16]].tolist()}"
+    v = (keys % 32 + 0 * cols).to(F16).expand(1, 2, Sk, D).contiguous()
+    out = ws_fwd(q, k, v, 0.1, -1, 0, 0.0, None, None, None, 0, 0)[0].double()[0, 0]
+    want = torch.cumsum(keys % 32, 0) / (keys + 1)
+    err = (out - want).abs().amax(dim=1)
+    bad = (err > 0.05).nonzero().flatten().tolist()
+    assert not bad, f"D={D}: rows {bad[:16]} averaged the wrong key rows (max error {float(err.max()):.3f})"
 
 
 def test_ws_schedules_agree():
@@ -373,6 +406,8 @@ VARLEN_CASES = [
     ((200, 33), (100, 257), 2, 1, 192, False, (-1, -1), 0.0, "batch", "contiguous"),
     ((257, 1, 0, 130), (129, 7, 3, 200), 4, 2, 256, True, (-1, -1), 50.0, "heads", "contiguous"),
     ((100, 65), (150, 64), 2, 1, 200, False, (32, 8), 0.0, None, "strided"),
+    ((1, 127, 300, 0, 129), (1, 200, 300, 5, 128), 4, 2, 96, True, (-1, -1), 0.0, None, "contiguous"),
+    ((257, 33, 90), (130, 301, 1), 2, 1, 96, False, (40, 8), 5.0, "heads", "strided"),
 ]
 
 
@@ -427,7 +462,8 @@ def test_ws_varlen_many_tiles(schedule, is_causal):
 
 
 @pytest.mark.parametrize("poison", ["nan", "inf", "-inf"])
-@pytest.mark.parametrize("D,is_causal", [(64, False), (128, True), (192, False), (128, False)])
+@pytest.mark.parametrize("D,is_causal", [(64, False), (128, True), (192, False), (128, False), (96, False),
+                                         (96, True)])
 def test_ws_varlen_nonfinite_stays_in_its_sequence(schedule, poison, D, is_causal):
     """A NaN or Inf in one sequence's q, k and v rows never reaches another sequence's output or
     lse, though the boxes of the sequence before it read those rows (key lengths are not

@@ -26,6 +26,21 @@
 //     k-step starts 16 * 128 bytes further.
 // (PTX ISA, "Asynchronous Warpgroup Level Matrix Shared Memory Layout".)
 //
+// The 64-byte-swizzled slab layout (the Hopper forward's V at head dim 96: a 96-column row is
+// 192 bytes, 1.5 lines of the 128-byte swizzle, but exactly three 64-byte lines). A tile of R
+// rows x D columns (D a multiple of 32) is D / 32 slabs of 32 columns, one 64-byte line per row:
+//     byte offset of (r, col) = (col / 32) * R * 64 + r * 64 + 16 * ((col % 32) / 8 ^ (r / 2) % 4)
+//                               + 2 * (col % 8)
+// i.e. address bits 4-5 XORed with bits 7-8 (the hardware's "64B swizzle", period 512 bytes),
+// which is what TMA's 64-byte swizzle writes for a box of 32 columns when the slab starts on a
+// 512-byte boundary. Only the MN-major role is used (O = P V reads V with N along the columns):
+// the canonical layout ((8,4,m),(8,k)) : ((1,8,LBO),(32,SBO)) in elements, i.e. a swizzle atom
+// of 32 N-columns x 8 K-rows (8 lines, 512 bytes), atoms along N LBO = R * 64 bytes apart (the
+// next slab) and along K SBO = 512 bytes apart (the next 8 lines); a 16-row k-step starts
+// 16 * 64 bytes further, still on a 512-byte boundary (base offset 0). Every 8 lines of 16-byte
+// chunks that wgmma reads at one K (a core matrix) fall on 8 different 16-byte bank groups:
+// lines 2i and 2i + 1 are 64 bytes apart and pairs of lines are permuted by (r / 2) % 4.
+//
 // The pipeline the asynchronous instructions serve (PTX ISA, "Asynchronous data movement" and
 // "mbarrier"):
 //   producer:  wait(empty[s]) ; arrive.expect_tx(full[s], bytes) ; TMA -> smem[s], complete_tx on full[s]
@@ -94,12 +109,16 @@ constexpr size_t smem_request_bytes() {
 // ---------------------------------------------------------------------------------
 // Descriptors.
 // ---------------------------------------------------------------------------------
+// The descriptor's swizzle field (bits 62-63).
+constexpr int kDescSwizzle128B = 1;
+constexpr int kDescSwizzle64B = 2;
+template <int kSwizzleMode = kDescSwizzle128B>
 __device__ __forceinline__ uint64_t make_desc(uint32_t smem_byte_addr, uint32_t lbo_bytes, uint32_t sbo_bytes) {
   uint64_t desc = 0;
   desc |= static_cast<uint64_t>((smem_byte_addr & 0x3FFFF) >> 4);
   desc |= static_cast<uint64_t>((lbo_bytes & 0x3FFFF) >> 4) << 16;
   desc |= static_cast<uint64_t>((sbo_bytes & 0x3FFFF) >> 4) << 32;
-  desc |= static_cast<uint64_t>(1) << 62;  // 128-byte swizzle; base offset 0 (aligned slabs)
+  desc |= static_cast<uint64_t>(kSwizzleMode) << 62;  // base offset 0 (slabs on the pattern's period)
   return desc;
 }
 
@@ -128,6 +147,14 @@ __device__ __forceinline__ uint64_t desc_mn_major(const void* tile, int row0, in
                       16 * ks * kSwizzleBytes);
 }
 
+// MN-major operand in the 64-byte-swizzled layout (above): k-step ks covers rows
+// [16 ks, 16 ks + 16) of a tile of kRows rows; N runs along all its 32-column slabs.
+template <int kRows>
+__device__ __forceinline__ uint64_t desc_mn_major_64b(const void* tile, int ks) {
+  constexpr uint32_t kLine = 64;
+  return desc_advance(make_desc<kDescSwizzle64B>(smem_addr(tile), kRows * kLine, 8 * kLine), 16 * ks * kLine);
+}
+
 // A swizzled tile as a wgmma operand (its descriptor per k-step, and the instruction's transpose
 // bit): K-major rows [row0, row0 + 64 or N) of a tile of kRows rows, or MN-major from row0 on.
 template <int kRows, bool kMNMajor>
@@ -143,6 +170,13 @@ template <int kRows>
 using KMajor = Operand<kRows, false>;
 template <int kRows>
 using MNMajor = Operand<kRows, true>;
+// A tile in the 64-byte-swizzled layout as the MN-major B operand.
+template <int kRows>
+struct MNMajor64B {
+  static constexpr int kTrans = 1;
+  const void* tile;
+  __device__ __forceinline__ uint64_t desc(int ks) const { return desc_mn_major_64b<kRows>(tile, ks); }
+};
 
 // The products of a warpgroup over kSteps k-steps of 16, issued (the caller fences, commits and
 // waits): d (+)= A B with both operands in shared memory (the first step overwrites d unless
@@ -264,22 +298,22 @@ __device__ __forceinline__ void tma_store_4d(const CUtensorMap* map, const void*
                : "memory");
 }
 
-// Zeroes rows [valid, kRows) of a TMA-loaded tile of kSlabs slabs, each kRows rows of 128 bytes
-// (64 columns): the rows a box read past a packed sequence's end, which belong to the next
-// sequence (its NaN or Inf would otherwise reach this one through 0 x NaN). The 128-byte swizzle
-// permutes the 16-byte chunks within a row, never across rows, so whole rows are zeroed whatever
-// the pattern. One warp (lane = 0..31), 16-byte stores; the caller fences them for the async
-// proxy before a wgmma reads the tile.
-template <int kRows, int kSlabs>
+// Zeroes rows [valid, kRows) of a TMA-loaded tile of kSlabs slabs, each kRows rows of kLineBytes
+// (128: 64 columns; 64: the 64-byte-swizzled slabs of 32): the rows a box read past a packed
+// sequence's end, which belong to the next sequence (its NaN or Inf would otherwise reach this
+// one through 0 x NaN). Either swizzle permutes the 16-byte chunks within a row, never across
+// rows, so whole rows are zeroed whatever the pattern. One warp (lane = 0..31), 16-byte stores;
+// the caller fences them for the async proxy before a wgmma reads the tile.
+template <int kRows, int kSlabs, int kLineBytes = kSwizzleBytes>
 __device__ __forceinline__ void zero_rows(const void* tile, int valid, int lane) {
 #if FLASH_SM90_ENABLED
-  const uint32_t first = smem_addr(tile) + valid * kSwizzleBytes;
-  const int chunks = (kRows - valid) * (kSwizzleBytes / 16);
+  const uint32_t first = smem_addr(tile) + valid * kLineBytes;
+  const int chunks = (kRows - valid) * (kLineBytes / 16);
 #pragma unroll
   for (int slab = 0; slab < kSlabs; ++slab) {
 #pragma unroll 1
     for (int i = lane; i < chunks; i += 32) {
-      asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(first + slab * kRows * kSwizzleBytes + i * 16),
+      asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(first + slab * kRows * kLineBytes + i * 16),
                    "r"(0)
                    : "memory");
     }

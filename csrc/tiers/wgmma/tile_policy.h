@@ -16,6 +16,17 @@ namespace wgmma {
 constexpr int kNarrowDepth = 32;
 constexpr int tile_width(int bucket) { return bucket == 96 ? 128 : bucket; }
 
+// The forward's V tiles, P V's N and O's accumulator: as wide as the Q / K tiles, except for
+// d 65..96 (the tiles 128 wide, 96 deep), where they are natively 96 wide. P V over 128
+// columns would run 96 + 128 = 224 units of tensor work per key step for 192 useful ones (+14%),
+// and O would take 64 accumulator registers instead of 48. V is then stored as three 32-column
+// slabs with the 64-byte swizzle (arch/sm90.cuh; a 96-column row is 192 bytes, which no single
+// 128-byte-swizzled slab holds), read by one m64n96k16 per k-step. Q and K keep the 128-wide
+// 128-byte-swizzled tiles (Q K^T stops after the 6 k-steps of d 96 already); O is staged in
+// Q's layout, of which only the first 96 columns are written (its TMA store clips at d).
+// The backward keeps the 128-wide tiles everywhere (BwdTile<96>).
+constexpr int fwd_value_width(int width, int depth) { return width == 128 && depth == 96 ? 96 : width; }
+
 // ---- forward (fwd/) ----
 // Query rows per consumer warpgroup: one wgmma M of 64.
 constexpr int kFwdRowsPerConsumer = 64;

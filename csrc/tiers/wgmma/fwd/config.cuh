@@ -5,6 +5,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 #include "../../../arch/gpu_class.h"
 #include "../../../arch/sm90.cuh"
@@ -33,6 +34,23 @@ constexpr int kTurnThreads = 256;
 
 enum WsSchedule : int { kSerial = 0, kOverlap = 1 };
 
+// The slabs of one TMA-filled tile of kRows rows: kSlabs boxes of kCols columns, each kRows lines
+// of 2 kCols bytes, one after the other. kCols 64: the 128-byte swizzle (Q, K, O and the V of
+// every head dim but 96); 32: the 64-byte swizzle (the native 96-wide V; arch/sm90.cuh has both
+// layouts). kElems: the tile's elements; kBytes: what its boxes deliver (columns past d included:
+// TMA counts the zeros it fills).
+template <int kRows, int kCols_, int kSlabs_>
+struct Slabs {
+  static constexpr int kCols = kCols_;
+  static constexpr int kSlabs = kSlabs_;
+  static constexpr int kLineBytes = 2 * kCols;
+  static constexpr int kSlabElems = kRows * kCols;
+  static constexpr int kElems = kSlabs * kSlabElems;
+  static constexpr size_t kBytes = size_t(kElems) * 2;
+  static_assert(kCols == 64 || kCols == 32, "one line per row: 128-byte or 64-byte swizzle");
+  static_assert(kSlabElems * 2 % 1024 == 0, "every slab starts on the swizzle's period");
+};
+
 // The tiles and the pipeline's sizes (tile_policy.h chooses them per head dim and call).
 // kHeadDim_: the tiles' width. kBlockN_: keys per step.
 // kPolyEvery_: the share of exponentials taken on the FMA pipe (core/softmax.cuh:
@@ -41,6 +59,7 @@ enum WsSchedule : int { kSerial = 0, kOverlap = 1 };
 // kConsumerWGs_: consumer warpgroups, 64 query rows each.
 // kDepth_: the head dims the instance serves (<= kHeadDim_): S = Q K^T stops after its k-steps,
 // the tiles keep the bucket's width with TMA's zeros past d (d = 96: 6 of the 128-wide tile's 8).
+// V, P V and O are kVWidth wide (tile_policy.h: fwd_value_width): kHeadDim_, or 96 at d = 96.
 // kSerialOnly_: the instance has the serial schedule alone (launch_fwd_sm90_ws), whose consumers
 // hold one S tile, not two: at d = 256 they fit in 232 registers and the producer gets 40.
 template <typename T_, int kHeadDim_, int kBlockN_ = wgmma::fwd_block_n(kHeadDim_), int kPolyEvery_ = 0,
@@ -52,11 +71,17 @@ struct WsConfig {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kBlockM = wgmma::kFwdRowsPerConsumer * kConsumerWGs_;
+  static constexpr int kVWidth = wgmma::fwd_value_width(kHeadDim_, kDepth_);
   static constexpr int kNTiles = kBlockN / 8;         // C-fragment tiles of S (core/fragment.cuh)
-  static constexpr int kDTiles = kHeadDim / 8;        // of O
+  static constexpr int kDTiles = kVWidth / 8;         // of O
   static constexpr size_t kTileQ = size_t(kBlockM) * kHeadDim * sizeof(T);
-  static constexpr size_t kTileKV = size_t(kBlockN) * kHeadDim * sizeof(T);
   static_assert(kHeadDim % 64 == 0, "swizzled slabs are 64 columns wide");
+  static_assert(kVWidth <= kHeadDim && kVWidth >= kDepth_ && kVWidth % 32 == 0, "V holds the head dims");
+  // A K / V stage: K in Q's 64-column slabs; V in the same, or where it is narrower than the tiles
+  // (d = 96) in 32-column slabs with the 64-byte swizzle, whose three make exactly 96 columns.
+  using KSlabs = Slabs<kBlockN_, kSlabCols, kHeadDim_ / kSlabCols>;
+  using VSlabs =
+      std::conditional_t<kVWidth == kHeadDim_, KSlabs, Slabs<kBlockN_, kSlabCols / 2, kVWidth / (kSlabCols / 2)>>;
   static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "wgmma N");
   static constexpr int kQKSteps = (kDepth_ + 15) / 16;
   static_assert(kDepth_ <= kHeadDim_, "the tiles hold the instance's head dims");
@@ -90,11 +115,12 @@ struct WsConfig {
   // Shared memory (smem.h), with the O staging tile where it fits. kSmemBytes: the storage and
   // the 1024 bytes by which aligned_smem_base may move the dynamic base to the swizzle's period.
   template <bool kWithO>
-  using Storage = FwdSharedStorage<T_, kBlockM, kBlockN_, kHeadDim_, kStages_, kWithO>;
+  using Storage = FwdSharedStorage<T_, kBlockM, kBlockN_, kHeadDim_, kVWidth, kStages_, kWithO>;
   static constexpr bool kStageO = Storage<true>::kBytes + kSwizzleAlign <= kSmemHopper;
   using SharedStorage = Storage<kStageO>;
   static constexpr size_t kSmemBytes = SharedStorage::kBytes + kSwizzleAlign;
-  static_assert(kTileQ % 1024 == 0 && kTileKV % 1024 == 0, "TMA's boxes fill whole slabs");
+  static_assert(kTileQ % 1024 == 0 && KSlabs::kBytes % 1024 == 0 && VSlabs::kBytes % 1024 == 0,
+                "TMA's boxes fill whole slabs");
   static_assert(kBlockM <= 256 && kBlockN <= 256, "a TMA box has at most 256 rows");
   static_assert(kSmemBytes <= kSmemHopper, "fits a Hopper block");
 };

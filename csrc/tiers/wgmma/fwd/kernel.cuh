@@ -17,7 +17,7 @@
 // Warpgroup 0 is the producer: it gives up registers (setmaxnreg.dec), one of its warps walks
 // the tiles and that warp's lane 0 issues the loads. Consumer warpgroup w (1, 2, and 3 with 192-row tiles) owns query rows
 // 64(w-1) .. 64(w-1)+63 of the tile (setmaxnreg.inc): the accumulators of S (64 x kBlockN)
-// and O (64 x kHeadDim) live in its registers; wgmma's accumulator has the C fragment layout per
+// and O (64 x kVWidth: the tile's width, 96 at d = 96) live in its registers; wgmma's accumulator has the C fragment layout per
 // warp (core/fragment.cuh), so the online softmax of core/softmax.cuh runs on it unchanged. The
 // consumer loop is its four steps, split where the pipeline needs it:
 //   compute_qk_scores_and_max -> merge_block_stats -> compute_block_softmax(_and_weighted_v)

@@ -45,7 +45,10 @@ template <typename Cfg, typename Kernel>
 bool launch_ws_tiles(Kernel kernel, const FwdParams& p, cudaStream_t stream, int group,
                      const sm90::ws::WsLaunch& opt) {
   sm90::ws::TmaMaps maps;  // a packed batch's maps span all its rows (tma_maps.h: MapRows)
-  if (!make_qkv_tensor_maps(p, &maps.q, &maps.k, &maps.v, Cfg::kBlockM, Cfg::kBlockN, group)) return false;
+  // V's boxes are its slabs' width (config.cuh: VSlabs; 32 columns at d = 96).
+  if (!make_qkv_tensor_maps(p, &maps.q, &maps.k, &maps.v, Cfg::kBlockM, Cfg::kBlockN, group, Cfg::VSlabs::kCols)) {
+    return false;
+  }
   // O's map (one head per box) serves the unpacked tiles; without it the lanes copy the staged rows.
   maps.o_by_tma =
       group == 1 && Cfg::kStageO && wgmma::ws_tma_store() && make_o_tensor_map(p, &maps.o, /*box_rows=*/16) ? 1 : 0;
@@ -144,8 +147,8 @@ bool run_fwd_sm90_ws(const FwdParams& p, cudaStream_t stream) {
   }
 }
 
-// The GQA-packed tiles at the default shape of each bucket (d 65..96: the 128-wide tiles, Q K^T
-// 96 deep).
+// The GQA-packed tiles at the default shape of each bucket (d 65..96: the 128-wide Q and K tiles,
+// Q K^T 96 deep, V and O 96 wide).
 template <int kDType, int kHeadDim>
 bool run_fwd_sm90_ws_gqa(const FwdParams& p, cudaStream_t stream) {
   using T = typename ElementOf<kDType>::type;

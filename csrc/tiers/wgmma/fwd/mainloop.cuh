@@ -41,7 +41,6 @@ namespace ws {
 template <typename Cfg>
 struct Ring {
   using T = typename Cfg::T;
-  static constexpr int kKVElems = Cfg::kBlockN * Cfg::kHeadDim;
   T* sK;
   T* sV;
   uint64_t* k_full;
@@ -49,8 +48,8 @@ struct Ring {
   uint64_t* k_empty;
   uint64_t* v_empty;
   uint64_t* v_tail;  // the producer's: a partial V block lands here first (load_v_zero_tail)
-  __device__ __forceinline__ const T* k(int s) const { return sK + s * kKVElems; }
-  __device__ __forceinline__ const T* v(int s) const { return sV + s * kKVElems; }
+  __device__ __forceinline__ const T* k(int s) const { return sK + s * Cfg::KSlabs::kElems; }
+  __device__ __forceinline__ const T* v(int s) const { return sV + s * Cfg::VSlabs::kElems; }
   // The i-th key block this CTA loads (counted from 0 over all its tiles) sits in stage
   // i % kStages; its barriers complete once per pass over the ring, so the parity of the phase
   // to wait for is the pass's.
@@ -94,17 +93,19 @@ struct TileCoords {
   int q_row, k_row, h, h_kv, b;
 };
 
-// Loads K or V of key block nb into ring position i, as soon as the consumers freed its stage.
-template <typename Cfg>
+// Loads K or V of key block nb into ring position i, as soon as the consumers freed its stage:
+// one box per slab of the tile's layout (Slabs: Cfg::KSlabs or Cfg::VSlabs, whose map has boxes
+// of Slabs::kCols columns).
+template <typename Cfg, typename Slabs>
 __device__ __forceinline__ void load_kv(const CUtensorMap* map, typename Cfg::T* tiles, uint64_t* full,
                                         uint64_t* empty, const Ring<Cfg>& ring, int i, int nb, const TileCoords& at) {
   const int s = ring.stage(i);
   mbarrier_wait(&empty[s], ring.parity(i) ^ 1);  // the first pass finds every stage free
   if (!issuing_lane()) return;
-  mbarrier_arrive_expect_tx(&full[s], Cfg::kTileKV);
+  mbarrier_arrive_expect_tx(&full[s], Slabs::kBytes);
 #pragma unroll
-  for (int c = 0; c < Cfg::kSlabs; ++c) {
-    tma_load_4d(tiles + s * ring.kKVElems + c * Cfg::kBlockN * kSlabCols, map, &full[s], c * kSlabCols,
+  for (int c = 0; c < Slabs::kSlabs; ++c) {
+    tma_load_4d(tiles + s * Slabs::kElems + c * Slabs::kSlabElems, map, &full[s], c * Slabs::kCols,
                 at.k_row + nb * Cfg::kBlockN, at.h_kv, at.b);
   }
 }
@@ -120,20 +121,21 @@ __device__ __forceinline__ void load_kv(const CUtensorMap* map, typename Cfg::T*
 template <typename Cfg>
 __device__ __forceinline__ void load_v_zero_tail(const CUtensorMap* map, const Ring<Cfg>& ring, int& tail_phase,
                                                  int i, int nb, const TileCoords& at, int rows) {
+  using V = typename Cfg::VSlabs;
   const int s = ring.stage(i);
-  typename Cfg::T* tile = ring.sV + s * ring.kKVElems;
+  typename Cfg::T* tile = ring.sV + s * V::kElems;
   mbarrier_wait(&ring.v_empty[s], ring.parity(i) ^ 1);
   if (issuing_lane()) {
-    mbarrier_arrive_expect_tx(ring.v_tail, Cfg::kTileKV);
+    mbarrier_arrive_expect_tx(ring.v_tail, V::kBytes);
 #pragma unroll
-    for (int c = 0; c < Cfg::kSlabs; ++c) {
-      tma_load_4d(tile + c * Cfg::kBlockN * kSlabCols, map, ring.v_tail, c * kSlabCols, at.k_row + nb * Cfg::kBlockN,
-                  at.h_kv, at.b);
+    for (int c = 0; c < V::kSlabs; ++c) {
+      tma_load_4d(tile + c * V::kSlabElems, map, ring.v_tail, c * V::kCols, at.k_row + nb * Cfg::kBlockN, at.h_kv,
+                  at.b);
     }
   }
   mbarrier_wait(ring.v_tail, tail_phase);
   tail_phase ^= 1;
-  zero_rows<Cfg::kBlockN, Cfg::kSlabs>(tile, rows, static_cast<int>(threadIdx.x % 32));
+  zero_rows<Cfg::kBlockN, V::kSlabs, V::kLineBytes>(tile, rows, static_cast<int>(threadIdx.x % 32));
   fence_proxy_async();
   __syncwarp();
   if (issuing_lane()) mbarrier_arrive(&ring.v_full[s]);
@@ -152,7 +154,8 @@ __device__ __forceinline__ void produce(const TmaMaps& maps, const Ring<Cfg>& ri
                                         const QueryTile& qt, int k, int t, const BlockRange& range,
                                         const TileCoords& at, int last_rows, int& tail_phase) {
   const bool loads = t >= 0 && range.count() > 0;
-  if (loads) load_kv<Cfg>(&maps.k, ring.sK, ring.k_full, ring.k_empty, ring, first, range.begin, at);
+  using KSlabs = typename Cfg::KSlabs;
+  if (loads) load_kv<Cfg, KSlabs>(&maps.k, ring.sK, ring.k_full, ring.k_empty, ring, first, range.begin, at);
   mbarrier_wait(qt.empty, (k & 1) ^ 1);
   if (issuing_lane()) {
     // Published by the arrival below (release), read after its wait (acquire). Atomic accesses:
@@ -174,11 +177,11 @@ __device__ __forceinline__ void produce(const TmaMaps& maps, const Ring<Cfg>& ri
   }
   if (!loads) return;
   for (int nb = range.begin, i = first; nb < range.end; ++nb, ++i) {
-    if (nb > range.begin) load_kv<Cfg>(&maps.k, ring.sK, ring.k_full, ring.k_empty, ring, i, nb, at);
+    if (nb > range.begin) load_kv<Cfg, KSlabs>(&maps.k, ring.sK, ring.k_full, ring.k_empty, ring, i, nb, at);
     if (nb == range.end - 1 && last_rows < Cfg::kBlockN) {
       load_v_zero_tail<Cfg>(&maps.v, ring, tail_phase, i, nb, at, last_rows);
     } else {
-      load_kv<Cfg>(&maps.v, ring.sV, ring.v_full, ring.v_empty, ring, i, nb, at);
+      load_kv<Cfg, typename Cfg::VSlabs>(&maps.v, ring.sV, ring.v_full, ring.v_empty, ring, i, nb, at);
     }
   }
 }
@@ -223,13 +226,19 @@ __device__ __forceinline__ void issue_qk(float (&sc)[1][Cfg::kNTiles][4], const 
   wgmma_commit();
 }
 
-// Issues O += P V with P already in A fragments (one commit group).
+// Issues O += P V with P already in A fragments (one commit group): per k-step one wgmma of
+// N = kVWidth, V read MN-major from its slabs (at d = 96 one m64n96k16 over the three 64-byte-
+// swizzled 32-column slabs, whose LBO steps N from slab to slab: arch/sm90.cuh).
 template <typename Cfg>
 __device__ __forceinline__ void issue_weighted_v(float (&acc_o)[1][Cfg::kDTiles][4],
                                                  const uint32_t (&pa)[Cfg::kBlockN / 16][4],
                                                  const typename Cfg::T* sV) {
   wgmma_fence();
-  wgmma_rs<typename Cfg::T>(acc_o[0], pa, MNMajor<Cfg::kBlockN>{sV, 0});
+  if constexpr (Cfg::VSlabs::kCols == kSlabCols) {
+    wgmma_rs<typename Cfg::T>(acc_o[0], pa, MNMajor<Cfg::kBlockN>{sV, 0});
+  } else {
+    wgmma_rs<typename Cfg::T>(acc_o[0], pa, MNMajor64B<Cfg::kBlockN>{sV});
+  }
   wgmma_commit();
 }
 

@@ -1,13 +1,15 @@
 // tiers/wgmma/fwd/smem.h — the warp-specialized forward's shared memory, as one struct.
 //
-// Q (kBlockM x kHeadDim) | K[kStages] | V[kStages] | O staging | mbarriers | tile slots. Q, K, V
-// and O are in the 128-byte-swizzled slab layout of arch/sm90.cuh, which is what TMA's 128-byte
-// swizzle writes (and reads) for a box of 64 columns (one slab) when the slab starts on a
-// 1024-byte boundary: every tile is alignas(1024) and a whole number of slabs, so no padding
-// falls between them. Nothing aliases: O is staged in its own tile, so that a persistent CTA's
-// producer may already fill the ring with the next tile's K/V while the consumers write this
-// tile's O. Where that tile does not fit (d = 256: WsConfig::kStageO), the struct has none and
-// each consumer thread stores its own pairs.
+// Q (kBlockM x kHeadDim) | K[kStages] | V[kStages] (kBlockN x kVWidth) | O staging | mbarriers |
+// tile slots. Q, K and O are in the 128-byte-swizzled slab layout of arch/sm90.cuh, which is what
+// TMA's 128-byte swizzle writes (and reads) for a box of 64 columns (one slab) when the slab
+// starts on a 1024-byte boundary; V too, except at d = 96, where it is three 32-column slabs of
+// the 64-byte-swizzled layout (config.cuh: VSlabs). Every tile is alignas(1024) and a whole
+// number of slabs (each a multiple of 1024 bytes), so no padding falls between them. Nothing
+// aliases: O is staged in its own tile, so that a persistent CTA's producer may already fill the
+// ring with the next tile's K/V while the consumers write this tile's O. Where that tile does not
+// fit (d = 256: WsConfig::kStageO), the struct has none and each consumer thread stores its own
+// pairs.
 //
 // Barriers (mainloop.cuh): q_full / q_empty (Q of the current tile), and per stage k_full,
 // v_full (producer arrival + transaction bytes: V may still be landing while S = Q K^T runs),
@@ -27,16 +29,18 @@ namespace ws {
 // 1024 bytes: the swizzle pattern's period (8 lines of 128 bytes).
 constexpr size_t kSwizzleAlign = 1024;
 
-template <typename T, int kBlockM, int kBlockN, int kHeadDim, int kStages>
+template <typename T, int kBlockM, int kBlockN, int kHeadDim, int kVWidth, int kStages>
 struct FwdRingTiles {
   alignas(kSwizzleAlign) T q[kBlockM * kHeadDim];
   alignas(kSwizzleAlign) T k[kStages][kBlockN * kHeadDim];
-  alignas(kSwizzleAlign) T v[kStages][kBlockN * kHeadDim];
+  alignas(kSwizzleAlign) T v[kStages][kBlockN * kVWidth];
 };
 // The O staging tile after the ring: Q's slab layout (no padding: the swizzle keeps the fragment
-// writes conflict-free), which is what a TMA store of 64-column boxes reads.
-template <typename T, int kBlockM, int kBlockN, int kHeadDim, int kStages>
-struct FwdRingAndOTiles : FwdRingTiles<T, kBlockM, kBlockN, kHeadDim, kStages> {
+// writes conflict-free), which is what a TMA store of 64-column boxes reads. At d = 96 only its
+// first kVWidth columns are written: a TMA store leaves out the box's columns past d, and the
+// lanes' copy reads none past kVWidth, so whatever the rest holds never reaches memory.
+template <typename T, int kBlockM, int kBlockN, int kHeadDim, int kVWidth, int kStages>
+struct FwdRingAndOTiles : FwdRingTiles<T, kBlockM, kBlockN, kHeadDim, kVWidth, kStages> {
   alignas(kSwizzleAlign) T o[kBlockM * kHeadDim];
 };
 
@@ -48,10 +52,10 @@ struct FwdSync {
   int tile_slot[2];
 };
 
-template <typename T, int kBlockM, int kBlockN, int kHeadDim, int kStages, bool kStageO>
+template <typename T, int kBlockM, int kBlockN, int kHeadDim, int kVWidth, int kStages, bool kStageO>
 struct FwdSharedStorage {
-  using Tiles = std::conditional_t<kStageO, FwdRingAndOTiles<T, kBlockM, kBlockN, kHeadDim, kStages>,
-                                   FwdRingTiles<T, kBlockM, kBlockN, kHeadDim, kStages>>;
+  using Tiles = std::conditional_t<kStageO, FwdRingAndOTiles<T, kBlockM, kBlockN, kHeadDim, kVWidth, kStages>,
+                                   FwdRingTiles<T, kBlockM, kBlockN, kHeadDim, kVWidth, kStages>>;
   using Sync = FwdSync<kStages>;
   Tiles tiles;
   Sync sync;

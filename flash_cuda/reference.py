@@ -1559,15 +1559,13 @@ def attention_fp8_varlen_naive(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Te
                        softcap=softcap, sinks=sinks, round_p=round_p, p_offset=p_offset)
 
 
-def attention_fp8_varlen_forward_blocked(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
-                                         cu_seqlens_k: Tensor, q_descale=None, k_descale=None,
-                                         v_descale=None, *, is_causal: bool = False,
-                                         scale: Optional[float] = None,
+def attention_fp8_varlen_forward_blocked(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                                         q_descale=None, k_descale=None, v_descale=None, *,
+                                         is_causal: bool = False, scale: Optional[float] = None,
                                          window_size: Sequence[int] = (-1, -1), softcap: float = 0.0,
-                                         alibi_slopes: Optional[Tensor] = None,
-                                         sinks: Optional[Tensor] = None,
-                                         out_dtype: torch.dtype = torch.bfloat16, block_m: int = 64,
-                                         block_n: int = 64, max_lag: float = 0.0,
+                                         alibi_slopes: Optional[Tensor] = None, sinks: Optional[Tensor] = None,
+                                         out_dtype: torch.dtype = torch.bfloat16, block_m: int = 64, block_n: int = 64,
+                                         max_lag: float = 0.0,
                                          p_offset: float = FP8_P_OFFSET) -> Tuple[Tensor, Tensor]:
     """:func:`attention_fp8_forward_blocked` over a packed batch, one sequence at a time, each
     attended as a dense batch entry of its lengths with row b of (B, Hkv) descales. Returns

@@ -107,6 +107,39 @@ _FEATURES_DOC = r"""
             Works with every other option, dropout included."""
 
 
+
+def _prepared(alibi_slopes, sinks, plan):
+    """The extension's forms of the checked slopes and sinks (contiguous; the sinks float32 by a
+    differentiable conversion, so their gradient reaches them in their dtype), once the
+    extension is known to be there."""
+    if not _ext.is_available():
+        raise RuntimeError(_ext.unavailable_message())
+    if alibi_slopes is not None and plan.fix_alibi:
+        alibi_slopes = alibi_slopes.detach().contiguous()
+    if sinks is not None and plan.fix_sinks:
+        sinks = sinks.to(_F32).contiguous()
+    return alibi_slopes, sinks
+
+
+def _eager_call(q, k, v, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, plan):
+    """(out, lse) of a plain eager call: through the autograd Function when a gradient is
+    wanted, else (inference, e.g. a decode step under torch.no_grad()) the extension call
+    alone, without a Function's bookkeeping."""
+    if _is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                               or (sinks is not None and sinks.requires_grad)):
+        return eager.EagerAttention.run(q, k, v, sinks, alibi_slopes, cu_seqlens_q, cu_seqlens_k, plan)
+    out, lse, _, _ = eager.forward(q, k, v, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, plan)
+    return out, lse
+
+
+def _op_call(plain, with_dropout, plan, sinks, args):
+    """(out, lse) through the custom ops (torch.compile, fake tensors, tensor subclasses): the
+    dropout op where the call has dropout, else the plain one."""
+    if plan.dropout_p:
+        return with_dropout(*args, plan.dropout_p, sinks)[:2]
+    return plain(*args, sinks)[:2]
+
+
 def attention(q: Tensor, k: Tensor, v: Tensor, *, is_causal: bool = False, scale: Optional[float] = None,
               window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0, alibi_slopes: Optional[Tensor] = None,
               return_lse: bool = False, deterministic: bool = False, kernel: str = "auto",
@@ -172,30 +205,14 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, is_causal: bool = False, scale
                            kernel, dropout_p, sinks) if on_eager else
             check_attention(q, k, v, is_causal, scale, window_size, softcap, alibi_slopes, return_lse, deterministic,
                             kernel, dropout_p, sinks, False))
-    if not _ext.is_available():
-        raise RuntimeError(_ext.unavailable_message())
-    if alibi_slopes is not None and plan.fix_alibi:
-        alibi_slopes = alibi_slopes.detach().contiguous()
-    if sinks is not None and plan.fix_sinks:
-        sinks = sinks.to(_F32).contiguous()  # differentiable: the gradient reaches the sinks in their dtype
+    alibi_slopes, sinks = _prepared(alibi_slopes, sinks, plan)
     if on_eager:
-        if _is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
-                                   or (sinks is not None and sinks.requires_grad)):
-            out, lse = eager.EagerAttention.run(q, k, v, sinks, alibi_slopes, None, None, plan)
-        else:
-            # Inference (no gradient wanted, e.g. a decode step under torch.no_grad()): the extension
-            # call alone, without an autograd Function's bookkeeping.
-            out, lse, _, _ = eager.forward(q, k, v, alibi_slopes, sinks, None, None, plan)
+        out, lse = _eager_call(q, k, v, alibi_slopes, sinks, None, None, plan)
     else:
-        args = (q, k, v, plan.scale, plan.window_left, plan.window_right, plan.softcap, alibi_slopes, deterministic,
-                plan.tier)
-        if plan.dropout_p:
-            out, lse = ops.fwd_dropout(*args, plan.dropout_p, sinks)[:2]
-        else:
-            out, lse, _ = ops.fwd(*args, sinks)
-    if return_lse:
-        return out, lse
-    return out
+        out, lse = _op_call(ops.fwd, ops.fwd_dropout, plan, sinks,
+                            (q, k, v, plan.scale, plan.window_left, plan.window_right, plan.softcap, alibi_slopes,
+                             deterministic, plan.tier))
+    return (out, lse) if return_lse else out
 
 
 def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
@@ -257,31 +274,17 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale, window_size, softcap,
             alibi_slopes, return_lse, deterministic, kernel, check_cu_seqlens, dropout_p, sinks)
     plan = plan_varlen(*args) if on_eager else check_varlen(*args, False)
-    if not _ext.is_available():
-        raise RuntimeError(_ext.unavailable_message())
-    if alibi_slopes is not None and plan.fix_alibi:
-        alibi_slopes = alibi_slopes.detach().contiguous()
-    if sinks is not None and plan.fix_sinks:
-        sinks = sinks.to(_F32).contiguous()
+    alibi_slopes, sinks = _prepared(alibi_slopes, sinks, plan)
     if plan.fix_cu:
         cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
     if on_eager:
-        if _is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
-                                   or (sinks is not None and sinks.requires_grad)):
-            out, lse = eager.EagerAttention.run(q, k, v, sinks, alibi_slopes, cu_seqlens_q, cu_seqlens_k, plan)
-        else:
-            out, lse, _, _ = eager.forward(q, k, v, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, plan)
+        out, lse = _eager_call(q, k, v, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, plan)
     else:
-        args = (q, k, v, cu_seqlens_q, cu_seqlens_k, plan.max_seqlen_q, plan.max_seqlen_k, plan.scale,
-                plan.window_left, plan.window_right, plan.softcap, alibi_slopes, deterministic, plan.tier,
-                check_cu_seqlens)
-        if plan.dropout_p:
-            out, lse = ops.varlen_fwd_dropout(*args, plan.dropout_p, sinks)[:2]
-        else:
-            out, lse, _ = ops.varlen_fwd(*args, sinks)
-    if return_lse:
-        return out, lse
-    return out
+        out, lse = _op_call(ops.varlen_fwd, ops.varlen_fwd_dropout, plan, sinks,
+                            (q, k, v, cu_seqlens_q, cu_seqlens_k, plan.max_seqlen_q, plan.max_seqlen_k, plan.scale,
+                             plan.window_left, plan.window_right, plan.softcap, alibi_slopes, deterministic,
+                             plan.tier, check_cu_seqlens))
+    return (out, lse) if return_lse else out
 
 
 attention.__doc__ = attention.__doc__.replace("{features}", _FEATURES_DOC)

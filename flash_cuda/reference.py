@@ -1280,7 +1280,66 @@ def _kvcache_attend(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Op
     return out
 
 
-__all__ += ["attention_with_kvcache_reference", "split_key_ranges", "combine_splits"]
+def attention_with_kvcache_packed_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor,
+                                            k: Optional[Tensor] = None, v: Optional[Tensor] = None, *,
+                                            cu_seqlens_q: Tensor, cache_seqlens: Tensor,
+                                            block_table: Optional[Tensor] = None,
+                                            alibi_slopes: Optional[Tensor] = None,
+                                            return_lse: bool = False, **options):
+    """The KV-cache call with packed (varlen) queries, defined sequence by sequence by
+    :func:`attention_with_kvcache_reference`: a batch that mixes prompt chunks of some
+    sequences with decode tokens of others.
+
+    * q (total_q, Hq, D); sequence b owns rows cu_seqlens_q[b] : cu_seqlens_q[b + 1] (its
+      chunk, n_b rows, possibly 0). k / v (total_q, Hkv, D), or None: the chunk's new keys,
+      appended to sequence b's cache at positions cache_seqlens[b] .. cache_seqlens[b] + n_b - 1.
+    * ``cache_seqlens`` (integer tensor (B,)), ``block_table`` ((B, max_pages), paged) and
+      ``alibi_slopes`` ((Hq,) or (B, Hq)) are per sequence as in the dense reference; every
+      other keyword (is_causal, scale, window_size, softcap, num_splits, block_m, block_n,
+      sinks) is passed on unchanged.
+    * Rows of sequence b are exactly ``attention_with_kvcache_reference`` on batch entry b
+      alone (q[rows].transpose(0, 1)[None], its cache entry or its block-table row): with
+      k / v sequence b attends to [0, cache_seqlens[b] + n_b), bottom-right aligned. A
+      0-row chunk reads and writes nothing.
+
+    Returns out (total_q, Hq, D) in q's dtype, and with ``return_lse`` also lse (Hq, total_q).
+    """
+    assert q.dim() == 3 and k_cache.dim() == 4, "q must be (total_q, Hq, D), the caches 4-D"
+    assert (k is None) == (v is None), "k and v come together"
+    assert cu_seqlens_q.dim() == 1 and cu_seqlens_q.shape[0] >= 1, "cu_seqlens_q must be (B + 1,)"
+    cu = [int(x) for x in cu_seqlens_q.tolist()]
+    B = len(cu) - 1
+    assert cu[0] == 0 and all(a <= b for a, b in zip(cu, cu[1:])) and cu[-1] == q.shape[0], \
+        f"cu_seqlens_q must start at 0, not decrease and end at total_q = {q.shape[0]}, got {cu}"
+    if k is not None:
+        assert k.shape == v.shape and k.dim() == 3 and k.shape[0] == q.shape[0], \
+            "k / v must be (total_q, Hkv, D)"
+    cached = _kvcache_lengths(cache_seqlens, B)
+    Hq, D = q.shape[1], q.shape[2]
+    acc = _acc_dtype(q.dtype)
+    out = q.new_zeros(q.shape)
+    lse = torch.empty((Hq, q.shape[0]), dtype=acc, device=q.device)
+    for b in range(B):  # the definition: one dense call per sequence
+        lo, hi = cu[b], cu[b + 1]
+        if hi == lo:
+            continue
+        seq_cache = (k_cache, v_cache) if block_table is not None else (k_cache[b:b + 1], v_cache[b:b + 1])
+        slopes = alibi_slopes if alibi_slopes is None or alibi_slopes.dim() == 1 else alibi_slopes[b:b + 1]
+        o_b, lse_b = attention_with_kvcache_reference(
+            q[lo:hi].transpose(0, 1)[None], *seq_cache,
+            None if k is None else k[lo:hi].transpose(0, 1)[None],
+            None if v is None else v[lo:hi].transpose(0, 1)[None],
+            cache_seqlens=cached[b], block_table=None if block_table is None else block_table[b:b + 1],
+            alibi_slopes=slopes, return_lse=True, **options)
+        out[lo:hi] = o_b[0].transpose(0, 1)
+        lse[:, lo:hi] = lse_b[0]
+    if return_lse:
+        return out, lse
+    return out
+
+
+__all__ += ["attention_with_kvcache_reference", "split_key_ranges", "combine_splits",
+            "attention_with_kvcache_packed_reference"]
 
 
 # ---------------------------------------------------------------------------------------

@@ -30,10 +30,10 @@ from torch import Tensor
 from . import _ext
 from .ops import eager_ok, fwd_impl
 from .validation import (MAX_GRID_YZ, MAX_HEAD_DIM, MAX_SEQLEN, MIN_CAPABILITY, MIN_HEAD_DIM, ScoreOptions,
-                         check_alibi, check_capability, check_score_options, check_sinks, device_capability,
-                         dtype_name)
+                         check_alibi, check_capability, check_cu_seqlens_values, check_score_options, check_sinks,
+                         device_capability, dtype_name)
 
-__all__ = ["attention_with_kvcache", "fwd_kvcache", "PAGE_SIZE_MULTIPLE", "MAX_NUM_SPLITS"]
+__all__ = ["attention_with_kvcache", "fwd_kvcache", "fwd_kvcache_packed", "PAGE_SIZE_MULTIPLE", "MAX_NUM_SPLITS"]
 
 _PREFIX = "flash_cuda.attention_with_kvcache: "
 _DTYPES = (torch.float16, torch.bfloat16)
@@ -117,18 +117,21 @@ def _check_enabled(flag: bool) -> bool:
     return bool(flag) or env not in ("", "0", "false", "no", "off")
 
 
-def _check_values(lens: list, block_table: Optional[Tensor], s_new: int, capacity: int,
+def _check_values(lens: list, block_table: Optional[Tensor], s_new, capacity: int,
                   num_pages: int) -> None:
-    """The device values the kernels otherwise trust, read back to the host (a device sync)."""
+    """The device values the kernels otherwise trust, read back to the host (a device sync).
+    ``s_new``: the new tokens of every sequence (an int), or one count per sequence (a list,
+    packed queries)."""
+    news = s_new if isinstance(s_new, list) else [s_new] * len(lens)
     for b, n in enumerate(lens):
-        if n < 0 or n + s_new > capacity:
-            _fail(ValueError, f"cache_seqlens[{b}] = {n}: with {s_new} new tokens the sequence needs "
-                              f"{n + s_new} positions, but the cache holds {capacity} per sequence "
+        if n < 0 or n + news[b] > capacity:
+            _fail(ValueError, f"cache_seqlens[{b}] = {n}: with {news[b]} new tokens the sequence needs "
+                              f"{n + news[b]} positions, but the cache holds {capacity} per sequence "
                               f"(cache_seqlens must be >= 0)")
     if block_table is not None:
         page_size = capacity // max(block_table.shape[1], 1)
         for b, n in enumerate(lens):
-            used = -(-(n + s_new) // page_size) if page_size else 0
+            used = -(-(n + news[b]) // page_size) if page_size else 0
             ids = block_table[b, :used].tolist()
             bad = [p for p in ids if not 0 <= p < num_pages]
             if bad:
@@ -388,6 +391,181 @@ def _fwd_kvcache_fake(q, k_cache, v_cache, k, v, cache_seqlens, cache_len, block
     return torch.empty_like(q), q.new_empty(lse_shape, dtype=torch.float32)
 
 
+# ---------------------------------------------------------------------------------------
+# Packed (varlen) queries: prompt chunks and decode tokens of different sequences in one call
+# ---------------------------------------------------------------------------------------
+
+
+def _validate_packed(q, k_cache, v_cache, k, v, cu_seqlens_q, max_seqlen_q, cache_seqlens, block_table, is_causal,
+                     scale, window_size, softcap, alibi_slopes, num_splits, return_lse, sinks) -> _Plan:
+    """The metadata checks of a packed call. The packed tensors' own rules come first; the
+    cache, options and device rules are :func:`_validate`'s, run on stand-ins of q's batched
+    shape (an expanded one-element tensor: no memory), so both layouts keep one wording."""
+    _check_tensor("q", q, 3, "(total_q, heads, head_dim)")
+    if not isinstance(cu_seqlens_q, Tensor):
+        _fail(TypeError, f"cu_seqlens_q must be a torch.Tensor of int32 sequence start offsets (shape "
+                         f"(batch + 1,)), got {type(cu_seqlens_q).__name__}")
+    if cu_seqlens_q.dtype is not torch.int32:
+        _fail(TypeError, f"cu_seqlens_q must be an int32 tensor, got {dtype_name(cu_seqlens_q.dtype)}")
+    if cu_seqlens_q.dim() != 1 or cu_seqlens_q.shape[0] < 2:
+        _fail(ValueError, f"cu_seqlens_q must be 1-D of shape (batch + 1,) with batch >= 1 (0, then the running "
+                          f"sum of the chunk lengths), got shape {tuple(cu_seqlens_q.shape)}")
+    if cu_seqlens_q.get_device() != q.get_device():
+        _fail(RuntimeError, f"cu_seqlens_q must be on q's device {q.device}, got {cu_seqlens_q.device}")
+    if type(max_seqlen_q) is not int:
+        _fail(TypeError, f"max_seqlen_q must be a Python int (the longest chunk), got {type(max_seqlen_q).__name__}")
+    if not 1 <= max_seqlen_q <= MAX_SEQLEN:
+        _fail(ValueError, f"max_seqlen_q must be in [1, 2^31 - 1], got {max_seqlen_q}")
+    if not isinstance(cache_seqlens, Tensor):
+        _fail(TypeError, f"with cu_seqlens_q, cache_seqlens must be an int32 tensor (batch,) (one length per "
+                         f"sequence), got {type(cache_seqlens).__name__}")
+    B = cu_seqlens_q.shape[0] - 1
+    total_q, Hq, D = q.shape
+    if k is not None or v is not None:
+        if k is None or v is None:
+            _fail(ValueError, "pass both k and v (the new keys and values), or neither")
+        for name, t in (("k", k), ("v", v)):
+            _check_tensor(name, t, 3, "(total_q, kv_heads, head_dim)")
+            _check_same(name, t, q)
+        if isinstance(k_cache, Tensor) and k_cache.dim() == 4:
+            want = (total_q, k_cache.shape[1], D)
+            if tuple(k.shape) != want or tuple(v.shape) != want:
+                _fail(ValueError, f"packed k and v must both have shape (total_q, kv_heads, head_dim) = {want} (one "
+                                  f"row per query row), got {tuple(k.shape)} and {tuple(v.shape)}")
+    # Only the batched stand-in's metadata is read (no element), hence one element expanded.
+    q4 = q.new_empty((1, 1, 1, D)).expand(B, Hq, 1, D)
+    plan = _validate(q4, k_cache, v_cache, None, None, cache_seqlens, block_table, is_causal, scale, window_size,
+                     softcap, alibi_slopes, num_splits, return_lse, sinks)
+    if max_seqlen_q > plan.capacity:
+        _fail(ValueError, f"max_seqlen_q = {max_seqlen_q} does not fit a cache of {plan.capacity} positions per "
+                          f"sequence")
+    return plan
+
+
+def _pool_of(cache: Tensor) -> Optional[Tensor]:
+    """A dense cache (B, Hkv, S, D) is already a paged pool of B pages of S rows (page b is
+    sequence b) when S is a page size the kernels take: subsets of the batch then run by
+    block table, without copying their cache rows."""
+    return cache if cache.shape[2] % PAGE_SIZE_MULTIPLE == 0 and cache.shape[2] > 0 else None
+
+
+def _run_packed(C, q, k_cache, v_cache, k, v, cu_seqlens_q, max_seqlen_q, lens, block_table, scale, window_left,
+                window_right, softcap, alibi_slopes, num_splits, return_lse, check_inputs, sinks=None):
+    """The validated packed call: (out (total_q, heads, D), lse (heads, total_q) or None).
+
+    Today's route, built from the existing binding: (1) every chunk appended by one scatter,
+    its (page, row) or (sequence, position) slots computed on the device; (2) the sequences
+    grouped by chunk length, one binding call per distinct length on the group's gathered
+    queries (a (G, heads, n, D) view), attending to the filled cache (no new keys: the
+    lengths are cache_seqlens + n). Grouping needs the chunk lengths on the host: the one
+    device sync of the call, which also checks cu_seqlens_q (free once read)."""
+    total_q, Hq, D = q.shape
+    B = cu_seqlens_q.shape[0] - 1
+    dev = q.device
+    cu = [int(x) for x in cu_seqlens_q.tolist()]
+    check_cu_seqlens_values(cu_seqlens_q, cu_seqlens_q, total_q, total_q, max_seqlen_q, max_seqlen_q, _PREFIX)
+    chunks = [b - a for a, b in zip(cu, cu[1:])]
+    paged = block_table is not None
+    capacity = k_cache.shape[2] * (block_table.shape[1] if paged else 1)
+    if _check_enabled(check_inputs):
+        _check_values(lens.tolist(), block_table, chunks if k is not None else 0, capacity, k_cache.shape[0])
+    cu_long = cu_seqlens_q.long()
+    if k is not None and total_q:
+        # Row r belongs to sequence seq[r] and lands at its position lens[seq] + (r - cu[seq]).
+        seq = torch.repeat_interleave(torch.arange(B, device=dev), cu_long.diff(), output_size=total_q)
+        pos = lens.long()[seq] + torch.arange(total_q, device=dev) - cu_long[seq]
+        if paged:
+            page_size = k_cache.shape[2]
+            first, second = block_table.long()[seq, pos // page_size], pos % page_size
+        else:
+            first, second = seq, pos
+        k_cache[first, :, second] = k
+        v_cache[first, :, second] = v
+        lens = lens + cu_seqlens_q.diff()  # int32 + int32: the filled lengths
+    out = q.new_empty((total_q, Hq, D))
+    lse = torch.empty((Hq, total_q), dtype=torch.float32, device=dev) if return_lse else None
+    groups: dict = {}
+    for b, n in enumerate(chunks):
+        if n:
+            groups.setdefault(n, []).append(b)
+    pool_k, pool_v = (None, None) if paged else (_pool_of(k_cache), _pool_of(v_cache))
+    for n, members in sorted(groups.items()):
+        G = len(members)
+        idx = torch.tensor(members, dtype=torch.long, device=dev)
+        rows = (cu_long[idx][:, None] + torch.arange(n, device=dev)).reshape(-1)
+        q_g = q[rows].view(G, n, Hq, D).transpose(1, 2)
+        lens_g = lens[idx].contiguous()
+        if paged:
+            kc, vc, table = k_cache, v_cache, block_table[idx].contiguous()
+        elif pool_k is not None and pool_v is not None:
+            kc, vc, table = pool_k, pool_v, idx.to(torch.int32).view(G, 1)
+        else:  # an unpaged length: the group's cache rows gathered (read only: the append is done)
+            kc, vc, table = k_cache[idx], v_cache[idx], None
+        slopes = alibi_slopes[idx].contiguous() if alibi_slopes is not None and alibi_slopes.dim() == 2 \
+            else alibi_slopes
+        args = (q_g, kc, vc, None, None, lens_g, 0, table, scale, window_left, window_right, softcap, slopes,
+                num_splits, return_lse)
+        o_g, lse_g = C.fwd_kvcache(*args) if sinks is None else C.fwd_kvcache(*args, sinks)
+        out[rows] = o_g.transpose(1, 2).reshape(G * n, Hq, D)
+        if return_lse:
+            lse[:, rows] = lse_g.transpose(0, 1).reshape(Hq, G * n)
+    return out, lse
+
+
+@torch.library.custom_op("flash_cuda::fwd_kvcache_packed", mutates_args=("k_cache", "v_cache"))
+def fwd_kvcache_packed(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor], v: Optional[Tensor],
+                       cu_seqlens_q: Tensor, max_seqlen_q: int, cache_seqlens: Tensor, block_table: Optional[Tensor],
+                       scale: float, window_left: int, window_right: int, softcap: float,
+                       alibi_slopes: Optional[Tensor], num_splits: int, return_lse: bool, check_inputs: bool,
+                       sinks: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+    """:func:`fwd_kvcache` for packed queries: q (total_q, heads, D), k / v (total_q, kv_heads,
+    D) or None, chunk b the rows cu_seqlens_q[b] : cu_seqlens_q[b + 1]; (out like q, lse
+    (heads, total_q) float32, empty (0,) unless ``return_lse``). Validated by
+    :func:`attention_with_kvcache`; the values of cu_seqlens_q are checked here, at run time."""
+    _check_alignment(k_cache, v_cache)
+    out, lse = _run_packed(_ext.require(), q, k_cache, v_cache, k, v, cu_seqlens_q, max_seqlen_q, cache_seqlens,
+                           block_table, scale, window_left, window_right, softcap, alibi_slopes, num_splits,
+                           return_lse, check_inputs, sinks)
+    return out, (lse if lse is not None else q.new_empty((0,), dtype=torch.float32))
+
+
+@fwd_kvcache_packed.register_fake
+def _fwd_kvcache_packed_fake(q, k_cache, v_cache, k, v, cu_seqlens_q, max_seqlen_q, cache_seqlens, block_table,
+                             scale, window_left, window_right, softcap, alibi_slopes, num_splits, return_lse,
+                             check_inputs, sinks=None):
+    lse_shape = (q.shape[1], q.shape[0]) if return_lse else (0,)
+    return q.new_empty(q.shape), q.new_empty(lse_shape, dtype=torch.float32)
+
+
+def _attention_packed(q, k_cache, v_cache, k, v, cu_seqlens_q, max_seqlen_q, cache_seqlens, block_table, is_causal,
+                      scale, window_size, softcap, alibi_slopes, sinks, num_splits, return_lse, check_inputs):
+    """attention_with_kvcache with cu_seqlens_q: checked on every call (no kept signature)."""
+    if cu_seqlens_q is None or max_seqlen_q is None:
+        _fail(ValueError, "packed queries need both cu_seqlens_q and max_seqlen_q")
+    plan = _validate_packed(q, k_cache, v_cache, k, v, cu_seqlens_q, max_seqlen_q, cache_seqlens, block_table,
+                            is_causal, scale, window_size, softcap, alibi_slopes, num_splits, return_lse, sinks)
+    lens = cache_seqlens.contiguous() if plan.fix_lens else cache_seqlens
+    if plan.fix_table:
+        block_table = block_table.contiguous()
+    if alibi_slopes is not None:
+        alibi_slopes = alibi_slopes.detach().contiguous()
+    if sinks is not None:
+        sinks = sinks.detach().to(torch.float32).contiguous()
+    args = (q, k_cache, v_cache, k, v, cu_seqlens_q.contiguous(), max_seqlen_q, lens, block_table, plan.scale,
+            plan.window_left, plan.window_right, plan.softcap, alibi_slopes, num_splits, return_lse, check_inputs,
+            sinks)
+    if _plain(q, k_cache, v_cache, k, v, cache_seqlens, block_table, alibi_slopes, sinks) \
+            and type(cu_seqlens_q) is Tensor:
+        out, lse = _run_packed(_ext.require(), *args)
+    else:
+        if not _ext.is_available():
+            raise RuntimeError(_ext.unavailable_message())
+        out, lse = fwd_kvcache_packed(*args)
+    if return_lse:
+        return out, lse
+    return out
+
+
 def attention_with_kvcache(
     q: Tensor,
     k_cache: Tensor,
@@ -406,6 +584,8 @@ def attention_with_kvcache(
     num_splits: int = 0,
     return_lse: bool = False,
     check_inputs: bool = False,
+    cu_seqlens_q: Optional[Tensor] = None,
+    max_seqlen_q: Optional[int] = None,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     r"""Attention of new queries against a KV cache, appending the new keys to it first.
 
@@ -461,6 +641,10 @@ def attention_with_kvcache(
         TypeError, ValueError, RuntimeError: a bad argument, named with what is accepted, before
             anything is written or launched.
     """
+    if cu_seqlens_q is not None or max_seqlen_q is not None:
+        return _attention_packed(q, k_cache, v_cache, k, v, cu_seqlens_q, max_seqlen_q, cache_seqlens, block_table,
+                                 is_causal, scale, window_size, softcap, alibi_slopes, sinks, num_splits, return_lse,
+                                 check_inputs)
     eager = _plain(q, k_cache, v_cache, k, v, cache_seqlens, block_table, alibi_slopes, sinks)
     if eager and _simple_options(scale, window_size, softcap, is_causal, num_splits, return_lse):
         key = _signature(q, k_cache, v_cache, k, v, cache_seqlens, block_table, scale, window_size, softcap,

@@ -12,6 +12,8 @@ is the executable specification (pure PyTorch, runs on CPU).
   with a fake implementation: ``torch.compile(fullgraph=True)`` traces a decode step without
   a graph break. It always returns ``(out, lse)``; lse is an empty float32 ``(0,)`` tensor
   unless ``return_lse``.
+* ``flash_cuda::fwd_kvcache_packed``: the same for packed (varlen) queries (``cu_seqlens_q``),
+  today a scatter for the appends and one binding call per distinct chunk length.
 * The host path: a decode step calls this with the same shapes, strides and options every
   time, so the outcome of the checks is kept per signature of the arguments (their metadata,
   never their values) and a repeated signature skips them. Plain eager tensors then run the
@@ -625,6 +627,28 @@ def attention_with_kvcache(
         check_inputs: also read ``cache_seqlens`` and ``block_table`` back to the host and check
             that every sequence fits the cache and every page id used exists (a device sync).
             Also switched on by ``FLASH_CUDA_CHECK_KVCACHE=1``.
+        cu_seqlens_q, max_seqlen_q: packed (varlen) queries, both or neither; see below.
+
+    Packed queries (``cu_seqlens_q`` given): prompt chunks of some sequences and decode tokens of
+    others in one call. ``q`` is ``(total_q, heads, head_dim)``, ``k`` / ``v`` ``(total_q,
+    kv_heads, head_dim)`` or both None, ``cu_seqlens_q`` an int32 tensor ``(batch + 1,)`` on q's
+    device (0, then the running sum of the chunk lengths), ``max_seqlen_q`` a Python int >= 1
+    (the longest chunk) and ``cache_seqlens`` an int32 tensor ``(batch,)``. Chunk ``b`` (rows
+    ``cu_seqlens_q[b] : cu_seqlens_q[b + 1]``, possibly none) is exactly the call above on
+    sequence ``b`` alone: its keys appended at ``cache_seqlens[b] ..``, its rows attending to
+    positions ``0 .. cache_seqlens[b] + n_b - 1``, bottom-right aligned. Returns ``out`` packed
+    like q and, with ``return_lse``, ``lse`` float32 ``(heads, total_q)``. Specified by
+    :func:`flash_cuda.reference.attention_with_kvcache_packed_reference`.
+
+    What runs today for packed queries: one scatter appends every chunk (slots computed on the
+    device), then the existing KV-cache kernels run once per distinct chunk length (all decode
+    tokens together, each prompt length together) over the filled cache. Grouping reads
+    ``cu_seqlens_q`` on the host (a device sync per call, so no CUDA graph capture of this form);
+    having read it, the route checks its values on every call (starts at 0, does not decrease,
+    ends at ``q.shape[0]``, chunks <= ``max_seqlen_q``); ``check_inputs`` adds the fit of every
+    chunk in its cache. The next step is a single kernel reading packed queries against the
+    pages (no sync, no grouping); the signature stays. Under ``torch.compile`` the packed form is
+    the op ``torch.ops.flash_cuda.fwd_kvcache_packed``.
 
     Returns:
         ``out`` with q's shape and dtype (laid out like ``torch.empty_like(q)``), or ``(out,

@@ -162,3 +162,22 @@ def test_packed_valid_call_reaches_the_device_check():
         flash_cuda.attention_with_kvcache(q, kc, vc, k, v, cu_seqlens_q=cu, max_seqlen_q=37, cache_seqlens=lens,
                                           block_table=table)
     assert kvcache.fwd_kvcache_packed is not None
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_fullgraph_compile(mock_kvcache, backend):
+    torch._dynamo.reset()
+    q, kc, vc, k, v, cu, lens, table = _case(*MIXED, paged=True)
+    kr, vr = kc.clone(), vc.clone()
+
+    def step(q, kc, vc, k, v, cu, lens, table):
+        return flash_cuda.attention_with_kvcache(q, kc, vc, k, v, cu_seqlens_q=cu, max_seqlen_q=37,
+                                                 cache_seqlens=lens, block_table=table, is_causal=True,
+                                                 return_lse=True)
+
+    out, lse = torch.compile(step, fullgraph=True, backend=backend)(q, kc, vc, k, v, cu, lens, table)
+    want, want_lse = attention_with_kvcache_packed_reference(q, kr, vr, k, v, cu_seqlens_q=cu, cache_seqlens=lens,
+                                                             block_table=table, is_causal=True, return_lse=True,
+                                                             **BLOCKS)
+    assert torch.equal(out, want) and torch.equal(lse, want_lse.float())
+    assert torch.equal(kc, kr) and torch.equal(vc, vr)  # the append survives functionalization

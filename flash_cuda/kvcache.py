@@ -464,8 +464,9 @@ def _run_packed(C, q, k_cache, v_cache, k, v, cu_seqlens_q, max_seqlen_q, lens, 
     total_q, Hq, D = q.shape
     B = cu_seqlens_q.shape[0] - 1
     dev = q.device
-    cu = [int(x) for x in cu_seqlens_q.tolist()]
-    check_cu_seqlens_values(cu_seqlens_q, cu_seqlens_q, total_q, total_q, max_seqlen_q, max_seqlen_q, _PREFIX)
+    cu_host = cu_seqlens_q.cpu()  # the sync; the checks below then read host memory
+    check_cu_seqlens_values(cu_host, cu_host, total_q, total_q, max_seqlen_q, max_seqlen_q, _PREFIX)
+    cu = [int(x) for x in cu_host.tolist()]
     chunks = [b - a for a, b in zip(cu, cu[1:])]
     paged = block_table is not None
     capacity = k_cache.shape[2] * (block_table.shape[1] if paged else 1)

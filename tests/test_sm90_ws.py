@@ -62,6 +62,16 @@ CASES = [
     (1, 2, 2, 300, 500, 160, True, (64, -1), "bhsd"),
     (1, 3, 1, 257, 129, 200, False, (-1, -1), "offset"),
     (2, 20, 4, 600, 600, 256, False, (-1, -1), "bhsd"),
+    # d = 256's 80-key steps (tile_policy.h: kFwdD256KeySteps80) where a step meets the keys'
+    # end: Sk = 80k - 1, 80k and 80k + 1 (a last block of 79, 80 and 1 keys), causal (bottom-right,
+    # Sq != Sk both ways), a window whose edges fall inside 80-key blocks, GQA, more tiles than
+    # SMs (the consumers re-derive their tile state per tile: kLeanTileLoop).
+    (1, 4, 2, 319, 319, 256, True, (-1, -1), "bshd"),
+    (2, 4, 4, 161, 320, 256, False, (-1, -1), "bhsd"),
+    (1, 2, 1, 400, 321, 256, True, (-1, -1), "offset"),
+    (1, 4, 2, 481, 479, 256, False, (81, 79), "strided"),
+    (2, 4, 4, 80, 81, 256, True, (-1, -1), "bhsd"),
+    (2, 24, 8, 799, 801, 256, True, (-1, -1), "bshd"),
     # Head dims 65..96: Q and K on the 128-wide tiles (TMA fills the columns past d with zeros),
     # V, P V and O natively 96 wide (three 64-byte-swizzled 32-column V slabs); odd lengths,
     # windows, GQA, d below 96 (the last V slab partly TMA's zeros), more tiles than SMs.
@@ -405,6 +415,11 @@ VARLEN_CASES = [
     ((64, 191, 7), (65, 190, 300), 2, 2, 64, False, (32, 16), 5.0, "batch", "offset"),
     ((200, 33), (100, 257), 2, 1, 192, False, (-1, -1), 0.0, "batch", "contiguous"),
     ((257, 1, 0, 130), (129, 7, 3, 200), 4, 2, 256, True, (-1, -1), 50.0, "heads", "contiguous"),
+    # d = 256, key lengths 80k - 1, 80k, 80k + 1 (where the dense instances' 80-key steps end;
+    # packed batches take the extended instances' 64-key steps): causal, window, none.
+    ((159, 81, 240), (159, 160, 241), 4, 2, 256, True, (-1, -1), 0.0, None, "contiguous"),
+    ((300, 79, 1), (319, 81, 80), 2, 1, 256, False, (90, 70), 0.0, None, "strided"),
+    ((81, 400), (79, 401), 2, 2, 256, False, (-1, -1), 0.0, None, "offset"),
     ((100, 65), (150, 64), 2, 1, 200, False, (32, 8), 0.0, None, "strided"),
     ((1, 127, 300, 0, 129), (1, 200, 300, 5, 128), 4, 2, 96, True, (-1, -1), 0.0, None, "contiguous"),
     ((257, 33, 90), (130, 301, 1), 2, 1, 96, False, (40, 8), 5.0, "heads", "strided"),

@@ -9,6 +9,10 @@ this folder after changing it; the output is committed.
 from pathlib import Path
 
 NS = (32, 64, 96, 128, 192, 256)
+# Written after NS's wrappers, so that adding them moved none of the earlier lines (the cubins'
+# line tables of the kernels that use those stay as they were). 80: Q K^T over the 80-key steps
+# at d = 256 (tiers/wgmma/tile_policy.h: fwd_block_n).
+NS_LATER = (80,)
 TYPES = (("__nv_bfloat16", "bf16"), ("__half", "f16"))
 
 HEADER = """\
@@ -94,9 +98,10 @@ def wrapper(ctype: str, ptx: str, n: int) -> str:
 
 def main() -> None:
     out = [HEADER]
-    for ctype, ptx in TYPES:
-        for n in NS:
-            out.append(wrapper(ctype, ptx, n))
+    for ns in (NS, NS_LATER):
+        for ctype, ptx in TYPES:
+            for n in ns:
+                out.append(wrapper(ctype, ptx, n))
     out.append("}  // namespace sm90\n}  // namespace flash_cuda\n")
     Path(__file__).with_name("sm90_wgmma.cuh").write_text("".join(out))
 

@@ -34,16 +34,37 @@ constexpr int kFwdRowsPerConsumer = 64;
 // The default tiles of a head-dim bucket: keys per step, K/V stages, consumer warpgroups (64
 // query rows each), and the depth of S = Q K^T (the bucket's head dims; the tile keeps its width).
 //   Keys per step: 128 up to d = 128; 64 beyond, where two stages of 128-key K/V tiles and Q
-//   would not fit next to each other (d = 256: Q 64 KiB + 4 x 32 KiB at 64 keys).
+//   would not fit next to each other (d = 256: Q 64 KiB + 4 x 32 KiB at 64 keys); d = 256's
+//   overlapped instances take 80 where kFwdD256KeySteps80 says so (below).
 //   Two stages fit every head dim; more only at d = 64, where they did not pay.
 // kSerialOnly (d = 256, the extended instances): softcap's C and 1 / C, ALiBi's slope and a
 // packed sequence's offsets beside O's 128 accumulator registers spill with the overlapped
 // schedule's second S tile, so those instances have the serial schedule alone.
 constexpr int fwd_block_n(int width) { return width <= 128 ? 128 : 64; }
+
+// d = 256, the overlapped schedule (the plain instances and the GQA-packed kernel): 80-key steps
+// instead of 64. Q 64 KiB + 2 stages x (K 40 KiB + V 40 KiB) = 224 KiB, with the barriers and
+// the swizzle's 1024 bytes of slack inside 227 KiB (O is stored from registers at d = 256: no
+// staging tile). Fewer steps per tile, so fewer per-step waits and hand-overs per key; Q K^T
+// runs m64n80k16, P V 5 k-steps of 16 keys. The serial-only (extended) and the dropout
+// instances keep 64: their consumers have no registers for S of 80 keys beside what they hold.
+// A switch of its own so that the two d = 256 levers (this one and kFwdTurnsAboveD128) can be
+// measured apart: flip it in a copy of the tree and compare with bench/ab_builds.py.
+constexpr bool kFwdD256KeySteps80 = true;
+constexpr int fwd_overlap_block_n(int width) { return width == 256 && kFwdD256KeySteps80 ? 80 : fwd_block_n(width); }
+
+// The ping-pong "turn" barriers between the consumer warpgroups (fwd/mainloop.cuh: Turns), which
+// order their product groups so that one warpgroup's softmax runs under the other's products.
+// Above d = 128 the products of one step (P V over 256 columns beside Q K^T 256 deep) are long
+// next to the softmax of 64 or 80 keys, so the tensor cores stay busy without the ordering and
+// the hand-overs only make one warpgroup wait for the other's issue. Off there when false.
+constexpr bool kFwdTurnsAboveD128 = false;
+constexpr bool fwd_turn_barriers(int width) { return width <= 128 || kFwdTurnsAboveD128; }
+
 template <int kBucket, bool kExtended = false>
 struct FwdTile {
   static constexpr int kWidth = tile_width(kBucket);
-  static constexpr int kBlockN = fwd_block_n(kWidth);
+  static constexpr int kBlockN = kExtended ? fwd_block_n(kWidth) : fwd_overlap_block_n(kWidth);
   static constexpr int kStages = 2;
   static constexpr int kConsumerWGs = 2;
   static constexpr int kDepth = kBucket;

@@ -89,6 +89,8 @@ struct WsConfig {
   static constexpr int kStages = kStages_;
   static constexpr int kConsumerWGs = kConsumerWGs_;
   static constexpr bool kSerialOnly = kSerialOnly_;
+  // The overlapped schedule's turn barriers between the consumer warpgroups (tile_policy.h).
+  static constexpr bool kTurnBarriers = wgmma::fwd_turn_barriers(kHeadDim_);
   static constexpr int kConsumerThreads = 128 * kConsumerWGs;
   static constexpr int kConsumerWarps = kConsumerThreads / 32;
   static constexpr int kThreads = 128 + kConsumerThreads;
@@ -104,6 +106,10 @@ struct WsConfig {
   static constexpr bool kWideOverlap = kHeadDim_ > 192 && !kSerialOnly_;
   static constexpr int kProducerRegs = kConsumerWGs == 3 ? 24 : (kWideOverlap ? 24 : 40);
   static constexpr int kConsumerRegs = kConsumerWGs == 3 ? 160 : (kWideOverlap ? 240 : 232);
+  // The consumers re-derive per tile what their tile loop would otherwise keep live across it
+  // (the shared-memory pointers, their warp, the scheduler's sizes): at d = 256 with 80-key steps
+  // those words beside O, two S tiles and P spilled. Elsewhere the loop keeps them.
+  static constexpr bool kLeanTileLoop = kWideOverlap && kBlockN_ > 64;
   static_assert(kConsumerWGs == 2 || (kConsumerWGs == 3 && kHeadDim_ == 64), "measured shapes");
   // setmaxnreg moves registers within what the CTA was launched with: kThreads x the per-thread
   // count that __launch_bounds__(kThreads, 1) allows (65536 / kThreads, a multiple of 8).

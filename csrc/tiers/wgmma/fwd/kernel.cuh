@@ -147,12 +147,40 @@ __device__ __forceinline__ void fwd_ws_block(const FwdParams& p, const TmaMaps& 
   setmaxnreg_inc<Cfg::kConsumerRegs>();
   const int shift = kPackGqa ? gqa_shift(p) : 0;
   const TileScheduler sched = TileScheduler::of<Cfg::kBlockM, kPackGqa>(p, shift);
-  const int cwarp = warp - 4;
+  const int cwarp_all = warp - 4;
   for (int k = 0, first = 0;; ++k) {
-    mbarrier_wait(qt.full, k & 1);
-    const int t = atomicAdd(&qt.slot[k & 1], 0);
+    // kLeanTileLoop: an opaque copy of the base (an empty asm the compiler cannot see through)
+    // and of the thread index, made in the loop, so that every pointer and size derived from
+    // them is computed per tile from values that cost no register across the tiles.
+    unsigned char* raw_t = smem_raw;
+    unsigned tid_t = threadIdx.x;
+    TileScheduler sched_t = sched;
+    if constexpr (Cfg::kLeanTileLoop) {
+      asm volatile("" : "+l"(raw_t));
+      asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid_t));
+      sched_t = TileScheduler::of<Cfg::kBlockM, kPackGqa>(p, shift);
+      asm volatile("" : "+r"(sched_t.m_blocks), "+r"(sched_t.heads), "+r"(sched_t.section));
+    }
+    auto& smem_t = *reinterpret_cast<typename Cfg::SharedStorage*>(aligned_smem_base<Cfg::kSharedBase>(raw_t));
+    const QueryTile qt_t =
+        Cfg::kLeanTileLoop ? QueryTile{&smem_t.sync.q_full, &smem_t.sync.q_empty, smem_t.sync.tile_slot} : qt;
+    Ring<Cfg> ring_t = ring;
+    T* const sQ_t = Cfg::kLeanTileLoop ? smem_t.tiles.q : sQ;
+    T* const sO_t = Cfg::kLeanTileLoop ? smem_t.o_staging() : sO;
+    if constexpr (Cfg::kLeanTileLoop) {
+      ring_t.sK = smem_t.tiles.k[0];
+      ring_t.sV = smem_t.tiles.v[0];
+      ring_t.k_full = smem_t.sync.k_full;
+      ring_t.v_full = smem_t.sync.v_full;
+      ring_t.k_empty = smem_t.sync.k_empty;
+      ring_t.v_empty = smem_t.sync.v_empty;
+      ring_t.v_tail = &smem_t.sync.v_tail;
+    }
+    const int cwarp = Cfg::kLeanTileLoop ? int(tid_t / 32) - 4 : cwarp_all;
+    mbarrier_wait(qt_t.full, k & 1);
+    const int t = atomicAdd(&qt_t.slot[k & 1], 0);
     if (t < 0) break;
-    const TileScheduler::Tile tile = sched.at(t);
+    const TileScheduler::Tile tile = sched_t.at(t);
     const Work w = Work::make(p, tile.b, tile.m_block, shift);  // rows_valid > 0: the producer publishes no other tile
     ConsumerView<Rows, kDrop> cv;
     if constexpr (kDrop) cv.drop = DropoutState{dropout_key(p.dropout), uint32_t(tile.b * p.hq + tile.h), p.dropout.scale};
@@ -180,15 +208,15 @@ __device__ __forceinline__ void fwd_ws_block(const FwdParams& p, const TmaMaps& 
     // tile's Q loads under the last P V and this epilogue; a tile without keys (for which the
     // producer loaded no Q) releases here.
     if constexpr (kSchedule == kOverlap) {
-      consume_overlap<Cfg>(ring, first, sQ, qt, cv, acc_o, stats);
+      consume_overlap<Cfg>(ring_t, first, sQ_t, qt_t, cv, acc_o, stats);
     } else {
-      consume_serial<Cfg>(ring, first, sQ, qt, cv, acc_o, stats);
+      consume_serial<Cfg>(ring_t, first, sQ_t, qt_t, cv, acc_o, stats);
     }
-    if (cv.range.count() == 0) qt.release();
+    if (cv.range.count() == 0) qt_t.release();
     first += cv.range.count();
 
     // Step 4, normalize_output, and the stores.
-    store_tile_output<Cfg, kExt, kPackGqa>(acc_o, stats, sO, p, maps, tile, w, cwarp, shift);
+    store_tile_output<Cfg, kExt, kPackGqa>(acc_o, stats, sO_t, p, maps, tile, w, cwarp, shift);
   }
   finish_output_stores<Cfg>();
 }

@@ -9,7 +9,8 @@
 //             step issues S(j) = Q K(j)^T and O += P(j-1) V(j-1), then waits for S(j) alone and
 //             runs its mask, max and exponentials while P V is still on the tensor cores. Named
 //             barriers order the two warpgroups' product groups (one issues while the other
-//             runs its softmax), so the tensor cores always have a group queued.
+//             runs its softmax), so the tensor cores always have a group queued; up to d = 128
+//             only (tile_policy.h: fwd_turn_barriers).
 //
 // Packed (varlen) batches, in the kExtended instances. The tensor maps then run over all rows of
 // the packed tensors (batch extent 1): sequence b's boxes start at its q_start / k_start rows
@@ -341,16 +342,19 @@ __device__ __forceinline__ void consume_serial(const Ring<Cfg>& ring, int first,
 // and arrives on the next one's; the last warpgroup opens the first turn for warpgroup 0 and
 // skips its own last hand-over, so every barrier phase has exactly 128 waiting and 128
 // arriving threads (per tile every warpgroup takes n + 1 turns, so a persistent CTA starts
-// every tile in the same state).
-template <int kWGs>
+// every tile in the same state). kOn false (Cfg::kTurnBarriers, above d = 128): no barriers, each
+// warpgroup issues as soon as its operands are ready.
+template <int kWGs, bool kOn = true>
 struct Turns {
   int wg;
   __device__ __forceinline__ void open() const {
-    if (wg == kWGs - 1) named_barrier_arrive(kTurnBarrier + 0, kTurnThreads);
+    if (kOn && wg == kWGs - 1) named_barrier_arrive(kTurnBarrier + 0, kTurnThreads);
   }
-  __device__ __forceinline__ void take() const { named_barrier_sync(kTurnBarrier + wg, kTurnThreads); }
+  __device__ __forceinline__ void take() const {
+    if (kOn) named_barrier_sync(kTurnBarrier + wg, kTurnThreads);
+  }
   __device__ __forceinline__ void pass(bool last) const {
-    if (!(last && wg == kWGs - 1)) named_barrier_arrive(kTurnBarrier + (wg + 1) % kWGs, kTurnThreads);
+    if (kOn && !(last && wg == kWGs - 1)) named_barrier_arrive(kTurnBarrier + (wg + 1) % kWGs, kTurnThreads);
   }
 };
 
@@ -364,7 +368,7 @@ __device__ __forceinline__ void consume_overlap(const Ring<Cfg>& ring, int first
                                                 RowStats<1>& stats) {
   const int n = cv.range.count();
   if (n <= 0) return;
-  const Turns<Cfg::kConsumerWGs> turns{cv.wg};
+  const Turns<Cfg::kConsumerWGs, Cfg::kTurnBarriers> turns{cv.wg};
   turns.open();
   float sc[1][Cfg::kNTiles][4];
   uint32_t pa[Cfg::kBlockN / 16][4];

@@ -65,6 +65,7 @@ class Case:
     # backward; a subset is checked against the same call with every gradient.
     grads: str = "qkv"
     dropout: float = 0.0
+    sinks: bool = False  # one learned sink logit per query head (attention sinks)
 
     def describe(self) -> str:
         flags = [f"{self.dtype:8s}", f"B={self.B} Hq={self.Hq} Hkv={self.Hkv}",
@@ -88,6 +89,8 @@ class Case:
             flags.append(f"grads={self.grads}")
         if self.dropout:
             flags.append(f"dropout={self.dropout:g}")
+        if self.sinks:
+            flags.append("sinks")
         return " ".join(flags).rstrip()
 
 
@@ -205,6 +208,13 @@ CASES: List[Case] = [
     # window, GQA, the forward's 192-row tiles (Sq >= 2048) ----
     Case(BF16, 1, 4, 2, 2100, 2200, 32, True, "bshd", window=(300, 0)),
     Case(F16, 2, 2, 1, 300, 257, 16, False, "strided", dlse=True),
+    # ---- attention sinks: merged once per row before normalize_output, in every forward tier
+    # (SIMT, MMA, the warp-specialized Hopper forward, split-KV decode) and a packed batch ----
+    Case(F32, 1, 4, 2, 127, 300, 64, True, "bshd", dlse=True, sinks=True),
+    Case(BF16, 1, 4, 2, 300, 500, 128, True, "bhsd", dlse=True, window=(128, 0), sinks=True),
+    Case(F16, 1, 4, 1, 1, 1000, 128, False, "bshd", sinks=True),
+    Case(BF16, 1, 2, 1, 129, 300, 256, False, "strided", softcap=5.0, sinks=True),
+    _varlen_case(BF16, 4, 2, (100, 0, 77, 200), (90, 3, 150, 260), 96, True, sinks=True),
 ]
 
 
@@ -300,6 +310,8 @@ def _run_case(case: Case, index: int, check: bool) -> None:
                                    device="cuda", seed=index)
     options = dict(is_causal=case.causal, scale=None, window_size=case.window,
                    softcap=case.softcap, alibi_slopes=slopes)
+    if case.sinks:
+        options["sinks"] = torch.randn(case.Hq, generator=torch.Generator().manual_seed(index)).to("cuda")
     if case.varlen:
         q, k, v, cu_q, cu_k, mq, mk = make_varlen_inputs(
             case.varlen[0], case.varlen[1], case.Hq, case.Hkv, case.D, dtype, "cuda",

@@ -1,19 +1,23 @@
-"""Same-process A/B of two flash_cuda source trees: is a change free of speed and output changes?
+"""A/B of two flash_cuda source trees on one GPU: is a change free of speed and output changes?
 
 A structural change (files split, shared memory typed, a policy moved) must leave every kernel's
-speed and every forward output as they were. Timings from two processes or two machines differ
-by more than such a change could, so both builds are loaded into ONE process and timed
-alternately, cell by cell, in interleaved rounds:
+speed and every forward output as they were; a lever must show what it gains. Timings from two
+runs or two machines differ by more than such a change could, so both builds run side by side
+and are timed alternately, cell by cell, in interleaved rounds:
 
     python3 bench/ab_builds.py --base /path/to/base/checkout --new . --rounds 3
 
 Each tree is built (or found in its cache) at first use by a subprocess that imports that tree's
-flash_cuda (``FLASH_CUDA_CACHE_DIR`` keeps the builds apart); the main process then loads the two
-extension modules by file and calls their raw ``fwd`` / ``bwd`` entries on the same fresh random
-inputs. Per cell: forward outputs (O and LSE) compared bit for bit, gradients compared to each
-other (dQ is summed by atomics in a varying order, so it may differ by rounding), and the pooled
-median time of each build over the rounds (``triton.testing.do_bench``, L2 flushed), reported as
-new / base speed (above 1: the new build is faster).
+flash_cuda (``FLASH_CUDA_CACHE_DIR`` keeps the builds apart). Each build then lives in a worker
+process of its own (``--worker``), which loads its extension module by file and calls the raw
+``fwd`` / ``bwd`` entries on inputs drawn from the seed the parent gives both workers, so both
+see the same fresh random inputs. One process per build, not both builds in one process: two
+builds of the same kernel names loaded into one process ran the same kernels (the d = 256
+80-key forward gave the base build's outputs bit for bit there, and its own, different ones in a
+process of its own). Per cell: forward outputs (O and LSE) compared bit for bit, gradients
+compared to each other (dQ is summed by atomics in a varying order, so it may differ by
+rounding), and the pooled median time of each build over the rounds (``triton.testing.do_bench``,
+L2 flushed), reported as new / base speed (above 1: the new build is faster).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 JIT_MODULE = "flash_cuda_kernels"  # the name the build at first use gives its module (flash_cuda/_ext.py)
@@ -53,8 +58,7 @@ def build(tree: Path, cache: Path) -> Path:
 
 
 def load(path: Path, tag: str):
-    """Loads one build's extension module from its file (both keep the module name they were
-    built with, which their init function carries; they are kept apart by file)."""
+    """Loads one build's extension module from its file (in a worker: one build per process)."""
     loader = importlib.machinery.ExtensionFileLoader(JIT_MODULE, str(path))
     spec = importlib.util.spec_from_file_location(JIT_MODULE, str(path), loader=loader)
     mod = importlib.util.module_from_spec(spec)
@@ -62,6 +66,88 @@ def load(path: Path, tag: str):
     sys.modules.pop(JIT_MODULE, None)
     mod.ab_tag = tag
     return mod
+
+
+class Worker:
+    """One build in a process of its own (``ab_builds.py --worker FILE``), asked in turn by the
+    parent over its stdin / stdout, one JSON line each way."""
+
+    def __init__(self, path: Path, tag: str):
+        self.tag = tag
+        self.proc = subprocess.Popen([sys.executable, __file__, "--worker", str(path)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, bufsize=1)
+
+    def ask(self, op: str, **kw) -> dict:
+        self.proc.stdin.write(json.dumps(dict(op=op, **kw)) + "\n")
+        self.proc.stdin.flush()
+        for line in self.proc.stdout:
+            if line.startswith(_REPLY):
+                reply = json.loads(line[len(_REPLY):])
+                if "error" in reply:
+                    raise SystemExit(f"{self.tag} build, {op}: {reply['error']}")
+                return reply
+        raise SystemExit(f"{self.tag} build's worker ended during {op!r} (exit code {self.proc.wait()})")
+
+    def close(self):
+        self.proc.stdin.close()
+        self.proc.wait()
+
+
+_REPLY = "@ab@ "  # marks the worker's replies among whatever else the build prints
+
+
+def serve(path: str) -> None:
+    """The worker: loads one build and answers the parent's requests until its stdin closes."""
+    import torch
+    from triton.testing import do_bench
+
+    mod = load(Path(path), "worker")
+    state = {}
+    for line in sys.stdin:
+        req = json.loads(line)
+        try:
+            reply = {}
+            if req["op"] == "inputs":
+                d, causal, s, mode = req["cell"]
+                dtype = torch.bfloat16 if req["dtype"] == "bf16" else torch.float16
+                gen = torch.Generator(device="cuda")
+                gen.manual_seed(req["seed"])  # the same seed in both workers: the same inputs
+                b, h, q, k, v, dout = make_inputs(torch, d, s, req["tokens"], req["width"], dtype, mode, gen,
+                                                  req["group"])
+                scale = d ** -0.5
+                fwd = fwd_call(mod, q, k, v, scale, causal)
+                if mode == "fwd":
+                    fn = lambda: fwd_call(mod, q, k, v, scale, causal)  # noqa: E731
+                else:
+                    fn = lambda: bwd_call(mod, dout, q, k, v, *fwd, scale, causal)  # noqa: E731
+                state = dict(fn=fn, fwd=fwd, mode=mode, rep_ms=req["rep_ms"])
+            elif req["op"] == "outputs":
+                saved = {"O": state["fwd"][0], "LSE": state["fwd"][1]}
+                if state["mode"] == "bwd":
+                    saved.update(zip(("dQ", "dK", "dV"), state["fn"]()))
+                torch.save({name: t.cpu() for name, t in saved.items()}, req["file"])
+            elif req["op"] == "time":
+                reply["ms"] = do_bench(state["fn"], warmup=10, rep=state["rep_ms"], return_mode="median")
+            elif req["op"] == "device":
+                reply["name"] = torch.cuda.get_device_name()
+        except Exception as exc:  # reported to the parent, which stops with it
+            reply = {"error": f"{type(exc).__name__}: {exc}"}
+        print(_REPLY + json.dumps(reply), flush=True)
+
+
+def compare(torch, base: dict, new: dict) -> str:
+    """Forward outputs bit for bit; gradients (dQ is summed by atomics in a varying order) by
+    their relative difference where not equal."""
+    parts = [f"{name} {'bitwise equal' if torch.equal(base[name], new[name]) else 'DIFFERS'}"
+             for name in ("O", "LSE")]
+    text = ", ".join(parts)
+    grads = []
+    for name in ("dQ", "dK", "dV"):
+        if name in base:
+            a, c = base[name].float(), new[name].float()
+            grads.append(f"{name} equal" if torch.equal(a, c) else
+                         f"{name} rel {((a - c).norm() / a.norm().clamp_min(1e-30)).item():.1e}")
+    return text + ("; " + ", ".join(grads) if grads else "")
 
 
 def cells(args):
@@ -123,54 +209,35 @@ def main(argv=None):
     print(f"builds: base {paths['base']}\n        new  {paths['new']}", flush=True)
 
     import torch
-    from triton.testing import do_bench
 
-    mods = {tag: load(path, tag) for tag, path in paths.items()}
-    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
-    gen = torch.Generator(device="cuda")
-    gen.manual_seed(0)
+    workers = {tag: Worker(path, tag) for tag, path in paths.items()}
     times = {}   # (cell, tag) -> [ms, ...]
     checks = {}  # cell -> text
     all_cells = list(cells(args))
-    for rnd in range(args.rounds):
-        order = ("base", "new") if rnd % 2 == 0 else ("new", "base")
-        for cell in all_cells:
-            d, causal, s, mode = cell
-            b, h, q, k, v, dout = make_inputs(torch, d, s, args.tokens, args.width, dtype, mode, gen, args.group)
-            scale = d ** -0.5
-            fwd = {tag: fwd_call(mods[tag], q, k, v, scale, causal) for tag in order}
-            if rnd == 0:
-                same_o = torch.equal(fwd["base"][0], fwd["new"][0])
-                same_lse = torch.equal(fwd["base"][1], fwd["new"][1])
-                text = f"O {'bitwise equal' if same_o else 'DIFFERS'}, LSE {'bitwise equal' if same_lse else 'DIFFERS'}"
-                if mode == "bwd":
-                    g = {tag: bwd_call(mods[tag], dout, q, k, v, *fwd[tag], scale, causal) for tag in order}
-                    parts = []
-                    for name, a, c in zip(("dQ", "dK", "dV"), g["base"], g["new"]):
-                        if torch.equal(a, c):
-                            parts.append(f"{name} equal")
-                        else:
-                            rel = ((a.float() - c.float()).norm() / a.float().norm().clamp_min(1e-30)).item()
-                            parts.append(f"{name} rel {rel:.1e}")
-                    text += "; " + ", ".join(parts)
-                checks[cell] = text
-            for tag in order:
-                mod = mods[tag]
-                if mode == "fwd":
-                    fn = lambda mod=mod: fwd_call(mod, q, k, v, scale, causal)  # noqa: E731
-                else:
-                    out, lse, aux = fwd[tag]
-                    fn = lambda mod=mod, out=out, lse=lse, aux=aux: bwd_call(  # noqa: E731
-                        mod, dout, q, k, v, out, lse, aux, scale, causal)
-                ms = do_bench(fn, warmup=10, rep=args.rep_ms, return_mode="median")
-                times.setdefault((cell, tag), []).append(ms)
-            del fwd, q, k, v, dout
-        print(f"round {rnd + 1} of {args.rounds} done", file=sys.stderr, flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        for rnd in range(args.rounds):
+            order = ("base", "new") if rnd % 2 == 0 else ("new", "base")
+            for i, cell in enumerate(all_cells):
+                request = dict(cell=cell, seed=rnd * len(all_cells) + i, dtype=args.dtype, tokens=args.tokens,
+                               width=args.width, group=args.group, rep_ms=args.rep_ms)
+                for tag in order:
+                    workers[tag].ask("inputs", **request)
+                if rnd == 0:
+                    files = {tag: os.path.join(tmp, f"{tag}.pt") for tag in order}
+                    for tag in order:
+                        workers[tag].ask("outputs", file=files[tag])
+                    checks[cell] = compare(torch, torch.load(files["base"]), torch.load(files["new"]))
+                for tag in order:
+                    times.setdefault((cell, tag), []).append(workers[tag].ask("time")["ms"])
+            print(f"round {rnd + 1} of {args.rounds} done", file=sys.stderr, flush=True)
+    device = workers["new"].ask("device")["name"]
+    for w in workers.values():
+        w.close()
 
     rows = []
     print(f"\n{args.dtype}, B*S = {args.tokens}, H*D = {args.width}, {args.group} query heads per KV head, "
           f"{args.rounds} interleaved rounds, "
-          f"{torch.cuda.get_device_name()}; new / base speed (above 1: new faster)")
+          f"{device}; new / base speed (above 1: new faster)")
     print("| D | causal | S | mode | base ms | new ms | new/base | TFLOPS (new) | outputs |")
     print("| ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | --- |")
     for cell in all_cells:
@@ -187,8 +254,11 @@ def main(argv=None):
           f"max {ratios[-1]:.3f}; forward outputs bitwise equal in "
           f"{sum('O bitwise equal, LSE bitwise equal' in r['outputs'] for r in rows)} of {len(rows)} cells")
     if args.json:
-        args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=1))
+        args.json.write_text(json.dumps({"device": device, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":
-    main()
+    if len(sys.argv) == 3 and sys.argv[1] == "--worker":
+        serve(sys.argv[2])
+    else:
+        main()

@@ -48,18 +48,19 @@ constexpr int fwd_block_n(int width) { return width <= 128 ? 128 : 64; }
 // staging tile). Fewer steps per tile, so fewer per-step waits and hand-overs per key; Q K^T
 // runs m64n80k16, P V 5 k-steps of 16 keys. The serial-only (extended) and the dropout
 // instances keep 64: their consumers have no registers for S of 80 keys beside what they hold.
-// A switch of its own so that the two d = 256 levers (this one and kFwdTurnsAboveD128) can be
+// A switch of its own so that the two d = 256 levers (this one and kFwdTurnsAtD256) can be
 // measured apart: flip it in a copy of the tree and compare with bench/ab_builds.py.
 constexpr bool kFwdD256KeySteps80 = true;
 constexpr int fwd_overlap_block_n(int width) { return width == 256 && kFwdD256KeySteps80 ? 80 : fwd_block_n(width); }
 
 // The ping-pong "turn" barriers between the consumer warpgroups (fwd/mainloop.cuh: Turns), which
 // order their product groups so that one warpgroup's softmax runs under the other's products.
-// Above d = 128 the products of one step (P V over 256 columns beside Q K^T 256 deep) are long
-// next to the softmax of 64 or 80 keys, so the tensor cores stay busy without the ordering and
-// the hand-overs only make one warpgroup wait for the other's issue. Off there when false.
-constexpr bool kFwdTurnsAboveD128 = false;
-constexpr bool fwd_turn_barriers(int width) { return width <= 128 || kFwdTurnsAboveD128; }
+// At d = 256 the products of one step (P V over 256 columns beside Q K^T 256 deep) are long next
+// to the softmax of 80 keys, so the tensor cores stay busy without the ordering and the hand-overs
+// only make one warpgroup wait for the other's issue. Off there when false. d = 192 keeps them:
+// without them it measured the same (OPTIMIZATION.md), so its kernel stays as it was.
+constexpr bool kFwdTurnsAtD256 = false;
+constexpr bool fwd_turn_barriers(int width) { return width < 256 || kFwdTurnsAtD256; }
 
 template <int kBucket, bool kExtended = false>
 struct FwdTile {

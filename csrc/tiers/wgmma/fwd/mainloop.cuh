@@ -9,7 +9,7 @@
 //             step issues S(j) = Q K(j)^T and O += P(j-1) V(j-1), then waits for S(j) alone and
 //             runs its mask, max and exponentials while P V is still on the tensor cores. Named
 //             barriers order the two warpgroups' product groups (one issues while the other
-//             runs its softmax), so the tensor cores always have a group queued; up to d = 128
+//             runs its softmax), so the tensor cores always have a group queued; below d = 256
 //             only (tile_policy.h: fwd_turn_barriers).
 //
 // Packed (varlen) batches, in the kExtended instances. The tensor maps then run over all rows of
@@ -342,7 +342,7 @@ __device__ __forceinline__ void consume_serial(const Ring<Cfg>& ring, int first,
 // and arrives on the next one's; the last warpgroup opens the first turn for warpgroup 0 and
 // skips its own last hand-over, so every barrier phase has exactly 128 waiting and 128
 // arriving threads (per tile every warpgroup takes n + 1 turns, so a persistent CTA starts
-// every tile in the same state). kOn false (Cfg::kTurnBarriers, above d = 128): no barriers, each
+// every tile in the same state). kOn false (Cfg::kTurnBarriers, at d = 256): no barriers, each
 // warpgroup issues as soon as its operands are ready.
 template <int kWGs, bool kOn = true>
 struct Turns {

@@ -3,8 +3,9 @@
 Each check is a separate function so that every error can be exercised on a machine without a
 GPU (CPU or meta tensors, or a patched capability lookup). :func:`validate` and
 :func:`validate_varlen` run them in order for :func:`flash_cuda.attention` and
-:func:`flash_cuda.varlen_attention`; :mod:`flash_cuda.kvcache`, :mod:`flash_cuda.distributed` and
-:mod:`flash_cuda.integrations.sdpa` call the single checks they share.
+:func:`flash_cuda.varlen_attention`; :mod:`flash_cuda.kvcache_checks`,
+:mod:`flash_cuda.distributed` and :mod:`flash_cuda.integrations.sdpa` call the single checks
+they share.
 
 The checks of the options (scale, window, softcap, ALiBi slopes, sinks, dropout, kernel) live in
 :mod:`flash_cuda.options` and are named here too; the validated score options travel as one

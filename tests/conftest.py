@@ -68,7 +68,7 @@ if str(TESTS_DIR) not in sys.path:
 import torch  # noqa: E402
 
 import flash_cuda  # noqa: E402
-from flash_cuda import _ext, kvcache, validation  # noqa: E402
+from flash_cuda import _ext, kvcache_checks, validation  # noqa: E402
 from flash_cuda.reference import (attention_backward_blocked, attention_forward_blocked,  # noqa: E402
                                   attention_varlen_backward_blocked,
                                   attention_varlen_forward_blocked, attention_with_kvcache_reference,
@@ -363,8 +363,8 @@ def mock_kvcache(mock_extension, monkeypatch):
     """mock_extension, and flash_cuda.attention_with_kvcache accepting CPU tensors (its
     CUDA-device check lifted) with no checked signature kept from before or for after the
     test (a CPU call's signature must not let a later call skip the device check)."""
-    monkeypatch.setattr(kvcache, "_check_device", lambda q, dev: None)
-    monkeypatch.setattr(kvcache, "_plans", {})
+    monkeypatch.setattr(kvcache_checks, "_check_device", lambda q, dev: None)
+    monkeypatch.setattr(kvcache_checks, "_plans", {})
     yield mock_extension
 
 

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import flash_cuda
-from flash_cuda import kvcache
+from flash_cuda import kvcache, kvcache_checks
 
 F16, BF16 = torch.float16, torch.bfloat16
 OP = torch.ops.flash_cuda.fwd_kvcache.default
@@ -232,13 +232,13 @@ def test_compiled_rejects_bad_input_cpu_mock(mock_kvcache):
 
 def test_checks_run_once_per_signature_cpu_mock(mock_kvcache, monkeypatch):
     calls = []
-    validate = kvcache._validate
+    validate = kvcache_checks.validate
 
     def counting(*args):
         calls.append(1)
         return validate(*args)
 
-    monkeypatch.setattr(kvcache, "_validate", counting)
+    monkeypatch.setattr(kvcache_checks, "validate", counting)
 
     def no_op(*args):
         raise AssertionError("a plain eager call went through the op's dispatch")
@@ -310,17 +310,17 @@ def test_kept_signature_rejects_what_the_checks_reject_cpu_mock(mock_kvcache):
 
 def test_kept_signature_not_used_for_cuda_check(monkeypatch):
     """Without the lifted device check a CPU call raises, whatever calls came before."""
-    monkeypatch.setattr(kvcache, "_plans", {})
+    monkeypatch.setattr(kvcache_checks, "_plans", {})
     q, kc, vc, k, v, _ = _case()
     for _ in range(2):
         with pytest.raises(RuntimeError, match="must be CUDA tensors"):
             flash_cuda.attention_with_kvcache(q, kc, vc, k, v, cache_seqlens=3)
-    assert not kvcache._plans
+    assert not kvcache_checks._plans
 
 
 def test_plans_are_bounded_cpu_mock(mock_kvcache, monkeypatch):
-    monkeypatch.setattr(kvcache, "_MAX_PLANS", 4)
+    monkeypatch.setattr(kvcache_checks, "_MAX_PLANS", 4)
     q, kc, vc, k, v, _ = _case(Sq=10, cap=64)
     for sq in range(1, 11):  # ten signatures
         flash_cuda.attention_with_kvcache(q[:, :, :sq], kc, vc, cache_seqlens=5)
-        assert 0 < len(kvcache._plans) <= 4
+        assert 0 < len(kvcache_checks._plans) <= 4

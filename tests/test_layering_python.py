@@ -124,7 +124,7 @@ def test_bench_uses_no_underscore_names_of_flash_cuda():
 
 _SUBMODULES = {"flash_cuda", "flash_cuda._ext", "flash_cuda.ops", "flash_cuda.validation",
                "flash_cuda.integrations", "flash_cuda.integrations.sdpa", "flash_cuda.distributed",
-               "flash_cuda.ring"}
+               "flash_cuda.ring", "flash_cuda.kvcache", "flash_cuda.kvcache_checks", "flash_cuda.kvcache_ops"}
 
 
 @pytest.mark.parametrize("line,module,bad", [
@@ -140,6 +140,8 @@ _SUBMODULES = {"flash_cuda", "flash_cuda._ext", "flash_cuda.ops", "flash_cuda.va
     ("import torch\ntorch._C._are_functorch_transforms_active()", "flash_cuda.ops", False),
     ("from . import ops\nops.fwd.__name__", "flash_cuda.interface", False),    # dunder
     ("from .validation import _check_rank", "flash_cuda.validation", False),   # its own name
+    ("from . import kvcache_checks\nkvcache_checks._plans.clear()", "flash_cuda.kvcache", True),
+    ("from .kvcache_checks import plan_call, plain", "flash_cuda.kvcache", False),
     # a bench script (outside the package)
     ("from flash_cuda import distributed as fcd\nfcd._Config", "bench.ring", True),
     ("from flash_cuda.ring import _plan", "bench.ring", True),

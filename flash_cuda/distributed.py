@@ -39,6 +39,13 @@ Gradients use the global softmax statistics: each block's backward gets the merg
 for float32 inputs on the GPU, the merged per-row statistics the fp32 kernels read) and the
 final output, so that delta = rowsum(dO * O) and P = exp(x - lse) are those of the whole row.
 
+Attention sinks (``sinks=``, as in :func:`flash_cuda.attention`) enter each row once: the
+blocks and their merges run without them, and the sink is merged into the whole row's
+(out, lse) at the end as one more partial with no value (lse' = logaddexp(lse, sink),
+out' = out * exp(lse - lse')). The backward then needs nothing more than the sink-including
+statistics; d(sinks) comes from this rank's rows (out, lse, dO, dlse) without communication,
+each rank returning its own part (see :func:`ring_attention`).
+
 Communication goes through torch.distributed only: NCCL for CUDA tensors (its own stream per
 communicator; the compute stream waits on a transfer only where the received block is first
 used), gloo for CPU tensors, where the blocks run :mod:`flash_cuda.reference` (float64 or
@@ -142,8 +149,10 @@ _FIELDS = (("q shape", 1, 5), ("k / v shape", 5, 9), ("dtype", 9, 10), ("device 
            ("is_causal", 11, 12), ("window_size", 12, 14), ("layout", 14, 15), ("method", 15, 16),
            ("return_lse", 16, 17), ("deterministic", 17, 18), ("scale", 18, 19), ("softcap", 19, 20),
            # The backward is collective too: every rank must build it, with the same transfers.
-           ("which inputs need a gradient (q, k or v)", 20, 22))
-_META_LEN = 22
+           ("which inputs need a gradient (q, k or v)", 20, 22),
+           # Sinks on some ranks only would give rows of one sequence different softmaxes.
+           ("sinks", 22, 23))
+_META_LEN = 23
 
 
 def _float_bits(x: float) -> int:
@@ -155,7 +164,7 @@ def _bits_float(b: int) -> float:
 
 
 def _validate_local(q, k, v, *, is_causal, scale, window_size, softcap, layout, method, return_lse,
-                    deterministic, nccl: bool) -> ScoreOptions:
+                    deterministic, sinks, nccl: bool) -> ScoreOptions:
     p = _PREFIX
     validation.check_types(q, k, v, is_causal, return_lse, deterministic, p)
     _check_layout(layout, p)
@@ -187,6 +196,8 @@ def _validate_local(q, k, v, *, is_causal, scale, window_size, softcap, layout, 
             f"{p}layout='zigzag' holds two equal chunks per rank, so the local length must be even, "
             f"got {S} (cut the sequence with flash_cuda.distributed.shard, or use layout='contiguous')")
     opts = validation.check_score_options(q.shape[-1], scale, is_causal, window_size, softcap, p)
+    if sinks is not None:
+        validation.check_aux_devices(q, p, sinks=validation.check_sinks(sinks, q.shape[1], p))
     if q.is_cuda:
         if not nccl:
             raise RuntimeError(f"{p}CUDA tensors need a process group with the NCCL backend, got "
@@ -203,12 +214,12 @@ def _validate_local(q, k, v, *, is_causal, scale, window_size, softcap, layout, 
 
 
 def _metadata(ok: bool, q, k, local: Optional[ScoreOptions], is_causal, layout, method, return_lse, deterministic,
-              need_dq, need_dkdv) -> List[int]:
+              need_dq, need_dkdv, has_sinks) -> List[int]:
     if not ok:
         return [1] + [0] * (_META_LEN - 1)
     return ([0, *q.shape, *k.shape, _DTYPE_CODES[q.dtype], int(q.is_cuda), int(is_causal), local.window_left,
              local.window_right, LAYOUTS.index(layout), METHODS.index(method), int(return_lse), int(deterministic),
-             _float_bits(local.scale), _float_bits(local.softcap), int(need_dq), int(need_dkdv)])
+             _float_bits(local.scale), _float_bits(local.softcap), int(need_dq), int(need_dkdv), int(has_sinks)])
 
 
 def _describe(name: str, values) -> str:
@@ -225,6 +236,8 @@ def _describe(name: str, values) -> str:
         return repr(_bits_float(values[0]))
     if name in ("is_causal", "return_lse", "deterministic"):
         return str(bool(values[0]))
+    if name == "sinks":
+        return "given" if values[0] else "None"
     if name.startswith("which inputs"):
         return "+".join(n for n, f in zip(("q", "k/v"), values) if f) or "none"
     return str(tuple(values)) if len(values) > 1 else str(values[0])
@@ -330,13 +343,14 @@ def ring_attention(
     return_lse: bool = False,
     method: str = "auto",
     deterministic: bool = False,
+    sinks: Optional[Tensor] = None,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     r"""Attention over a sequence split across the ranks of ``group`` (context parallelism).
 
     Every rank of ``group`` (default: the world) calls it together with its slice of q, k, v
     and gets its slice of the output: the same values as :func:`flash_cuda.attention` on the
-    whole sequence, cut as :func:`shard` cuts it. Differentiable (q, k, v, and lse when
-    returned); the backward is collective too.
+    whole sequence, cut as :func:`shard` cuts it. Differentiable (q, k, v, sinks, and lse
+    when returned); the backward of q, k and v is collective too.
 
     Args:
         q: ``(batch, heads, S_local, head_dim)``, this rank's slice of the queries.
@@ -362,6 +376,20 @@ def ring_attention(
         method: ``"ring"``, ``"allgather"`` or ``"auto"`` (module docstring).
         deterministic: as flash_cuda.attention (the backward kernels' dQ order); the ring
             order and the merges are fixed, so with it the whole call is reproducible.
+        sinks: ``None`` or attention sinks as in flash_cuda.attention: one logit per query
+            head, a floating tensor ``(heads,)`` on q's device, the same values on every rank
+            (a replicated parameter; the values are not compared across ranks, only whether
+            sinks are given). Every row's softmax over the whole sequence gets the one term
+            ``exp(sinks[h])`` with no value row, merged once per row after the blocks (lse
+            includes it). The sinks take the kernels' precision (float32; on CPU the
+            accumulation dtype, float64 for float64 inputs). With ``requires_grad`` they get
+            their gradient in their own dtype, and it is **this rank's part only**: the sum over
+            the rank's own rows (query positions) of ``exp(sinks[h] - lse) * (dlse -
+            rowsum(dO * O))``, with no communication. The sequence's gradient is the sum over the
+            ranks of the group, which the data-parallel reduction of the parameter's gradient
+            over every rank that holds a replica (DDP / FSDP over a mesh that includes the
+            context-parallel dimension) adds as it adds the other parameters' per-token
+            contributions; all-reduce ``sinks.grad`` over ``group`` yourself otherwise.
 
     Raises:
         ValueError / TypeError / RuntimeError: on every rank of the group, when any rank's
@@ -375,14 +403,14 @@ def ring_attention(
     try:
         local = _validate_local(q, k, v, is_causal=is_causal, scale=scale, window_size=window_size, softcap=softcap,
                                 layout=layout, method=method, return_lse=return_lse, deterministic=deterministic,
-                                nccl=nccl)
+                                sinks=sinks, nccl=nccl)
     except (TypeError, ValueError, RuntimeError) as exc:
         error = exc
     grad = torch.is_grad_enabled()
     need_dq = error is None and grad and q.requires_grad
     need_dkdv = error is None and grad and (k.requires_grad or v.requires_grad)
     meta = _metadata(error is None, q, k, local, is_causal, layout, method, return_lse, deterministic, need_dq,
-                     need_dkdv)
+                     need_dkdv, sinks is not None)
     agreement = _agree_start(meta, *_check_group(group), error)
     if error is not None:
         agreement.finish()  # raises on this rank; the others raise in theirs
@@ -394,5 +422,5 @@ def ring_attention(
     chosen = ring.pick_method(method, q.shape[1], k.shape[1], q.shape[2], world)
     cfg = ring.Config(kernel, ring.Ring(group, world, rank), chosen, layout, local.window_left, local.window_right,
                       need_dq, need_dkdv, agreement)
-    out, lse = ring.attention(q, k, v, cfg)
+    out, lse = ring.attention(q, k, v, cfg, sinks)
     return (out, lse) if return_lse else out

@@ -312,14 +312,14 @@ def _varlen_fwd_dropout_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
 
 
 def sinks_grad(sinks: Tensor, out: Tensor, dout: Optional[Tensor], lse: Tensor, dlse: Optional[Tensor],
-               varlen: bool) -> Tensor:
-    """d(sinks) (Hq,) in float32 from the forward's out and lse and the upstream gradients
+               varlen: bool, acc: torch.dtype = torch.float32) -> Tensor:
+    """d(sinks) (Hq,) in ``acc`` (float32, as the kernels add up; the CPU ring's float64 blocks
+    pass float64) from the forward's out and lse and the upstream gradients
     (either may be None). Each row's sink takes the share P = exp(sink - lse) of its softmax:
     d lse / d sink = P and d p_ij / d sink = -p_ij P, so that
     d sink_h = sum over the rows of head h (every batch entry) of P * (dlse - rowsum(dout * out)).
     A row with lse = -inf (no key and a -inf sink) contributes 0. Dense: out (B, Hq, Sq, D),
     lse (B, Hq, Sq); packed: out (total_q, Hq, D), lse (Hq, total_q)."""
-    acc = torch.float32
     lse = lse.to(acc)
     heads = sinks.detach().to(acc)
     sink = heads.view(-1, 1) if varlen else heads.view(1, -1, 1)

@@ -714,30 +714,80 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, cfg: Config):
     return fwd(q, k, v, cfg)
 
 
+_LOG2E = 1.4426950408889634
+
+
+def merge_sink(out: Tensor, lse: Tensor, stats: Optional[Tensor], sinks: Tensor, acc: torch.dtype):
+    """(out, lse, stats) of whole rows with the attention sink merged in, once per row (the
+    blocks and their merges leave it out, as the kernels' split pieces do): the sink is one
+    more partial with lse = sinks[h] and no output, so lse' = logaddexp(lse, sink) and
+    out' = out * exp(lse - lse'), computed in ``acc`` and rounded once into ``out`` (in place).
+    The fp32 kernels' (m, log2 l) statistics (m = +inf: a row that saw no key) take the sink as
+    the piece (sink log2 e, 0), as core/softmax.cuh's merge_sink does, so that the backward's
+    P recomputed from them sums with the sink's share to 1. A -inf sink changes nothing, bit
+    for bit; a row that sees no key gets out 0 and lse = its sink."""
+    sink = sinks.detach().to(acc).view(1, -1, 1)
+    lse_new = torch.logaddexp(lse, sink)
+    no_mass = lse_new == -_INF  # no key and a -inf sink: out stays 0
+    out.mul_(torch.exp(lse - torch.where(no_mass, torch.zeros_like(lse_new), lse_new)).unsqueeze(-1))
+    if stats is not None:
+        s2 = sink.to(torch.float32) * _LOG2E
+        seen = stats[..., 0] != _INF
+        m = torch.where(seen, stats[..., 0], -_INF)
+        m_new = torch.maximum(m, s2)
+        empty = m_new == -_INF
+        ref = torch.where(empty, torch.zeros_like(m_new), m_new)
+        # log2 l' = log2(l 2^(m - m') + 2^(sink - m')), with m - m' = 0 exactly where the sink
+        # does not raise the max, so that a -inf sink leaves log2 l as it was.
+        log2l = torch.logaddexp2((m - ref) + stats[..., 1], s2 - ref)
+        stats = torch.stack((torch.where(empty, _INF, m_new), torch.where(empty, torch.zeros_like(log2l), log2l)),
+                            dim=-1)
+    return out, lse_new, stats
+
+
+def _forward_with_sinks(q: Tensor, k: Tensor, v: Tensor, cfg: Config, sinks: Optional[Tensor]):
+    out, lse, stats = _forward(q, k, v, cfg)
+    if sinks is not None:
+        out, lse, stats = merge_sink(out, lse, stats, sinks, cfg.kernel.acc_dtype)
+    return out, lse, stats
+
+
 class RingAttention(torch.autograd.Function):
+    """``apply(q, k, v, cfg[, sinks])`` -> (out, lse). Gradients: dq, dk, dv by the ring's (or
+    the all-gather's) collective backward, which runs only where ``cfg`` asks for one of them;
+    d(sinks) from this rank's rows alone, with no communication (the caller's data-parallel
+    reduction adds the ranks' parts, as it does for every replicated parameter)."""
+
     @staticmethod
-    def forward(ctx, q, k, v, cfg: Config):
-        out, lse, stats = _forward(q, k, v, cfg)
-        ctx.save_for_backward(q, k, v, out, lse)
+    def forward(ctx, q, k, v, cfg: Config, sinks: Optional[Tensor] = None):
+        out, lse, stats = _forward_with_sinks(q, k, v, cfg, sinks)
+        # Every block's backward sees the whole row's statistics, the sink's share included (as
+        # the single-GPU backward does): P = exp(x - lse') and delta = rowsum(dO * out').
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.cfg, ctx.stats = cfg._replace(agreement=None), stats
         ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         cfg = ctx.cfg
-        # A rank whose output took no part in the loss still runs its share of the transfers.
-        dout = torch.zeros_like(out) if dout is None else dout
-        if dout.stride(-1) != 1:
-            dout = dout.contiguous()
+        acc = cfg.kernel.acc_dtype
         if dlse is not None:
-            dlse = dlse.to(lse.dtype if cfg.kernel.acc_dtype == torch.float64 else torch.float32).contiguous()
-        bwd = _ring_backward if cfg.method == "ring" else _allgather_backward
-        dq, dk, dv = bwd(dout, q, k, v, out, lse, ctx.stats, dlse, cfg)
+            dlse = dlse.to(lse.dtype if acc == torch.float64 else torch.float32).contiguous()
+        need_sinks = sinks is not None and ctx.needs_input_grad[4]
+        dsinks = ops.sinks_grad(sinks, out, dout, lse, dlse, False, acc).to(sinks.dtype) if need_sinks else None
+        dq = dk = dv = None
+        if cfg.need_dq or cfg.need_dkdv:
+            # A rank whose output took no part in the loss still runs its share of the transfers.
+            dout = torch.zeros_like(out) if dout is None else dout
+            if dout.stride(-1) != 1:
+                dout = dout.contiguous()
+            bwd = _ring_backward if cfg.method == "ring" else _allgather_backward
+            dq, dk, dv = bwd(dout, q, k, v, out, lse, ctx.stats, dlse, cfg)
         need_q, need_k, need_v = ctx.needs_input_grad[:3]
         return (dq.to(q.dtype) if need_q else None, dk.to(k.dtype) if need_k else None,
-                dv.to(v.dtype) if need_v else None, None)
+                dv.to(v.dtype) if need_v else None, None, dsinks)
 
 
 def pick_method(method: str, Hq: int, Hkv: int, s_local: int, world: int) -> str:
@@ -752,10 +802,12 @@ def pick_method(method: str, Hq: int, Hkv: int, s_local: int, world: int) -> str
     return "ring"
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, cfg: Config) -> Tuple[Tensor, Tensor]:
-    """(out, lse) of ``cfg``'s method: through :class:`RingAttention` where a gradient is
-    needed (``cfg.need_dq`` / ``cfg.need_dkdv``), else the forward alone."""
-    if cfg.need_dq or cfg.need_dkdv:
-        return RingAttention.apply(q, k, v, cfg)
-    out, lse, _ = _forward(q, k, v, cfg)
+def attention(q: Tensor, k: Tensor, v: Tensor, cfg: Config, sinks: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+    """(out, lse) of ``cfg``'s method, with the attention ``sinks`` ((Hq,) or None) merged into
+    every row once: through :class:`RingAttention` where a gradient is needed (``cfg.need_dq``
+    / ``cfg.need_dkdv``, or sinks that require one), else the forward alone."""
+    need_sinks = sinks is not None and sinks.requires_grad and torch.is_grad_enabled()
+    if cfg.need_dq or cfg.need_dkdv or need_sinks:
+        return RingAttention.apply(q, k, v, cfg, sinks)
+    out, lse, _ = _forward_with_sinks(q, k, v, cfg, sinks)
     return out, lse

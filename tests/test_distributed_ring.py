@@ -4,8 +4,10 @@ the block kernel, float64.
 Every rank builds the same full-sequence inputs from a seed, cuts its slice with shard(), runs
 ring_attention (forward, and backward of sum(out * dout) [+ sum(lse * dlse)]), and compares its
 slice of out / lse / dq / dk / dv with attention_naive on the whole sequence (float64 autograd),
-cut the same way. One set of worker processes per world size runs every case (a spawn costs
-seconds); each test then reads its case's result. The block plans (which kernel calls cover a
+cut the same way. With attention sinks, d(sinks) is each rank's own part: it is compared with
+the reference's gradient of the loss over this rank's rows alone, and its sum over the ranks
+with the whole sequence's. One set of worker processes per world size runs every case (a spawn
+costs seconds); each test then reads its case's result. The block plans (which kernel calls cover a
 (query chunk, key chunk) pair) are also checked cell by cell against the global mask, without
 processes.
 """
@@ -26,7 +28,7 @@ import torch.distributed as dist
 from flash_cuda import distributed as fcd
 from flash_cuda import ring as fcr
 from flash_cuda.cpu_backend import ReferenceBlocks
-from flash_cuda.reference import attention_naive
+from flash_cuda.reference import attention_naive, combine_splits
 from flash_cuda.ring import NoComm
 from flash_cuda.validation import ScoreOptions
 from spawn_ranks import run_cases, spawn_ranks
@@ -40,8 +42,11 @@ TOL = 1e-10  # float64 blocks and merges against float64 naive attention: roundi
 # The cases: name -> options. Shapes are small (S_local 16..32, D 16 / 32).
 # ---------------------------------------------------------------------------------------
 
-def _case(B=2, Hq=2, Hkv=2, S_local=16, D=16, dtype="float64", grads="qkv", lse_loss=False, **opts):
-    return dict(B=B, Hq=Hq, Hkv=Hkv, S_local=S_local, D=D, dtype=dtype, grads=grads, lse_loss=lse_loss, opts=opts)
+def _case(B=2, Hq=2, Hkv=2, S_local=16, D=16, dtype="float64", grads="qkv", lse_loss=False, sinks=None, **opts):
+    """grads: which of q, k (k and v), s (the sinks) require a gradient. sinks: None, "mixed"
+    (about the rows' lse, one head -inf) or "large" (far above every logit)."""
+    return dict(B=B, Hq=Hq, Hkv=Hkv, S_local=S_local, D=D, dtype=dtype, grads=grads, lse_loss=lse_loss, sinks=sinks,
+                opts=opts)
 
 
 CASES = {
@@ -65,6 +70,23 @@ CASES = {
     "dkdv_only_allgather": _case(Hq=4, Hkv=2, grads="kv", method="allgather"),
     "no_grad": _case(is_causal=True, grads="", method="ring"),
     "float32": _case(dtype="float32", is_causal=True, method="ring"),
+    # attention sinks: merged once per row after the blocks; d(sinks) per rank
+    "sinks_zigzag_causal": _case(Hq=4, is_causal=True, method="ring", sinks="mixed", grads="qkvs"),
+    "sinks_contiguous_causal_lse": _case(Hq=4, is_causal=True, layout="contiguous", method="ring", sinks="mixed",
+                                         grads="qkvs", return_lse=True, lse_loss=True),
+    "sinks_zigzag_full": _case(Hq=4, method="ring", sinks="mixed", grads="qkvs"),
+    "sinks_contiguous_full_lse": _case(Hq=4, layout="contiguous", method="ring", sinks="mixed", grads="qkvs",
+                                       return_lse=True, lse_loss=True),
+    "sinks_gqa_ring_causal": _case(Hq=4, Hkv=2, is_causal=True, method="ring", sinks="mixed", grads="qkvs"),
+    "sinks_gqa_allgather_causal_lse": _case(Hq=4, Hkv=2, is_causal=True, method="allgather", sinks="mixed",
+                                            grads="qkvs", return_lse=True, lse_loss=True),
+    "sinks_gqa_allgather_full": _case(Hq=4, Hkv=2, method="allgather", sinks="mixed", grads="qkvs"),
+    "sinks_large_window": _case(Hq=2, is_causal=True, window_size=(5, 0), method="ring", S_local=32, sinks="large",
+                                grads="qkvs", return_lse=True, lse_loss=True),
+    "sinks_grad_only": _case(Hq=4, Hkv=2, is_causal=True, method="ring", sinks="mixed", grads="s",
+                             return_lse=True, lse_loss=True),
+    "sinks_without_their_grad": _case(Hq=4, is_causal=True, method="ring", sinks="mixed", grads="qkv"),
+    "sinks_float32": _case(Hq=4, Hkv=2, dtype="float32", is_causal=True, method="ring", sinks="mixed", grads="qkvs"),
 }
 
 
@@ -79,16 +101,42 @@ def _full_inputs(case, world: int, seed: int):
     return q, k, v, do, dlse
 
 
-def _reference(case, q, k, v, do, dlse):
-    """attention_naive in float64 on the whole sequence: (out, lse, dq, dk, dv)."""
+def _sinks(case, seed: int):
+    """(Hq,) sinks in the inputs' dtype, or None: "mixed" about the size of the rows' lse (a
+    few dozen keys) with head Hq // 2 at -inf (no sink); "large" ~10 above it."""
+    if case["sinks"] is None:
+        return None
+    g = torch.Generator().manual_seed(seed)
+    base = {"mixed": 3.0, "large": 14.0}[case["sinks"]]
+    s = base + torch.randn(case["Hq"], generator=g, dtype=torch.float64)
+    if case["sinks"] == "mixed":
+        s[case["Hq"] // 2] = -math.inf
+    return s.to(getattr(torch, case["dtype"]))
+
+
+def _reference(case, q, k, v, do, dlse, sinks=None):
+    """attention_naive in float64 on the whole sequence: (out, lse, dq, dk, dv, dsinks), dsinks
+    None without sinks."""
     opts = {n: case["opts"][n] for n in ("is_causal", "scale", "window_size", "softcap") if n in case["opts"]}
     q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
-    out, lse = attention_naive(q, k, v, **opts)
+    leaves = (q, k, v)
+    if sinks is not None:
+        sinks = sinks.detach().double().requires_grad_()
+        leaves = leaves + (sinks,)
+    out, lse = attention_naive(q, k, v, sinks=sinks, **opts)
     loss = (out * do.double()).sum()
     if case["lse_loss"]:
         loss = loss + (torch.where(torch.isfinite(lse), lse, 0) * dlse).sum()
-    dq, dk, dv = torch.autograd.grad(loss, (q, k, v))
-    return out.detach(), lse.detach(), dq, dk, dv
+    grads = torch.autograd.grad(loss, leaves)
+    return (out.detach(), lse.detach(), *grads[:3], grads[3] if sinks is not None else None)
+
+
+def _rows_of_rank(x, layout):
+    """x (B, H, S[, D]) with every position this rank does not hold set to 0."""
+    S = x.shape[2]
+    held = torch.zeros(S, dtype=torch.bool)
+    held[fcd.shard(torch.arange(S), 0, layout=layout)] = True
+    return torch.where(held.view(1, 1, S, *([1] * (x.dim() - 3))), x, torch.zeros_like(x))
 
 
 def _max_err(x, ref):
@@ -98,13 +146,17 @@ def _max_err(x, ref):
 def _run_case(name, case, world, rank):
     layout = case["opts"].get("layout", "zigzag")
     q, k, v, do, dlse = _full_inputs(case, world, seed=1000 + len(name))
-    ref = _reference(case, q, k, v, do, dlse)
+    sinks = _sinks(case, seed=2000 + len(name))
+    ref = _reference(case, q, k, v, do, dlse, sinks)
     mine = [fcd.shard(t, 2, layout=layout) for t in (q, k, v, do, dlse)]
     ql, kl, vl, dol, dlsel = (t.clone() for t in mine)
-    for t, flag in ((ql, "q"), (kl, "k"), (vl, "k")):
-        if flag in case["grads"]:
+    sl = None if sinks is None else sinks.clone()
+    for t, flag in ((ql, "q"), (kl, "k"), (vl, "k"), (sl, "s")):
+        if t is not None and flag in case["grads"]:
             t.requires_grad_()
     opts = dict(case["opts"])
+    if sl is not None:
+        opts["sinks"] = sl
     res = fcd.ring_attention(ql, kl, vl, **opts)
     out, lse = res if opts.get("return_lse") else (res, None)
     tol = TOL if case["dtype"] == "float64" else 2e-5
@@ -123,11 +175,29 @@ def _run_case(name, case, world, rank):
                 errors[nm] = _max_err(t.grad, fcd.shard(r, 2, layout=layout))
             elif t.grad is not None:
                 errors[nm + " (not asked)"] = math.inf
+        if sl is not None and sl.requires_grad:
+            errors.update(_dsinks_errors(case, q, k, v, do, dlse, sinks, sl.grad, ref[5], layout))
+        elif sl is not None and sl.grad is not None:
+            errors["dsinks (not asked)"] = math.inf
     # the whole sequence back: unshard inverts shard
     full_out = fcd.unshard(out.detach(), 2, layout=layout)
     errors["unshard(out)"] = _max_err(full_out, ref[0])
     bad = {n: e for n, e in errors.items() if not e <= tol * max(1.0, float(ref[0].abs().max()))}
     return None if not bad else f"rank {rank}: errors above {tol}: {bad}"
+
+
+def _dsinks_errors(case, q, k, v, do, dlse, sinks, got, ref_full, layout):
+    """d(sinks) of this rank: its own rows' part (the reference's gradient of the loss over the
+    rows this rank holds), and summed over the ranks, the whole sequence's gradient; -inf
+    sinks get exactly 0."""
+    if got is None or got.dtype != sinks.dtype or got.shape != sinks.shape:
+        return {"dsinks (missing or wrong dtype / shape)": math.inf}
+    part = _reference(case, q, k, v, _rows_of_rank(do, layout), _rows_of_rank(dlse, layout), sinks)[5]
+    total = got.detach().clone()
+    dist.all_reduce(total)
+    none = torch.isinf(sinks)
+    return {"dsinks (this rank's rows)": _max_err(got, part), "dsinks (sum over ranks)": _max_err(total, ref_full),
+            "dsinks of -inf sinks": math.inf if bool((got[none] != 0).any()) else 0.0}
 
 
 def _ring_vs_allgather(world, rank):
@@ -203,6 +273,43 @@ def _bad_shapes_without_numpy(world, rank):
         torch.Tensor.numpy = real
 
 
+def _bad_sinks(world, rank):
+    """Sinks that attention() rejects, on every rank or on the last one only, and sinks on some
+    ranks only: every rank raises before any block is attended. Returns kind -> (exception
+    type, message, blocks attended) per rank; checked by the test."""
+    seen = {}
+    ok = lambda: [torch.randn(1, 2, 8, 16, dtype=torch.float64) for _ in range(3)]  # noqa: E731
+    good = torch.zeros(2, dtype=torch.float64)
+    last = rank == world - 1
+    calls = []
+    real_forward = ReferenceBlocks.forward
+
+    def counted(self, *args):
+        calls.append(1)
+        return real_forward(self, *args)
+
+    cases = (("shape_everywhere", torch.zeros(3, dtype=torch.float64)),
+             ("shape_2d_last", torch.zeros(1, 2, dtype=torch.float64) if last else good),
+             ("integer_last", torch.zeros(2, dtype=torch.int64) if last else good),
+             ("not_a_tensor_last", [0.0, 0.0] if last else good),
+             ("device_last", torch.zeros(2, dtype=torch.float64, device="meta") if last else good),
+             ("missing_last", None if last and world > 1 else good))
+    ReferenceBlocks.forward = counted
+    try:
+        for kind, sinks in cases:
+            del calls[:]
+            try:
+                fcd.ring_attention(*ok(), is_causal=True, sinks=sinks)
+                seen[kind] = None
+            except Exception as exc:  # noqa: BLE001  (the test checks type and message)
+                seen[kind] = [type(exc).__name__, str(exc), len(calls)]
+    finally:
+        ReferenceBlocks.forward = real_forward
+    # the group still works afterwards, and good sinks of any floating dtype are taken
+    fcd.ring_attention(*ok(), is_causal=True, sinks=good.to(torch.bfloat16))
+    return seen
+
+
 def _worker(rank, world, store_path, out_dir):
     torch.set_num_threads(1)
     results = {}
@@ -211,7 +318,8 @@ def _worker(rank, world, store_path, out_dir):
                                 timeout=timedelta(seconds=60))
         run_cases(results, CASES, _run_case, world, rank)
         for name, fn in (("ring_vs_allgather", _ring_vs_allgather), ("round_trip", _round_trip),
-                         ("bad_shapes", _bad_shapes), ("bad_shapes_without_numpy", _bad_shapes_without_numpy)):
+                         ("bad_shapes", _bad_shapes), ("bad_shapes_without_numpy", _bad_shapes_without_numpy),
+                         ("bad_sinks", _bad_sinks)):
             try:
                 results[name] = fn(world, rank)
             except Exception:  # noqa: BLE001
@@ -268,6 +376,40 @@ def test_bad_inputs_raise_on_every_rank(results, world, numpy):
             assert kind == "ValueError" and "disagree on which inputs need a gradient" in msg, (rank, seen)
         else:
             assert seen["length"] is None and seen["option"] is None and seen["grad"] is None, seen
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_bad_sinks_raise_before_any_work(results, world):
+    """attention()'s checks of the sinks, with its messages: the rank with bad sinks raises its
+    own error, the others a RuntimeError that names it, and no rank attends a block; sinks on
+    some ranks only: every rank raises a ValueError naming the ranks' choices."""
+    per_rank = [r["bad_sinks"] for r in results(world)]
+    assert all(isinstance(p, dict) for p in per_rank), per_rank
+    bad = world - 1
+    prefix = "flash_cuda.distributed.ring_attention: sinks must be"
+    expected = {"shape_2d_last": ("ValueError", "a floating tensor of shape (2,) (one logit per query head), "
+                                                "got shape (1, 2)"),
+                "integer_last": ("TypeError", "got dtype int64"),
+                "not_a_tensor_last": ("TypeError", "got list"),
+                "device_last": ("RuntimeError", "sinks must be on the same device as q (cpu), got meta")}
+    for rank, seen in enumerate(per_rank):
+        # Rejected sinks: no block attended. (Ranks that disagree find out while the local block
+        # runs, before anything is sent: "missing_last" may have attended it.)
+        assert all(v[2] == 0 for c, v in seen.items() if c != "missing_last"), (rank, seen)
+        kind, msg, _ = seen["shape_everywhere"]
+        assert kind == "ValueError" and msg.startswith(prefix) and "got shape (3,)" in msg, (rank, seen)
+        for case, (exc, text) in expected.items():
+            kind, msg, _ = seen[case]
+            if rank == bad:
+                assert kind == exc and msg.startswith("flash_cuda.distributed.ring_attention: ") and text in msg, \
+                    (rank, case, seen)
+            else:
+                assert kind == "RuntimeError" and f"rank(s) [{bad}]" in msg and text in msg, (rank, case, seen)
+        if world > 1:
+            kind, msg, _ = seen["missing_last"]
+            assert kind == "ValueError" and "disagree on sinks" in msg and f"rank {bad}: None" in msg, (rank, seen)
+        else:
+            assert seen["missing_last"] is None, seen
 
 
 # ---------------------------------------------------------------------------------------
@@ -357,30 +499,35 @@ def test_shard_without_group_and_bad_lengths():
 # ---------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("sinks", [False, True], ids=["plain", "sinks"])
 @pytest.mark.parametrize("method", ["ring", "allgather"])
-def test_cuda_block_calls_match_the_reference_blocks(mock_extension, method):
+def test_cuda_block_calls_match_the_reference_blocks(mock_extension, method, sinks):
     """The ring's steps on one rank of a pretend world of 3 whose blocks never move (NoComm):
     flash_cuda's extension entry points (here the mock, which asserts the binding's argument
-    contract) and the reference blocks must give the same result."""
+    contract) and the reference blocks must give the same result. With sinks (bfloat16, as
+    gpt-oss keeps them), the blocks never see them: they are merged after the last block."""
     g = torch.Generator().manual_seed(5)
     q, do = (torch.randn(2, 4, 16, 16, generator=g).to(torch.bfloat16) for _ in range(2))
     k, v = (torch.randn(2, 2, 16, 16, generator=g).to(torch.bfloat16) for _ in range(2))
     dlse = torch.randn(2, 4, 16, generator=g)
+    s = torch.tensor([2.0, -math.inf, 4.5, 0.5], dtype=torch.bfloat16) if sinks else None
     got = []
     opts = ScoreOptions(0.25)
     for kernel in (fcr.CudaBlocks(q, opts, False, 0), ReferenceBlocks(q, opts)):
         cfg = fcr.Config(kernel, NoComm(3, 1), "ring", "zigzag", 6, 0, True, True)
         qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
-        if method == "ring":
-            out, lse = fcr.RingAttention.apply(qq, kk, vv, cfg)
-        else:  # the all-gather's calls: q's two chunks against the pretend whole sequence k
+        ss = None if s is None else s.clone().requires_grad_()
+        if method == "allgather":  # the all-gather's calls: q's two chunks against the pretend whole sequence k
             cfg = cfg._replace(method="allgather", ring=NoComm(1, 0))
-            out, lse = fcr.RingAttention.apply(qq, kk, vv, cfg)
+        out, lse = fcr.RingAttention.apply(qq, kk, vv, cfg, ss)
         ((out.float() * do.float()).sum() + (lse * dlse).sum()).backward()
-        got.append((out, lse, qq.grad, kk.grad, vv.grad))
+        got.append((out, lse, qq.grad, kk.grad, vv.grad) + (() if ss is None else (ss.grad,)))
     assert mock_extension.fwd_calls > 0 and mock_extension.bwd_calls > 0
     assert mock_extension.merge_calls > 0 or method == "allgather"
-    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), *got):
+    assert mock_extension.last_fwd_sinks is None
+    if sinks:
+        assert got[0][5][1] == 0 and got[1][5][1] == 0  # a -inf sink: no gradient
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv", "dsinks"), *got):
         assert a.dtype == b.dtype and a.shape == b.shape, name
         assert torch.allclose(a.float(), b.float(), atol=3e-2, rtol=2e-2), (name, (a.float() - b.float()).abs().max())
 
@@ -412,6 +559,72 @@ def test_bfloat16_merges_in_float32(mock_extension, blocks):
     if blocks == "cuda":  # bf16 into float32, float32 on, then the last merge into bf16
         bf, f32 = torch.bfloat16, torch.float32
         assert {(bf, bf, f32), (f32, bf, f32), (f32, bf, bf)} <= mock_extension.merge_dtypes
+
+
+def test_sinks_gradient_alone_runs_no_backward_kernel():
+    """Only the sinks require a gradient: the backward computes d(sinks) from out, lse and the
+    upstream gradients, with no block backward and no transfer (NoComm would copy; a real ring
+    would wait for the other ranks)."""
+    g = torch.Generator().manual_seed(3)
+    q, do = (torch.randn(1, 2, 16, 16, generator=g, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(1, 2, 16, 16, generator=g, dtype=torch.float64) for _ in range(2))
+    s = torch.tensor([1.5, 3.0], dtype=torch.float64, requires_grad=True)
+    exchanges, backwards = [], []
+
+    class Counting(NoComm):
+        def exchange(self, send, recv, tag0=0):
+            exchanges.append(tag0)
+            return super().exchange(send, recv, tag0)
+
+    class CountingBlocks(ReferenceBlocks):
+        def backward(self, *args):
+            backwards.append(1)
+            return super().backward(*args)
+
+    cfg = fcr.Config(CountingBlocks(q, ScoreOptions(0.25)), Counting(2, 1), "ring", "contiguous", -1, 0, False,
+                     False)
+    out, _ = fcr.attention(q, k, v, cfg, s)
+    sent = len(exchanges)
+    (out * do).sum().backward()
+    assert sent > 0 and len(exchanges) == sent and not backwards
+    # rank 1 of a pretend world of 2 whose blocks never move: its queries at positions 16..31
+    # see its own keys as those of positions 0..15 too
+    k2, v2 = torch.cat([k, k], 2), torch.cat([v, v], 2)
+    sr = s.detach().clone().requires_grad_()
+    ref, _ = attention_naive(q, k2, v2, scale=0.25, is_causal=True, sinks=sr)
+    (ref * do).sum().backward()
+    assert torch.allclose(out, ref, atol=1e-12) and torch.allclose(s.grad, sr.grad, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_merge_sink(dtype):
+    """merge_sink against a sink merged as one more partial (reference.combine_splits), with the
+    fp32 kernels' (m, log2 l) statistics: rows that saw no key ((+inf, 0), lse -inf), -inf
+    sinks (bitwise no-ops), a sink far above the keys. The statistics stay those of the
+    sink-including row: (m + log2 l) ln 2 = lse and m = max(m, sink log2 e)."""
+    g = torch.Generator().manual_seed(2)
+    B, H, S, D = 2, 4, 6, 8
+    out = torch.randn(B, H, S, D, generator=g, dtype=torch.float64).to(dtype)
+    lse = (2 + torch.randn(B, H, S, generator=g, dtype=torch.float64)).to(dtype)
+    lse[:, :, 0] = -math.inf  # rows that saw no key
+    out[:, :, 0] = 0
+    m = lse.float() * 1.4426950408889634 + 0.75  # any split of lse log2 e into m + log2 l
+    stats = torch.stack((m, lse.float() * 1.4426950408889634 - m), -1)
+    stats[:, :, 0] = torch.tensor([math.inf, 0.0])
+    sinks = torch.tensor([1.0, -math.inf, 40.0, 2.5], dtype=dtype)
+    o2, l2, st2 = fcr.merge_sink(out.clone(), lse.clone(), stats.clone(), sinks, dtype)
+    ref_o, ref_l = combine_splits([out], [lse], dtype, sink=sinks.view(1, H, 1))
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    assert torch.allclose(o2, ref_o, atol=tol) and torch.allclose(l2, ref_l, atol=tol)
+    assert torch.equal(o2[:, 1], out[:, 1]) and torch.equal(l2[:, 1], lse[:, 1]) and torch.equal(st2[:, 1], stats[:, 1])
+    assert bool((o2[:, :, 0] == 0).all()) and torch.equal(l2[:, [0, 2, 3], 0], sinks[[0, 2, 3]].expand(B, 3))
+    assert torch.equal(st2[:, 1, 0], stats[:, 1, 0])  # no key, no sink: still (+inf, 0)
+    seen = torch.ones(B, H, S, dtype=torch.bool)
+    seen[:, 1, 0] = False
+    assert torch.allclose(((st2[..., 0] + st2[..., 1]) * math.log(2))[seen], l2.float()[seen], atol=1e-5)
+    s2 = sinks.float().view(1, H, 1) * 1.4426950408889634
+    m_in = torch.where(stats[..., 0] == math.inf, -math.inf, stats[..., 0])
+    assert torch.equal(st2[..., 0][seen], torch.maximum(m_in, s2)[seen])
 
 
 def _row_histories(sched):

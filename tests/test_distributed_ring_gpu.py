@@ -10,6 +10,10 @@ and gradients to the inputs' dtype before it merges them in float32, which singl
 does not. Also: two runs are bitwise equal (the ring order and the merges are fixed; the backward
 with deterministic=True).
 
+With attention sinks (the cases whose ``sinks`` is set), d(sinks) is each rank's own part: its
+sum over the ranks is checked with the same rule against the whole sequence's gradient, and
+-inf sinks give the results of no sinks bit for bit.
+
 Runs with NCCL_NVLS_ENABLE=0 (no NVLink multicast). FLASH_CUDA_RING_WORLD picks the number of
 ranks (default: min(4, number of GPUs)).
 """
@@ -51,8 +55,9 @@ def _skip_reason():
     return reason
 
 
-def _case(dtype, D, layout="zigzag", is_causal=True, Hq=8, Hkv=8, method="ring", S_local=256, **opts):
-    return dict(dtype=dtype, D=D, B=2, Hq=Hq, Hkv=Hkv, S_local=S_local,
+def _case(dtype, D, layout="zigzag", is_causal=True, Hq=8, Hkv=8, method="ring", S_local=256, sinks=None, **opts):
+    """sinks: None, or the sinks' dtype ("float32"; "bfloat16" as gpt-oss keeps them)."""
+    return dict(dtype=dtype, D=D, B=2, Hq=Hq, Hkv=Hkv, S_local=S_local, sinks=sinks,
                 opts=dict(layout=layout, is_causal=is_causal, method=method, **opts))
 
 
@@ -71,6 +76,17 @@ CASES["bfloat16_d64_window_allgather"] = _case("bfloat16", 64, Hq=8, Hkv=2, meth
                                                window_size=(100, 0), return_lse=True)
 CASES["float16_d64_softcap_lse"] = _case("float16", 64, softcap=20.0, return_lse=True)
 CASES["float32_d64_zigzag_causal"] = _case("float32", 64, return_lse=True)  # the fp32 statistics merge
+CASES["bfloat16_d128_zigzag_causal_sinks"] = _case("bfloat16", 128, sinks="float32", return_lse=True)
+CASES["float16_d64_contiguous_full_sinks"] = _case("float16", 64, layout="contiguous", is_causal=False,
+                                                   sinks="float32")
+CASES["bfloat16_d64_gqa_ring_causal_bf16_sinks"] = _case("bfloat16", 64, Hq=8, Hkv=2, sinks="bfloat16",
+                                                         return_lse=True)
+CASES["float16_d128_gqa_allgather_causal_sinks"] = _case("float16", 128, Hq=8, Hkv=2, method="allgather",
+                                                         sinks="float32", return_lse=True)
+CASES["bfloat16_d64_window_allgather_sinks"] = _case("bfloat16", 64, Hq=8, Hkv=2, method="allgather",
+                                                     window_size=(100, 0), sinks="float32")
+# the fp32 (m, log2 l) statistics with the sink merged in, read by the fp32 backward
+CASES["float32_d64_zigzag_causal_sinks"] = _case("float32", 64, sinks="float32", return_lse=True)
 
 
 def _inputs(case, world, seed):
@@ -83,15 +99,29 @@ def _inputs(case, world, seed):
     return q, k, v, do, dlse
 
 
-def _grads(fn, q, k, v, do, dlse, use_lse):
-    """(out, lse, dq, dk, dv) of fn(q, k, v) -> (out, lse) under loss sum(out*do) [+ sum(lse*dlse)]."""
-    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    out, lse = fn(q, k, v)
+def _sinks(case, seed):
+    """(Hq,) sinks in the case's sinks dtype, or None: about the size of the rows' lse (a few
+    hundred keys), one head -inf (no sink)."""
+    if case["sinks"] is None:
+        return None
+    g = torch.Generator().manual_seed(seed)
+    s = 4.0 + 2.0 * torch.randn(case["Hq"], generator=g, dtype=torch.float64)
+    s[case["Hq"] // 2] = float("-inf")
+    return s.to(getattr(torch, case["sinks"])).cuda()
+
+
+def _grads(fn, q, k, v, do, dlse, use_lse, sinks=None):
+    """(out, lse, dq, dk, dv[, dsinks]) of fn(q, k, v[, sinks]) -> (out, lse) under loss
+    sum(out*do) [+ sum(lse*dlse)]."""
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    if sinks is not None:
+        leaves.append(sinks.detach().clone().requires_grad_())
+    out, lse = fn(*leaves)
     loss = (out.double() * do.double()).sum()
     if use_lse:
         loss = loss + (lse.double() * dlse.double()).sum()
     loss.backward()
-    return out.detach(), lse.detach(), q.grad, k.grad, v.grad
+    return (out.detach(), lse.detach(), *(t.grad for t in leaves))
 
 
 def _run_case(name, case, world, rank):
@@ -100,34 +130,57 @@ def _run_case(name, case, world, rank):
     use_lse = bool(opts.get("return_lse"))
     dt = getattr(torch, case["dtype"])
     q, k, v, do, dlse = _inputs(case, world, seed=len(name) + 17)
+    sinks = _sinks(case, seed=len(name) + 29)
     att = {n: opts[n] for n in ("is_causal", "window_size", "softcap") if n in opts}
     # references on the whole sequence: float64 naive, naive in the dtype, flash_cuda on one GPU
-    ref = _grads(lambda a, b, c: attention_naive(a.double(), b.double(), c.double(), **att), q, k, v, do, dlse,
-                 use_lse)
-    naive = _grads(lambda a, b, c: attention_naive(a, b, c, **att), q, k, v, do, dlse, use_lse)
-    single = _grads(lambda a, b, c: flash_cuda.attention(a, b, c, return_lse=True, **att), q, k, v, do, dlse,
-                    use_lse)
+    # (the sinks as each takes them: float64, the inputs' dtype, the sinks' own)
+    ref = _grads(lambda a, b, c, *s: attention_naive(a.double(), b.double(), c.double(),
+                                                     sinks=s[0].double() if s else None, **att),
+                 q, k, v, do, dlse, use_lse, sinks)
+    naive = _grads(lambda a, b, c, *s: attention_naive(a, b, c, sinks=s[0].to(dt) if s else None, **att),
+                   q, k, v, do, dlse, use_lse, sinks)
+    single = _grads(lambda a, b, c, *s: flash_cuda.attention(a, b, c, return_lse=True, sinks=s[0] if s else None,
+                                                             **att), q, k, v, do, dlse, use_lse, sinks)
     opts["return_lse"] = True
     mine = [fcd.shard(t, 2, layout=layout) for t in (q, k, v, do, dlse)]
-    ring = _grads(lambda a, b, c: fcd.ring_attention(a, b, c, **opts), *mine, use_lse)
+    ring_fn = lambda a, b, c, *s: fcd.ring_attention(a, b, c, sinks=s[0] if s else None, **opts)  # noqa: E731
+    ring = _grads(ring_fn, *mine, use_lse, sinks)
+    names = ("out", "lse", "dq", "dk", "dv") + (() if sinks is None else ("dsinks",))
     problems = []
-    for i, nm in enumerate(("out", "lse", "dq", "dk", "dv")):
-        r, n, s = (fcd.shard(t[i], 2, layout=layout) for t in (ref, naive, single))
+    for i, nm in enumerate(names):
+        if nm == "dsinks":
+            # each rank's part; their sum is the whole sequence's gradient
+            if ring[i].dtype != sinks.dtype or ring[i].shape != sinks.shape:
+                problems.append(f"dsinks: dtype {ring[i].dtype}, shape {tuple(ring[i].shape)}")
+                continue
+            got = ring[i].float().clone()
+            dist.all_reduce(got)
+            r, n, s = ref[i], naive[i], single[i]
+        else:
+            got = ring[i]
+            r, n, s = (fcd.shard(t[i], 2, layout=layout) for t in (ref, naive, single))
         # the larger baseline of the two (see the module docstring)
         base = n if (n.double() - r).abs().max() >= (s.double() - r).abs().max() else s
         atol = (LSE_ATOL_BASE if nm == "lse" else ATOL_BASE)[dt]
-        _, problem = rule_error(nm, ring[i], r, base, atol)
+        _, problem = rule_error(nm, got, r, base, atol)
         if problem:
             problems.append(problem)
     # reproducible: the forward always, the backward with deterministic=True
     opts["deterministic"] = True
-    first = _grads(lambda a, b, c: fcd.ring_attention(a, b, c, **opts), *mine, use_lse)
-    again = _grads(lambda a, b, c: fcd.ring_attention(a, b, c, **opts), *mine, use_lse)
-    for nm, a, b in zip(("out", "lse", "dq", "dk", "dv"), first, again):
+    first = _grads(ring_fn, *mine, use_lse, sinks)
+    again = _grads(ring_fn, *mine, use_lse, sinks)
+    for nm, a, b in zip(names, first, again):
         if not torch.equal(a, b):
             problems.append(f"{nm} differs between two runs with deterministic=True")
     if not torch.equal(first[0], ring[0]):
         problems.append("out differs between deterministic=False and True (the forward has no such choice)")
+    if sinks is not None:
+        # -inf sinks are no sinks, bit for bit
+        with torch.no_grad():
+            plain = fcd.ring_attention(*mine[:3], **opts)
+            none = fcd.ring_attention(*mine[:3], sinks=torch.full_like(sinks, float("-inf")), **opts)
+        if not (torch.equal(plain[0], none[0]) and torch.equal(plain[1], none[1])):
+            problems.append("-inf sinks change out or lse")
     return None if not problems else f"rank {rank}: " + "; ".join(problems)
 
 

@@ -40,6 +40,7 @@ __device__ __forceinline__ float group_sum(float x) {
 __device__ __forceinline__ void opaque(int& x) { asm volatile("" : "+r"(x)); }
 __device__ __forceinline__ void opaque(uint32_t& x) { asm volatile("" : "+r"(x)); }
 __device__ __forceinline__ void opaque(float& x) { asm volatile("" : "+f"(x)); }
+template <typename T> __device__ __forceinline__ void opaque(T*& x) { asm volatile("" : "+l"(x)); }
 // x = 0 by an instruction the compiler keeps in program order among the other asm statements.
 __device__ __forceinline__ void zero_in_order(float& x) { asm volatile("mov.b32 %0, 0;\n" : "=f"(x)); }
 // f(word) for each of the kN x 4 words of a fragment (an accumulator's or an A operand's).
@@ -55,6 +56,13 @@ __device__ __forceinline__ int lane_id_opaque() {
   int lane;
   asm volatile("mov.u32 %0, %%laneid;" : "=r"(lane));
   return lane;
+}
+
+// This thread's index in its block, read from the hardware register (opaque, unlike threadIdx.x).
+__device__ __forceinline__ uint32_t thread_index_opaque() {
+  uint32_t tid;
+  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
+  return tid;
 }
 
 // ---------------------------------------------------------------------------------

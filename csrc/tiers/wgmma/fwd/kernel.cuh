@@ -149,17 +149,19 @@ __device__ __forceinline__ void fwd_ws_block(const FwdParams& p, const TmaMaps& 
   const TileScheduler sched = TileScheduler::of<Cfg::kBlockM, kPackGqa>(p, shift);
   const int cwarp_all = warp - 4;
   for (int k = 0, first = 0;; ++k) {
-    // kLeanTileLoop: an opaque copy of the base (an empty asm the compiler cannot see through)
-    // and of the thread index, made in the loop, so that every pointer and size derived from
-    // them is computed per tile from values that cost no register across the tiles.
+    // kLeanTileLoop: an opaque copy of the base (the compiler cannot see through it) and of the
+    // thread index, made in the loop, so that every pointer and size derived from them is
+    // computed per tile from values that cost no register across the tiles.
     unsigned char* raw_t = smem_raw;
-    unsigned tid_t = threadIdx.x;
+    uint32_t tid_t = threadIdx.x;
     TileScheduler sched_t = sched;
     if constexpr (Cfg::kLeanTileLoop) {
-      asm volatile("" : "+l"(raw_t));
-      asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid_t));
+      opaque(raw_t);
+      tid_t = thread_index_opaque();
       sched_t = TileScheduler::of<Cfg::kBlockM, kPackGqa>(p, shift);
-      asm volatile("" : "+r"(sched_t.m_blocks), "+r"(sched_t.heads), "+r"(sched_t.section));
+      opaque(sched_t.m_blocks);
+      opaque(sched_t.heads);
+      opaque(sched_t.section);
     }
     auto& smem_t = *reinterpret_cast<typename Cfg::SharedStorage*>(aligned_smem_base<Cfg::kSharedBase>(raw_t));
     const QueryTile qt_t =

@@ -15,7 +15,9 @@ only adds time). The cases: dense forward under no_grad at a decode shape (B 8, 
 D 128) and a 128-token prefill (B 1, H 32, S 128, D 128); forward + backward of a tiny call (B = H =
 1, S 128, D 64, causal), its forward alone (the graph recorded, no backward) and forward +
 torch.autograd.grad with a given upstream gradient; a packed (varlen)
-forward under no_grad (4 sequences, 512 rows, H 16, D 64). bfloat16 throughout.
+forward under no_grad (4 sequences, 512 rows, H 16, D 64); a decode step of
+attention_with_kvcache (B 1, Hq 32, Hkv 8, a 128-row cache, D 64, a tensor cache_seqlens),
+without and with one new key appended. bfloat16 throughout.
 """
 
 from __future__ import annotations
@@ -45,6 +47,14 @@ class NoOpExtension:
             res = self._fwd[key] = (torch.empty_like(q), torch.empty(lse_shape), torch.empty(0))
         return res
 
+    def fwd_kvcache(self, q, k_cache, v_cache, k, v, cache_seqlens, cache_len, block_table, scale, window_left,
+                    window_right, softcap, alibi_slopes, num_splits, return_lse, sinks=None):
+        key = (q.shape, q.dtype, "kvcache")
+        res = self._fwd.get(key)
+        if res is None:
+            res = self._fwd[key] = (torch.empty_like(q), torch.empty(tuple(q.shape[:3])))
+        return res[0], (res[1] if return_lse else None)
+
     def bwd(self, dout, q, k, v, out, lse, aux, dlse, scale, window_left, window_right, softcap,
             alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, deterministic,
             tier, need_dq=True, need_dkdv=True, dropout_p=0.0, rng_state=None):
@@ -61,7 +71,7 @@ def install(name: str, ext: NoOpExtension):
     pkg = importlib.import_module(name)
     ext_mod = importlib.import_module(f"{name}._ext")
     validation = importlib.import_module(f"{name}.validation")
-    ext_mod._C = SimpleNamespace(fwd=ext.fwd, bwd=ext.bwd)
+    ext_mod._C = SimpleNamespace(fwd=ext.fwd, bwd=ext.bwd, fwd_kvcache=ext.fwd_kvcache)
     ext_mod._AVAILABLE = True
     ext_mod._IMPORT_ERROR = None
 
@@ -70,6 +80,11 @@ def install(name: str, ext: NoOpExtension):
             raise RuntimeError(f"{prefix}q, k and v must be on the same device")
 
     validation.check_device = same_device_only
+    try:  # attention_with_kvcache's CUDA-device check, where the package keeps it
+        checks = importlib.import_module(f"{name}.kvcache_checks")
+    except ModuleNotFoundError:
+        checks = importlib.import_module(f"{name}.kvcache")
+    checks._check_device = lambda q, dev: None
     return pkg
 
 
@@ -83,9 +98,20 @@ def cases(fc):
     vq = torch.empty(512, 16, 64, dtype=bf16)
     cu = torch.tensor([0, 100, 228, 400, 512], dtype=torch.int32)
 
+    kq = torch.empty(1, 32, 1, 64, dtype=bf16)
+    kc = torch.empty(1, 8, 128, 64, dtype=bf16)
+    knew = torch.empty(1, 8, 1, 64, dtype=bf16)
+    lens = torch.tensor([100], dtype=torch.int32)
+
     def decode():
         with torch.no_grad():
             fc.attention(dq, dk, dk)
+
+    def kvcache_decode():
+        fc.attention_with_kvcache(kq, kc, kc, cache_seqlens=lens)
+
+    def kvcache_append():
+        fc.attention_with_kvcache(kq, kc, kc, knew, knew, cache_seqlens=lens)
 
     def prefill():
         with torch.no_grad():
@@ -103,7 +129,7 @@ def cases(fc):
             fc.varlen_attention(vq, vq, vq, cu, cu, 172, 172, is_causal=True)
 
     return {"fwd_decode": decode, "fwd_prefill": prefill, "fwd_autograd": fwd_autograd, "fwd_grad": fwd_grad,
-            "varlen_fwd": varlen}
+            "varlen_fwd": varlen, "kvcache_decode": kvcache_decode, "kvcache_append": kvcache_append}
 
 
 def autograd_floor():

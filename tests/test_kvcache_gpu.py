@@ -339,8 +339,10 @@ def test_prefill_chunk_under_cuda_graph_capture(monkeypatch):
     gen = torch.Generator(device="cpu").manual_seed(9)
     B, Hq, Hkv, D, Sq, page = 2, 8, 2, 128, 48, 16
     k_cache, v_cache, table = _make_cache(B, Hkv, D, torch.bfloat16, 1024, page, False, gen)
-    _fill(k_cache, table, (600, 40), gen)
-    _fill(v_cache, table, (600, 40), gen)
+    # Rows past the starting lengths filled too: the replays below grow the lengths by 0, 1, 2, so
+    # they read rows the first call did not write (unfilled rows are poison, and NaN != NaN).
+    _fill(k_cache, table, (610, 50), gen)
+    _fill(v_cache, table, (610, 50), gen)
     lens = torch.tensor([600, 40], dtype=torch.int32, device=DEV)
     q = torch.randn((B, Hq, Sq, D), generator=gen).to(DEV, torch.bfloat16)
     k_new = torch.randn((B, Hkv, Sq, D), generator=gen).to(DEV, torch.bfloat16)
@@ -368,6 +370,7 @@ def test_prefill_chunk_under_cuda_graph_capture(monkeypatch):
         graph.replay()
         want = step(ek, ev)
         torch.cuda.synchronize()
+        assert torch.isfinite(want).all(), f"replay {it}"
         assert torch.equal(out_g, want), f"replay {it}"
         assert torch.equal(kc.view(torch.int16), ek.view(torch.int16)), f"replay {it}: the cache"
 

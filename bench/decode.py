@@ -44,7 +44,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rep", type=int, default=40, help="do_bench rep (ms)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--prefill", action="store_true",
-                    help="also time prefill (2k new tokens into an empty cache) against attention()")
+                    help="also time prefill (2k-token chunks into an empty dense cache and into paged caches "
+                         "already holding tokens, pages 16 and 256, B 1 and 4) against attention() on the same tokens")
     ap.add_argument("--csv", default=None)
     args = ap.parse_args(argv)
 
@@ -153,19 +154,29 @@ def main(argv=None) -> int:
 
 
 def prefill(torch, do_bench, flash_cuda) -> None:
-    """Prompt processing through the cache (S = 2048 new tokens into an empty cache, causal, bf16,
-    Hq = 32, Hkv = 8, D = 128) against attention() on the same q, k, v: cache_seqlens as an int
-    (the host knows the length: attention()'s forward over the filled rows) and as a tensor (the
-    split-KV kernels, row chunks of 64)."""
-    print("\nprefill: S = 2048 new tokens into an empty cache (capacity 4096), causal, bf16, Hq 32, Hkv 8, D 128")
+    """Prompt chunks through the cache against attention() on the same tokens (S = 2048 new tokens
+    per sequence, causal, bf16, Hq = 32, Hkv = 8, D = 128), B = 1 and 4:
+
+    * into an empty dense cache, cache_seqlens as an int (attention()'s forward over the filled
+      rows) and as a tensor (the gathered prefill route; with every sequence empty its keys are
+      k / v themselves);
+    * appended to a paged cache that already holds C tokens per sequence (pages of 16 and 256
+      dealt out over the pool in a random order, cache_seqlens a tensor: append, gather of the
+      C + S keys, attention()'s forward), against attention() on q and the same C + S keys and
+      values held as dense (B, Hkv, C + S, D) tensors. The outputs are compared too (max |diff|).
+
+    ratio = attention() time / attention_with_kvcache time (1 = as fast; the goal is >= 0.9)."""
+    S, Hq, Hkv, D = 2048, 32, 8, 128
+    bf16 = torch.bfloat16
+    print(f"\nprefill: S = {S} new tokens into an empty cache (capacity {2 * S}), causal, bf16, Hq {Hq}, Hkv {Hkv}, "
+          f"D {D}")
     print("| B | attention() us | with_kvcache int us | ratio | with_kvcache tensor us | ratio |")
     print("| ---: | ---: | ---: | ---: | ---: | ---: |")
     for B in (1, 4):
-        S, Hq, Hkv, D = 2048, 32, 8, 128
-        q = torch.randn(B, Hq, S, D, device="cuda", dtype=torch.bfloat16)
-        k = torch.randn(B, Hkv, S, D, device="cuda", dtype=torch.bfloat16)
+        q = torch.randn(B, Hq, S, D, device="cuda", dtype=bf16)
+        k = torch.randn(B, Hkv, S, D, device="cuda", dtype=bf16)
         v = torch.randn_like(k)
-        kc = torch.zeros(B, Hkv, 2 * S, D, device="cuda", dtype=torch.bfloat16)
+        kc = torch.zeros(B, Hkv, 2 * S, D, device="cuda", dtype=bf16)
         vc = torch.zeros_like(kc)
         lens = torch.zeros(B, dtype=torch.int32, device="cuda")
         with torch.no_grad():
@@ -176,6 +187,41 @@ def prefill(torch, do_bench, flash_cuda) -> None:
                                                                        is_causal=True), rep=100)
         print(f"| {B} | {t_attn * 1e3:.0f} | {t_int * 1e3:.0f} | {t_attn / t_int:.3f} | {t_dev * 1e3:.0f} | "
               f"{t_attn / t_dev:.3f} |", flush=True)
+        del q, k, v, kc, vc
+    print(f"\nprefill chunks into a paged cache: S = {S} new tokens appended to C cached ones per sequence, causal, "
+          f"bf16, Hq {Hq}, Hkv {Hkv}, D {D}")
+    print("| B | page | C | attention() us | with_kvcache us | ratio | max abs diff |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for B, page, C in itertools.product((1, 4), (16, 256), (2048, 8192)):
+        L = C + S
+        q = torch.randn(B, Hq, S, D, device="cuda", dtype=bf16)
+        keys = torch.randn(B, Hkv, L, D, device="cuda", dtype=bf16)  # the sequence's C cached + S new keys
+        values = torch.randn_like(keys)
+        k_new, v_new = keys[:, :, C:], values[:, :, C:]
+        per_seq = -(-L // page)
+        pages = B * per_seq
+        table = torch.randperm(pages, device="cuda").to(torch.int32).view(B, per_seq)
+        kc = torch.empty(pages, page, Hkv, D, device="cuda", dtype=bf16).transpose(1, 2)  # a vLLM-style pool
+        vc = torch.empty_like(kc)
+        pos = torch.arange(C, device="cuda")
+        for b in range(B):  # the cached tokens, page by page as an allocator placed them
+            kc[table[b, pos // page].long(), :, pos % page] = keys[b, :, :C].transpose(0, 1)
+            vc[table[b, pos // page].long(), :, pos % page] = values[b, :, :C].transpose(0, 1)
+        lens = torch.full((B,), C, dtype=torch.int32, device="cuda")
+
+        def chunk():  # re-appends the same chunk at C on every call: the cache's contents stay put
+            return flash_cuda.attention_with_kvcache(q, kc, vc, k_new, v_new, cache_seqlens=lens, block_table=table,
+                                                     is_causal=True)
+
+        with torch.no_grad():
+            want = flash_cuda.attention(q, keys, values, is_causal=True)
+            diff = (chunk().float() - want.float()).abs().max().item()
+            t_attn = do_bench(lambda: flash_cuda.attention(q, keys, values, is_causal=True), rep=100)
+            t_kv = do_bench(chunk, rep=100)
+        print(f"| {B} | {page} | {C} | {t_attn * 1e3:.0f} | {t_kv * 1e3:.0f} | {t_attn / t_kv:.3f} | {diff:.2e} |",
+              flush=True)
+        del q, keys, values, kc, vc, table
+        torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

@@ -2,9 +2,9 @@
 paged cache, with the new keys appended in place (FlashAttention's ``flash_attn_with_kvcache``
 semantics in flash_cuda's (batch, heads, seq, head_dim) layout).
 
-Inference only: no autograd graph is recorded. The launch plan depends on shapes alone (the
-cache's capacity, never the lengths in ``cache_seqlens``), so one CUDA graph captured around a
-decode step serves every later step. :func:`flash_cuda.reference.attention_with_kvcache_reference`
+Inference only: no autograd graph is recorded. A decode step's launch plan depends on shapes
+alone (the cache's capacity, never the lengths in ``cache_seqlens``), so one CUDA graph captured
+around a decode step serves every later step. :func:`flash_cuda.reference.attention_with_kvcache_reference`
 is the executable specification (pure PyTorch, runs on CPU).
 
 The work is split by concern:
@@ -15,6 +15,8 @@ The work is split by concern:
 * :mod:`flash_cuda.kvcache_ops`: the custom ops ``flash_cuda::fwd_kvcache`` and
   ``flash_cuda::fwd_kvcache_packed`` (mutating ``k_cache`` and ``v_cache``, with fake
   implementations for ``torch.compile``) and the extension calls they make.
+* :mod:`flash_cuda.kvcache_prefill`: the route of a prompt chunk against a paged cache or with
+  tensor lengths (append, gather, attention()'s forward), inside the op's implementation.
 * Here, the dispatch: plain eager tensors run the extension call without the op's dispatch;
   anything the op exists for (tracing, fake or functional tensors, tensor subclasses, dispatch
   or function modes) takes the op.
@@ -160,10 +162,31 @@ def attention_with_kvcache(
         ``out`` with q's shape and dtype (laid out like ``torch.empty_like(q)``), or ``(out,
         lse)`` with ``return_lse``.
 
+    What runs (one result, up to rounding; ``num_splits`` applies to the decode kernels only):
+
+    * ``seqlen_q <= 16`` (decode, speculative decoding): the split-KV decode kernels, which
+      append k / v and read the cache (dense or paged) in one launch whose plan depends on
+      shapes alone.
+    * ``seqlen_q > 16`` (a prompt chunk), dense cache, int ``cache_seqlens``: the append as a
+      copy, then :func:`flash_cuda.attention`'s query-tiled forward over the cache's first
+      ``L`` rows.
+    * ``seqlen_q > 16``, paged cache or tensor ``cache_seqlens``: the append as a scatter, each
+      sequence's keys ``0 .. L_b - 1`` gathered from the cache into packed K / V, then
+      attention()'s forward on them (dense when all ``L_b`` are equal, else packed with
+      ``cu_seqlens``; every mask bottom-right aligned per sequence, as defined above; scale,
+      window, softcap, ALiBi and sinks as given). The gather costs memory for the gathered keys
+      (sequences go in groups of at most 1 GiB of them) and, with a tensor ``cache_seqlens``,
+      one device sync to read the lengths (:mod:`flash_cuda.kvcache_prefill`). The decode
+      kernels would stream every key once per 64 query rows (about a third of attention()'s
+      speed at 2k tokens).
+
     Works under ``torch.compile(fullgraph=True)`` (the custom op
     ``torch.ops.flash_cuda.fwd_kvcache``, declared as mutating the caches, so the append is
     kept) and inside CUDA graphs (captured by hand or by ``mode="reduce-overhead"``): with a
-    tensor ``cache_seqlens`` one captured step serves every length. Repeated calls with the
+    tensor ``cache_seqlens`` one captured step serves every length. The gathered prefill route
+    reads the lengths on the host, which a capture cannot record: a call made under CUDA graph
+    capture takes the decode kernels instead, so decode steps and prompt chunks both capture,
+    and a captured prompt chunk runs at the decode kernels' speed. Repeated calls with the
     same shapes, strides, dtypes, devices and options are checked once (the outcome is kept
     per signature); an int ``cache_seqlens`` is checked on every call.
 

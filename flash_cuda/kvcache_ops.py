@@ -5,8 +5,10 @@ make, which the eager path makes too (without the op's dispatch).
   ``k_cache`` and ``v_cache`` (so functionalization under ``torch.compile`` keeps the append),
   with a fake implementation: ``torch.compile(fullgraph=True)`` traces a decode step without
   a graph break. It always returns ``(out, lse)``; lse is an empty float32 ``(0,)`` tensor
-  unless ``return_lse``. :func:`run_kvcache` is its call: the split-KV decode kernels, or for
-  a prompt against a dense cache an append and :func:`flash_cuda.attention`'s forward.
+  unless ``return_lse``. :func:`run_kvcache` is its call: the split-KV decode kernels for up to
+  16 queries per sequence; for a prompt chunk (more) :func:`flash_cuda.attention`'s forward
+  after the append, over the cache's rows for a dense cache with an int length, else (pages,
+  tensor lengths) over keys gathered from the cache (:mod:`flash_cuda.kvcache_prefill`).
 * ``flash_cuda::fwd_kvcache_packed``: the same for packed (varlen) queries (``cu_seqlens_q``),
   today a scatter for the appends and one binding call per distinct chunk length
   (:func:`run_kvcache_packed`).
@@ -27,14 +29,11 @@ from torch import Tensor
 from . import _ext
 from .kvcache_checks import (ENV_CHECK, PAGE_SIZE_MULTIPLE, check_alignment, check_cu_seqlens_q, check_enabled,
                              check_values)
+from .kvcache_prefill import DECODE_MAX_QUERIES, cache_slots, gathered_prefill, takes_route
 from .ops import fwd_impl
 from .validation import ScoreOptions
 
 __all__ = ["fwd_kvcache", "fwd_kvcache_packed", "run_kvcache", "run_kvcache_packed"]
-
-# Queries per head up to which the split-KV decode kernels run a call (tiers/mma/family.h:
-# decode::kMaxDecodeQueries); longer prompts against a dense cache take attention()'s forward.
-_DECODE_MAX_QUERIES = 16
 
 
 _side_streams: dict = {}
@@ -65,7 +64,7 @@ def run_kvcache(C, q, k_cache, v_cache, k, v, lens, cache_len, block_table, scal
             capacity = k_cache.shape[2] * (1 if block_table is None else block_table.shape[1])
             check_values(lens.tolist() if lens is not None else [cache_len] * B, block_table, s_new, capacity,
                          k_cache.shape[0])
-    if lens is None and block_table is None and q.shape[2] > _DECODE_MAX_QUERIES:
+    if lens is None and block_table is None and q.shape[2] > DECODE_MAX_QUERIES:
         # Prefill against a dense cache whose length the host knows: the append is a copy, and the
         # attention is attention()'s query-tiled forward over the filled rows, which runs
         # prompt-sized work at that forward's speed (the decode kernels stream keys for few rows).
@@ -90,6 +89,12 @@ def run_kvcache(C, q, k_cache, v_cache, k, v, lens, cache_len, block_table, scal
                 v_cache[:, :, cache_len:total].copy_(v)
             out, lse, _ = fwd_impl(q, k_cache[:, :, :total], v_cache[:, :, :total], opts, 0, sinks)
         return out, (lse if return_lse else None)
+    if takes_route(q, lens, block_table):
+        # A prompt chunk against pages or device lengths: append, gather the keys, attention()'s
+        # forward (flash_cuda.kvcache_prefill); the decode kernels would stream every key once per
+        # 64 query rows.
+        opts = ScoreOptions(scale, window_left, window_right, softcap, alibi_slopes)
+        return gathered_prefill(q, k_cache, v_cache, k, v, lens, cache_len, block_table, opts, sinks, return_lse)
     if sinks is None:  # (the binding's sinks argument is optional; leaving it out keeps older stand-ins working)
         return C.fwd_kvcache(q, k_cache, v_cache, k, v, lens, cache_len, block_table, scale, window_left,
                              window_right, softcap, alibi_slopes, num_splits, return_lse)
@@ -162,11 +167,7 @@ def run_kvcache_packed(C, q, k_cache, v_cache, k, v, cu_seqlens_q, max_seqlen_q,
         # Row r belongs to sequence seq[r] and lands at its position lens[seq] + (r - cu[seq]).
         seq = torch.repeat_interleave(torch.arange(B, device=dev), cu_long.diff(), output_size=total_q)
         pos = lens.long()[seq] + torch.arange(total_q, device=dev) - cu_long[seq]
-        if paged:
-            page_size = k_cache.shape[2]
-            first, second = block_table.long()[seq, pos // page_size], pos % page_size
-        else:
-            first, second = seq, pos
+        first, second = cache_slots(block_table, k_cache.shape[0], k_cache.shape[2], seq, pos)
         k_cache[first, :, second] = k
         v_cache[first, :, second] = v
         lens = lens + cu_seqlens_q.diff()  # int32 + int32: the filled lengths

@@ -62,8 +62,9 @@ def _op_args(q, kc, vc, k, v, table, lens, *, is_causal=True, return_lse=False, 
 
 
 # (Sq, s_new, page_size, transposed_pool, lens): decode, speculative decode, no new keys, paged
-# (also a (pages, page_size, Hkv, D) pool seen transposed), and the prefill routes of a dense
-# cache with an int length (an empty cache, and one that holds keys already).
+# (also a (pages, page_size, Hkv, D) pool seen transposed), the prefill routes of a dense cache
+# with an int length (an empty cache, and one that holds keys already), and the gathered prefill
+# route (tensor lengths; pages).
 CASES = {
     "decode-tensor-lens": (1, 1, None, False, [5, 30]),
     "decode-int-len": (1, 1, None, False, 17),
@@ -73,6 +74,7 @@ CASES = {
     "prefill-empty": (20, 20, None, False, 0),
     "prefill-cached": (20, 20, None, False, 9),
     "prefill-tensor-lens": (20, 20, None, False, [9, 0]),
+    "prefill-paged-transposed-pool": (20, 20, 16, True, [30, 3]),
 }
 
 

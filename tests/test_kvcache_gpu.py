@@ -60,7 +60,7 @@ def _fill(cache, table, lens, gen):
 
 def _run_case(B=2, Hq=8, Hkv=2, Sq=1, D=128, dtype=torch.bfloat16, capacity=512, lens=(300, 77), s_new=1,
               page_size=None, transposed_pool=False, lens_as_tensor=True, is_causal=False, window_size=(-1, -1),
-              softcap=0.0, alibi=False, num_splits=0, scale=None, seed=0):
+              softcap=0.0, alibi=False, num_splits=0, scale=None, sinks=None, seed=0):
     gen = torch.Generator(device="cpu").manual_seed(seed)
     lens = list(lens)[:B] + [lens[-1]] * max(0, B - len(lens))
     k_cache, v_cache, table = _make_cache(B, Hkv, D, dtype, capacity, page_size, transposed_pool, gen)
@@ -83,7 +83,7 @@ def _run_case(B=2, Hq=8, Hkv=2, Sq=1, D=128, dtype=torch.bfloat16, capacity=512,
     out, lse = flash_cuda.attention_with_kvcache(
         q, k_cache, v_cache, k_new, v_new, cache_seqlens=cache_seqlens, block_table=table, is_causal=is_causal,
         window_size=window_size, softcap=softcap, alibi_slopes=slopes, num_splits=num_splits, scale=scale,
-        return_lse=True)
+        sinks=sinks, return_lse=True)
     torch.cuda.synchronize()
     # The cache: appended rows as expected, every other row untouched (NaN compares by bits).
     assert torch.equal(k_cache.view(torch.int16), expect_k.view(torch.int16)), "k_cache after the append"
@@ -97,12 +97,14 @@ def _run_case(B=2, Hq=8, Hkv=2, Sq=1, D=128, dtype=torch.bfloat16, capacity=512,
         sb = None if slopes is None else (slopes[b:b + 1] if slopes.dim() == 2 else slopes)
         opts = dict(is_causal=is_causal, scale=scale, window_size=window_size, softcap=softcap, alibi_slopes=sb)
         ref_o, ref_lse = attention_naive(q[b:b + 1].double(), kb.double(), vb.double(),
-                                         **{**opts, "alibi_slopes": None if sb is None else sb.double()})
-        nav_o, nav_lse = attention_naive(q[b:b + 1], kb, vb, **opts)
+                                         **{**opts, "alibi_slopes": None if sb is None else sb.double(),
+                                            "sinks": None if sinks is None else sinks.double()})
+        nav_o, nav_lse = attention_naive(q[b:b + 1], kb, vb, **opts, sinks=sinks)
         finite = torch.isfinite(ref_lse)
         empty = ~finite
         if bool(empty.any()):
-            assert bool((lse[b:b + 1][empty] == float("-inf")).all()), "rows that see no key: lse -inf"
+            assert sinks is not None or bool((lse[b:b + 1][empty] == float("-inf")).all()), \
+                "rows that see no key: lse -inf"
             assert bool((out[b:b + 1].float()[empty] == 0).all()), "rows that see no key: out 0"
         score_mag = float(ref_lse[finite].abs().max()) if bool(finite.any()) else 0.0
         _, pr = rule_error(f"out[{b}]", out[b:b + 1].double(), ref_o, nav_o.double(), ATOL_BASE[dtype],
@@ -257,6 +259,120 @@ def test_prefill_with_known_length(cached):
               lens_as_tensor=False, seed=12 + cached)
     _run_case(B=2, Hq=8, Hkv=2, Sq=40, D=64, capacity=512, lens=(cached, cached), s_new=0, window_size=(30, 0),
               lens_as_tensor=False, seed=13 + cached)
+
+
+# ---- the gathered prefill route (flash_cuda.kvcache_prefill): pages or tensor lengths, Sq > 16 ----
+
+
+def _paged_capacity(page_size, lens, Sq):
+    return page_size * -(-(max(lens) + Sq) // page_size)
+
+
+@pytest.mark.parametrize("page_size", [16, 256])
+@pytest.mark.parametrize("B,lens", [(1, (2900,)), (4, (2900, 0, 517, 1203))])
+@pytest.mark.parametrize("Sq", [17, 100, 300])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_prefill_paged(page_size, B, lens, Sq, is_causal):
+    """A prompt chunk appended to a paged cache that holds thousands of tokens (and an empty
+    sequence): the append, gather and attention()'s forward against float64 attention over each
+    sequence's rows; no decode kernel runs (the route check)."""
+    capacity = _paged_capacity(page_size, lens, Sq)
+    _, launches = _decode_launches(lambda: _run_case(
+        B=B, Hq=8, Hkv=2, Sq=Sq, D=128, capacity=capacity, lens=lens, s_new=Sq, page_size=page_size,
+        is_causal=is_causal, seed=Sq + page_size + B))
+    assert not launches, f"a prompt chunk ran the decode kernels: {launches}"
+
+
+@pytest.mark.parametrize("page_size,transposed_pool", [(16, True), (256, False)])
+@pytest.mark.parametrize("B", [1, 4])
+def test_prefill_paged_2k_chunk(page_size, transposed_pool, B):
+    """The serving shape: a 2048-token chunk into pages already holding ~2k tokens, GQA 4."""
+    lens = (2000, 1500, 0, 2047)[:B]
+    _run_case(B=B, Hq=16, Hkv=4, Sq=2048, D=128, capacity=_paged_capacity(page_size, lens, 2048), lens=lens,
+              s_new=2048, page_size=page_size, transposed_pool=transposed_pool, is_causal=True, seed=B)
+
+
+@pytest.mark.parametrize("case", [
+    dict(is_causal=True, window_size=(100, -1)),
+    dict(window_size=(64, 8), softcap=30.0),
+    dict(is_causal=True, alibi=True, seed=1),   # per-sequence slopes (odd seed)
+    dict(is_causal=True, alibi=True, seed=2),   # per-head slopes
+    dict(is_causal=True, sinks=True, scale=0.3),
+    dict(is_causal=True, s_new=0),              # no new keys: a sequence with no key, rows above the diagonal
+    dict(is_causal=True, lens_as_tensor=False),  # an int length with pages: no lengths to read back
+])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_prefill_paged_options(case, dtype):
+    case = dict(case)
+    if case.pop("sinks", False):
+        case["sinks"] = torch.linspace(-1.0, 3.0, 8, device=DEV)
+    Sq = 64
+    s_new = case.pop("s_new", Sq)
+    int_len = case.get("lens_as_tensor") is False
+    lens = (700, 700, 700) if int_len else (700, 0, 33)
+    _, launches = _decode_launches(lambda: _run_case(
+        B=3, Hq=8, Hkv=2, Sq=Sq, D=128, dtype=dtype, capacity=_paged_capacity(16, lens, Sq), lens=lens,
+        s_new=s_new, page_size=16, **{"seed": 3, **case}))
+    assert not launches
+
+
+def test_prefill_tensor_lengths_dense_cache():
+    """A dense cache with a tensor cache_seqlens: the gathered route too."""
+    _, launches = _decode_launches(lambda: _run_case(B=3, Hq=8, Hkv=2, Sq=200, D=64, capacity=1024,
+                                                     lens=(800, 0, 77), s_new=200, is_causal=True, seed=4))
+    assert not launches
+
+
+@pytest.mark.parametrize("Sq,decode", [(1, True), (16, True), (17, False)])
+def test_prefill_route_by_query_count(Sq, decode):
+    """Decode-shaped calls (Sq <= 16) keep the split-KV decode kernels; Sq > 16 does not."""
+    _, launches = _decode_launches(lambda: _run_case(B=2, Hq=8, Hkv=2, Sq=Sq, D=128, capacity=1024, lens=(900, 5),
+                                                     s_new=Sq, page_size=16, is_causal=True, seed=Sq))
+    assert bool(launches) == decode, launches
+
+
+def test_prefill_chunk_under_cuda_graph_capture(monkeypatch):
+    """The gathered route reads the lengths on the host, which a capture cannot record: a captured
+    prompt chunk keeps the decode kernels, and its replays equal eager calls that take them."""
+    from flash_cuda import kvcache_ops
+
+    gen = torch.Generator(device="cpu").manual_seed(9)
+    B, Hq, Hkv, D, Sq, page = 2, 8, 2, 128, 48, 16
+    k_cache, v_cache, table = _make_cache(B, Hkv, D, torch.bfloat16, 1024, page, False, gen)
+    # Rows past the starting lengths filled too: the replays below grow the lengths by 0, 1, 2, so
+    # they read rows the first call did not write (unfilled rows are poison, and NaN != NaN).
+    _fill(k_cache, table, (610, 50), gen)
+    _fill(v_cache, table, (610, 50), gen)
+    lens = torch.tensor([600, 40], dtype=torch.int32, device=DEV)
+    q = torch.randn((B, Hq, Sq, D), generator=gen).to(DEV, torch.bfloat16)
+    k_new = torch.randn((B, Hkv, Sq, D), generator=gen).to(DEV, torch.bfloat16)
+    v_new = torch.randn((B, Hkv, Sq, D), generator=gen).to(DEV, torch.bfloat16)
+
+    def step(kc, vc):
+        return flash_cuda.attention_with_kvcache(q, kc, vc, k_new, v_new, cache_seqlens=lens, block_table=table,
+                                                 is_causal=True)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step(k_cache.clone(), v_cache.clone())  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    kc, vc = k_cache.clone(), v_cache.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out_g = step(kc, vc)
+    monkeypatch.setattr(kvcache_ops, "takes_route", lambda *args: False)  # eager calls on the decode kernels
+    for it in range(3):
+        lens.add_(it)
+        kc.copy_(k_cache)
+        vc.copy_(v_cache)
+        ek, ev = k_cache.clone(), v_cache.clone()
+        graph.replay()
+        want = step(ek, ev)
+        torch.cuda.synchronize()
+        assert torch.isfinite(want).all(), f"replay {it}"
+        assert torch.equal(out_g, want), f"replay {it}"
+        assert torch.equal(kc.view(torch.int16), ek.view(torch.int16)), f"replay {it}: the cache"
 
 
 def test_cuda_graph_decode_loop():

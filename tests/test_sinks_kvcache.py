@@ -18,15 +18,16 @@ from flash_cuda.reference import attention_with_kvcache_reference
 BF16 = torch.bfloat16
 OP = torch.ops.flash_cuda.fwd_kvcache.default
 
-# (Sq, s_new, page_size, lens): decode with tensor / int lengths, paged, and the prefill routes of
-# a dense cache with an int length (an empty cache and one holding keys), which run attention()'s
-# forward instead of the decode kernels.
+# (Sq, s_new, page_size, lens): decode with tensor / int lengths, paged, and the prefill routes
+# (a dense cache with an int length, an empty cache and one holding keys; pages with tensor
+# lengths, gathered), which run attention()'s forward instead of the decode kernels.
 CASES = {
     "decode-tensor-lens": (1, 1, None, [5, 30]),
     "decode-int-len": (1, 1, None, 17),
     "spec-paged": (3, 2, 16, [33, 0]),
     "prefill-empty": (20, 20, None, 0),
     "prefill-cached": (20, 20, None, 9),
+    "prefill-paged": (20, 20, 16, [30, 3]),
 }
 
 
@@ -127,7 +128,7 @@ def _step(q, kc, vc, k, v, lens, table, sinks):
                                              sinks=sinks, return_lse=True)
 
 
-@pytest.mark.parametrize("name", ["decode-tensor-lens", "spec-paged", "prefill-cached"])
+@pytest.mark.parametrize("name", ["decode-tensor-lens", "spec-paged", "prefill-cached", "prefill-paged"])
 def test_compiled_step_with_sinks(mock_kvcache, name):
     Sq, s_new, page_size, lens = CASES[name]
     q, kc, vc, k, v, table = _case(Sq, s_new, page_size, seed=3)

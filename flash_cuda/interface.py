@@ -77,7 +77,8 @@ _FEATURES_DOC = r"""
             and packed (:func:`varlen_attention`) batches alike, and below 33 for dense
             batches without softcap / ALiBi (one warp-specialized kernel
             adding
-            dQ into an fp32 workspace of about B * Hq * Sq * D * 4 bytes, D rounded up to 64;
+            dQ into an fp32 workspace of about B * Hq * Sq * D * 4 bytes, D rounded up to 64
+            (to 96 at D 65..96 without dropout);
             packed: Hq * (total_q + (B + 1) * M) * D * 4 bytes, M = 128 at D <= 64, else 64).
             ``True`` runs a separate dQ kernel instead (with ``softcap > 0`` the mma.sync
             backward), at a cost in speed measured in OPTIMIZATION.md; the other 16-bit
@@ -88,7 +89,8 @@ _FEATURES_DOC = r"""
             dims 33..256 (dense and packed batches, softcap, ALiBi),
             ``"wgmma"`` (warpgroup MMA) for the other forwards and the backward at 33..128
             (softcap's backward only with ``deterministic=False``; head dims 65..96 run the
-            128-wide kernels), a warp-specialized backward at 129..256 with
+            128-wide kernels, the warp-specialized backward 96-wide tiles), a warp-specialized
+            backward at 129..256 with
             ``deterministic=False``, and at head dims up to 32 the 64-wide kernels for dense
             batches without softcap, ALiBi or dropout (the backward with
             ``deterministic=False``); else ``"mma"`` (mma.sync tensor-core

@@ -167,8 +167,8 @@ CASES: List[Case] = [
                  window=(200, 0)),
     _varlen_case(F16, 4, 2, (129, 77, 200), (129, 200, 77), 64, False, "strided", softcap=5.0,
                  alibi="batch"),
-    # ---- softcap's derivative on the warp-specialized Hopper backward: d = 96 (128-wide tiles,
-    # columns past d as TMA's zeros), GQA, a causal window, ALiBi, P^T / dS^T in 16-query slices ----
+    # ---- softcap's derivative on the warp-specialized Hopper backward: d = 96 (96-wide tiles,
+    # tile_policy.h: kBwdD96Native), GQA, a causal window, ALiBi, P^T / dS^T in 16-query slices ----
     Case(F16, 1, 4, 2, 300, 500, 96, True, "bshd", dlse=True, window=(128, 0), softcap=5.0, alibi="heads"),
     # ---- the wide warp-specialized Hopper backward (the default at d 129..256): d = 256 with GQA,
     # causal rows that see no key, partial 64-row key and query blocks; d = 160 on the 192 bucket

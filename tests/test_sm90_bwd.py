@@ -1,6 +1,7 @@
 """The Hopper backward's two routes (csrc/tiers/wgmma/family.h), each held to the float64 rule of
-every other kernel (tests/attn_check.py), head dims 33..128 (65..96 on the 128-wide kernels) and
-8..32 on the 64-wide kernels (dense, no score modifiers):
+every other kernel (tests/attn_check.py), head dims 33..128 (65..96 on 96-wide tiles in the
+warp-specialized kernel, csrc/tiers/wgmma/tile_policy.h: kBwdD96Native, and on the 128-wide ones
+with deterministic=True or dropout) and 8..32 on the 64-wide kernels (dense, no score modifiers):
   ws             deterministic=False: the warp-specialized kernel, csrc/tiers/wgmma/bwd_ws.cuh: a
                  TMA producer, 5 products per block pair, dQ into an fp32 workspace (dense and
                  packed batches) by a writer warp's bulk reductions (one dS^T buffer at d = 64,
@@ -50,9 +51,17 @@ CASES = [
     # window), several query heads per CTA with a two-stage ring that wraps many times.
     (1, 4, 1, 1500, 300, 64, True, (-1, -1), None, "bshd"),
     (2, 8, 2, 900, 900, 128, False, (40, 0), None, "bhsd"),
-    # Head dims 65..96 on the 128-wide kernel: the columns past d arrive as TMA's zeros.
+    # Head dims 65..96: the warp-specialized kernel's 96-wide tiles (Q, dO, V in 32-column slabs,
+    # K in 16-column ones, dQ split 48 + 48), the deterministic kernels' 128-wide ones; the columns
+    # past d arrive as TMA's zeros (at d <= 80 K's last 16-column box lies wholly past d). GQA
+    # groups of 2 to 6, windows, ALiBi, Sq != Sk both ways, partial blocks, views, one key.
     (2, 4, 2, 1000, 1100, 96, True, (-1, -1), None, "bshd"),
     (1, 4, 4, 300, 257, 80, False, (-1, -1), "heads", "strided"),
+    (1, 6, 1, 1029, 777, 72, True, (-1, -1), None, "offset"),
+    (2, 4, 1, 513, 1000, 96, False, (100, 37), "heads", "bhsd"),
+    (1, 8, 2, 900, 900, 88, True, (128, 0), None, "bshd"),
+    (1, 2, 2, 65, 1, 96, False, (-1, -1), None, "strided"),
+    (1, 4, 2, 1500, 300, 72, True, (-1, -1), "heads", "bhsd"),  # 1200 rows see no key
 ]
 
 
@@ -87,6 +96,8 @@ VARLEN_CASES = [
      "contiguous"),
     ((900, 40), (100, 300), 2, 1, 128, True, (-1, -1), "heads", "strided"),  # 800 rows see no key
     ((77, 300), (300, 77), 8, 8, 80, False, (16, 16), None, "contiguous"),
+    ((300, 1, 129, 0, 65), (129, 200, 65, 3, 300), 4, 2, 72, False, (-1, -1), "batch", "strided"),
+    ((129, 1000, 64), (1000, 129, 1), 6, 3, 96, True, (-1, -1), "heads", "offset"),
 ]
 
 
@@ -113,7 +124,7 @@ def _check_packed(mode, dtype, seqlens_q, seqlens_k, Hq, Hkv, D, is_causal, wind
 # Softcap (the derivative 1 - tanh^2 in dS): (B, Hq, Hkv, Sq, Sk, D, is_causal, window, softcap,
 # alibi, layout). Large caps (50: nearly the plain softmax) and small ones (5, 2, 1: many logits
 # in tanh's flat part, where the derivative is small), with ALiBi (after the cap), GQA, causal,
-# windows, rows that see no key, each head-dim bucket (64, 96 on the 128-wide tiles, 128) and a
+# windows, rows that see no key, each head-dim bucket (64, 96 on the 96-wide tiles, 128) and a
 # head dim below its bucket.
 SOFTCAP_CASES = [
     (2, 4, 4, 1000, 1000, 128, False, (-1, -1), 50.0, None, "bhsd"),
@@ -125,6 +136,8 @@ SOFTCAP_CASES = [
     (1, 4, 1, 1500, 300, 48, True, (-1, -1), 2.0, None, "bshd"),  # 1200 rows see no key
     (2, 8, 2, 900, 900, 128, False, (40, 0), 1.0, "heads", "offset"),
     (1, 2, 2, 65, 1, 112, False, (-1, -1), 5.0, None, "bhsd"),
+    (1, 6, 2, 333, 444, 72, True, (64, 0), 10.0, None, "offset"),
+    (2, 4, 4, 257, 129, 96, False, (-1, -1), 2.0, "heads", "bhsd"),
 ]
 
 
@@ -161,6 +174,7 @@ SOFTCAP_VARLEN_CASES = [
     ((1, 0, 130, 64, 257), (1, 7, 130, 200, 257), 4, 2, 128, True, (-1, -1), 5.0, None, "contiguous"),
     ((300, 17, 129, 0), (200, 517, 129, 5), 4, 1, 64, False, (-1, -1), 50.0, "heads", "strided"),
     ((513, 65, 1000), (700, 1, 999), 6, 2, 96, True, (64, 0), 2.0, "batch", "offset"),
+    ((77, 0, 300), (300, 4, 77), 4, 4, 80, False, (-1, -1), 5.0, None, "contiguous"),
 ]
 
 
@@ -227,6 +241,48 @@ def test_sm90_bwd_packed_nonfinite_stays_in_its_sequence(mode, which, value, D):
         if problem:
             problems.append(problem)
     assert not problems, f"[{mode}] {which} = {value} in sequence {poisoned}, D={D}:\n  " + "\n  ".join(problems)
+
+
+@pytest.mark.parametrize("D", [96, 80, 72])
+def test_sm90_bwd_d96_layout(mode, D):
+    """At d 65..96 the warp-specialized backward reads Q, dO, V as three 64-byte-swizzled
+    32-column slabs and K as six 32-byte-swizzled 16-column slabs, runs dV, dK as m64n96k16 and dQ
+    as two m64n48k16 halves (csrc/tiers/wgmma/tile_policy.h: kBwdD96Native), and writes 96-wide
+    dQ workspace tiles. With all scores 0 (q = 0, or k = 0) every key weighs 1 / Sk, and with
+    f(k) = k % 4 (mean 1.5, variance 1.25) the gradients have closed forms in which each column c
+    carries the factor c, so a structured input names the column a wrong layout read:
+      q = 0, K[k, c] = c f(k), V[k, c] = f(k), dO[i, c] = c:
+          dV[k, c] = c Sq / Sk,  dQ[i, c] = scale c (sum of dO's row) var(f)
+      k = 0, Q[i, c] = c, V[k, c] = f(k), dO = 1:
+          dK[k, c] = scale c Sq D (f(k) - 1.5) / Sk
+    (dS = P (dP - delta) with dP = f(k) times the sum of dO's row and delta its mean over the
+    keys.) fp16: every input exact, P and dS within a few ulps, columns told apart by rounding."""
+    import flash_cuda
+
+    Sq = Sk = 300  # partial last query and key blocks; Sk % 4 == 0 keeps f's mean 1.5
+    scale = 2.0 ** -8  # keeps dQ inside fp16's range
+    rows_q = torch.arange(Sq, device="cuda", dtype=torch.float64).view(Sq, 1)
+    rows_k = torch.arange(Sk, device="cuda", dtype=torch.float64).view(Sk, 1)
+    cols = torch.arange(D, device="cuda", dtype=torch.float64).view(1, D)
+    f = rows_k % 4
+
+    def grads(q, k, v, dout):
+        qf, kf, vf = (t.to(F16).expand(1, 2, -1, D).contiguous().requires_grad_() for t in (q, k, v))
+        out = flash_cuda.attention(qf, kf, vf, scale=scale, deterministic=_det(mode))
+        g = torch.autograd.grad(out, (qf, kf, vf), dout.to(F16).expand(1, 2, -1, D).contiguous())
+        return [x.double()[0, 1] for x in g]  # the second head: its dQ tiles follow the first's
+
+    def check(name, got, unit):
+        idx = (got / unit).round()
+        bad = (idx != cols).any(dim=0).nonzero().flatten().tolist()
+        assert not bad, (f"[{mode}] D={D}: {name} columns {bad[:16]} carry the factors "
+                         f"{idx[0, bad[:16]].tolist()} (row 0)")
+
+    dq, _, dv = grads(0 * rows_q * cols, cols * f, f + 0 * cols, cols + 0 * rows_q)
+    check("dv", dv, Sq / Sk)
+    check("dq", dq, scale * D * (D - 1) / 2 * 1.25)
+    _, dk, _ = grads(cols + 0 * rows_q, 0 * rows_k * cols, f + 0 * cols, 1 + 0 * rows_q * cols)
+    check("dk", dk, scale * Sq * D * (f - 1.5) / Sk)
 
 
 def test_sm90_bwd_negative_scale_and_large_values(mode):

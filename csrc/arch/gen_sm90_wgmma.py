@@ -9,10 +9,11 @@ this folder after changing it; the output is committed.
 from pathlib import Path
 
 NS = (32, 64, 96, 128, 192, 256)
-# Written after NS's wrappers, so that adding them moved none of the earlier lines (the cubins'
-# line tables of the kernels that use those stay as they were). 80: Q K^T over the 80-key steps
-# at d = 256 (tiers/wgmma/tile_policy.h: fwd_block_n).
-NS_LATER = (80,)
+# Groups written after NS's wrappers, each after the ones before, so that adding one moved none of
+# the earlier lines (the cubins' line tables of the kernels that use those stay as they were).
+# 80: Q K^T over the 80-key steps at d = 256 (tiers/wgmma/tile_policy.h: fwd_block_n). 48: each
+# warpgroup's half of dQ = dS K in the backward at d = 96 (tile_policy.h: kBwdD96Native).
+NS_LATER = ((80,), (48,))
 TYPES = (("__nv_bfloat16", "bf16"), ("__half", "f16"))
 
 HEADER = """\
@@ -98,7 +99,7 @@ def wrapper(ctype: str, ptx: str, n: int) -> str:
 
 def main() -> None:
     out = [HEADER]
-    for ns in (NS, NS_LATER):
+    for ns in (NS, *NS_LATER):
         for ctype, ptx in TYPES:
             for n in ns:
                 out.append(wrapper(ctype, ptx, n))

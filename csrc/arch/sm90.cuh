@@ -40,6 +40,23 @@
 // 16 * 64 bytes further, still on a 512-byte boundary (base offset 0). Every 8 lines of 16-byte
 // chunks that wgmma reads at one K (a core matrix) fall on 8 different 16-byte bank groups:
 // lines 2i and 2i + 1 are 64 bytes apart and pairs of lines are permuted by (r / 2) % 4.
+// The backward at head dim 96 (tiers/wgmma/bwd_ws.cuh) also reads such tiles K-major: the
+// canonical ((8,m),(8,2k)) : ((32,SBO),(1,8)), rows 64 bytes apart, 8-row groups SBO = 512
+// bytes apart, and one 32-column atom holds two k-steps, so k-step ks starts in slab ks / 2,
+// 32 * (ks % 2) bytes into the line (the hardware XORs the address bits, as for the 128-byte
+// swizzle's k-steps at 32-byte offsets).
+//
+// The 32-byte-swizzled slab layout (the backward's K at head dim 96): slabs of 16 columns, one
+// 32-byte line per row, address bits 4 XORed with bit 7 (period 256 bytes):
+//     byte offset of (r, col) = (col / 16) * R * 32 + r * 32 + 16 * ((col % 16) / 8 ^ (r / 4) % 2)
+//                               + 2 * (col % 8)
+// which is what TMA's 32-byte swizzle writes for a box of 16 columns. One slab is one k-step of
+// the K-major role (SBO = 8 lines = 256 bytes) and one atom of 16 N-columns of the MN-major role
+// (((8,2,m),(8,k)) : ((1,8,LBO),(16,SBO)): LBO = R * 32 bytes to the next slab, SBO = 256), so
+// an MN-major operand may start at any slab: N = 48 from column 0 or 48 (the dQ product's two
+// halves of 96 columns, which no 32- or 64-column slab boundary splits). The 8 lines of a core
+// matrix are 32 bytes apart: lines r and r + 4 fall 128 bytes apart, and the XOR moves the
+// second to the other 16 bytes of its line, so the 8 chunks hit 8 different 16-byte bank groups.
 //
 // The pipeline the asynchronous instructions serve (PTX ISA, "Asynchronous data movement" and
 // "mbarrier"):
@@ -55,7 +72,9 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 
+#include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 #include "sm80.cuh"
 #include "sm90_wgmma.cuh"
@@ -112,6 +131,13 @@ constexpr size_t smem_request_bytes() {
 // The descriptor's swizzle field (bits 62-63).
 constexpr int kDescSwizzle128B = 1;
 constexpr int kDescSwizzle64B = 2;
+constexpr int kDescSwizzle32B = 3;
+// The swizzle of slabs of kLineBytes-byte lines (128, 64 or 32: 64, 32 or 16 columns).
+template <int kLineBytes>
+constexpr int desc_swizzle_of() {
+  static_assert(kLineBytes == 128 || kLineBytes == 64 || kLineBytes == 32, "a swizzled slab's line");
+  return kLineBytes == 128 ? kDescSwizzle128B : kLineBytes == 64 ? kDescSwizzle64B : kDescSwizzle32B;
+}
 template <int kSwizzleMode = kDescSwizzle128B>
 __device__ __forceinline__ uint64_t make_desc(uint32_t smem_byte_addr, uint32_t lbo_bytes, uint32_t sbo_bytes) {
   uint64_t desc = 0;
@@ -176,6 +202,50 @@ struct MNMajor64B {
   static constexpr int kTrans = 1;
   const void* tile;
   __device__ __forceinline__ uint64_t desc(int ks) const { return desc_mn_major_64b<kRows>(tile, ks); }
+};
+
+// A tile of kRows rows in slabs of kLineBytes-byte lines (any of the three layouts above) as a
+// wgmma operand, K-major rows [row0, row0 + 64 or N) or MN-major from row0 on: the descriptors of
+// Operand, with the line's width for the 128 bytes. KMajorIn / MNMajorIn name Operand itself for
+// 128-byte lines, so the kernels on those tiles keep their code.
+template <int kRows, int kLineBytes, bool kMNMajor>
+struct SlabOperand {
+  static constexpr int kTrans = kMNMajor ? 1 : 0;
+  const void* tile;
+  int row0;
+  __device__ __forceinline__ uint64_t desc(int ks) const {
+    constexpr int kMode = desc_swizzle_of<kLineBytes>();
+    const uint32_t start = smem_addr(tile) + row0 * kLineBytes;
+    if constexpr (kMNMajor) {
+      return desc_advance(make_desc<kMode>(start, kRows * kLineBytes, 8 * kLineBytes), 16 * ks * kLineBytes);
+    } else {
+      // k-step ks: columns [16 ks, 16 ks + 16), 32 ks bytes into the row: slab 32 ks / kLineBytes.
+      return desc_advance(make_desc<kMode>(start, 16, 8 * kLineBytes),
+                          (32 * ks / kLineBytes) * kRows * kLineBytes + (32 * ks) % kLineBytes);
+    }
+  }
+};
+template <int kRows, int kLineBytes>
+using KMajorIn = std::conditional_t<kLineBytes == kSwizzleBytes, KMajor<kRows>, SlabOperand<kRows, kLineBytes, false>>;
+template <int kRows, int kLineBytes>
+using MNMajorIn = std::conditional_t<kLineBytes == kSwizzleBytes, MNMajor<kRows>, SlabOperand<kRows, kLineBytes, true>>;
+
+// The slabs of one TMA-filled tile of kRows rows: kSlabs boxes of kCols columns, each kRows lines
+// of 2 kCols bytes, one after the other. kCols 64: the 128-byte swizzle (every tile but those
+// below); 32: the 64-byte swizzle (the forward's V and the backward's Q, dO, V at d = 96); 16:
+// the 32-byte swizzle (the backward's K at d = 96). kElems: the tile's elements; kBytes: what its
+// boxes deliver (columns past d included: TMA counts the zeros it fills).
+template <int kRows_, int kCols_, int kSlabs_>
+struct Slabs {
+  static constexpr int kRows = kRows_;
+  static constexpr int kCols = kCols_;
+  static constexpr int kSlabs = kSlabs_;
+  static constexpr int kLineBytes = 2 * kCols;
+  static constexpr int kSlabElems = kRows * kCols;
+  static constexpr int kElems = kSlabs * kSlabElems;
+  static constexpr size_t kBytes = size_t(kElems) * 2;
+  static_assert(kCols == 64 || kCols == 32 || kCols == 16, "one line per row: 128-, 64- or 32-byte swizzle");
+  static_assert(kSlabElems * 2 % 1024 == 0, "every slab starts on the swizzle's period");
 };
 
 // The products of a warpgroup over kSteps k-steps of 16, issued (the caller fences, commits and
@@ -299,9 +369,9 @@ __device__ __forceinline__ void tma_store_4d(const CUtensorMap* map, const void*
 }
 
 // Zeroes rows [valid, kRows) of a TMA-loaded tile of kSlabs slabs, each kRows rows of kLineBytes
-// (128: 64 columns; 64: the 64-byte-swizzled slabs of 32): the rows a box read past a packed
+// (128: 64 columns; 64, 32: the 64- and 32-byte-swizzled slabs of 32 and 16): the rows a box read past a packed
 // sequence's end, which belong to the next sequence (its NaN or Inf would otherwise reach this
-// one through 0 x NaN). Either swizzle permutes the 16-byte chunks within a row, never across
+// one through 0 x NaN). Every swizzle permutes the 16-byte chunks within a row, never across
 // rows, so whole rows are zeroed whatever the pattern. One warp (lane = 0..31), 16-byte stores;
 // the caller fences them for the async proxy before a wgmma reads the tile.
 template <int kRows, int kSlabs, int kLineBytes = kSwizzleBytes>

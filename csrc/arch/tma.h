@@ -46,6 +46,9 @@ inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
 // box_cols 32 (the native 96-wide V of the Hopper forward, tiers/wgmma/fwd/config.cuh): boxes of
 // 32 columns with the 64-byte swizzle, one 32-column slab of 64-byte lines per box, the swizzle
 // whose span is exactly such a line (TMA's swizzle span may not be narrower than the box's rows).
+// box_cols 16 (the K of the Hopper backward at d = 96, tiers/wgmma/bwd_ws.cuh): boxes of 16
+// columns with the 32-byte swizzle, likewise. A box may lie wholly past d (at d <= 80 the last
+// 16-column box of a 96-wide tile): TMA fills all of it with zeros and still counts its bytes.
 inline bool make_row_tensor_map(CUtensorMap* map, const void* base, bool bf16, int d, int rows, int heads,
                                 int batch, int64_t row_stride, int64_t head_stride, int64_t batch_stride,
                                 int box_rows, int box_heads = 1, int box_cols = 64) {
@@ -59,7 +62,7 @@ inline bool make_row_tensor_map(CUtensorMap* map, const void* base, bool bf16, i
   const int64_t batch_bytes = batch > 1 ? batch_stride * kElem : head_bytes * heads;
   const bool heads_inside = box_heads > 1;
   if (heads_inside && (box_rows % box_heads != 0 || heads % box_heads != 0)) return false;
-  if (box_cols != 64 && box_cols != 32) return false;
+  if (box_cols != 64 && box_cols != 32 && box_cols != 16) return false;
   const cuuint64_t dims[4] = {static_cast<cuuint64_t>(d),
                               static_cast<cuuint64_t>(heads_inside ? heads : rows),
                               static_cast<cuuint64_t>(heads_inside ? rows : heads), static_cast<cuuint64_t>(batch)};
@@ -73,7 +76,9 @@ inline bool make_row_tensor_map(CUtensorMap* map, const void* base, bool bf16, i
                              static_cast<cuuint32_t>(heads_inside ? box_heads : box_rows),
                              static_cast<cuuint32_t>(heads_inside ? box_rows / box_heads : 1), 1};
   const cuuint32_t unit[4] = {1, 1, 1, 1};
-  const CUtensorMapSwizzle swizzle = box_cols == 64 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B;
+  const CUtensorMapSwizzle swizzle = box_cols == 64   ? CU_TENSOR_MAP_SWIZZLE_128B
+                                     : box_cols == 32 ? CU_TENSOR_MAP_SWIZZLE_64B
+                                                      : CU_TENSOR_MAP_SWIZZLE_32B;
   const CUresult r = encode(map, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 4,
                             const_cast<void*>(base), dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
                             CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);

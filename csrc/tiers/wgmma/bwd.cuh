@@ -78,14 +78,15 @@ using BwdTraits = BwdConfig<E::kWidth, E::Tile::kKVWarpGroups, E::Tile::kKVBlock
                             E::Tile::kQBlockN>;
 
 // dV += P^T dO, dK += dS^T Q for one query block, one commit group: A operands are the
-// warpgroup's P^T, dS^T fragments, B operands N-major (the reduction runs over queries).
-template <typename T, int kD, int kBlockM>
+// warpgroup's P^T, dS^T fragments, B operands N-major (the reduction runs over queries), in slabs
+// of kLineBytes-byte lines (bwd_ws.cuh's native d = 96 tiles: 64; else the 128-byte swizzle).
+template <typename T, int kD, int kBlockM, int kLineBytes = kSwizzleBytes>
 __device__ __forceinline__ void issue_dv_dk(float (&acc_dv)[1][kD / 8][4], float (&acc_dk)[1][kD / 8][4],
                                             const uint32_t (&a_pt)[kBlockM / 16][4],
                                             const uint32_t (&a_ds)[kBlockM / 16][4], const T* sdO, const T* sQ) {
   wgmma_fence();
-  wgmma_rs<T>(acc_dv[0], a_pt, MNMajor<kBlockM>{sdO, 0});
-  wgmma_rs<T>(acc_dk[0], a_ds, MNMajor<kBlockM>{sQ, 0});
+  wgmma_rs<T>(acc_dv[0], a_pt, MNMajorIn<kBlockM, kLineBytes>{sdO, 0});
+  wgmma_rs<T>(acc_dk[0], a_ds, MNMajorIn<kBlockM, kLineBytes>{sQ, 0});
   wgmma_commit();
 }
 

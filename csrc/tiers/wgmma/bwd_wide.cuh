@@ -139,6 +139,10 @@ struct WideConfig {
   static constexpr int kQKSteps = kD / 16;
   static constexpr int kBlockN = wgmma::kWideBlockN;  // keys of the CTA, shared by both warpgroups
   static constexpr int kBlockM = wgmma::kWideBlockM;  // queries per step
+  // The slabs bwd_ws::produce loads (and the maps' boxes): 64 columns, the 128-byte swizzle.
+  using QSlabs = Slabs<kBlockM, kSlabCols, kSlabs>;
+  using KSlabs = Slabs<kBlockN, kSlabCols, kSlabs>;
+  using VSlabs = KSlabs;
   static constexpr int kHalfM = kBlockM / 2;  // queries of S^T, dP^T per warpgroup
   static constexpr int kStages = kStages_;
   static constexpr int kThreads = 128 + kConsumerThreads;

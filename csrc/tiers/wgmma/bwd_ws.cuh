@@ -44,7 +44,7 @@
 // products' A fragments. The price: P's exponentials no longer run under the dP^T product.
 //
 // Scope: dense batches (kPlain, and kExtended / kSoftcapGrad with ALiBi, softcap) and packed ones
-// (kExtended, kSoftcapGrad), head dims 64 and 128 (33..128 through the buckets), fp16 / bf16,
+// (kExtended, kSoftcapGrad), head dims 64, 96 and 128 (33..128 through the buckets), fp16 / bf16,
 // causal, windows, Sq != Sk, GQA (the CTA walks the query heads of its KV head), views TMA can
 // address; the launcher returns false otherwise and the caller runs bwd.cuh (kSoftcapGrad:
 // the mma.sync backward, run_bwd_sm90).
@@ -64,12 +64,16 @@ namespace bwd_ws {
 struct TmaMaps {
   CUtensorMap q, dout, k, v;
   // Q and dO in boxes of block_m rows (dO has Q's rows: tma_maps.h, MapRows), K and V of
-  // block_n; false where TMA cannot address a view (the launcher then launches nothing).
-  bool make(const BwdParams& p, int block_m, int block_n) {
+  // block_n, each box as wide as its tile's slabs (Cfg::QSlabs, KSlabs, VSlabs: 64 columns, at
+  // d = 96 natively 32 and 16); false where TMA cannot address a view (the launcher then
+  // launches nothing).
+  bool make(const BwdParams& p, int block_m, int block_n, int q_cols = kSlabCols, int k_cols = kSlabCols,
+            int v_cols = kSlabCols) {
     const MapRows rows = MapRows::of(p);
-    return make_qkv_tensor_maps(p, &q, &k, &v, block_m, block_n) &&
+    return make_qkv_tensor_maps(p, &q, &k, &v, block_m, block_n, /*q_group=*/1, v_cols, q_cols, k_cols) &&
            make_row_tensor_map(&dout, p.dout, p.dtype == DType::kBFloat16, p.d, rows.q, p.hq, rows.batch,
-                               p.do_row_stride, p.do_head_stride, p.do_batch_stride, block_m);
+                               p.do_row_stride, p.do_head_stride, p.do_batch_stride, block_m, /*box_heads=*/1,
+                               q_cols);
   }
 };
 
@@ -77,10 +81,22 @@ struct TmaMaps {
 constexpr int kDsBarrier = 1;
 constexpr int kConsumerThreads = 256;
 
-// The tiles of bwd.cuh's dK/dV kernel (BwdTraits), plus the ring's own sizes.
+// bwd.cuh's tiles (BwdTraits) kWidth wide: the native d = 96 tiles (tile_policy.h: bwd_ws_width)
+// are the 128-wide bucket's shape, 96 wide. A type of its own, so that the other instances keep
+// their names.
+template <typename Traits, int kWidth>
+struct TilesOfWidth : Traits {
+  static constexpr int kHeadDim = kWidth;
+  static_assert(kWidth == 96 && Traits::kHeadDim == 128, "the native d = 96 tiles");
+};
+
+// The tiles of bwd.cuh's dK/dV kernel (BwdTraits, or TilesOfWidth), plus the ring's own sizes.
 // kDepth: the head dims the instance serves (<= kD): the products that reduce over d (S^T, dP^T)
-// stop after its k-steps; the tiles keep the bucket's width, TMA filling the columns past d with
-// zeros (d = 96 runs the 128-wide tiles with 6 of their 8 k-steps there).
+// stop after its k-steps; the tiles keep their width, TMA filling the columns past d with zeros
+// (d = 96 on the 128-wide tiles: 6 of their 8 k-steps). The tiles are 128-byte-swizzled
+// 64-column slabs, except where they are 96 wide (kNarrowSlabs): there Q, dO and V are 32-column
+// slabs with the 64-byte swizzle and K is 16-column slabs with the 32-byte swizzle (QSlabs,
+// KSlabs, VSlabs; arch/sm90.cuh has the layouts, tile_policy.h: kBwdD96Native the reasons).
 template <typename Traits, int kStages_ = 2, int kDepth = Traits::kHeadDim>
 struct WsBwdConfig : Traits {
   static constexpr int kD = Traits::kHeadDim;
@@ -91,7 +107,10 @@ struct WsBwdConfig : Traits {
   static constexpr int kStages = kStages_;
   static constexpr int kThreads = 128 + kConsumerThreads;
   static constexpr int kConsumerWarps = kConsumerThreads / 32;
-  static constexpr int kSlabs = kD / kSlabCols;
+  static constexpr bool kNarrowSlabs = kD % kSlabCols != 0;  // d = 96: 32- and 16-column slabs
+  using QSlabs = Slabs<kBlockM, kNarrowSlabs ? 32 : kSlabCols, kD / (kNarrowSlabs ? 32 : kSlabCols)>;  // Q, dO
+  using KSlabs = Slabs<kBlockN, kNarrowSlabs ? 16 : kSlabCols, kD / (kNarrowSlabs ? 16 : kSlabCols)>;
+  using VSlabs = Slabs<kBlockN, kNarrowSlabs ? 32 : kSlabCols, kD / (kNarrowSlabs ? 32 : kSlabCols)>;
   // The consumers hold dK, dV (64 x d each), the P^T and dS^T fragments and the dQ accumulator.
   // setmaxnreg.inc takes registers only from those the CTA's own warps gave back with
   // setmaxnreg.dec (the CTA starts at 168 each, 65536 / 384 rounded down to 8), so the
@@ -205,7 +224,8 @@ struct Smem {
   __device__ __forceinline__ T* ds(int i) const { return sdS + (i % Cfg::kDsBuffers) * kDsTile; }
 };
 
-// Two tiles of kRows rows (K and V, or Q and dO) from row `row` of head h, batch entry b of their
+// Two tiles (K and V, or Q and dO) of kRows rows, in the slabs S0 and S1 (Cfg::KSlabs and VSlabs,
+// or QSlabs twice: one box per slab) from row `row` of head h, batch entry b of their
 // maps, published on `full`, which counts the 32 producer lanes (and the bytes). Only the first
 // `valid` rows belong to the block's sequence. valid == kRows (every dense block; a packed one
 // inside its sequence): lane 0 announces the bytes, the TMA completes them on `full`, the other
@@ -216,26 +236,35 @@ struct Smem {
 // would reach this one's gradients through 0 * NaN. So the tiles land on the producer's own
 // `tail` barrier first; the lanes zero those rows, fence them towards the async proxy (the
 // consumers' wgmma reads them) and then arrive on `full`, which carries no bytes this time.
-template <int kRows, typename T, typename Cfg>
+template <typename S0, typename S1, typename T>
 __device__ __forceinline__ void load_pair(T* dst0, const CUtensorMap* map0, T* dst1, const CUtensorMap* map1,
                                           uint64_t* full, uint64_t* tail, int& tail_phase, int row, int h, int b,
                                           int valid, int lane) {
 #if FLASH_SM90_ENABLED
+  constexpr int kRows = S0::kRows;
+  static_assert(S1::kRows == kRows, "two tiles of the same rows");
   const bool partial = valid < kRows;
   uint64_t* bar = partial ? tail : full;
   if (lane == 0) {
-    mbarrier_arrive_expect_tx(bar, 2 * kRows * Cfg::kD * 2);
+    mbarrier_arrive_expect_tx(bar, S0::kBytes + S1::kBytes);
+    if constexpr (std::is_same_v<S0, S1>) {
 #pragma unroll
-    for (int c = 0; c < Cfg::kSlabs; ++c) {
-      tma_load_4d(dst0 + c * kRows * kSlabCols, map0, bar, c * kSlabCols, row, h, b);
-      tma_load_4d(dst1 + c * kRows * kSlabCols, map1, bar, c * kSlabCols, row, h, b);
+      for (int c = 0; c < S0::kSlabs; ++c) {
+        tma_load_4d(dst0 + c * S0::kSlabElems, map0, bar, c * S0::kCols, row, h, b);
+        tma_load_4d(dst1 + c * S1::kSlabElems, map1, bar, c * S1::kCols, row, h, b);
+      }
+    } else {
+#pragma unroll
+      for (int c = 0; c < S0::kSlabs; ++c) tma_load_4d(dst0 + c * S0::kSlabElems, map0, bar, c * S0::kCols, row, h, b);
+#pragma unroll
+      for (int c = 0; c < S1::kSlabs; ++c) tma_load_4d(dst1 + c * S1::kSlabElems, map1, bar, c * S1::kCols, row, h, b);
     }
   }
   if (partial) {
     mbarrier_wait(tail, tail_phase);
     tail_phase ^= 1;
-    zero_rows<kRows, Cfg::kSlabs>(dst0, valid, lane);
-    zero_rows<kRows, Cfg::kSlabs>(dst1, valid, lane);
+    zero_rows<kRows, S0::kSlabs, S0::kLineBytes>(dst0, valid, lane);
+    zero_rows<kRows, S1::kSlabs, S1::kLineBytes>(dst1, valid, lane);
     fence_proxy_async();  // generic-proxy zeros, read next by the consumers' wgmma (async proxy)
     __syncwarp();         // every lane is past this phase of `tail` before lane 0 arms the next
     mbarrier_arrive(full);
@@ -260,8 +289,9 @@ __device__ __forceinline__ void produce(const BwdParams& p, const TmaMaps& maps,
   const bool packed = kVarlen && p.cu_seqlens_q != nullptr;
   const int tb = packed ? 0 : seq.bi;
   int tail_phase = 0;
-  load_pair<Cfg::kBlockN, T, Cfg>(sm.sK, &maps.k, sm.sV, &maps.v, sm.kv_full, sm.tail, tail_phase,
-                                  seq.k_start + n0, hkv, tb, packed ? seq.sk - n0 : Cfg::kBlockN, lane);
+  load_pair<typename Cfg::KSlabs, typename Cfg::VSlabs>(sm.sK, &maps.k, sm.sV, &maps.v, sm.kv_full, sm.tail,
+                                                        tail_phase, seq.k_start + n0, hkv, tb,
+                                                        packed ? seq.sk - n0 : Cfg::kBlockN, lane);
   // Steps in the consumers' order (heads outer), the stage and its parity carried along rather
   // than divided out: this warp runs on producer_regs() registers.
   const uint32_t stats = smem_addr(sm.lse) + lane * 4;
@@ -284,8 +314,9 @@ __device__ __forceinline__ void produce(const BwdParams& p, const TmaMaps& maps,
         const uint32_t at = stats + (s * Cfg::kBlockM + r) * 4;
         st_shared_f32_pair<Cfg::kStages * Cfg::kBlockM * 4>(at, l, dl);
       }
-      load_pair<Cfg::kBlockM, T, Cfg>(sm.q(s), &maps.q, sm.dout(s), &maps.dout, &sm.q_full[s], sm.tail, tail_phase,
-                                      seq.q_start + m0, h, tb, packed ? seq.sq - m0 : Cfg::kBlockM, lane);
+      load_pair<typename Cfg::QSlabs, typename Cfg::QSlabs>(sm.q(s), &maps.q, sm.dout(s), &maps.dout, &sm.q_full[s],
+                                                            sm.tail, tail_phase, seq.q_start + m0, h, tb,
+                                                            packed ? seq.sq - m0 : Cfg::kBlockM, lane);
       if (++s == Cfg::kStages) {
         s = 0;
         phase ^= 1;
@@ -336,13 +367,15 @@ __device__ __forceinline__ void zero_ds_rows(void* sdS, int wg, int tid) {
 }
 
 // The dQ product of one query block, dQ = dS K, split between the two warpgroups: kBlockM = 64
-// queries x two halves of d (d = 128), or two 64-query halves x all of d (d = 64). Issued as
+// queries x two halves of d (d = 128; the native d = 96: 48 columns each, K's slabs 16 wide so
+// that the second half starts on one), or two 64-query halves x all of d (d = 64). Issued as
 // one commit group after both warpgroups staged their keys' rows of dS^T (the caller waits).
 template <typename Cfg>
 struct DqSplit {
   static constexpr int kN = Cfg::kHeadDim * (Cfg::kKVBlockM / 64) / 2;  // dQ columns of one warpgroup
-  static_assert(Cfg::kKVWarpGroups == 2 && (Cfg::kKVBlockM / 64) * (Cfg::kHeadDim / kN) == 2 && kN % 64 == 0,
-                "two warpgroups split the dQ product");
+  static_assert(Cfg::kKVWarpGroups == 2 && (Cfg::kKVBlockM / 64) * (Cfg::kHeadDim / kN) == 2 &&
+                    kN % Cfg::KSlabs::kCols == 0,
+                "two warpgroups split the dQ product, each from a slab of K on");
   __device__ __forceinline__ static int row0(int wg) { return Cfg::kKVBlockM == 64 ? 0 : 64 * wg; }
   __device__ __forceinline__ static int col0(int wg) { return Cfg::kKVBlockM == 64 ? kN * wg : 0; }
 };
@@ -351,12 +384,13 @@ template <typename T, typename Cfg>
 __device__ __forceinline__ void issue_dq_product(float (&acc)[1][DqSplit<Cfg>::kN / 8][4], const T* sdS, const T* sK,
                                                  int wg) {
   using Split = DqSplit<Cfg>;
+  using KS = typename Cfg::KSlabs;
   constexpr int kBlockN = Cfg::kKVBlockN;
-  const T* a_tile = sdS + (Split::row0(wg) / 64) * kBlockN * 64;  // dS^T slab: keys x 64 queries
-  const T* b_tile = sK + (Split::col0(wg) / 64) * kBlockN * 64;   // K slab(s): keys x kN columns
+  const T* a_tile = sdS + (Split::row0(wg) / 64) * kBlockN * 64;           // dS^T slab: keys x 64 queries
+  const T* b_tile = sK + (Split::col0(wg) / KS::kCols) * KS::kSlabElems;  // K slab(s): keys x kN columns
   wgmma_fence();
   // A = dS (M = queries, K = keys) read transposed from dS^T; B = K (N-major).
-  wgmma_ss<kBlockN / 16, false, T>(acc[0], MNMajor<kBlockN>{a_tile, 0}, MNMajor<kBlockN>{b_tile, 0});
+  wgmma_ss<kBlockN / 16, false, T>(acc[0], MNMajor<kBlockN>{a_tile, 0}, MNMajorIn<kBlockN, KS::kLineBytes>{b_tile, 0});
   wgmma_commit();
 }
 
@@ -517,10 +551,13 @@ __device__ __forceinline__ void bwd_ws_block(const BwdParams& p, const TmaMaps& 
       // tensor cores still compute dP^T (except with softcap: softcap_probs_and_ds).
       float pt[1][kBlockM / 8][4];
       float dst[1][kBlockM / 8][4];
+      using KOp = KMajorIn<Cfg::kBlockN, Cfg::KSlabs::kLineBytes>;
+      using VOp = KMajorIn<Cfg::kBlockN, Cfg::VSlabs::kLineBytes>;
+      using QOp = KMajorIn<kBlockM, Cfg::QSlabs::kLineBytes>;
       wgmma_fence();
-      wgmma_ss<Cfg::kQKSteps, false, T>(pt[0], KMajor<Cfg::kBlockN>{sm.sK, 64 * wg}, KMajor<kBlockM>{sQ_s, 0});
+      wgmma_ss<Cfg::kQKSteps, false, T>(pt[0], KOp{sm.sK, 64 * wg}, QOp{sQ_s, 0});
       wgmma_commit();
-      wgmma_ss<Cfg::kQKSteps, false, T>(dst[0], KMajor<Cfg::kBlockN>{sm.sV, 64 * wg}, KMajor<kBlockM>{sdO_s, 0});
+      wgmma_ss<Cfg::kQKSteps, false, T>(dst[0], VOp{sm.sV, 64 * wg}, QOp{sdO_s, 0});
       wgmma_commit();
       wgmma_wait<1>();
       fence_accumulator(pt[0]);
@@ -559,7 +596,7 @@ __device__ __forceinline__ void bwd_ws_block(const BwdParams& p, const TmaMaps& 
 
       // dV += P^T dO, dK += dS^T Q run while dS^T is staged for the dQ product.
       zero_accumulator(acc_dq[0]);
-      issue_dv_dk<T, kD, kBlockM>(acc_dv, acc_dk, a_pt, a_ds, sdO_s, sQ_s);
+      issue_dv_dk<T, kD, kBlockM, Cfg::QSlabs::kLineBytes>(acc_dv, acc_dk, a_pt, a_ds, sdO_s, sQ_s);
       claim_ds<T, Cfg>(sm, i);
       stage_ds_transposed<Cfg>(sdS, a_ds, ct);
     } else {
@@ -702,7 +739,9 @@ bool launch_bwd_ws_main(Kernel kernel, const BwdParams& p, const char* name, cud
   constexpr size_t kSmemBytes = sm90::smem_request_bytes<typename Cfg::template Storage<T>>();
   static_assert(kSmemBytes <= kSmemHopper, "fits a Hopper block");
   sm90::bwd_ws::TmaMaps maps;
-  if (!maps.make(p, Cfg::kBlockM, Cfg::kBlockN)) return false;
+  if (!maps.make(p, Cfg::kBlockM, Cfg::kBlockN, Cfg::QSlabs::kCols, Cfg::KSlabs::kCols, Cfg::VSlabs::kCols)) {
+    return false;
+  }
   launch_bwd_preprocess<T>(p, stream);
   set_smem_limit(kernel, kSmemBytes, name);
   kernel<<<dim3(ceil_div(p.sk, Cfg::kBlockN), p.hkv, p.b), Cfg::kThreads, kSmemBytes, stream>>>(p, maps);
@@ -715,7 +754,10 @@ bool launch_bwd_ws_main(Kernel kernel, const BwdParams& p, const char* name, cud
 // only dQ or only dK / dV: family.h), or a view TMA cannot address.
 template <typename T, typename Traits, int kVariant, int kDepth>
 bool launch_bwd_sm90_ws(const BwdParams& p, cudaStream_t stream) {
-  using Cfg = sm90::bwd_ws::WsBwdConfig<Traits, 2, kDepth>;
+  // The tiles' width: the Traits', or natively 96 at d = 96 (tile_policy.h: bwd_ws_width).
+  constexpr int kWidth = wgmma::bwd_ws_width(Traits::kHeadDim, kDepth);
+  using Tiles = std::conditional_t<kWidth == Traits::kHeadDim, Traits, sm90::bwd_ws::TilesOfWidth<Traits, kWidth>>;
+  using Cfg = sm90::bwd_ws::WsBwdConfig<Tiles, 2, kDepth>;
   auto kernel = sm90::bwd_ws::bwd_sm90_ws_kernel<T, Cfg, kVariant>;
   const bool packed = p.cu_seqlens_q != nullptr;
   // A kPlain kernel reads no cu_seqlens: packed batches come as kExtended or kSoftcapGrad (variant_of).
@@ -756,7 +798,8 @@ bool run_bwd_sm90_dropout(const BwdParams& p, cudaStream_t stream) {
 template <int kDType, int kHeadDim, int kVariant>
 bool run_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
   using T = typename ElementOf<kDType>::type;
-  // Head dims 65..96 run the 128-wide tiles (the cp.async kernels with all their k-steps).
+  // Head dims 65..96: the bucket's Traits are the 128-wide tiles (the cp.async kernels run them
+  // with all their k-steps); launch_bwd_sm90_ws runs them 96 wide (tile_policy.h: bwd_ws_width).
   using Traits = sm90::BwdTraits<kHeadDim>;
   if (p.sm_arch != 90) return false;
   if constexpr (kHeadDim == 64 && kVariant == kPlain) {

@@ -44,9 +44,12 @@ inline bool pack_gqa(const FwdParams& p) { return can_pack_gqa(p) && p.sq <= kPa
 // ---- the backward's dQ workspace ----
 // The width of the warp-specialized backward's tiles for a call: its head-dim bucket's, except
 // that a call with dropout runs the 128-wide dropout instances at every d (bwd_ws.cuh:
-// run_bwd_sm90_dropout), so its dQ workspace has their tiles (tile_policy.h: bwd_block_m rows).
+// run_bwd_sm90_dropout), so its dQ workspace has their tiles (tile_policy.h: bwd_block_m rows),
+// and that d 65..96 runs tiles 96 wide where kBwdD96Native says so (tile_policy.h: bwd_ws_width).
 inline int bwd_tile_width(const BwdParams& p) {
-  return has_dropout(p) && p.d <= 128 ? kBwdDropoutTileWidth : (p.d + 63) / 64 * 64;
+  if (has_dropout(p) && p.d <= 128) return kBwdDropoutTileWidth;
+  const int width = (p.d + 63) / 64 * 64;
+  return p.d > 64 && p.d <= 96 ? bwd_ws_width(width, 96) : width;
 }
 
 // The tiles of the warp-specialized backward's dQ workspace (bwd_ws.cuh: DqTile, block_m x

@@ -24,7 +24,7 @@ constexpr int tile_width(int bucket) { return bucket == 96 ? 128 : bucket; }
 // 128-byte-swizzled slab holds), read by one m64n96k16 per k-step. Q and K keep the 128-wide
 // 128-byte-swizzled tiles (Q K^T stops after the 6 k-steps of d 96 already); O is staged in
 // Q's layout, of which only the first 96 columns are written (its TMA store clips at d).
-// The backward keeps the 128-wide tiles everywhere (BwdTile<96>).
+// The backward's warp-specialized kernel has its own switch (kBwdD96Native below).
 constexpr int fwd_value_width(int width, int depth) { return width == 128 && depth == 96 ? 96 : width; }
 
 // ---- forward (fwd/) ----
@@ -107,12 +107,31 @@ template <> struct BwdTile<64> { using Tile = BwdShape<2, 128, 2, 128>; static c
 template <> struct BwdTile<128> { using Tile = BwdShape<2, 64, 2, 96>; static constexpr int kWidth = 128; };
 template <> struct BwdTile<96> { using Tile = BwdTile<128>::Tile; static constexpr int kWidth = tile_width(96); };
 
+// The warp-specialized backward (bwd_ws.cuh) at d 65..96: on tiles natively 96 wide instead of
+// the bucket's 128-wide ones (BwdTile<96>, which the cp.async kernels of bwd.cuh keep). On 128-wide
+// tiles dV += P^T dO, dK += dS^T Q and dQ = dS K run N = 128 for 96 useful columns, about a
+// sixth of the kernel's tensor work (S^T and dP^T already stop after 6 k-steps); dK and dV take
+// 64 accumulator registers each instead of 48. Natively: Q, dO and V are three 32-column slabs
+// with the 64-byte swizzle (read K-major by S^T, dP^T and MN-major by dV, dK as one m64n96k16 per
+// k-step), K six 16-column slabs with the 32-byte swizzle (K-major for S^T, MN-major for dQ,
+// whose two warpgroups each take 48 columns, m64n48k16: the second half starts at column 48,
+// inside a 32-column slab, where no MN-major operand can start), and dQ's workspace tiles, its
+// staging and dK / dV's epilogue 96 wide (config.h: bwd_tile_width). The dropout instances keep
+// the 128-wide tiles (kBwdDropoutTileWidth). A switch of its own so that a copy of the tree with
+// it false is the A/B baseline (bench/ab_builds.py); false compiles the kernels as before it.
+constexpr bool kBwdD96Native = true;
+// The width of the warp-specialized backward's tiles for a bucket's tile width and the depth of
+// its products over d.
+constexpr int bwd_ws_width(int width, int depth) { return kBwdD96Native && width == 128 && depth == 96 ? 96 : width; }
+
 // Query rows per step of the warp-specialized backward at a tile width (bwd_ws.cuh:
 // WsBwdConfig::kBlockM static_asserts against this): the height of its dQ workspace tiles.
 constexpr int bwd_block_m(int width) { return width <= 64 ? 128 : 64; }
 
 // The backward with dropout runs the 128-wide tiles at every d (64-query steps): the 64-wide
-// tiles' 128-query steps leave no registers for the keep bits.
+// tiles' 128-query steps leave no registers for the keep bits. At d 65..96 too: kBwdD96Native
+// leaves these instances on the 128-wide tiles, so that its A/B measures the kernels without
+// dropout alone.
 constexpr int kBwdDropoutTileWidth = 128;
 
 // The wide backward (bwd_wide.cuh, d 129..256): 64 keys per CTA shared by both consumer

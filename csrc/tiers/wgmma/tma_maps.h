@@ -22,15 +22,18 @@ struct MapRows {
 // The maps of a call's Q (boxes of block_m rows; q_group > 1: of block_m / q_group rows of
 // q_group heads each, the GQA-packed tiles), K and V (block_n rows); false where TMA cannot
 // address one of the views. v_box_cols: the columns of V's boxes, 64 (128-byte swizzle, the
-// slabs of Q and K) or 32 (64-byte swizzle: the forward's native 96-wide V, fwd/config.cuh).
+// slabs of Q and K) or 32 (64-byte swizzle: the forward's native 96-wide V, fwd/config.cuh);
+// q_box_cols, k_box_cols likewise for Q and K (the backward's native 96-wide tiles, bwd_ws.cuh:
+// Q in 32-column boxes, K in 16-column boxes with the 32-byte swizzle).
 inline bool make_qkv_tensor_maps(const FwdParams& p, CUtensorMap* q, CUtensorMap* k, CUtensorMap* v, int block_m,
-                                 int block_n, int q_group = 1, int v_box_cols = 64) {
+                                 int block_n, int q_group = 1, int v_box_cols = 64, int q_box_cols = 64,
+                                 int k_box_cols = 64) {
   const bool bf16 = p.dtype == DType::kBFloat16;
   const MapRows rows = MapRows::of(p);
   return make_row_tensor_map(q, p.q, bf16, p.d, rows.q, p.hq, rows.batch, p.q_row_stride, p.q_head_stride,
-                             p.q_batch_stride, block_m, q_group) &&
+                             p.q_batch_stride, block_m, q_group, q_box_cols) &&
          make_row_tensor_map(k, p.k, bf16, p.d, rows.k, p.hkv, rows.batch, p.k_row_stride, p.k_head_stride,
-                             p.k_batch_stride, block_n) &&
+                             p.k_batch_stride, block_n, /*box_heads=*/1, k_box_cols) &&
          make_row_tensor_map(v, p.v, bf16, p.d, rows.k, p.hkv, rows.batch, p.v_row_stride, p.v_head_stride,
                              p.v_batch_stride, block_n, /*box_heads=*/1, v_box_cols);
 }

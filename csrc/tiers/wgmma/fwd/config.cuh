@@ -34,23 +34,6 @@ constexpr int kTurnThreads = 256;
 
 enum WsSchedule : int { kSerial = 0, kOverlap = 1 };
 
-// The slabs of one TMA-filled tile of kRows rows: kSlabs boxes of kCols columns, each kRows lines
-// of 2 kCols bytes, one after the other. kCols 64: the 128-byte swizzle (Q, K, O and the V of
-// every head dim but 96); 32: the 64-byte swizzle (the native 96-wide V; arch/sm90.cuh has both
-// layouts). kElems: the tile's elements; kBytes: what its boxes deliver (columns past d included:
-// TMA counts the zeros it fills).
-template <int kRows, int kCols_, int kSlabs_>
-struct Slabs {
-  static constexpr int kCols = kCols_;
-  static constexpr int kSlabs = kSlabs_;
-  static constexpr int kLineBytes = 2 * kCols;
-  static constexpr int kSlabElems = kRows * kCols;
-  static constexpr int kElems = kSlabs * kSlabElems;
-  static constexpr size_t kBytes = size_t(kElems) * 2;
-  static_assert(kCols == 64 || kCols == 32, "one line per row: 128-byte or 64-byte swizzle");
-  static_assert(kSlabElems * 2 % 1024 == 0, "every slab starts on the swizzle's period");
-};
-
 // The tiles and the pipeline's sizes (tile_policy.h chooses them per head dim and call).
 // kHeadDim_: the tiles' width. kBlockN_: keys per step.
 // kPolyEvery_: the share of exponentials taken on the FMA pipe (core/softmax.cuh:
@@ -77,8 +60,9 @@ struct WsConfig {
   static constexpr size_t kTileQ = size_t(kBlockM) * kHeadDim * sizeof(T);
   static_assert(kHeadDim % 64 == 0, "swizzled slabs are 64 columns wide");
   static_assert(kVWidth <= kHeadDim && kVWidth >= kDepth_ && kVWidth % 32 == 0, "V holds the head dims");
-  // A K / V stage: K in Q's 64-column slabs; V in the same, or where it is narrower than the tiles
-  // (d = 96) in 32-column slabs with the 64-byte swizzle, whose three make exactly 96 columns.
+  // A K / V stage (arch/sm90.cuh: Slabs): K in Q's 64-column slabs; V in the same, or where it is
+  // narrower than the tiles (d = 96) in 32-column slabs with the 64-byte swizzle, whose three make
+  // exactly 96 columns.
   using KSlabs = Slabs<kBlockN_, kSlabCols, kHeadDim_ / kSlabCols>;
   using VSlabs =
       std::conditional_t<kVWidth == kHeadDim_, KSlabs, Slabs<kBlockN_, kSlabCols / 2, kVWidth / (kSlabCols / 2)>>;

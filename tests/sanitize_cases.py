@@ -170,6 +170,9 @@ CASES: List[Case] = [
     # ---- softcap's derivative on the warp-specialized Hopper backward: d = 96 (96-wide tiles,
     # tile_policy.h: kBwdD96Native), GQA, a causal window, ALiBi, P^T / dS^T in 16-query slices ----
     Case(F16, 1, 4, 2, 300, 500, 96, True, "bshd", dlse=True, window=(128, 0), softcap=5.0, alibi="heads"),
+    # d = 72 on the same tiles: K's last 16-column slab wholly past d (TMA's zero fill), V's and
+    # Q's last 32-column slab partly past it
+    Case(BF16, 1, 2, 1, 200, 300, 72, True, "bshd", dlse=True),
     # ---- the wide warp-specialized Hopper backward (the default at d 129..256): d = 256 with GQA,
     # causal rows that see no key, partial 64-row key and query blocks; d = 160 on the 192 bucket
     # (columns past d as TMA's zeros, the second warpgroup's 64 columns partly past d) ----

@@ -15,8 +15,6 @@ The work is split by concern:
 * :mod:`flash_cuda.kvcache_ops`: the custom ops ``flash_cuda::fwd_kvcache`` and
   ``flash_cuda::fwd_kvcache_packed`` (mutating ``k_cache`` and ``v_cache``, with fake
   implementations for ``torch.compile``) and the extension calls they make.
-* :mod:`flash_cuda.kvcache_prefill`: the route of a prompt chunk against a paged cache or with
-  tensor lengths (append, gather, attention()'s forward), inside the op's implementation.
 * Here, the dispatch: plain eager tensors run the extension call without the op's dispatch;
   anything the op exists for (tracing, fake or functional tensors, tensor subclasses, dispatch
   or function modes) takes the op.
@@ -170,23 +168,21 @@ def attention_with_kvcache(
     * ``seqlen_q > 16`` (a prompt chunk), dense cache, int ``cache_seqlens``: the append as a
       copy, then :func:`flash_cuda.attention`'s query-tiled forward over the cache's first
       ``L`` rows.
-    * ``seqlen_q > 16``, paged cache or tensor ``cache_seqlens``: the append as a scatter, each
-      sequence's keys ``0 .. L_b - 1`` gathered from the cache into packed K / V, then
-      attention()'s forward on them (dense when all ``L_b`` are equal, else packed with
-      ``cu_seqlens``; every mask bottom-right aligned per sequence, as defined above; scale,
-      window, softcap, ALiBi and sinks as given). The gather costs memory for the gathered keys
-      (sequences go in groups of at most 1 GiB of them) and, with a tensor ``cache_seqlens``,
-      one device sync to read the lengths (:mod:`flash_cuda.kvcache_prefill`). The decode
-      kernels would stream every key once per 64 query rows (about a third of attention()'s
-      speed at 2k tokens).
+    * ``seqlen_q > 16``, paged cache or tensor ``cache_seqlens``: one kernel appends k / v and
+      lays a paged cache's keys out densely (``(batch, kv_heads, capacity, head_dim)``, each
+      sequence's ``L_b`` keys copied; a dense cache is read in place), then attention()'s
+      query-tiled forward runs with each sequence's key count ``L_b`` read on the device (every
+      mask bottom-right aligned per sequence, as defined above; scale, window, softcap, ALiBi
+      and sinks as given). Nothing is read back to the host. A paged call costs a transient
+      dense copy of the keys and values of ``capacity`` rows per sequence. The decode kernels
+      would stream every key once per 64 query rows (about a third of attention()'s speed at
+      2k tokens).
 
     Works under ``torch.compile(fullgraph=True)`` (the custom op
     ``torch.ops.flash_cuda.fwd_kvcache``, declared as mutating the caches, so the append is
     kept) and inside CUDA graphs (captured by hand or by ``mode="reduce-overhead"``): with a
-    tensor ``cache_seqlens`` one captured step serves every length. The gathered prefill route
-    reads the lengths on the host, which a capture cannot record: a call made under CUDA graph
-    capture takes the decode kernels instead, so decode steps and prompt chunks both capture,
-    and a captured prompt chunk runs at the decode kernels' speed. Repeated calls with the
+    tensor ``cache_seqlens`` one captured step serves every length, decode step or prompt
+    chunk (no route reads the lengths on the host). Repeated calls with the
     same shapes, strides, dtypes, devices and options are checked once (the outcome is kept
     per signature); an int ``cache_seqlens`` is checked on every call.
 

@@ -6,9 +6,10 @@ make, which the eager path makes too (without the op's dispatch).
   with a fake implementation: ``torch.compile(fullgraph=True)`` traces a decode step without
   a graph break. It always returns ``(out, lse)``; lse is an empty float32 ``(0,)`` tensor
   unless ``return_lse``. :func:`run_kvcache` is its call: the split-KV decode kernels for up to
-  16 queries per sequence; for a prompt chunk (more) :func:`flash_cuda.attention`'s forward
-  after the append, over the cache's rows for a dense cache with an int length, else (pages,
-  tensor lengths) over keys gathered from the cache (:mod:`flash_cuda.kvcache_prefill`).
+  :data:`DECODE_MAX_QUERIES` queries per sequence; for a prompt chunk (more) the query-tiled
+  forward of :func:`flash_cuda.attention` after the append: here over the cache's rows for a
+  dense cache with an int length, else (pages, tensor lengths) in the binding, over the cache laid
+  out densely on the device (csrc/core/kv_gather.cuh; no sync, so CUDA graphs capture it).
 * ``flash_cuda::fwd_kvcache_packed``: the same for packed (varlen) queries (``cu_seqlens_q``),
   today a scatter for the appends and one binding call per distinct chunk length
   (:func:`run_kvcache_packed`).
@@ -29,11 +30,28 @@ from torch import Tensor
 from . import _ext
 from .kvcache_checks import (ENV_CHECK, PAGE_SIZE_MULTIPLE, check_alignment, check_cu_seqlens_q, check_enabled,
                              check_values)
-from .kvcache_prefill import DECODE_MAX_QUERIES, cache_slots, gathered_prefill, takes_route
 from .ops import fwd_impl
 from .validation import ScoreOptions
 
-__all__ = ["fwd_kvcache", "fwd_kvcache_packed", "run_kvcache", "run_kvcache_packed"]
+__all__ = ["DECODE_MAX_QUERIES", "cache_slots", "fwd_kvcache", "fwd_kvcache_packed", "run_kvcache",
+           "run_kvcache_packed"]
+
+# Queries per sequence up to which the split-KV decode kernels run a KV-cache call
+# (tiers/mma/family.h: decode::kMaxDecodeQueries, the bound attention() uses too).
+DECODE_MAX_QUERIES = 16
+
+
+def cache_slots(block_table: Optional[Tensor], num_pages: int, page_size: int, seq: Tensor,
+                pos: Tensor) -> Tuple[Tensor, Tensor]:
+    """Where position ``pos`` of sequence ``seq`` lives in a cache seen as (first, head, second,
+    dim): (first, second) = (seq, pos) in a dense cache; in a paged one (page, row) with page =
+    ``block_table[seq, pos // page_size]`` and row = ``pos % page_size``. Page ids are clamped to
+    the pool, as the kernels clamp them: a wrong id reads or writes a wrong page, never memory
+    outside the pool. ``seq`` and ``pos`` are int64 tensors of one broadcast shape."""
+    if block_table is None:
+        return seq, pos
+    pages = block_table.long()[seq, pos // page_size].clamp_(0, num_pages - 1)
+    return pages, pos % page_size
 
 
 _side_streams: dict = {}
@@ -89,12 +107,6 @@ def run_kvcache(C, q, k_cache, v_cache, k, v, lens, cache_len, block_table, scal
                 v_cache[:, :, cache_len:total].copy_(v)
             out, lse, _ = fwd_impl(q, k_cache[:, :, :total], v_cache[:, :, :total], opts, 0, sinks)
         return out, (lse if return_lse else None)
-    if takes_route(q, lens, block_table):
-        # A prompt chunk against pages or device lengths: append, gather the keys, attention()'s
-        # forward (flash_cuda.kvcache_prefill); the decode kernels would stream every key once per
-        # 64 query rows.
-        opts = ScoreOptions(scale, window_left, window_right, softcap, alibi_slopes)
-        return gathered_prefill(q, k_cache, v_cache, k, v, lens, cache_len, block_table, opts, sinks, return_lse)
     if sinks is None:  # (the binding's sinks argument is optional; leaving it out keeps older stand-ins working)
         return C.fwd_kvcache(q, k_cache, v_cache, k, v, lens, cache_len, block_table, scale, window_left,
                              window_right, softcap, alibi_slopes, num_splits, return_lse)

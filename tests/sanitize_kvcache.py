@@ -1,7 +1,8 @@
 """The split-KV decode kernels under compute-sanitizer: flash_cuda.attention_with_kvcache on dense
 and paged caches (pages of 16, 48 and 256, a transposed pool), in-place append, every mask
 option, splits 1 / n / auto, row chunks, and attention() / varlen_attention() decode-shaped
-calls. Small sizes (the sanitizer slows kernels 10-100x).
+calls; and the prefill route of prompt chunks (more than 16 queries: core/kv_gather.cuh, then
+the query-tiled forward with per-sequence key counts). Small sizes (the sanitizer slows kernels 10-100x).
 
     compute-sanitizer --tool memcheck --padding 256 --kernel-name kns=flash_cuda \\
         python tests/sanitize_kvcache.py            # with a check against float64
@@ -32,6 +33,9 @@ CASES = [
     (2, 6, 2, 33, 128, 256, (100, 7), 33, None, dict(is_causal=True)),
     (2, 4, 4, 3, 64, 256, (200, 50), 3, None, dict(alibi=True, is_causal=True)),
     (1, 8, 1, 1, 64, 4096, (4000,), 1, None, dict(num_splits=0)),
+    # prompt chunks on the prefill route: pages of 16 and 256, a sequence starting empty
+    (2, 8, 2, 40, 128, 768, (700, 0), 40, 16, dict(is_causal=True)),
+    (3, 4, 2, 24, 64, 512, (300, 5, 0), 24, 256, dict(is_causal=True, window_size=(64, 0), softcap=10.0)),
 ]
 
 

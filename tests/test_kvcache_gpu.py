@@ -261,7 +261,8 @@ def test_prefill_with_known_length(cached):
               lens_as_tensor=False, seed=13 + cached)
 
 
-# ---- the gathered prefill route (flash_cuda.kvcache_prefill): pages or tensor lengths, Sq > 16 ----
+# ---- the prefill route (csrc/core/kv_gather.cuh, then the query-tiled forward with per-sequence key
+#      counts): pages or tensor lengths, Sq > 16 ----
 
 
 def _paged_capacity(page_size, lens, Sq):
@@ -274,8 +275,8 @@ def _paged_capacity(page_size, lens, Sq):
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_prefill_paged(page_size, B, lens, Sq, is_causal):
     """A prompt chunk appended to a paged cache that holds thousands of tokens (and an empty
-    sequence): the append, gather and attention()'s forward against float64 attention over each
-    sequence's rows; no decode kernel runs (the route check)."""
+    sequence; the pool's unwritten rows are NaN poison): the append, the dense layout and the
+    forward against float64 attention over each sequence's rows; no decode kernel runs."""
     capacity = _paged_capacity(page_size, lens, Sq)
     _, launches = _decode_launches(lambda: _run_case(
         B=B, Hq=8, Hkv=2, Sq=Sq, D=128, capacity=capacity, lens=lens, s_new=Sq, page_size=page_size,
@@ -317,7 +318,8 @@ def test_prefill_paged_options(case, dtype):
 
 
 def test_prefill_tensor_lengths_dense_cache():
-    """A dense cache with a tensor cache_seqlens: the gathered route too."""
+    """A dense cache with a tensor cache_seqlens: the prefill route too, reading the cache in
+    place (its rows past each length are NaN poison: the forward must not let them into O)."""
     _, launches = _decode_launches(lambda: _run_case(B=3, Hq=8, Hkv=2, Sq=200, D=64, capacity=1024,
                                                      lens=(800, 0, 77), s_new=200, is_causal=True, seed=4))
     assert not launches
@@ -331,11 +333,9 @@ def test_prefill_route_by_query_count(Sq, decode):
     assert bool(launches) == decode, launches
 
 
-def test_prefill_chunk_under_cuda_graph_capture(monkeypatch):
-    """The gathered route reads the lengths on the host, which a capture cannot record: a captured
-    prompt chunk keeps the decode kernels, and its replays equal eager calls that take them."""
-    from flash_cuda import kvcache_ops
-
+def test_prefill_chunk_under_cuda_graph_capture():
+    """The prefill route reads no length on the host: a captured prompt chunk takes it too, and
+    each replay, with the lengths grown in place, equals an eager call at those lengths."""
     gen = torch.Generator(device="cpu").manual_seed(9)
     B, Hq, Hkv, D, Sq, page = 2, 8, 2, 128, 48, 16
     k_cache, v_cache, table = _make_cache(B, Hkv, D, torch.bfloat16, 1024, page, False, gen)
@@ -361,7 +361,6 @@ def test_prefill_chunk_under_cuda_graph_capture(monkeypatch):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out_g = step(kc, vc)
-    monkeypatch.setattr(kvcache_ops, "takes_route", lambda *args: False)  # eager calls on the decode kernels
     for it in range(3):
         lens.add_(it)
         kc.copy_(k_cache)

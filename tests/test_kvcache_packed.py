@@ -181,3 +181,16 @@ def test_fullgraph_compile(mock_kvcache, backend):
                                                              **BLOCKS)
     assert torch.equal(out, want) and torch.equal(lse, want_lse.float())
     assert torch.equal(kc, kr) and torch.equal(vc, vr)  # the append survives functionalization
+
+
+def test_cache_slots():
+    """Where the packed route's appends land: (page, row) through the block table, page ids
+    clamped to the pool as the kernels clamp them; (sequence, position) in a dense cache."""
+    from flash_cuda.kvcache_ops import cache_slots
+
+    table = torch.tensor([[3, 1], [0, 7]], dtype=torch.int32)
+    seq = torch.tensor([0, 0, 1, 1, 1])
+    pos = torch.tensor([0, 17, 5, 16, 31])
+    first, second = cache_slots(table, 5, 16, seq, pos)
+    assert first.tolist() == [3, 1, 0, 4, 4] and second.tolist() == [0, 1, 5, 0, 15]  # page 7 clamped to 4
+    assert cache_slots(None, 5, 16, seq, pos) == (seq, pos)

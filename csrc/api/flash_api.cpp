@@ -708,6 +708,34 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache(
   }
   p.splits_wanted = static_cast<int>(std::min<int64_t>(num_splits, 1024));
   FLASH_CHECK(p.sm_arch >= 80, "flash_cuda: needs a GPU of compute capability 8.0 or newer");
+  if (Sq > decode::kMaxDecodeQueries && (paged || lens_on_device)) {
+    // A prompt chunk whose keys' lengths or places only the device knows: the query-tiled forward
+    // over the cache laid out densely (core/kv_gather.cuh), each sequence's key count in
+    // seqused_k. (A dense cache with an int length: the Python layer's own prefill route.)
+    const at::Tensor counts = at::empty({B}, q.options().dtype(at::kInt));
+    at::Tensor keys = k_cache, values = v_cache;
+    KvGatherTarget g;
+    g.key_counts = counts.data_ptr<int32_t>();
+    if (paged) {  // one sequence per batch entry, `capacity` rows: the pages in order
+      keys = at::empty({B, Hkv, capacity, D}, q.options());
+      values = at::empty({B, Hkv, capacity, D}, q.options());
+      g.k = keys.data_ptr();
+      g.v = values.data_ptr();
+      g.batch_stride = keys.stride(0);
+      g.head_stride = keys.stride(1);
+      g.row_stride = keys.stride(2);
+    }
+    const cudaStream_t stream = at::cuda::getCurrentCUDAStream().stream();
+    run_kv_gather<2>(p, g, stream);
+    // The forward writes lse whether asked for or not.
+    const at::Tensor rows_lse = return_lse ? lse : at::empty({B, Hq, Sq}, q_in.options().dtype(at::kFloat));
+    FwdParams f;
+    fill_fwd(f, dense, m, q, keys, values, out, rows_lse, std::abs(scale));
+    f.seqused_k = counts.data_ptr<int32_t>();
+    if (sinks.defined()) f.sinks = sinks.data_ptr<float>();
+    dispatch(f, Tier::kAuto, q.options());
+    return {out, lse};
+  }
   FLASH_CHECK(run_family<DecodeFamily>(p, Tier::kAuto, q.options()),
               "flash_cuda: attention_with_kvcache: no decode kernel fits this GPU's shared memory at head dim ", D,
               " (head dims up to 128 run on every supported GPU)");

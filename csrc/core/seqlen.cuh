@@ -48,6 +48,7 @@ struct SeqInfo {
       s.q_start = q0;
       s.k_start = k0;
     }
+    if (kVarlen && p.seqused_k != nullptr) s.sk = clamp_to_int(p.seqused_k[bi], 0, s.sk);
     return s;
   }
 
@@ -69,7 +70,9 @@ struct SeqInfo {
 
   template <bool kVarlen = true>
   FLASH_HOST_DEVICE AttnMask mask(const FwdParams& p) const {
-    if (kVarlen && p.cu_seqlens_q != nullptr) return AttnMask::make(sq, sk, p.window_left, p.window_right);
+    if (kVarlen && (p.cu_seqlens_q != nullptr || p.seqused_k != nullptr)) {
+      return AttnMask::make(sq, sk, p.window_left, p.window_right);  // this sequence's own lengths
+    }
     return AttnMask{sq, sk, p.diag_lo, p.diag_hi};
   }
   // The modifiers of head h; the inactive default for a kPlain kernel (folds away).

@@ -72,4 +72,8 @@ bool with_dtype_variant(const Params& p, Variant variant, cudaStream_t stream) {
 // one instance per type of the partial b (operand a and the output: that type or float32).
 template <int kDType> void run_merge_partials(const MergeParams& params, cudaStream_t stream);
 
+// A KV cache appended to and laid out for the query-tiled forwards (include/params.h:
+// KvGatherTarget; core/kv_gather.cuh, csrc/instances/kv_gather.cu); kBytes: the element size.
+template <int kBytes> void run_kv_gather(const FwdParams& params, const KvGatherTarget& target, cudaStream_t stream);
+
 }  // namespace flash_cuda

@@ -114,6 +114,12 @@ struct FwdParams {
   const int32_t* cu_seqlens_q = nullptr;  // [b + 1]
   const int32_t* cu_seqlens_k = nullptr;  // [b + 1]
   int total_q = 0, total_k = 0;
+  // Keys used per sequence, [b] (nullptr: all of them): sequence bi attends only its first
+  // seqused_k[bi] keys (clamped to the ones it has), masks aligned bottom-right to that count.
+  // A dense batch with it holds K / V of sk rows, the rows past each count are not read as keys
+  // (a KV cache's prompt chunk: fwd_kvcache's prefill route, the counts computed on the device).
+  // Served by the kExtended instances (variant_of).
+  const int32_t* seqused_k = nullptr;
 
   // ---- split key ranges (fp32 forward: the last, partial wave; split-KV decode) ----
   // Query blocks from split_begin on (in the kernel's block order) are each cut into
@@ -233,6 +239,19 @@ struct MergeParams {
   int d = 0;  // a multiple of 4
 };
 
+// A KV cache's keys laid out for the query-tiled forwards (core/kv_gather.cuh): with the cache
+// fields of a FwdParams (k / v the cache, block_table, cache_seqlens, k_new / v_new), one kernel
+// appends k_new / v_new to the cache in place, writes every sequence's key count len_b + s_new
+// to key_counts[b] (the forward's seqused_k) and, when k is set, copies each sequence's keys
+// 0 .. len_b + s_new - 1 into the dense [b][hkv][sk][d] tensors k / v (rows past the count up
+// to the next multiple of kZeroRows are zeroed: a partial key block reads no stale value).
+struct KvGatherTarget {
+  void* k = nullptr;  // nullptr: no copy (a dense cache is read in place)
+  void* v = nullptr;
+  int64_t batch_stride = 0, head_stride = 0, row_stride = 0;  // elements, of both k and v
+  int32_t* key_counts = nullptr;
+};
+
 // Which gradients the call computes (BwdParams: dq / dk / dv nullptr = not wanted).
 FLASH_HOST_DEVICE inline bool bwd_wants_dq(const BwdParams& p) { return p.dq != nullptr; }
 FLASH_HOST_DEVICE inline bool bwd_wants_dkdv(const BwdParams& p) { return p.dk != nullptr; }
@@ -258,7 +277,7 @@ FLASH_HOST_DEVICE inline bool has_score_mod(const FwdParams& p) {
 enum Variant : int { kPlain = 0, kExtended = 1, kSoftcapGrad = 2 };
 
 inline Variant variant_of(const FwdParams& p, bool backward) {
-  if (p.cu_seqlens_q == nullptr && !has_score_mod(p) && !has_dropout(p)) return kPlain;
+  if (p.cu_seqlens_q == nullptr && p.seqused_k == nullptr && !has_score_mod(p) && !has_dropout(p)) return kPlain;
   return backward && p.softcap > 0.f ? kSoftcapGrad : kExtended;
 }
 

@@ -96,6 +96,9 @@ def instances() -> dict:
         "attention dropout's mask for a whole tensor (tests compare the kernels' random numbers with the reference).",
         "dropout.cuh", ["template void run_dropout_mask<uint8_t>(const DropoutMaskParams&, cudaStream_t);"],
         folder="core")
+    files["kv_gather.cu"] = _file(
+        "a KV cache's keys laid out for the query-tiled forwards (fwd_kvcache's prefill route).", "kv_gather.cuh",
+        ["template void run_kv_gather<2>(const FwdParams&, const KvGatherTarget&, cudaStream_t);"], folder="core")
     return files
 
 

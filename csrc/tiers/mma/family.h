@@ -101,6 +101,7 @@ struct DecodeFamily {
   }
   static bool applies(const FwdParams& p, Tier tier) {
     if (p.dtype == DType::kFloat32 || p.sm_arch < 80) return false;
+    if (p.seqused_k != nullptr) return false;  // (its tiles read every key of the cache's length)
     if (kvcache_call(p)) return true;
     if (has_dropout(p)) return false;  // dropout: the mma.sync forward
     return tier == Tier::kAuto && p.sq <= decode::kMaxDecodeQueries;

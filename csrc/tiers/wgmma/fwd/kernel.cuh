@@ -128,9 +128,11 @@ __device__ __forceinline__ void fwd_ws_block(const FwdParams& p, const TmaMaps& 
           const TileCoords at{w.seq.q_start + w.q0, w.seq.k_start, kPackGqa ? tile.h << shift : tile.h, h_kv,
                               packed ? 0 : tile.b};
           // Rows of the last block that are the sequence's, where its box would read on into
-          // another sequence's rows (rows past the tensor's end TMA fills with zeros itself).
+          // rows that are not its keys: another sequence's, or those past its seqused_k (rows
+          // past the tensor's end TMA fills with zeros itself).
           const int last_key = w.range.end * Cfg::kBlockN;
-          const int last_rows = packed && last_key > w.seq.sk && w.seq.k_start + w.seq.sk < p.total_k
+          const int rows_after = packed ? p.total_k - w.seq.k_start : p.sk;  // the tensor's, from its first key
+          const int last_rows = kExt && last_key > w.seq.sk && w.seq.sk < rows_after
                                     ? w.seq.sk - (w.range.end - 1) * Cfg::kBlockN
                                     : Cfg::kBlockN;
           produce<Cfg, kPackGqa>(maps, ring, first, sQ, qt, k, t, w.range, at, last_rows, tail_phase);

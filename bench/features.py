@@ -22,15 +22,16 @@ import measure as M  # noqa: E402 (bench/measure.py: providers, check, timing)
 WINDOW, WINDOW_S = (1024, 0), 16384
 VARLEN_B, VARLEN_S = 8, 2048
 MIXED_RANGE, MIXED_SEED = (128, 4096), 0
-SMALL_S, SMALL_D = 4096, 128  # softcap / ALiBi rows
+SMALL_S, SMALL_D = 4096, 128  # softcap / ALiBi / sinks rows
 SOFTCAP = 50.0
 DROPOUT_P, DROPOUT_S = 0.1, 4096
 GOAL_WINDOW, GOAL_VARLEN = 0.85, 0.95  # within 15% / 5% of the plain call
 GOAL_DROPOUT = 1 / 1.1  # dropout_p = 0.1 within 10% of dropout_p = 0 in time
+GOAL_SINKS = 0.97  # the gate: the cost of sinks within 3% of the plain call
 
 CSV_COLUMNS = ["feature", "dtype", "D", "H", "causal", "mode", "layout", "B", "seqlens", "total_tokens", "window_left",
-               "window_right", "softcap", "alibi", "dropout_p", "visible_pairs", "ms", "tflops", "peak_gib", "status",
-               "baseline_tflops", "ratio", "goal", "sdpa_tflops", "fa4_tflops"]
+               "window_right", "softcap", "alibi", "sinks", "dropout_p", "visible_pairs", "ms", "tflops", "peak_gib",
+               "status", "baseline_tflops", "ratio", "goal", "sdpa_tflops", "fa4_tflops"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -68,6 +69,7 @@ def label(call) -> str:
             if len(set(call.seqlens)) == 1 else f"varlen {n} mixed ({sum(call.seqlens)} tok)")
     text += f" window ({call.window[0]}, {call.window[1]})" if call.window != (-1, -1) else ""
     text += (f" softcap {call.softcap:g}" if call.softcap else "") + (" alibi" if call.alibi else "")
+    text += " sinks" if call.sinks else ""
     text += f" dropout {call.dropout:g}" if call.dropout else ""
     return text + ("" if call.provider == "flash_cuda" else f" [{call.provider}]")
 
@@ -108,7 +110,8 @@ def build_rows(d_list, causal_list, modes) -> list:
                  Row("varlen mixed", replace(base, varlen=True, seqlens=mixed), base)]
     for causal, mode in itertools.product(causal_list if SMALL_D in d_list else [], modes):
         base = dense(SMALL_D, causal, mode, M.TOKENS // SMALL_S, SMALL_S)
-        rows += [Row("softcap", replace(base, softcap=SOFTCAP), base), Row("alibi", replace(base, alibi=True), base)]
+        rows += [Row("softcap", replace(base, softcap=SOFTCAP), base), Row("alibi", replace(base, alibi=True), base),
+                 Row("sinks", replace(base, sinks=True), base, GOAL_SINKS)]
     for D, causal, mode in itertools.product(d_list, causal_list, modes):
         base = dense(D, causal, mode, max(1, M.TOKENS // DROPOUT_S), DROPOUT_S)
         rows.append(Row("dropout", replace(base, dropout=DROPOUT_P), base, GOAL_DROPOUT))
@@ -175,7 +178,8 @@ def csv_frame(rows, results, dtype) -> pd.DataFrame:
             "causal": int(call.causal), "mode": call.mode, "layout": "varlen" if call.varlen else "dense",
             "B": len(lens), "seqlens": f"{lens[0]}x{len(lens)}" if len(set(lens)) == 1 else ";".join(map(str, lens)),
             "total_tokens": sum(lens), "window_left": sides(call)[0], "window_right": sides(call)[1],
-            "softcap": call.softcap, "alibi": int(call.alibi), "dropout_p": call.dropout, "visible_pairs": pairs(call),
+            "softcap": call.softcap, "alibi": int(call.alibi), "sinks": int(call.sinks), "dropout_p": call.dropout,
+            "visible_pairs": pairs(call),
             **results[call],
             "baseline_tflops": tflops(results, row.base), "ratio": ratio_of(row, results), "goal": row.goal,
             "sdpa_tflops": tflops(results, row.sdpa), "fa4_tflops": tflops(results, row.other("fa4"))})

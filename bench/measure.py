@@ -69,9 +69,11 @@ class Call:
     softcap: float = 0.0
     alibi: bool = False
     dropout: float = 0.0
+    sinks: bool = False  # attention sinks: sink_logits(H), made where the ALiBi slopes are (make_fn, check)
 
     def options(self) -> dict:
-        """attention()'s options but alibi_slopes; defaults left out, so plain calls need no feature support."""
+        """attention()'s options but the tensors alibi_slopes and sinks; defaults left out, so plain calls need no
+        feature support."""
         return {"is_causal": self.causal, **({"window_size": self.window} if self.window != (-1, -1) else {}),
                 **({"softcap": self.softcap} if self.softcap else {}),
                 **({"dropout_p": self.dropout} if self.dropout else {})}
@@ -125,7 +127,7 @@ def bshd(call: Call) -> bool:
     return call.provider in OTHER and not call.varlen
 
 
-def fa4_fn(call: Call, cu, dtype):
+def fa4_fn(call: Call, cu, dtype, device):
     """(q, k, v) -> out of FlashAttention-4, (B, S, H, D) or packed (total, H, D); what it lacks raises."""
     if dtype not in (torch.float16, torch.bfloat16):
         raise NotImplementedError(f"FlashAttention-4 takes fp16 / bf16, not {DTYPE_SHORT[dtype]}")
@@ -134,6 +136,8 @@ def fa4_fn(call: Call, cu, dtype):
     dense, varlen = load_fa4()
     opts = {"causal": call.causal, "window_size": tuple(None if w < 0 else w for w in call.window),
             "softcap": call.softcap}
+    if call.sinks:  # FA4's backward also computes d(sink) whenever it has one (a small reduction over the rows)
+        opts["learnable_sink"] = sink_logits(call.H).to(device)
     m = max(call.seqlens)
 
     def fwd(q, k, v):
@@ -145,6 +149,13 @@ def fa4_fn(call: Call, cu, dtype):
 
 def alibi_slopes(H: int) -> torch.Tensor:
     return torch.tensor([2.0 ** (-8.0 * (h + 1) / H) for h in range(H)], dtype=torch.float32)
+
+
+def sink_logits(H: int) -> torch.Tensor:
+    """The sinks rows' attention sinks: one float32 logit per query head, -1 (head 0) to 10 (head H-1). The top
+    reaches past log(S * e^0.5), the log of a row's key mass at S = 4k on N(0, 1) inputs, so on head H-1 the sink
+    takes most of the softmax and the check (heads 0 and H-1) tells a dropped or misplaced sink."""
+    return torch.linspace(-1.0, 10.0, H, dtype=torch.float32)
 
 
 def make_inputs(call: Call, dtype, seed: int, device="cuda"):
@@ -162,8 +173,10 @@ def make_inputs(call: Call, dtype, seed: int, device="cuda"):
 def make_fn(call: Call, cu, device, dtype):
     """(q, k, v) -> out of the call's provider (measure() forces SDPA's backend)."""
     if call.provider in OTHER:
-        return fa4_fn(call, cu, dtype)
+        return fa4_fn(call, cu, dtype, device)
     if call.provider in SDPA_BACKEND:
+        if call.sinks:
+            raise NotImplementedError("SDPA has no attention sinks")
         return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=call.causal, dropout_p=call.dropout)
     fc, opts = load_flash_cuda(), call.options()
     if FLASH_KERNEL[call.provider] != "auto":
@@ -172,6 +185,8 @@ def make_fn(call: Call, cu, device, dtype):
         opts["deterministic"] = True
     if call.alibi:
         opts["alibi_slopes"] = alibi_slopes(call.H).to(device)
+    if call.sinks:  # not requiring grad: the backward times dq / dk / dv only, no d(sinks)
+        opts["sinks"] = sink_logits(call.H).to(device)
     if call.varlen:
         m = max(call.seqlens)
         return lambda q, k, v: fc.varlen_attention(q, k, v, cu, cu, m, m, **opts)
@@ -193,6 +208,8 @@ def check(call: Call, fwd, q, k, v, dout, cu, dtype) -> str:
     opts, need_grad, ref_in = call.options(), call.mode != "fwd", [view(t).requires_grad_() for t in (q, k, v)]
     if call.alibi:
         opts["alibi_slopes"] = alibi_slopes(call.H)[heads.cpu()].to(q.device)
+    if call.sinks:
+        opts["sinks"] = sink_logits(call.H)[heads.cpu()].to(q.device)
     if call.dropout:
         if call.provider != "flash_cuda" or call.varlen:
             raise ValueError("the bench checks dropout on flash_cuda's dense calls only (their random numbers)")

@@ -174,7 +174,7 @@ def parse_args(argv=None):
     a("--out", help="results folder (default bench/results/<dtype>; several dtypes: OUT/<dtype>)")
     a("--compare-anchors", nargs="?", const="auto", metavar="DIR", help="our numbers next to DIR's (shared/anchors)")
     a("--seed", type=int, default=0, help="random seed for the inputs")
-    a("--features", action="store_true", help="window, varlen, softcap, ALiBi rows instead of the grid")
+    a("--features", action="store_true", help="window, varlen, softcap, ALiBi, sinks, dropout rows instead of the grid")
     a("--dry-run", action="store_true", help="print the configs and providers, run nothing")
     args = p.parse_args(argv)
     for D in args.d:
@@ -235,7 +235,7 @@ def main(argv=None) -> int:
         import features
         rows = features.build_rows(args.d, args.causal, args.mode)
         if not rows:
-            print("--features: nothing to run (softcap / ALiBi need --d 128, window --causal 1)")
+            print("--features: nothing to run (softcap / ALiBi / sinks need --d 128, window --causal 1)")
             return 2
     if args.dry_run:
         if args.features:

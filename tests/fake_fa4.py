@@ -1,5 +1,5 @@
 """A stand-in ``flash_attn.cute`` (FlashAttention-4) on CPU, for the tests of bench/'s fa4 provider:
-``flash_attn_func`` / ``flash_attn_varlen_func`` with FA4's layouts and keywords, computed by
+``flash_attn_func`` / ``flash_attn_varlen_func`` with FA4's layouts and keywords (``learnable_sink`` too), computed by
 flash_cuda.reference in float32. ``install(monkeypatch)`` puts it in sys.modules."""
 
 from __future__ import annotations
@@ -20,22 +20,26 @@ def make_module(bshd: bool = True, calls: list | None = None) -> types.ModuleTyp
     def flip(t):
         return t.transpose(1, 2) if bshd else t
 
-    def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(None, None), softcap=0.0, **kw):
+    def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(None, None), learnable_sink=None,
+                        softcap=0.0, **kw):
         if calls is not None:
             calls.append(("flash_attn_func", tuple(q.shape), q.is_contiguous(),
-                          {"causal": causal, "window_size": window_size, "softcap": softcap, **kw}))
+                          {"causal": causal, "window_size": window_size, "softcap": softcap,
+                           **({"learnable_sink": learnable_sink} if learnable_sink is not None else {}), **kw}))
         out, lse = ref.attention_naive(*(flip(t).float() for t in (q, k, v)), is_causal=causal, scale=softmax_scale,
-                                       window_size=_window(window_size), softcap=softcap)
+                                       window_size=_window(window_size), softcap=softcap, sinks=learnable_sink)
         return flip(out).to(q.dtype), lse  # FA4 returns (out, lse) here: the bench takes element 0
 
     def flash_attn_varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
-                               softmax_scale=None, causal=False, window_size=(None, None), softcap=0.0, **kw):
+                               softmax_scale=None, causal=False, window_size=(None, None), learnable_sink=None,
+                               softcap=0.0, **kw):
         if calls is not None:
             calls.append(("flash_attn_varlen_func", tuple(q.shape), q.is_contiguous(),
-                          {"causal": causal, "window_size": window_size, "softcap": softcap, **kw}))
+                          {"causal": causal, "window_size": window_size, "softcap": softcap,
+                           **({"learnable_sink": learnable_sink} if learnable_sink is not None else {}), **kw}))
         out = ref.attention_varlen_naive(*(t.float() for t in (q, k, v)), cu_seqlens_q, cu_seqlens_k,
                                          is_causal=causal, scale=softmax_scale, window_size=_window(window_size),
-                                         softcap=softcap)[0]
+                                         softcap=softcap, sinks=learnable_sink)[0]
         return out.to(q.dtype)  # a plain tensor: the bench takes both forms
 
     module = types.ModuleType("flash_attn.cute")

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from dataclasses import replace
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -76,6 +78,26 @@ def test_call_pairs_and_flops(feat):
     assert Call("flash_cuda", 64, 2, True, "fwd", (8,), window=(4, 0), softcap=5.0).options() == {
         "is_causal": True, "window_size": (4, 0), "softcap": 5.0}
     assert Call("flash_cuda", 64, 2, False, "fwd", (8,), dropout=0.1).options() == {"is_causal": False, "dropout_p": 0.1}
+    # the sinks are a tensor, made by make_fn / check like the ALiBi slopes: not among the options
+    assert Call("flash_cuda", 64, 2, True, "fwd", (8,), sinks=True).options() == {"is_causal": True}
+    assert feat.flops(replace(plain, sinks=True)) == feat.flops(plain)  # no pairs of its own
+
+
+def test_sink_logits(feat):
+    """One float32 logit per query head, the same every call; on head H-1 at S = 4k (D = 128, N(0, 1) inputs)
+    the sink moves the output past the bf16 tolerance, so the check (heads 0 and H-1) sees a dropped sink."""
+    sys.path.append(str(ROOT))
+    attention_naive = pytest.importorskip("flash_cuda.reference").attention_naive
+    M = feat.M
+    s = M.sink_logits(16)
+    assert s.dtype == torch.float32 and s.shape == (16,) and not s.requires_grad
+    assert torch.equal(s, M.sink_logits(16)) and float(s[0]) == -1.0 and float(s[-1]) == 10.0
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, sq, 128, generator=gen) for sq in (64, 4096, 4096))  # 64 rows, 4k keys each
+    plain = attention_naive(q, k, v)[0]
+    sunk = attention_naive(q, k, v, sinks=s[[0, -1]])[0]
+    err = float((plain - sunk).norm() / sunk.norm())
+    assert err > 10 * M.TOLERANCE[torch.bfloat16][0]
 
 
 def test_mixed_seqlens_fixed(feat):
@@ -91,6 +113,7 @@ def test_rows_plan(feat):
         by.setdefault(r.feature, []).append(r)
     assert len(by["window"]) == 4 and len(by["varlen"]) == 8 and len(by["varlen mixed"]) == 8
     assert len(by["softcap"]) == 4 and len(by["alibi"]) == 4 and len(by["dropout"]) == 8
+    assert len(by["sinks"]) == 4
     for r in rows:
         c = r.call
         assert c.H * c.D == 2048 and r.base.provider == "flash_cuda" and r.sdpa.provider == "sdpa"
@@ -101,16 +124,24 @@ def test_rows_plan(feat):
     for r in by["varlen"]:
         assert r.call.varlen and sum(r.call.seqlens) == 16384 and r.base.seqlens == (2048,) * 8
         assert r.goal == 0.95
-    for r in by["softcap"] + by["alibi"]:
+    for r in by["softcap"] + by["alibi"] + by["sinks"]:
         assert r.call.D == 128 and r.call.seqlens == (4096,) * 4
     assert by["softcap"][0].call.softcap == 50.0 and by["alibi"][0].call.alibi
+    for r in by["sinks"]:
+        assert r.call == replace(r.base, sinks=True) and not r.base.sinks and not r.sdpa.sinks
+        assert r.goal == 0.97 and feat.label(r.call) == "B=4 S=4k sinks"
+        assert feat.label(r.other("fa4")) == "B=4 S=4k sinks [fa4]"
+    assert [(r.call.causal, r.call.mode) for r in by["sinks"]] == [(False, "fwd"), (False, "bwd"), (True, "fwd"),
+                                                                   (True, "bwd")]
     for r in by["dropout"]:
         assert r.call.dropout == 0.1 and r.call.seqlens == (4096,) * 4 and r.base.dropout == 0.0
         assert r.goal == pytest.approx(1 / 1.1)
     assert not feat.build_rows([64], [0], ["fwd"])[0].feature == "window"
     # every distinct call once: 4 window rows -> 12 calls, ...; dropout at D 128 shares the
-    # softcap rows' plain calls
-    assert len(feat.distinct_calls(rows)) == 76
+    # softcap rows' plain calls; the sinks rows add only their 4 feature calls (plain and SDPA shared)
+    assert len(feat.distinct_calls(rows)) == 80
+    assert len(feat.distinct_calls(rows, ["fa4"])) == 80 + 40
+    assert not any(r.feature == "sinks" for r in feat.build_rows([64], [0, 1], ["fwd"]))
 
 
 def test_table_and_csv(feat):
@@ -132,14 +163,69 @@ def test_table_and_csv(feat):
     assert first.visible_pairs == feat.visible_pairs(16384, 16384, 1024, 0)
     assert first.window_left == 1024 and first.window_right == 0 and first["dtype"] == "bfloat16"
     assert first.layout == "dense" and first.seqlens == "16384x1"
+    assert first.sinks == 0
+
+
+def test_flash_cuda_gets_sinks(feat, monkeypatch):
+    """flash_cuda's sinks call passes sink_logits(H) as sinks=, float32 on the device and not requiring grad (the
+    backward times dq / dk / dv only); the plain call passes no sinks."""
+    M, seen = feat.M, []
+
+    class Fake:
+        def attention(self, q, k, v, **opts):
+            seen.append(opts)
+            return q
+    monkeypatch.setattr(M, "load_flash_cuda", lambda: Fake())
+    q = torch.randn(1, 3, 8, 16)
+    for sinks in (True, False):
+        M.make_fn(M.Call("flash_cuda", 16, 3, True, "bwd", (8,), sinks=sinks), None, q.device, torch.bfloat16)(q, q, q)
+    sinks = seen[0].pop("sinks")
+    assert torch.equal(sinks, M.sink_logits(3)) and seen[0] == seen[1] == {"is_causal": True}
+    assert sinks.dtype == torch.float32 and sinks.device == q.device and not sinks.requires_grad
+
+
+def test_table_and_csv_sinks_row(feat):
+    """The sinks row: its label, goal 0.97 and the sinks column; SDPA with sinks is n/s with its reason."""
+    rows = [r for r in feat.build_rows([128], [0], ["fwd"]) if r.feature == "sinks"]
+    assert len(rows) == 1
+    s = rows[0]
+    results = {s.call: {"ms": 1.0, "tflops": 388.0, "peak_gib": 0.1, "status": "ok"},
+               s.base: {"ms": 0.75, "tflops": 400.0, "peak_gib": 0.1, "status": "ok"},
+               s.sdpa: {"ms": 2.0, "tflops": 200.0, "peak_gib": 0.1, "status": "ok"}}
+    table = "\n".join(feat.markdown_table(rows, results))
+    assert "| sinks | 128 | 0 | fwd | B=4 S=4k sinks | 388.0 | B=4 S=4k | 400.0 | 0.97 | >= 0.97 yes | 200.0 |" in table
+    # SDPA on a sinks call (the table's SDPA column is on the vs call): unsupported, the reason as the status
+    M = feat.M
+    sdpa_sinks = M.Call("sdpa", 16, 2, False, "bwd", (8,) * 2, sinks=True)
+    r = M.measure(sdpa_sinks, M.make_inputs(sdpa_sinks, torch.float32, 0, "cpu"), 1.0, torch.float32, None)
+    assert r == {"status": "unsupported: SDPA has no attention sinks"} and M.status_tag(r["status"]) == "n/s"
+    lines = feat.markdown_table([feat.Row("sinks", sdpa_sinks, replace(sdpa_sinks, sinks=False))], {sdpa_sinks: r})
+    assert "- B=2 S=8 sinks [sdpa] (1x): unsupported: SDPA has no attention sinks" in lines
+    csv = feat.csv_frame(rows, results, torch.bfloat16)
+    first = csv.iloc[0]
+    assert first.feature == "sinks" and first.sinks == 1 and first.alibi == 0 and first.goal == "0.97"
+    assert first.ratio == "0.970" and first.sdpa_tflops == "200.0"
 
 
 def test_features_dry_run():
     proc = subprocess.run([sys.executable, str(BENCH / "run.py"), "--features", "--dry-run"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert "36 rows, 76 timed calls" in proc.stdout
+    assert "40 rows, 80 timed calls" in proc.stdout
     assert "features.csv" in proc.stdout
+
+
+def test_features_dry_run_d128_has_sinks():
+    proc = subprocess.run([sys.executable, str(BENCH / "run.py"), "--features", "--d", "128", "--dry-run"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    sinks = [ln for ln in lines if ln.startswith("sinks ")]
+    assert sinks == [f"sinks         D=128 causal={c} {m:7s} B=4 S=4k sinks  vs  B=4 S=4k"
+                     for c in (0, 1) for m in ("fwd", "bwd")]
+    # right after the ALiBi row of the same (causal, mode)
+    assert all(lines[lines.index(ln) - 1].startswith("alibi ") for ln in sinks)
+    assert "26 rows, 46 timed calls" in proc.stdout
 
 
 _PHILOX = (1234, 8)  # the (seed, offset) the stand-in draws dropout with, as the bench reads it
@@ -203,7 +289,7 @@ def test_features_end_to_end_on_cpu(feat, monkeypatch, tmp_path, capsys, broken)
         for call in (row.base, row.sdpa):
             assert results[call]["status"] == "ok", (call, results[call])
         r = results[row.call]
-        if broken and row.feature in ("window", "softcap", "alibi", "dropout"):
+        if broken and row.feature in ("window", "softcap", "alibi", "sinks", "dropout"):
             assert r["status"].startswith("WRONG"), (row.call, r)
         else:
             assert r["status"] == "ok", (row.call, r)
@@ -219,8 +305,9 @@ def test_features_end_to_end_on_cpu(feat, monkeypatch, tmp_path, capsys, broken)
 
 
 def test_features_fa4_on_cpu(feat, monkeypatch, tmp_path, capsys):
-    """--features --providers fa4 with a stand-in flash_attn.cute: FA4 on each feature call (window, softcap, varlen
-    through its own layouts and keywords; ALiBi and dropout unsupported, with the reason), its column and fc/fa4."""
+    """--features --providers fa4 with a stand-in flash_attn.cute: FA4 on each feature call (window, softcap, sinks as
+    learnable_sink, varlen through its own layouts and keywords; ALiBi and dropout unsupported, with the reason), its
+    column and fc/fa4."""
     import argparse
     import fake_fa4
     sys.path.append(str(ROOT))
@@ -252,6 +339,11 @@ def test_features_fa4_on_cpu(feat, monkeypatch, tmp_path, capsys):
     assert set(kw) == {"flash_attn_func", "flash_attn_varlen_func"}
     assert any(c[3]["window_size"] == (9, 0) and c[3]["causal"] for c in calls)
     assert any(c[3]["softcap"] == 1.0 for c in calls)
+    sunk = [c for c in calls if "learnable_sink" in c[3]]
+    assert sunk and all(c[0] == "flash_attn_func" and c[1] == (4, 32, 2, 32) for c in sunk)
+    for c in sunk:  # float32 (H,) on q's device, the same logits as flash_cuda's; no d(sinks) asked for
+        sink = c[3]["learnable_sink"]
+        assert sink.dtype == torch.float32 and torch.equal(sink, M.sink_logits(2)) and not sink.requires_grad
     assert all(c[2] for c in calls) and {c[1] for c in calls if c[0] == "flash_attn_func"} == {(2, 64, 2, 32),
                                                                                             (4, 32, 2, 32)}
     table = "\n".join(feat.markdown_table(rows, results, ["fa4"]))
@@ -260,6 +352,7 @@ def test_features_fa4_on_cpu(feat, monkeypatch, tmp_path, capsys):
     window = next(line for line in table.splitlines() if line.startswith("| window | 32 | 1 | fwd |"))
     assert window.endswith("| 0.50 |")  # fc 2 ms, FA4 1 ms on the same call
     assert next(line for line in table.splitlines() if line.startswith("| alibi |")).endswith("| n/s |  |")
+    assert next(line for line in table.splitlines() if line.startswith("| sinks |")).endswith("| 0.50 |")
     assert "- B=4 S=32 alibi [fa4] (2x): unsupported: FlashAttention-4 has no ALiBi" in table
     csv = (tmp_path / "features.csv").read_text().splitlines()
     assert csv[1].endswith(",sdpa_tflops,fa4_tflops")

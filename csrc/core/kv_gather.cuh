@@ -55,25 +55,45 @@ __global__ void __launch_bounds__(kGatherThreads) kv_gather_kernel(const FwdPara
   T* const kd = copy ? static_cast<T*>(g.k) + off : nullptr;
   T* const vd = copy ? static_cast<T*>(g.v) + off : nullptr;
   constexpr int kWord = 16 / sizeof(T);
+  // Every load of a thread is issued before its first store (kItems words of K and of V in
+  // flight): a CTA moves only kGatherRows rows, so the copy is bound by the loads' latency.
+  constexpr int kItems = kGatherRows * (256 / kWord) / kGatherThreads;
   const int words = p.d / kWord;
-  for (int e = threadIdx.x; e < (row1 - row0) * words; e += kGatherThreads) {
+  const int items = (row1 - row0) * words;
+  uint4 xk[kItems], xv[kItems];
+#pragma unroll
+  for (int j = 0; j < kItems; ++j) {
+    const int e = static_cast<int>(threadIdx.x) + j * kGatherThreads;
     const int r = row0 + e / words, c = (e % words) * kWord;
-    uint4 xk = make_uint4(0u, 0u, 0u, 0u), xv = xk;
+    xk[j] = xv[j] = make_uint4(0u, 0u, 0u, 0u);
+    if (e >= items) continue;
     if (r < seq.len) {
-      xk = *reinterpret_cast<const uint4*>(cache_row(p, k, p.k_batch_stride, p.k_head_stride, p.k_row_stride, bi, h, r) + c);
-      xv = *reinterpret_cast<const uint4*>(cache_row(p, v, p.v_batch_stride, p.v_head_stride, p.v_row_stride, bi, h, r) + c);
-    } else if (r < seq.total) {  // a new row: appended to the cache, and copied from k_new / v_new
-      const int n = r - seq.len;
-      xk = *reinterpret_cast<const uint4*>(k_new + bi * p.knew_batch_stride + h * p.knew_head_stride +
-                                           static_cast<int64_t>(n) * p.knew_row_stride + c);
-      xv = *reinterpret_cast<const uint4*>(v_new + bi * p.vnew_batch_stride + h * p.vnew_head_stride +
-                                           static_cast<int64_t>(n) * p.vnew_row_stride + c);
-      *reinterpret_cast<uint4*>(cache_row(p, k, p.k_batch_stride, p.k_head_stride, p.k_row_stride, bi, h, r) + c) = xk;
-      *reinterpret_cast<uint4*>(cache_row(p, v, p.v_batch_stride, p.v_head_stride, p.v_row_stride, bi, h, r) + c) = xv;
+      xk[j] = *reinterpret_cast<const uint4*>(
+          cache_row(p, k, p.k_batch_stride, p.k_head_stride, p.k_row_stride, bi, h, r) + c);
+      xv[j] = *reinterpret_cast<const uint4*>(
+          cache_row(p, v, p.v_batch_stride, p.v_head_stride, p.v_row_stride, bi, h, r) + c);
+    } else if (r < seq.total) {  // a new row: copied from k_new / v_new, and appended below
+      const int64_t n = r - seq.len;
+      xk[j] = *reinterpret_cast<const uint4*>(k_new + bi * p.knew_batch_stride + h * p.knew_head_stride +
+                                              n * p.knew_row_stride + c);
+      xv[j] = *reinterpret_cast<const uint4*>(v_new + bi * p.vnew_batch_stride + h * p.vnew_head_stride +
+                                              n * p.vnew_row_stride + c);
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < kItems; ++j) {
+    const int e = static_cast<int>(threadIdx.x) + j * kGatherThreads;
+    const int r = row0 + e / words, c = (e % words) * kWord;
+    if (e >= items) continue;
+    if (r >= seq.len && r < seq.total) {
+      *reinterpret_cast<uint4*>(cache_row(p, k, p.k_batch_stride, p.k_head_stride, p.k_row_stride, bi, h, r) + c) =
+          xk[j];
+      *reinterpret_cast<uint4*>(cache_row(p, v, p.v_batch_stride, p.v_head_stride, p.v_row_stride, bi, h, r) + c) =
+          xv[j];
     }
     if (copy) {
-      *reinterpret_cast<uint4*>(kd + static_cast<int64_t>(r) * g.row_stride + c) = xk;
-      *reinterpret_cast<uint4*>(vd + static_cast<int64_t>(r) * g.row_stride + c) = xv;
+      *reinterpret_cast<uint4*>(kd + static_cast<int64_t>(r) * g.row_stride + c) = xk[j];
+      *reinterpret_cast<uint4*>(vd + static_cast<int64_t>(r) * g.row_stride + c) = xv[j];
     }
   }
 }

@@ -158,11 +158,11 @@ def prefill(torch, do_bench, flash_cuda) -> None:
     per sequence, causal, bf16, Hq = 32, Hkv = 8, D = 128), B = 1 and 4:
 
     * into an empty dense cache, cache_seqlens as an int (attention()'s forward over the filled
-      rows) and as a tensor (the gathered prefill route; with every sequence empty its keys are
-      k / v themselves);
+      rows) and as a tensor (the prefill route: the append by csrc/core/kv_gather.cuh, then the
+      forward over the cache in place with per-sequence key counts);
     * appended to a paged cache that already holds C tokens per sequence (pages of 16 and 256
-      dealt out over the pool in a random order, cache_seqlens a tensor: append, gather of the
-      C + S keys, attention()'s forward), against attention() on q and the same C + S keys and
+      dealt out over the pool in a random order, cache_seqlens a tensor: the append and a dense
+      copy of the C + S keys by one kernel, then the forward), against attention() on q and the same C + S keys and
       values held as dense (B, Hkv, C + S, D) tensors. The outputs are compared too (max |diff|).
 
     ratio = attention() time / attention_with_kvcache time (1 = as fast; the goal is >= 0.9)."""

@@ -2,13 +2,15 @@
 
 Usage:
     python tests/sanitize.py [--tools memcheck,racecheck,synccheck,initcheck] [--out DIR]
-                             [--only I,J] [--compute-sanitizer PATH] [--all-kernels]
+                             [--workload cases|kvcache] [--only I,J]
+                             [--compute-sanitizer PATH] [--all-kernels]
                              [--timeout SECONDS] [--dry-run]
 
 For each tool this runs
 
     compute-sanitizer --tool <tool> --error-exitcode 1 --report-api-errors no [tool options] \\
-        python tests/sanitize_cases.py [--only I,J]
+        python tests/sanitize_cases.py [--only I,J]      (--workload cases, the default)
+        python tests/sanitize_kvcache.py                  (--workload kvcache)
 
 with PYTORCH_NO_CUDA_MEMORY_CACHING=1 (every tensor is its own cudaMalloc, so memcheck and
 initcheck see the real allocation bounds) and CUDA_MODULE_LOADING=LAZY. The workload
@@ -51,14 +53,16 @@ from pathlib import Path
 from typing import List, Optional
 
 HERE = Path(__file__).resolve().parent
-CASES_SCRIPT = HERE / "sanitize_cases.py"
+# The workloads: every tier's forward and backward, and the KV-cache kernels (decode, append,
+# the prefill route). Each prints "<name>: P/N cases passed" last.
+WORKLOADS = {"cases": HERE / "sanitize_cases.py", "kvcache": HERE / "sanitize_kvcache.py"}
 TOOLS = ("memcheck", "racecheck", "synccheck", "initcheck")
 KERNEL_FILTER = "kns=flash_cuda"  # every flash_cuda kernel lives in namespace flash_cuda
 
 _ERROR_SUMMARY = re.compile(r"ERROR SUMMARY:\s*(\d+)\s+errors?")
 _RACE_SUMMARY = re.compile(
     r"RACECHECK SUMMARY:\s*(\d+)\s+hazards?\s+displayed\s*\((\d+)\s+errors?,\s*(\d+)\s+warnings?\)")
-_CASES_LINE = re.compile(r"sanitize_cases:\s*(\d+)/(\d+) cases passed")
+_CASES_LINE = re.compile(r"sanitize_(?:cases|kvcache):\s*(\d+)/(\d+) cases passed")
 _RECORD_PREFIX = "========= "
 # Lines of the sanitizer's own output that do not open an error record.
 _NOT_A_RECORD = re.compile(
@@ -135,7 +139,7 @@ def find_compute_sanitizer(explicit: Optional[str]) -> Optional[str]:
 
 
 def build_command(sanitizer: str, tool: str, *, all_kernels: bool, python: str,
-                  workload_args: List[str], extra: List[str]) -> List[str]:
+                  workload_args: List[str], extra: List[str], workload: str = "cases") -> List[str]:
     cmd = [sanitizer, "--tool", tool, "--error-exitcode", "1", "--report-api-errors", "no"]
     if tool == "memcheck":
         cmd += ["--padding", "256"]
@@ -144,7 +148,7 @@ def build_command(sanitizer: str, tool: str, *, all_kernels: bool, python: str,
     if tool != "initcheck" and not all_kernels:
         cmd += ["--kernel-name", KERNEL_FILTER]
     cmd += extra
-    cmd += [python, str(CASES_SCRIPT)] + workload_args
+    cmd += [python, str(WORKLOADS[workload])] + workload_args
     return cmd
 
 
@@ -223,7 +227,8 @@ def workload_args_for(tool: str, args) -> List[str]:
 def run_tool(tool: str, args, sanitizer: str, out_dir: Path) -> ToolResult:
     workload_args = workload_args_for(tool, args)
     cmd = build_command(sanitizer, tool, all_kernels=args.all_kernels, python=args.python,
-                        workload_args=workload_args, extra=shlex.split(args.sanitizer_args))
+                        workload_args=workload_args, extra=shlex.split(args.sanitizer_args),
+                        workload=args.workload)
     result = ToolResult(tool=tool, command=cmd, log=out_dir / f"{tool}.log",
                         filtered=tool != "initcheck" and not args.all_kernels)
     env = dict(os.environ)
@@ -287,6 +292,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help=f"comma-separated subset of {','.join(TOOLS)} (default: all)")
     parser.add_argument("--out", default="sanitize-logs", metavar="DIR",
                         help="directory for the full logs (default: sanitize-logs)")
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="cases",
+                        help="cases: sanitize_cases.py, every tier forward and backward (default); "
+                             "kvcache: sanitize_kvcache.py, decode, append and the prefill route")
     parser.add_argument("--only", metavar="I,J",
                         help="run only these sanitize_cases indices (see: python "
                              "tests/sanitize_cases.py --list)")
@@ -306,6 +314,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--dry-run", action="store_true",
                         help="print the commands without running them")
     args = parser.parse_args(argv)
+    if args.only and args.workload != "cases":
+        parser.error("--only picks sanitize_cases indices; it applies to --workload cases only")
 
     tools = [t.strip() for t in args.tools.split(",") if t.strip()]
     unknown = [t for t in tools if t not in TOOLS]
@@ -318,7 +328,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             cmd = build_command(sanitizer or "compute-sanitizer", tool,
                                 all_kernels=args.all_kernels, python=args.python,
                                 workload_args=workload_args_for(tool, args),
-                                extra=shlex.split(args.sanitizer_args))
+                                extra=shlex.split(args.sanitizer_args), workload=args.workload)
             print(" ".join(shlex.quote(c) for c in cmd))
         return 0
     if sanitizer is None:

@@ -4,6 +4,7 @@ option, splits 1 / n / auto, row chunks, and attention() / varlen_attention() de
 calls; and the prefill route of prompt chunks (more than 16 queries: core/kv_gather.cuh, then
 the query-tiled forward with per-sequence key counts). Small sizes (the sanitizer slows kernels 10-100x).
 
+    python tests/sanitize.py --workload kvcache   # the four tools, summarised (or by hand:)
     compute-sanitizer --tool memcheck --padding 256 --kernel-name kns=flash_cuda \\
         python tests/sanitize_kvcache.py            # with a check against float64
     compute-sanitizer --tool racecheck --racecheck-report all --kernel-name kns=flash_cuda \\

@@ -33,6 +33,10 @@ QUANTITIES = {
                   "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed"], "%", 1),
     "dram_gbs": (["dram__bytes.sum.per_second"], "rate", 1e-9),
     "l2_hit_pct": (["lts__t_sector_hit_rate.pct"], "%", 1),
+    # Work issued, beside the time: two kernels at the same tensor-pipe share and stalls per
+    # instruction differ by how many instructions carry the same products.
+    "inst_m": (["smsp__inst_executed.sum", "sm__inst_executed.sum"], "inst", 1e-6),
+    "issue_pct": ([f"smsp__issue_active.{_P}", f"sm__inst_issued.{_P}"], "%", 1),
 }
 NUMERIC_FIELDS = [q for q in QUANTITIES if q != "smem_total_b"] + ["tensor_pipe_pct", "smem_b"]
 # Tensor-pipe metrics are named by ncu version and MMA kind (hmma, gmma): the busiest one the report has.
@@ -59,12 +63,15 @@ def unit_scale(unit: str) -> tuple[str, float]:
     u = str(unit).strip().removesuffix("/block")
     num, _, den = u.partition("/")
     size = re.fullmatch(r"([KMGTP]i?|k)?(?:bytes?|B)", num)
+    inst = re.fullmatch(r"([KMGT])?inst", num)
     if u in ("%", ""):
         return u, 1.0
     if u in _SECONDS:
         return "time", _SECONDS[u]
     if size and den.strip() in _SECONDS:
         return "rate", _PREFIX[size.group(1) or ""] / _SECONDS[den.strip()]
+    if inst and not den:
+        return "inst", _PREFIX[inst.group(1) or ""]
     return ("bytes", _PREFIX[size.group(1) or ""]) if size and not den else ("other", 1.0)
 
 
@@ -163,10 +170,11 @@ def format_summary(groups: list[dict], name_width: int = 48) -> str:
     table = pd.DataFrame([(i, short_kernel_name(g["name"], name_width), g["launches"], duration(g["duration_us"]),
                            num(g["occupancy_pct"]), num(g["registers"], ".0f", ""), size(g["smem_b"]),
                            num(g["tensor_pipe_pct"]), num(g["fma_pipe_pct"]), num(g["dram_pct"]),
-                           num(g["dram_gbs"], ".0f", ""), num(g["l2_hit_pct"])) for i, g in enumerate(groups, 1)],
+                           num(g["dram_gbs"], ".0f", ""), num(g["l2_hit_pct"]), num(g["inst_m"], ".1f", " M"),
+                           num(g["issue_pct"])) for i, g in enumerate(groups, 1)],
                          columns=["#", "kernel", "n", "duration", "occupancy", "regs", "smem/block", "tensor pipe",
-                                  "fma pipe", "DRAM %", "DRAM GB/s", "L2 hit"])
-    lines = [C.markdown(table, align=["---:", ":---"] + ["---:"] * 10), "", "Top warp stalls:"]
+                                  "fma pipe", "DRAM %", "DRAM GB/s", "L2 hit", "instructions", "issue"])
+    lines = [C.markdown(table, align=["---:", ":---"] + ["---:"] * 12), "", "Top warp stalls:"]
     lines += [f"  [{i}] " + (", ".join(f"{k} {v:.2f}" for k, v in g["stalls"]) + f"  ({g['stall_unit']})"
                              if g["stalls"] else "n/a") for i, g in enumerate(groups, 1)]
     split = [(i, g) for i, g in enumerate(groups, 1) if {g["smem_static_b"], g["smem_dynamic_b"]} != {None}]

@@ -162,6 +162,17 @@ def test_missing_metrics_print_na(ncu):
     assert "3.5 us" in text and "n/a" in text
 
 
+def test_instructions_and_issue_slots(ncu):
+    """Instructions executed (millions, whatever prefix ncu's unit has) and issue-slot use."""
+    header = RAW_HEADER[:12] + ["gpu__time_duration.sum", "smsp__inst_executed.sum",
+                                "smsp__issue_active.avg.pct_of_peak_sustained_active"]
+    units = [""] * 12 + ["usecond", "Minst", "%"]
+    g = ncu.summarize_csv_text(_csv_text([header, units, _row(0, FWD_NAME, "(1, 1, 1)", ["3.5", "812.5", "41.0"])],
+                                         prefix=""))[0]
+    assert g["inst_m"] == pytest.approx(812.5) and g["issue_pct"] == pytest.approx(41.0)
+    assert "812.5 M" in ncu.format_summary([g])
+
+
 def test_alternative_metric_names(ncu):
     """Fallback candidates: pcsamp stall counts, tensor pipe _v2 spelling, nsecond."""
     header = RAW_HEADER[:12] + [
@@ -195,6 +206,8 @@ def test_units(ncu):
     assert ncu.unit_scale("Kbyte/block") == ("bytes", 1e3)
     assert ncu.unit_scale("byte") == ("bytes", 1.0)
     assert ncu.unit_scale("Tbyte/second") == ("rate", 1e12)
+    assert ncu.unit_scale("inst") == ("inst", 1.0)
+    assert ncu.unit_scale("Minst") == ("inst", 1e6)
     assert ncu.unit_scale("Gbyte/s") == ("rate", 1e9)
     kind, scale = ncu.unit_scale("byte/usecond")
     assert kind == "rate" and scale == pytest.approx(1e6)
@@ -600,4 +613,20 @@ def test_decode_bench_help_and_no_gpu_message():
     if not torch.cuda.is_available():
         proc = subprocess.run([sys.executable, str(BENCH / "decode.py")], capture_output=True, text=True,
                               timeout=120, cwd=ROOT)
+        assert proc.returncode == 2 and "needs a CUDA GPU" in proc.stderr
+
+
+def test_ab_switch_cells_and_arguments():
+    ab = _load("flash_cuda_bench_ab_switch", BENCH / "ab_switch.py")
+    args = ab.parse_args(["--switch", "FLASH_CUDA_WS_BLOCK_M=128", "--d", "96", "--seqlen", "2k", "16k",
+                          "--causal", "no"])
+    assert (args.switch_name, args.switch_value) == ("FLASH_CUDA_WS_BLOCK_M", "128")
+    # B * S = 16k tokens and H * D = 2048 in every cell
+    assert ab.cells(args) == [(8, 21, 2048, 96, False), (1, 21, 16384, 96, False)]
+    with pytest.raises(SystemExit):
+        ab.parse_args(["--switch", "BLOCK_M"])
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        proc = subprocess.run([sys.executable, str(BENCH / "ab_switch.py"), "--switch", "FLASH_CUDA_WS_BLOCK_M=128"],
+                              capture_output=True, text=True, timeout=120, cwd=ROOT)
         assert proc.returncode == 2 and "needs a CUDA GPU" in proc.stderr

@@ -24,8 +24,9 @@ inline bool ws_persistent() { return ablation_int("FLASH_CUDA_WS_PERSISTENT", 1)
 inline int ws_block_n_override() { return ablation_int("FLASH_CUDA_WS_BLOCK_N", 0); }
 // FLASH_CUDA_WS_STAGES=4: the d = 64 kPlain forward with 4 K/V stages in its ring instead of 2.
 inline int ws_stages_override() { return ablation_int("FLASH_CUDA_WS_STAGES", 0); }
-// FLASH_CUDA_WS_BLOCK_M=128 | 192: the d = 64 kPlain forward's tiles, 128 x 128 or 192 rows
-// (three consumer warpgroups) x 96 keys; unset: 192 rows from Sq = 2048 on.
+// FLASH_CUDA_WS_BLOCK_M=128 | 192: the d = 64 / 96 kPlain forward's tiles, 128 rows (two
+// consumer warpgroups) or 192 (three; 96 keys per step at d = 64, 80 at d = 96); unset: 192 rows
+// from Sq = 2048 on.
 inline int ws_block_m_override() { return ablation_int("FLASH_CUDA_WS_BLOCK_M", 0); }
 // FLASH_CUDA_WS_EXP2_POLY=N (4 or 8): in the d 64 / 128 kPlain forward every N-th 8-key tile of
 // P is exponentiated on the FMA pipe (poly_exp2) instead of MUFU.

@@ -57,9 +57,10 @@ bool run_fwd_sm90_ws(const FwdParams& p, cudaStream_t stream) {
       }
     }
   }
-  // The production tiles, FLASH_CUDA_WS_BLOCK_M=192 taking d = 64's 192-row tiles below their
-  // threshold too.
-  const bool tall = wgmma::fwd_tall_tiles(p.sq) || switches::ws_block_m_override() == 192;
+  // The production tiles, FLASH_CUDA_WS_BLOCK_M=192 taking the 192-row tiles (d 64 / 96) below
+  // their threshold too, =128 keeping d = 96 on its 128-row ones above it.
+  const int block_m = switches::ws_block_m_override();
+  const bool tall = block_m == 192 || (block_m != 128 && wgmma::fwd_tall_tiles(kHeadDim, p.sq, masks_keys(p)));
   return with_fwd_tiles<T, kHeadDim, kVariant>(
       p, tall, [&](auto cfg) { return launch_rung<decltype(cfg), kVariant>(p, stream, opt); });
 }

@@ -94,7 +94,7 @@ struct WsConfig {
   // (the shared-memory pointers, their warp, the scheduler's sizes): at d = 256 with 80-key steps
   // those words beside O, two S tiles and P spilled. Elsewhere the loop keeps them.
   static constexpr bool kLeanTileLoop = kWideOverlap && kBlockN_ > 64;
-  static_assert(kConsumerWGs == 2 || (kConsumerWGs == 3 && kHeadDim_ == 64), "measured shapes");
+  static_assert(kConsumerWGs == 2 || (kConsumerWGs == 3 && (kHeadDim_ == 64 || kVWidth == 96)), "measured shapes");
   // setmaxnreg moves registers within what the CTA was launched with: kThreads x the per-thread
   // count that __launch_bounds__(kThreads, 1) allows (65536 / kThreads, a multiple of 8).
   static_assert(128 * kProducerRegs + kConsumerThreads * kConsumerRegs <= kThreads * (65536 / kThreads / 8 * 8),

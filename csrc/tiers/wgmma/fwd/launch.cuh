@@ -98,8 +98,11 @@ bool launch_fwd_sm90_ws_dropout(const FwdParams& p, cudaStream_t stream, const s
   return launch_ws_tiles<Cfg>(kernel, p, stream, /*group=*/1, opt);
 }
 
+// Whether a call masks keys (causal or a window): tile_policy.h's fwd_tall_tiles reads it.
+inline bool masks_keys(const FwdParams& p) { return p.window_left >= 0 || p.window_right >= 0; }
+
 // The tiles of a (head-dim bucket, variant) for a call (tile_policy.h), handed to `launch` as a
-// WsConfig value: launch(WsConfig<...>{}). tall: d = 64's 192-row tiles (fwd_tall_tiles).
+// WsConfig value: launch(WsConfig<...>{}). tall: the 192-row tiles of d = 64 / 96 (fwd_tall_tiles).
 template <typename T, int kHeadDim, int kVariant, typename Launch>
 bool with_fwd_tiles(const FwdParams& p, bool tall, Launch&& launch) {
   using sm90::ws::WsConfig;
@@ -109,12 +112,18 @@ bool with_fwd_tiles(const FwdParams& p, bool tall, Launch&& launch) {
     // d <= 32 (config.h: narrow_fwd_applies): these tiles with Q K^T 32 deep, TMA's zeros past d;
     // P V still 64 wide. The shapes of d = 64 and its threshold.
     if (p.d <= wgmma::kNarrowDepth) {
-      if (wgmma::fwd_tall_tiles(p.sq)) {
+      if (wgmma::fwd_tall_tiles(kHeadDim, p.sq, masks_keys(p))) {
         return launch(WsConfig<T, 64, kTallN, 0, Tile::kStages, kTallWGs, wgmma::kNarrowDepth>{});
       }
       return launch(WsConfig<T, 64, Tile::kBlockN, 0, Tile::kStages, Tile::kConsumerWGs, wgmma::kNarrowDepth>{});
     }
     if (tall) return launch(WsConfig<T, 64, kTallN, 0, Tile::kStages, kTallWGs>{});
+  }
+  if constexpr (kHeadDim == 96 && kVariant == kPlain) {
+    if (tall) {
+      return launch(WsConfig<T, Tile::kWidth, wgmma::kFwdTallBlockN96, 0, Tile::kStages, wgmma::kFwdTallConsumerWGs,
+                             Tile::kDepth>{});
+    }
   }
   return launch(WsConfig<T, Tile::kWidth, Tile::kBlockN, 0, Tile::kStages, Tile::kConsumerWGs, Tile::kDepth,
                          Tile::kSerialOnly>{});
@@ -141,9 +150,9 @@ bool run_fwd_sm90_ws(const FwdParams& p, cudaStream_t stream) {
     return sm90::ws::ablation::run_fwd_sm90_ws<kDType, kHeadDim, kVariant>(p, stream);
   } else {
     using T = typename ElementOf<kDType>::type;
-    return with_fwd_tiles<T, kHeadDim, kVariant>(p, wgmma::fwd_tall_tiles(p.sq), [&](auto cfg) {
-      return launch_fwd_sm90_ws<decltype(cfg), kVariant>(p, stream);
-    });
+    const bool tall = wgmma::fwd_tall_tiles(kHeadDim, p.sq, masks_keys(p));
+    return with_fwd_tiles<T, kHeadDim, kVariant>(
+        p, tall, [&](auto cfg) { return launch_fwd_sm90_ws<decltype(cfg), kVariant>(p, stream); });
   }
 }
 

@@ -1,0 +1,129 @@
+"""A/B of an ablation rung against the default, in one process of one build.
+
+An ablation build (``FLASH_CUDA_ABLATIONS=1``; csrc/include/ablation.h) holds the default kernels
+and the rungs OPTIMIZATION.md measured against them, and reads each rung's environment switch at
+every launch. So one process can time both sides on the same inputs, alternately, in interleaved
+rounds, which takes less device time than two builds (bench/ab_builds.py, for changes that are not
+behind a switch):
+
+    FLASH_CUDA_ABLATIONS=1 python3 -m flash_cuda.build
+    FLASH_CUDA_ABLATIONS=1 python3 bench/ab_switch.py --switch FLASH_CUDA_WS_BLOCK_M=128 --d 96 \\
+        --seqlen 2k 4k 16k --rounds 5
+
+Per cell (bf16 or fp16, B * S = --tokens, H * D = 2048, causal and not, forward): the pooled
+median time of each side over the rounds (``triton.testing.do_bench``, L2 flushed; the order of the
+sides alternates by round), its TFLOPS, and default / rung speed (above 1: the default is faster);
+before timing, each side's error against float64 on one head beside naive attention's in the same
+dtype (FlashAttention's 2x rule). Without a GPU or an ablation build it says so and exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import parse_size  # noqa: E402
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("--switch", required=True, metavar="NAME=VALUE",
+                    help="the rung's environment switch (tiers/wgmma/ablation.h lists them)")
+    ap.add_argument("--d", type=int, nargs="+", default=[128], help="head dims (default 128)")
+    ap.add_argument("--seqlen", nargs="+", default=["4k"], help="sequence lengths, e.g. 2k 4k 16k")
+    ap.add_argument("--causal", choices=["both", "yes", "no"], default="both")
+    ap.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
+    ap.add_argument("--tokens", type=parse_size, default=16384, help="B * S of every cell (default 16k)")
+    ap.add_argument("--rounds", type=int, default=5)
+    args = ap.parse_args(argv)
+    name, sep, value = args.switch.partition("=")
+    if not sep or not name.startswith("FLASH_CUDA_"):
+        ap.error("--switch takes NAME=VALUE with a FLASH_CUDA_ switch")
+    args.switch_name, args.switch_value = name, value
+    args.seqlens = [parse_size(s) for s in args.seqlen]
+    args.causals = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
+    return args
+
+
+def cells(args):
+    """(B, H, S, D, causal) of every cell: B * S = tokens, H * D = 2048."""
+    return [(max(1, args.tokens // s), max(1, 2048 // d), s, d, c)
+            for d in args.d for s in args.seqlens for c in args.causals]
+
+
+def set_switch(args, on: bool) -> None:
+    if on:
+        os.environ[args.switch_name] = args.switch_value
+    else:
+        os.environ.pop(args.switch_name, None)
+
+
+def accuracy(args, flash_cuda, torch, dtype, S, D, causal) -> str:
+    """Max error against float64 of both sides and of naive attention in dtype, one (B 1, H 2) slice."""
+    q, k, v = (torch.randn(1, 2, S, D, device="cuda", dtype=dtype) for _ in range(3))
+    mask = torch.ones(S, S, device="cuda", dtype=torch.bool).triu(1) if causal else None
+
+    def scores(x, y, t):
+        s = (x.to(t) @ y.to(t).transpose(-1, -2)) / D ** 0.5
+        return s.masked_fill(mask, float("-inf")) if causal else s
+
+    ref = torch.softmax(scores(q, k, torch.float64), -1) @ v.double()
+    naive = (torch.softmax(scores(q, k, torch.float32), -1).to(dtype) @ v).double()
+    errs = []
+    for on in (False, True):
+        set_switch(args, on)
+        errs.append((flash_cuda.attention(q, k, v, is_causal=causal).double() - ref).abs().max().item())
+    set_switch(args, False)
+    return (f"default {errs[0]:.2e}, rung {errs[1]:.2e}, naive {(naive - ref).abs().max().item():.2e}")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import torch
+    if not torch.cuda.is_available():
+        print("ab_switch.py: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    import flash_cuda
+    if not flash_cuda.is_available():
+        print(f"ab_switch.py: the kernels are not available: {flash_cuda.unavailable_reason()}", file=sys.stderr)
+        return 2
+    if os.environ.get("FLASH_CUDA_ABLATIONS", "0") in ("", "0"):
+        print("ab_switch.py: set FLASH_CUDA_ABLATIONS=1 (an ablation build reads the switches)", file=sys.stderr)
+        return 2
+    import triton.testing as tt
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    torch.manual_seed(0)
+    todo = cells(args)
+    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, {args.dtype}, "
+          f"rung {args.switch}, {args.rounds} interleaved rounds")
+    for (_, _, S, D, c) in todo:
+        print(f"accuracy D {D} S {S} causal {c}: {accuracy(args, flash_cuda, torch, dtype, min(S, 4096), D, c)}",
+              flush=True)
+    inputs = {x: [torch.randn(x[0], x[1], x[2], x[3], device="cuda", dtype=dtype) for _ in range(3)] for x in todo}
+    times = {x: ([], []) for x in todo}
+    for r in range(args.rounds):
+        for x in todo:
+            q, k, v = inputs[x]
+            for on in ((False, True) if r % 2 == 0 else (True, False)):
+                set_switch(args, on)
+                times[x][int(on)].append(tt.do_bench(lambda: flash_cuda.attention(q, k, v, is_causal=x[4]),
+                                                     warmup=25, rep=100))
+        set_switch(args, False)
+    print("\n| D | B | H | S | causal | default ms | rung ms | default TFLOPS | rung TFLOPS | default / rung speed |")
+    print("| ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: |")
+    for x in todo:
+        B, H, S, D, c = x
+        a, b = statistics.median(times[x][0]), statistics.median(times[x][1])
+        flops = 4 * B * H * S * S * D / (2 if c else 1)
+        print(f"| {D} | {B} | {H} | {S} | {c} | {a:.3f} | {b:.3f} | {flops / a / 1e9:.0f} | {flops / b / 1e9:.0f} "
+              f"| {b / a:.3f} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

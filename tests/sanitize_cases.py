@@ -153,6 +153,8 @@ CASES: List[Case] = [
     Case(BF16, 2, 16, 4, 640, 1000, 128, True, "bhsd"),
     # ---- d = 64 from Sq = 2048: the Hopper forward's 192-row tiles (three consumer warpgroups) ----
     Case(F16, 1, 2, 1, 4100, 4200, 64, True, "bshd"),
+    # ---- d = 96, unmasked, from Sq = 2048: the same tiles in 80-key steps (partial last tile and step) ----
+    Case(BF16, 1, 2, 1, 2100, 2150, 96, False, "bshd"),
     # ---- d = 192 / 256 and softcap / ALiBi on the warp-specialized Hopper forward ----
     Case(BF16, 1, 4, 2, 700, 900, 256, True, "bhsd"),
     Case(F16, 1, 2, 2, 300, 500, 192, False, "bshd", softcap=5.0, alibi="heads"),

@@ -20,13 +20,16 @@ from .ops import attention_grads, empty_fwd, new_rng_state
 from .signature import Plan
 from .validation import check_cu_seqlens_enabled, check_cu_seqlens_values
 
-__all__ = ["forward", "EagerAttention", "EagerAttentionStep"]
+__all__ = ["forward", "EagerAttention", "EagerAttentionStep", "apply_step"]
 
 
 def forward(q, k, v, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, plan: Plan):
     """(out, lse, aux, rng_state) of a validated call (alibi_slopes, sinks and cu_seqlens as the
     extension takes them; cu_seqlens None for the dense layout); rng_state None without dropout.
     The values of cu_seqlens are checked first when asked for (a device sync)."""
+    if plan.fwd_args is not None:  # dense, no slopes, sinks or dropout, some row and key: the call alone
+        out, lse, aux = _ext.require().fwd(q, k, v, *plan.fwd_args)
+        return out, lse, aux, None
     if plan.varlen and check_cu_seqlens_enabled(plan.check_cu_seqlens):
         check_cu_seqlens_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], plan.max_seqlen_q,
                                 plan.max_seqlen_k)
@@ -63,6 +66,25 @@ def _grads(ctx, dout, dlse):
                            need_q, need_k, need_v, need_sinks, dout, dlse, eager=True)
 
 
+def _direct_grads(ctx, dout, dlse):
+    """(dq, dk, dv) of a call whose plan has ``bwd_args`` (saved: q, k, v, out, lse): what
+    ops.attention_grads does for it (no sinks, no dropout, rows and keys), without its branches."""
+    need_q, need_k, need_v = ctx.needs_input_grad[:3]
+    need_dkdv = need_k or need_v
+    if not (need_q or need_dkdv):
+        return None, None, None
+    q, k, v, out, lse = ctx.saved_tensors
+    aux, _, plan = ctx.side
+    if dout is None:
+        dout = torch.zeros_like(out)
+    elif dout.stride(-1) != 1:
+        dout = dout.contiguous()
+    if dlse is not None and (dlse.dtype is not torch.float32 or not dlse.is_contiguous()):
+        dlse = dlse.to(torch.float32).contiguous()
+    dq, dk, dv = _ext.require().bwd(dout, q, k, v, out, lse, aux, dlse, *plan.bwd_args, need_q, need_dkdv)
+    return dq if need_q else None, dk if need_k else None, dv if need_v else None
+
+
 class EagerAttention(torch.autograd.Function):
     """:func:`forward` as an autograd Function: ``run(q, k, v, sinks, alibi_slopes, cu_seqlens_q,
     cu_seqlens_k, plan)`` returns ``(out, lse)``; gradients flow to q, k, v and the sinks.
@@ -96,7 +118,7 @@ class EagerAttention(torch.autograd.Function):
     def run(q, k, v, sinks, alibi_slopes, cu_seqlens_q, cu_seqlens_k, plan):
         if _functorch_active():
             return EagerAttention.apply(q, k, v, sinks, alibi_slopes, cu_seqlens_q, cu_seqlens_k, plan)[:2]
-        return _one_step_apply(q, k, v, sinks, (alibi_slopes, cu_seqlens_q, cu_seqlens_k, plan))
+        return apply_step(q, k, v, sinks, (alibi_slopes, cu_seqlens_q, cu_seqlens_k, plan))
 
 
 class EagerAttentionStep(torch.autograd.Function):
@@ -108,6 +130,12 @@ class EagerAttentionStep(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sinks, rest):
         alibi_slopes, cu_seqlens_q, cu_seqlens_k, plan = rest
+        if plan.fwd_args is not None:  # no slopes, cu_seqlens, sinks or dropout: less to save and unpack
+            out, lse, aux = _ext.require().fwd(q, k, v, *plan.fwd_args)
+            ctx.save_for_backward(q, k, v, out, lse)
+            ctx.side = (aux, None, plan)
+            ctx.set_materialize_grads(False)
+            return out, lse
         out, lse, aux, rng_state = forward(q, k, v, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, plan)
         # The sinks are saved only where their gradient is wanted (sinks_grad reads them).
         ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
@@ -120,9 +148,13 @@ class EagerAttentionStep(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
+        if ctx.side[2].bwd_args is not None:
+            return (*_direct_grads(ctx, dout, dlse), None, None)
         return (*_grads(ctx, dout, dlse), None)
 
 
 _functorch_active = torch._C._are_functorch_transforms_active
-# The C++ apply, as Function.apply calls it outside transforms (the one-step form has nothing to bind).
-_one_step_apply = super(torch.autograd.Function, EagerAttentionStep).apply
+# The C++ apply, as Function.apply calls it outside transforms (the one-step form has nothing to bind):
+# ``apply_step(q, k, v, sinks, (alibi_slopes, cu_seqlens_q, cu_seqlens_k, plan))`` -> (out, lse). Public
+# for flash_cuda.interface.attention's fast path, which checks _are_functorch_transforms_active first.
+apply_step = super(torch.autograd.Function, EagerAttentionStep).apply

@@ -15,7 +15,7 @@ from typing import Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from . import _ext, eager, ops
+from . import _ext, eager, ops, signature, validation
 from .signature import check_attention, check_varlen, plan_attention, plan_varlen
 from .validation import KERNELS, MAX_HEAD_DIM, MIN_HEAD_DIM, SUPPORTED_DTYPES
 
@@ -25,6 +25,18 @@ __all__ = ["attention", "varlen_attention", "SUPPORTED_DTYPES", "KERNELS", "MIN_
 _is_autocast_enabled = torch.is_autocast_enabled
 _is_grad_enabled = torch.is_grad_enabled
 _F32 = torch.float32
+_FULL_WINDOW = (-1, -1)  # attention's default window_size (an identity test passes it at once)
+# The fast path's tests, bound once (each attribute chain would cost more than the test).
+_eager_ok = ops.eager_ok
+_is_compiling = torch.compiler.is_compiling
+_function_mode_enabled = torch._C._is_torch_function_mode_enabled
+_dispatch_stack_len = torch._C._len_torch_dispatch_stack
+_functorch_active = torch._C._are_functorch_transforms_active
+# Whether autocast is on for any device (then the general path casts, or not, as it decides): a
+# test without an argument to parse, where torch has it.
+_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None) or (lambda: torch.is_autocast_enabled("cuda"))
+# The fast path's last found (key, plan) of signature.dense_plans.
+_last_dense: tuple = ((), None)
 
 
 def _autocast(q, k, v):
@@ -143,7 +155,7 @@ def _op_call(plain, with_dropout, plan, sinks, args):
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, *, is_causal: bool = False, scale: Optional[float] = None,
-              window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0, alibi_slopes: Optional[Tensor] = None,
+              window_size: Tuple[int, int] = _FULL_WINDOW, softcap: float = 0.0, alibi_slopes: Optional[Tensor] = None,
               return_lse: bool = False, deterministic: bool = False, kernel: str = "auto",
               dropout_p: float = 0.0, sinks: Optional[Tensor] = None) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     r"""Exact softmax attention on NVIDIA GPUs, a drop-in for ``scaled_dot_product_attention``.
@@ -200,6 +212,50 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, is_causal: bool = False, scale
         RuntimeError: the inputs (and ALiBi slopes, sinks) are not on one CUDA device, the GPU is
             older than compute capability 8.0, or the compiled extension is not built.
     """
+    global _last_dense
+    # The fast path of a repeated call (a training or decode step): plain eager tensors (ops.eager_ok's
+    # test, inlined while ops.eager_ok is the original: tests replace it to force a path), no ALiBi
+    # slopes or sinks, options of the types a signature takes (signature.plan_attention's test) and a
+    # signature whose plan says "the extension's forward, directly" (no dropout, some row and key). The
+    # plan answers for every check the general path would run, so the outcome is the general path's:
+    # the same extension call, the same Function, the same errors (a call that fails any part of
+    # this test, or whose signature is new, takes the general path and its checks).
+    if (alibi_slopes is None and sinks is None and type(q) is Tensor and type(k) is Tensor and type(v) is Tensor
+            and (is_causal is False or is_causal is True) and (return_lse is False or return_lse is True)
+            and (deterministic is False or deterministic is True) and type(kernel) is str
+            and (window_size is _FULL_WINDOW or (type(window_size) is tuple and len(window_size) == 2
+                                                and type(window_size[0]) is int and type(window_size[1]) is int))
+            and (scale is None or type(scale) is float or type(scale) is int)
+            and (type(softcap) is float or type(softcap) is int) and (type(dropout_p) is float or type(dropout_p) is int)
+            and ops.eager_ok is _eager_ok and not _is_compiling() and not _dispatch_stack_len()
+            and not _function_mode_enabled() and not _any_autocast()):
+        try:  # signature.plan_attention's key, built here (a test holds both the same)
+            key = (validation.check_device, q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype,
+                   k.device, v.shape, v.stride(), v.dtype, v.device, None, None, is_causal, scale, window_size,
+                   softcap, return_lse, deterministic, kernel, dropout_p)
+        except RuntimeError:  # a layout without strides: the general path's checks say what is wrong
+            key = None
+        last_key, plan = _last_dense
+        if key != last_key:  # (a step's calls repeat one signature: a comparison costs half a lookup's hash)
+            plan = signature.dense_plans.get(key)
+            if plan is not None:
+                _last_dense = (key, plan)
+        if plan is not None and plan.fwd_args is not None:
+            C = _ext.require()  # (raises as the general path does when the kernels cannot be loaded)
+            if not (_is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
+                out, lse, _ = C.fwd(q, k, v, *plan.fwd_args)
+            elif _functorch_active():
+                out, lse = eager.EagerAttention.run(q, k, v, None, None, None, None, plan)
+            else:
+                out, lse = eager.apply_step(q, k, v, None, (None, None, None, plan))
+            return (out, lse) if return_lse else out
+    return _attention(q, k, v, is_causal, scale, window_size, softcap, alibi_slopes, return_lse, deterministic,
+                      kernel, dropout_p, sinks)
+
+
+def _attention(q, k, v, is_causal, scale, window_size, softcap, alibi_slopes, return_lse, deterministic, kernel,
+               dropout_p, sinks):
+    """:func:`attention`'s general path: every call the fast path does not answer."""
     if _is_autocast_enabled("cuda"):
         q, k, v = _autocast(q, k, v)
     on_eager = ops.eager_ok(q, k, v, alibi_slopes, sinks)

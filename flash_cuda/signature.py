@@ -19,14 +19,14 @@ when asked for) the plan says, and the caller does.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
 
 from . import validation
 from .options import PREFIX, VARLEN_PREFIX
 
-__all__ = ["Plan", "PlanCache", "plan_attention", "plan_varlen", "check_attention", "check_varlen"]
+__all__ = ["Plan", "PlanCache", "dense_plans", "plan_attention", "plan_varlen", "check_attention", "check_varlen"]
 
 
 class Plan(NamedTuple):
@@ -47,6 +47,12 @@ class Plan(NamedTuple):
     fix_sinks: bool = True  # the sinks need .to(float32).contiguous()
     fix_cu: bool = True  # cu_seqlens need .contiguous()
     check_cu_seqlens: bool = False  # the argument (the environment variable is read per call)
+    # The extension's arguments after q, k, v (fwd) and after dout, q, k, v, out, lse, aux, dlse up to
+    # need_dq / need_dkdv (bwd) for an eager dense call without ALiBi slopes, sinks or dropout that has
+    # rows and keys: the direct calls of flash_cuda.interface.attention and flash_cuda.eager. None for
+    # any other call (those take the general path).
+    fwd_args: Optional[tuple] = None
+    bwd_args: Optional[tuple] = None
 
 
 class PlanCache(dict):
@@ -100,13 +106,17 @@ def check_attention(q, k, v, is_causal, scale, window_size, softcap, alibi_slope
         validation.check_aux_devices(q, PREFIX, sinks=validation.check_sinks(sinks, q.shape[1]))
     if not eager:
         return Plan(*opts[:4], deterministic, tier, dropout_p)
-    return Plan(*opts[:4], deterministic, tier, dropout_p,
-                empty=q.shape[0] == 0 or q.shape[2] == 0 or k.shape[2] == 0,
+    empty = q.shape[0] == 0 or q.shape[2] == 0 or k.shape[2] == 0
+    direct = alibi_slopes is None and sinks is None and not dropout_p and not empty
+    return Plan(*opts[:4], deterministic, tier, dropout_p, empty=empty,
                 fix_alibi=alibi_slopes is not None and not _alibi_plain(alibi_slopes),
-                fix_sinks=sinks is not None and not _sinks_plain(sinks), fix_cu=False)
+                fix_sinks=sinks is not None and not _sinks_plain(sinks), fix_cu=False,
+                fwd_args=(*opts[:4], None, None, None, 0, 0, tier) if direct else None,
+                bwd_args=(*opts[:4], None, None, None, 0, 0, deterministic, tier) if direct else None)
 
 
-_dense_plans = PlanCache()
+# Public: flash_cuda.interface.attention looks a repeated call's plan up here itself (its fast path).
+dense_plans = PlanCache()
 _varlen_plans = PlanCache()
 
 
@@ -118,7 +128,7 @@ def plan_attention(q, k, v, is_causal, scale, window_size, softcap, alibi_slopes
     if not _simple(scale, window_size, softcap, dropout_p, kernel, is_causal, return_lse, deterministic):
         return check_attention(q, k, v, is_causal, scale, window_size, softcap, alibi_slopes, return_lse,
                                deterministic, kernel, dropout_p, sinks, True)
-    try:
+    try:  # (flash_cuda.interface.attention's fast path builds this key too; a test holds both the same)
         key = (validation.check_device, q.shape, q.stride(), q.dtype, q.device,
                k.shape, k.stride(), k.dtype, k.device,
                v.shape, v.stride(), v.dtype, v.device,
@@ -127,9 +137,9 @@ def plan_attention(q, k, v, is_causal, scale, window_size, softcap, alibi_slopes
     except RuntimeError:  # a layout without strides (sparse, nested): the checks say what is wrong
         return check_attention(q, k, v, is_causal, scale, window_size, softcap, alibi_slopes, return_lse,
                                deterministic, kernel, dropout_p, sinks, True)
-    plan = _dense_plans.get(key)
+    plan = dense_plans.get(key)
     if plan is None:
-        plan = _dense_plans.keep(key, check_attention(q, k, v, is_causal, scale, window_size, softcap, alibi_slopes,
+        plan = dense_plans.keep(key, check_attention(q, k, v, is_causal, scale, window_size, softcap, alibi_slopes,
                                                       return_lse, deterministic, kernel, dropout_p, sinks, True))
     return plan
 

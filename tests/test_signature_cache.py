@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import flash_cuda
-from flash_cuda import ops, signature, validation
+from flash_cuda import interface, ops, signature, validation
 
 from attn_check import cu_seqlens_from_lengths
 
@@ -212,3 +212,51 @@ def test_plan_cache_is_bounded():
     for i in range(5):
         cache.keep(i, str(i))
         assert len(cache) <= 2 and cache[i] == str(i)
+
+
+@pytest.mark.parametrize("options", [dict(), dict(is_causal=True, return_lse=True), dict(window_size=(3, 0), scale=0.5),
+                                     dict(softcap=2, deterministic=True, kernel="simt")])
+def test_repeated_call_takes_the_fast_path(mock_extension, monkeypatch, options):
+    """From the second call of a signature on, attention's own lookup answers (its key is
+    signature.plan_attention's, built in flash_cuda.interface): plan_attention, the general path's,
+    is not called again, with or without a gradient wanted; and the fast path's outputs and
+    gradients are the general path's."""
+    calls = []
+    real = interface.plan_attention
+    monkeypatch.setattr(interface, "plan_attention", lambda *args: calls.append(1) or real(*args))
+    q, k, v = qkv()
+
+    def run():
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        res = flash_cuda.attention(*leaves, **options)
+        out = res[0] if isinstance(res, tuple) else res
+        with torch.no_grad():
+            res_ng = flash_cuda.attention(q, k, v, **options)
+        return res, res_ng, torch.autograd.grad(out.sum(), leaves)
+
+    first = run()
+    assert len(calls) == 1  # the no_grad call has the autograd call's signature (requires_grad is no part of it)
+    for _ in range(2):
+        again = run()
+        assert len(calls) == 1
+    for a, b in zip(first, again):
+        for x, y in zip(a if isinstance(a, tuple) else (a,), b if isinstance(b, tuple) else (b,)):
+            assert torch.equal(x, y)
+    res, res_ng = again[:2]
+    out, out_ng = (res[0], res_ng[0]) if options.get("return_lse") else (res, res_ng)
+    assert type(out.grad_fn).__name__ == "EagerAttentionStepBackward" and out_ng.grad_fn is None
+
+
+def test_fast_path_judges_each_call(mock_extension, monkeypatch):
+    """A known signature's fast path still takes the general path (and its checks) for anything its
+    key does not hold: options of other types, ALiBi slopes, sinks, and a replaced eager_ok."""
+    q, k, v = qkv()
+    flash_cuda.attention(q, k, v, is_causal=True)
+    with pytest.raises(TypeError, match="is_causal must be a bool"):
+        flash_cuda.attention(q, k, v, is_causal=1)
+    with pytest.raises(ValueError, match="alibi_slopes must have shape"):
+        flash_cuda.attention(q, k, v, is_causal=True, alibi_slopes=torch.zeros(3))
+    monkeypatch.setattr(ops, "eager_ok", lambda *ts: False)
+    calls = mock_extension.fwd_calls
+    out = flash_cuda.attention(q.clone().requires_grad_(), k, v, is_causal=True)
+    assert mock_extension.fwd_calls == calls + 1 and not type(out.grad_fn).__name__.startswith("Eager")

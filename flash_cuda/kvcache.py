@@ -27,11 +27,21 @@ from typing import Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from . import _ext
+from . import _ext, kvcache_checks
 from .kvcache_checks import MAX_NUM_SPLITS, PAGE_SIZE_MULTIPLE, Plan, plain, plan_call, validate_packed
-from .kvcache_ops import fwd_kvcache, fwd_kvcache_packed, run_kvcache, run_kvcache_packed
+from .kvcache_ops import ENV_CHECK_KEY, fwd_kvcache, fwd_kvcache_packed, run_kvcache, run_kvcache_packed
+from .validation import ENVIRON
 
 __all__ = ["attention_with_kvcache", "fwd_kvcache", "fwd_kvcache_packed", "PAGE_SIZE_MULTIPLE", "MAX_NUM_SPLITS"]
+
+
+_FULL_WINDOW = (-1, -1)  # the default window_size (an identity test passes it at once)
+# The fast path's tests, bound once (each attribute chain would cost more than the test).
+_is_compiling = torch.compiler.is_compiling
+_function_mode_enabled = torch._C._is_torch_function_mode_enabled
+_dispatch_stack_len = torch._C._len_torch_dispatch_stack
+# The fast path's last found (kvcache_checks.plans, key, plan): the dict too, as tests replace it.
+_last: tuple = (None, (), None)
 
 
 def _prepared(plan: Plan, block_table, alibi_slopes, sinks):
@@ -85,7 +95,7 @@ def attention_with_kvcache(
     block_table: Optional[Tensor] = None,
     is_causal: bool = False,
     scale: Optional[float] = None,
-    window_size: Tuple[int, int] = (-1, -1),
+    window_size: Tuple[int, int] = _FULL_WINDOW,
     softcap: float = 0.0,
     alibi_slopes: Optional[Tensor] = None,
     sinks: Optional[Tensor] = None,
@@ -190,6 +200,64 @@ def attention_with_kvcache(
         TypeError, ValueError, RuntimeError: a bad argument, named with what is accepted, before
             anything is written or launched.
     """
+    global _last
+    # The fast path of a repeated decode step: plain eager tensors (kvcache_checks.plain's test,
+    # inlined), no ALiBi slopes, sinks or packed queries, options of the types a signature takes
+    # (kvcache_checks.plan_call's test), no check_inputs (nor its environment variable) and a
+    # signature whose plan needs nothing converted. The plan answers for every check the general
+    # path would run; an int cache_seqlens is checked here as plan_call checks it. So the outcome
+    # is the general path's: the same extension call, the same errors (a call that fails any part
+    # of this test, or whose signature is new, takes the general path and its checks).
+    if (cu_seqlens_q is None and max_seqlen_q is None and alibi_slopes is None and sinks is None
+            and check_inputs is False and not _is_compiling()
+            and type(q) is Tensor and type(k_cache) is Tensor and type(v_cache) is Tensor
+            and (k is None or type(k) is Tensor) and (v is None or type(v) is Tensor)
+            and (block_table is None or type(block_table) is Tensor)
+            and (type(cache_seqlens) is Tensor or type(cache_seqlens) is int)
+            and (is_causal is False or is_causal is True) and (return_lse is False or return_lse is True)
+            and type(num_splits) is int
+            and (window_size is _FULL_WINDOW or (type(window_size) is tuple and len(window_size) == 2
+                                                and type(window_size[0]) is int and type(window_size[1]) is int))
+            and (scale is None or type(scale) is float or type(scale) is int)
+            and (type(softcap) is float or type(softcap) is int)
+            and ENV_CHECK_KEY not in ENVIRON and not _dispatch_stack_len() and not _function_mode_enabled()):
+        lens = cache_seqlens if type(cache_seqlens) is Tensor else None
+        # kvcache_checks._signature's key, built here (a test holds both the same)
+        key = (q.shape, q.stride(), q.dtype, q.get_device(),
+               k_cache.shape, k_cache.stride(), k_cache.dtype, k_cache.get_device(), k_cache.data_ptr() & 15,
+               v_cache.shape, v_cache.stride(), v_cache.dtype, v_cache.get_device(), v_cache.data_ptr() & 15,
+               None if k is None else (k.shape, k.stride(), k.dtype, k.get_device()),
+               None if v is None else (v.shape, v.stride(), v.dtype, v.get_device()),
+               None if lens is None else (lens.shape, lens.stride(), lens.dtype, lens.get_device()),
+               None if block_table is None else (block_table.shape, block_table.stride(), block_table.dtype,
+                                                 block_table.get_device()),
+               None, None, scale, type(scale), window_size, softcap, type(softcap), is_causal, num_splits, return_lse)
+        plans = kvcache_checks.plans
+        last_plans, last_key, plan = _last
+        if key != last_key or plans is not last_plans:  # (a comparison costs half a lookup's hash)
+            plan = plans.get(key)
+            if plan is not None:
+                _last = (plans, key, plan)
+        if plan is not None and not plan.fix_lens and not plan.fix_table:
+            C = _ext.require()
+            if lens is not None:
+                out, lse = C.fwd_kvcache(q, k_cache, v_cache, k, v, lens, 0, block_table, plan.scale, plan.window_left,
+                                         plan.window_right, plan.softcap, None, num_splits, return_lse)
+                return (out, lse) if return_lse else out
+            if 0 <= cache_seqlens and cache_seqlens + plan.s_new <= plan.capacity:
+                out, lse = run_kvcache(C, q, k_cache, v_cache, k, v, None, cache_seqlens, block_table, plan.scale,
+                                       plan.window_left, plan.window_right, plan.softcap, None, num_splits, return_lse,
+                                       False)
+                return (out, lse) if return_lse else out
+    return _attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_causal, scale,
+                                   window_size, softcap, alibi_slopes, sinks, num_splits, return_lse, check_inputs,
+                                   cu_seqlens_q, max_seqlen_q)
+
+
+def _attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_causal, scale, window_size,
+                            softcap, alibi_slopes, sinks, num_splits, return_lse, check_inputs, cu_seqlens_q,
+                            max_seqlen_q):
+    """:func:`attention_with_kvcache`'s general path: every call the fast path does not answer."""
     if cu_seqlens_q is not None or max_seqlen_q is not None:
         return _attention_packed(q, k_cache, v_cache, k, v, cu_seqlens_q, max_seqlen_q, cache_seqlens, block_table,
                                  is_causal, scale, window_size, softcap, alibi_slopes, sinks, num_splits, return_lse,

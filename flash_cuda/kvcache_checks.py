@@ -24,7 +24,7 @@ from .validation import (MAX_GRID_YZ, MAX_HEAD_DIM, MAX_SEQLEN, MIN_CAPABILITY, 
                          check_capability, check_cu_seqlens_values, check_score_options, check_sinks,
                          device_capability, dtype_name)
 
-__all__ = ["Plan", "validate", "validate_packed", "plan_call", "plain", "check_alignment", "check_enabled",
+__all__ = ["Plan", "validate", "validate_packed", "plan_call", "plain", "plans", "check_alignment", "check_enabled",
            "check_values", "check_cu_seqlens_q", "PAGE_SIZE_MULTIPLE", "MAX_NUM_SPLITS", "ENV_CHECK"]
 
 _PREFIX = "flash_cuda.attention_with_kvcache: "
@@ -250,14 +250,16 @@ def validate(q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_causal, s
 
 # Plans of the signatures seen, keyed by _signature. A decode loop meets a handful (one per
 # batch shape and query count); prompts of many lengths would add one each, hence the bound.
-_plans: dict = {}
+# Public: flash_cuda.kvcache.attention_with_kvcache looks a repeated call's plan up here itself.
+plans: dict = {}
 _MAX_PLANS = 256
 
 
 def _signature(q, k_cache, v_cache, k, v, cache_seqlens, block_table, scale, window_size, softcap,
                alibi_slopes, is_causal, num_splits, return_lse, sinks=None):
     """Everything the checks read, as a hashable key (:func:`plain` and :func:`_simple_options`
-    hold). Values that compare equal across types (1 == 1.0) carry their type, so a key never
+    hold; flash_cuda.kvcache.attention_with_kvcache's fast path builds it too, and a test holds both
+    the same). Values that compare equal across types (1 == 1.0) carry their type, so a key never
     stands for an argument the checks would reject. An int ``cache_seqlens`` enters as None:
     its value is checked on every call."""
     return (q.shape, q.stride(), q.dtype, q.get_device(),
@@ -303,13 +305,13 @@ def plan_call(eager: bool, q, k_cache, v_cache, k, v, cache_seqlens, block_table
     if eager and _simple_options(scale, window_size, softcap, is_causal, num_splits, return_lse):
         key = _signature(q, k_cache, v_cache, k, v, cache_seqlens, block_table, scale, window_size, softcap,
                          alibi_slopes, is_causal, num_splits, return_lse, sinks)
-        plan = _plans.get(key)
+        plan = plans.get(key)
         if plan is None:
             plan = validate(q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_causal, scale, window_size,
                             softcap, alibi_slopes, num_splits, return_lse, sinks)
-            if len(_plans) >= _MAX_PLANS:
-                _plans.clear()
-            _plans[key] = plan
+            if len(plans) >= _MAX_PLANS:
+                plans.clear()
+            plans[key] = plan
         elif type(cache_seqlens) is int:
             _check_cache_len(cache_seqlens, plan.s_new, plan.capacity)
         return plan

@@ -21,7 +21,6 @@ checked here.
 
 from __future__ import annotations
 
-import os
 from typing import Optional, Tuple
 
 import torch
@@ -31,14 +30,17 @@ from . import _ext
 from .kvcache_checks import (ENV_CHECK, PAGE_SIZE_MULTIPLE, check_alignment, check_cu_seqlens_q, check_enabled,
                              check_values)
 from .ops import fwd_impl
-from .validation import ScoreOptions
+from .validation import ENVIRON, ScoreOptions, env_key
 
-__all__ = ["DECODE_MAX_QUERIES", "cache_slots", "fwd_kvcache", "fwd_kvcache_packed", "run_kvcache",
+__all__ = ["DECODE_MAX_QUERIES", "ENV_CHECK_KEY", "cache_slots", "fwd_kvcache", "fwd_kvcache_packed", "run_kvcache",
            "run_kvcache_packed"]
 
 # Queries per sequence up to which the split-KV decode kernels run a KV-cache call
 # (tiers/mma/family.h: decode::kMaxDecodeQueries, the bound attention() uses too).
 DECODE_MAX_QUERIES = 16
+# ENV_CHECK as a key of validation.ENVIRON: ``ENV_CHECK_KEY in ENVIRON`` tells at once whether the
+# variable is set at all (kvcache_checks.check_enabled then reads its value).
+ENV_CHECK_KEY = env_key(ENV_CHECK)
 
 
 def cache_slots(block_table: Optional[Tensor], num_pages: int, page_size: int, seq: Tensor,
@@ -76,7 +78,7 @@ def run_kvcache(C, q, k_cache, v_cache, k, v, lens, cache_len, block_table, scal
     """The validated call: (out, lse), lse None unless ``return_lse``. ``lens`` (the tensor
     ``cache_seqlens``, contiguous) or ``cache_len`` (the int) gives the cached lengths; ``sinks``
     float32 and contiguous, or None."""
-    if check_inputs or ENV_CHECK in os.environ:
+    if check_inputs or ENV_CHECK_KEY in ENVIRON:
         if check_enabled(check_inputs):
             B, s_new = q.shape[0], 0 if k is None else k.shape[2]
             capacity = k_cache.shape[2] * (1 if block_table is None else block_table.shape[1])

@@ -364,7 +364,7 @@ def mock_kvcache(mock_extension, monkeypatch):
     CUDA-device check lifted) with no checked signature kept from before or for after the
     test (a CPU call's signature must not let a later call skip the device check)."""
     monkeypatch.setattr(kvcache_checks, "_check_device", lambda q, dev: None)
-    monkeypatch.setattr(kvcache_checks, "_plans", {})
+    monkeypatch.setattr(kvcache_checks, "plans", {})
     yield mock_extension
 
 

@@ -312,12 +312,12 @@ def test_kept_signature_rejects_what_the_checks_reject_cpu_mock(mock_kvcache):
 
 def test_kept_signature_not_used_for_cuda_check(monkeypatch):
     """Without the lifted device check a CPU call raises, whatever calls came before."""
-    monkeypatch.setattr(kvcache_checks, "_plans", {})
+    monkeypatch.setattr(kvcache_checks, "plans", {})
     q, kc, vc, k, v, _ = _case()
     for _ in range(2):
         with pytest.raises(RuntimeError, match="must be CUDA tensors"):
             flash_cuda.attention_with_kvcache(q, kc, vc, k, v, cache_seqlens=3)
-    assert not kvcache_checks._plans
+    assert not kvcache_checks.plans
 
 
 def test_plans_are_bounded_cpu_mock(mock_kvcache, monkeypatch):
@@ -325,4 +325,56 @@ def test_plans_are_bounded_cpu_mock(mock_kvcache, monkeypatch):
     q, kc, vc, k, v, _ = _case(Sq=10, cap=64)
     for sq in range(1, 11):  # ten signatures
         flash_cuda.attention_with_kvcache(q[:, :, :sq], kc, vc, cache_seqlens=5)
-        assert 0 < len(kvcache_checks._plans) <= 4
+        assert 0 < len(kvcache_checks.plans) <= 4
+
+
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("int_lens", [False, True])
+def test_repeated_call_takes_the_fast_path_cpu_mock(mock_kvcache, monkeypatch, paged, int_lens):
+    """From the second call of a signature on, attention_with_kvcache's own lookup answers (its key
+    is kvcache_checks._signature's, built in flash_cuda.kvcache): plan_call, the general path's, is
+    not called again; the outputs and the caches written are the general path's."""
+    calls = []
+    real = kvcache.plan_call
+    monkeypatch.setattr(kvcache, "plan_call", lambda *args: calls.append(1) or real(*args))
+    q, kc, vc, k, v, table = _case(page_size=16 if paged else None)
+    lens = 5 if int_lens else torch.tensor([3, 5], dtype=torch.int32)
+    options = dict(cache_seqlens=lens, block_table=table, is_causal=True, return_lse=True)
+    results = []
+    for _ in range(3):
+        kc1, vc1 = kc.clone(), vc.clone()
+        out, lse = flash_cuda.attention_with_kvcache(q, kc1, vc1, k, v, **options)
+        results.append((out, lse, kc1, vc1))
+    assert len(calls) == 1
+    for first, again in zip(results[0], results[2]):
+        assert torch.equal(first, again)
+    assert not torch.equal(results[0][2], kc)  # the append happened
+    with pytest.raises(ValueError, match="needs 65 positions" if not paged else "cache_seqlens = 64"):
+        flash_cuda.attention_with_kvcache(q, kc, vc, k, v, **{**options, "cache_seqlens": 64})
+    if int_lens:
+        assert len(calls) == 2  # an int length that does not fit: the general path's check raises
+
+
+def test_env_check_applies_to_known_signatures_cpu_mock(mock_kvcache, monkeypatch):
+    """FLASH_CUDA_CHECK_KVCACHE, read on every call, turns the value checks on for a signature the
+    fast path knows (and off again)."""
+    from flash_cuda import kvcache_ops
+
+    checked = []
+    real = kvcache_ops.check_values
+    monkeypatch.setattr(kvcache_ops, "check_values", lambda *args: checked.append(1) or real(*args))
+    q, kc, vc, k, v, _ = _case(cap=8)
+    good, bad = torch.tensor([3, 7], dtype=torch.int32), torch.tensor([3, 8], dtype=torch.int32)
+    for _ in range(2):
+        flash_cuda.attention_with_kvcache(q, kc, vc, k, v, cache_seqlens=good)
+    assert not checked
+    monkeypatch.setenv(kvcache_checks.ENV_CHECK, "1")
+    flash_cuda.attention_with_kvcache(q, kc, vc, k, v, cache_seqlens=good)
+    assert len(checked) == 1
+    with pytest.raises(ValueError, match=r"cache_seqlens\[1\] = 8"):
+        flash_cuda.attention_with_kvcache(q, kc, vc, k, v, cache_seqlens=bad)
+    monkeypatch.setenv(kvcache_checks.ENV_CHECK, "0")
+    flash_cuda.attention_with_kvcache(q, kc, vc, k, v, cache_seqlens=good)
+    monkeypatch.delenv(kvcache_checks.ENV_CHECK)
+    flash_cuda.attention_with_kvcache(q, kc, vc, k, v, cache_seqlens=good)
+    assert len(checked) == 2

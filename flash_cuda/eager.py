@@ -8,7 +8,9 @@ the :class:`~flash_cuda.signature.Plan` that validation left: :func:`forward` is
 alone (no gradient wanted, e.g. a decode step under ``torch.no_grad()``), :class:`EagerAttention` the
 same call inside an autograd Function whose backward is the ops' (``ops.attention_grads``). Both
 layouts, with and without dropout, go through the one Function; a test holds this path and the ops
-bitwise equal.
+bitwise equal. A plan with ``fwd_args`` (a dense call without ALiBi slopes, sinks or dropout, the
+common training step) takes :class:`EagerAttentionDirect` instead, the same calls with fewer inputs
+and saved tensors (:func:`flash_cuda.attention`'s fast path calls it too).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from .ops import attention_grads, empty_fwd, new_rng_state
 from .signature import Plan
 from .validation import check_cu_seqlens_enabled, check_cu_seqlens_values
 
-__all__ = ["forward", "EagerAttention", "EagerAttentionStep", "apply_step"]
+__all__ = ["forward", "EagerAttention", "EagerAttentionStep", "EagerAttentionDirect", "apply_direct"]
 
 
 def forward(q, k, v, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, plan: Plan):
@@ -67,14 +69,14 @@ def _grads(ctx, dout, dlse):
 
 
 def _direct_grads(ctx, dout, dlse):
-    """(dq, dk, dv) of a call whose plan has ``bwd_args`` (saved: q, k, v, out, lse): what
-    ops.attention_grads does for it (no sinks, no dropout, rows and keys), without its branches."""
+    """(dq, dk, dv) of :class:`EagerAttentionDirect`: what ops.attention_grads does for its calls
+    (no sinks, no dropout, rows and keys), without the branches."""
     need_q, need_k, need_v = ctx.needs_input_grad[:3]
     need_dkdv = need_k or need_v
     if not (need_q or need_dkdv):
         return None, None, None
     q, k, v, out, lse = ctx.saved_tensors
-    aux, _, plan = ctx.side
+    aux, plan = ctx.side
     if dout is None:
         dout = torch.zeros_like(out)
     elif dout.stride(-1) != 1:
@@ -93,7 +95,8 @@ class EagerAttention(torch.autograd.Function):
     its apply binds the arguments through a signature on every call. Outside the transforms
     :meth:`run` takes :class:`EagerAttentionStep`, the same computation in the one-step form, which binds
     nothing and keeps the forward's internal tensors (aux, rng_state) on the context instead of
-    returning them as outputs that autograd would have to wrap."""
+    returning them as outputs that autograd would have to wrap (:class:`EagerAttentionDirect` where the
+    plan has ``fwd_args``)."""
 
     @staticmethod
     def forward(q, k, v, sinks, alibi_slopes, cu_seqlens_q, cu_seqlens_k, plan):
@@ -118,6 +121,8 @@ class EagerAttention(torch.autograd.Function):
     def run(q, k, v, sinks, alibi_slopes, cu_seqlens_q, cu_seqlens_k, plan):
         if _functorch_active():
             return EagerAttention.apply(q, k, v, sinks, alibi_slopes, cu_seqlens_q, cu_seqlens_k, plan)[:2]
+        if plan.fwd_args is not None:
+            return apply_direct(q, k, v, plan)
         return apply_step(q, k, v, sinks, (alibi_slopes, cu_seqlens_q, cu_seqlens_k, plan))
 
 
@@ -130,12 +135,6 @@ class EagerAttentionStep(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sinks, rest):
         alibi_slopes, cu_seqlens_q, cu_seqlens_k, plan = rest
-        if plan.fwd_args is not None:  # no slopes, cu_seqlens, sinks or dropout: less to save and unpack
-            out, lse, aux = _ext.require().fwd(q, k, v, *plan.fwd_args)
-            ctx.save_for_backward(q, k, v, out, lse)
-            ctx.side = (aux, None, plan)
-            ctx.set_materialize_grads(False)
-            return out, lse
         out, lse, aux, rng_state = forward(q, k, v, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, plan)
         # The sinks are saved only where their gradient is wanted (sinks_grad reads them).
         ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
@@ -148,13 +147,32 @@ class EagerAttentionStep(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        if ctx.side[2].bwd_args is not None:
-            return (*_direct_grads(ctx, dout, dlse), None, None)
         return (*_grads(ctx, dout, dlse), None)
 
 
+class EagerAttentionDirect(torch.autograd.Function):
+    """The one-step form for a plan with ``fwd_args`` (a dense call without ALiBi slopes, sinks or
+    dropout that has rows and keys): inputs q, k, v and the plan (each input costs the apply time,
+    forward and backward), the extension called with the plan's arguments, only q, k, v, out, lse
+    saved."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, plan):
+        out, lse, aux = _ext.require().fwd(q, k, v, *plan.fwd_args)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.side = (aux, plan)
+        ctx.set_materialize_grads(False)  # (as in EagerAttentionStep)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        return (*_direct_grads(ctx, dout, dlse), None)
+
+
 _functorch_active = torch._C._are_functorch_transforms_active
-# The C++ apply, as Function.apply calls it outside transforms (the one-step form has nothing to bind):
-# ``apply_step(q, k, v, sinks, (alibi_slopes, cu_seqlens_q, cu_seqlens_k, plan))`` -> (out, lse). Public
-# for flash_cuda.interface.attention's fast path, which checks _are_functorch_transforms_active first.
+# The C++ apply, as Function.apply calls it outside transforms (the one-step forms have nothing to bind):
+# ``apply_step(q, k, v, sinks, (alibi_slopes, cu_seqlens_q, cu_seqlens_k, plan))`` -> (out, lse).
 apply_step = super(torch.autograd.Function, EagerAttentionStep).apply
+# ``apply_direct(q, k, v, plan)`` -> (out, lse), for a plan with fwd_args. Public for
+# flash_cuda.interface.attention's fast path, which checks _are_functorch_transforms_active first.
+apply_direct = super(torch.autograd.Function, EagerAttentionDirect).apply

@@ -247,7 +247,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, is_causal: bool = False, scale
             elif _functorch_active():
                 out, lse = eager.EagerAttention.run(q, k, v, None, None, None, None, plan)
             else:
-                out, lse = eager.apply_step(q, k, v, None, (None, None, None, plan))
+                out, lse = eager.apply_direct(q, k, v, plan)
             return (out, lse) if return_lse else out
     return _attention(q, k, v, is_causal, scale, window_size, softcap, alibi_slopes, return_lse, deterministic,
                       kernel, dropout_p, sinks)

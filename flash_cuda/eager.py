@@ -71,7 +71,7 @@ def _grads(ctx, dout, dlse):
 def _direct_grads(ctx, dout, dlse):
     """(dq, dk, dv) of :class:`EagerAttentionDirect`: what ops.attention_grads does for its calls
     (no sinks, no dropout, rows and keys), without the branches."""
-    need_q, need_k, need_v = ctx.needs_input_grad[:3]
+    need_q, need_k, need_v, _ = ctx.needs_input_grad
     need_dkdv = need_k or need_v
     if not (need_q or need_dkdv):
         return None, None, None
@@ -79,7 +79,7 @@ def _direct_grads(ctx, dout, dlse):
     aux, plan = ctx.side
     if dout is None:
         dout = torch.zeros_like(out)
-    elif dout.stride(-1) != 1:
+    elif dout.stride()[-1] != 1:  # (out is 4-D; stride(-1) parses its argument, a slower call)
         dout = dout.contiguous()
     if dlse is not None and (dlse.dtype is not torch.float32 or not dlse.is_contiguous()):
         dlse = dlse.to(torch.float32).contiguous()

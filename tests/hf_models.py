@@ -13,6 +13,12 @@ transformers = __import__("pytest").importorskip(
 
 from flash_cuda.integrations import transformers as fc_hf  # noqa: E402
 
+# The continuous-batching tests: transformers >= 5.23 runs generate_batch only through
+# implementations named like FlashAttention packages (fc_hf.CONTINUOUS_BATCHING says why).
+needs_continuous_batching = __import__("pytest").mark.skipif(
+    not fc_hf.CONTINUOUS_BATCHING, reason=f"transformers {transformers.__version__} runs continuous batching only "
+    "through implementations named like FlashAttention packages (fc_hf.CONTINUOUS_BATCHING)")
+
 VOCAB = 128
 # Every family with grouped-query heads (4 query heads on 2 key / value heads) and head dim 32;
 # windows of 8 tokens, shorter than the test sequences, so that the window matters.

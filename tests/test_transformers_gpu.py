@@ -129,6 +129,7 @@ def test_compiled_generate_with_a_static_cache(family, mode):
         within_twice_eager(step_logits[:, i], eager_tf[:, i], ref_tf[:, i], f"generate step {i}", atol=2e-3)
 
 
+@hf_models.needs_continuous_batching
 @pytest.mark.parametrize("family", FAMILIES)
 def test_continuous_batching_gives_the_tokens_of_paged_sdpa(family):
     """generate_batch() with "paged|fcuda" generates, greedily in float32, the tokens of

@@ -388,6 +388,7 @@ def continuous_batching(model, prompts, new_tokens, monkeypatch):
     return [out[key].generated_tokens for key in sorted(out, key=lambda r: int(r.split("_")[-1]))]
 
 
+@hf_models.needs_continuous_batching
 @pytest.mark.parametrize("family", FAMILIES)
 def test_continuous_batching_gives_the_tokens_of_paged_sdpa(sinks, mock_extension, monkeypatch, family):
     """generate_batch() with "paged|fcuda" (packed prefill and decode over transformers' paged
@@ -429,6 +430,17 @@ def test_generate_compiles_its_static_cache_decode_steps(sinks, monkeypatch, fam
     assert torch.equal(seq_o, seq_e)
 
 
+@pytest.mark.skipif(fc_hf.CONTINUOUS_BATCHING, reason="this transformers runs continuous batching through flash_cuda")
+def test_continuous_batching_is_refused_by_transformers_from_5_23(mock_extension, monkeypatch):
+    """transformers >= 5.23 refuses "paged|fcuda" in generate_batch (fc_hf.CONTINUOUS_BATCHING's
+    documented limitation) with its own ValueError, before any token is generated."""
+    _, ours = hf_models.build("llama", torch.float32, "cpu")
+    ours.set_attn_implementation(fc_hf.PAGED_ATTN_IMPLEMENTATION)
+    with torch.no_grad(), pytest.raises(ValueError, match="not supported for continuous batching"):
+        continuous_batching(ours, [[1, 2, 3]], 2, monkeypatch)
+
+
+@hf_models.needs_continuous_batching
 def test_generate_batch_switches_the_model_to_the_paged_name(sinks, mock_extension, monkeypatch):
     """A model loaded with "fcuda" runs continuous batching as "paged|fcuda" (without a
     FlashAttention package installed, which transformers would prefer) and gets "fcuda" back."""

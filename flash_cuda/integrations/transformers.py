@@ -46,7 +46,8 @@ prefers that package; ``model.set_attn_implementation(PAGED_ATTN_IMPLEMENTATION)
 flash_cuda.
 
 The name carries no "flash": transformers treats every implementation whose name contains it
-as a FlashAttention package to load from its kernel hub.
+as a FlashAttention package to load from its kernel hub. From transformers 5.23 on, continuous
+batching accepts no other name (``CONTINUOUS_BATCHING`` is then False).
 """
 
 from __future__ import annotations
@@ -73,8 +74,23 @@ ATTN_IMPLEMENTATION = "fcuda"
 PAGED_ATTN_IMPLEMENTATION = "paged|" + ATTN_IMPLEMENTATION
 """The name for transformers' continuous batching (``generate_batch``)."""
 
-__all__ = ["ATTN_IMPLEMENTATION", "PAGED_ATTN_IMPLEMENTATION", "attention_forward", "paged_attention_forward",
-           "padding_mask", "register"]
+
+def _runs_continuous_batching() -> bool:
+    from packaging.version import Version  # (a requirement of transformers)
+
+    import transformers
+    return Version(transformers.__version__).release < (5, 23)
+
+
+CONTINUOUS_BATCHING = _runs_continuous_batching()
+"""Whether this transformers runs continuous batching through flash_cuda. From 5.23 on its
+``generate_batch`` accepts only ``"sdpa"``, ``"paged|eager"`` and implementations named like
+FlashAttention packages, which it loads from its kernel hub, and drops the ``"paged|"`` names:
+there ``generate_batch`` raises transformers' ValueError for ``PAGED_ATTN_IMPLEMENTATION``.
+``generate()``, training and every other path are unaffected."""
+
+__all__ = ["ATTN_IMPLEMENTATION", "PAGED_ATTN_IMPLEMENTATION", "CONTINUOUS_BATCHING", "attention_forward",
+           "paged_attention_forward", "padding_mask", "register"]
 
 
 class _LastResult:

@@ -215,7 +215,7 @@ inline int plan_key_splits(int64_t ctas, int n_blocks, int block_n, int num_sms,
 // Only the plain dense case splits: no window (causal included), no softcap or ALiBi, no
 // packed batch.
 inline bool split_allowed(const FwdParams& p) {
-  return p.window_left < 0 && p.window_right < 0 && variant_of(p, false) == kPlain;
+  return !masks_keys(p) && variant_of(p, false) == kPlain;
 }
 
 // plan_tail_split for one launch of `kernel` (num_blocks CTAs of n_steps steps each, where

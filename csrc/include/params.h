@@ -262,6 +262,9 @@ FLASH_HOST_DEVICE inline bool bwd_wants_all(const BwdParams& p) { return bwd_wan
 // Dropout on P at all?
 FLASH_HOST_DEVICE inline bool has_dropout(const FwdParams& p) { return p.dropout.threshold < 65536u; }
 
+// Does the mask hide any key (causal or a window)?
+FLASH_HOST_DEVICE inline bool masks_keys(const FwdParams& p) { return p.window_left >= 0 || p.window_right >= 0; }
+
 // Any score modifier (softcap, ALiBi) at all?
 FLASH_HOST_DEVICE inline bool has_score_mod(const FwdParams& p) {
   return p.softcap > 0.f || p.alibi_slopes != nullptr;

@@ -98,9 +98,6 @@ bool launch_fwd_sm90_ws_dropout(const FwdParams& p, cudaStream_t stream, const s
   return launch_ws_tiles<Cfg>(kernel, p, stream, /*group=*/1, opt);
 }
 
-// Whether a call masks keys (causal or a window): tile_policy.h's fwd_tall_tiles reads it.
-inline bool masks_keys(const FwdParams& p) { return p.window_left >= 0 || p.window_right >= 0; }
-
 // The tiles of a (head-dim bucket, variant) for a call (tile_policy.h), handed to `launch` as a
 // WsConfig value: launch(WsConfig<...>{}). tall: the 192-row tiles of d = 64 / 96 (fwd_tall_tiles).
 template <typename T, int kHeadDim, int kVariant, typename Launch>

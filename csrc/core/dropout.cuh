@@ -206,13 +206,11 @@ __device__ __forceinline__ void dropout_keep_tile(KeepTile<kM, kN>& keep, const 
         uint32_t theirs[4];
 #pragma unroll
         for (int k = 0; k < 4; ++k) theirs[k] = __shfl_xor_sync(0xffffffffu, mine[k], 4);
-        // element (h, e) belongs to query 2 t + e % 2: own's draw where e % 2 == own
-        const uint32_t q0[4] = {own == 0 ? mine[0] : theirs[0], own == 0 ? mine[1] : theirs[1],
-                                own == 0 ? mine[2] : theirs[2], own == 0 ? mine[3] : theirs[3]};
-        const uint32_t q1[4] = {own == 1 ? mine[0] : theirs[0], own == 1 ? mine[1] : theirs[1],
-                                own == 1 ? mine[2] : theirs[2], own == 1 ? mine[3] : theirs[3]};
-        const uint32_t b0 = keep_byte(key, q0, true, g % 2), b1 = keep_byte(key, q1, true, g % 2);
-        byte = (b0 & 0x55u) | (b1 & 0xAAu);  // bits 4 h + e: e % 2 == 0 from query 2 t, 1 from 2 t + 1
+        // element (h, e) belongs to query 2 t + e % 2: own's draw where e % 2 == own. Bits 4 h + e:
+        // e % 2 == 0 from query 2 t, 1 from 2 t + 1; the two bytes are chosen between, not the
+        // eight words (fewer registers live next to the accumulators).
+        const uint32_t b_mine = keep_byte(key, mine, true, g % 2), b_theirs = keep_byte(key, theirs, true, g % 2);
+        byte = own == 0 ? (b_mine & 0x55u) | (b_theirs & 0xAAu) : (b_theirs & 0x55u) | (b_mine & 0xAAu);
       }
       const int b = mt * (kN / 2) + np;
       keep.bits[b / 4] |= byte << (8 * (b % 4));

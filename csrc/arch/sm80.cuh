@@ -51,6 +51,11 @@ __device__ __forceinline__ void for_each_word(W (&d)[kN][4], F&& f) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) f(d[j][e]);
 }
+// x, which the caller knows is the same in every lane of the warp, as a value ptxas knows is:
+// lane 0's, broadcast (CUTLASS's canonical_warp_group_idx does the same). Address arithmetic
+// on it can then live in uniform registers, e.g. a wgmma descriptor made from a warpgroup
+// index, which is otherwise rebuilt in ordinary registers and moved (R2UR) for every wgmma.
+__device__ __forceinline__ int warp_uniform(int x) { return __shfl_sync(0xffffffffu, x, 0); }
 // This thread's lane, read from the hardware register (opaque, unlike threadIdx.x % 32).
 __device__ __forceinline__ int lane_id_opaque() {
   int lane;

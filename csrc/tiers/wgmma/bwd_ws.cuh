@@ -517,7 +517,9 @@ __device__ __forceinline__ void bwd_ws_block(const BwdParams& p, const TmaMaps& 
   const AttnMask mask = seq.mask<kVarlen>(p);
   const KeyTileSteps steps = KeyTileSteps::make(mask, n0, Cfg::kBlockN, kBlockM, hkv, p.hq / p.hkv);
   const int ct = threadIdx.x - 128;
-  const int cwarp = ct / 32, wg = cwarp / 4;
+  // Warp-uniform (arch/sm80.cuh): the products' descriptors, made from wg, in uniform registers.
+  const int cwarp = warp_uniform(ct / 32);
+  const int wg = cwarp / 4;
   const int wg_key0 = n0 + 64 * wg;
   const int warp_key0 = n0 + 16 * cwarp;
 

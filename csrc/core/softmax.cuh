@@ -257,7 +257,11 @@ __device__ __forceinline__ float lse_to_log2(float lse) {
 // kTransposed: rows are keys and columns queries (dK/dV products: P^T, lse indexed by column);
 // otherwise rows are queries (dQ products). Element e of C tile [mt][j] sits at row
 // row0 + 16mt + g + 8 (e / 2) and column col0 + 8j + 2t + e % 2.
-template <bool kTransposed, int kVariant, int kMTiles, int kNTiles, bool kSoftcap = kVariant == kSoftcapGrad>
+// kLseLog2: sLse holds lse_to_log2(lse) already (the warp-specialized Hopper backwards' producer
+// converts each entry once as it stages it: per block and thread that saves 3 instructions per
+// entry, 16 / 32 entries at d = 128 / 64).
+template <bool kTransposed, int kVariant, bool kLseLog2 = false, int kMTiles, int kNTiles,
+          bool kSoftcap = kVariant == kSoftcapGrad>
 __device__ __forceinline__ void compute_probs(float (&s)[kMTiles][kNTiles][4],
                                              float (&dtanh)[kSoftcap ? kMTiles : 1][kSoftcap ? kNTiles : 1][4],
                                              const float* sLse, bool needs_mask, int row0, int col0,
@@ -295,11 +299,12 @@ __device__ __forceinline__ void compute_probs(float (&s)[kMTiles][kNTiles][4],
         }
   }
   const float exp_scale = modded ? 1.f : scale_log2;  // ScoreMod::exp_scale
+  auto to_log2 = [](float lse) { return kLseLog2 ? lse : lse_to_log2(lse); };
   if constexpr (kTransposed) {  // lse indexed by column (query)
 #pragma unroll
     for (int j = 0; j < kNTiles; ++j) {
       const float2 lse = *reinterpret_cast<const float2*>(sLse + 8 * j + 2 * t);
-      const float lse_log2[2] = {lse_to_log2(lse.x), lse_to_log2(lse.y)};
+      const float lse_log2[2] = {to_log2(lse.x), to_log2(lse.y)};
 #pragma unroll
       for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
@@ -308,7 +313,7 @@ __device__ __forceinline__ void compute_probs(float (&s)[kMTiles][kNTiles][4],
   } else {  // lse indexed by row (query)
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt) {
-      const float lse_log2[2] = {lse_to_log2(sLse[16 * mt + g]), lse_to_log2(sLse[16 * mt + g + 8])};
+      const float lse_log2[2] = {to_log2(sLse[16 * mt + g]), to_log2(sLse[16 * mt + g + 8])};
 #pragma unroll
       for (int j = 0; j < kNTiles; ++j)
 #pragma unroll
@@ -351,7 +356,8 @@ __device__ __forceinline__ void compute_ds(float (&dp)[kMTiles][kNTiles][4],
 // compute_ds on slices of kSliceTiles C tiles (8 queries each) at a time, each slice handed to
 // on_slice(j0, p_slice, ds_slice) (into A fragments, or into shared memory) and dead after it.
 // Both S^T and dP^T must have landed first: the exponentials then no longer overlap the dP^T
-// product. lse, delta: the tile's first query's entries; q0: that query.
+// product. lse, delta: the tile's first query's entries (lse in log2 units: compute_probs'
+// kLseLog2, as those kernels' producer stages it); q0: that query.
 template <int kSliceTiles, int kTiles, typename OnSlice>
 __device__ __forceinline__ void softcap_probs_and_ds_by_slices(const float (&pt)[1][kTiles][4],
                                                                const float (&dst)[1][kTiles][4], const float* lse,
@@ -370,7 +376,8 @@ __device__ __forceinline__ void softcap_probs_and_ds_by_slices(const float (&pt)
         ds_slice[0][j][e] = dst[0][j0 + j][e];
       }
     // Queries q0 + 8 j0 ..: their lse and delta from entry 8 j0 on.
-    compute_probs<true, kSoftcapGrad>(p_slice, dtanh, lse + 8 * j0, needs_mask, key0, q0 + 8 * j0, mask, p, seq, h);
+    compute_probs<true, kSoftcapGrad, true>(p_slice, dtanh, lse + 8 * j0, needs_mask, key0, q0 + 8 * j0, mask, p, seq,
+                                            h);
     compute_ds<true, kSoftcapGrad>(ds_slice, p_slice, dtanh, delta + 8 * j0);
     on_slice(j0, p_slice, ds_slice);
   }

@@ -29,7 +29,7 @@ struct WsStorage {
   T q[kStages][kBlockM * kD];
   T dout[kStages][kBlockM * kD];
   Exchange exchange;
-  float lse[kStages][kBlockM];
+  float lse[kStages][kBlockM];    // in log2 units (core/softmax.cuh: lse_to_log2), as bwd_ws::produce stages it
   float delta[kStages][kBlockM];  // right after lse: the producer stores a row's pair at one address
   uint64_t kv_full;               // K, V (bytes) and the producer's 32 lanes (load_pair)
   uint64_t q_full[kStages];       // Q, dO (bytes) and the producer's 32 lanes, which wrote lse, delta

@@ -354,7 +354,7 @@ __device__ __forceinline__ void consume(const BwdParams& p, const Smem<T, Cfg>& 
         wgmma_wait<1>();
         fence_accumulator(pt[0]);
         DtanhTile<kVariant, 1, 1> no_dtanh;
-        compute_probs<true, kVariant>(pt, no_dtanh, lse, needs_mask, warp_key0, m0 + q_half, mask, p, seq,
+        compute_probs<true, kVariant, true>(pt, no_dtanh, lse, needs_mask, warp_key0, m0 + q_half, mask, p, seq,
                                                h);
         stage_tiles<T, kHalfM / 8>(sPt, pt, wg, 0, ct);
         wgmma_wait<0>();

@@ -306,11 +306,12 @@ __device__ __forceinline__ void produce(const BwdParams& p, const TmaMaps& maps,
       mbarrier_wait(&sm.q_empty[s], phase ^ 1);  // the first pass finds it free
       // Rows past the sequence read as lse = delta = 0: their Q and dO rows are zero (TMA's fill,
       // or load_pair's zeroing in a packed batch), so P = 1 there multiplies zeros, and their dQ
-      // is never added.
+      // is never added. lse is staged in log2 units (lse_to_log2, the consumers' compute_probs
+      // with kLseLog2): converted once here rather than by every consumer thread that reads it.
 #pragma unroll
       for (int r = 0; r < Cfg::kBlockM; r += 32) {
         const bool valid = m0 + r + lane < seq.sq;
-        const float l = valid ? lse[m0 + r + lane] : 0.f, dl = valid ? delta[m0 + r + lane] : 0.f;
+        const float l = valid ? lse_to_log2(lse[m0 + r + lane]) : 0.f, dl = valid ? delta[m0 + r + lane] : 0.f;
         const uint32_t at = stats + (s * Cfg::kBlockM + r) * 4;
         st_shared_f32_pair<Cfg::kStages * Cfg::kBlockM * 4>(at, l, dl);
       }
@@ -578,7 +579,7 @@ __device__ __forceinline__ void bwd_ws_block(const BwdParams& p, const TmaMaps& 
                                           });
       } else {
         DtanhTile<kVariant, 1, 1> no_dtanh;
-        compute_probs<true, kVariant>(pt, no_dtanh, sm.lse + s * kBlockM, needs_mask, warp_key0, m0, mask,
+        compute_probs<true, kVariant, true>(pt, no_dtanh, sm.lse + s * kBlockM, needs_mask, warp_key0, m0, mask,
                                                p, seq, h);
         // Dropout: the block's keep mask, drawn while dP^T is still on the tensor cores; it drops
         // dP^T before dS^T = P^T (dP^T keep - delta) and then P^T for dV (the forward's key, from

@@ -531,9 +531,12 @@ __device__ __forceinline__ void bwd_ws_block(const BwdParams& p, const TmaMaps& 
   if (steps.count > 0) mbarrier_wait(sm.kv_full, 0);
   int x = 0;  // blocks handed to the dQ writer
 
-  for (int i = 0; i < steps.count; ++i) {
+  // Step i's head and query block, walked alongside i: head(i) and m_block(i) divide by the
+  // query range, an integer division (some 50 instructions) per block.
+  int h = steps.h_begin, m_block = steps.m_range.begin;
+  for (int i = 0; i < steps.count; ++i, KeyTileSteps::next(steps.m_range, steps.h_end, h, m_block)) {
     const int s = KeyTileSteps::stage(i, kStages);
-    const int h = steps.head(i), m0 = steps.m_block(i) * kBlockM;
+    const int m0 = m_block * kBlockM;
     T* sdS = sm.ds(i);
     mbarrier_wait(&sm.q_full[s], KeyTileSteps::parity(i, kStages));
     const T* sQ_s = sm.q(s);

@@ -448,6 +448,15 @@ __device__ __forceinline__ void st_shared_v4_f32(uint32_t addr, float a, float b
   asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "f"(a), "f"(b), "f"(c), "f"(d)
                : "memory");
 }
+// stmatrix .x4: four 8x8 matrices of 16-bit elements, one instruction for what would be four
+// 4-byte stores per lane. Register i of lane l holds row l / 4, columns 2 (l % 4), +1 of matrix
+// i (an mma / wgmma A fragment's word i); lanes 8i .. 8i + 7 give the addresses of matrix i's
+// rows 0..7 (16 bytes each, 16-byte aligned).
+__device__ __forceinline__ void stmatrix_x4(uint32_t addr, const uint32_t (&r)[4]) {
+  FLASH_SM90_ASM("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r[0]), "r"(r[1]),
+                 "r"(r[2]), "r"(r[3])
+                 : "memory");
+}
 template <int kSecondOffset>
 __device__ __forceinline__ void st_shared_f32_pair(uint32_t addr, float first, float second) {
   asm volatile("st.shared.f32 [%0], %1;\nst.shared.f32 [%0 + %3], %2;\n" ::"r"(addr), "f"(first), "f"(second),

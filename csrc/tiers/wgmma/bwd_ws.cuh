@@ -328,29 +328,29 @@ __device__ __forceinline__ void produce(const BwdParams& p, const TmaMaps& maps,
 }
 
 // The dQ product: dS^T goes through shared memory, where each warpgroup holds 64 keys of it
-// while the product needs all kBlockN keys for its queries. stage_ds_transposed writes this warp's rows of dS^T (its keys) from the A fragments of dS^T into the shared tile
-// [kBlockN keys][kBlockM queries], in the swizzled layout the dQ product reads as its
-// (transposed) A operand. A fragment kk holds columns 16kk + 2t (words 0, 1: rows g, g + 8)
-// and 16kk + 8 + 2t (words 2, 3). Rows r and r + 8 share r % 8, so one XOR pattern serves
-// both. The pattern is made opaque per block: hoisted out of the loop, the 4 x kBlockM / 16
-// addresses would stay live next to the accumulators.
+// while the product needs all kBlockN keys for its queries. stage_ds_transposed writes this
+// warp's rows of dS^T (its keys) from the A fragments of dS^T into the shared tile [kBlockN
+// keys][kBlockM queries], in the swizzled layout the dQ product reads as its (transposed) A
+// operand: one stmatrix per k-step. A fragment kk holds, per warp, four 8x8 matrices: word m is
+// keys 8 (m % 2) + (0..7) of the warp's 16 and queries 16kk + 8 (m / 2) + (0..7), i.e. one
+// 16-byte chunk of 8 key rows each, chunk (2kk + m / 2) % 8 of the 128-byte line before the
+// swizzle. Lane l gives row l % 8 of matrix l / 8; its key row has r % 8 = l % 8, so its
+// swizzled chunk is (2kk % 8) ^ (m / 2) ^ (l % 8): the lane's own part once, XORed per k-step
+// with a constant (the tile is 1024-byte aligned, so bits 4..6 of the address are the chunk's).
+// The lane's part is recomputed per block from %tid.x, which the compiler cannot hoist: kept
+// across the loop it would be one more register next to the accumulators (the dropout
+// instance has none to spare), the four XORed addresses four more.
 template <typename Cfg>
-__device__ __forceinline__ void stage_ds_transposed(void* sdS, const uint32_t (&a_ds)[Cfg::kKVBlockM / 16][4],
-                                                    int tid) {
+__device__ __forceinline__ void stage_ds_transposed(void* sdS, const uint32_t (&a_ds)[Cfg::kKVBlockM / 16][4]) {
   constexpr int kBlockN = Cfg::kKVBlockN;
-  const int lane = tid % 32, warp = tid / 32;
-  const int r = 16 * warp + lane / 4;  // warp w of the consumers holds keys 16w .. 16w + 15
-  int rx = r % 8;
-  opaque(rx);
-  unsigned char* row = reinterpret_cast<unsigned char*>(sdS) + r * kSwizzleBytes + 4 * (lane % 4);
+  const uint32_t ct = thread_index_opaque() - (Cfg::kThreads - kConsumerThreads);  // consumer thread
+  const uint32_t lane = ct % 32, warp = ct / 32;
+  const uint32_t m = lane / 8, row = lane % 8;
+  const uint32_t lane_bytes = (16 * warp + 8 * (m % 2) + row) * kSwizzleBytes + (((m / 2) ^ row) << 4);
+  const uint32_t at = smem_addr(sdS) + lane_bytes;
 #pragma unroll
   for (int kk = 0; kk < Cfg::kKVBlockM / 16; ++kk) {
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {  // columns 16kk + 8 half + 2t
-      unsigned char* at = row + (kk / 4) * kBlockN * kSwizzleBytes + (((2 * kk + half) % 8) ^ rx) * 16;
-      *reinterpret_cast<uint32_t*>(at) = a_ds[kk][2 * half];
-      *reinterpret_cast<uint32_t*>(at + 8 * kSwizzleBytes) = a_ds[kk][2 * half + 1];
-    }
+    stmatrix_x4((at ^ ((2 * kk % 8) << 4)) + (kk / 4) * kBlockN * kSwizzleBytes, a_ds[kk]);
   }
 }
 
@@ -604,7 +604,7 @@ __device__ __forceinline__ void bwd_ws_block(const BwdParams& p, const TmaMaps& 
       zero_accumulator(acc_dq[0]);
       issue_dv_dk<T, kD, kBlockM, Cfg::QSlabs::kLineBytes>(acc_dv, acc_dk, a_pt, a_ds, sdO_s, sQ_s);
       claim_ds<T, Cfg>(sm, i);
-      stage_ds_transposed<Cfg>(sdS, a_ds, ct);
+      stage_ds_transposed<Cfg>(sdS, a_ds);
     } else {
       zero_accumulator(acc_dq[0]);
       claim_ds<T, Cfg>(sm, i);

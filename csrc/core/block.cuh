@@ -7,7 +7,8 @@
 //   * a key tile (dK/dV): the (query head, query block) steps of its KV group whose queries
 //     see its keys (KeyTileSteps; BlockRange::queries_of);
 //   * a (rows x keys) tile: any pair visible at all (AttnMask::any_visible), and whether it
-//     needs the per-element test (AttnMask::needs_mask).
+//     needs the per-element test (AttnMask::needs_mask); for a walk over query blocks, the
+//     same two as block ranges (BlockRange::visible_queries, unmasked_queries).
 #pragma once
 
 #include "../include/params.h"
@@ -29,6 +30,26 @@ struct BlockRange {
   FLASH_HOST_DEVICE static BlockRange queries_of(const AttnMask& m, int c0, int c1, int block_m) {
     const int qb = m.query_begin(c0), qe = m.query_end(c1);
     return {qb / block_m, qe > qb ? (qe + block_m - 1) / block_m : qb / block_m};
+  }
+  FLASH_HOST_DEVICE bool contains(int b) const { return b >= begin && b < end; }
+
+  // The two questions of a (query block x keys [c0, c1)) tile as ranges of query blocks of
+  // block_m, for a kernel that asks them of every block of a walk: the range once, then two
+  // compares per block instead of AttnMask's 64-bit sums.
+  // The blocks for which AttnMask::any_visible holds: queries_of where the keys start inside
+  // the sequence (past its end no query sees them, which queries_of alone would not say).
+  FLASH_HOST_DEVICE static BlockRange visible_queries(const AttnMask& m, int c0, int c1, int block_m) {
+    return c0 < m.sk && c0 < c1 ? queries_of(m, c0, c1, block_m) : BlockRange{0, 0};
+  }
+  // The blocks for which AttnMask::needs_mask is false: block b needs (b + 1) block_m <= sq,
+  // c1 <= sk, (c1 - 1) - b block_m <= diag_hi and c0 - ((b + 1) block_m - 1) >= diag_lo, an
+  // interval of b (in 64 bits: a diagonal may be INT_MIN or INT_MAX).
+  FLASH_HOST_DEVICE static BlockRange unmasked_queries(const AttnMask& m, int c0, int c1, int block_m) {
+    if (c1 > m.sk) return {0, 0};
+    const int64_t lo = static_cast<int64_t>(c1) - 1 - m.diag_hi;  // b block_m >= lo
+    const int64_t hi = static_cast<int64_t>(c0) + 1 - m.diag_lo;  // (b + 1) block_m <= hi
+    return {lo > 0 ? clamp_to_int((lo + block_m - 1) / block_m, 0, INT_MAX) : 0,
+            hi > 0 ? clamp_to_int(hi / block_m, 0, m.sq / block_m) : 0};
   }
 };
 

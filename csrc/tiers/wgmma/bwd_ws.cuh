@@ -460,7 +460,8 @@ __device__ __forceinline__ void stage_dq(const Smem<T, Cfg>& sm, const float (&a
 #if FLASH_SM90_ENABLED
   constexpr int kJ = DqSplit<Cfg>::kN / 8;
   mbarrier_wait(&sm.dq_empty[x & 1], ((x >> 1) & 1) ^ 1);  // the first pass finds both free
-  const uint32_t at = smem_addr(sm.dq(x & 1)) + ((wg * kJ) * 128 + ct % 128) * 16;  // DqTile order
+  // DqTile order; the thread's part from %tid.x, not kept across the loop (as in stage_ds_transposed)
+  const uint32_t at = smem_addr(sm.dq(x & 1)) + ((wg * kJ) * 128 + thread_index_opaque() % 128) * 16;
 #pragma unroll
   for (int j = 0; j < kJ; ++j) {
     st_shared_v4_f32(at + j * 128 * 16, acc[0][j][0], acc[0][j][1], acc[0][j][2], acc[0][j][3]);
@@ -518,7 +519,8 @@ __device__ __forceinline__ void bwd_ws_block(const BwdParams& p, const TmaMaps& 
   const AttnMask mask = seq.mask<kVarlen>(p);
   const KeyTileSteps steps = KeyTileSteps::make(mask, n0, Cfg::kBlockN, kBlockM, hkv, p.hq / p.hkv);
   const int ct = threadIdx.x - 128;
-  // Warp-uniform (arch/sm80.cuh): the products' descriptors, made from wg, in uniform registers.
+  // Warp-uniform (arch/sm80.cuh): the products' descriptors, made from wg, and this warp's
+  // block ranges below in uniform registers.
   const int cwarp = warp_uniform(ct / 32);
   const int wg = cwarp / 4;
   const int wg_key0 = n0 + 64 * wg;
@@ -531,6 +533,11 @@ __device__ __forceinline__ void bwd_ws_block(const BwdParams& p, const TmaMaps& 
   if (steps.count > 0) mbarrier_wait(sm.kv_full, 0);
   int x = 0;  // blocks handed to the dQ writer
 
+  // Which query blocks warpgroup wg's keys see (a warpgroup-uniform skip: wgmma is a
+  // warpgroup instruction) and which this warp's keys see whole (no per-element mask), asked
+  // once (core/block.cuh). Every step's block is seen by some key of the CTA (steps.m_range).
+  const BlockRange wg_blocks = BlockRange::visible_queries(mask, wg_key0, wg_key0 + 64, kBlockM);
+  const BlockRange unmasked_blocks = BlockRange::unmasked_queries(mask, warp_key0, warp_key0 + 16, kBlockM);
   // Step i's head and query block, walked alongside i: head(i) and m_block(i) divide by the
   // query range, an integer division (some 50 instructions) per block.
   int h = steps.h_begin, m_block = steps.m_range.begin;
@@ -541,9 +548,13 @@ __device__ __forceinline__ void bwd_ws_block(const BwdParams& p, const TmaMaps& 
     mbarrier_wait(&sm.q_full[s], KeyTileSteps::parity(i, kStages));
     const T* sQ_s = sm.q(s);
     const T* sdO_s = sm.dout(s);
+    // K for the dQ product, made opaque per block: hoisted out of the loop, that product's k-step
+    // descriptors hold uniform registers the packed-batch instances lack (softcap, d = 128,
+    // spilled 212 bytes when ptxas gave up on them).
+    T* sK_dq = sm.sK;
+    opaque(sK_dq);
 
-    // Warpgroup-uniform skip (wgmma is a warpgroup instruction); masking is per warp.
-    const bool wg_sees_block = mask.any_visible(m0, m0 + kBlockM, wg_key0, wg_key0 + 64);
+    const bool wg_sees_block = wg_blocks.contains(m_block);
     uint32_t a_pt[kBlockM / 16][4];
     uint32_t a_ds[kBlockM / 16][4];
     // The dQ accumulator is defined (zeroed) before its product overwrites it: an accumulator
@@ -552,7 +563,7 @@ __device__ __forceinline__ void bwd_ws_block(const BwdParams& p, const TmaMaps& 
     // zeroed after S and dP have landed, before dV and dK are issued.
     float acc_dq[1][DqSplit<Cfg>::kN / 8][4];
     if (wg_sees_block) {
-      const bool needs_mask = mask.needs_mask(m0, m0 + kBlockM, warp_key0, warp_key0 + 16);
+      const bool needs_mask = !unmasked_blocks.contains(m_block);
       // S^T = K Q^T and dP^T = V dO^T, one commit group each: P's exponentials run while the
       // tensor cores still compute dP^T (except with softcap: softcap_probs_and_ds).
       float pt[1][kBlockM / 8][4];
@@ -613,10 +624,9 @@ __device__ __forceinline__ void bwd_ws_block(const BwdParams& p, const TmaMaps& 
     fence_proxy_async();  // the generic-proxy writes of dS^T, before the tensor cores read them
     named_barrier_sync(kDsBarrier, kConsumerThreads);
 
-    const bool cta_sees_block = mask.any_visible(m0, m0 + kBlockM, n0, n0 + Cfg::kBlockN);
-    // Unconditional: a block no key of the CTA sees has dS = 0 (both warpgroups zeroed their rows),
+    // Unconditional: a block one warpgroup's keys do not see has dS = 0 there (its rows zeroed),
     // and a wgmma under a branch while dV, dK are in flight makes ptxas serialize them all.
-    issue_dq_product<T, Cfg>(acc_dq, sdS, sm.sK, wg);
+    issue_dq_product<T, Cfg>(acc_dq, sdS, sK_dq, wg);
     wgmma_wait<0>();  // dV, dK and dQ of this block
     if constexpr (Cfg::kDsBuffers == 1) mbarrier_arrive(sm.ds_empty);  // this thread's dQ product read sdS
     fence_accumulator(acc_dv[0]);
@@ -629,11 +639,10 @@ __device__ __forceinline__ void bwd_ws_block(const BwdParams& p, const TmaMaps& 
     // lse and delta (the producer rewrites them with ordinary stores): an arrival per warp after
     // __syncwarp orders them as well, but compute-sanitizer's racecheck does not follow that chain.
     mbarrier_arrive(&sm.q_empty[s]);
-    if (cta_sees_block) {
-      fence_accumulator(acc_dq[0]);
-      float* dst = p.dq_accum + DqTile<Cfg>::template offset<kVarlen>(p, seq, h, m0 / kBlockM);
-      stage_dq<T, Cfg>(sm, acc_dq, dst, x++, wg, ct);
-    }
+    // Every step's block has queries the CTA's keys reach (steps.m_range): each adds a dQ tile.
+    fence_accumulator(acc_dq[0]);
+    float* dst = p.dq_accum + DqTile<Cfg>::template offset<kVarlen>(p, seq, h, m_block);
+    stage_dq<T, Cfg>(sm, acc_dq, dst, x++, wg, ct);
   }
 
   mbarrier_wait(&sm.dq_empty[x & 1], ((x >> 1) & 1) ^ 1);

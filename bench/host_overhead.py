@@ -43,6 +43,9 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=50)
     ap.add_argument("--backward", choices=["sum", "dout"], default="sum")
     ap.add_argument("--decode", action="store_true", help="time a decode step against a KV cache")
+    ap.add_argument("--trace", action="store_true",
+                    help="also list where each provider's host time goes: the CPU-side ops and CUDA runtime "
+                         "calls of --calls calls (torch.profiler), per call")
     args = ap.parse_args(argv)
 
     import torch
@@ -83,7 +86,34 @@ def main(argv=None) -> int:
                 torch.autograd.grad(fn(), (q, k, v), dout)
 
         print(f"{name:12s} {timed(fwd):12.1f} {timed(fwd_bwd):16.1f}")
+    if args.trace:
+        for name, fn in providers.items():
+            def fwd_nograd():
+                with torch.no_grad():
+                    fn()
+            trace(torch, f"{name}, forward under no_grad", fwd_nograd, args)
+            trace(torch, f"{name}, forward + backward", lambda: torch.autograd.grad(fn(), (q, k, v), dout), args)
     return 0
+
+
+def trace(torch, title, step, args, rows: int = 14) -> None:
+    """The CPU-side events of ``args.calls`` calls of ``step``: each op's and CUDA runtime call's own
+    host time per call (self time; a child's time is not counted in its parent's)."""
+    from torch.profiler import ProfilerActivity, profile
+    for _ in range(args.warmup):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(args.calls):
+            step()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.self_cpu_time_total > 0 and e.key != "cudaDeviceSynchronize"]
+    events.sort(key=lambda e: -e.self_cpu_time_total)
+    total = sum(e.self_cpu_time_total for e in events) / args.calls
+    print(f"\n{title}: {total:.1f} us of profiled host time per call (the profiler adds its own)")
+    print(f"  {'event':52s} {'calls/call':>10s} {'self us/call':>13s}")
+    for e in events[:rows]:
+        print(f"  {e.key[:52]:52s} {e.count / args.calls:10.2f} {e.self_cpu_time_total / args.calls:13.2f}")
 
 
 def decode(args, torch, F, flash_cuda, dtype) -> int:
@@ -108,6 +138,9 @@ def decode(args, torch, F, flash_cuda, dtype) -> int:
     with torch.no_grad():
         for name, fn in providers.items():
             print(f"{name:46s} {C.host_us_per_call(fn, args.calls, args.warmup):8.1f}")
+        if args.trace:
+            for name, fn in providers.items():
+                trace(torch, name, fn, args)
     return 0
 
 

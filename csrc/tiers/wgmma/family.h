@@ -86,7 +86,8 @@ template <int kDType, int kVariant> struct WideBwdEntry {
 // fp16 / bf16 on sm_90.
 //   Forward: kernel='auto' at every head dim it has (d <= 32: dense calls without score modifiers
 //   or dropout, config.h), kernel='wgmma' at the head dims its backward also has. Workspace: the
-//   tile scheduler's counter (FwdParams::tile_counter), one zeroed int.
+//   tile scheduler's counter (FwdParams::tile_counter), one zeroed int, where the grid may have
+//   more tiles than SMs.
 //   Backward: kernel='auto' and 'wgmma' at d 33..128, kernel='auto' at d 129..256 with
 //   deterministic=False (the wide kernel) and at d <= 32 for the calls of
 //   config.h: narrow_bwd_applies. Workspace, with deterministic=False
@@ -111,9 +112,16 @@ struct WgmmaFamily {
       return applies_bwd(p, tier);
     }
   }
-  static Workspace plan(FwdParams&, Tier) {
+  // The counter only where the persistent grid can have fewer CTAs than tiles: with at most one
+  // tile per SM every CTA runs its first tile (blockIdx.x) alone and never draws (core/scheduler.cuh),
+  // and a small call then costs the host no allocation and no memset. Counted with the shortest
+  // tile (kFwdRowsPerConsumer rows, at most any kernel's): a kernel's own tiles are no more. (A
+  // call without the counter that had more tiles would still be right: the CTAs then take every
+  // gridDim.x-th tile.)
+  static Workspace plan(FwdParams& p, Tier) {
     Workspace ws;
-    ws.ints = 1;
+    const int64_t most_tiles = int64_t(ceil_div(p.sq, wgmma::kFwdRowsPerConsumer)) * p.hq * p.b;
+    ws.ints = most_tiles > p.num_sms ? 1 : 0;
     return ws;
   }
   static Workspace plan(BwdParams& p, Tier) {

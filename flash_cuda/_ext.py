@@ -115,6 +115,28 @@ def require() -> ModuleType:
     return _C
 
 
+def direct_plan(scale: float, window_left: int, window_right: int, softcap: float, tier: int,
+                deterministic: bool):
+    """The extension's ``DirectPlan`` of a dense call's checked options (flash_cuda/signature.py:
+    ``Plan.direct``), loading the kernels if that is not decided yet; None where they cannot be
+    loaded or the module in use has no such entry (a test's stand-in): the call then passes the
+    options one by one (``Plan.fwd_args``)."""
+    if _C is None and (_AVAILABLE is not None or torch.compiler.is_compiling() or not _load()):
+        return None
+    make = getattr(_C, "DirectPlan", None)
+    return None if make is None else make(scale, window_left, window_right, softcap, tier, deterministic)
+
+
+def kvcache_direct_plan(scale: float, window_left: int, window_right: int, softcap: float, num_splits: int,
+                        return_lse: bool):
+    """The extension's ``KvcacheDirectPlan`` of a KV-cache call's checked options
+    (flash_cuda/kvcache_checks.py: ``Plan.direct``), or None, as :func:`direct_plan`."""
+    if _C is None and (_AVAILABLE is not None or torch.compiler.is_compiling() or not _load()):
+        return None
+    make = getattr(_C, "KvcacheDirectPlan", None)
+    return None if make is None else make(scale, window_left, window_right, softcap, num_splits, return_lse)
+
+
 def unavailable_reason() -> Optional[str]:
     """None when flash_cuda's CUDA kernels are loaded (loading or compiling them first, as
     :func:`is_available` does), else why they cannot be and what to install or set."""

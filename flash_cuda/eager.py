@@ -83,7 +83,10 @@ def _direct_grads(ctx, dout, dlse):
         dout = dout.contiguous()
     if dlse is not None and (dlse.dtype is not torch.float32 or not dlse.is_contiguous()):
         dlse = dlse.to(torch.float32).contiguous()
-    dq, dk, dv = _ext.require().bwd(dout, q, k, v, out, lse, aux, dlse, *plan.bwd_args, need_q, need_dkdv)
+    if plan.direct is None:
+        dq, dk, dv = _ext.require().bwd(dout, q, k, v, out, lse, aux, dlse, *plan.bwd_args, need_q, need_dkdv)
+    else:  # (aux is None there unless q is float32: fwd_direct allocates no empty one)
+        dq, dk, dv = _ext.require().bwd_direct(dout, q, k, v, out, lse, aux, dlse, plan.direct, need_q, need_dkdv)
     return dq if need_q else None, dk if need_k else None, dv if need_v else None
 
 
@@ -158,7 +161,9 @@ class EagerAttentionDirect(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, plan):
-        out, lse, aux = _ext.require().fwd(q, k, v, *plan.fwd_args)
+        C = _ext.require()
+        direct = plan.direct
+        out, lse, aux = C.fwd(q, k, v, *plan.fwd_args) if direct is None else C.fwd_direct(q, k, v, direct)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.side = (aux, plan)
         ctx.set_materialize_grads(False)  # (as in EagerAttentionStep)

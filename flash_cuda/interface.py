@@ -243,7 +243,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, is_causal: bool = False, scale
         if plan is not None and plan.fwd_args is not None:
             C = _ext.require()  # (raises as the general path does when the kernels cannot be loaded)
             if not (_is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
-                out, lse, _ = C.fwd(q, k, v, *plan.fwd_args)
+                direct = plan.direct
+                out, lse, _ = (C.fwd(q, k, v, *plan.fwd_args) if direct is None else
+                               C.fwd_direct(q, k, v, direct))
             elif _functorch_active():
                 out, lse = eager.EagerAttention.run(q, k, v, None, None, None, None, plan)
             else:

@@ -241,8 +241,13 @@ def attention_with_kvcache(
         if plan is not None and not plan.fix_lens and not plan.fix_table:
             C = _ext.require()
             if lens is not None:
-                out, lse = C.fwd_kvcache(q, k_cache, v_cache, k, v, lens, 0, block_table, plan.scale, plan.window_left,
-                                         plan.window_right, plan.softcap, None, num_splits, return_lse)
+                direct = plan.direct
+                if direct is not None:
+                    out, lse = C.fwd_kvcache_direct(q, k_cache, v_cache, k, v, lens, block_table, direct)
+                else:
+                    out, lse = C.fwd_kvcache(q, k_cache, v_cache, k, v, lens, 0, block_table, plan.scale,
+                                             plan.window_left, plan.window_right, plan.softcap, None, num_splits,
+                                             return_lse)
                 return (out, lse) if return_lse else out
             if 0 <= cache_seqlens and cache_seqlens + plan.s_new <= plan.capacity:
                 out, lse = run_kvcache(C, q, k_cache, v_cache, k, v, None, cache_seqlens, block_table, plan.scale,

@@ -19,6 +19,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
+from . import _ext
 from .ops import eager_ok
 from .validation import (MAX_GRID_YZ, MAX_HEAD_DIM, MAX_SEQLEN, MIN_CAPABILITY, MIN_HEAD_DIM, check_alibi,
                          check_capability, check_cu_seqlens_values, check_score_options, check_sinks,
@@ -127,6 +128,10 @@ class Plan(NamedTuple):
     s_new: int
     fix_lens: bool  # a tensor cache_seqlens that needs .contiguous()
     fix_table: bool  # a block_table whose rows need .contiguous()
+    # The score options, num_splits and return_lse as one object of the extension
+    # (_ext.kvcache_direct_plan) for its fwd_kvcache_direct entry, which costs the host less per
+    # call: plans kept for eager calls without ALiBi slopes or sinks; else None.
+    direct: object = None
 
 
 def validate(q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_causal, scale, window_size, softcap,
@@ -309,6 +314,9 @@ def plan_call(eager: bool, q, k_cache, v_cache, k, v, cache_seqlens, block_table
         if plan is None:
             plan = validate(q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_causal, scale, window_size,
                             softcap, alibi_slopes, num_splits, return_lse, sinks)
+            if alibi_slopes is None and sinks is None:
+                plan = plan._replace(direct=_ext.kvcache_direct_plan(plan.scale, plan.window_left, plan.window_right,
+                                                                     plan.softcap, num_splits, return_lse))
             if len(plans) >= _MAX_PLANS:
                 plans.clear()
             plans[key] = plan

@@ -23,7 +23,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from . import validation
+from . import _ext, validation
 from .options import PREFIX, VARLEN_PREFIX
 
 __all__ = ["Plan", "PlanCache", "dense_plans", "plan_attention", "plan_varlen", "check_attention", "check_varlen"]
@@ -53,6 +53,9 @@ class Plan(NamedTuple):
     # any other call (those take the general path).
     fwd_args: Optional[tuple] = None
     bwd_args: Optional[tuple] = None
+    # The same options as one object of the extension (_ext.direct_plan), for its fwd_direct /
+    # bwd_direct entries, which cost the host less per call; None where the module has none.
+    direct: object = None
 
 
 class PlanCache(dict):
@@ -112,7 +115,8 @@ def check_attention(q, k, v, is_causal, scale, window_size, softcap, alibi_slope
                 fix_alibi=alibi_slopes is not None and not _alibi_plain(alibi_slopes),
                 fix_sinks=sinks is not None and not _sinks_plain(sinks), fix_cu=False,
                 fwd_args=(*opts[:4], None, None, None, 0, 0, tier) if direct else None,
-                bwd_args=(*opts[:4], None, None, None, 0, 0, deterministic, tier) if direct else None)
+                bwd_args=(*opts[:4], None, None, None, 0, 0, deterministic, tier) if direct else None,
+                direct=_ext.direct_plan(*opts[:4], tier, deterministic) if direct else None)
 
 
 # Public: flash_cuda.interface.attention looks a repeated call's plan up here itself (its fast path).

@@ -444,19 +444,23 @@ CallArgs check_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
 //                     dropout_p=0, rng_state=None, sinks=None)
 // sinks: None, or float32 (Hq,), the attention sinks (include/params.h: FwdParams::sinks); the
 // backward needs nothing of them (P = exp(s - lse) with their lse, and delta is unchanged).
-std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd(
+namespace {
+
+// fwd's body. empty_aux: what aux is where the call has no fp32 statistics (fwd: an empty
+// tensor, which its op schema promises; fwd_direct: undefined, one allocation fewer).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_impl(
     const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, double scale, int64_t window_left,
     int64_t window_right, double softcap, const std::optional<at::Tensor>& alibi_slopes,
     const std::optional<at::Tensor>& cu_seqlens_q, const std::optional<at::Tensor>& cu_seqlens_k,
     int64_t max_seqlen_q, int64_t max_seqlen_k, int64_t tier, double dropout_p,
-    const std::optional<at::Tensor>& rng_state, const std::optional<at::Tensor>& sinks_in) {
+    const std::optional<at::Tensor>& rng_state, const std::optional<at::Tensor>& sinks_in, bool empty_aux) {
   const auto [m, s, t] = check_call(q_in, k_in, v_in, scale, window_left, window_right, softcap, alibi_slopes,
                                     cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, tier, dropout_p);
   const at::Tensor sinks = check_sinks(sinks_in, q_in, s.Hq);
 
   at::Tensor out = at::empty_like(q_in);
   at::Tensor lse = at::empty(s.lse_shape(), q_in.options().dtype(at::kFloat));
-  at::Tensor aux = make_aux(s, q_in);
+  at::Tensor aux = (empty_aux || q_in.scalar_type() == at::kFloat) ? make_aux(s, q_in) : at::Tensor();
   if (s.empty()) {  // no query, or no key at all: every row is empty
     out.zero_();
     fill_empty_lse(lse, sinks, s.Hq);
@@ -479,6 +483,37 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd(
   set_dropout(p, dropout_p, rng_state, /*forward=*/true);
   dispatch(p, t, q.options());
   return {out, lse, aux};
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale, int64_t window_left,
+    int64_t window_right, double softcap, const std::optional<at::Tensor>& alibi_slopes,
+    const std::optional<at::Tensor>& cu_seqlens_q, const std::optional<at::Tensor>& cu_seqlens_k,
+    int64_t max_seqlen_q, int64_t max_seqlen_k, int64_t tier, double dropout_p,
+    const std::optional<at::Tensor>& rng_state, const std::optional<at::Tensor>& sinks) {
+  return fwd_impl(q, k, v, scale, window_left, window_right, softcap, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
+                  max_seqlen_q, max_seqlen_k, tier, dropout_p, rng_state, sinks, /*empty_aux=*/true);
+}
+
+// The options of a dense call without ALiBi slopes, sinks or dropout, as flash_cuda's Python layer
+// checked them once per argument signature (flash_cuda/signature.py: Plan.direct). fwd_direct and
+// bwd_direct take them as one object: converting the dozen separate scalar and None arguments of
+// fwd / bwd costs a small call more host time than the rest of the binding.
+struct DirectPlan {
+  double scale;
+  int64_t window_left, window_right;
+  double softcap;
+  int64_t tier;
+  bool deterministic;
+};
+
+// out, lse, aux = fwd_direct(q, k, v, plan): fwd for such a call; aux is None except for float32.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_direct(const at::Tensor& q, const at::Tensor& k,
+                                                          const at::Tensor& v, const DirectPlan& d) {
+  return fwd_impl(q, k, v, d.scale, d.window_left, d.window_right, d.softcap, std::nullopt, std::nullopt,
+                  std::nullopt, 0, 0, d.tier, 0.0, std::nullopt, std::nullopt, /*empty_aux=*/false);
 }
 
 // dq, dk, dv = bwd(dout, q, k, v, out, lse, aux, dlse, scale, window_left, window_right, softcap,
@@ -577,6 +612,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(
   dispatch(p, t, q.options());
   if (negative_scale && need_dq) dq.neg_();
   return {dq, dk, dv};
+}
+
+// dq, dk, dv = bwd_direct(dout, q, k, v, out, lse, aux, dlse, plan, need_dq, need_dkdv): bwd for a
+// call whose forward ran fwd_direct (aux None except for float32).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_direct(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& lse, const std::optional<at::Tensor>& aux, const std::optional<at::Tensor>& dlse,
+    const DirectPlan& d, bool need_dq, bool need_dkdv) {
+  FLASH_CHECK(aux.has_value() || q.scalar_type() != at::kFloat,
+              "flash_cuda: aux must be the float32 statistics the forward returned");
+  return bwd(dout, q, k, v, out, lse, aux.has_value() ? *aux : at::Tensor(), dlse, d.scale, d.window_left,
+             d.window_right, d.softcap, std::nullopt, std::nullopt, std::nullopt, 0, 0, d.deterministic, d.tier,
+             need_dq, need_dkdv, 0.0, std::nullopt);
 }
 
 // out, lse = fwd_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens, cache_len, block_table,
@@ -742,6 +790,26 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache(
   return {out, lse};
 }
 
+// A KV-cache call's options (no ALiBi slopes, no sinks, a tensor cache_seqlens) as flash_cuda's
+// Python layer checked them once per argument signature (flash_cuda/kvcache_checks.py:
+// Plan.direct), taken as one object for the reason DirectPlan is.
+struct KvcacheDirectPlan {
+  double scale;
+  int64_t window_left, window_right;
+  double softcap;
+  int64_t num_splits;
+  bool return_lse;
+};
+
+// out, lse = fwd_kvcache_direct(q, k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, plan)
+std::tuple<at::Tensor, at::Tensor> fwd_kvcache_direct(
+    const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+    const std::optional<at::Tensor>& k_new, const std::optional<at::Tensor>& v_new, const at::Tensor& cache_seqlens,
+    const std::optional<at::Tensor>& block_table, const KvcacheDirectPlan& d) {
+  return fwd_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens, 0, block_table, d.scale, d.window_left,
+                     d.window_right, d.softcap, std::nullopt, d.num_splits, d.return_lse, std::nullopt);
+}
+
 namespace {
 
 // One operand of merge_partials: a (batch, heads, rows, d) view of O, its (batch, heads, rows)
@@ -856,11 +924,31 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("alibi_slopes"), py::arg("cu_seqlens_q"), py::arg("cu_seqlens_k"), py::arg("max_seqlen_q"),
         py::arg("max_seqlen_k"), py::arg("deterministic"), py::arg("tier"), py::arg("need_dq") = true,
         py::arg("need_dkdv") = true, py::arg("dropout_p") = 0.0, py::arg("rng_state") = py::none());
+  py::class_<flash_cuda::DirectPlan>(m, "DirectPlan", "a dense call's checked options, for fwd_direct / bwd_direct")
+      .def(py::init([](double scale, int64_t window_left, int64_t window_right, double softcap, int64_t tier,
+                       bool deterministic) {
+             return flash_cuda::DirectPlan{scale, window_left, window_right, softcap, tier, deterministic};
+           }),
+           py::arg("scale"), py::arg("window_left"), py::arg("window_right"), py::arg("softcap"), py::arg("tier"),
+           py::arg("deterministic"));
+  m.def("fwd_direct", &flash_cuda::fwd_direct,
+        "fwd of a dense call without ALiBi slopes, sinks or dropout: (out, lse, aux or None)");
+  m.def("bwd_direct", &flash_cuda::bwd_direct, "bwd of a call whose forward ran fwd_direct: (dq, dk, dv)");
   m.def("fwd_kvcache", &flash_cuda::fwd_kvcache, "attention against a KV cache, new keys appended: (out, lse)",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("k_new"), py::arg("v_new"),
         py::arg("cache_seqlens"), py::arg("cache_len"), py::arg("block_table"), py::arg("scale"),
         py::arg("window_left"), py::arg("window_right"), py::arg("softcap"), py::arg("alibi_slopes"),
         py::arg("num_splits"), py::arg("return_lse"), py::arg("sinks") = py::none());
+  py::class_<flash_cuda::KvcacheDirectPlan>(m, "KvcacheDirectPlan",
+                                            "a KV-cache call's checked options, for fwd_kvcache_direct")
+      .def(py::init([](double scale, int64_t window_left, int64_t window_right, double softcap, int64_t num_splits,
+                       bool return_lse) {
+             return flash_cuda::KvcacheDirectPlan{scale, window_left, window_right, softcap, num_splits, return_lse};
+           }),
+           py::arg("scale"), py::arg("window_left"), py::arg("window_right"), py::arg("softcap"),
+           py::arg("num_splits"), py::arg("return_lse"));
+  m.def("fwd_kvcache_direct", &flash_cuda::fwd_kvcache_direct,
+        "fwd_kvcache of a call without ALiBi slopes or sinks, with a tensor cache_seqlens: (out, lse)");
   m.def("dropout_mask", &flash_cuda::dropout_mask,
         "the mask of kept elements the kernels' dropout draws (uint8, batch x heads x sq x sk)");
   m.def("merge_partials", &flash_cuda::merge_partials,

@@ -99,7 +99,8 @@ class EagerAttention(torch.autograd.Function):
     :meth:`run` takes :class:`EagerAttentionStep`, the same computation in the one-step form, which binds
     nothing and keeps the forward's internal tensors (aux, rng_state) on the context instead of
     returning them as outputs that autograd would have to wrap (:class:`EagerAttentionDirect` where the
-    plan has ``fwd_args``)."""
+    plan has ``fwd_args``; its C++ twin, the extension's ``attention_direct``, where the plan also has
+    the extension's ``direct`` options)."""
 
     @staticmethod
     def forward(q, k, v, sinks, alibi_slopes, cu_seqlens_q, cu_seqlens_k, plan):
@@ -125,6 +126,8 @@ class EagerAttention(torch.autograd.Function):
         if _functorch_active():
             return EagerAttention.apply(q, k, v, sinks, alibi_slopes, cu_seqlens_q, cu_seqlens_k, plan)[:2]
         if plan.fwd_args is not None:
+            if plan.direct is not None:  # the same node in C++ (the extension's attention_direct)
+                return _ext.require().attention_direct(q, k, v, plan.direct)
             return apply_direct(q, k, v, plan)
         return apply_step(q, k, v, sinks, (alibi_slopes, cu_seqlens_q, cu_seqlens_k, plan))
 

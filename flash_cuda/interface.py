@@ -248,8 +248,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, is_causal: bool = False, scale
                                C.fwd_direct(q, k, v, direct))
             elif _functorch_active():
                 out, lse = eager.EagerAttention.run(q, k, v, None, None, None, None, plan)
-            else:
-                out, lse = eager.apply_direct(q, k, v, plan)
+            else:  # (the extension's C++ autograd node where the plan has its DirectPlan)
+                direct = plan.direct
+                out, lse = eager.apply_direct(q, k, v, plan) if direct is None else C.attention_direct(q, k, v, direct)
             return (out, lse) if return_lse else out
     return _attention(q, k, v, is_causal, scale, window_size, softcap, alibi_slopes, return_lse, deterministic,
                       kernel, dropout_p, sinks)

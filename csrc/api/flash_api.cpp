@@ -627,6 +627,57 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_direct(
              need_dq, need_dkdv, 0.0, std::nullopt);
 }
 
+namespace {
+
+// The autograd node of an eager dense call with a DirectPlan (flash_cuda/eager.py's
+// EagerAttentionDirect, in C++): the same forward and backward entries, the same tensors saved
+// (q, k, v, out, lse, and aux for float32), gradients only where autograd asks for them, an unused
+// output's gradient arriving undefined. In C++, the node costs autograd no Python: no context
+// object, no unpacking of saved tensors into Python, no interpreter on the backward's thread.
+struct DirectAttention : public torch::autograd::Function<DirectAttention> {
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const at::Tensor& q,
+                                                const at::Tensor& k, const at::Tensor& v, const DirectPlan& d) {
+    auto [out, lse, aux] = fwd_direct(q, k, v, d);
+    ctx->save_for_backward({q, k, v, out, lse, aux});
+    ctx->saved_data["scale"] = d.scale;
+    ctx->saved_data["window_left"] = d.window_left;
+    ctx->saved_data["window_right"] = d.window_right;
+    ctx->saved_data["softcap"] = d.softcap;
+    ctx->saved_data["tier"] = d.tier;
+    ctx->saved_data["deterministic"] = d.deterministic;
+    ctx->set_materialize_grads(false);
+    return {out, lse};
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const bool need_q = ctx->needs_input_grad(0), need_k = ctx->needs_input_grad(1),
+               need_v = ctx->needs_input_grad(2);
+    if (!(need_q || need_k || need_v)) return {at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &q = saved[0], &k = saved[1], &v = saved[2], &out = saved[3], &lse = saved[4], &aux = saved[5];
+    const auto& data = ctx->saved_data;
+    const DirectPlan d{data.at("scale").toDouble(),  data.at("window_left").toInt(), data.at("window_right").toInt(),
+                       data.at("softcap").toDouble(), data.at("tier").toInt(),       data.at("deterministic").toBool()};
+    const at::Tensor dout = grads[0].defined() ? grads[0] : at::zeros_like(out);
+    const std::optional<at::Tensor> dlse = grads[1].defined() ? std::optional<at::Tensor>(grads[1]) : std::nullopt;
+    auto [dq, dk, dv] = bwd_direct(dout, q, k, v, out, lse,
+                                   aux.defined() ? std::optional<at::Tensor>(aux) : std::nullopt, dlse, d, need_q,
+                                   need_k || need_v);
+    return {need_q ? dq : at::Tensor(), need_k ? dk : at::Tensor(), need_v ? dv : at::Tensor(), at::Tensor()};
+  }
+};
+
+}  // namespace
+
+// out, lse = attention_direct(q, k, v, plan): fwd_direct's call with its backward recorded for
+// autograd where q, k or v needs a gradient (grad mode on): the eager path of such a call.
+std::tuple<at::Tensor, at::Tensor> attention_direct(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                    const DirectPlan& d) {
+  auto outs = DirectAttention::apply(q, k, v, d);
+  return {outs[0], outs[1]};
+}
+
 // out, lse = fwd_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens, cache_len, block_table,
 //                        scale, window_left, window_right, softcap, alibi_slopes, num_splits, return_lse,
 //                        sinks=None)
@@ -934,6 +985,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fwd_direct", &flash_cuda::fwd_direct,
         "fwd of a dense call without ALiBi slopes, sinks or dropout: (out, lse, aux or None)");
   m.def("bwd_direct", &flash_cuda::bwd_direct, "bwd of a call whose forward ran fwd_direct: (dq, dk, dv)");
+  m.def("attention_direct", &flash_cuda::attention_direct,
+        "fwd_direct with its backward recorded for autograd (a C++ node): (out, lse)");
   m.def("fwd_kvcache", &flash_cuda::fwd_kvcache, "attention against a KV cache, new keys appended: (out, lse)",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("k_new"), py::arg("v_new"),
         py::arg("cache_seqlens"), py::arg("cache_len"), py::arg("block_table"), py::arg("scale"),

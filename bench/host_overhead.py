@@ -14,7 +14,8 @@ cache of ``--seqlen`` tokens with 8 KV heads, through attention_with_kvcache (wi
 appending the new key), attention() on the cache's filled rows, and SDPA (enable_gqa) on the
 same rows.
 
-Both modes are measured: the forward under torch.no_grad(), and forward + backward:
+Three modes are measured: the forward under torch.no_grad(), the forward with autograd recording
+its graph (inputs that require gradients; no backward: the graph is dropped), and forward + backward:
 ``--backward sum`` (default; the numbers in OPTIMIZATION.md) runs ``out.sum().backward()``,
 so both providers also pay the broadcast gradient's copy and the accumulation into the
 leaves' .grad; ``--backward dout`` runs torch.autograd.grad with a contiguous random
@@ -73,7 +74,7 @@ def main(argv=None) -> int:
 
     print(f"B={args.batch} H={args.heads} S={args.seqlen} D={args.d} {args.dtype} causal={args.causal}, "
           f"{args.calls} calls, one synchronize, backward: {args.backward}")
-    print(f"{'provider':12s} {'fwd us/call':>12s} {'fwd+bwd us/call':>16s}")
+    print(f"{'provider':12s} {'fwd us/call':>12s} {'fwd autograd':>13s} {'fwd+bwd us/call':>16s}")
     for name, fn in providers.items():
         def fwd():
             with torch.no_grad():
@@ -85,7 +86,7 @@ def main(argv=None) -> int:
             else:
                 torch.autograd.grad(fn(), (q, k, v), dout)
 
-        print(f"{name:12s} {timed(fwd):12.1f} {timed(fwd_bwd):16.1f}")
+        print(f"{name:12s} {timed(fwd):12.1f} {timed(fn):13.1f} {timed(fwd_bwd):16.1f}")
     if args.trace:
         for name, fn in providers.items():
             def fwd_nograd():

@@ -120,10 +120,8 @@ def direct_plan(scale: float, window_left: int, window_right: int, softcap: floa
     """The extension's ``DirectPlan`` of a dense call's checked options (flash_cuda/signature.py:
     ``Plan.direct``), loading the kernels if that is not decided yet; None where they cannot be
     loaded or the module in use has no such entry (a test's stand-in): the call then passes the
-    options one by one (``Plan.fwd_args``)."""
-    if _C is None and (_AVAILABLE is not None or torch.compiler.is_compiling() or not _load()):
-        return None
-    make = getattr(_C, "DirectPlan", None)
+    options one by one (``Plan.fwd_args``) through the Python autograd node."""
+    make = getattr(_module_if_loadable(), "DirectPlan", None)
     return None if make is None else make(scale, window_left, window_right, softcap, tier, deterministic)
 
 
@@ -131,10 +129,16 @@ def kvcache_direct_plan(scale: float, window_left: int, window_right: int, softc
                         return_lse: bool):
     """The extension's ``KvcacheDirectPlan`` of a KV-cache call's checked options
     (flash_cuda/kvcache_checks.py: ``Plan.direct``), or None, as :func:`direct_plan`."""
+    make = getattr(_module_if_loadable(), "KvcacheDirectPlan", None)
+    return None if make is None else make(scale, window_left, window_right, softcap, num_splits, return_lse)
+
+
+def _module_if_loadable() -> Optional[ModuleType]:
+    """The module in use (a test's stand-in included), loading the kernels first if that is not
+    decided yet (not while torch.compile traces); None where they cannot be loaded."""
     if _C is None and (_AVAILABLE is not None or torch.compiler.is_compiling() or not _load()):
         return None
-    make = getattr(_C, "KvcacheDirectPlan", None)
-    return None if make is None else make(scale, window_left, window_right, softcap, num_splits, return_lse)
+    return _C
 
 
 def unavailable_reason() -> Optional[str]:

@@ -9,8 +9,10 @@ alone (no gradient wanted, e.g. a decode step under ``torch.no_grad()``), :class
 same call inside an autograd Function whose backward is the ops' (``ops.attention_grads``). Both
 layouts, with and without dropout, go through the one Function; a test holds this path and the ops
 bitwise equal. A plan with ``fwd_args`` (a dense call without ALiBi slopes, sinks or dropout, the
-common training step) takes :class:`EagerAttentionDirect` instead, the same calls with fewer inputs
-and saved tensors (:func:`flash_cuda.attention`'s fast path calls it too).
+common training step) takes the extension's ``attention_direct`` instead, the same calls with fewer
+inputs and saved tensors in an autograd node written in C++ (the plan's ``direct`` options), or, where
+the module in use has no such entry (a test's stand-in), its Python form :class:`EagerAttentionDirect`
+(:func:`flash_cuda.attention`'s fast path calls them too).
 """
 
 from __future__ import annotations
@@ -83,10 +85,7 @@ def _direct_grads(ctx, dout, dlse):
         dout = dout.contiguous()
     if dlse is not None and (dlse.dtype is not torch.float32 or not dlse.is_contiguous()):
         dlse = dlse.to(torch.float32).contiguous()
-    if plan.direct is None:
-        dq, dk, dv = _ext.require().bwd(dout, q, k, v, out, lse, aux, dlse, *plan.bwd_args, need_q, need_dkdv)
-    else:  # (aux is None there unless q is float32: fwd_direct allocates no empty one)
-        dq, dk, dv = _ext.require().bwd_direct(dout, q, k, v, out, lse, aux, dlse, plan.direct, need_q, need_dkdv)
+    dq, dk, dv = _ext.require().bwd(dout, q, k, v, out, lse, aux, dlse, *plan.bwd_args, need_q, need_dkdv)
     return dq if need_q else None, dk if need_k else None, dv if need_v else None
 
 
@@ -164,9 +163,7 @@ class EagerAttentionDirect(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, plan):
-        C = _ext.require()
-        direct = plan.direct
-        out, lse, aux = C.fwd(q, k, v, *plan.fwd_args) if direct is None else C.fwd_direct(q, k, v, direct)
+        out, lse, aux = _ext.require().fwd(q, k, v, *plan.fwd_args)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.side = (aux, plan)
         ctx.set_materialize_grads(False)  # (as in EagerAttentionStep)

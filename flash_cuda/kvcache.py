@@ -223,14 +223,14 @@ def attention_with_kvcache(
             and ENV_CHECK_KEY not in ENVIRON and not _dispatch_stack_len() and not _function_mode_enabled()):
         lens = cache_seqlens if type(cache_seqlens) is Tensor else None
         # kvcache_checks._signature's key, built here (a test holds both the same)
-        key = (q.shape, q.stride(), q.dtype, q.get_device(),
-               k_cache.shape, k_cache.stride(), k_cache.dtype, k_cache.get_device(), k_cache.data_ptr() & 15,
-               v_cache.shape, v_cache.stride(), v_cache.dtype, v_cache.get_device(), v_cache.data_ptr() & 15,
-               None if k is None else (k.shape, k.stride(), k.dtype, k.get_device()),
-               None if v is None else (v.shape, v.stride(), v.dtype, v.get_device()),
-               None if lens is None else (lens.shape, lens.stride(), lens.dtype, lens.get_device()),
+        key = (q.shape, q.stride(), q.dtype, q.device,
+               k_cache.shape, k_cache.stride(), k_cache.dtype, k_cache.device, k_cache.data_ptr() & 15,
+               v_cache.shape, v_cache.stride(), v_cache.dtype, v_cache.device, v_cache.data_ptr() & 15,
+               None if k is None else (k.shape, k.stride(), k.dtype, k.device),
+               None if v is None else (v.shape, v.stride(), v.dtype, v.device),
+               None if lens is None else (lens.shape, lens.stride(), lens.dtype, lens.device),
                None if block_table is None else (block_table.shape, block_table.stride(), block_table.dtype,
-                                                 block_table.get_device()),
+                                                 block_table.device),
                None, None, scale, type(scale), window_size, softcap, type(softcap), is_causal, num_splits, return_lse)
         plans = kvcache_checks.plans
         last_plans, last_key, plan = _last

@@ -73,9 +73,9 @@ def check_alignment(k_cache: Tensor, v_cache: Tensor) -> None:
                           "address and strides (in bytes) that are multiples of 16")
 
 
-def _check_device(q: Tensor, dev: int) -> None:
-    """q on a CUDA device (index ``dev``, -1 for any other device) of capability 8.0 or newer."""
-    if dev < 0:
+def _check_device(q: Tensor, dev: torch.device) -> None:
+    """q on a CUDA device (``dev``, q's device) of capability 8.0 or newer."""
+    if dev.type != "cuda":
         _fail(RuntimeError, f"inputs must be CUDA tensors, got device '{q.device}'; flash_cuda runs only on "
                             f"NVIDIA GPUs (flash_cuda.reference.attention_with_kvcache_reference runs anywhere)")
     # The capability query cannot be traced; the extension checks it again on every launch.
@@ -150,10 +150,10 @@ def validate(q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_causal, s
     dt = q.dtype
     if dt is not torch.float16 and dt is not torch.bfloat16:
         _fail(TypeError, f"q has dtype {dtype_name(dt)}; the KV-cache kernels take float16 or bfloat16")
-    dev = q.get_device()
-    if k_cache.dtype is not dt or k_cache.get_device() != dev:
+    dev = q.device
+    if k_cache.dtype is not dt or k_cache.device != dev:
         _check_same("k_cache", k_cache, q)
-    if v_cache.dtype is not dt or v_cache.get_device() != dev:
+    if v_cache.dtype is not dt or v_cache.device != dev:
         _check_same("v_cache", v_cache, q)
     B, Hq, Sq, D = q.shape
     cshape = k_cache.shape
@@ -185,7 +185,7 @@ def validate(q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_causal, s
         if block_table.dim() != 2 or block_table.shape[0] != B:
             _fail(ValueError, f"block_table must have shape ({B}, max_pages_per_sequence), got "
                               f"{tuple(block_table.shape)}")
-        if block_table.get_device() != dev:
+        if block_table.device != dev:
             _fail(RuntimeError, f"block_table must be on q's device {q.device}, got {block_table.device}")
         page_size = cshape[2]
         if page_size % PAGE_SIZE_MULTIPLE or page_size == 0:
@@ -209,7 +209,7 @@ def validate(q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_causal, s
         for name, t in (("k", k), ("v", v)):
             if not isinstance(t, Tensor) or t.dim() != 4 or t.stride(-1) != 1:
                 _check_tensor(name, t, 4, layout)
-            if t.dtype is not dt or t.get_device() != dev:
+            if t.dtype is not dt or t.device != dev:
                 _check_same(name, t, q)
         kshape = k.shape
         if kshape != v.shape or kshape[0] != B or kshape[1] != Hkv or kshape[3] != D:
@@ -222,7 +222,7 @@ def validate(q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_causal, s
                              f"{dtype_name(cache_seqlens.dtype)}")
         if cache_seqlens.dim() != 1 or cache_seqlens.shape[0] != B:
             _fail(ValueError, f"cache_seqlens must have shape ({B},), got {tuple(cache_seqlens.shape)}")
-        if cache_seqlens.get_device() != dev:
+        if cache_seqlens.device != dev:
             _fail(RuntimeError, f"cache_seqlens must be on q's device {q.device}, got {cache_seqlens.device}")
         if s_new > capacity:
             _fail(ValueError, f"{s_new} new tokens do not fit a cache of {capacity} positions per sequence")
@@ -241,7 +241,7 @@ def validate(q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_causal, s
     opts = check_score_options(D, scale, is_causal, window_size, softcap, _PREFIX)
     if alibi_slopes is not None:
         alibi_slopes = check_alibi(alibi_slopes, B, Hq, _PREFIX)
-        if alibi_slopes.get_device() != dev:
+        if alibi_slopes.device != dev:
             _fail(RuntimeError, f"alibi_slopes must be on q's device {q.device}, got {alibi_slopes.device}")
     if sinks is not None:
         check_sinks(sinks, Hq, _PREFIX)
@@ -267,18 +267,18 @@ def _signature(q, k_cache, v_cache, k, v, cache_seqlens, block_table, scale, win
     the same). Values that compare equal across types (1 == 1.0) carry their type, so a key never
     stands for an argument the checks would reject. An int ``cache_seqlens`` enters as None:
     its value is checked on every call."""
-    return (q.shape, q.stride(), q.dtype, q.get_device(),
-            k_cache.shape, k_cache.stride(), k_cache.dtype, k_cache.get_device(), k_cache.data_ptr() & 15,
-            v_cache.shape, v_cache.stride(), v_cache.dtype, v_cache.get_device(), v_cache.data_ptr() & 15,
-            None if k is None else (k.shape, k.stride(), k.dtype, k.get_device()),
-            None if v is None else (v.shape, v.stride(), v.dtype, v.get_device()),
-            (cache_seqlens.shape, cache_seqlens.stride(), cache_seqlens.dtype, cache_seqlens.get_device())
+    return (q.shape, q.stride(), q.dtype, q.device,
+            k_cache.shape, k_cache.stride(), k_cache.dtype, k_cache.device, k_cache.data_ptr() & 15,
+            v_cache.shape, v_cache.stride(), v_cache.dtype, v_cache.device, v_cache.data_ptr() & 15,
+            None if k is None else (k.shape, k.stride(), k.dtype, k.device),
+            None if v is None else (v.shape, v.stride(), v.dtype, v.device),
+            (cache_seqlens.shape, cache_seqlens.stride(), cache_seqlens.dtype, cache_seqlens.device)
             if type(cache_seqlens) is Tensor else None,
             None if block_table is None else (block_table.shape, block_table.stride(), block_table.dtype,
-                                              block_table.get_device()),
+                                              block_table.device),
             None if alibi_slopes is None else (alibi_slopes.shape, alibi_slopes.stride(), alibi_slopes.dtype,
-                                               alibi_slopes.get_device()),
-            None if sinks is None else (sinks.shape, sinks.dtype, sinks.get_device()),
+                                               alibi_slopes.device),
+            None if sinks is None else (sinks.shape, sinks.dtype, sinks.device),
             scale, type(scale), window_size, softcap, type(softcap), is_causal, num_splits, return_lse)
 
 
@@ -348,7 +348,7 @@ def validate_packed(q, k_cache, v_cache, k, v, cu_seqlens_q, max_seqlen_q, cache
     if cu_seqlens_q.dim() != 1 or cu_seqlens_q.shape[0] < 2:
         _fail(ValueError, f"cu_seqlens_q must be 1-D of shape (batch + 1,) with batch >= 1 (0, then the running "
                           f"sum of the chunk lengths), got shape {tuple(cu_seqlens_q.shape)}")
-    if cu_seqlens_q.get_device() != q.get_device():
+    if cu_seqlens_q.device != q.device:
         _fail(RuntimeError, f"cu_seqlens_q must be on q's device {q.device}, got {cu_seqlens_q.device}")
     if type(max_seqlen_q) is not int:
         _fail(TypeError, f"max_seqlen_q must be a Python int (the longest chunk), got {type(max_seqlen_q).__name__}")

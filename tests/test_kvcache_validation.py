@@ -95,3 +95,13 @@ def test_options():
     _raises(ValueError, "scale must be a finite", *args, scale=float("nan"))
     _raises(ValueError, "alibi_slopes must have shape", *args, alibi_slopes=torch.ones(3))
     _raises(TypeError, "alibi_slopes must be a float32", *args, alibi_slopes=torch.ones(8, dtype=torch.float64))
+
+
+def test_devices_compared_by_type_and_index():
+    """A cache on another device type with the same index (a meta tensor beside CPU ones: both
+    report get_device() == -1, as cuda:0 and xpu:0 both report 0) is named as on another device,
+    not taken for q's device (nor served a signature kept for q's device)."""
+    q, kc, vc, k, v = _args()
+    _raises(RuntimeError, "must be CUDA tensors", q, kc, vc, k, v)  # the signature of CPU tensors, seen once
+    _raises(RuntimeError, "k_cache must be on q's device", q, kc.to("meta"), vc, k, v)
+    _raises(RuntimeError, "v_cache must be on q's device", q, kc, vc.to("meta"), k, v)

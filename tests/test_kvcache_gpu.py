@@ -190,6 +190,16 @@ def test_wide_head_dims(dtype, D, case):
                  **case)
 
 
+# Pages smaller than a step at the other head-dim buckets: on Hopper the cached steps come in by one
+# bulk copy per row (tiers/mma/decode.cuh: bulk_key_block) with 16 rows (Sq 1) and, at d = 256,
+# with 32 (Sq 8); d = 64's 32-row tile keeps cp.async.
+@pytest.mark.parametrize("D", [64, 256])
+@pytest.mark.parametrize("Sq,s_new", [(1, 1), (8, 8)])
+def test_decode_small_pages_head_dims(D, Sq, s_new):
+    _run_case(B=3, Hq=8, Hkv=2, Sq=Sq, D=D, capacity=16 * (768 // 16), lens=(700, 3, 400), s_new=s_new,
+              page_size=16, transposed_pool=True, is_causal=True, seed=D + Sq)
+
+
 @pytest.mark.parametrize("page_size", [16, 48, 256])
 @pytest.mark.parametrize("transposed_pool", [False, True])
 @pytest.mark.parametrize("Sq,s_new", [(1, 1), (4, 4), (8, 0)])

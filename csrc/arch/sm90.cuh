@@ -343,6 +343,18 @@ __device__ __forceinline__ void mbarrier_wait(uint64_t* bar, int parity) {
 }
 
 // ---------------------------------------------------------------------------------
+// Bulk copy: `bytes` contiguous bytes of global memory into shared memory by the TMA unit, no
+// tensor map, completing on an mbarrier (complete_tx); bytes, src and dst are multiples of 16.
+// ---------------------------------------------------------------------------------
+__device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+  FLASH_SM90_ASM(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+          smem_addr(dst)),
+      "l"(src), "r"(bytes), "r"(smem_addr(bar))
+      : "memory");
+}
+
+// ---------------------------------------------------------------------------------
 // TMA: one box of a 4-d tensor map into shared memory, completing on an mbarrier, and back
 // ---------------------------------------------------------------------------------
 // (c0, c1, c2, c3): the box's first element, innermost dimension first.

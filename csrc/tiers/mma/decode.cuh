@@ -30,6 +30,7 @@
 
 #include "../../arch/host.h"
 #include "../../arch/sm80.cuh"
+#include "../../arch/sm90.cuh"
 #include "../../arch/tile.cuh"
 #include "../../arch/types.cuh"
 #include "../../core/block.cuh"
@@ -70,7 +71,8 @@ struct Tile {
   static constexpr bool kHalfSteps = kStages == 1;
   static constexpr int kMergePitch = kHeadDim + 4;
   // Shared memory: Q, then the K / V ring, over which the warps merge their final O and (m, l),
-  // fp32, once the keys are done.
+  // fp32, once the keys are done; then one mbarrier per stage, on which the Hopper build's bulk
+  // copies of a step land (kBulkSteps).
   struct Storage {
     T q[kRows * kPitch];
     union {
@@ -80,7 +82,14 @@ struct Tile {
         float stats[kWarpsN][kRows][2];
       } merge;
     };
+    uint64_t full[kStages];
   };
+  // Steps of cached keys in small pages come in by the TMA unit on Hopper: one bulk copy per K or
+  // V row of the step, issued by as many threads, completing on the stage's mbarrier, where
+  // cp.async takes a page lookup and 16 copies of 16 bytes per thread and step. Not at d = 64
+  // with 32 or 64 rows (steps of 32 / 16 keys, 128-byte rows: bulk copies measured 7% slower
+  // there), nor for the one-stage ring: cp.async.
+  static constexpr bool kBulkSteps = FLASH_SM90_ENABLED && kStages_ != 1 && (kWarpsM_ == 1 || kHeadDim_ >= 128);
   static constexpr size_t kSmemBytes = sizeof(Storage);
   // Q's A fragments stay in registers for the whole key loop where they fit next to O's
   // accumulators (d <= 128: 32 registers); at d = 256 they are read from shared memory per step.
@@ -241,6 +250,29 @@ __device__ __forceinline__ void load_key_block(const FwdParams& p, const CacheSe
   }
 }
 
+// The Hopper fill of a step wholly inside the cached tokens (and d == kHeadDim: the rows fill
+// the padded lines up to their pad, as cp.async's zero-filled columns would): each of the step's
+// K and V rows is one bulk copy of d elements from its cache row (dense, paged or packed, looked
+// up per row as cache_row does), all completing on the stage's mbarrier `full`, which announces
+// the step's bytes once.
+template <typename Cfg>
+__device__ __forceinline__ void bulk_key_block(const FwdParams& p, const CacheSeq& seq, int bi, int h_kv, int n0,
+                                               typename Cfg::T* sK, typename Cfg::T* sV, uint64_t* full) {
+  using T = typename Cfg::T;
+  constexpr uint32_t kRowBytes = Cfg::kHeadDim * sizeof(T);
+  if (threadIdx.x == 0) sm90::mbarrier_arrive_expect_tx(full, 2 * Cfg::kBlockN * kRowBytes);
+  for (int i = threadIdx.x; i < 2 * Cfg::kBlockN; i += Cfg::kThreads) {
+    const bool is_v = i >= Cfg::kBlockN;
+    const int r = is_v ? i - Cfg::kBlockN : i;
+    const int row = n0 + r + seq.k_start;
+    const T* src = is_v ? cache_row(p, static_cast<const T*>(p.v), p.v_batch_stride, p.v_head_stride,
+                                    p.v_row_stride, bi, h_kv, row)
+                        : cache_row(p, static_cast<const T*>(p.k), p.k_batch_stride, p.k_head_stride,
+                                    p.k_row_stride, bi, h_kv, row);
+    sm90::bulk_load((is_v ? sV : sK) + r * Cfg::kPitch, src, kRowBytes, full);
+  }
+}
+
 // Tile rows counted in packed rows R: R holds query R / heads (of head h0 + R % heads).
 struct PackedRows {
   int heads;
@@ -397,9 +429,30 @@ __global__ void __launch_bounds__(Cfg::kThreads) decode_kernel(const FwdParams p
     }
   }
   const KeyCopier<Cfg> copier = KeyCopier<Cfg>::make(p);
+  // Which steps the bulk copies fill (Cfg::kBulkSteps): on caches whose pages are smaller than a
+  // step (pages of 16 / 32), where cp.async's per-row page lookups and copies cost more than the
+  // keys' stream (dense caches and whole-step pages measured as fast or faster on cp.async's one
+  // pointer per step: OPTIMIZATION.md), the steps wholly inside the cached tokens. They are a
+  // prefix of [nb_begin, nb_end), so the k-th fill of a stage completes its barrier's phase k and
+  // step nb waits on parity ((nb - nb_begin) / kStages) % 2.
+  const bool bulk_rows = Cfg::kBulkSteps && p.d == Cfg::kHeadDim && p.block_table != nullptr &&
+                         p.page_size % Cfg::kBlockN != 0;
+  auto is_bulk = [&](int nb) { return bulk_rows && (nb + 1) * Cfg::kBlockN <= seq.len; };
+  if (bulk_rows) {
+    if (threadIdx.x == 0) {
+      for (int s = 0; s < Cfg::kStages; ++s) sm90::mbarrier_init(&smem.full[s], 1);
+      sm90::fence_barrier_init();
+    }
+    __syncthreads();
+  }
   auto load = [&](int nb) {
     T* stage = sKV + (nb % Cfg::kStages) * kStageElems;
-    load_key_block<Cfg>(p, seq, copier, bi, h_kv, nb * Cfg::kBlockN, stage, stage + Cfg::kBlockN * Cfg::kPitch);
+    if (is_bulk(nb)) {
+      bulk_key_block<Cfg>(p, seq, bi, h_kv, nb * Cfg::kBlockN, stage, stage + Cfg::kBlockN * Cfg::kPitch,
+                          &smem.full[nb % Cfg::kStages]);
+    } else {
+      load_key_block<Cfg>(p, seq, copier, bi, h_kv, nb * Cfg::kBlockN, stage, stage + Cfg::kBlockN * Cfg::kPitch);
+    }
   };
   // Prologue: Q with the first step, then kStages - 2 more steps in flight (the half-step loop:
   // Q with the first step's K).
@@ -460,6 +513,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) decode_kernel(const FwdParams p
   } else {
     for (int nb = nb_begin; nb < nb_end; ++nb) {
       cp_async_wait<Cfg::kStages - 2>();  // one commit group per step, empty ones included
+      if (is_bulk(nb)) sm90::mbarrier_wait(&smem.full[nb % Cfg::kStages], ((nb - nb_begin) / Cfg::kStages) % 2);
       __syncthreads();  // step nb landed for all; step nb - 1's stage is free
       if (nb + Cfg::kStages - 1 < nb_end) load(nb + Cfg::kStages - 1);
       cp_async_commit();

@@ -72,7 +72,7 @@ struct Tile {
   static constexpr int kMergePitch = kHeadDim + 4;
   // Shared memory: Q, then the K / V ring, over which the warps merge their final O and (m, l),
   // fp32, once the keys are done; then one mbarrier per stage, on which the Hopper build's bulk
-  // copies of a step land (kBulkSteps).
+  // copies of a step land (the kernel's kBulk variant).
   struct Storage {
     T q[kRows * kPitch];
     union {
@@ -84,12 +84,12 @@ struct Tile {
     };
     uint64_t full[kStages];
   };
-  // Steps of cached keys in small pages come in by the TMA unit on Hopper: one bulk copy per K or
-  // V row of the step, issued by as many threads, completing on the stage's mbarrier, where
-  // cp.async takes a page lookup and 16 copies of 16 bytes per thread and step. Not at d = 64
-  // with 32 or 64 rows (steps of 32 / 16 keys, 128-byte rows: bulk copies measured 7% slower
-  // there), nor for the one-stage ring: cp.async.
-  static constexpr bool kBulkSteps = FLASH_SM90_ENABLED && kStages_ != 1 && (kWarpsM_ == 1 || kHeadDim_ >= 128);
+  // Steps of cached keys in pages smaller than a step come in by the TMA unit on Hopper (the
+  // kernel's kBulk variant, launch_decode): one bulk copy per K or V row of the step, issued by
+  // as many threads, completing on the stage's mbarrier, where cp.async takes a page lookup and
+  // 16 copies of 16 bytes per thread and step. Not at d = 64 with 32 or 64 rows (steps of 32 / 16
+  // keys, 128-byte rows: bulk copies measured 7% slower there), nor for the one-stage ring.
+  static constexpr bool kBulkEligible = kStages_ != 1 && (kWarpsM_ == 1 || kHeadDim_ >= 128);
   static constexpr size_t kSmemBytes = sizeof(Storage);
   // Q's A fragments stay in registers for the whole key loop where they fit next to O's
   // accumulators (d <= 128: 32 registers); at d = 256 they are read from shared memory per step.
@@ -376,9 +376,10 @@ __device__ __forceinline__ void normalize_output(const FwdParams& p, const Cache
   }
 }
 
-// Grid: (row chunks * num_splits, hq / decode_heads, b).
-template <typename Cfg>
-__global__ void __launch_bounds__(Cfg::kThreads) decode_kernel(const FwdParams p) {
+// One CTA of the decode grid: (row chunks * num_splits, hq / decode_heads, b). kBulk: cached steps
+// by bulk copies (Cfg::kBulkEligible, pages smaller than a step, d == kHeadDim: launch_decode).
+template <typename Cfg, bool kBulk>
+__device__ __forceinline__ void decode_block(const FwdParams& p) {
   using T = typename Cfg::T;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   auto& smem = *reinterpret_cast<typename Cfg::Storage*>(smem_raw);
@@ -429,16 +430,11 @@ __global__ void __launch_bounds__(Cfg::kThreads) decode_kernel(const FwdParams p
     }
   }
   const KeyCopier<Cfg> copier = KeyCopier<Cfg>::make(p);
-  // Which steps the bulk copies fill (Cfg::kBulkSteps): on caches whose pages are smaller than a
-  // step (pages of 16 / 32), where cp.async's per-row page lookups and copies cost more than the
-  // keys' stream (dense caches and whole-step pages measured as fast or faster on cp.async's one
-  // pointer per step: OPTIMIZATION.md), the steps wholly inside the cached tokens. They are a
-  // prefix of [nb_begin, nb_end), so the k-th fill of a stage completes its barrier's phase k and
-  // step nb waits on parity ((nb - nb_begin) / kStages) % 2.
-  const bool bulk_rows = Cfg::kBulkSteps && p.d == Cfg::kHeadDim && p.block_table != nullptr &&
-                         p.page_size % Cfg::kBlockN != 0;
-  auto is_bulk = [&](int nb) { return bulk_rows && (nb + 1) * Cfg::kBlockN <= seq.len; };
-  if (bulk_rows) {
+  // Which steps the bulk copies fill (kBulk): the steps wholly inside the cached tokens. They are
+  // a prefix of [nb_begin, nb_end), so the k-th fill of a stage completes its barrier's phase k
+  // and step nb waits on parity ((nb - nb_begin) / kStages) % 2.
+  auto is_bulk = [&](int nb) { return kBulk && (nb + 1) * Cfg::kBlockN <= seq.len; };
+  if constexpr (kBulk) {
     if (threadIdx.x == 0) {
       for (int s = 0; s < Cfg::kStages; ++s) sm90::mbarrier_init(&smem.full[s], 1);
       sm90::fence_barrier_init();
@@ -447,12 +443,14 @@ __global__ void __launch_bounds__(Cfg::kThreads) decode_kernel(const FwdParams p
   }
   auto load = [&](int nb) {
     T* stage = sKV + (nb % Cfg::kStages) * kStageElems;
-    if (is_bulk(nb)) {
-      bulk_key_block<Cfg>(p, seq, bi, h_kv, nb * Cfg::kBlockN, stage, stage + Cfg::kBlockN * Cfg::kPitch,
-                          &smem.full[nb % Cfg::kStages]);
-    } else {
-      load_key_block<Cfg>(p, seq, copier, bi, h_kv, nb * Cfg::kBlockN, stage, stage + Cfg::kBlockN * Cfg::kPitch);
+    if constexpr (kBulk) {
+      if (is_bulk(nb)) {
+        bulk_key_block<Cfg>(p, seq, bi, h_kv, nb * Cfg::kBlockN, stage, stage + Cfg::kBlockN * Cfg::kPitch,
+                            &smem.full[nb % Cfg::kStages]);
+        return;
+      }
     }
+    load_key_block<Cfg>(p, seq, copier, bi, h_kv, nb * Cfg::kBlockN, stage, stage + Cfg::kBlockN * Cfg::kPitch);
   };
   // Prologue: Q with the first step, then kStages - 2 more steps in flight (the half-step loop:
   // Q with the first step's K).
@@ -513,7 +511,9 @@ __global__ void __launch_bounds__(Cfg::kThreads) decode_kernel(const FwdParams p
   } else {
     for (int nb = nb_begin; nb < nb_end; ++nb) {
       cp_async_wait<Cfg::kStages - 2>();  // one commit group per step, empty ones included
-      if (is_bulk(nb)) sm90::mbarrier_wait(&smem.full[nb % Cfg::kStages], ((nb - nb_begin) / Cfg::kStages) % 2);
+      if constexpr (kBulk) {
+        if (is_bulk(nb)) sm90::mbarrier_wait(&smem.full[nb % Cfg::kStages], ((nb - nb_begin) / Cfg::kStages) % 2);
+      }
       __syncthreads();  // step nb landed for all; step nb - 1's stage is free
       if (nb + Cfg::kStages - 1 < nb_end) load(nb + Cfg::kStages - 1);
       cp_async_commit();
@@ -564,6 +564,17 @@ __global__ void __launch_bounds__(Cfg::kThreads) decode_kernel(const FwdParams p
   normalize_output<Cfg>(p, seq, sO, sStats, bi, h0, r0, rows_valid, split);
 }
 
+// The bulk variant exists in the sm_90a build alone (elsewhere it traps and is never launched:
+// launch_decode asks sm90_kernel_built).
+template <typename Cfg, bool kBulk = false>
+__global__ void __launch_bounds__(Cfg::kThreads) decode_kernel(const FwdParams p) {
+  if constexpr (kBulk) {
+    FLASH_SM90_KERNEL_BODY(decode_block<Cfg, true>(p));
+  } else {
+    decode_block<Cfg, false>(p);
+  }
+}
+
 }  // namespace decode
 
 // Row chunks and splits of a decode launch with config Cfg (the split count from the shapes: the
@@ -587,7 +598,15 @@ int plan_decode_splits(const FwdParams& p) {
 
 template <typename Cfg>
 void launch_decode(const FwdParams& p, cudaStream_t stream) {
-  auto kernel = decode::decode_kernel<Cfg>;
+  // Pages smaller than a step on Hopper: the bulk variant (Tile::kBulkEligible says where it was
+  // measured faster); its shared memory and registers give the occupancy the split plan assumed.
+  auto kernel = decode::decode_kernel<Cfg, false>;
+  if constexpr (Cfg::kBulkEligible) {
+    if (p.sm_arch == 90 && p.block_table != nullptr && p.page_size % Cfg::kBlockN != 0 && p.d == Cfg::kHeadDim &&
+        sm90_kernel_built(decode::decode_kernel<Cfg, true>)) {
+      kernel = decode::decode_kernel<Cfg, true>;
+    }
+  }
   set_smem_limit(kernel, Cfg::kSmemBytes, "flash_decode");
   const int chunks = ceil_div(p.sq * p.decode_heads, Cfg::kRows);
   const dim3 grid(static_cast<unsigned>(chunks * p.num_splits), p.hq / p.decode_heads, p.b);

@@ -43,6 +43,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seqlen", nargs="+", type=C.parse_size, default=[2048, 8192, 32768, 131072])
     ap.add_argument("--sq", nargs="+", type=int, default=[1, 4, 8])
     ap.add_argument("--cache", nargs="+", default=["dense", "paged16", "paged256"])
+    ap.add_argument("--splits", nargs="+", type=int, default=[0],
+                    help="num_splits of attention_with_kvcache (0: the planner's choice); several to sweep it")
     ap.add_argument("--max-gib", type=float, default=16.0, help="skip cells whose K+V exceeds this")
     ap.add_argument("--rep", type=int, default=40, help="do_bench rep (ms)")
     ap.add_argument("--quick", action="store_true")
@@ -81,8 +83,8 @@ def main(argv=None) -> int:
     print("\n".join(C.env_lines(env)))
 
     rows = []
-    for dt, D, ratio, B, Sk, Sq, cache in itertools.product(args.dtype, args.d, args.ratio, args.batch,
-                                                            args.seqlen, args.sq, args.cache):
+    for dt, D, ratio, B, Sk, Sq, splits, cache in itertools.product(args.dtype, args.d, args.ratio, args.batch,
+                                                                    args.seqlen, args.sq, args.splits, args.cache):
         dtype = torch.bfloat16 if dt == "bf16" else torch.float16
         Hq = args.hq
         Hkv = Hq // ratio
@@ -109,7 +111,7 @@ def main(argv=None) -> int:
 
         def step():
             return flash_cuda.attention_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=lens,
-                                                     block_table=table, is_causal=True)
+                                                     block_table=table, is_causal=True, num_splits=splits)
 
         ms = do_bench(step, rep=args.rep)
         s = torch.cuda.Stream()
@@ -133,11 +135,11 @@ def main(argv=None) -> int:
             except RuntimeError as exc:  # e.g. out of memory for a backend's workspace
                 print(f"sdpa failed: {exc}", file=sys.stderr)
         gbs = kv_bytes / ms / 1e6
-        rows.append(dict(dtype=dt, D=D, ratio=ratio, B=B, Sk=Sk, Sq=Sq, cache=cache,
+        rows.append(dict(dtype=dt, D=D, ratio=ratio, B=B, Sk=Sk, Sq=Sq, splits=splits, cache=cache,
                          kv_mib=kv_bytes / (1 << 20), us=ms * 1e3, gbs=gbs, pct_copy=100 * gbs / copy_gbs,
                          sdpa_us=sdpa_ms * 1e3, vs_sdpa=sdpa_ms / ms, graph_us=graph_ms * 1e3))
         r = rows[-1]
-        print(f"{dt} D={D} G={ratio} B={B} Sk={Sk} Sq={Sq} {cache}: {r['us']:.1f} us {gbs:.0f} GB/s "
+        print(f"{dt} D={D} G={ratio} B={B} Sk={Sk} Sq={Sq} splits={splits or 'auto'} {cache}: {r['us']:.1f} us {gbs:.0f} GB/s "
               f"({r['pct_copy']:.0f}% copy) sdpa x{r['vs_sdpa']:.2f} graph {r['graph_us']:.1f} us", flush=True)
         del k_cache, v_cache, q, k_new, v_new, graph
         torch.cuda.empty_cache()
@@ -164,7 +166,7 @@ def main(argv=None) -> int:
     return 0
 
 
-CELL = ["dtype", "D", "ratio", "B", "Sk", "Sq"]
+CELL = ["dtype", "D", "ratio", "B", "Sk", "Sq", "splits"]
 
 
 def dense_refs(df):

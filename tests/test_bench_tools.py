@@ -623,7 +623,7 @@ def test_decode_bench_paged_cells_against_their_dense_cell():
     pd = pytest.importorskip("pandas")
     decode = _load("flash_cuda_bench_decode", BENCH / "decode.py")
     nan = float("nan")
-    cell = dict(dtype="bf16", D=128, ratio=4, B=1, Sq=1)
+    cell = dict(dtype="bf16", D=128, ratio=4, B=1, Sq=1, splits=0)
     df = pd.DataFrame([
         dict(cell, Sk=8192, cache="dense", us=20.0, sdpa_us=18.0, vs_sdpa=0.9),
         dict(cell, Sk=8192, cache="paged16", us=25.0, sdpa_us=nan, vs_sdpa=nan),

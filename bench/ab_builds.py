@@ -11,10 +11,12 @@ Each tree is built (or found in its cache) at first use by a subprocess that imp
 flash_cuda (``FLASH_CUDA_CACHE_DIR`` keeps the builds apart). Each build then lives in a worker
 process of its own (``--worker``), which loads its extension module by file and calls the raw
 ``fwd`` / ``bwd`` entries on inputs drawn from the seed the parent gives both workers, so both
-see the same fresh random inputs. One process per build, not both builds in one process: two
-builds of the same kernel names loaded into one process ran the same kernels (the d = 256
-80-key forward gave the base build's outputs bit for bit there, and its own, different ones in a
-process of its own). Per cell: forward outputs (O and LSE) compared bit for bit, gradients
+see the same fresh random inputs. One process per build by default: two builds of the same
+kernel names once ran the same kernels in one process (the d = 256 80-key forward gave the base
+build's outputs bit for bit there, and its own, different ones in a process of its own).
+``--one-process`` loads both modules by file into this process (the same-call A/B); a pair of
+builds whose forwards differ on purpose (one scaling O) shows whether each ran its own kernels
+("O DIFFERS" then). Per cell: forward outputs (O and LSE) compared bit for bit, gradients
 compared to each other (dQ is summed by atomics in a varying order, so it may differ by
 rounding), and the pooled median time of each build over the rounds (``triton.testing.do_bench``,
 L2 flushed), reported as new / base speed (above 1: the new build is faster).
@@ -96,22 +98,27 @@ class Worker:
 _REPLY = "@ab@ "  # marks the worker's replies among whatever else the build prints
 
 
-def serve(path: str) -> None:
-    """The worker: loads one build and answers the parent's requests until its stdin closes."""
-    import torch
-    from triton.testing import do_bench
+class Build:
+    """One build's extension module and the cell it is set up for, answering the parent's
+    requests: "inputs" (the cell's fresh random inputs from the given seed, and its forward),
+    "outputs" (saved to a file), "time" (do_bench's median, ms) and "device"."""
 
-    mod = load(Path(path), "worker")
-    state = {}
-    for line in sys.stdin:
-        req = json.loads(line)
+    def __init__(self, path: Path, tag: str):
+        self.mod = load(Path(path), tag)
+        self.state = {}
+
+    def handle(self, req: dict) -> dict:
+        import torch
+        from triton.testing import do_bench
+
+        mod, state = self.mod, self.state
+        reply = {}
         try:
-            reply = {}
             if req["op"] == "inputs":
                 d, causal, s, mode = req["cell"]
                 dtype = torch.bfloat16 if req["dtype"] == "bf16" else torch.float16
                 gen = torch.Generator(device="cuda")
-                gen.manual_seed(req["seed"])  # the same seed in both workers: the same inputs
+                gen.manual_seed(req["seed"])  # the same seed for both builds: the same inputs
                 b, h, q, k, v, dout = make_inputs(torch, d, s, req["tokens"], req["width"], dtype, mode, gen,
                                                   req["group"])
                 scale = d ** -0.5
@@ -120,7 +127,7 @@ def serve(path: str) -> None:
                     fn = lambda: fwd_call(mod, q, k, v, scale, causal)  # noqa: E731
                 else:
                     fn = lambda: bwd_call(mod, dout, q, k, v, *fwd, scale, causal)  # noqa: E731
-                state = dict(fn=fn, fwd=fwd, mode=mode, rep_ms=req["rep_ms"])
+                self.state = dict(fn=fn, fwd=fwd, mode=mode, rep_ms=req["rep_ms"])
             elif req["op"] == "outputs":
                 saved = {"O": state["fwd"][0], "LSE": state["fwd"][1]}
                 if state["mode"] == "bwd":
@@ -132,7 +139,31 @@ def serve(path: str) -> None:
                 reply["name"] = torch.cuda.get_device_name()
         except Exception as exc:  # reported to the parent, which stops with it
             reply = {"error": f"{type(exc).__name__}: {exc}"}
-        print(_REPLY + json.dumps(reply), flush=True)
+        return reply
+
+
+def serve(path: str) -> None:
+    """The worker: loads one build and answers the parent's requests until its stdin closes."""
+    build = Build(Path(path), "worker")
+    for line in sys.stdin:
+        print(_REPLY + json.dumps(build.handle(json.loads(line))), flush=True)
+
+
+class InProcess:
+    """A build loaded into the parent process (``--one-process``), asked as a Worker is."""
+
+    def __init__(self, path: Path, tag: str):
+        self.tag = tag
+        self.build = Build(path, tag)
+
+    def ask(self, op: str, **kw) -> dict:
+        reply = self.build.handle(dict(op=op, **kw))
+        if "error" in reply:
+            raise SystemExit(f"{self.tag} build, {op}: {reply['error']}")
+        return reply
+
+    def close(self):
+        pass
 
 
 def compare(torch, base: dict, new: dict) -> str:
@@ -202,6 +233,9 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--rep-ms", type=int, default=60, help="do_bench's timing window per measurement")
     ap.add_argument("--json", type=Path, default=None, help="write every measurement here")
+    ap.add_argument("--one-process", action="store_true",
+                    help="load both builds into this process (same-call A/B) instead of a worker process each; "
+                         "the forward outputs then show whether each build ran its own kernels")
     args = ap.parse_args(argv)
 
     new_cache = args.new_cache or Path(os.environ.get("FLASH_CUDA_CACHE_DIR", Path.home() / ".cache" / "flash_cuda"))
@@ -210,7 +244,8 @@ def main(argv=None):
 
     import torch
 
-    workers = {tag: Worker(path, tag) for tag, path in paths.items()}
+    make = InProcess if args.one_process else Worker
+    workers = {tag: make(path, tag) for tag, path in paths.items()}
     times = {}   # (cell, tag) -> [ms, ...]
     checks = {}  # cell -> text
     all_cells = list(cells(args))
@@ -236,7 +271,7 @@ def main(argv=None):
 
     rows = []
     print(f"\n{args.dtype}, B*S = {args.tokens}, H*D = {args.width}, {args.group} query heads per KV head, "
-          f"{args.rounds} interleaved rounds, "
+          f"{args.rounds} interleaved rounds, {'one process' if args.one_process else 'a worker process per build'}, "
           f"{device}; new / base speed (above 1: new faster)")
     print("| D | causal | S | mode | base ms | new ms | new/base | TFLOPS (new) | outputs |")
     print("| ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | --- |")

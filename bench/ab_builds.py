@@ -11,12 +11,18 @@ Each tree is built (or found in its cache) at first use by a subprocess that imp
 flash_cuda (``FLASH_CUDA_CACHE_DIR`` keeps the builds apart). Each build then lives in a worker
 process of its own (``--worker``), which loads its extension module by file and calls the raw
 ``fwd`` / ``bwd`` entries on inputs drawn from the seed the parent gives both workers, so both
-see the same fresh random inputs. One process per build by default: two builds of the same
-kernel names once ran the same kernels in one process (the d = 256 80-key forward gave the base
-build's outputs bit for bit there, and its own, different ones in a process of its own).
-``--one-process`` loads both modules by file into this process (the same-call A/B); a pair of
-builds whose forwards differ on purpose (one scaling O) shows whether each ran its own kernels
-("O DIFFERS" then). Per cell: forward outputs (O and LSE) compared bit for bit, gradients
+see the same fresh random inputs.
+
+``--one-process`` loads both modules by file into this process (the same-call A/B). Two builds
+of one module name would share a module there: pybind11 keeps one module per name and hands the
+first out again (so the d = 256 80-key forward once gave the base build's outputs bit for bit in
+one process, and its own, different ones in a process of its own). So each build is then
+compiled in a namespace and under a module name of its own (FLASH_CUDA_NAMESPACE:
+flash_cuda_ab_base / flash_cuda_ab_new), the kernels one call of each build launches are read
+with torch.profiler and must carry that build's namespace, and both builds run on the very same
+input tensors. A tree whose build predates FLASH_CUDA_NAMESPACE stops the run there.
+
+Per cell: forward outputs (O and LSE) compared bit for bit, gradients
 compared to each other (dQ is summed by atomics in a varying order, so it may differ by
 rounding), and the pooled median time of each build over the rounds (``triton.testing.do_bench``,
 L2 flushed), reported as new / base speed (above 1: the new build is faster).
@@ -35,7 +41,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-JIT_MODULE = "flash_cuda_kernels"  # the name the build at first use gives its module (flash_cuda/_ext.py)
 
 _BUILD_SNIPPET = """
 import json, sys
@@ -46,9 +51,13 @@ print(json.dumps({"file": m.__file__, "package": flash_cuda.__file__}))
 """
 
 
-def build(tree: Path, cache: Path) -> Path:
-    """Builds (or finds) ``tree``'s kernels in ``cache``; the extension module's file."""
+def build(tree: Path, cache: Path, namespace: str = "") -> Path:
+    """Builds (or finds) ``tree``'s kernels in ``cache`` (in C++ namespace ``namespace`` when given);
+    the extension module's file."""
     env = dict(os.environ, FLASH_CUDA_CACHE_DIR=str(cache))
+    env.pop("FLASH_CUDA_NAMESPACE", None)
+    if namespace:
+        env["FLASH_CUDA_NAMESPACE"] = namespace
     res = subprocess.run([sys.executable, "-c", _BUILD_SNIPPET, str(tree)], env=env, capture_output=True,
                          text=True, cwd=str(tree))
     if res.returncode:
@@ -60,12 +69,14 @@ def build(tree: Path, cache: Path) -> Path:
 
 
 def load(path: Path, tag: str):
-    """Loads one build's extension module from its file (in a worker: one build per process)."""
-    loader = importlib.machinery.ExtensionFileLoader(JIT_MODULE, str(path))
-    spec = importlib.util.spec_from_file_location(JIT_MODULE, str(path), loader=loader)
+    """Loads one build's extension module from its file (its name is the file's up to the first
+    dot: flash_cuda_kernels, or flash_cuda_kernels_<namespace>; see flash_cuda/_ext.py)."""
+    name = Path(path).name.split(".")[0]
+    loader = importlib.machinery.ExtensionFileLoader(name, str(path))
+    spec = importlib.util.spec_from_file_location(name, str(path), loader=loader)
     mod = importlib.util.module_from_spec(spec)
     loader.exec_module(mod)
-    sys.modules.pop(JIT_MODULE, None)
+    sys.modules.pop(name, None)
     mod.ab_tag = tag
     return mod
 
@@ -103,9 +114,11 @@ class Build:
     requests: "inputs" (the cell's fresh random inputs from the given seed, and its forward),
     "outputs" (saved to a file), "time" (do_bench's median, ms) and "device"."""
 
-    def __init__(self, path: Path, tag: str):
+    def __init__(self, path: Path, tag: str, shared_inputs: dict = None):
         self.mod = load(Path(path), tag)
         self.state = {}
+        # One process: both builds take the cell's tensors from this dict (the first to ask makes them).
+        self.shared_inputs = shared_inputs
 
     def handle(self, req: dict) -> dict:
         import torch
@@ -117,10 +130,16 @@ class Build:
             if req["op"] == "inputs":
                 d, causal, s, mode = req["cell"]
                 dtype = torch.bfloat16 if req["dtype"] == "bf16" else torch.float16
-                gen = torch.Generator(device="cuda")
-                gen.manual_seed(req["seed"])  # the same seed for both builds: the same inputs
-                b, h, q, k, v, dout = make_inputs(torch, d, s, req["tokens"], req["width"], dtype, mode, gen,
-                                                  req["group"])
+                key = (req["seed"], tuple(req["cell"]))
+                if self.shared_inputs is not None and self.shared_inputs.get("key") == key:
+                    q, k, v, dout = self.shared_inputs["tensors"]
+                else:
+                    gen = torch.Generator(device="cuda")
+                    gen.manual_seed(req["seed"])  # the same seed for both builds: the same inputs
+                    q, k, v, dout = make_inputs(torch, d, s, req["tokens"], req["width"], dtype, mode, gen,
+                                                req["group"])[2:]
+                    if self.shared_inputs is not None:
+                        self.shared_inputs.update(key=key, tensors=(q, k, v, dout))
                 scale = d ** -0.5
                 fwd = fwd_call(mod, q, k, v, scale, causal)
                 if mode == "fwd":
@@ -135,6 +154,15 @@ class Build:
                 torch.save({name: t.cpu() for name, t in saved.items()}, req["file"])
             elif req["op"] == "time":
                 reply["ms"] = do_bench(state["fn"], warmup=10, rep=state["rep_ms"], return_mode="median")
+            elif req["op"] == "kernels":
+                from torch.profiler import ProfilerActivity, profile
+
+                torch.cuda.synchronize()
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    state["fn"]()
+                    torch.cuda.synchronize()
+                reply["names"] = sorted({e.name for e in prof.events()
+                                         if e.device_type == torch.autograd.DeviceType.CUDA})
             elif req["op"] == "device":
                 reply["name"] = torch.cuda.get_device_name()
         except Exception as exc:  # reported to the parent, which stops with it
@@ -152,9 +180,11 @@ def serve(path: str) -> None:
 class InProcess:
     """A build loaded into the parent process (``--one-process``), asked as a Worker is."""
 
+    shared_inputs: dict = {}  # the cell's tensors, made once for both builds
+
     def __init__(self, path: Path, tag: str):
         self.tag = tag
-        self.build = Build(path, tag)
+        self.build = Build(path, tag, InProcess.shared_inputs)
 
     def ask(self, op: str, **kw) -> dict:
         reply = self.build.handle(dict(op=op, **kw))
@@ -164,6 +194,15 @@ class InProcess:
 
     def close(self):
         pass
+
+
+def check_namespace(tag: str, namespace: str, names) -> None:
+    """One process: every flash_cuda kernel a build launched must be its own (its namespace's)."""
+    ours = [n for n in names if f"{namespace}::" in n]
+    others = [n for n in names if "flash_cuda" in n and f"{namespace}::" not in n]
+    if others or not ours:
+        raise SystemExit(f"{tag} build: its call launched {others or names} instead of kernels in namespace "
+                         f"{namespace} (a tree whose build predates FLASH_CUDA_NAMESPACE cannot run --one-process)")
 
 
 def compare(torch, base: dict, new: dict) -> str:
@@ -232,6 +271,10 @@ def main(argv=None):
     ap.add_argument("--group", type=int, default=1, help="query heads per KV head (GQA); 1: MHA")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--rep-ms", type=int, default=60, help="do_bench's timing window per measurement")
+    ap.add_argument("--slices", type=int, default=1,
+                    help="per cell and round, time the builds in turn this many times (each for --rep-ms); "
+                         "the GPU's clock moves by several percent over tens of milliseconds, and alternating "
+                         "in short slices spreads such spells over both builds")
     ap.add_argument("--json", type=Path, default=None, help="write every measurement here")
     ap.add_argument("--one-process", action="store_true",
                     help="load both builds into this process (same-call A/B) instead of a worker process each; "
@@ -239,7 +282,9 @@ def main(argv=None):
     args = ap.parse_args(argv)
 
     new_cache = args.new_cache or Path(os.environ.get("FLASH_CUDA_CACHE_DIR", Path.home() / ".cache" / "flash_cuda"))
-    paths = {"base": build(args.base, args.cache / "base"), "new": build(args.new, new_cache)}
+    namespaces = {tag: (f"flash_cuda_ab_{tag}" if args.one_process else "") for tag in ("base", "new")}
+    paths = {"base": build(args.base, args.cache / "base", namespaces["base"]),
+             "new": build(args.new, new_cache, namespaces["new"])}
     print(f"builds: base {paths['base']}\n        new  {paths['new']}", flush=True)
 
     import torch
@@ -257,13 +302,17 @@ def main(argv=None):
                                width=args.width, group=args.group, rep_ms=args.rep_ms)
                 for tag in order:
                     workers[tag].ask("inputs", **request)
+                if rnd == 0 and args.one_process:
+                    for tag in order:
+                        check_namespace(tag, namespaces[tag], workers[tag].ask("kernels")["names"])
                 if rnd == 0:
                     files = {tag: os.path.join(tmp, f"{tag}.pt") for tag in order}
                     for tag in order:
                         workers[tag].ask("outputs", file=files[tag])
                     checks[cell] = compare(torch, torch.load(files["base"]), torch.load(files["new"]))
-                for tag in order:
-                    times.setdefault((cell, tag), []).append(workers[tag].ask("time")["ms"])
+                for _ in range(args.slices):  # base, new, base, new, ...: a slow spell of the GPU hits both
+                    for tag in order:
+                        times.setdefault((cell, tag), []).append(workers[tag].ask("time")["ms"])
             print(f"round {rnd + 1} of {args.rounds} done", file=sys.stderr, flush=True)
     device = workers["new"].ask("device")["name"]
     for w in workers.values():
@@ -271,7 +320,7 @@ def main(argv=None):
 
     rows = []
     print(f"\n{args.dtype}, B*S = {args.tokens}, H*D = {args.width}, {args.group} query heads per KV head, "
-          f"{args.rounds} interleaved rounds, {'one process' if args.one_process else 'a worker process per build'}, "
+          f"{args.rounds} interleaved rounds of {args.slices} alternating slices, {'one process' if args.one_process else 'a worker process per build'}, "
           f"{device}; new / base speed (above 1: new faster)")
     print("| D | causal | S | mode | base ms | new ms | new/base | TFLOPS (new) | outputs |")
     print("| ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | --- |")

@@ -431,6 +431,21 @@ def ablations_requested() -> bool:
     return os.environ.get("FLASH_CUDA_ABLATIONS", "0") not in ("", "0")
 
 
+def namespace_requested() -> Optional[str]:
+    """FLASH_CUDA_NAMESPACE=NAME compiles the kernels and the binding in namespace NAME instead of
+    flash_cuda (the preprocessor renames the namespace: every kernel's symbol and name changes,
+    nothing else) and names its module flash_cuda_kernels_NAME (_ext.jit_module_name). pybind11
+    keeps one module per name in a process, so a second build of the same name loaded beside the
+    first would hand out the first one's functions; bench/ab_builds.py --one-process gives each
+    build a name of its own, and the kernel names show which build a call ran."""
+    name = os.environ.get("FLASH_CUDA_NAMESPACE", "")
+    if not name or name == "flash_cuda":
+        return None
+    if not name.isidentifier() or not name.isascii():
+        raise ValueError(f"FLASH_CUDA_NAMESPACE={name!r}: expected a C++ identifier such as flash_cuda_ab_base")
+    return name
+
+
 def compile_flags(archs: Optional[Sequence[str]], ptx: bool = True,
                   ptxas_verbose: bool = False) -> Dict[str, List[str]]:
     """{"cxx": host compiler flags, "nvcc": nvcc flags}; archs None leaves out the -gencode flags."""
@@ -443,6 +458,10 @@ def compile_flags(archs: Optional[Sequence[str]], ptx: bool = True,
     if ablations_requested():
         nvcc.append("-DFLASH_CUDA_ABLATIONS")
         cxx.append("-DFLASH_CUDA_ABLATIONS")
+    namespace = namespace_requested()
+    if namespace is not None:
+        nvcc.append(f"-Dflash_cuda={namespace}")
+        cxx.append(f"-Dflash_cuda={namespace}")
     return {"cxx": cxx, "nvcc": nvcc}
 
 

@@ -73,6 +73,15 @@ _LOCK = threading.Lock()
 # registers nothing else by name (the custom ops are registered in Python), so the name only
 # has to differ from flash_cuda._C.
 JIT_MODULE = "flash_cuda_kernels"
+
+
+def jit_module_name() -> str:
+    """JIT_MODULE, or JIT_MODULE_<namespace> for a build in a namespace of its own
+    (FLASH_CUDA_NAMESPACE, _build.namespace_requested): pybind11 keeps one module per name in a
+    process and hands the first one out again, so two builds loaded side by side need two names."""
+    namespace = _build.namespace_requested()
+    return JIT_MODULE if namespace is None else f"{JIT_MODULE}_{namespace}"
+
 BUILD_INFO = "build.json"  # written into a build's directory once it is complete
 
 BUILD_HINT = (
@@ -286,7 +295,7 @@ def load_or_compile(archs: Sequence[str], verbose: bool = False, reason: str = "
     from torch.utils.cpp_extension import load
 
     try:
-        module = load(name=JIT_MODULE, sources=[str(csrc / s) for s in _build.compiled_sources(csrc)],
+        module = load(name=jit_module_name(), sources=[str(csrc / s) for s in _build.compiled_sources(csrc)],
                       extra_cflags=flags["cxx"], extra_cuda_cflags=flags["nvcc"], extra_include_paths=[str(csrc)],
                       build_directory=str(directory), verbose=verbose)
     except (RuntimeError, ImportError, OSError) as exc:

@@ -651,3 +651,12 @@ def test_ab_switch_cells_and_arguments():
         proc = subprocess.run([sys.executable, str(BENCH / "ab_switch.py"), "--switch", "FLASH_CUDA_WS_BLOCK_M=128"],
                               capture_output=True, text=True, timeout=120, cwd=ROOT)
         assert proc.returncode == 2 and "needs a CUDA GPU" in proc.stderr
+
+
+def test_ab_builds_one_process_checks_each_build_ran_its_own_kernels():
+    ab = _load("flash_cuda_bench_ab_builds", BENCH / "ab_builds.py")
+    own = "void flash_cuda_ab_new::sm90::ws::fwd_kernel<Cfg>(flash_cuda_ab_new::FwdParams)"
+    ab.check_namespace("new", "flash_cuda_ab_new", [own, "void at::native::vectorized_elementwise_kernel<4>()"])
+    for names in ([own.replace("_ab_new", "_ab_base")], [own.replace("_ab_new", "")], []):
+        with pytest.raises(SystemExit, match="instead of kernels in namespace flash_cuda_ab_new"):
+            ab.check_namespace("new", "flash_cuda_ab_new", names)

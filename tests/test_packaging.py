@@ -526,3 +526,23 @@ def test_torch_compile_traces_an_undecided_is_available(monkeypatch, first_use):
     assert flash_cuda.is_available() is False
     assert compiled(x).tolist() == [-1.0, -1.0]
     torch._dynamo.reset()
+
+
+def test_namespace_build_renames_the_namespace_and_the_module(monkeypatch):
+    # FLASH_CUDA_NAMESPACE (bench/ab_builds.py --one-process): the preprocessor renames the C++
+    # namespace in the kernels and the binding, and the module gets a name of its own, since
+    # pybind11 hands out the first module of a name again.
+    monkeypatch.delenv("FLASH_CUDA_NAMESPACE", raising=False)
+    plain = B.compile_flags(None)
+    assert not any("-Dflash_cuda=" in f for f in plain["nvcc"] + plain["cxx"])
+    assert _ext.jit_module_name() == _ext.JIT_MODULE
+    monkeypatch.setenv("FLASH_CUDA_NAMESPACE", "flash_cuda_ab_new")
+    flags = B.compile_flags(None)
+    assert "-Dflash_cuda=flash_cuda_ab_new" in flags["nvcc"] and "-Dflash_cuda=flash_cuda_ab_new" in flags["cxx"]
+    assert _ext.jit_module_name() == "flash_cuda_kernels_flash_cuda_ab_new"
+    assert B.build_name("0", "d", "2", "13", flags) != B.build_name("0", "d", "2", "13", plain)
+    monkeypatch.setenv("FLASH_CUDA_NAMESPACE", "flash_cuda")
+    assert B.compile_flags(None) == plain
+    monkeypatch.setenv("FLASH_CUDA_NAMESPACE", "1 bad")
+    with pytest.raises(ValueError, match="C\\+\\+ identifier"):
+        B.compile_flags(None)

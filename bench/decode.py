@@ -14,8 +14,11 @@ K + V bytes read (B * Hkv * (Sk + Sq) * D * 2 * 2) over the median time of
 triton.testing.do_bench (its L2 flush between calls; fresh random inputs). "copy" is a
 device-to-device copy of 2 GiB, (read + write bytes) / time. SDPA runs
 F.scaled_dot_product_attention(q, k, v, enable_gqa=True) on the dense cache's first Sk + Sq rows
-(no append, no mask: at Sq = 1 causal changes nothing; for Sq > 1 both run unmasked). "graph us"
-is flash_cuda's step (append + attention) captured once in a CUDA graph, per replay.
+(no append, no mask: at Sq = 1 causal changes nothing; for Sq > 1 both run unmasked); a paged cell
+takes SDPA's time on the dense keys of its shape (the dense cell's, when it ran) and reports
+"vs_dense", the dense cache's time in the same cell over its own (1.0: pages as fast as a dense
+cache). "graph us" is flash_cuda's step (append + attention) captured once in a CUDA graph, per
+replay.
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seqlen", nargs="+", type=C.parse_size, default=[2048, 8192, 32768, 131072])
     ap.add_argument("--sq", nargs="+", type=int, default=[1, 4, 8])
     ap.add_argument("--cache", nargs="+", default=["dense", "paged16", "paged256"])
+    ap.add_argument("--splits", nargs="+", type=int, default=[0],
+                    help="num_splits of attention_with_kvcache (0: the planner's choice); several to sweep it")
     ap.add_argument("--max-gib", type=float, default=16.0, help="skip cells whose K+V exceeds this")
     ap.add_argument("--rep", type=int, default=40, help="do_bench rep (ms)")
     ap.add_argument("--quick", action="store_true")
@@ -78,8 +83,8 @@ def main(argv=None) -> int:
     print("\n".join(C.env_lines(env)))
 
     rows = []
-    for dt, D, ratio, B, Sk, Sq, cache in itertools.product(args.dtype, args.d, args.ratio, args.batch,
-                                                            args.seqlen, args.sq, args.cache):
+    for dt, D, ratio, B, Sk, Sq, splits, cache in itertools.product(args.dtype, args.d, args.ratio, args.batch,
+                                                                    args.seqlen, args.sq, args.splits, args.cache):
         dtype = torch.bfloat16 if dt == "bf16" else torch.float16
         Hq = args.hq
         Hkv = Hq // ratio
@@ -106,7 +111,7 @@ def main(argv=None) -> int:
 
         def step():
             return flash_cuda.attention_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=lens,
-                                                     block_table=table, is_causal=True)
+                                                     block_table=table, is_causal=True, num_splits=splits)
 
         ms = do_bench(step, rep=args.rep)
         s = torch.cuda.Stream()
@@ -119,18 +124,22 @@ def main(argv=None) -> int:
             step()
         graph_ms = do_bench(graph.replay, rep=args.rep)
         sdpa_ms = float("nan")
-        if page is None:
-            k, v = k_cache[:, :, :L], v_cache[:, :, :L]
+        if page is None or "dense" not in args.cache:  # (a paged cell's from its dense cell: dense_refs)
+            if page is None:
+                k, v = k_cache[:, :, :L], v_cache[:, :, :L]
+            else:
+                k = torch.randn(B, Hkv, L, D, device="cuda", dtype=dtype)
+                v = torch.randn_like(k)
             try:
                 sdpa_ms = do_bench(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), args.rep)
             except RuntimeError as exc:  # e.g. out of memory for a backend's workspace
                 print(f"sdpa failed: {exc}", file=sys.stderr)
         gbs = kv_bytes / ms / 1e6
-        rows.append(dict(dtype=dt, D=D, ratio=ratio, B=B, Sk=Sk, Sq=Sq, cache=cache,
+        rows.append(dict(dtype=dt, D=D, ratio=ratio, B=B, Sk=Sk, Sq=Sq, splits=splits, cache=cache,
                          kv_mib=kv_bytes / (1 << 20), us=ms * 1e3, gbs=gbs, pct_copy=100 * gbs / copy_gbs,
                          sdpa_us=sdpa_ms * 1e3, vs_sdpa=sdpa_ms / ms, graph_us=graph_ms * 1e3))
         r = rows[-1]
-        print(f"{dt} D={D} G={ratio} B={B} Sk={Sk} Sq={Sq} {cache}: {r['us']:.1f} us {gbs:.0f} GB/s "
+        print(f"{dt} D={D} G={ratio} B={B} Sk={Sk} Sq={Sq} splits={splits or 'auto'} {cache}: {r['us']:.1f} us {gbs:.0f} GB/s "
               f"({r['pct_copy']:.0f}% copy) sdpa x{r['vs_sdpa']:.2f} graph {r['graph_us']:.1f} us", flush=True)
         del k_cache, v_cache, q, k_new, v_new, graph
         torch.cuda.empty_cache()
@@ -139,7 +148,7 @@ def main(argv=None) -> int:
         prefill(torch, do_bench, flash_cuda)
     if not rows:
         return 0
-    df = pd.DataFrame(rows)
+    df = dense_refs(pd.DataFrame(rows))
     if args.csv:
         C.write_csv(df, args.csv, env)
     print(C.markdown(df, floatfmt=".2f"))
@@ -150,7 +159,32 @@ def main(argv=None) -> int:
     dense = df[df.cache == "dense"]
     if len(dense):
         print(f"dense cells: vs SDPA min {dense.vs_sdpa.min():.2f} median {dense.vs_sdpa.median():.2f}")
+    for cache, cells in df[df.cache != "dense"].groupby("cache", sort=False):
+        if cells.vs_dense.notna().any():
+            print(f"{cache}: dense time / this cache's, min {cells.vs_dense.min():.2f} "
+                  f"median {cells.vs_dense.median():.2f}")
     return 0
+
+
+CELL = ["dtype", "D", "ratio", "B", "Sk", "Sq", "splits"]
+
+
+def dense_refs(df):
+    """Each paged cell against the dense cell of its shape, where that one ran: SDPA's time (and
+    vs_sdpa) taken from it, and vs_dense = the dense cache's time / this cell's (1.0: as fast)."""
+    dense = df[df.cache == "dense"].set_index(CELL)
+    df = df.copy()
+    df["vs_dense"] = float("nan")
+    for i, row in df.iterrows():
+        key = tuple(row[c] for c in CELL)
+        if key not in dense.index:
+            continue
+        ref = dense.loc[key]
+        df.at[i, "vs_dense"] = ref["us"] / row["us"]
+        if row["cache"] != "dense" and ref["sdpa_us"] == ref["sdpa_us"]:  # (not NaN)
+            df.at[i, "sdpa_us"] = ref["sdpa_us"]
+            df.at[i, "vs_sdpa"] = ref["sdpa_us"] / row["us"]
+    return df
 
 
 def prefill(torch, do_bench, flash_cuda) -> None:

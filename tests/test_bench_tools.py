@@ -3,6 +3,7 @@ synthetic report, the shared helpers (bench/common.py: sizes, tables, CSV stamp)
 CPU side of bench/run.py (grid, tables, anchor join, plots, --dry-run) / bench/ncu_profile.py."""
 
 import importlib.util
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -614,6 +615,26 @@ def test_decode_bench_help_and_no_gpu_message():
         proc = subprocess.run([sys.executable, str(BENCH / "decode.py")], capture_output=True, text=True,
                               timeout=120, cwd=ROOT)
         assert proc.returncode == 2 and "needs a CUDA GPU" in proc.stderr
+
+
+def test_decode_bench_paged_cells_against_their_dense_cell():
+    """bench/decode.py's dense_refs: a paged cell takes SDPA's time from the dense cell of its
+    shape and reports the dense cache's time over its own; cells without a dense twin keep theirs."""
+    pd = pytest.importorskip("pandas")
+    decode = _load("flash_cuda_bench_decode", BENCH / "decode.py")
+    nan = float("nan")
+    cell = dict(dtype="bf16", D=128, ratio=4, B=1, Sq=1, splits=0)
+    df = pd.DataFrame([
+        dict(cell, Sk=8192, cache="dense", us=20.0, sdpa_us=18.0, vs_sdpa=0.9),
+        dict(cell, Sk=8192, cache="paged16", us=25.0, sdpa_us=nan, vs_sdpa=nan),
+        dict(cell, Sk=8192, cache="paged256", us=20.0, sdpa_us=nan, vs_sdpa=nan),
+        dict(cell, Sk=32768, cache="paged16", us=50.0, sdpa_us=45.0, vs_sdpa=0.9),  # no dense twin
+    ])
+    out = decode.dense_refs(df)
+    assert out.vs_dense.tolist()[:3] == [1.0, 0.8, 1.0] and math.isnan(out.vs_dense.iloc[3])
+    assert out.sdpa_us.tolist() == [18.0, 18.0, 18.0, 45.0]
+    assert out.vs_sdpa.tolist() == [0.9, 18.0 / 25.0, 18.0 / 20.0, 0.9]
+    assert df.vs_sdpa.isna().sum() == 2  # (the input is left as it was)
 
 
 def test_ab_switch_cells_and_arguments():

@@ -191,8 +191,7 @@ def test_wide_head_dims(dtype, D, case):
 
 
 # Pages smaller than a step at the other head-dim buckets: on Hopper the cached steps come in by one
-# bulk copy per row (tiers/mma/decode.cuh: bulk_key_block) with 16 rows (Sq 1) and, at d = 256,
-# with 32 (Sq 8); d = 64's 32-row tile keeps cp.async.
+# bulk copy per row (tiers/mma/decode.cuh: bulk_key_block) with 16 rows (Sq 1) and 32 (Sq 8).
 @pytest.mark.parametrize("D", [64, 256])
 @pytest.mark.parametrize("Sq,s_new", [(1, 1), (8, 8)])
 def test_decode_small_pages_head_dims(D, Sq, s_new):

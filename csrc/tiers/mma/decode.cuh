@@ -89,7 +89,7 @@ struct Tile {
   // as many threads, completing on the stage's mbarrier, where cp.async takes a page lookup and
   // 16 copies of 16 bytes per thread and step. Not at d = 64 with 32 or 64 rows (steps of 32 / 16
   // keys, 128-byte rows: bulk copies measured 7% slower there), nor for the one-stage ring.
-  static constexpr bool kBulkEligible = kStages_ != 1 && (kWarpsM_ == 1 || kHeadDim_ >= 128);
+  static constexpr bool kBulkEligible = kStages_ != 1;
   static constexpr size_t kSmemBytes = sizeof(Storage);
   // Q's A fragments stay in registers for the whole key loop where they fit next to O's
   // accumulators (d <= 128: 32 registers); at d = 256 they are read from shared memory per step.
@@ -260,8 +260,17 @@ __device__ __forceinline__ void bulk_key_block(const FwdParams& p, const CacheSe
                                                typename Cfg::T* sK, typename Cfg::T* sV, uint64_t* full) {
   using T = typename Cfg::T;
   constexpr uint32_t kRowBytes = Cfg::kHeadDim * sizeof(T);
+  // Every warp issues an equal share of the rows: a bulk copy takes its addresses from uniform
+  // registers, so a warp issues its lanes' copies one after another, and a step waits for the
+  // largest share (with the rows of 32-key steps on warps 0-1 alone, Sq 4's steps streamed at
+  // half the speed of Sq 1's).
+  constexpr int kWarps = Cfg::kThreads / 32;
+  constexpr int kRowsPerWarp = 2 * Cfg::kBlockN / kWarps;
+  static_assert(2 * Cfg::kBlockN % kWarps == 0 && kRowsPerWarp <= 32, "whole shares of at most a warp");
   if (threadIdx.x == 0) sm90::mbarrier_arrive_expect_tx(full, 2 * Cfg::kBlockN * kRowBytes);
-  for (int i = threadIdx.x; i < 2 * Cfg::kBlockN; i += Cfg::kThreads) {
+  const int lane = threadIdx.x % 32;
+  if (lane < kRowsPerWarp) {
+    const int i = threadIdx.x / 32 * kRowsPerWarp + lane;
     const bool is_v = i >= Cfg::kBlockN;
     const int r = is_v ? i - Cfg::kBlockN : i;
     const int row = n0 + r + seq.k_start;

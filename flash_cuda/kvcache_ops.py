@@ -33,7 +33,7 @@ from .ops import fwd_impl
 from .validation import ENVIRON, ScoreOptions, env_key
 
 __all__ = ["DECODE_MAX_QUERIES", "ENV_CHECK_KEY", "cache_slots", "fwd_kvcache", "fwd_kvcache_packed", "run_kvcache",
-           "run_kvcache_packed"]
+           "run_kvcache_fp8", "run_kvcache_packed"]
 
 # Queries per sequence up to which the split-KV decode kernels run a KV-cache call
 # (tiers/mma/family.h: decode::kMaxDecodeQueries, the bound attention() uses too).
@@ -114,6 +114,22 @@ def run_kvcache(C, q, k_cache, v_cache, k, v, lens, cache_len, block_table, scal
                              window_right, softcap, alibi_slopes, num_splits, return_lse)
     return C.fwd_kvcache(q, k_cache, v_cache, k, v, lens, cache_len, block_table, scale, window_left, window_right,
                          softcap, alibi_slopes, num_splits, return_lse, sinks)
+
+
+def run_kvcache_fp8(C, q, k_cache, v_cache, k, v, lens, cache_len, block_table, scale, window_left, window_right,
+                    softcap, alibi_slopes, num_splits, return_lse, check_inputs, sinks, k_descale, v_descale):
+    """The validated FP8 cache call (kvcache_checks.validate_fp8): (out, lse) as
+    :func:`run_kvcache`, every query count through the decode kernels (they quantize the new rows
+    as they store them); k_descale / v_descale float32 (batch, kv_heads), contiguous."""
+    if check_inputs or ENV_CHECK_KEY in ENVIRON:
+        if check_enabled(check_inputs):
+            B, s_new = q.shape[0], 0 if k is None else k.shape[2]
+            capacity = k_cache.shape[2] * (1 if block_table is None else block_table.shape[1])
+            check_values(lens.tolist() if lens is not None else [cache_len] * B, block_table, s_new, capacity,
+                         k_cache.shape[0])
+    return C.fwd_kvcache(q, k_cache, v_cache, k, v, lens, cache_len, block_table, scale, window_left, window_right,
+                         softcap, alibi_slopes, num_splits, return_lse, sinks, k_descale=k_descale,
+                         v_descale=v_descale)
 
 
 @torch.library.custom_op("flash_cuda::fwd_kvcache", mutates_args=("k_cache", "v_cache"))

@@ -29,6 +29,15 @@ def _fp8_capable() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
 
 
+def _write8(cache, table, b, start, x8):
+    """_write_kvcache of e4m3 rows through byte views (indexed writes of every dtype)."""
+    _write_kvcache(cache.view(torch.uint8), table, b, start, x8.view(torch.uint8))
+
+
+def _read8(cache, table, b, start, end):
+    return _read_kvcache(cache.view(torch.uint8), table, b, start, end).view(E4M3)
+
+
 def _cache(B, Hkv, D, capacity, page_size, gen):
     """(k_cache, v_cache, block_table), e4m3 NaN everywhere; pages dealt out in a random order
     over a (pages, page_size, Hkv, D) pool seen as (pages, Hkv, page_size, D)."""
@@ -59,7 +68,7 @@ def _run(B=3, Hq=8, Hkv=2, Sq=1, D=128, dtype=torch.bfloat16, capacity=768, lens
     for b, n in enumerate(lens):  # cached rows: e4m3 of N(0, 1) / descale
         for cache, d in ((k_cache, kd_t), (v_cache, vd_t)):
             x = torch.randn((Hkv, n, D), generator=gen).to(DEV)
-            _write_kvcache(cache, table, b, 0, quantize_e4m3(x, d[b].view(Hkv, 1, 1)))
+            _write8(cache, table, b, 0, quantize_e4m3(x, d[b].view(Hkv, 1, 1)))
     q = torch.randn((B, Hq, Sq, D), generator=gen).to(DEV, dtype)
     k_new = v_new = None
     if s_new:
@@ -69,8 +78,8 @@ def _run(B=3, Hq=8, Hkv=2, Sq=1, D=128, dtype=torch.bfloat16, capacity=768, lens
     expect_k, expect_v = k_cache.clone(), v_cache.clone()
     for b, n in enumerate(lens):
         if s_new:
-            _write_kvcache(expect_k, table, b, n, quantize_e4m3(k_new[b].float(), kd_t[b].view(Hkv, 1, 1)))
-            _write_kvcache(expect_v, table, b, n, quantize_e4m3(v_new[b].float(), vd_t[b].view(Hkv, 1, 1)))
+            _write8(expect_k, table, b, n, quantize_e4m3(k_new[b].float(), kd_t[b].view(Hkv, 1, 1)))
+            _write8(expect_v, table, b, n, quantize_e4m3(v_new[b].float(), vd_t[b].view(Hkv, 1, 1)))
     out, lse = flash_cuda.attention_with_kvcache(
         q, k_cache, v_cache, k_new, v_new, cache_seqlens=torch.tensor(lens, dtype=torch.int32, device=DEV),
         block_table=table, is_causal=is_causal, window_size=window_size, softcap=softcap, sinks=sink,
@@ -82,8 +91,8 @@ def _run(B=3, Hq=8, Hkv=2, Sq=1, D=128, dtype=torch.bfloat16, capacity=768, lens
     problems = []
     for b, n in enumerate(lens):
         L = n + s_new
-        kb = (_read_kvcache(expect_k, table, b, 0, L).float() * kd_t[b].view(Hkv, 1, 1)).unsqueeze(0)
-        vb = (_read_kvcache(expect_v, table, b, 0, L).float() * vd_t[b].view(Hkv, 1, 1)).unsqueeze(0)
+        kb = (_read8(expect_k, table, b, 0, L).float() * kd_t[b].view(Hkv, 1, 1)).unsqueeze(0)
+        vb = (_read8(expect_v, table, b, 0, L).float() * vd_t[b].view(Hkv, 1, 1)).unsqueeze(0)
         opts = dict(is_causal=is_causal, window_size=window_size, softcap=softcap)
         ref_o, ref_lse = attention_naive(q[b:b + 1].double(), kb.double(), vb.double(), **opts,
                                          sinks=None if sink is None else sink.double())

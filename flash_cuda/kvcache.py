@@ -152,8 +152,8 @@ def attention_with_kvcache(
             kv_heads)`` on q's device (per sequence and KV head). q and the new k / v stay float16
             or bfloat16; the new rows are stored as ``e4m3(k / k_descale)`` (round to nearest
             even, saturating at +-448) and attended as stored. Head dims that are multiples of
-            16, compute capability 8.9 or newer; eager calls on plain tensors (no packed queries,
-            no torch.compile yet). Specified by
+            16, compute capability 8.9 or newer; no packed queries yet (``torch.compile`` and CUDA
+            graphs as for 16-bit caches: the op takes the descales). Specified by
             :func:`flash_cuda.reference.attention_with_kvcache_fp8_reference`.
 
     Packed queries (``cu_seqlens_q`` given): prompt chunks of some sequences and decode tokens of
@@ -298,13 +298,11 @@ def _attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_tabl
 def _attention_fp8(q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_causal, scale, window_size, softcap,
                    alibi_slopes, sinks, num_splits, return_lse, check_inputs, cu_seqlens_q, max_seqlen_q, k_descale,
                    v_descale):
-    """An FP8 cache call: checked on every call (no kept signature yet), eager only."""
+    """An FP8 cache call: checked on every call (no kept signature yet); plain eager tensors run
+    the extension call, anything else (torch.compile, fake tensors) the op with the descales."""
     if cu_seqlens_q is not None or max_seqlen_q is not None:
         raise NotImplementedError(f"{kvcache_checks.PREFIX}packed queries (cu_seqlens_q) over an FP8 cache are not "
                                   f"supported yet; call once per chunk length, or use a 16-bit cache")
-    if _is_compiling() or not plain(q, k_cache, v_cache, k, v, cache_seqlens, block_table, alibi_slopes, sinks):
-        raise NotImplementedError(f"{kvcache_checks.PREFIX}FP8 caches run on plain eager tensors for now (not under "
-                                  f"torch.compile, fake or functional tensors, or tensor subclasses)")
     plan, kd, vd = kvcache_checks.validate_fp8(q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_causal,
                                                scale, window_size, softcap, alibi_slopes, num_splits, return_lse,
                                                sinks, k_descale, v_descale)
@@ -313,7 +311,7 @@ def _attention_fp8(q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_cau
     else:
         lens, cache_len = None, cache_seqlens
     block_table, alibi_slopes, sinks = _prepared(plan, block_table, alibi_slopes, sinks)
-    out, lse = run_kvcache_fp8(_ext.require(), q, k_cache, v_cache, k, v, lens, cache_len, block_table, plan.scale,
-                               plan.window_left, plan.window_right, plan.softcap, alibi_slopes, num_splits,
-                               return_lse, check_inputs, sinks, kd, vd)
-    return (out, lse) if return_lse else out
+    args = (q, k_cache, v_cache, k, v, lens, cache_len, block_table, plan.scale, plan.window_left, plan.window_right,
+            plan.softcap, alibi_slopes, num_splits, return_lse, check_inputs, sinks, kd, vd)
+    return _dispatch(plain(q, k_cache, v_cache, k, v, cache_seqlens, block_table, alibi_slopes, sinks)
+                     and not _is_compiling(), run_kvcache_fp8, fwd_kvcache, args, return_lse)

@@ -104,3 +104,40 @@ def test_fp8_packed_queries_not_yet(mock_kvcache):
         flash_cuda.attention_with_kvcache(q[:, :, 0], k_cache, v_cache, cache_seqlens=lens,
                                           cu_seqlens_q=torch.tensor([0, 2, 4], dtype=torch.int32), max_seqlen_q=2,
                                           k_descale=0.01, v_descale=0.02)
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+@pytest.mark.parametrize("page_size", [None, 16])
+def test_fp8_compiled_step_matches_eager(mock_kvcache, backend, page_size):
+    """torch.compile(fullgraph=True) of an FP8 decode step: the op flash_cuda::fwd_kvcache with the
+    descales, no graph break, the eager step's output and caches (the quantized append kept)."""
+    q, k_cache, v_cache, k, v, lens, table = _inputs(page_size=page_size, seed=page_size or 3)
+    kd, vd = torch.full((2, 2), 0.01), 0.02
+
+    def step(q, k_cache, v_cache, k, v, lens):
+        return flash_cuda.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lens, block_table=table,
+                                                 is_causal=True, return_lse=True, k_descale=kd, v_descale=vd)
+
+    ek, ev = k_cache.clone(), v_cache.clone()
+    expect = step(q, ek, ev, k, v, lens)
+    torch._dynamo.reset()
+    explanation = torch._dynamo.explain(step)(q, k_cache.clone(), v_cache.clone(), k, v, lens)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    got = torch.compile(step, fullgraph=True, backend=backend)(q, k_cache, v_cache, k, v, lens)
+    for a, b in zip(got, expect):
+        assert torch.equal(a, b)
+    assert torch.equal(k_cache.view(torch.uint8), ek.view(torch.uint8))
+    assert torch.equal(v_cache.view(torch.uint8), ev.view(torch.uint8))
+
+
+@pytest.mark.parametrize("return_lse", [False, True])
+def test_fp8_opcheck(mock_kvcache, return_lse):
+    """The op's fake and dispatch with FP8 caches and their descales (opcheck's schema test, which
+    perturbs the inputs arithmetically, has no float8 arithmetic on CPU: the 16-bit opchecks of
+    tests/test_kvcache_compile.py hold the same schema's mutation declaration)."""
+    q, k_cache, v_cache, k, v, lens, table = _inputs(page_size=16)
+    kd, vd = torch.full((2, 2), 0.01), torch.full((2, 2), 0.02)
+    args = (q, k_cache, v_cache, k, v, lens, 0, table, 32 ** -0.5, -1, 0, 0.0, None, 0, return_lse, False, None, kd,
+            vd)
+    torch.library.opcheck(torch.ops.flash_cuda.fwd_kvcache.default, args,
+                          test_utils=("test_faketensor", "test_aot_dispatch_static", "test_aot_dispatch_dynamic"))

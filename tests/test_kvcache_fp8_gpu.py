@@ -143,3 +143,51 @@ def test_fp8_needs_ada_or_newer():
     c = torch.zeros(1, 2, 32, 64, device=DEV).to(E4M3)
     with pytest.raises(RuntimeError, match="compute capability 8.9"):
         flash_cuda.attention_with_kvcache(q, c, c.clone(), cache_seqlens=4, k_descale=1.0, v_descale=1.0)
+
+
+@needs_fp8
+@pytest.mark.parametrize("compiled", [False, True])
+def test_fp8_step_in_a_cuda_graph(compiled):
+    """An FP8 decode step captured once (by hand, or by torch.compile's reduce-overhead mode) and
+    replayed at growing lengths equals the eager steps on a twin cache, byte for byte."""
+    gen = torch.Generator().manual_seed(7)
+    B, Hq, Hkv, D, cap = 2, 8, 2, 128, 512
+    k_cache, v_cache, table = _cache(B, Hkv, D, cap, 16, gen)
+    for b in range(B):
+        for cache in (k_cache, v_cache):
+            _write8(cache, table, b, 0, quantize_e4m3(torch.randn((Hkv, 100, D), generator=gen).to(DEV), 0.01))
+    kd = torch.full((B, Hkv), 0.01, device=DEV)
+    twin_k, twin_v = k_cache.clone(), v_cache.clone()
+    lens = torch.tensor([100, 100], dtype=torch.int32, device=DEV)
+    q = torch.empty(B, Hq, 1, D, device=DEV, dtype=torch.bfloat16)
+    k_new = torch.empty(B, Hkv, 1, D, device=DEV, dtype=torch.bfloat16)
+    v_new = torch.empty_like(k_new)
+
+    def step(kc, vc):
+        return flash_cuda.attention_with_kvcache(q, kc, vc, k_new, v_new, cache_seqlens=lens, block_table=table,
+                                                 is_causal=True, k_descale=kd, v_descale=kd)
+
+    if compiled:
+        torch._dynamo.reset()
+        run = torch.compile(step, mode="reduce-overhead", fullgraph=True)
+        replay = lambda: run(k_cache, v_cache)  # noqa: E731
+    else:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            step(k_cache.clone(), v_cache.clone())  # (warm-up on copies: the caches keep their bytes)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out_g = step(k_cache, v_cache)
+        replay = lambda: (graph.replay(), out_g)[1]  # noqa: E731
+    for t in range(4):
+        q.copy_(torch.randn(q.shape, generator=gen).to(DEV, q.dtype))
+        k_new.copy_(torch.randn(k_new.shape, generator=gen).to(DEV, k_new.dtype))
+        v_new.copy_(torch.randn(v_new.shape, generator=gen).to(DEV, v_new.dtype))
+        got = replay().clone()
+        expect = step(twin_k, twin_v)
+        torch.cuda.synchronize()
+        assert torch.equal(got, expect), f"step {t}"
+        assert torch.equal(k_cache.view(torch.uint8), twin_k.view(torch.uint8)), f"step {t}: k_cache"
+        lens += 1

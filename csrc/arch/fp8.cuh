@@ -49,6 +49,14 @@ __device__ __forceinline__ uint2 e4m3x4_to(uint32_t x) {
   }
 }
 
+// A word of four e4m3 values (b0, b1, b2, b3) as the registers (b0, b2) and (b1, b3) of two values
+// of T each: what ldmatrix.trans delivers of a row-major e4m3 tile (two keys' column pairs) regrouped
+// into one register per column (arch: one byte permutation, then the two conversions).
+template <typename T>
+__device__ __forceinline__ uint2 e4m3x4_even_odd_to(uint32_t x) {
+  return e4m3x4_to<T>(__byte_perm(x, 0, 0x3120));
+}
+
 // Two floats as e4m3 (lo in the low byte): round to nearest even, +-inf and values beyond 448
 // saturated to +-448, NaN kept.
 __device__ __forceinline__ uint16_t f32x2_to_e4m3x2(float lo, float hi) {

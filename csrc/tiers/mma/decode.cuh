@@ -125,21 +125,19 @@ struct Config : Tile<T, kHeadDim, kWarpsM, kFullStages<T, kHeadDim, kWarpsM>> {}
 template <typename T, int kHeadDim, int kWarpsM>
 struct HalfStepConfig : Tile<T, kHeadDim, kWarpsM, 1> {};
 
-// FP8 caches (FwdParams::cache_fp8, sm_89 and newer): the ring holds each step's e4m3 K and V rows
-// unpadded (d bytes a row, in 16-byte copies), and every step is converted, once the copies have
-// landed, into one 16-bit step (kvc: the padded rows of the 16-bit tiles) that the four named
-// steps then read as they read a 16-bit ring's stage. kFp8SmemBytes (ring + converted step) keeps
-// three CTAs per SM at d = 128, as the 16-bit tiles have; the ring takes what the converted step
-// leaves, two to kMaxStages steps.
-constexpr size_t kFp8SmemBytes = 64 * 1024;
+// FP8 caches (FwdParams::cache_fp8, sm_89 and newer): the ring holds each step's e4m3 K and V rows,
+// padded to d + 16 bytes (conflict-free ldmatrix), and the two products read them straight from
+// there, converting in registers (tiers/mma/gemm.cuh: the e4m3 B operands): a step costs the
+// shared memory half the bytes of a 16-bit one. kFp8RingBytes sets the ring's steps (3 at d = 128:
+// as many bytes in flight per CTA as the 16-bit ring's, at three CTAs per SM).
+constexpr size_t kFp8RingBytes = 56 * 1024;
 template <typename T, int kHeadDim, int kWarpsM>
 struct Fp8Sizes {
   using Base = Tile<T, kHeadDim, kWarpsM, 2>;
-  static constexpr size_t kConvertBytes = size_t(2) * Base::kBlockN * Base::kPitch * sizeof(T);
-  static constexpr size_t kStageBytes = size_t(2) * Base::kBlockN * kHeadDim;
-  static constexpr int kStages = static_cast<int>(std::min<size_t>(
-      kMaxStages,
-      std::max<size_t>(2, kFp8SmemBytes > kConvertBytes ? (kFp8SmemBytes - kConvertBytes) / kStageBytes : 0)));
+  static constexpr int kPitchC = kHeadDim + 16;
+  static constexpr size_t kStageBytes = size_t(2) * Base::kBlockN * kPitchC;
+  static constexpr int kStages =
+      static_cast<int>(std::min<size_t>(kMaxStages, std::max<size_t>(2, kFp8RingBytes / kStageBytes)));
 };
 template <typename T_, int kHeadDim_, int kWarpsM_>
 struct Fp8Config : Tile<T_, kHeadDim_, kWarpsM_, Fp8Sizes<T_, kHeadDim_, kWarpsM_>::kStages> {
@@ -148,14 +146,13 @@ struct Fp8Config : Tile<T_, kHeadDim_, kWarpsM_, Fp8Sizes<T_, kHeadDim_, kWarpsM
   using TC = uint8_t;
   static constexpr bool kFp8 = true;
   static constexpr bool kBulkEligible = false;
-  static constexpr int kPitchC = kHeadDim_;
+  static constexpr int kPitchC = Fp8Sizes<T_, kHeadDim_, kWarpsM_>::kPitchC;
   static constexpr int kChunkElems = 16;
   static constexpr size_t kStageBytes = Fp8Sizes<T_, kHeadDim_, kWarpsM_>::kStageBytes;
   struct Storage {
     T q[Base::kRows * Base::kPitch];
-    T kvc[2][Base::kBlockN * Base::kPitch];  // the step being computed, converted: K, then V
     union {
-      uint8_t kv[Base::kStages][2][Base::kBlockN * kHeadDim_];  // e4m3: a step's K, then its V
+      uint8_t kv[Base::kStages][2][Base::kBlockN * kPitchC];  // e4m3: a step's K, then its V
       struct {
         float o[Base::kWarpsN][Base::kRows * Base::kMergePitch];
         float stats[Base::kWarpsN][Base::kRows][2];
@@ -164,7 +161,7 @@ struct Fp8Config : Tile<T_, kHeadDim_, kWarpsM_, Fp8Sizes<T_, kHeadDim_, kWarpsM
     uint64_t full[Base::kStages];  // (no bulk copies here; the kernel's code names the member)
   };
   static constexpr size_t kSmemBytes = sizeof(Storage);
-  static_assert(kHeadDim_ % 16 == 0, "whole 16-byte chunks of e4m3 per row");
+  static_assert(kHeadDim_ % 32 == 0, "pairs of 16-byte chunks of e4m3 per row");
 };
 
 // The decode config per GPU class (arch/gpu_class.h): Full where the device's opt-in shared memory
@@ -412,25 +409,6 @@ __device__ __forceinline__ void load_key_block_fp8(const FwdParams& p, const Cac
   }
 }
 
-// An FP8 step's K and V (ring rows of d bytes) into the converted step (kvc: rows of kPitch
-// values of T), 16 values a thread and pass, the rows read in order.
-template <typename Cfg>
-__device__ __forceinline__ void convert_step_fp8(const uint8_t* stage, typename Cfg::T* kvc) {
-  using T = typename Cfg::T;
-  constexpr int kChunks = Cfg::kHeadDim / 16;
-  constexpr int kTotal = 2 * Cfg::kBlockN * kChunks;  // K's rows, then V's
-  static_assert(kTotal % Cfg::kThreads == 0, "whole passes");
-#pragma unroll
-  for (int idx = threadIdx.x; idx < kTotal; idx += Cfg::kThreads) {
-    const int row = idx / kChunks, c = (idx % kChunks) * 16;
-    const uint4 w = *reinterpret_cast<const uint4*>(stage + row * Cfg::kPitchC + c);
-    const uint2 a = e4m3x4_to<T>(w.x), b = e4m3x4_to<T>(w.y), e = e4m3x4_to<T>(w.z), f = e4m3x4_to<T>(w.w);
-    T* dst = kvc + row * Cfg::kPitch + c;
-    *reinterpret_cast<uint4*>(dst) = make_uint4(a.x, a.y, b.x, b.y);
-    *reinterpret_cast<uint4*>(dst + 8) = make_uint4(e.x, e.y, f.x, f.y);
-  }
-}
-
 // Tile rows counted in packed rows R: R holds query R / heads (of head h0 + R % heads).
 struct PackedRows {
   int heads;
@@ -443,12 +421,19 @@ template <typename Cfg>
 __device__ __forceinline__ void compute_qk_scores_and_max(float (&s)[1][Cfg::kSubN / 8][4], float (&block_max)[1][2],
                                                           const typename Cfg::T* sQ_warp,
                                                           const uint32_t (&q_frags)[Cfg::kQFrags][4],
-                                                          const typename Cfg::T* sK_warp, bool needs_mask,
+                                                          const typename Cfg::TC* sK_warp, bool needs_mask,
                                                           int row_base, int key_base, const AttnMask& mask,
                                                           const ScoreMod& mod, float scale_log2,
                                                           const PackedRows& rows) {
   zero_fill(s);
-  if constexpr (Cfg::kQInRegs) {
+  if constexpr (Cfg::kFp8) {
+    if constexpr (Cfg::kQInRegs) {
+      gemm_frags_by_e4m3_rows_t<typename Cfg::T, Cfg::kHeadDim, Cfg::kSubN, Cfg::kPitchC>(s, q_frags, sK_warp);
+    } else {
+      gemm_rows_by_e4m3_rows_t<typename Cfg::T, Cfg::kHeadDim, Cfg::kSubN, Cfg::kPitch, Cfg::kPitchC>(s, sQ_warp,
+                                                                                                    sK_warp);
+    }
+  } else if constexpr (Cfg::kQInRegs) {
     gemm_frags_by_rows_t<typename Cfg::T, Cfg::kHeadDim, Cfg::kSubN, Cfg::kPitch>(s, q_frags, sK_warp);
   } else {
     gemm_rows_by_rows_t<typename Cfg::T, 1, Cfg::kHeadDim, Cfg::kSubN, Cfg::kPitch>(s, sQ_warp, sK_warp);
@@ -462,10 +447,14 @@ template <typename Cfg>
 __device__ __forceinline__ void compute_block_softmax_and_weighted_v(float (&s)[1][Cfg::kSubN / 8][4],
                                                                     RowStats<1>& stats,
                                                                     float (&acc_o)[1][Cfg::kHeadDim / 8][4],
-                                                                    const typename Cfg::T* sV_warp,
+                                                                    const typename Cfg::TC* sV_warp,
                                                                     float exp_scale) {
   exponentiate_block<typename Cfg::T>(s, stats, exp_scale);
-  gemm_regs_by_rows<typename Cfg::T, 1, Cfg::kSubN, Cfg::kHeadDim, Cfg::kPitch>(acc_o, s, sV_warp);
+  if constexpr (Cfg::kFp8) {
+    gemm_regs_by_e4m3_rows<typename Cfg::T, Cfg::kSubN, Cfg::kHeadDim, Cfg::kPitchC>(acc_o, s, sV_warp);
+  } else {
+    gemm_regs_by_rows<typename Cfg::T, 1, Cfg::kSubN, Cfg::kHeadDim, Cfg::kPitch>(acc_o, s, sV_warp);
+  }
 }
 
 // Step 4, after the warps of a slice left their (m, l) and O rows in shared memory: the rows'
@@ -702,26 +691,25 @@ __device__ __forceinline__ void decode_block(const FwdParams& p) {
       if (nb + Cfg::kStages - 1 < nb_end) load(nb + Cfg::kStages - 1);
       cp_async_commit();
       if constexpr (Cfg::kQInRegs) {
-        if (nb == nb_begin) load_a_frags<Cfg::kHeadDim, Cfg::kPitch>(q_frags, sQ_warp);  // Q landed with step 0
+        if (nb == nb_begin) {  // Q landed with step 0
+          if constexpr (Cfg::kFp8) {
+            load_a_frags_k4<Cfg::kHeadDim, Cfg::kPitch>(q_frags, sQ_warp);
+          } else {
+            load_a_frags<Cfg::kHeadDim, Cfg::kPitch>(q_frags, sQ_warp);
+          }
+        }
       }
 
-      const T* stage;
-      if constexpr (Cfg::kFp8) {
-        convert_step_fp8<Cfg>(sKV + (nb % Cfg::kStages) * kStageElems, smem.kvc[0]);
-        __syncthreads();  // the converted step, for every warp
-        stage = smem.kvc[0];
-      } else {
-        stage = sKV + (nb % Cfg::kStages) * kStageElems;
-      }
+      const typename Cfg::TC* stage = sKV + (nb % Cfg::kStages) * kStageElems;
       const int key_base = nb * Cfg::kBlockN + wn * Cfg::kSubN;
       const bool needs_mask = mask.needs_mask(warp_q_lo, warp_q_hi, key_base, key_base + Cfg::kSubN);
       float s[1][Cfg::kSubN / 8][4];
       float block_max[1][2];
-      compute_qk_scores_and_max<Cfg>(s, block_max, sQ_warp, q_frags, stage + wn * Cfg::kSubN * Cfg::kPitch, needs_mask,
-                                     row_base, key_base, mask, mod, scale_log2(), rows);
+      compute_qk_scores_and_max<Cfg>(s, block_max, sQ_warp, q_frags, stage + wn * Cfg::kSubN * Cfg::kPitchC,
+                                     needs_mask, row_base, key_base, mask, mod, scale_log2(), rows);
       merge_block_stats(stats, block_max, acc_o);
       compute_block_softmax_and_weighted_v<Cfg>(s, stats, acc_o,
-                                                stage + (Cfg::kBlockN + wn * Cfg::kSubN) * Cfg::kPitch, exp_scale);
+                                                stage + (Cfg::kBlockN + wn * Cfg::kSubN) * Cfg::kPitchC, exp_scale);
     }
   }
   cp_async_wait<0>();
@@ -740,10 +728,20 @@ __device__ __forceinline__ void decode_block(const FwdParams& p) {
     for (int half = 0; half < 2; ++half) {
       const int r = wm * 16 + g + 8 * half;
       const float l = group_sum<4>(stats.sum[0][half]);
+      if constexpr (Cfg::kFp8) {
+        // C tiles 2c and 2c + 1 hold O's even and odd columns of chunk c (tiers/mma/gemm.cuh).
 #pragma unroll
-      for (int dt = 0; dt < Cfg::kHeadDim / 8; ++dt) {
-        *reinterpret_cast<float2*>(o_slot + r * Cfg::kMergePitch + dt * 8 + 2 * t) =
-            make_float2(acc_o[0][dt][2 * half], acc_o[0][dt][2 * half + 1]);
+        for (int c = 0; c < Cfg::kHeadDim / 16; ++c) {
+          *reinterpret_cast<float4*>(o_slot + r * Cfg::kMergePitch + 16 * c + 4 * t) =
+              make_float4(acc_o[0][2 * c][2 * half], acc_o[0][2 * c + 1][2 * half], acc_o[0][2 * c][2 * half + 1],
+                          acc_o[0][2 * c + 1][2 * half + 1]);
+        }
+      } else {
+#pragma unroll
+        for (int dt = 0; dt < Cfg::kHeadDim / 8; ++dt) {
+          *reinterpret_cast<float2*>(o_slot + r * Cfg::kMergePitch + dt * 8 + 2 * t) =
+              make_float2(acc_o[0][dt][2 * half], acc_o[0][dt][2 * half + 1]);
+        }
       }
       if (t == 0) {
         sStats[(wn * Cfg::kRows + r) * 2] = stats.max[0][half];

@@ -298,14 +298,16 @@ def _attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_tabl
 def _attention_fp8(q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_causal, scale, window_size, softcap,
                    alibi_slopes, sinks, num_splits, return_lse, check_inputs, cu_seqlens_q, max_seqlen_q, k_descale,
                    v_descale):
-    """An FP8 cache call: checked on every call (no kept signature yet); plain eager tensors run
-    the extension call, anything else (torch.compile, fake tensors) the op with the descales."""
+    """An FP8 cache call: checked once per signature (kvcache_checks.plan_fp8_call); plain eager
+    tensors run the extension call, anything else (torch.compile, fake tensors) the op with the
+    descales."""
     if cu_seqlens_q is not None or max_seqlen_q is not None:
         raise NotImplementedError(f"{kvcache_checks.PREFIX}packed queries (cu_seqlens_q) over an FP8 cache are not "
                                   f"supported yet; call once per chunk length, or use a 16-bit cache")
-    plan, kd, vd = kvcache_checks.validate_fp8(q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_causal,
-                                               scale, window_size, softcap, alibi_slopes, num_splits, return_lse,
-                                               sinks, k_descale, v_descale)
+    eager = plain(q, k_cache, v_cache, k, v, cache_seqlens, block_table, alibi_slopes, sinks) and not _is_compiling()
+    plan, kd, vd = kvcache_checks.plan_fp8_call(eager, q, k_cache, v_cache, k, v, cache_seqlens, block_table,
+                                                is_causal, scale, window_size, softcap, alibi_slopes, num_splits,
+                                                return_lse, sinks, k_descale, v_descale)
     if isinstance(cache_seqlens, Tensor):
         lens, cache_len = (cache_seqlens.contiguous() if plan.fix_lens else cache_seqlens), 0
     else:
@@ -313,5 +315,4 @@ def _attention_fp8(q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_cau
     block_table, alibi_slopes, sinks = _prepared(plan, block_table, alibi_slopes, sinks)
     args = (q, k_cache, v_cache, k, v, lens, cache_len, block_table, plan.scale, plan.window_left, plan.window_right,
             plan.softcap, alibi_slopes, num_splits, return_lse, check_inputs, sinks, kd, vd)
-    return _dispatch(plain(q, k_cache, v_cache, k, v, cache_seqlens, block_table, alibi_slopes, sinks)
-                     and not _is_compiling(), run_kvcache_fp8, fwd_kvcache, args, return_lse)
+    return _dispatch(eager, run_kvcache_fp8, fwd_kvcache, args, return_lse)

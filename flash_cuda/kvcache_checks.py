@@ -26,7 +26,7 @@ from .validation import (MAX_GRID_YZ, MAX_HEAD_DIM, MAX_SEQLEN, MIN_CAPABILITY, 
                          device_capability, dtype_name)
 
 __all__ = ["Plan", "validate", "validate_packed", "plan_call", "plain", "plans", "check_alignment", "check_enabled",
-           "check_values", "check_cu_seqlens_q", "is_fp8_call", "validate_fp8", "fp8_descales", "PAGE_SIZE_MULTIPLE",
+           "check_values", "check_cu_seqlens_q", "is_fp8_call", "validate_fp8", "plan_fp8_call", "fp8_descales", "PAGE_SIZE_MULTIPLE",
            "MAX_NUM_SPLITS", "ENV_CHECK", "FP8_MIN_CAPABILITY", "PREFIX"]
 
 PREFIX = "flash_cuda.attention_with_kvcache: "  # every message of the KV-cache checks starts so
@@ -468,3 +468,48 @@ def fp8_descales(descale, name: str, batch: int, kv_heads: int, device) -> Tenso
                           f"(batch, KV head) of shape ({batch}, {kv_heads}); got shape {shape} (query heads of "
                           f"a GQA group share their KV head's descale)")
     return descale.contiguous()
+
+
+# Plans of the FP8 calls' signatures (the metadata part of validate_fp8), as plans keeps the 16-bit ones.
+fp8_plans: dict = {}
+
+
+def _descale_key(descale):
+    """What the checks read of a descale (its form, never its values), or False where it has no
+    key (a type the checks reject, or a bool)."""
+    if descale is None:
+        return None
+    if type(descale) is float or type(descale) is int:
+        return type(descale)
+    if type(descale) is Tensor:
+        return (descale.shape, descale.dtype, descale.device, descale.is_contiguous())
+    return False
+
+
+def plan_fp8_call(eager: bool, q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_causal, scale, window_size,
+                  softcap, alibi_slopes, num_splits, return_lse, sinks, k_descale, v_descale) -> tuple:
+    """:func:`validate_fp8` for a call, its metadata checks kept per signature as :func:`plan_call`
+    keeps the 16-bit ones (the descales' forms join the key); the descales are converted on every
+    call (:func:`fp8_descales`: a (batch, kv_heads) float32 tensor is taken as it is) and an int
+    ``cache_seqlens`` is checked on every call. Returns (plan, k_descale, v_descale)."""
+    kd_key, vd_key = _descale_key(k_descale), _descale_key(v_descale)
+    if (eager and kd_key is not False and vd_key is not False
+            and _simple_options(scale, window_size, softcap, is_causal, num_splits, return_lse)):
+        key = (_signature(q, k_cache, v_cache, k, v, cache_seqlens, block_table, scale, window_size, softcap,
+                          alibi_slopes, is_causal, num_splits, return_lse, sinks), kd_key, vd_key)
+        plan = fp8_plans.get(key)
+        if plan is None:
+            plan, kd, vd = validate_fp8(q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_causal, scale,
+                                        window_size, softcap, alibi_slopes, num_splits, return_lse, sinks, k_descale,
+                                        v_descale)
+            if len(fp8_plans) >= _MAX_PLANS:
+                fp8_plans.clear()
+            fp8_plans[key] = plan
+            return plan, kd, vd
+        if type(cache_seqlens) is int:
+            _check_cache_len(cache_seqlens, plan.s_new, plan.capacity)
+        B, Hkv = q.shape[0], k_cache.shape[1]
+        return (plan, fp8_descales(k_descale, "k_descale", B, Hkv, q.device),
+                fp8_descales(v_descale, "v_descale", B, Hkv, q.device))
+    return validate_fp8(q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_causal, scale, window_size, softcap,
+                        alibi_slopes, num_splits, return_lse, sinks, k_descale, v_descale)

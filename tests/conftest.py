@@ -383,6 +383,7 @@ def mock_kvcache(mock_extension, monkeypatch):
     test (a CPU call's signature must not let a later call skip the device check)."""
     monkeypatch.setattr(kvcache_checks, "_check_device", lambda q, dev: None)
     monkeypatch.setattr(kvcache_checks, "plans", {})
+    monkeypatch.setattr(kvcache_checks, "fp8_plans", {})
     yield mock_extension
 
 

@@ -141,3 +141,30 @@ def test_fp8_opcheck(mock_kvcache, return_lse):
             vd)
     torch.library.opcheck(torch.ops.flash_cuda.fwd_kvcache.default, args,
                           test_utils=("test_faketensor", "test_aot_dispatch_static", "test_aot_dispatch_dynamic"))
+
+
+def test_fp8_signature_checked_once(mock_kvcache, monkeypatch):
+    """A repeated FP8 call skips the metadata checks (kvcache_checks.fp8_plans), a descale of
+    another form is a new signature (checked, and rejected when bad), an int cache_seqlens is
+    checked on every call, and the outcome equals the first call's."""
+    from flash_cuda import kvcache_checks
+    calls = []
+    real = kvcache_checks.validate
+    monkeypatch.setattr(kvcache_checks, "validate", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    q, k_cache, v_cache, k, v, lens, _ = _inputs()
+    kd = torch.full((2, 2), 0.01)
+    first = flash_cuda.attention_with_kvcache(q, k_cache.clone(), v_cache.clone(), k, v, cache_seqlens=lens,
+                                              k_descale=kd, v_descale=kd)
+    for _ in range(2):
+        again = flash_cuda.attention_with_kvcache(q, k_cache.clone(), v_cache.clone(), k, v, cache_seqlens=lens,
+                                                  k_descale=kd, v_descale=kd)
+    assert len(calls) == 1 and torch.equal(first, again)
+    with pytest.raises(ValueError, match=r"k_descale must be per tensor"):
+        flash_cuda.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lens,
+                                          k_descale=torch.full((3, 2), 0.01), v_descale=kd)
+    assert len(calls) == 2
+    flash_cuda.attention_with_kvcache(q, k_cache.clone(), v_cache.clone(), k, v, cache_seqlens=20, k_descale=kd,
+                                      v_descale=kd)
+    with pytest.raises(ValueError, match="needs 65 positions, but the cache holds 64"):
+        flash_cuda.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=64, k_descale=kd, v_descale=kd)
+    assert len(calls) == 3  # (the int length's signature once; its values on every call)

@@ -43,6 +43,9 @@ def main(argv=None) -> int:
     ap.add_argument("--seqlen", nargs="+", type=C.parse_size, default=[2048, 8192, 32768, 131072])
     ap.add_argument("--sq", nargs="+", type=int, default=[1, 4, 8])
     ap.add_argument("--cache", nargs="+", default=["dense", "paged16", "paged256"])
+    ap.add_argument("--kv", nargs="+", default=["16"], choices=["16", "fp8"],
+                    help="the cache's element type: q's 16-bit dtype, or float8_e4m3fn (descales per (batch, "
+                         "KV head)); fp8 rows report vs_16bit, the 16-bit cell's time over theirs")
     ap.add_argument("--splits", nargs="+", type=int, default=[0],
                     help="num_splits of attention_with_kvcache (0: the planner's choice); several to sweep it")
     ap.add_argument("--max-gib", type=float, default=16.0, help="skip cells whose K+V exceeds this")
@@ -83,13 +86,13 @@ def main(argv=None) -> int:
     print("\n".join(C.env_lines(env)))
 
     rows = []
-    for dt, D, ratio, B, Sk, Sq, splits, cache in itertools.product(args.dtype, args.d, args.ratio, args.batch,
-                                                                    args.seqlen, args.sq, args.splits, args.cache):
+    for dt, D, ratio, B, Sk, Sq, splits, kv, cache in itertools.product(
+            args.dtype, args.d, args.ratio, args.batch, args.seqlen, args.sq, args.splits, args.kv, args.cache):
         dtype = torch.bfloat16 if dt == "bf16" else torch.float16
         Hq = args.hq
         Hkv = Hq // ratio
         L = Sk + Sq
-        kv_bytes = B * Hkv * L * D * 2 * 2
+        kv_bytes = B * Hkv * L * D * 2 * (1 if kv == "fp8" else 2)  # the bytes a step reads
         if kv_bytes > args.max_gib * (1 << 30):
             continue
         page = int(cache[5:]) if cache.startswith("paged") else None
@@ -104,6 +107,11 @@ def main(argv=None) -> int:
             k_cache = torch.randn(pages, page, Hkv, D, device="cuda", dtype=dtype).transpose(1, 2)
             v_cache = torch.randn(pages, page, Hkv, D, device="cuda", dtype=dtype).transpose(1, 2)
             table = torch.randperm(pages, device="cuda").to(torch.int32).view(B, cap // page)
+        descales = {}
+        if kv == "fp8":  # the same random values in e4m3, a descale per (batch, KV head) as serving keeps them
+            k_cache, v_cache = k_cache.to(torch.float8_e4m3fn), v_cache.to(torch.float8_e4m3fn)
+            descales = dict(k_descale=torch.full((B, Hkv), 0.5, device="cuda"),
+                            v_descale=torch.full((B, Hkv), 0.5, device="cuda"))
         q = torch.randn(B, Hq, Sq, D, device="cuda", dtype=dtype)
         k_new = torch.randn(B, Hkv, Sq, D, device="cuda", dtype=dtype)
         v_new = torch.randn_like(k_new)
@@ -111,7 +119,8 @@ def main(argv=None) -> int:
 
         def step():
             return flash_cuda.attention_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=lens,
-                                                     block_table=table, is_causal=True, num_splits=splits)
+                                                     block_table=table, is_causal=True, num_splits=splits,
+                                                     **descales)
 
         ms = do_bench(step, rep=args.rep)
         s = torch.cuda.Stream()
@@ -125,7 +134,7 @@ def main(argv=None) -> int:
         graph_ms = do_bench(graph.replay, rep=args.rep)
         sdpa_ms = float("nan")
         if page is None or "dense" not in args.cache:  # (a paged cell's from its dense cell: dense_refs)
-            if page is None:
+            if page is None and kv == "16":
                 k, v = k_cache[:, :, :L], v_cache[:, :, :L]
             else:
                 k = torch.randn(B, Hkv, L, D, device="cuda", dtype=dtype)
@@ -135,11 +144,11 @@ def main(argv=None) -> int:
             except RuntimeError as exc:  # e.g. out of memory for a backend's workspace
                 print(f"sdpa failed: {exc}", file=sys.stderr)
         gbs = kv_bytes / ms / 1e6
-        rows.append(dict(dtype=dt, D=D, ratio=ratio, B=B, Sk=Sk, Sq=Sq, splits=splits, cache=cache,
+        rows.append(dict(dtype=dt, D=D, ratio=ratio, B=B, Sk=Sk, Sq=Sq, splits=splits, kv=kv, cache=cache,
                          kv_mib=kv_bytes / (1 << 20), us=ms * 1e3, gbs=gbs, pct_copy=100 * gbs / copy_gbs,
                          sdpa_us=sdpa_ms * 1e3, vs_sdpa=sdpa_ms / ms, graph_us=graph_ms * 1e3))
         r = rows[-1]
-        print(f"{dt} D={D} G={ratio} B={B} Sk={Sk} Sq={Sq} splits={splits or 'auto'} {cache}: {r['us']:.1f} us {gbs:.0f} GB/s "
+        print(f"{dt} D={D} G={ratio} B={B} Sk={Sk} Sq={Sq} splits={splits or 'auto'} kv={kv} {cache}: {r['us']:.1f} us {gbs:.0f} GB/s "
               f"({r['pct_copy']:.0f}% copy) sdpa x{r['vs_sdpa']:.2f} graph {r['graph_us']:.1f} us", flush=True)
         del k_cache, v_cache, q, k_new, v_new, graph
         torch.cuda.empty_cache()
@@ -159,6 +168,10 @@ def main(argv=None) -> int:
     dense = df[df.cache == "dense"]
     if len(dense):
         print(f"dense cells: vs SDPA min {dense.vs_sdpa.min():.2f} median {dense.vs_sdpa.median():.2f}")
+    fp8 = df[df.kv == "fp8"]
+    if fp8.vs_16bit.notna().any():
+        print(f"FP8 caches: the 16-bit cache's time / the FP8 one's, min {fp8.vs_16bit.min():.2f} "
+              f"median {fp8.vs_16bit.median():.2f}")
     for cache, cells in df[df.cache != "dense"].groupby("cache", sort=False):
         if cells.vs_dense.notna().any():
             print(f"{cache}: dense time / this cache's, min {cells.vs_dense.min():.2f} "
@@ -166,7 +179,7 @@ def main(argv=None) -> int:
     return 0
 
 
-CELL = ["dtype", "D", "ratio", "B", "Sk", "Sq", "splits"]
+CELL = ["dtype", "D", "ratio", "B", "Sk", "Sq", "splits", "kv"]
 
 
 def dense_refs(df):
@@ -184,6 +197,12 @@ def dense_refs(df):
         if row["cache"] != "dense" and ref["sdpa_us"] == ref["sdpa_us"]:  # (not NaN)
             df.at[i, "sdpa_us"] = ref["sdpa_us"]
             df.at[i, "vs_sdpa"] = ref["sdpa_us"] / row["us"]
+    df["vs_16bit"] = float("nan")
+    sixteen = df[df.kv == "16"].set_index(CELL[:-1] + ["cache"])
+    for i, row in df[df.kv == "fp8"].iterrows():
+        key = tuple(row[c] for c in CELL[:-1]) + (row["cache"],)
+        if key in sixteen.index:
+            df.at[i, "vs_16bit"] = sixteen.loc[key]["us"] / row["us"]
     return df
 
 

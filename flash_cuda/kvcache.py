@@ -29,7 +29,7 @@ from torch import Tensor
 
 from . import _ext, kvcache_checks
 from .kvcache_checks import MAX_NUM_SPLITS, PAGE_SIZE_MULTIPLE, Plan, plain, plan_call, validate_packed
-from .kvcache_ops import ENV_CHECK_KEY, fwd_kvcache, fwd_kvcache_packed, run_kvcache, run_kvcache_packed
+from .kvcache_ops import ENV_CHECK_KEY, fwd_kvcache, fwd_kvcache_packed, run_kvcache, run_kvcache_fp8, run_kvcache_packed
 from .validation import ENVIRON
 
 __all__ = ["attention_with_kvcache", "fwd_kvcache", "fwd_kvcache_packed", "PAGE_SIZE_MULTIPLE", "MAX_NUM_SPLITS"]
@@ -104,6 +104,8 @@ def attention_with_kvcache(
     check_inputs: bool = False,
     cu_seqlens_q: Optional[Tensor] = None,
     max_seqlen_q: Optional[int] = None,
+    k_descale=None,
+    v_descale=None,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     r"""Attention of new queries against a KV cache, appending the new keys to it first.
 
@@ -144,6 +146,15 @@ def attention_with_kvcache(
             that every sequence fits the cache and every page id used exists (a device sync).
             Also switched on by ``FLASH_CUDA_CHECK_KVCACHE=1``.
         cu_seqlens_q, max_seqlen_q: packed (varlen) queries, both or neither; see below.
+        k_descale, v_descale: FP8 caches (``k_cache`` / ``v_cache`` in ``torch.float8_e4m3fn``),
+            where a stored value ``x8`` stands for ``x8 * descale``: ``None`` (1), a float or a
+            float32 tensor of shape ``()`` / ``(1,)`` (per tensor), or float32 ``(batch,
+            kv_heads)`` on q's device (per sequence and KV head). q and the new k / v stay float16
+            or bfloat16; the new rows are stored as ``e4m3(k / k_descale)`` (round to nearest
+            even, saturating at +-448) and attended as stored. Head dims that are multiples of
+            16, compute capability 8.9 or newer; no packed queries yet (``torch.compile`` and CUDA
+            graphs as for 16-bit caches: the op takes the descales). Specified by
+            :func:`flash_cuda.reference.attention_with_kvcache_fp8_reference`.
 
     Packed queries (``cu_seqlens_q`` given): prompt chunks of some sequences and decode tokens of
     others in one call. ``q`` is ``(total_q, heads, head_dim)``, ``k`` / ``v`` ``(total_q,
@@ -209,7 +220,7 @@ def attention_with_kvcache(
     # is the general path's: the same extension call, the same errors (a call that fails any part
     # of this test, or whose signature is new, takes the general path and its checks).
     if (cu_seqlens_q is None and max_seqlen_q is None and alibi_slopes is None and sinks is None
-            and check_inputs is False and not _is_compiling()
+            and k_descale is None and v_descale is None and check_inputs is False and not _is_compiling()
             and type(q) is Tensor and type(k_cache) is Tensor and type(v_cache) is Tensor
             and (k is None or type(k) is Tensor) and (v is None or type(v) is Tensor)
             and (block_table is None or type(block_table) is Tensor)
@@ -256,13 +267,17 @@ def attention_with_kvcache(
                 return (out, lse) if return_lse else out
     return _attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_causal, scale,
                                    window_size, softcap, alibi_slopes, sinks, num_splits, return_lse, check_inputs,
-                                   cu_seqlens_q, max_seqlen_q)
+                                   cu_seqlens_q, max_seqlen_q, k_descale, v_descale)
 
 
 def _attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_causal, scale, window_size,
                             softcap, alibi_slopes, sinks, num_splits, return_lse, check_inputs, cu_seqlens_q,
-                            max_seqlen_q):
+                            max_seqlen_q, k_descale=None, v_descale=None):
     """:func:`attention_with_kvcache`'s general path: every call the fast path does not answer."""
+    if kvcache_checks.is_fp8_call(k_cache, v_cache, k_descale, v_descale):
+        return _attention_fp8(q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_causal, scale, window_size,
+                              softcap, alibi_slopes, sinks, num_splits, return_lse, check_inputs, cu_seqlens_q,
+                              max_seqlen_q, k_descale, v_descale)
     if cu_seqlens_q is not None or max_seqlen_q is not None:
         return _attention_packed(q, k_cache, v_cache, k, v, cu_seqlens_q, max_seqlen_q, cache_seqlens, block_table,
                                  is_causal, scale, window_size, softcap, alibi_slopes, sinks, num_splits, return_lse,
@@ -278,3 +293,26 @@ def _attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_tabl
     args = (q, k_cache, v_cache, k, v, lens, cache_len, block_table, plan.scale, plan.window_left,
             plan.window_right, plan.softcap, alibi_slopes, num_splits, return_lse, check_inputs, sinks)
     return _dispatch(eager, run_kvcache, fwd_kvcache, args, return_lse)
+
+
+def _attention_fp8(q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_causal, scale, window_size, softcap,
+                   alibi_slopes, sinks, num_splits, return_lse, check_inputs, cu_seqlens_q, max_seqlen_q, k_descale,
+                   v_descale):
+    """An FP8 cache call: checked once per signature (kvcache_checks.plan_fp8_call); plain eager
+    tensors run the extension call, anything else (torch.compile, fake tensors) the op with the
+    descales."""
+    if cu_seqlens_q is not None or max_seqlen_q is not None:
+        raise NotImplementedError(f"{kvcache_checks.PREFIX}packed queries (cu_seqlens_q) over an FP8 cache are not "
+                                  f"supported yet; call once per chunk length, or use a 16-bit cache")
+    eager = plain(q, k_cache, v_cache, k, v, cache_seqlens, block_table, alibi_slopes, sinks) and not _is_compiling()
+    plan, kd, vd = kvcache_checks.plan_fp8_call(eager, q, k_cache, v_cache, k, v, cache_seqlens, block_table,
+                                                is_causal, scale, window_size, softcap, alibi_slopes, num_splits,
+                                                return_lse, sinks, k_descale, v_descale)
+    if isinstance(cache_seqlens, Tensor):
+        lens, cache_len = (cache_seqlens.contiguous() if plan.fix_lens else cache_seqlens), 0
+    else:
+        lens, cache_len = None, cache_seqlens
+    block_table, alibi_slopes, sinks = _prepared(plan, block_table, alibi_slopes, sinks)
+    args = (q, k_cache, v_cache, k, v, lens, cache_len, block_table, plan.scale, plan.window_left, plan.window_right,
+            plan.softcap, alibi_slopes, num_splits, return_lse, check_inputs, sinks, kd, vd)
+    return _dispatch(eager, run_kvcache_fp8, fwd_kvcache, args, return_lse)

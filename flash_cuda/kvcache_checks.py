@@ -26,12 +26,18 @@ from .validation import (MAX_GRID_YZ, MAX_HEAD_DIM, MAX_SEQLEN, MIN_CAPABILITY, 
                          device_capability, dtype_name)
 
 __all__ = ["Plan", "validate", "validate_packed", "plan_call", "plain", "plans", "check_alignment", "check_enabled",
-           "check_values", "check_cu_seqlens_q", "PAGE_SIZE_MULTIPLE", "MAX_NUM_SPLITS", "ENV_CHECK"]
+           "check_values", "check_cu_seqlens_q", "is_fp8_call", "validate_fp8", "plan_fp8_call", "fp8_descales", "PAGE_SIZE_MULTIPLE",
+           "MAX_NUM_SPLITS", "ENV_CHECK", "FP8_MIN_CAPABILITY", "PREFIX"]
 
-_PREFIX = "flash_cuda.attention_with_kvcache: "
+PREFIX = "flash_cuda.attention_with_kvcache: "  # every message of the KV-cache checks starts so
+_PREFIX = PREFIX
 PAGE_SIZE_MULTIPLE = 16  # a paged cache's page size: any multiple of this
 MAX_NUM_SPLITS = 256
 ENV_CHECK = "FLASH_CUDA_CHECK_KVCACHE"  # set (not to 0 / false / no / off): check_inputs on every call
+FP8_MIN_CAPABILITY = (8, 9)  # e4m3 conversions (cvt ... e4m3x2): Ada, Hopper and newer
+# The FP8 formats other than e4m3, named in the message that rejects them.
+_OTHER_FP8 = tuple(getattr(torch, n) for n in ("float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
+                   if hasattr(torch, n))
 
 
 def _fail(kind, msg: str):
@@ -135,9 +141,11 @@ class Plan(NamedTuple):
 
 
 def validate(q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_causal, scale, window_size, softcap,
-             alibi_slopes, num_splits, return_lse, sinks=None) -> Plan:
+             alibi_slopes, num_splits, return_lse, sinks=None, fp8: bool = False) -> Plan:
     """Every check of :func:`attention_with_kvcache`'s arguments but the per-call ones (an int
-    ``cache_seqlens``'s value, ``check_inputs``), in the order the errors are documented."""
+    ``cache_seqlens``'s value, ``check_inputs``), in the order the errors are documented.
+    ``fp8``: the caches are float8_e4m3fn (:func:`validate_fp8` checked their dtype and the
+    descales), q and the new k / v 16-bit as always."""
     # A call with a new signature (and every traced call) comes here: the checks are plain
     # comparisons on the tensors' metadata, and the error helpers build a message only on failure.
     paged = block_table is not None
@@ -151,10 +159,15 @@ def validate(q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_causal, s
     if dt is not torch.float16 and dt is not torch.bfloat16:
         _fail(TypeError, f"q has dtype {dtype_name(dt)}; the KV-cache kernels take float16 or bfloat16")
     dev = q.device
-    if k_cache.dtype is not dt or k_cache.device != dev:
-        _check_same("k_cache", k_cache, q)
-    if v_cache.dtype is not dt or v_cache.device != dev:
-        _check_same("v_cache", v_cache, q)
+    if fp8:
+        for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if t.device != dev:
+                _fail(RuntimeError, f"{name} must be on q's device {q.device}, got {t.device}")
+    else:
+        if k_cache.dtype is not dt or k_cache.device != dev:
+            _check_same("k_cache", k_cache, q)
+        if v_cache.dtype is not dt or v_cache.device != dev:
+            _check_same("v_cache", v_cache, q)
     B, Hq, Sq, D = q.shape
     cshape = k_cache.shape
     if cshape != v_cache.shape:
@@ -169,6 +182,9 @@ def validate(q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_causal, s
     if D < MIN_HEAD_DIM or D > MAX_HEAD_DIM or D % 8:
         _fail(ValueError, f"unsupported head dim {D}; the head dim must be a multiple of 8 in "
                           f"[{MIN_HEAD_DIM}, {MAX_HEAD_DIM}]")
+    if fp8 and D % 16:
+        _fail(ValueError, f"unsupported head dim {D} for FP8 caches: a multiple of 16 (16 e4m3 values per "
+                          f"16-byte row chunk)")
     if Sq < 1:
         _fail(ValueError, "q must hold at least one query (seqlen_q >= 1, dim 2)")
     if B > MAX_GRID_YZ or Hq > MAX_GRID_YZ:
@@ -384,3 +400,116 @@ def check_cu_seqlens_q(cu_host: Tensor, total_q: int, max_seqlen_q: int) -> None
     """The values of a packed call's cu_seqlens_q, read to the host by the route that groups
     the chunks: 0 first, never decreasing, ``total_q`` last, chunks <= ``max_seqlen_q``."""
     check_cu_seqlens_values(cu_host, cu_host, total_q, total_q, max_seqlen_q, max_seqlen_q, _PREFIX)
+
+
+# ---------------------------------------------------------------------------------------
+# FP8 (e4m3) caches
+# ---------------------------------------------------------------------------------------
+
+
+def is_fp8_call(k_cache, v_cache, k_descale, v_descale) -> bool:
+    """Whether a call asks for the FP8 cache: descales given, or a cache in an FP8 dtype."""
+    if k_descale is not None or v_descale is not None:
+        return True
+    return any(isinstance(t, Tensor) and (t.dtype == torch.float8_e4m3fn or t.dtype in _OTHER_FP8)
+               for t in (k_cache, v_cache))
+
+
+def validate_fp8(q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_causal, scale, window_size, softcap,
+                 alibi_slopes, num_splits, return_lse, sinks, k_descale, v_descale) -> tuple:
+    """The checks of an FP8 cache call: both caches float8_e4m3fn (e5m2 and the other formats
+    named as unsupported, a 16-bit cache with descales as a mix), q and the new k / v float16 or
+    bfloat16, a GPU of compute capability 8.9 or newer, then every check of :func:`validate` and
+    the descales' (:func:`fp8_descales`). Returns (plan, k_descale, v_descale), the descales as the
+    kernels read them."""
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(t, Tensor):
+            _check_tensor(name, t, 4, "(batch, kv_heads, max_seqlen, head_dim)")
+    dts = f"k_cache {dtype_name(k_cache.dtype)}, v_cache {dtype_name(v_cache.dtype)}"
+    if k_cache.dtype in _OTHER_FP8 or v_cache.dtype in _OTHER_FP8:
+        _fail(TypeError, f"only the e4m3 FP8 format (torch.float8_e4m3fn) is supported for caches, got {dts}")
+    if k_cache.dtype != torch.float8_e4m3fn or v_cache.dtype != torch.float8_e4m3fn:
+        _fail(TypeError, f"k_descale / v_descale go with FP8 caches: k_cache and v_cache must both be "
+                         f"torch.float8_e4m3fn, got {dts}")
+    if isinstance(q, Tensor) and q.dtype not in (torch.float16, torch.bfloat16):
+        _fail(TypeError, f"q has dtype {dtype_name(q.dtype)}; over an FP8 cache the queries (and the new k / v) "
+                         f"are float16 or bfloat16")
+    plan = validate(q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_causal, scale, window_size, softcap,
+                    alibi_slopes, num_splits, return_lse, sinks, fp8=True)
+    if q.is_cuda and device_capability(q.device) < FP8_MIN_CAPABILITY:
+        major, minor = device_capability(q.device)
+        _fail(RuntimeError, f"FP8 (e4m3) KV caches need a GPU of compute capability 8.9 or newer (Ada, Hopper, "
+                            f"Blackwell); {q.device} is {major}.{minor}")
+    B, Hkv = q.shape[0], k_cache.shape[1]
+    return (plan, fp8_descales(k_descale, "k_descale", B, Hkv, q.device),
+            fp8_descales(v_descale, "v_descale", B, Hkv, q.device))
+
+
+def fp8_descales(descale, name: str, batch: int, kv_heads: int, device) -> Tensor:
+    """A descale as the contiguous float32 (batch, kv_heads) tensor on ``device`` the kernels read
+    (a stored e4m3 value x8 stands for x8 * descale): None is 1; a float, or a float32 tensor of
+    shape () or (1,), is per tensor; (batch, kv_heads) is per (batch entry, KV head), as
+    flash_cuda.reference.fp8_descale defines them. A tensor must be on ``device``."""
+    if descale is None:
+        return torch.ones((batch, kv_heads), dtype=torch.float32, device=device)
+    if isinstance(descale, bool) or not isinstance(descale, (int, float, Tensor)):
+        _fail(TypeError, f"{name} must be None, a float or a float32 tensor, got {type(descale).__name__}")
+    if not isinstance(descale, Tensor):
+        return torch.full((batch, kv_heads), float(descale), dtype=torch.float32, device=device)
+    if descale.dtype != torch.float32:
+        _fail(TypeError, f"{name} must be float32 (the kernels read float32 descales), got {dtype_name(descale.dtype)}")
+    if descale.device != device:
+        _fail(RuntimeError, f"{name} must be on q's device {device}, got {descale.device}")
+    shape = tuple(descale.shape)
+    if shape in ((), (1,)):
+        return descale.reshape(1, 1).expand(batch, kv_heads).contiguous()
+    if shape != (batch, kv_heads):
+        _fail(ValueError, f"{name} must be per tensor (a float, or a float32 tensor of shape () or (1,)) or per "
+                          f"(batch, KV head) of shape ({batch}, {kv_heads}); got shape {shape} (query heads of "
+                          f"a GQA group share their KV head's descale)")
+    return descale.contiguous()
+
+
+# Plans of the FP8 calls' signatures (the metadata part of validate_fp8), as plans keeps the 16-bit ones.
+fp8_plans: dict = {}
+
+
+def _descale_key(descale):
+    """What the checks read of a descale (its form, never its values), or False where it has no
+    key (a type the checks reject, or a bool)."""
+    if descale is None:
+        return None
+    if type(descale) is float or type(descale) is int:
+        return type(descale)
+    if type(descale) is Tensor:
+        return (descale.shape, descale.dtype, descale.device, descale.is_contiguous())
+    return False
+
+
+def plan_fp8_call(eager: bool, q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_causal, scale, window_size,
+                  softcap, alibi_slopes, num_splits, return_lse, sinks, k_descale, v_descale) -> tuple:
+    """:func:`validate_fp8` for a call, its metadata checks kept per signature as :func:`plan_call`
+    keeps the 16-bit ones (the descales' forms join the key); the descales are converted on every
+    call (:func:`fp8_descales`: a (batch, kv_heads) float32 tensor is taken as it is) and an int
+    ``cache_seqlens`` is checked on every call. Returns (plan, k_descale, v_descale)."""
+    kd_key, vd_key = _descale_key(k_descale), _descale_key(v_descale)
+    if (eager and kd_key is not False and vd_key is not False
+            and _simple_options(scale, window_size, softcap, is_causal, num_splits, return_lse)):
+        key = (_signature(q, k_cache, v_cache, k, v, cache_seqlens, block_table, scale, window_size, softcap,
+                          alibi_slopes, is_causal, num_splits, return_lse, sinks), kd_key, vd_key)
+        plan = fp8_plans.get(key)
+        if plan is None:
+            plan, kd, vd = validate_fp8(q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_causal, scale,
+                                        window_size, softcap, alibi_slopes, num_splits, return_lse, sinks, k_descale,
+                                        v_descale)
+            if len(fp8_plans) >= _MAX_PLANS:
+                fp8_plans.clear()
+            fp8_plans[key] = plan
+            return plan, kd, vd
+        if type(cache_seqlens) is int:
+            _check_cache_len(cache_seqlens, plan.s_new, plan.capacity)
+        B, Hkv = q.shape[0], k_cache.shape[1]
+        return (plan, fp8_descales(k_descale, "k_descale", B, Hkv, q.device),
+                fp8_descales(v_descale, "v_descale", B, Hkv, q.device))
+    return validate_fp8(q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_causal, scale, window_size, softcap,
+                        alibi_slopes, num_splits, return_lse, sinks, k_descale, v_descale)

@@ -33,7 +33,7 @@ from .ops import fwd_impl
 from .validation import ENVIRON, ScoreOptions, env_key
 
 __all__ = ["DECODE_MAX_QUERIES", "ENV_CHECK_KEY", "cache_slots", "fwd_kvcache", "fwd_kvcache_packed", "run_kvcache",
-           "run_kvcache_packed"]
+           "run_kvcache_fp8", "run_kvcache_packed"]
 
 # Queries per sequence up to which the split-KV decode kernels run a KV-cache call
 # (tiers/mma/family.h: decode::kMaxDecodeQueries, the bound attention() uses too).
@@ -116,28 +116,52 @@ def run_kvcache(C, q, k_cache, v_cache, k, v, lens, cache_len, block_table, scal
                          softcap, alibi_slopes, num_splits, return_lse, sinks)
 
 
+def run_kvcache_fp8(C, q, k_cache, v_cache, k, v, lens, cache_len, block_table, scale, window_left, window_right,
+                    softcap, alibi_slopes, num_splits, return_lse, check_inputs, sinks, k_descale, v_descale):
+    """The validated FP8 cache call (kvcache_checks.validate_fp8): (out, lse) as
+    :func:`run_kvcache`, every query count through the decode kernels (they quantize the new rows
+    as they store them); k_descale / v_descale float32 (batch, kv_heads), contiguous."""
+    if check_inputs or ENV_CHECK_KEY in ENVIRON:
+        if check_enabled(check_inputs):
+            B, s_new = q.shape[0], 0 if k is None else k.shape[2]
+            capacity = k_cache.shape[2] * (1 if block_table is None else block_table.shape[1])
+            check_values(lens.tolist() if lens is not None else [cache_len] * B, block_table, s_new, capacity,
+                         k_cache.shape[0])
+    return C.fwd_kvcache(q, k_cache, v_cache, k, v, lens, cache_len, block_table, scale, window_left, window_right,
+                         softcap, alibi_slopes, num_splits, return_lse, sinks, k_descale=k_descale,
+                         v_descale=v_descale)
+
+
 @torch.library.custom_op("flash_cuda::fwd_kvcache", mutates_args=("k_cache", "v_cache"))
 def fwd_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor], v: Optional[Tensor],
                 cache_seqlens: Optional[Tensor], cache_len: int, block_table: Optional[Tensor], scale: float,
                 window_left: int, window_right: int, softcap: float, alibi_slopes: Optional[Tensor],
                 num_splits: int, return_lse: bool, check_inputs: bool,
-                sinks: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+                sinks: Optional[Tensor] = None, k_descale: Optional[Tensor] = None,
+                v_descale: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """Attention against a KV cache after appending k / v to it in place: (out, lse), lse empty
     (0,) unless ``return_lse``. The arguments are the extension's (``cache_seqlens`` a
     contiguous int32 tensor or None, then ``cache_len`` the int length of every sequence),
     validated by :func:`flash_cuda.attention_with_kvcache`, plus ``check_inputs``: the values of
     cache_seqlens and block_table checked here, at run time (also inside a compiled graph);
-    ``sinks`` float32 (heads,) or None."""
+    ``sinks`` float32 (heads,) or None; ``k_descale`` / ``v_descale`` float32 (batch, kv_heads),
+    contiguous, for FP8 caches (:func:`run_kvcache_fp8`), else None."""
     check_alignment(k_cache, v_cache)  # the addresses, which tracing could not see
-    out, lse = run_kvcache(_ext.require(), q, k_cache, v_cache, k, v, cache_seqlens, cache_len, block_table, scale,
-                           window_left, window_right, softcap, alibi_slopes, num_splits, return_lse, check_inputs,
-                           sinks)
+    if k_descale is not None:
+        out, lse = run_kvcache_fp8(_ext.require(), q, k_cache, v_cache, k, v, cache_seqlens, cache_len, block_table,
+                                   scale, window_left, window_right, softcap, alibi_slopes, num_splits, return_lse,
+                                   check_inputs, sinks, k_descale, v_descale)
+    else:
+        out, lse = run_kvcache(_ext.require(), q, k_cache, v_cache, k, v, cache_seqlens, cache_len, block_table,
+                               scale, window_left, window_right, softcap, alibi_slopes, num_splits, return_lse,
+                               check_inputs, sinks)
     return out, (lse if lse is not None else q.new_empty((0,), dtype=torch.float32))
 
 
 @fwd_kvcache.register_fake
 def _fwd_kvcache_fake(q, k_cache, v_cache, k, v, cache_seqlens, cache_len, block_table, scale, window_left,
-                      window_right, softcap, alibi_slopes, num_splits, return_lse, check_inputs, sinks=None):
+                      window_right, softcap, alibi_slopes, num_splits, return_lse, check_inputs, sinks=None,
+                      k_descale=None, v_descale=None):
     lse_shape = tuple(q.shape[:3]) if return_lse else (0,)
     return torch.empty_like(q), q.new_empty(lse_shape, dtype=torch.float32)
 

@@ -71,7 +71,8 @@ import flash_cuda  # noqa: E402
 from flash_cuda import _ext, kvcache_checks, validation  # noqa: E402
 from flash_cuda.reference import (attention_backward_blocked, attention_forward_blocked,  # noqa: E402
                                   attention_varlen_backward_blocked,
-                                  attention_varlen_forward_blocked, attention_with_kvcache_reference,
+                                  attention_varlen_forward_blocked, attention_with_kvcache_fp8_reference,
+                                  attention_with_kvcache_reference,
                                   combine_splits, dropout_keep_mask, dropout_keep_masks_varlen)
 
 from attn_check import gpu_skip_reason  # noqa: E402
@@ -285,12 +286,21 @@ class MockExtension:
         return tuple(self._like(g, like) if w else None for g, like, w in zip(grads, (q, k, v), wanted))
 
     def fwd_kvcache(self, q, k_cache, v_cache, k_new, v_new, cache_seqlens, cache_len, block_table, scale,
-                    window_left, window_right, softcap, alibi_slopes, num_splits, return_lse, sinks=None):
+                    window_left, window_right, softcap, alibi_slopes, num_splits, return_lse, sinks=None,
+                    k_descale=None, v_descale=None):
         """The binding's contract on the KV-cache reference: k_new / v_new written into the
-        caches in place, then the attention over each sequence's rows; lse only when asked."""
+        caches in place, then the attention over each sequence's rows; lse only when asked. FP8
+        caches (float8_e4m3fn, with both descales float32 (batch, kv_heads)) on the FP8 spec."""
         assert q.dim() == 4 and q.stride(-1) == 1 and q.dtype in (torch.float16, torch.bfloat16)
+        fp8 = k_cache.dtype == torch.float8_e4m3fn
+        assert fp8 == (k_descale is not None) == (v_descale is not None), "descales go with FP8 caches"
         for c in (k_cache, v_cache):
-            assert c.dim() == 4 and c.dtype == q.dtype and c.stride(-1) == 1 and c.device == q.device
+            assert c.dim() == 4 and c.dtype == (torch.float8_e4m3fn if fp8 else q.dtype) and c.stride(-1) == 1
+            assert c.device == q.device
+        if fp8:
+            for d in (k_descale, v_descale):
+                assert d.dtype == torch.float32 and d.is_contiguous() and tuple(d.shape) == (q.shape[0],
+                                                                                             k_cache.shape[1])
         assert (k_new is None) == (v_new is None), "k_new and v_new go together"
         assert type(cache_len) is int and cache_len >= 0
         if cache_seqlens is not None:
@@ -307,6 +317,14 @@ class MockExtension:
             assert sinks.dtype == torch.float32 and sinks.is_contiguous() and tuple(sinks.shape) == (q.shape[1],)
         self.last_kvcache_sinks = sinks
         self.kvcache_calls += 1
+        if fp8:
+            self.last_kvcache_descales = (k_descale, v_descale)
+            out, lse = attention_with_kvcache_fp8_reference(
+                q, k_cache, v_cache, k_new, v_new, k_descale=k_descale, v_descale=v_descale,
+                cache_seqlens=cache_len if cache_seqlens is None else cache_seqlens, block_table=block_table,
+                scale=scale, window_size=(window_left, window_right), softcap=softcap, alibi_slopes=alibi_slopes,
+                sinks=sinks, num_splits=max(num_splits, 1), return_lse=True, block_m=32, block_n=16)
+            return self._like(out, q), (lse.to(torch.float32).contiguous() if return_lse else None)
         out, lse = attention_with_kvcache_reference(
             q, k_cache, v_cache, k_new, v_new, cache_seqlens=cache_len if cache_seqlens is None else cache_seqlens,
             block_table=block_table, scale=scale, window_size=(window_left, window_right), softcap=softcap,
@@ -365,6 +383,7 @@ def mock_kvcache(mock_extension, monkeypatch):
     test (a CPU call's signature must not let a later call skip the device check)."""
     monkeypatch.setattr(kvcache_checks, "_check_device", lambda q, dev: None)
     monkeypatch.setattr(kvcache_checks, "plans", {})
+    monkeypatch.setattr(kvcache_checks, "fp8_plans", {})
     yield mock_extension
 
 

@@ -2,7 +2,8 @@
 and paged caches (pages of 16, 48 and 256, a transposed pool), in-place append, every mask
 option, splits 1 / n / auto, row chunks, and attention() / varlen_attention() decode-shaped
 calls; and the prefill route of prompt chunks (more than 16 queries: core/kv_gather.cuh, then
-the query-tiled forward with per-sequence key counts). Small sizes (the sanitizer slows kernels 10-100x).
+the query-tiled forward with per-sequence key counts); FP8 (e4m3) caches on GPUs of compute
+capability 8.9 and newer. Small sizes (the sanitizer slows kernels 10-100x).
 
     python tests/sanitize.py --workload kvcache   # the four tools, summarised (or by hand:)
     compute-sanitizer --tool memcheck --padding 256 --kernel-name kns=flash_cuda \\
@@ -22,7 +23,7 @@ import sys
 import torch
 
 import flash_cuda
-from flash_cuda.reference import attention_with_kvcache_reference
+from flash_cuda.reference import attention_with_kvcache_fp8_reference, attention_with_kvcache_reference, quantize_e4m3
 
 CASES = [
     # B, Hq, Hkv, Sq, D, capacity, lens, s_new, page, options
@@ -86,6 +87,42 @@ def run_case(i, case, check: bool) -> bool:
     return ok
 
 
+# FP8 caches: B, Hq, Hkv, Sq, D, capacity, lens, s_new, page, options
+FP8_CASES = [
+    (2, 8, 2, 1, 128, 512, (300, 0), 1, None, dict(is_causal=True)),
+    (3, 8, 2, 4, 64, 768, (700, 3, 400), 4, 16, dict(is_causal=True, num_splits=3)),
+    (2, 16, 2, 1, 256, 768, (600, 1), 1, 48, dict(softcap=20.0)),
+]
+
+
+def run_fp8_case(i, case, check: bool) -> bool:
+    B, Hq, Hkv, Sq, D, cap, lens, s_new, page, opts = case
+    gen = torch.Generator(device="cuda").manual_seed(100 + i)
+    dtype = torch.bfloat16 if i % 2 else torch.float16
+    k16, v16, table = _cache(B, Hkv, D, cap, page, torch.float32, gen)
+    k_cache, v_cache = quantize_e4m3(k16, 0.01), quantize_e4m3(v16, 0.02)
+    q = torch.randn(B, Hq, Sq, D, generator=gen, device="cuda").to(dtype)
+    k = torch.randn(B, Hkv, s_new, D, generator=gen, device="cuda").to(dtype) if s_new else None
+    v = torch.randn(B, Hkv, s_new, D, generator=gen, device="cuda").to(dtype) if s_new else None
+    lens_t = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    out = flash_cuda.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lens_t, block_table=table,
+                                            k_descale=0.01, v_descale=0.02, **opts)
+    torch.cuda.synchronize()
+    if not check:
+        return True
+    ref_opts = {kk: vv for kk, vv in opts.items() if kk != "num_splits"}
+    ref = attention_with_kvcache_fp8_reference(q, ref_k, ref_v, k, v, k_descale=0.01, v_descale=0.02,
+                                               cache_seqlens=lens_t, block_table=table, **ref_opts)
+    err = (out.double() - ref.double()).abs().max().item()
+    tol = (2e-2 if dtype == torch.bfloat16 else 3e-3) * max(1.0, ref.double().abs().max().item())
+    cache_ok = torch.equal(k_cache.view(torch.uint8), ref_k.view(torch.uint8)) and \
+        torch.equal(v_cache.view(torch.uint8), ref_v.view(torch.uint8))
+    ok = err <= tol and cache_ok
+    print(f"fp8 case {i}: max err {err:.2e} (tol {tol:.1e}), cache {'ok' if cache_ok else 'DIFFERS'}", flush=True)
+    return ok
+
+
 def run_attention_cases(check: bool) -> bool:
     """attention() and varlen_attention() decode-shaped calls (forward only)."""
     gen = torch.Generator(device="cuda").manual_seed(99)
@@ -119,6 +156,9 @@ def main(argv=None) -> int:
     passed = sum(run_case(i, c, not args.no_check) for i, c in enumerate(CASES))
     passed += run_attention_cases(not args.no_check)
     total = len(CASES) + 1
+    if torch.cuda.get_device_capability() >= (8, 9):
+        passed += sum(run_fp8_case(i, c, not args.no_check) for i, c in enumerate(FP8_CASES))
+        total += len(FP8_CASES)
     print(f"sanitize_kvcache: {passed}/{total} cases passed")
     return 0 if passed == total else 1
 

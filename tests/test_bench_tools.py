@@ -623,7 +623,7 @@ def test_decode_bench_paged_cells_against_their_dense_cell():
     pd = pytest.importorskip("pandas")
     decode = _load("flash_cuda_bench_decode", BENCH / "decode.py")
     nan = float("nan")
-    cell = dict(dtype="bf16", D=128, ratio=4, B=1, Sq=1, splits=0)
+    cell = dict(dtype="bf16", D=128, ratio=4, B=1, Sq=1, splits=0, kv="16")
     df = pd.DataFrame([
         dict(cell, Sk=8192, cache="dense", us=20.0, sdpa_us=18.0, vs_sdpa=0.9),
         dict(cell, Sk=8192, cache="paged16", us=25.0, sdpa_us=nan, vs_sdpa=nan),
@@ -635,6 +635,10 @@ def test_decode_bench_paged_cells_against_their_dense_cell():
     assert out.sdpa_us.tolist() == [18.0, 18.0, 18.0, 45.0]
     assert out.vs_sdpa.tolist() == [0.9, 18.0 / 25.0, 18.0 / 20.0, 0.9]
     assert df.vs_sdpa.isna().sum() == 2  # (the input is left as it was)
+    fp8 = decode.dense_refs(pd.concat([df, pd.DataFrame([dict(cell, Sk=8192, kv="fp8", cache="dense", us=10.0,
+                                                              sdpa_us=nan, vs_sdpa=nan)])], ignore_index=True))
+    assert fp8.vs_16bit.iloc[4] == 2.0 and fp8.vs_16bit.iloc[:4].isna().all()
+    assert fp8.sdpa_us.iloc[4] != fp8.sdpa_us.iloc[4]  # (an FP8 cell is not the 16-bit dense cell's twin)
 
 
 def test_ab_switch_cells_and_arguments():

@@ -682,6 +682,9 @@ std::tuple<at::Tensor, at::Tensor> attention_direct(const at::Tensor& q, const a
 //                        scale, window_left, window_right, softcap, alibi_slopes, num_splits, return_lse,
 //                        sinks=None)
 // (lse is None unless return_lse. sinks as fwd's: with split key ranges, their merge adds them.)
+// FP8 caches: k_cache / v_cache float8_e4m3fn with k_descale / v_descale float32 (batch, kv_heads),
+// q and the new k / v float16 or bfloat16; the new rows are stored as e4m3(x / descale); compute
+// capability 8.9 or newer, head dims multiples of 16; every query count runs the decode kernels.
 // Attention of q against a KV cache (include/params.h: the KV-cache fields), after writing the
 // new keys k_new / v_new into it in place. flash_cuda.attention_with_kvcache validates every
 // argument first; the checks here are the ones memory safety rests on. The cache is never
@@ -692,18 +695,24 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache(
     const std::optional<at::Tensor>& cache_seqlens, int64_t cache_len, const std::optional<at::Tensor>& block_table,
     double scale, int64_t window_left, int64_t window_right, double softcap,
     const std::optional<at::Tensor>& alibi_slopes, int64_t num_splits, bool return_lse,
-    const std::optional<at::Tensor>& sinks_in) {
+    const std::optional<at::Tensor>& sinks_in, const std::optional<at::Tensor>& k_descale,
+    const std::optional<at::Tensor>& v_descale) {
   FLASH_CHECK(q_in.dim() == 4 && k_cache.dim() == 4 && v_cache.dim() == 4,
               "flash_cuda: q, k_cache, v_cache must be 4-d");
   FLASH_CHECK(q_in.is_cuda() && k_cache.device() == q_in.device() && v_cache.device() == q_in.device(),
               "flash_cuda: q and the caches must be on one CUDA device");
-  FLASH_CHECK(q_in.scalar_type() == k_cache.scalar_type() && q_in.scalar_type() == v_cache.scalar_type() &&
-                  q_in.scalar_type() != at::kFloat,
-              "flash_cuda: q and the caches must share one dtype, float16 or bfloat16");
+  const bool fp8 = k_cache.scalar_type() == at::kFloat8_e4m3fn;
+  FLASH_CHECK((fp8 ? at::kFloat8_e4m3fn : q_in.scalar_type()) == k_cache.scalar_type() &&
+                  k_cache.scalar_type() == v_cache.scalar_type() && q_in.scalar_type() != at::kFloat &&
+                  (q_in.scalar_type() == at::kHalf || q_in.scalar_type() == at::kBFloat16),
+              "flash_cuda: q float16 or bfloat16, the caches q's dtype or both float8_e4m3fn");
+  FLASH_CHECK(fp8 == (k_descale.has_value() && k_descale->defined()) &&
+                  fp8 == (v_descale.has_value() && v_descale->defined()),
+              "flash_cuda: k_descale and v_descale go with FP8 caches, and only with them");
   FLASH_CHECK(k_cache.sizes() == v_cache.sizes(), "flash_cuda: k_cache and v_cache shapes differ");
   FLASH_CHECK(q_in.stride(-1) == 1 && k_cache.stride(-1) == 1 && v_cache.stride(-1) == 1,
               "flash_cuda: the last dimension of q and the caches must be contiguous");
-  const int64_t esize = q_in.element_size();
+  const int64_t esize = k_cache.element_size();
   for (const at::Tensor* c : {&k_cache, &v_cache}) {
     bool ok = reinterpret_cast<uintptr_t>(c->data_ptr()) % 16 == 0;
     for (int i = 0; i < 3; ++i) ok = ok && (c->size(i) <= 1 || (c->stride(i) * esize) % 16 == 0);
@@ -714,6 +723,14 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache(
   const int64_t Hkv = k_cache.size(1);
   FLASH_CHECK(k_cache.size(3) == D && Hkv > 0 && Hq % Hkv == 0 && D % 8 == 0 && D >= 8 && D <= 256,
               "flash_cuda: bad head counts or head dim");
+  if (fp8) {
+    FLASH_CHECK(D % 16 == 0, "flash_cuda: FP8 caches take head dims that are multiples of 16");
+    for (const at::Tensor* d : {&*k_descale, &*v_descale}) {
+      FLASH_CHECK(d->scalar_type() == at::kFloat && d->dim() == 2 && d->size(0) == B && d->size(1) == Hkv &&
+                      d->is_contiguous() && d->device() == q_in.device(),
+                  "flash_cuda: k_descale / v_descale must be contiguous float32 (batch, kv_heads) on q's device");
+    }
+  }
   int64_t capacity = k_cache.size(2);
   if (paged) {
     const at::Tensor& bt = *block_table;
@@ -807,7 +824,16 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache(
   }
   p.splits_wanted = static_cast<int>(std::min<int64_t>(num_splits, 1024));
   FLASH_CHECK(p.sm_arch >= 80, "flash_cuda: needs a GPU of compute capability 8.0 or newer");
-  if (Sq > decode::kMaxDecodeQueries && (paged || lens_on_device)) {
+  if (fp8) {
+    FLASH_CHECK(p.sm_arch >= 89, "flash_cuda: FP8 (e4m3) KV caches need a GPU of compute capability 8.9 or newer "
+                "(Ada, Hopper, Blackwell); this one is ", p.sm_arch / 10, ".", p.sm_arch % 10);
+    p.cache_fp8 = true;
+    p.k_descale = k_descale->data_ptr<float>();
+    p.v_descale = v_descale->data_ptr<float>();
+  }
+  // (FP8 caches: every query count through the decode kernels, which quantize the new rows as
+  // they store them; the prefill route's gather lays keys out in 16 bits.)
+  if (Sq > decode::kMaxDecodeQueries && (paged || lens_on_device) && !fp8) {
     // A prompt chunk whose keys' lengths or places only the device knows: the query-tiled forward
     // over the cache laid out densely (core/kv_gather.cuh), each sequence's key count in
     // seqused_k. (A dense cache with an int length: the Python layer's own prefill route.)
@@ -858,7 +884,8 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_direct(
     const std::optional<at::Tensor>& k_new, const std::optional<at::Tensor>& v_new, const at::Tensor& cache_seqlens,
     const std::optional<at::Tensor>& block_table, const KvcacheDirectPlan& d) {
   return fwd_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens, 0, block_table, d.scale, d.window_left,
-                     d.window_right, d.softcap, std::nullopt, d.num_splits, d.return_lse, std::nullopt);
+                     d.window_right, d.softcap, std::nullopt, d.num_splits, d.return_lse, std::nullopt, std::nullopt,
+                     std::nullopt);
 }
 
 namespace {
@@ -991,7 +1018,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("k_new"), py::arg("v_new"),
         py::arg("cache_seqlens"), py::arg("cache_len"), py::arg("block_table"), py::arg("scale"),
         py::arg("window_left"), py::arg("window_right"), py::arg("softcap"), py::arg("alibi_slopes"),
-        py::arg("num_splits"), py::arg("return_lse"), py::arg("sinks") = py::none());
+        py::arg("num_splits"), py::arg("return_lse"), py::arg("sinks") = py::none(),
+        py::arg("k_descale") = py::none(), py::arg("v_descale") = py::none());
   py::class_<flash_cuda::KvcacheDirectPlan>(m, "KvcacheDirectPlan",
                                             "a KV-cache call's checked options, for fwd_kvcache_direct")
       .def(py::init([](double scale, int64_t window_left, int64_t window_right, double softcap, int64_t num_splits,

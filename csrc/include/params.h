@@ -176,6 +176,15 @@ struct FwdParams {
   int tile_section = 1;
 
   DropoutParams dropout;
+
+  // ---- FP8 KV cache (tiers/mma/decode.cuh: Fp8Config; after the other fields, which keep their
+  // offsets) ----
+  // k / v hold float8_e4m3fn values (1 byte each; the strides above count them), a stored value
+  // x8 standing for x8 * descale; k_descale / v_descale: [b][hkv] float32. The new rows (k_new /
+  // v_new, in q's dtype) are stored as e4m3(x / descale) and attended as stored.
+  bool cache_fp8 = false;
+  const float* k_descale = nullptr;
+  const float* v_descale = nullptr;
 };
 
 struct BwdParams : FwdParams {

@@ -3,6 +3,6 @@
 #include "../tiers/mma/decode.cuh"
 
 namespace flash_cuda {
-template int plan_decode<static_cast<int>(DType::kFloat16), 256>(const FwdParams&);
-template bool run_decode<static_cast<int>(DType::kFloat16), 256>(const FwdParams&, cudaStream_t);
+template int plan_decode<static_cast<int>(DType::kFloat16), 256, false>(const FwdParams&);
+template bool run_decode<static_cast<int>(DType::kFloat16), 256, false>(const FwdParams&, cudaStream_t);
 }  // namespace flash_cuda

@@ -77,8 +77,12 @@ def instances() -> dict:
         for d in t.DECODE_BUCKETS:
             files[f"decode_{dt}_d{d}.cu"] = _file(
                 f"split-KV decode (KV cache), {dt}, head-dim bucket {d}.", "mma/decode.cuh",
-                [f"template int plan_decode<{dtype}, {d}>(const FwdParams&);",
-                 f"template bool run_decode<{dtype}, {d}>(const FwdParams&, cudaStream_t);"])
+                [f"template int plan_decode<{dtype}, {d}, false>(const FwdParams&);",
+                 f"template bool run_decode<{dtype}, {d}, false>(const FwdParams&, cudaStream_t);"])
+            files[f"decode_fp8_{dt}_d{d}.cu"] = _file(
+                f"split-KV decode over an FP8 (e4m3) KV cache, {dt} queries, head-dim bucket {d}.", "mma/decode.cuh",
+                [f"template int plan_decode<{dtype}, {d}, true>(const FwdParams&);",
+                 f"template bool run_decode<{dtype}, {d}, true>(const FwdParams&, cudaStream_t);"])
     for d in t.SIMT_BUCKETS:
         # fwd_outer.cuh holds the run_fwd_simt that picks the kernel of each bucket.
         for direction, header, params, what in (("fwd", "simt/fwd_outer.cuh", "FwdParams", "forward"),

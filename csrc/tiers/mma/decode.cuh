@@ -29,6 +29,7 @@
 #include <type_traits>
 
 #include "../../arch/host.h"
+#include "../../arch/fp8.cuh"
 #include "../../arch/sm80.cuh"
 #include "../../arch/sm90.cuh"
 #include "../../arch/tile.cuh"
@@ -66,6 +67,12 @@ struct Tile {
   static constexpr int kSubN = 16;                 // keys per warp per step
   static constexpr int kBlockN = kSubN * kWarpsN;  // keys per step
   static constexpr int kPitch = kHeadDim + 8;      // padded rows: conflict-free ldmatrix
+  // The cache's elements as the ring holds them (Fp8Config: e4m3 bytes), its row pitch in them,
+  // and how many one 16-byte copy moves.
+  using TC = T;
+  static constexpr bool kFp8 = false;
+  static constexpr int kPitchC = kPitch;
+  static constexpr int kChunkElems = 8;
   static constexpr size_t kStageBytes = size_t(2) * kBlockN * kPitch * sizeof(T);  // K and V
   static constexpr int kStages = kStages_;
   static constexpr bool kHalfSteps = kStages == 1;
@@ -118,6 +125,45 @@ struct Config : Tile<T, kHeadDim, kWarpsM, kFullStages<T, kHeadDim, kWarpsM>> {}
 template <typename T, int kHeadDim, int kWarpsM>
 struct HalfStepConfig : Tile<T, kHeadDim, kWarpsM, 1> {};
 
+// FP8 caches (FwdParams::cache_fp8, sm_89 and newer): the ring holds each step's e4m3 K and V rows,
+// padded to d + 16 bytes (conflict-free ldmatrix), and the two products read them straight from
+// there, converting in registers (tiers/mma/gemm.cuh: the e4m3 B operands): a step costs the
+// shared memory half the bytes of a 16-bit one. kFp8RingBytes sets the ring's steps (3 at d = 128:
+// as many bytes in flight per CTA as the 16-bit ring's, at three CTAs per SM).
+constexpr size_t kFp8RingBytes = 56 * 1024;
+template <typename T, int kHeadDim, int kWarpsM>
+struct Fp8Sizes {
+  using Base = Tile<T, kHeadDim, kWarpsM, 2>;
+  static constexpr int kPitchC = kHeadDim + 16;
+  static constexpr size_t kStageBytes = size_t(2) * Base::kBlockN * kPitchC;
+  static constexpr int kStages =
+      static_cast<int>(std::min<size_t>(kMaxStages, std::max<size_t>(2, kFp8RingBytes / kStageBytes)));
+};
+template <typename T_, int kHeadDim_, int kWarpsM_>
+struct Fp8Config : Tile<T_, kHeadDim_, kWarpsM_, Fp8Sizes<T_, kHeadDim_, kWarpsM_>::kStages> {
+  using Base = Tile<T_, kHeadDim_, kWarpsM_, Fp8Sizes<T_, kHeadDim_, kWarpsM_>::kStages>;
+  using T = T_;
+  using TC = uint8_t;
+  static constexpr bool kFp8 = true;
+  static constexpr bool kBulkEligible = false;
+  static constexpr int kPitchC = Fp8Sizes<T_, kHeadDim_, kWarpsM_>::kPitchC;
+  static constexpr int kChunkElems = 16;
+  static constexpr size_t kStageBytes = Fp8Sizes<T_, kHeadDim_, kWarpsM_>::kStageBytes;
+  struct Storage {
+    T q[Base::kRows * Base::kPitch];
+    union {
+      uint8_t kv[Base::kStages][2][Base::kBlockN * kPitchC];  // e4m3: a step's K, then its V
+      struct {
+        float o[Base::kWarpsN][Base::kRows * Base::kMergePitch];
+        float stats[Base::kWarpsN][Base::kRows][2];
+      } merge;
+    };
+    uint64_t full[Base::kStages];  // (no bulk copies here; the kernel's code names the member)
+  };
+  static constexpr size_t kSmemBytes = sizeof(Storage);
+  static_assert(kHeadDim_ % 32 == 0, "pairs of 16-byte chunks of e4m3 per row");
+};
+
 // The decode config per GPU class (arch/gpu_class.h): Full where the device's opt-in shared memory
 // holds it, else Compact, which fits every class. Compact is Full wherever Full fits 99 KiB, so
 // the instances of those head dims hold one kernel per row count.
@@ -126,6 +172,13 @@ struct ConfigPolicy {
   using Full = Config<T, kHeadDim, kWarpsM>;
   using Compact =
       std::conditional_t<Full::kSmemBytes <= kSmemConsumer, Full, HalfStepConfig<T, kHeadDim, kWarpsM>>;
+};
+// FP8 caches: one config for every class (a device whose shared memory does not hold it has no
+// FP8 decode at that head dim: with_decode_config).
+template <typename T, int kHeadDim, int kWarpsM>
+struct Fp8ConfigPolicy {
+  using Full = Fp8Config<T, kHeadDim, kWarpsM>;
+  using Compact = Full;
 };
 
 template <typename T, int kHeadDim, int kWarpsM>
@@ -168,11 +221,12 @@ __device__ __forceinline__ void append_new_rows(const FwdParams& p, const CacheS
 }
 
 // Where this thread's copies of a step start: its 16-byte column chunk c of key rows r_first,
-// r_first + kRowsPerPass, ... (kRowsPerPass = threads / chunks per row).
+// r_first + kRowsPerPass, ... (kRowsPerPass = threads / chunks per row, at most a step: an FP8
+// step of 16 keys at d = 64 is 64 copies, and threads from r_first = kBlockN on copy nothing).
 template <typename Cfg>
 struct KeyCopier {
-  static constexpr int kChunks = Cfg::kHeadDim / 8;
-  static constexpr int kRowsPerPass = Cfg::kThreads / kChunks;
+  static constexpr int kChunks = Cfg::kHeadDim / Cfg::kChunkElems;
+  static constexpr int kRowsPerPass = std::min(Cfg::kThreads / kChunks, Cfg::kBlockN);
   static constexpr int kPasses = Cfg::kBlockN / kRowsPerPass;
   static_assert(Cfg::kThreads % kChunks == 0 && Cfg::kBlockN % kRowsPerPass == 0, "whole rows, whole passes");
   int r_first, c;
@@ -180,7 +234,7 @@ struct KeyCopier {
   __device__ __forceinline__ static KeyCopier make(const FwdParams& p) {
     KeyCopier k;
     k.r_first = threadIdx.x / kChunks;
-    k.c = (threadIdx.x % kChunks) * 8;
+    k.c = (threadIdx.x % kChunks) * Cfg::kChunkElems;
     k.col_valid = k.c < p.d;
     return k;
   }
@@ -282,6 +336,88 @@ __device__ __forceinline__ void bulk_key_block(const FwdParams& p, const CacheSe
   }
 }
 
+// FP8 caches: 16 values of T (two 16-byte words at src) as 16 e4m3 values e4m3(x / descale).
+template <typename T>
+__device__ __forceinline__ uint4 quantize16(const T* src, float descale) {
+  const uint4 w[2] = {*reinterpret_cast<const uint4*>(src), *reinterpret_cast<const uint4*>(src + 8)};
+  const T* x = reinterpret_cast<const T*>(w);
+  uint32_t out[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const uint16_t lo = f32x2_to_e4m3x2(__fdiv_rn(to_float(x[4 * i]), descale),
+                                        __fdiv_rn(to_float(x[4 * i + 1]), descale));
+    const uint16_t hi = f32x2_to_e4m3x2(__fdiv_rn(to_float(x[4 * i + 2]), descale),
+                                        __fdiv_rn(to_float(x[4 * i + 3]), descale));
+    out[i] = static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
+  }
+  return make_uint4(out[0], out[1], out[2], out[3]);
+}
+
+// The FP8 append: the new rows [r0, r1) quantized into the cache (e4m3 with the sequence's KV
+// head's descales), 16 values a thread.
+template <typename Cfg>
+__device__ __forceinline__ void append_new_rows_fp8(const FwdParams& p, const CacheSeq& seq, int bi, int h_kv, int r0,
+                                                    int r1, float k_descale, float v_descale) {
+  using T = typename Cfg::T;
+  constexpr int kChunks = Cfg::kHeadDim / 16;
+  for (int idx = threadIdx.x; idx < (r1 - r0) * kChunks; idx += Cfg::kThreads) {
+    const int r = r0 + idx / kChunks, c = (idx % kChunks) * 16;
+    if (c >= p.d) continue;
+    const int pos = seq.len + r;
+    const T* kn = static_cast<const T*>(p.k_new) + bi * p.knew_batch_stride + h_kv * p.knew_head_stride +
+                  r * p.knew_row_stride + c;
+    const T* vn = static_cast<const T*>(p.v_new) + bi * p.vnew_batch_stride + h_kv * p.vnew_head_stride +
+                  r * p.vnew_row_stride + c;
+    uint8_t* kc = cache_row(p, static_cast<uint8_t*>(const_cast<void*>(p.k)), p.k_batch_stride, p.k_head_stride,
+                            p.k_row_stride, bi, h_kv, pos) + c;
+    uint8_t* vc = cache_row(p, static_cast<uint8_t*>(const_cast<void*>(p.v)), p.v_batch_stride, p.v_head_stride,
+                            p.v_row_stride, bi, h_kv, pos) + c;
+    *reinterpret_cast<uint4*>(kc) = quantize16(kn, k_descale);
+    *reinterpret_cast<uint4*>(vc) = quantize16(vn, v_descale);
+  }
+}
+
+// The FP8 ring's fill of keys [n0, n0 + kBlockN): cached positions by cp.async (16 e4m3 values a
+// copy); the new ones (positions from len_b) quantized from k_new / v_new as the append stores
+// them, so that every CTA attends the values the cache will hold; positions past the sequence
+// (and columns past d, a multiple of 16 here) as zeros.
+template <typename Cfg>
+__device__ __forceinline__ void load_key_block_fp8(const FwdParams& p, const CacheSeq& seq, const KeyCopier<Cfg>& cp,
+                                                   int bi, int h_kv, int n0, uint8_t* sK, uint8_t* sV,
+                                                   float k_descale, float v_descale) {
+  using T = typename Cfg::T;
+  using Copier = KeyCopier<Cfg>;
+  const uint8_t* k = static_cast<const uint8_t*>(p.k);
+  const uint8_t* v = static_cast<const uint8_t*>(p.v);
+  if (cp.r_first >= Cfg::kBlockN) return;
+#pragma unroll
+  for (int pass = 0; pass < Copier::kPasses; ++pass) {
+    const int pos = n0 + cp.r_first + pass * Copier::kRowsPerPass;
+    uint8_t* sk = sK + (cp.r_first + pass * Copier::kRowsPerPass) * Cfg::kPitchC + cp.c;
+    uint8_t* sv = sV + (cp.r_first + pass * Copier::kRowsPerPass) * Cfg::kPitchC + cp.c;
+    const bool valid = cp.col_valid && pos < seq.total;
+    if (valid && pos >= seq.len) {
+      const int r_new = pos - seq.len;
+      const T* kn = static_cast<const T*>(p.k_new) + bi * p.knew_batch_stride + h_kv * p.knew_head_stride +
+                    r_new * p.knew_row_stride + cp.c;
+      const T* vn = static_cast<const T*>(p.v_new) + bi * p.vnew_batch_stride + h_kv * p.vnew_head_stride +
+                    r_new * p.vnew_row_stride + cp.c;
+      *reinterpret_cast<uint4*>(sk) = quantize16(kn, k_descale);
+      *reinterpret_cast<uint4*>(sv) = quantize16(vn, v_descale);
+      continue;
+    }
+    const uint8_t* ksrc = k;
+    const uint8_t* vsrc = v;
+    if (valid) {
+      const int row = pos + seq.k_start;
+      ksrc = cache_row(p, k, p.k_batch_stride, p.k_head_stride, p.k_row_stride, bi, h_kv, row) + cp.c;
+      vsrc = cache_row(p, v, p.v_batch_stride, p.v_head_stride, p.v_row_stride, bi, h_kv, row) + cp.c;
+    }
+    cp_async_16_stream<Cfg::kPrefetch>(sk, ksrc, valid);
+    cp_async_16_stream<Cfg::kPrefetch>(sv, vsrc, valid);
+  }
+}
+
 // Tile rows counted in packed rows R: R holds query R / heads (of head h0 + R % heads).
 struct PackedRows {
   int heads;
@@ -294,12 +430,19 @@ template <typename Cfg>
 __device__ __forceinline__ void compute_qk_scores_and_max(float (&s)[1][Cfg::kSubN / 8][4], float (&block_max)[1][2],
                                                           const typename Cfg::T* sQ_warp,
                                                           const uint32_t (&q_frags)[Cfg::kQFrags][4],
-                                                          const typename Cfg::T* sK_warp, bool needs_mask,
+                                                          const typename Cfg::TC* sK_warp, bool needs_mask,
                                                           int row_base, int key_base, const AttnMask& mask,
                                                           const ScoreMod& mod, float scale_log2,
                                                           const PackedRows& rows) {
   zero_fill(s);
-  if constexpr (Cfg::kQInRegs) {
+  if constexpr (Cfg::kFp8) {
+    if constexpr (Cfg::kQInRegs) {
+      gemm_frags_by_e4m3_rows_t<typename Cfg::T, Cfg::kHeadDim, Cfg::kSubN, Cfg::kPitchC>(s, q_frags, sK_warp);
+    } else {
+      gemm_rows_by_e4m3_rows_t<typename Cfg::T, Cfg::kHeadDim, Cfg::kSubN, Cfg::kPitch, Cfg::kPitchC>(s, sQ_warp,
+                                                                                                    sK_warp);
+    }
+  } else if constexpr (Cfg::kQInRegs) {
     gemm_frags_by_rows_t<typename Cfg::T, Cfg::kHeadDim, Cfg::kSubN, Cfg::kPitch>(s, q_frags, sK_warp);
   } else {
     gemm_rows_by_rows_t<typename Cfg::T, 1, Cfg::kHeadDim, Cfg::kSubN, Cfg::kPitch>(s, sQ_warp, sK_warp);
@@ -313,10 +456,14 @@ template <typename Cfg>
 __device__ __forceinline__ void compute_block_softmax_and_weighted_v(float (&s)[1][Cfg::kSubN / 8][4],
                                                                     RowStats<1>& stats,
                                                                     float (&acc_o)[1][Cfg::kHeadDim / 8][4],
-                                                                    const typename Cfg::T* sV_warp,
+                                                                    const typename Cfg::TC* sV_warp,
                                                                     float exp_scale) {
   exponentiate_block<typename Cfg::T>(s, stats, exp_scale);
-  gemm_regs_by_rows<typename Cfg::T, 1, Cfg::kSubN, Cfg::kHeadDim, Cfg::kPitch>(acc_o, s, sV_warp);
+  if constexpr (Cfg::kFp8) {
+    gemm_regs_by_e4m3_rows<typename Cfg::T, Cfg::kSubN, Cfg::kHeadDim, Cfg::kPitchC>(acc_o, s, sV_warp);
+  } else {
+    gemm_regs_by_rows<typename Cfg::T, 1, Cfg::kSubN, Cfg::kHeadDim, Cfg::kPitch>(acc_o, s, sV_warp);
+  }
 }
 
 // Step 4, after the warps of a slice left their (m, l) and O rows in shared memory: the rows'
@@ -325,7 +472,7 @@ __device__ __forceinline__ void compute_block_softmax_and_weighted_v(float (&s)[
 template <typename Cfg>
 __device__ __forceinline__ void normalize_output(const FwdParams& p, const CacheSeq& seq, const float* sO,
                                                  const float* sStats, int bi, int h0, int r0, int rows_valid,
-                                                 int split) {
+                                                 int split, float v_descale) {
   using T = typename Cfg::T;
   constexpr int kRowStride = Cfg::kMergePitch;
   constexpr int kSliceFloats = Cfg::kRows * kRowStride;
@@ -352,7 +499,8 @@ __device__ __forceinline__ void normalize_output(const FwdParams& p, const Cache
     // merge of the splits (core/combine.cuh: combine_key_splits_kernel), which adds it once.
     float o_scale = 1.f;
     if (p.sinks != nullptr && !split_out) o_scale = merge_sink(m, l, sink_log2_of(p.sinks, h));
-    const float inv = l == 0.f ? 0.f : o_scale / l;
+    float inv = l == 0.f ? 0.f : o_scale / l;
+    if constexpr (Cfg::kFp8) inv *= v_descale;  // (the values' descale, as the specification applies it)
     T* o = static_cast<T*>(p.o) + bi * p.o_batch_stride + h * p.o_head_stride +
            static_cast<int64_t>(seq.q_start + i) * p.o_row_stride;
     float* o_piece = p.o_accum + (split * all_rows + row) * p.d;
@@ -394,11 +542,11 @@ __device__ __forceinline__ void decode_block(const FwdParams& p) {
   auto& smem = *reinterpret_cast<typename Cfg::Storage*>(smem_raw);
   // Stages are addressed as offsets from the first (tiers/wgmma/bwd.cuh says why).
   T* sQ = smem.q;
-  T* sKV = smem.kv[0][0];
-  constexpr int kStageElems = 2 * Cfg::kBlockN * Cfg::kPitch;
+  typename Cfg::TC* sKV = smem.kv[0][0];
+  constexpr int kStageElems = 2 * Cfg::kBlockN * Cfg::kPitchC;
   // The first stage's K and V halves, which the half-step loop refills apart.
-  [[maybe_unused]] T* const sK = sKV;
-  [[maybe_unused]] T* const sV = sKV + Cfg::kBlockN * Cfg::kPitch;
+  [[maybe_unused]] typename Cfg::TC* const sK = sKV;
+  [[maybe_unused]] typename Cfg::TC* const sV = sKV + Cfg::kBlockN * Cfg::kPitchC;
 
   const int split = blockIdx.x % p.num_splits, chunk = blockIdx.x / p.num_splits;
   const int heads = p.decode_heads;
@@ -406,12 +554,32 @@ __device__ __forceinline__ void decode_block(const FwdParams& p) {
   const int group = p.hq / p.hkv;
   const int h_kv = h0 / group;
   const CacheSeq seq = CacheSeq::make(p, bi);
+  // An FP8 cache's descales for this KV head: the keys' one joins the scores' scale, the values'
+  // one the output's normalization.
+  float k_descale = 1.f, v_descale = 1.f;
+  if constexpr (Cfg::kFp8) {
+    k_descale = p.k_descale[bi * p.hkv + h_kv];
+    v_descale = p.v_descale[bi * p.hkv + h_kv];
+  }
+  // (read where it is used, as the 16-bit kernels always read p.scale_log2)
+  auto scale_log2 = [&] {
+    if constexpr (Cfg::kFp8) {
+      return p.scale_log2 * k_descale;
+    } else {
+      return p.scale_log2;
+    }
+  };
 
   // The new rows go into the cache first: split s of row chunk 0 of the group's first tile
   // writes its share; every CTA reads new positions from k_new / v_new, never from the cache.
   if (p.s_new > 0 && chunk == 0 && h0 % group == 0) {
-    append_new_rows<Cfg>(p, seq, bi, h_kv, static_cast<int>(int64_t(p.s_new) * split / p.num_splits),
-                         static_cast<int>(int64_t(p.s_new) * (split + 1) / p.num_splits));
+    const int a0 = static_cast<int>(int64_t(p.s_new) * split / p.num_splits);
+    const int a1 = static_cast<int>(int64_t(p.s_new) * (split + 1) / p.num_splits);
+    if constexpr (Cfg::kFp8) {
+      append_new_rows_fp8<Cfg>(p, seq, bi, h_kv, a0, a1, k_descale, v_descale);
+    } else {
+      append_new_rows<Cfg>(p, seq, bi, h_kv, a0, a1);
+    }
   }
 
   const int r0 = chunk * Cfg::kRows;
@@ -451,15 +619,20 @@ __device__ __forceinline__ void decode_block(const FwdParams& p) {
     __syncthreads();
   }
   auto load = [&](int nb) {
-    T* stage = sKV + (nb % Cfg::kStages) * kStageElems;
-    if constexpr (kBulk) {
-      if (is_bulk(nb)) {
-        bulk_key_block<Cfg>(p, seq, bi, h_kv, nb * Cfg::kBlockN, stage, stage + Cfg::kBlockN * Cfg::kPitch,
-                            &smem.full[nb % Cfg::kStages]);
-        return;
+    auto* stage = sKV + (nb % Cfg::kStages) * kStageElems;
+    if constexpr (Cfg::kFp8) {
+      load_key_block_fp8<Cfg>(p, seq, copier, bi, h_kv, nb * Cfg::kBlockN, stage, stage + Cfg::kBlockN * Cfg::kPitchC,
+                              k_descale, v_descale);
+    } else {
+      if constexpr (kBulk) {
+        if (is_bulk(nb)) {
+          bulk_key_block<Cfg>(p, seq, bi, h_kv, nb * Cfg::kBlockN, stage, stage + Cfg::kBlockN * Cfg::kPitch,
+                              &smem.full[nb % Cfg::kStages]);
+          return;
+        }
       }
+      load_key_block<Cfg>(p, seq, copier, bi, h_kv, nb * Cfg::kBlockN, stage, stage + Cfg::kBlockN * Cfg::kPitch);
     }
-    load_key_block<Cfg>(p, seq, copier, bi, h_kv, nb * Cfg::kBlockN, stage, stage + Cfg::kBlockN * Cfg::kPitch);
   };
   // Prologue: Q with the first step, then kStages - 2 more steps in flight (the half-step loop:
   // Q with the first step's K).
@@ -479,7 +652,7 @@ __device__ __forceinline__ void decode_block(const FwdParams& p) {
   const int warp = threadIdx.x / 32;
   const int wm = warp / Cfg::kWarpsN, wn = warp % Cfg::kWarpsN;
   const ScoreMod mod = ScoreMod::make(p, bi, h0, seq.total - seq.sq);
-  const float exp_scale = mod.exp_scale(p.scale_log2);
+  const float exp_scale = mod.exp_scale(scale_log2());
   const PackedRows rows{heads};
   const int row_base = r0 + wm * 16;  // packed rows of this warp's slice
   const int warp_q_lo = row_base / heads;
@@ -507,7 +680,7 @@ __device__ __forceinline__ void decode_block(const FwdParams& p) {
       float s[1][Cfg::kSubN / 8][4];
       float block_max[1][2];
       compute_qk_scores_and_max<Cfg>(s, block_max, sQ_warp, q_frags, sK + wn * Cfg::kSubN * Cfg::kPitch,
-                                     needs_mask, row_base, key_base, mask, mod, p.scale_log2, rows);
+                                     needs_mask, row_base, key_base, mask, mod, scale_log2(), rows);
       merge_block_stats(stats, block_max, acc_o);
       cp_async_wait<0>();
       __syncthreads();  // step nb's V landed for all; every warp is done with its K
@@ -527,19 +700,25 @@ __device__ __forceinline__ void decode_block(const FwdParams& p) {
       if (nb + Cfg::kStages - 1 < nb_end) load(nb + Cfg::kStages - 1);
       cp_async_commit();
       if constexpr (Cfg::kQInRegs) {
-        if (nb == nb_begin) load_a_frags<Cfg::kHeadDim, Cfg::kPitch>(q_frags, sQ_warp);  // Q landed with step 0
+        if (nb == nb_begin) {  // Q landed with step 0
+          if constexpr (Cfg::kFp8) {
+            load_a_frags_k4<Cfg::kHeadDim, Cfg::kPitch>(q_frags, sQ_warp);
+          } else {
+            load_a_frags<Cfg::kHeadDim, Cfg::kPitch>(q_frags, sQ_warp);
+          }
+        }
       }
 
-      const T* stage = sKV + (nb % Cfg::kStages) * kStageElems;
+      const typename Cfg::TC* stage = sKV + (nb % Cfg::kStages) * kStageElems;
       const int key_base = nb * Cfg::kBlockN + wn * Cfg::kSubN;
       const bool needs_mask = mask.needs_mask(warp_q_lo, warp_q_hi, key_base, key_base + Cfg::kSubN);
       float s[1][Cfg::kSubN / 8][4];
       float block_max[1][2];
-      compute_qk_scores_and_max<Cfg>(s, block_max, sQ_warp, q_frags, stage + wn * Cfg::kSubN * Cfg::kPitch, needs_mask,
-                                     row_base, key_base, mask, mod, p.scale_log2, rows);
+      compute_qk_scores_and_max<Cfg>(s, block_max, sQ_warp, q_frags, stage + wn * Cfg::kSubN * Cfg::kPitchC,
+                                     needs_mask, row_base, key_base, mask, mod, scale_log2(), rows);
       merge_block_stats(stats, block_max, acc_o);
       compute_block_softmax_and_weighted_v<Cfg>(s, stats, acc_o,
-                                                stage + (Cfg::kBlockN + wn * Cfg::kSubN) * Cfg::kPitch, exp_scale);
+                                                stage + (Cfg::kBlockN + wn * Cfg::kSubN) * Cfg::kPitchC, exp_scale);
     }
   }
   cp_async_wait<0>();
@@ -558,10 +737,20 @@ __device__ __forceinline__ void decode_block(const FwdParams& p) {
     for (int half = 0; half < 2; ++half) {
       const int r = wm * 16 + g + 8 * half;
       const float l = group_sum<4>(stats.sum[0][half]);
+      if constexpr (Cfg::kFp8) {
+        // C tiles 2c and 2c + 1 hold O's even and odd columns of chunk c (tiers/mma/gemm.cuh).
 #pragma unroll
-      for (int dt = 0; dt < Cfg::kHeadDim / 8; ++dt) {
-        *reinterpret_cast<float2*>(o_slot + r * Cfg::kMergePitch + dt * 8 + 2 * t) =
-            make_float2(acc_o[0][dt][2 * half], acc_o[0][dt][2 * half + 1]);
+        for (int c = 0; c < Cfg::kHeadDim / 16; ++c) {
+          *reinterpret_cast<float4*>(o_slot + r * Cfg::kMergePitch + 16 * c + 4 * t) =
+              make_float4(acc_o[0][2 * c][2 * half], acc_o[0][2 * c + 1][2 * half], acc_o[0][2 * c][2 * half + 1],
+                          acc_o[0][2 * c + 1][2 * half + 1]);
+        }
+      } else {
+#pragma unroll
+        for (int dt = 0; dt < Cfg::kHeadDim / 8; ++dt) {
+          *reinterpret_cast<float2*>(o_slot + r * Cfg::kMergePitch + dt * 8 + 2 * t) =
+              make_float2(acc_o[0][dt][2 * half], acc_o[0][dt][2 * half + 1]);
+        }
       }
       if (t == 0) {
         sStats[(wn * Cfg::kRows + r) * 2] = stats.max[0][half];
@@ -570,15 +759,23 @@ __device__ __forceinline__ void decode_block(const FwdParams& p) {
     }
   }
   __syncthreads();
-  normalize_output<Cfg>(p, seq, sO, sStats, bi, h0, r0, rows_valid, split);
+  normalize_output<Cfg>(p, seq, sO, sStats, bi, h0, r0, rows_valid, split, v_descale);
 }
 
 // The bulk variant exists in the sm_90a build alone (elsewhere it traps and is never launched:
 // launch_decode asks sm90_kernel_built).
+// The FP8 kernels exist from sm_89 on (arch/fp8.cuh; elsewhere they trap and are never launched:
+// the binding asks for compute capability 8.9).
 template <typename Cfg, bool kBulk = false>
 __global__ void __launch_bounds__(Cfg::kThreads) decode_kernel(const FwdParams p) {
   if constexpr (kBulk) {
     FLASH_SM90_KERNEL_BODY(decode_block<Cfg, true>(p));
+  } else if constexpr (Cfg::kFp8) {
+#if FLASH_FP8_CVT
+    decode_block<Cfg, false>(p);
+#else
+    __trap();
+#endif
   } else {
     decode_block<Cfg, false>(p);
   }
@@ -627,7 +824,7 @@ void launch_decode(const FwdParams& p, cudaStream_t stream) {
 // Calls f(Cfg{}) with the decode config for this call's rows and this device's class
 // (ConfigPolicy: the full tiles where the opt-in shared memory holds them, else the compact ones);
 // returns `none` where neither fits (a device below every class's budget).
-template <typename T, int kHeadDim, typename F, typename R>
+template <typename T, int kHeadDim, bool kFp8, typename F, typename R>
 R with_decode_config(const FwdParams& p, R none, F&& f) {
   auto fits = [&](auto policy) -> R {
     using Policy = decltype(policy);
@@ -638,26 +835,35 @@ R with_decode_config(const FwdParams& p, R none, F&& f) {
     }
     return none;
   };
-  switch (decode::warps_m_for(p.sq * p.decode_heads)) {
-    case 1: return fits(decode::ConfigPolicy<T, kHeadDim, 1>{});
-    case 2: return fits(decode::ConfigPolicy<T, kHeadDim, 2>{});
-    default: return fits(decode::ConfigPolicy<T, kHeadDim, 4>{});
+  if constexpr (kFp8) {
+    switch (decode::warps_m_for(p.sq * p.decode_heads)) {
+      case 1: return fits(decode::Fp8ConfigPolicy<T, kHeadDim, 1>{});
+      case 2: return fits(decode::Fp8ConfigPolicy<T, kHeadDim, 2>{});
+      default: return fits(decode::Fp8ConfigPolicy<T, kHeadDim, 4>{});
+    }
+  } else {
+    switch (decode::warps_m_for(p.sq * p.decode_heads)) {
+      case 1: return fits(decode::ConfigPolicy<T, kHeadDim, 1>{});
+      case 2: return fits(decode::ConfigPolicy<T, kHeadDim, 2>{});
+      default: return fits(decode::ConfigPolicy<T, kHeadDim, 4>{});
+    }
   }
 }
 
-// The decode family's two entry points per (dtype, head-dim bucket): the split count its launch
-// will use (0: no config fits this device's shared memory), and the launch itself, which takes
-// the num_splits and workspace the caller set from it.
-template <int kDType, int kHeadDim>
+// The decode family's two entry points per (dtype, head-dim bucket, FP8 cache or not): the split
+// count its launch will use (0: no config fits this device's shared memory), and the launch
+// itself, which takes the num_splits and workspace the caller set from it.
+template <int kDType, int kHeadDim, bool kFp8>
 int plan_decode(const FwdParams& p) {
   using T = typename ElementOf<kDType>::type;
-  return with_decode_config<T, kHeadDim>(p, 0, [&](auto cfg) { return plan_decode_splits<decltype(cfg)>(p); });
+  return with_decode_config<T, kHeadDim, kFp8>(p, 0,
+                                               [&](auto cfg) { return plan_decode_splits<decltype(cfg)>(p); });
 }
 
-template <int kDType, int kHeadDim>
+template <int kDType, int kHeadDim, bool kFp8>
 bool run_decode(const FwdParams& p, cudaStream_t stream) {
   using T = typename ElementOf<kDType>::type;
-  return with_decode_config<T, kHeadDim>(p, false, [&](auto cfg) {
+  return with_decode_config<T, kHeadDim, kFp8>(p, false, [&](auto cfg) {
     launch_decode<decltype(cfg)>(p, stream);
     return true;
   });

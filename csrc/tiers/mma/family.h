@@ -69,27 +69,35 @@ struct MmaFamily {
 //     CTAs walking every key: there the cache is k / v itself and every sequence holds all its
 //     keys.
 // Head-dim buckets 64, 128, 256 (zero-filled columns above d). Workspace: with more than one key
-// range, the ranges' fp32 O and (m, log2 l) (core/combine.cuh merges them).
-// ---- entry points (csrc/instances/decode_*.cu) ----
-template <int kDType, int kHeadDim> int plan_decode(const FwdParams& params);
-template <int kDType, int kHeadDim> bool run_decode(const FwdParams& params, cudaStream_t stream);
+// range, the ranges' fp32 O and (m, log2 l) (core/combine.cuh merges them). FP8 (e4m3) caches
+// (FwdParams::cache_fp8) have kernels of their own (kFp8), 16-bit queries as their 16-bit twins.
+// ---- entry points (csrc/instances/decode_*.cu, decode_fp8_*.cu) ----
+template <int kDType, int kHeadDim, bool kFp8> int plan_decode(const FwdParams& params);
+template <int kDType, int kHeadDim, bool kFp8> bool run_decode(const FwdParams& params, cudaStream_t stream);
 
 namespace decode {
 
 // attention() calls with at most this many queries per head go to the decode family.
 constexpr int kMaxDecodeQueries = 16;
 
-template <int kDType, int kVariant> struct PlanEntry {
-  template <int kD> static int run(const FwdParams& p, cudaStream_t) { return plan_decode<kDType, kD>(p); }
+template <int kDType, bool kFp8> struct PlanEntry {
+  template <int kD> static int run(const FwdParams& p, cudaStream_t) { return plan_decode<kDType, kD, kFp8>(p); }
 };
-template <int kDType, int kVariant> struct RunEntry {
-  template <int kD> static bool run(const FwdParams& p, cudaStream_t s) { return run_decode<kDType, kD>(p, s); }
+template <int kDType, bool kFp8> struct RunEntry {
+  template <int kD> static bool run(const FwdParams& p, cudaStream_t s) {
+    return run_decode<kDType, kD, kFp8>(p, s);
+  }
 };
 
-template <template <int, int> class Entry>
+template <template <int, bool> class Entry>
 auto with_dtype(const FwdParams& p, cudaStream_t s) {
-  return p.dtype == DType::kFloat16 ? with_bucket<Entry<kF16, kPlain>>(p.d, tiles::DecodeBuckets{}, p, s)
-                                    : with_bucket<Entry<kBF16, kPlain>>(p.d, tiles::DecodeBuckets{}, p, s);
+  const bool f16 = p.dtype == DType::kFloat16;
+  if (p.cache_fp8) {
+    return f16 ? with_bucket<Entry<kF16, true>>(p.d, tiles::DecodeBuckets{}, p, s)
+               : with_bucket<Entry<kBF16, true>>(p.d, tiles::DecodeBuckets{}, p, s);
+  }
+  return f16 ? with_bucket<Entry<kF16, false>>(p.d, tiles::DecodeBuckets{}, p, s)
+             : with_bucket<Entry<kBF16, false>>(p.d, tiles::DecodeBuckets{}, p, s);
 }
 
 }  // namespace decode

@@ -94,8 +94,8 @@ struct Tile {
   // Steps of cached keys in pages smaller than a step come in by the TMA unit on Hopper (the
   // kernel's kBulk variant, launch_decode): one bulk copy per K or V row of the step, issued by
   // as many threads, completing on the stage's mbarrier, where cp.async takes a page lookup and
-  // 16 copies of 16 bytes per thread and step. Not at d = 64 with 32 or 64 rows (steps of 32 / 16
-  // keys, 128-byte rows: bulk copies measured 7% slower there), nor for the one-stage ring.
+  // 16 copies of 16 bytes per thread and step (every warp issues an equal share of the rows:
+  // bulk_key_block). Not for the one-stage ring.
   static constexpr bool kBulkEligible = kStages_ != 1;
   static constexpr size_t kSmemBytes = sizeof(Storage);
   // Q's A fragments stay in registers for the whole key loop where they fit next to O's

@@ -20,7 +20,9 @@ one process, and its own, different ones in a process of its own). So each build
 compiled in a namespace and under a module name of its own (FLASH_CUDA_NAMESPACE:
 flash_cuda_ab_base / flash_cuda_ab_new), the kernels one call of each build launches are read
 with torch.profiler and must carry that build's namespace, and both builds run on the very same
-input tensors. A tree whose build predates FLASH_CUDA_NAMESPACE stops the run there.
+input tensors, timed call by call in turn (base, new, base, new, ... in one loop, each call after
+an L2 flush and between its own CUDA events: paired_times). A tree whose build predates
+FLASH_CUDA_NAMESPACE stops the run there.
 
 Per cell: forward outputs (O and LSE) compared bit for bit, gradients
 compared to each other (dQ is summed by atomics in a varying order, so it may differ by
@@ -196,6 +198,38 @@ class InProcess:
         pass
 
 
+def paired_times(torch, fns, rep_ms: float, warmup: int = 5):
+    """One process: the builds' calls alternate call by call in one loop (base, new, base, new,
+    ...), each after the L2 is flushed and timed by its own CUDA events; the median per build (ms).
+    The GPU's clock moves by several percent within tens of milliseconds under load, which a
+    window per build (do_bench's) lets fall on one build; alternating each call spreads it over
+    both."""
+    flush = torch.empty(256 * 1024 * 1024, dtype=torch.int8, device="cuda")
+    for _ in range(warmup):
+        for fn in fns:
+            fn()
+    torch.cuda.synchronize()
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    start.record()
+    for fn in fns:
+        flush.zero_()
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    reps = max(5, min(1000, int(rep_ms / max(start.elapsed_time(end), 1e-3))))  # one turn of every build
+    events = [[(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+              for _ in fns]
+    for i in range(reps):
+        for j, fn in enumerate(fns):
+            flush.zero_()
+            events[j][i][0].record()
+            fn()
+            events[j][i][1].record()
+    torch.cuda.synchronize()
+    return [statistics.median(a.elapsed_time(b) for a, b in ev) for ev in events]
+
+
 def check_namespace(tag: str, namespace: str, names) -> None:
     """One process: every flash_cuda kernel a build launched must be its own (its namespace's)."""
     ours = [n for n in names if f"{namespace}::" in n]
@@ -274,7 +308,8 @@ def main(argv=None):
     ap.add_argument("--slices", type=int, default=1,
                     help="per cell and round, time the builds in turn this many times (each for --rep-ms); "
                          "the GPU's clock moves by several percent over tens of milliseconds, and alternating "
-                         "in short slices spreads such spells over both builds")
+                         "in short slices spreads such spells over both builds (--one-process alternates "
+                         "call by call within each slice)")
     ap.add_argument("--json", type=Path, default=None, help="write every measurement here")
     ap.add_argument("--one-process", action="store_true",
                     help="load both builds into this process (same-call A/B) instead of a worker process each; "
@@ -310,6 +345,12 @@ def main(argv=None):
                     for tag in order:
                         workers[tag].ask("outputs", file=files[tag])
                     checks[cell] = compare(torch, torch.load(files["base"]), torch.load(files["new"]))
+                if args.one_process:  # call by call: base, new, base, new, ... in one timing loop
+                    fns = [workers[tag].build.state["fn"] for tag in order]
+                    for _ in range(args.slices):
+                        for tag, ms in zip(order, paired_times(torch, fns, args.rep_ms)):
+                            times.setdefault((cell, tag), []).append(ms)
+                    continue
                 for _ in range(args.slices):  # base, new, base, new, ...: a slow spell of the GPU hits both
                     for tag in order:
                         times.setdefault((cell, tag), []).append(workers[tag].ask("time")["ms"])

@@ -664,3 +664,36 @@ def test_ab_builds_one_process_checks_each_build_ran_its_own_kernels():
     for names in ([own.replace("_ab_new", "_ab_base")], [own.replace("_ab_new", "")], []):
         with pytest.raises(SystemExit, match="instead of kernels in namespace flash_cuda_ab_new"):
             ab.check_namespace("new", "flash_cuda_ab_new", names)
+
+
+def test_ab_builds_paired_times_alternate_the_builds_call_by_call():
+    import types
+
+    ab = _load("flash_cuda_bench_ab_builds_paired", BENCH / "ab_builds.py")
+    log = []  # what the "GPU" saw, in order: flushes, event records and calls
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            self.at = None
+
+        def record(self):
+            self.at = len(log)
+            log.append("event")
+
+        def elapsed_time(self, other):
+            calls = [x for x in log[self.at:other.at] if x != "event"]
+            return sum({"zero": 0.0, "base": 1.0, "new": 3.0}[c] for c in calls)
+
+    class Flush:
+        def zero_(self):
+            log.append("zero")
+
+    cuda = types.SimpleNamespace(Event=Event, synchronize=lambda: None)
+    fake_torch = types.SimpleNamespace(cuda=cuda, int8=None, empty=lambda *a, **k: Flush())
+    base_ms, new_ms = ab.paired_times(fake_torch, [lambda: log.append("base"), lambda: log.append("new")],
+                                      rep_ms=40.0, warmup=2)
+    assert (base_ms, new_ms) == (1.0, 3.0)
+    calls = [x for x in log if x in ("base", "new")]
+    assert calls[:4] == ["base", "new"] * 2  # the warm-up turns
+    timed = calls[6:]  # after the warm-up and the turn that sizes the loop
+    assert len(timed) == 2 * 10 and timed == ["base", "new"] * 10  # 40 ms / (1 + 3) ms per turn

@@ -27,7 +27,7 @@ FLASH_CUDA_NAMESPACE stops the run there.
 Per cell: forward outputs (O and LSE) compared bit for bit, gradients
 compared to each other (dQ is summed by atomics in a varying order, so it may differ by
 rounding), and the pooled median time of each build over the rounds (``triton.testing.do_bench``,
-L2 flushed), reported as new / base speed (above 1: the new build is faster).
+L2 flushed; in one process paired_times), reported as new / base speed (above 1: the new build is faster).
 """
 
 from __future__ import annotations
@@ -312,8 +312,9 @@ def main(argv=None):
                          "call by call within each slice)")
     ap.add_argument("--json", type=Path, default=None, help="write every measurement here")
     ap.add_argument("--one-process", action="store_true",
-                    help="load both builds into this process (same-call A/B) instead of a worker process each; "
-                         "the forward outputs then show whether each build ran its own kernels")
+                    help="load both builds into this process (same-call A/B) instead of a worker process each: "
+                         "each built in a namespace and module of its own (FLASH_CUDA_NAMESPACE), the kernels "
+                         "it launched checked by name, both timed call by call in one loop")
     args = ap.parse_args(argv)
 
     new_cache = args.new_cache or Path(os.environ.get("FLASH_CUDA_CACHE_DIR", Path.home() / ".cache" / "flash_cuda"))

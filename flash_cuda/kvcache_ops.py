@@ -73,17 +73,23 @@ def _side_stream(device: torch.device) -> "torch.cuda.Stream":
 # ---------------------------------------------------------------------------------------
 
 
+def _check_cache_values(q, k_cache, k, lens, cache_len, block_table, check_inputs) -> None:
+    """check_inputs=True (or FLASH_CUDA_CHECK_KVCACHE=1): the cached lengths and the page ids they
+    use read back and checked against the cache (kvcache_checks.check_values)."""
+    if check_enabled(check_inputs):
+        B, s_new = q.shape[0], 0 if k is None else k.shape[2]
+        capacity = k_cache.shape[2] * (1 if block_table is None else block_table.shape[1])
+        check_values(lens.tolist() if lens is not None else [cache_len] * B, block_table, s_new, capacity,
+                     k_cache.shape[0])
+
+
 def run_kvcache(C, q, k_cache, v_cache, k, v, lens, cache_len, block_table, scale, window_left, window_right,
                 softcap, alibi_slopes, num_splits, return_lse, check_inputs, sinks=None):
     """The validated call: (out, lse), lse None unless ``return_lse``. ``lens`` (the tensor
     ``cache_seqlens``, contiguous) or ``cache_len`` (the int) gives the cached lengths; ``sinks``
     float32 and contiguous, or None."""
     if check_inputs or ENV_CHECK_KEY in ENVIRON:
-        if check_enabled(check_inputs):
-            B, s_new = q.shape[0], 0 if k is None else k.shape[2]
-            capacity = k_cache.shape[2] * (1 if block_table is None else block_table.shape[1])
-            check_values(lens.tolist() if lens is not None else [cache_len] * B, block_table, s_new, capacity,
-                         k_cache.shape[0])
+        _check_cache_values(q, k_cache, k, lens, cache_len, block_table, check_inputs)
     if lens is None and block_table is None and q.shape[2] > DECODE_MAX_QUERIES:
         # Prefill against a dense cache whose length the host knows: the append is a copy, and the
         # attention is attention()'s query-tiled forward over the filled rows, which runs
@@ -122,11 +128,7 @@ def run_kvcache_fp8(C, q, k_cache, v_cache, k, v, lens, cache_len, block_table, 
     :func:`run_kvcache`, every query count through the decode kernels (they quantize the new rows
     as they store them); k_descale / v_descale float32 (batch, kv_heads), contiguous."""
     if check_inputs or ENV_CHECK_KEY in ENVIRON:
-        if check_enabled(check_inputs):
-            B, s_new = q.shape[0], 0 if k is None else k.shape[2]
-            capacity = k_cache.shape[2] * (1 if block_table is None else block_table.shape[1])
-            check_values(lens.tolist() if lens is not None else [cache_len] * B, block_table, s_new, capacity,
-                         k_cache.shape[0])
+        _check_cache_values(q, k_cache, k, lens, cache_len, block_table, check_inputs)
     return C.fwd_kvcache(q, k_cache, v_cache, k, v, lens, cache_len, block_table, scale, window_left, window_right,
                          softcap, alibi_slopes, num_splits, return_lse, sinks, k_descale=k_descale,
                          v_descale=v_descale)

@@ -42,7 +42,7 @@ from __future__ import annotations
 import math
 import os
 import zlib
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -341,6 +341,25 @@ def rule_error(name: str, x: Tensor, ref: Tensor, naive: Tensor, base_atol: floa
         return res, (f"{name}: max|flash - ref64| = {err:.3e} > tol {tol:.3e} (= 2 * naive err "
                      f"{err_naive:.3e} + atol {atol:.3e}; max|ref| {mag:.3e})")
     return res, None
+
+
+def out_lse_problems(tag: str, out: Tensor, lse: Tensor, ref_o: Tensor, ref_lse: Tensor, nav_o: Tensor,
+                     nav_lse: Tensor, dtype: torch.dtype, head_dim: int) -> List[str]:
+    """The rule applied to one call's out and lse (lse where the float64 reference is finite,
+    out with the fp32 term of the softmax's size): the problems found, named ``out<tag>`` /
+    ``lse<tag>``."""
+    problems = []
+    finite = torch.isfinite(ref_lse)
+    score_mag = float(ref_lse[finite].abs().max()) if bool(finite.any()) else 0.0
+    _, pr = rule_error(f"out{tag}", out.double(), ref_o, nav_o.double(), ATOL_BASE[dtype], score_mag=score_mag,
+                       head_dim=head_dim)
+    if pr:
+        problems.append(pr)
+    if bool(finite.any()):
+        _, pr = rule_error(f"lse{tag}", lse.double(), ref_lse, nav_lse.double(), LSE_ATOL_BASE[dtype], mask=finite)
+        if pr:
+            problems.append(pr)
+    return problems
 
 
 def _pick_dlse(q: Tensor, k: Tensor, label: str) -> bool:

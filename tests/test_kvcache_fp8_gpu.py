@@ -17,7 +17,7 @@ import torch
 import flash_cuda
 from flash_cuda.reference import _read_kvcache, _write_kvcache, attention_naive, quantize_e4m3
 
-from attn_check import ATOL_BASE, LSE_ATOL_BASE, gpu_skip_reason, rule_error
+from attn_check import gpu_skip_reason, out_lse_problems
 
 pytestmark = pytest.mark.skipif(gpu_skip_reason() is not None, reason=str(gpu_skip_reason()))
 
@@ -97,17 +97,7 @@ def _run(B=3, Hq=8, Hkv=2, Sq=1, D=128, dtype=torch.bfloat16, capacity=768, lens
         ref_o, ref_lse = attention_naive(q[b:b + 1].double(), kb.double(), vb.double(), **opts,
                                          sinks=None if sink is None else sink.double())
         nav_o, nav_lse = attention_naive(q[b:b + 1], kb.to(dtype), vb.to(dtype), **opts, sinks=sink)
-        finite = torch.isfinite(ref_lse)
-        score_mag = float(ref_lse[finite].abs().max()) if bool(finite.any()) else 0.0
-        _, pr = rule_error(f"out[{b}]", out[b:b + 1].double(), ref_o, nav_o.double(), ATOL_BASE[dtype],
-                           score_mag=score_mag, head_dim=D)
-        if pr:
-            problems.append(pr)
-        if bool(finite.any()):
-            _, pr = rule_error(f"lse[{b}]", lse[b:b + 1].double(), ref_lse, nav_lse.double(), LSE_ATOL_BASE[dtype],
-                               mask=finite)
-            if pr:
-                problems.append(pr)
+        problems += out_lse_problems(f"[{b}]", out[b:b + 1], lse[b:b + 1], ref_o, ref_lse, nav_o, nav_lse, dtype, D)
     assert not problems, "; ".join(problems)
 
 

@@ -14,7 +14,6 @@ runs the 99 KiB class's choices on a bigger GPU).
 from __future__ import annotations
 
 import json
-import math
 import os
 import tempfile
 
@@ -24,8 +23,8 @@ import torch
 import flash_cuda
 from flash_cuda.reference import _read_kvcache, _write_kvcache, attention_naive
 
-from attn_check import (smem_class_kib, ATOL_BASE, LSE_ATOL_BASE, check_attention, check_varlen_attention, gpu_skip_reason,
-                        make_alibi_slopes, make_varlen_inputs, rule_error)
+from attn_check import (smem_class_kib, check_attention, check_varlen_attention, gpu_skip_reason,
+                        make_alibi_slopes, make_varlen_inputs, out_lse_problems)
 
 pytestmark = pytest.mark.skipif(gpu_skip_reason() is not None, reason=str(gpu_skip_reason()))
 
@@ -106,16 +105,7 @@ def _run_case(B=2, Hq=8, Hkv=2, Sq=1, D=128, dtype=torch.bfloat16, capacity=512,
             assert sinks is not None or bool((lse[b:b + 1][empty] == float("-inf")).all()), \
                 "rows that see no key: lse -inf"
             assert bool((out[b:b + 1].float()[empty] == 0).all()), "rows that see no key: out 0"
-        score_mag = float(ref_lse[finite].abs().max()) if bool(finite.any()) else 0.0
-        _, pr = rule_error(f"out[{b}]", out[b:b + 1].double(), ref_o, nav_o.double(), ATOL_BASE[dtype],
-                           score_mag=score_mag, head_dim=D)
-        if pr:
-            problems.append(pr)
-        if bool(finite.any()):
-            _, pr = rule_error(f"lse[{b}]", lse[b:b + 1].double(), ref_lse, nav_lse.double(), LSE_ATOL_BASE[dtype],
-                               mask=finite)
-            if pr:
-                problems.append(pr)
+        problems += out_lse_problems(f"[{b}]", out[b:b + 1], lse[b:b + 1], ref_o, ref_lse, nav_o, nav_lse, dtype, D)
     assert not problems, "; ".join(problems)
     return out, lse
 

@@ -664,6 +664,17 @@ __device__ __forceinline__ void decode_block(const FwdParams& p) {
   start_online_softmax(acc_o, stats);
 
   uint32_t q_frags[Cfg::kQFrags][4];
+  // S = Q K^T of step nb for this warp's keys (the step's K rows at sK_step) and its row maxima,
+  // merged into the running statistics. (The caller declares s and block_max: with block_max
+  // declared here, ptxas numbered some registers differently.)
+  auto scores_of_step = [&](int nb, const typename Cfg::TC* sK_step, float (&s)[1][Cfg::kSubN / 8][4],
+                            float (&block_max)[1][2]) {
+    const int key_base = nb * Cfg::kBlockN + wn * Cfg::kSubN;
+    const bool needs_mask = mask.needs_mask(warp_q_lo, warp_q_hi, key_base, key_base + Cfg::kSubN);
+    compute_qk_scores_and_max<Cfg>(s, block_max, sQ_warp, q_frags, sK_step + wn * Cfg::kSubN * Cfg::kPitchC,
+                                   needs_mask, row_base, key_base, mask, mod, scale_log2(), rows);
+    merge_block_stats(stats, block_max, acc_o);
+  };
   if constexpr (Cfg::kHalfSteps) {
     // The one stage's K and V halves in turn (HalfStepConfig): each wait leaves nothing else in
     // flight, so a half is overwritten only after the barrier that follows every warp's last read.
@@ -675,13 +686,9 @@ __device__ __forceinline__ void decode_block(const FwdParams& p) {
       if constexpr (Cfg::kQInRegs) {
         if (nb == nb_begin) load_a_frags<Cfg::kHeadDim, Cfg::kPitch>(q_frags, sQ_warp);  // Q landed with K
       }
-      const int key_base = nb * Cfg::kBlockN + wn * Cfg::kSubN;
-      const bool needs_mask = mask.needs_mask(warp_q_lo, warp_q_hi, key_base, key_base + Cfg::kSubN);
       float s[1][Cfg::kSubN / 8][4];
       float block_max[1][2];
-      compute_qk_scores_and_max<Cfg>(s, block_max, sQ_warp, q_frags, sK + wn * Cfg::kSubN * Cfg::kPitch,
-                                     needs_mask, row_base, key_base, mask, mod, scale_log2(), rows);
-      merge_block_stats(stats, block_max, acc_o);
+      scores_of_step(nb, sK, s, block_max);
       cp_async_wait<0>();
       __syncthreads();  // step nb's V landed for all; every warp is done with its K
       if (nb + 1 < nb_end) {
@@ -710,13 +717,9 @@ __device__ __forceinline__ void decode_block(const FwdParams& p) {
       }
 
       const typename Cfg::TC* stage = sKV + (nb % Cfg::kStages) * kStageElems;
-      const int key_base = nb * Cfg::kBlockN + wn * Cfg::kSubN;
-      const bool needs_mask = mask.needs_mask(warp_q_lo, warp_q_hi, key_base, key_base + Cfg::kSubN);
       float s[1][Cfg::kSubN / 8][4];
       float block_max[1][2];
-      compute_qk_scores_and_max<Cfg>(s, block_max, sQ_warp, q_frags, stage + wn * Cfg::kSubN * Cfg::kPitchC,
-                                     needs_mask, row_base, key_base, mask, mod, scale_log2(), rows);
-      merge_block_stats(stats, block_max, acc_o);
+      scores_of_step(nb, stage, s, block_max);
       compute_block_softmax_and_weighted_v<Cfg>(s, stats, acc_o,
                                                 stage + (Cfg::kBlockN + wn * Cfg::kSubN) * Cfg::kPitchC, exp_scale);
     }

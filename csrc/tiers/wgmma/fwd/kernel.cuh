@@ -77,13 +77,7 @@ __device__ __forceinline__ void fwd_ws_block(const FwdParams& p, const TmaMaps& 
   T* sO = smem.o_staging();
   QueryTile qt{&smem.sync.q_full, &smem.sync.q_empty, smem.sync.tile_slot};
   Ring<Cfg> ring;
-  ring.sK = smem.tiles.k[0];
-  ring.sV = smem.tiles.v[0];
-  ring.k_full = smem.sync.k_full;
-  ring.v_full = smem.sync.v_full;
-  ring.k_empty = smem.sync.k_empty;
-  ring.v_empty = smem.sync.v_empty;
-  ring.v_tail = &smem.sync.v_tail;
+  ring.point_at(smem);
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   if constexpr (kDrop) dropout_record(p.dropout);  // the (seed, offset) for the backward
@@ -171,15 +165,7 @@ __device__ __forceinline__ void fwd_ws_block(const FwdParams& p, const TmaMaps& 
     Ring<Cfg> ring_t = ring;
     T* const sQ_t = Cfg::kLeanTileLoop ? smem_t.tiles.q : sQ;
     T* const sO_t = Cfg::kLeanTileLoop ? smem_t.o_staging() : sO;
-    if constexpr (Cfg::kLeanTileLoop) {
-      ring_t.sK = smem_t.tiles.k[0];
-      ring_t.sV = smem_t.tiles.v[0];
-      ring_t.k_full = smem_t.sync.k_full;
-      ring_t.v_full = smem_t.sync.v_full;
-      ring_t.k_empty = smem_t.sync.k_empty;
-      ring_t.v_empty = smem_t.sync.v_empty;
-      ring_t.v_tail = &smem_t.sync.v_tail;
-    }
+    if constexpr (Cfg::kLeanTileLoop) ring_t.point_at(smem_t);
     const int cwarp = Cfg::kLeanTileLoop ? int(tid_t / 32) - 4 : cwarp_all;
     mbarrier_wait(qt_t.full, k & 1);
     const int t = atomicAdd(&qt_t.slot[k & 1], 0);

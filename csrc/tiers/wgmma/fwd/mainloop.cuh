@@ -49,6 +49,18 @@ struct Ring {
   uint64_t* k_empty;
   uint64_t* v_empty;
   uint64_t* v_tail;  // the producer's: a partial V block lands here first (load_v_zero_tail)
+  // Points the ring at a CTA's shared storage (Cfg::SharedStorage). (Assigned member by member:
+  // the kernels then compile as they did with the assignments written out at each use.)
+  template <typename Storage>
+  __device__ __forceinline__ void point_at(Storage& smem) {
+    sK = smem.tiles.k[0];
+    sV = smem.tiles.v[0];
+    k_full = smem.sync.k_full;
+    v_full = smem.sync.v_full;
+    k_empty = smem.sync.k_empty;
+    v_empty = smem.sync.v_empty;
+    v_tail = &smem.sync.v_tail;
+  }
   __device__ __forceinline__ const T* k(int s) const { return sK + s * Cfg::KSlabs::kElems; }
   __device__ __forceinline__ const T* v(int s) const { return sV + s * Cfg::VSlabs::kElems; }
   // The i-th key block this CTA loads (counted from 0 over all its tiles) sits in stage

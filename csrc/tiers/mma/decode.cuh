@@ -145,7 +145,10 @@ struct Fp8Config : Tile<T_, kHeadDim_, kWarpsM_, Fp8Sizes<T_, kHeadDim_, kWarpsM
   using T = T_;
   using TC = uint8_t;
   static constexpr bool kFp8 = true;
-  static constexpr bool kBulkEligible = false;
+  // Pages smaller than a step come in by bulk copies of d bytes per row, as for 16-bit caches
+  // (bulk_key_block): cp.async's per-copy page lookups held pages of 16 to 0.60-0.75 of the dense
+  // FP8 cache's time.
+  static constexpr bool kBulkEligible = true;
   static constexpr int kPitchC = Fp8Sizes<T_, kHeadDim_, kWarpsM_>::kPitchC;
   static constexpr int kChunkElems = 16;
   static constexpr size_t kStageBytes = Fp8Sizes<T_, kHeadDim_, kWarpsM_>::kStageBytes;
@@ -158,7 +161,7 @@ struct Fp8Config : Tile<T_, kHeadDim_, kWarpsM_, Fp8Sizes<T_, kHeadDim_, kWarpsM
         float stats[Base::kWarpsN][Base::kRows][2];
       } merge;
     };
-    uint64_t full[Base::kStages];  // (no bulk copies here; the kernel's code names the member)
+    uint64_t full[Base::kStages];  // the bulk variant's per-stage barriers
   };
   static constexpr size_t kSmemBytes = sizeof(Storage);
   static_assert(kHeadDim_ % 32 == 0, "pairs of 16-byte chunks of e4m3 per row");
@@ -306,14 +309,15 @@ __device__ __forceinline__ void load_key_block(const FwdParams& p, const CacheSe
 
 // The Hopper fill of a step wholly inside the cached tokens (and d == kHeadDim: the rows fill
 // the padded lines up to their pad, as cp.async's zero-filled columns would): each of the step's
-// K and V rows is one bulk copy of d elements from its cache row (dense, paged or packed, looked
-// up per row as cache_row does), all completing on the stage's mbarrier `full`, which announces
-// the step's bytes once.
+// K and V rows is one bulk copy of d elements (16-bit values, or e4m3 bytes for an FP8 ring) from
+// its cache row (dense, paged or packed, looked up per row as cache_row does), all completing on
+// the stage's mbarrier `full`, which announces the step's bytes once.
 template <typename Cfg>
 __device__ __forceinline__ void bulk_key_block(const FwdParams& p, const CacheSeq& seq, int bi, int h_kv, int n0,
-                                               typename Cfg::T* sK, typename Cfg::T* sV, uint64_t* full) {
-  using T = typename Cfg::T;
+                                               typename Cfg::TC* sK, typename Cfg::TC* sV, uint64_t* full) {
+  using T = typename Cfg::TC;
   constexpr uint32_t kRowBytes = Cfg::kHeadDim * sizeof(T);
+  static_assert(kRowBytes % 16 == 0, "bulk copies move multiples of 16 bytes");
   // Every warp issues an equal share of the rows: a bulk copy takes its addresses from uniform
   // registers, so a warp issues its lanes' copies one after another, and a step waits for the
   // largest share (with the rows of 32-key steps on warps 0-1 alone, Sq 4's steps streamed at
@@ -332,7 +336,7 @@ __device__ __forceinline__ void bulk_key_block(const FwdParams& p, const CacheSe
                                     p.v_row_stride, bi, h_kv, row)
                         : cache_row(p, static_cast<const T*>(p.k), p.k_batch_stride, p.k_head_stride,
                                     p.k_row_stride, bi, h_kv, row);
-    sm90::bulk_load((is_v ? sV : sK) + r * Cfg::kPitch, src, kRowBytes, full);
+    sm90::bulk_load((is_v ? sV : sK) + r * Cfg::kPitchC, src, kRowBytes, full);
   }
 }
 
@@ -620,17 +624,17 @@ __device__ __forceinline__ void decode_block(const FwdParams& p) {
   }
   auto load = [&](int nb) {
     auto* stage = sKV + (nb % Cfg::kStages) * kStageElems;
+    if constexpr (kBulk) {
+      if (is_bulk(nb)) {
+        bulk_key_block<Cfg>(p, seq, bi, h_kv, nb * Cfg::kBlockN, stage, stage + Cfg::kBlockN * Cfg::kPitchC,
+                            &smem.full[nb % Cfg::kStages]);
+        return;
+      }
+    }
     if constexpr (Cfg::kFp8) {
       load_key_block_fp8<Cfg>(p, seq, copier, bi, h_kv, nb * Cfg::kBlockN, stage, stage + Cfg::kBlockN * Cfg::kPitchC,
                               k_descale, v_descale);
     } else {
-      if constexpr (kBulk) {
-        if (is_bulk(nb)) {
-          bulk_key_block<Cfg>(p, seq, bi, h_kv, nb * Cfg::kBlockN, stage, stage + Cfg::kBlockN * Cfg::kPitch,
-                              &smem.full[nb % Cfg::kStages]);
-          return;
-        }
-      }
       load_key_block<Cfg>(p, seq, copier, bi, h_kv, nb * Cfg::kBlockN, stage, stage + Cfg::kBlockN * Cfg::kPitch);
     }
   };

@@ -146,9 +146,10 @@ struct Fp8Config : Tile<T_, kHeadDim_, kWarpsM_, Fp8Sizes<T_, kHeadDim_, kWarpsM
   using TC = uint8_t;
   static constexpr bool kFp8 = true;
   // Pages smaller than a step come in by bulk copies of d bytes per row, as for 16-bit caches
-  // (bulk_key_block): cp.async's per-copy page lookups held pages of 16 to 0.60-0.75 of the dense
-  // FP8 cache's time.
-  static constexpr bool kBulkEligible = true;
+  // (bulk_key_block), where a row is 128 bytes or more: cp.async's per-copy page lookups held
+  // pages of 16 to 0.60-0.75 of the dense FP8 cache's time at d = 128, while 64-byte rows copied
+  // one by one were slower than cp.async's (OPTIMIZATION.md step 49).
+  static constexpr bool kBulkEligible = kHeadDim_ >= 128;
   static constexpr int kPitchC = Fp8Sizes<T_, kHeadDim_, kWarpsM_>::kPitchC;
   static constexpr int kChunkElems = 16;
   static constexpr size_t kStageBytes = Fp8Sizes<T_, kHeadDim_, kWarpsM_>::kStageBytes;

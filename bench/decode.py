@@ -28,10 +28,45 @@ import functools
 import itertools
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common as C  # noqa: E402 (bench/common.py: sizes, timer, environment, writers)
 
+
+def make_step(dtype, D, Hq, Hkv, B, Sk, Sq, kv, cache, splits=0):
+    """One decode step over a cache of Sk keys per sequence (random values; "dense" or "pagedN",
+    kv "16" or "fp8"): (a function that runs attention_with_kvcache on it, appending Sq rows, and
+    its inputs: q, k_cache, v_cache, page)."""
+    import torch
+    import flash_cuda
+    L = Sk + Sq
+    page = int(cache[5:]) if cache.startswith("paged") else None
+    cap = -(-L // 256) * 256
+    if page is None:
+        k_cache = torch.randn(B, Hkv, cap, D, device="cuda", dtype=dtype)
+        v_cache = torch.randn_like(k_cache)
+        table = None
+    else:
+        pages = B * cap // page
+        # pages of one sequence scattered over the pool, as an allocator leaves them
+        k_cache = torch.randn(pages, page, Hkv, D, device="cuda", dtype=dtype).transpose(1, 2)
+        v_cache = torch.randn(pages, page, Hkv, D, device="cuda", dtype=dtype).transpose(1, 2)
+        table = torch.randperm(pages, device="cuda").to(torch.int32).view(B, cap // page)
+    descales = {}
+    if kv == "fp8":  # the same random values in e4m3, a descale per (batch, KV head) as serving keeps them
+        k_cache, v_cache = k_cache.to(torch.float8_e4m3fn), v_cache.to(torch.float8_e4m3fn)
+        descales = dict(k_descale=torch.full((B, Hkv), 0.5, device="cuda"),
+                        v_descale=torch.full((B, Hkv), 0.5, device="cuda"))
+    q = torch.randn(B, Hq, Sq, D, device="cuda", dtype=dtype)
+    k_new = torch.randn(B, Hkv, Sq, D, device="cuda", dtype=dtype)
+    v_new = torch.randn_like(k_new)
+    lens = torch.full((B,), Sk, dtype=torch.int32, device="cuda")
+
+    def step():
+        return flash_cuda.attention_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=lens,
+                                                 block_table=table, is_causal=True, num_splits=splits, **descales)
+    return step, SimpleNamespace(q=q, k_cache=k_cache, v_cache=v_cache, page=page)
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -95,33 +130,7 @@ def main(argv=None) -> int:
         kv_bytes = B * Hkv * L * D * 2 * (1 if kv == "fp8" else 2)  # the bytes a step reads
         if kv_bytes > args.max_gib * (1 << 30):
             continue
-        page = int(cache[5:]) if cache.startswith("paged") else None
-        cap = -(-L // 256) * 256
-        if page is None:
-            k_cache = torch.randn(B, Hkv, cap, D, device="cuda", dtype=dtype)
-            v_cache = torch.randn_like(k_cache)
-            table = None
-        else:
-            pages = B * cap // page
-            # pages of one sequence scattered over the pool, as an allocator leaves them
-            k_cache = torch.randn(pages, page, Hkv, D, device="cuda", dtype=dtype).transpose(1, 2)
-            v_cache = torch.randn(pages, page, Hkv, D, device="cuda", dtype=dtype).transpose(1, 2)
-            table = torch.randperm(pages, device="cuda").to(torch.int32).view(B, cap // page)
-        descales = {}
-        if kv == "fp8":  # the same random values in e4m3, a descale per (batch, KV head) as serving keeps them
-            k_cache, v_cache = k_cache.to(torch.float8_e4m3fn), v_cache.to(torch.float8_e4m3fn)
-            descales = dict(k_descale=torch.full((B, Hkv), 0.5, device="cuda"),
-                            v_descale=torch.full((B, Hkv), 0.5, device="cuda"))
-        q = torch.randn(B, Hq, Sq, D, device="cuda", dtype=dtype)
-        k_new = torch.randn(B, Hkv, Sq, D, device="cuda", dtype=dtype)
-        v_new = torch.randn_like(k_new)
-        lens = torch.full((B,), Sk, dtype=torch.int32, device="cuda")
-
-        def step():
-            return flash_cuda.attention_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=lens,
-                                                     block_table=table, is_causal=True, num_splits=splits,
-                                                     **descales)
-
+        step, t = make_step(dtype, D, Hq, Hkv, B, Sk, Sq, kv, cache, splits)
         ms = do_bench(step, rep=args.rep)
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
@@ -133,14 +142,14 @@ def main(argv=None) -> int:
             step()
         graph_ms = do_bench(graph.replay, rep=args.rep)
         sdpa_ms = float("nan")
-        if page is None or "dense" not in args.cache:  # (a paged cell's from its dense cell: dense_refs)
-            if page is None and kv == "16":
-                k, v = k_cache[:, :, :L], v_cache[:, :, :L]
+        if t.page is None or "dense" not in args.cache:  # (a paged cell's from its dense cell: dense_refs)
+            if t.page is None and kv == "16":
+                k, v = t.k_cache[:, :, :L], t.v_cache[:, :, :L]
             else:
                 k = torch.randn(B, Hkv, L, D, device="cuda", dtype=dtype)
                 v = torch.randn_like(k)
             try:
-                sdpa_ms = do_bench(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), args.rep)
+                sdpa_ms = do_bench(lambda: F.scaled_dot_product_attention(t.q, k, v, enable_gqa=True), args.rep)
             except RuntimeError as exc:  # e.g. out of memory for a backend's workspace
                 print(f"sdpa failed: {exc}", file=sys.stderr)
         gbs = kv_bytes / ms / 1e6
@@ -150,7 +159,7 @@ def main(argv=None) -> int:
         r = rows[-1]
         print(f"{dt} D={D} G={ratio} B={B} Sk={Sk} Sq={Sq} splits={splits or 'auto'} kv={kv} {cache}: {r['us']:.1f} us {gbs:.0f} GB/s "
               f"({r['pct_copy']:.0f}% copy) sdpa x{r['vs_sdpa']:.2f} graph {r['graph_us']:.1f} us", flush=True)
-        del k_cache, v_cache, q, k_new, v_new, graph
+        del step, t, graph
         torch.cuda.empty_cache()
 
     if args.prefill:

@@ -26,7 +26,9 @@ iterations), which is a quick way to check a config before profiling it.
 Shapes follow bench/run.py: B*S = 16384 tokens and H*D = 2048 unless --batch / --heads are
 given. --provider sdpa_cudnn (or sdpa, sdpa_flash, sdpa_efficient, sdpa_math) profiles a
 PyTorch backend, and --provider fa4 FlashAttention-4 (`flash_attn.cute`, inputs made in its
-(B, S, H, D) layout), under the same range name, for side-by-side reports.
+(B, S, H, D) layout), under the same range name, for side-by-side reports. --mode decode profiles
+one KV-cache decode step of flash_cuda (bench/decode.py's inputs: --seqlen cached keys, --batch,
+--heads query heads, --ratio, --sq, --kv 16|fp8, --cache dense|pagedN).
 """
 
 from __future__ import annotations
@@ -65,7 +67,13 @@ def parse_args(argv=None):
     p.add_argument("--window", type=int, nargs=2, default=None, metavar=("LEFT", "RIGHT"),
                    help="flash_cuda's window_size (LEFT, RIGHT); -1 = unbounded")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
-    p.add_argument("--mode", choices=["fwd", "bwd", "fwd_bwd"], default="fwd")
+    p.add_argument("--mode", choices=["fwd", "bwd", "fwd_bwd", "decode"], default="fwd",
+                   help="decode: one attention_with_kvcache step over --seqlen cached keys per sequence "
+                        "(--batch default 64, --heads query heads default 32; flash_cuda only)")
+    p.add_argument("--ratio", type=int, default=4, help="decode: query heads per KV head (default 4)")
+    p.add_argument("--sq", type=int, default=1, help="decode: new tokens per sequence (default 1)")
+    p.add_argument("--kv", choices=["16", "fp8"], default="16", help="decode: the cache's type (default 16: q's)")
+    p.add_argument("--cache", default="dense", help="decode: dense or pagedN (pages of N tokens)")
     p.add_argument("--kernel", choices=["auto", "simt", "mma"], default="auto",
                    help="flash_cuda tier (default auto)")
     p.add_argument("--deterministic", action="store_true",
@@ -81,8 +89,14 @@ def parse_args(argv=None):
                    help="report name used by --print-ncu-cmd (default derived from options)")
     args = p.parse_args(argv)
     args.S = C.parse_size(args.seqlen)
-    args.B = args.batch or max(1, 16384 // args.S)
-    args.H = args.heads or max(1, 2048 // args.d)
+    if args.mode == "decode":
+        if args.provider != "flash_cuda":
+            p.error("--mode decode profiles flash_cuda only")
+        args.B = args.batch or 64
+        args.H = args.heads or 32
+    else:
+        args.B = args.batch or max(1, 16384 // args.S)
+        args.H = args.heads or max(1, 2048 // args.d)
     return args
 
 
@@ -90,7 +104,8 @@ def ncu_command(args, argv) -> str:
     """The ncu command line that profiles this script with the same options."""
     report = args.report or (f"ncu_{args.provider}_{args.mode}_d{args.d}_s{args.S}"
                              f"_c{args.causal}_{args.dtype}"
-                             + (f"_w{args.window[0]}_{args.window[1]}" if args.window else ""))
+                             + (f"_w{args.window[0]}_{args.window[1]}" if args.window else "")
+                             + (f"_b{args.B}_kv{args.kv}_{args.cache}" if args.mode == "decode" else ""))
     script_args = [a for a in argv if a not in ("--print-ncu-cmd",)]
     # drop "--report NAME" (only meaningful to --print-ncu-cmd)
     cleaned, skip = [], False
@@ -162,6 +177,14 @@ def main(argv=None) -> int:
         return 2
     dtype = DTYPES[args.dtype]
     B, H, S, D = args.B, args.H, args.S, args.d
+    if args.mode == "decode":
+        import decode  # bench/decode.py: the decode step's inputs
+        torch.manual_seed(args.seed)
+        step, _ = decode.make_step(dtype, D, H, H // args.ratio, B, S, args.sq, args.kv, args.cache)
+        print(f"config: decode dtype={args.dtype} B={B} Hq={H} Hkv={H // args.ratio} Sk={S} Sq={args.sq} D={D} "
+              f"kv={args.kv} cache={args.cache} (warmup {args.warmup}, profiled {args.iters} inside NVTX range "
+              f"'{RANGE_NAME}')")
+        return profile(step, args, lambda: None)
     gen = torch.Generator(device="cuda")
     gen.manual_seed(args.seed)
     shape = (B, S, H, D) if args.provider == "fa4" else (B, H, S, D)
@@ -193,25 +216,31 @@ def main(argv=None) -> int:
             def step():
                 out.backward(dout, retain_graph=True)
 
-        for _ in range(args.warmup):
-            clear_grads()
-            step()
-        torch.cuda.synchronize()
+        return profile(step, args, clear_grads)
 
-        times = []
-        for _ in range(args.iters):
-            clear_grads()
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            torch.cuda.profiler.start()
-            torch.cuda.nvtx.range_push(RANGE_NAME)
-            start.record()
-            step()
-            end.record()
-            torch.cuda.nvtx.range_pop()
-            torch.cuda.synchronize()  # the backward's kernels come from autograd's thread
-            torch.cuda.profiler.stop()
-            times.append(start.elapsed_time(end))
+
+def profile(step, args, before_each) -> int:
+    """args.warmup un-profiled calls of step, then args.iters profiled ones, each between
+    cudaProfilerStart / Stop inside the NVTX range."""
+    for _ in range(args.warmup):
+        before_each()
+        step()
+    torch.cuda.synchronize()
+
+    times = []
+    for _ in range(args.iters):
+        before_each()
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        torch.cuda.profiler.start()
+        torch.cuda.nvtx.range_push(RANGE_NAME)
+        start.record()
+        step()
+        end.record()
+        torch.cuda.nvtx.range_pop()
+        torch.cuda.synchronize()  # the backward's kernels come from autograd's thread
+        torch.cuda.profiler.stop()
+        times.append(start.elapsed_time(end))
     print(f"profiled iterations: median {statistics.median(times):.3f} ms "
           f"(under ncu this includes the profiler's replay overhead)")
     return 0

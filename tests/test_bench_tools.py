@@ -589,6 +589,18 @@ def test_profile_help_and_ncu_command():
     assert cmd.endswith("--d 64 --seqlen 8k --mode bwd")
 
 
+def test_profile_decode_mode_names_its_report_and_refuses_other_providers():
+    pytest.importorskip("torch")
+    proc = subprocess.run([sys.executable, str(BENCH / "ncu_profile.py"), "--print-ncu-cmd", "--mode", "decode",
+                           "--kv", "fp8", "--seqlen", "32k", "--cache", "paged16"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    assert "-o ncu_flash_cuda_decode_d128_s32768_c0_bf16_b64_kvfp8_paged16 " in proc.stdout
+    proc = subprocess.run([sys.executable, str(BENCH / "ncu_profile.py"), "--mode", "decode", "--provider", "fa4"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 2 and "--mode decode profiles flash_cuda only" in proc.stderr
+
+
 def test_host_overhead_help_and_no_gpu_message():
     torch = pytest.importorskip("torch")
     proc = subprocess.run([sys.executable, str(BENCH / "host_overhead.py"), "--help"],

@@ -68,6 +68,7 @@ def make_step(dtype, D, Hq, Hkv, B, Sk, Sq, kv, cache, splits=0):
                                                  block_table=table, is_causal=True, num_splits=splits, **descales)
     return step, SimpleNamespace(q=q, k_cache=k_cache, v_cache=v_cache, page=page)
 
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtype", nargs="+", default=["bf16", "fp16"], choices=["bf16", "fp16"])

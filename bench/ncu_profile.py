@@ -94,6 +94,8 @@ def parse_args(argv=None):
             p.error("--mode decode profiles flash_cuda only")
         args.B = args.batch or 64
         args.H = args.heads or 32
+        if args.ratio < 1 or args.H % args.ratio:
+            p.error(f"--ratio {args.ratio} must divide the {args.H} query heads")
     else:
         args.B = args.batch or max(1, 16384 // args.S)
         args.H = args.heads or max(1, 2048 // args.d)

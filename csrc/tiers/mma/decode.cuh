@@ -26,6 +26,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <type_traits>
 
 #include "../../arch/host.h"
@@ -887,7 +888,13 @@ void launch_decode(const FwdParams& p, cudaStream_t stream) {
   if constexpr (Cfg::kBulkEligible) {
     // FP8 rings take the bulk copies for dense caches too: a dense FP8 step by cp.async streamed
     // at 46-51% of the copy bandwidth where pages of 16 by bulk copies reached 59-66% (d 256).
-    const bool bulk_pages = p.block_table != nullptr ? p.page_size % Cfg::kBlockN != 0 : Cfg::kFp8;
+    // (measurement switch of this experiment: FLASH_CUDA_EXP_FP8_DENSE_BULK=0 keeps cp.async)
+    static const bool dense_bulk = [] {
+      const char* v = std::getenv("FLASH_CUDA_EXP_FP8_DENSE_BULK");
+      return v == nullptr || v[0] != '0';
+    }();
+    const bool bulk_pages =
+        p.block_table != nullptr ? p.page_size % Cfg::kBlockN != 0 : (Cfg::kFp8 && dense_bulk);
     if (p.sm_arch == 90 && bulk_pages && p.d == Cfg::kHeadDim && sm90_kernel_built(decode::decode_kernel<Cfg, true>)) {
       kernel = decode::decode_kernel<Cfg, true>;
     }

@@ -54,7 +54,7 @@ def _cache(B, Hkv, D, capacity, page_size, gen):
 
 def _run(B=3, Hq=8, Hkv=2, Sq=1, D=128, dtype=torch.bfloat16, capacity=768, lens=(700, 3, 400), s_new=1,
          page_size=None, is_causal=True, window_size=(-1, -1), softcap=0.0, num_splits=0, sinks=False,
-         per_head_descale=True, seed=0):
+         per_head_descale=True, q_scale=1.0, seed=0):
     gen = torch.Generator().manual_seed(seed)
     lens = list(lens)[:B]
     k_cache, v_cache, table = _cache(B, Hkv, D, capacity, page_size, gen)
@@ -69,7 +69,11 @@ def _run(B=3, Hq=8, Hkv=2, Sq=1, D=128, dtype=torch.bfloat16, capacity=768, lens
         for cache, d in ((k_cache, kd_t), (v_cache, vd_t)):
             x = torch.randn((Hkv, n, D), generator=gen).to(DEV)
             _write8(cache, table, b, 0, quantize_e4m3(x, d[b].view(Hkv, 1, 1)))
-    q = torch.randn((B, Hq, Sq, D), generator=gen).to(DEV, dtype)
+    # q_scale: one factor, or one per query head (cycled): the products run in fp16, so bf16
+    # queries beyond fp16's range, tiny ones and heads of very different sizes in one tile
+    scales = torch.tensor(q_scale if isinstance(q_scale, tuple) else (q_scale,), dtype=torch.float64)
+    q = (torch.randn((B, Hq, Sq, D), generator=gen, dtype=torch.float64)
+         * scales.repeat(Hq)[:Hq].view(1, Hq, 1, 1)).to(DEV, dtype)
     k_new = v_new = None
     if s_new:
         k_new = torch.randn((B, Hkv, s_new, D), generator=gen).to(DEV, dtype)
@@ -122,6 +126,8 @@ def test_fp8_decode(dtype, D, page_size):
     dict(num_splits=1), dict(num_splits=7),               # splits: none, forced
     dict(window_size=(100, 0)), dict(softcap=30.0), dict(sinks=True), dict(is_causal=False),
     dict(per_head_descale=False),                         # one descale per tensor
+    dict(q_scale=3e5), dict(q_scale=1e-7),                # bf16 queries past fp16's range / tiny
+    dict(q_scale=(2e3, 3e-4)), dict(q_scale=(5e3, 1e-6), Sq=8, s_new=8, Hq=16),  # heads apart in one tile
 ])
 def test_fp8_options(case):
     _run(**{"page_size": 16, **case}, seed=len(str(case)))

@@ -26,6 +26,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <type_traits>
 
 #include "../../arch/host.h"
@@ -70,6 +71,7 @@ struct Tile {
   // The cache's elements as the ring holds them (Fp8Config: e4m3 bytes), its row pitch in them,
   // and how many one 16-byte copy moves.
   using TC = T;
+  using TM = T;  // the products' 16-bit operands (Q, P, the converted K and V)
   static constexpr bool kFp8 = false;
   static constexpr int kPitchC = kPitch;
   static constexpr int kChunkElems = 8;
@@ -144,7 +146,12 @@ struct Fp8Config : Tile<T_, kHeadDim_, kWarpsM_, Fp8Sizes<T_, kHeadDim_, kWarpsM
   using Base = Tile<T_, kHeadDim_, kWarpsM_, Fp8Sizes<T_, kHeadDim_, kWarpsM_>::kStages>;
   using T = T_;
   using TC = uint8_t;
+  // The products run in fp16 whatever q's type: an e4m3 pair becomes an fp16 pair in one
+  // instruction, a bf16 pair in four (through fp16 and fp32), and the conversions were most of
+  // the FP8 kernel's instructions. A bf16 Q tile is converted once (q_slice_to_fp16).
+  using TM = __half;
   static constexpr bool kFp8 = true;
+  static constexpr bool kQToHalf = !std::is_same<T_, __half>::value;
   // Pages smaller than a step come in by bulk copies of d bytes per row, as for 16-bit caches
   // (bulk_key_block), where a row is 128 bytes or more: cp.async's per-copy page lookups held
   // pages of 16 to 0.60-0.75 of the dense FP8 cache's time at d = 128, while 64-byte rows copied
@@ -163,6 +170,7 @@ struct Fp8Config : Tile<T_, kHeadDim_, kWarpsM_, Fp8Sizes<T_, kHeadDim_, kWarpsM
       } merge;
     };
     uint64_t full[Base::kStages];  // the bulk variant's per-stage barriers
+    float q_unscale[Base::kWarpsM];  // each Q slice's 2^-e (q_slice_to_fp16)
   };
   static constexpr size_t kSmemBytes = sizeof(Storage);
   static_assert(kHeadDim_ % 32 == 0, "pairs of 16-byte chunks of e4m3 per row");
@@ -341,6 +349,52 @@ __device__ __forceinline__ void bulk_key_block(const FwdParams& p, const CacheSe
   }
 }
 
+// FP8 caches with bf16 queries: one warp turns a 16-row slice of the Q tile (pitch kPitch) into
+// fp16 in place, times 2^e, where e puts the slice's largest |q| in [2^14, 2^15): below fp16's
+// largest value, and every bf16 value within 2^-28 of it exact (8 significant bits in 11). Returns
+// 2^-e, which the scores' scale takes. e stays within +-100 (a slice of all zeros or non-finite
+// values keeps e = 0: NaN and inf go on as they would in bf16).
+template <typename Cfg>
+__device__ __forceinline__ float q_slice_to_fp16(typename Cfg::T* sQ_slice) {
+  constexpr int kChunks = 16 * Cfg::kHeadDim / 8;  // 8 values each
+  static_assert(kChunks % 32 == 0, "whole chunks per lane");
+  const int lane = threadIdx.x % 32;
+  auto chunk = [&](int i) { return reinterpret_cast<uint4*>(sQ_slice + (i / (Cfg::kHeadDim / 8)) * Cfg::kPitch +
+                                                            (i % (Cfg::kHeadDim / 8)) * 8); };
+  float amax = 0.f;
+#pragma unroll
+  for (int i = lane; i < kChunks; i += 32) {
+    const uint4 w = *chunk(i);
+    const uint32_t words[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&words[j]));
+      amax = fmaxf(amax, fmaxf(fabsf(f.x), fabsf(f.y)));
+    }
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+  int ex = 0;
+  const bool finite_nonzero = amax > 0.f && amax <= 3.402823466e38f;
+  if (finite_nonzero) frexpf(amax, &ex);  // amax < 2^ex
+  const int e = finite_nonzero ? max(-100, min(100, 15 - ex)) : 0;
+  const float up = __int_as_float((127 + e) << 23), down = __int_as_float((127 - e) << 23);
+#pragma unroll
+  for (int i = lane; i < kChunks; i += 32) {
+    uint4 w = *chunk(i);
+    uint32_t* words = reinterpret_cast<uint32_t*>(&w);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&words[j]));
+      const __half2 h = __floats2half2_rn(f.x * up, f.y * up);
+      words[j] = *reinterpret_cast<const uint32_t*>(&h);
+    }
+    *chunk(i) = w;
+  }
+  __syncwarp();
+  return down;
+}
+
 // FP8 caches: 16 values of T (two 16-byte words at src) as 16 e4m3 values e4m3(x / descale).
 template <typename T>
 __device__ __forceinline__ uint4 quantize16(const T* src, float descale) {
@@ -433,7 +487,7 @@ struct PackedRows {
 // and the rows' block maxima (log2 units).
 template <typename Cfg>
 __device__ __forceinline__ void compute_qk_scores_and_max(float (&s)[1][Cfg::kSubN / 8][4], float (&block_max)[1][2],
-                                                          const typename Cfg::T* sQ_warp,
+                                                          const typename Cfg::TM* sQ_warp,
                                                           const uint32_t (&q_frags)[Cfg::kQFrags][4],
                                                           const typename Cfg::TC* sK_warp, bool needs_mask,
                                                           int row_base, int key_base, const AttnMask& mask,
@@ -442,10 +496,10 @@ __device__ __forceinline__ void compute_qk_scores_and_max(float (&s)[1][Cfg::kSu
   zero_fill(s);
   if constexpr (Cfg::kFp8) {
     if constexpr (Cfg::kQInRegs) {
-      gemm_frags_by_e4m3_rows_t<typename Cfg::T, Cfg::kHeadDim, Cfg::kSubN, Cfg::kPitchC>(s, q_frags, sK_warp);
+      gemm_frags_by_e4m3_rows_t<typename Cfg::TM, Cfg::kHeadDim, Cfg::kSubN, Cfg::kPitchC>(s, q_frags, sK_warp);
     } else {
-      gemm_rows_by_e4m3_rows_t<typename Cfg::T, Cfg::kHeadDim, Cfg::kSubN, Cfg::kPitch, Cfg::kPitchC>(s, sQ_warp,
-                                                                                                    sK_warp);
+      gemm_rows_by_e4m3_rows_t<typename Cfg::TM, Cfg::kHeadDim, Cfg::kSubN, Cfg::kPitch, Cfg::kPitchC>(s, sQ_warp,
+                                                                                                     sK_warp);
     }
   } else if constexpr (Cfg::kQInRegs) {
     gemm_frags_by_rows_t<typename Cfg::T, Cfg::kHeadDim, Cfg::kSubN, Cfg::kPitch>(s, q_frags, sK_warp);
@@ -463,9 +517,9 @@ __device__ __forceinline__ void compute_block_softmax_and_weighted_v(float (&s)[
                                                                     float (&acc_o)[1][Cfg::kHeadDim / 8][4],
                                                                     const typename Cfg::TC* sV_warp,
                                                                     float exp_scale) {
-  exponentiate_block<typename Cfg::T>(s, stats, exp_scale);
+  exponentiate_block<typename Cfg::TM>(s, stats, exp_scale);
   if constexpr (Cfg::kFp8) {
-    gemm_regs_by_e4m3_rows<typename Cfg::T, Cfg::kSubN, Cfg::kHeadDim, Cfg::kPitchC>(acc_o, s, sV_warp);
+    gemm_regs_by_e4m3_rows<typename Cfg::TM, Cfg::kSubN, Cfg::kHeadDim, Cfg::kPitchC>(acc_o, s, sV_warp);
   } else {
     gemm_regs_by_rows<typename Cfg::T, 1, Cfg::kSubN, Cfg::kHeadDim, Cfg::kPitch>(acc_o, s, sV_warp);
   }
@@ -562,6 +616,9 @@ __device__ __forceinline__ void decode_block(const FwdParams& p) {
   // An FP8 cache's descales for this KV head: the keys' one joins the scores' scale, the values'
   // one the output's normalization.
   float k_descale = 1.f, v_descale = 1.f;
+  // A bf16 Q tile's conversion to fp16 scales this warp's slice by 2^e (q_slice_to_fp16); the
+  // scores' scale takes 2^-e back.
+  float q_unscale = 1.f;
   if constexpr (Cfg::kFp8) {
     k_descale = p.k_descale[bi * p.hkv + h_kv];
     v_descale = p.v_descale[bi * p.hkv + h_kv];
@@ -569,7 +626,7 @@ __device__ __forceinline__ void decode_block(const FwdParams& p) {
   // (read where it is used, as the 16-bit kernels always read p.scale_log2)
   auto scale_log2 = [&] {
     if constexpr (Cfg::kFp8) {
-      return p.scale_log2 * k_descale;
+      return p.scale_log2 * k_descale * q_unscale;
     } else {
       return p.scale_log2;
     }
@@ -657,12 +714,12 @@ __device__ __forceinline__ void decode_block(const FwdParams& p) {
   const int warp = threadIdx.x / 32;
   const int wm = warp / Cfg::kWarpsN, wn = warp % Cfg::kWarpsN;
   const ScoreMod mod = ScoreMod::make(p, bi, h0, seq.total - seq.sq);
-  const float exp_scale = mod.exp_scale(scale_log2());
+  float exp_scale = mod.exp_scale(scale_log2());
   const PackedRows rows{heads};
   const int row_base = r0 + wm * 16;  // packed rows of this warp's slice
   const int warp_q_lo = row_base / heads;
   const int warp_q_hi = min((row_base + 15) / heads + 1, seq.sq);
-  const T* sQ_warp = sQ + wm * 16 * Cfg::kPitch;
+  const auto* sQ_warp = reinterpret_cast<const typename Cfg::TM*>(sQ + wm * 16 * Cfg::kPitch);
 
   float acc_o[1][Cfg::kHeadDim / 8][4];
   RowStats<1> stats;
@@ -711,6 +768,19 @@ __device__ __forceinline__ void decode_block(const FwdParams& p) {
       __syncthreads();  // step nb landed for all; step nb - 1's stage is free
       if (nb + Cfg::kStages - 1 < nb_end) load(nb + Cfg::kStages - 1);
       cp_async_commit();
+      if constexpr (Cfg::kFp8) {
+        if constexpr (Cfg::kQToHalf) {
+          if (nb == nb_begin) {  // Q landed with step 0: one warp per slice converts it
+            if (wn == 0) {
+              const float unscale = q_slice_to_fp16<Cfg>(sQ + wm * 16 * Cfg::kPitch);
+              if (threadIdx.x % 32 == 0) smem.q_unscale[wm] = unscale;
+            }
+            __syncthreads();
+            q_unscale = smem.q_unscale[wm];
+            exp_scale = mod.exp_scale(scale_log2());
+          }
+        }
+      }
       if constexpr (Cfg::kQInRegs) {
         if (nb == nb_begin) {  // Q landed with step 0
           if constexpr (Cfg::kFp8) {
@@ -816,8 +886,16 @@ void launch_decode(const FwdParams& p, cudaStream_t stream) {
   // measured faster); its shared memory and registers give the occupancy the split plan assumed.
   auto kernel = decode::decode_kernel<Cfg, false>;
   if constexpr (Cfg::kBulkEligible) {
-    if (p.sm_arch == 90 && p.block_table != nullptr && p.page_size % Cfg::kBlockN != 0 && p.d == Cfg::kHeadDim &&
-        sm90_kernel_built(decode::decode_kernel<Cfg, true>)) {
+    // FP8 rings take the bulk copies for dense caches too: a dense FP8 step by cp.async streamed
+    // at 46-51% of the copy bandwidth where pages of 16 by bulk copies reached 59-66% (d 256).
+    // (measurement switch of this experiment: FLASH_CUDA_EXP_FP8_DENSE_BULK=0 keeps cp.async)
+    static const bool dense_bulk = [] {
+      const char* v = std::getenv("FLASH_CUDA_EXP_FP8_DENSE_BULK");
+      return v == nullptr || v[0] != '0';
+    }();
+    const bool bulk_pages =
+        p.block_table != nullptr ? p.page_size % Cfg::kBlockN != 0 : (Cfg::kFp8 && dense_bulk);
+    if (p.sm_arch == 90 && bulk_pages && p.d == Cfg::kHeadDim && sm90_kernel_built(decode::decode_kernel<Cfg, true>)) {
       kernel = decode::decode_kernel<Cfg, true>;
     }
   }

@@ -75,7 +75,7 @@ def main(argv=None) -> int:
     print(f"B={args.batch} H={args.heads} S={args.seqlen} D={args.d} {args.dtype} causal={args.causal}, "
           f"{args.calls} calls, one synchronize, backward: {args.backward}")
     print(f"{'provider':12s} {'fwd us/call':>12s} {'fwd autograd':>13s} {'fwd+bwd us/call':>16s}")
-    for name, fn in providers.items():
+    def steps(fn):
         def fwd():
             with torch.no_grad():
                 fn()
@@ -85,15 +85,16 @@ def main(argv=None) -> int:
                 fn().sum().backward()
             else:
                 torch.autograd.grad(fn(), (q, k, v), dout)
+        return fwd, fwd_bwd
 
+    for name, fn in providers.items():
+        fwd, fwd_bwd = steps(fn)
         print(f"{name:12s} {timed(fwd):12.1f} {timed(fn):13.1f} {timed(fwd_bwd):16.1f}")
     if args.trace:
         for name, fn in providers.items():
-            def fwd_nograd():
-                with torch.no_grad():
-                    fn()
-            trace(torch, f"{name}, forward under no_grad", fwd_nograd, args)
-            trace(torch, f"{name}, forward + backward", lambda: torch.autograd.grad(fn(), (q, k, v), dout), args)
+            fwd, fwd_bwd = steps(fn)
+            trace(torch, f"{name}, forward under no_grad", fwd, args)
+            trace(torch, f"{name}, forward + backward ({args.backward})", fwd_bwd, args)
     return 0
 
 

@@ -99,6 +99,8 @@ struct Tile {
   // 16 copies of 16 bytes per thread and step (every warp issues an equal share of the rows:
   // bulk_key_block). Not for the one-stage ring.
   static constexpr bool kBulkEligible = kStages_ != 1;
+  // Dense caches stay on cp.async: one contiguous step is what it streams best.
+  static constexpr bool kDenseBulk = false;
   static constexpr size_t kSmemBytes = sizeof(Storage);
   // Q's A fragments stay in registers for the whole key loop where they fit next to O's
   // accumulators (d <= 128: 32 registers); at d = 256 they are read from shared memory per step.
@@ -157,6 +159,9 @@ struct Fp8Config : Tile<T_, kHeadDim_, kWarpsM_, Fp8Sizes<T_, kHeadDim_, kWarpsM
   // pages of 16 to 0.60-0.75 of the dense FP8 cache's time at d = 128, while 64-byte rows copied
   // one by one were slower than cp.async's (OPTIMIZATION.md step 49).
   static constexpr bool kBulkEligible = kHeadDim_ >= 128;
+  // Dense FP8 caches too at d = 256, where cp.async left a dense step's copies short of the
+  // bandwidth; at d <= 128 cp.async streamed a dense FP8 cache faster (OPTIMIZATION.md step 51).
+  static constexpr bool kDenseBulk = kHeadDim_ >= 256;
   static constexpr int kPitchC = Fp8Sizes<T_, kHeadDim_, kWarpsM_>::kPitchC;
   static constexpr int kChunkElems = 16;
   static constexpr size_t kStageBytes = Fp8Sizes<T_, kHeadDim_, kWarpsM_>::kStageBytes;
@@ -886,15 +891,7 @@ void launch_decode(const FwdParams& p, cudaStream_t stream) {
   // measured faster); its shared memory and registers give the occupancy the split plan assumed.
   auto kernel = decode::decode_kernel<Cfg, false>;
   if constexpr (Cfg::kBulkEligible) {
-    // FP8 rings take the bulk copies for dense caches too: a dense FP8 step by cp.async streamed
-    // at 46-51% of the copy bandwidth where pages of 16 by bulk copies reached 59-66% (d 256).
-    // (measurement switch of this experiment: FLASH_CUDA_EXP_FP8_DENSE_BULK=0 keeps cp.async)
-    static const bool dense_bulk = [] {
-      const char* v = std::getenv("FLASH_CUDA_EXP_FP8_DENSE_BULK");
-      return v == nullptr || v[0] != '0';
-    }();
-    const bool bulk_pages =
-        p.block_table != nullptr ? p.page_size % Cfg::kBlockN != 0 : (Cfg::kFp8 && dense_bulk);
+    const bool bulk_pages = p.block_table != nullptr ? p.page_size % Cfg::kBlockN != 0 : Cfg::kDenseBulk;
     if (p.sm_arch == 90 && bulk_pages && p.d == Cfg::kHeadDim && sm90_kernel_built(decode::decode_kernel<Cfg, true>)) {
       kernel = decode::decode_kernel<Cfg, true>;
     }

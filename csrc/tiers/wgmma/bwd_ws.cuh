@@ -25,6 +25,8 @@
 //   S^T = K Q^T, dP^T = V dO^T (shared operands)  -> P^T, dS^T in registers
 //   dV += P^T dO, dK += dS^T Q (register A operands) ; stage dS^T ; barrier ; dQ = dS K ;
 //   dQ to the writer
+// with the steps overlapped: block i + 1's S^T is issued as soon as block i's dV and dK are
+// done, behind its dQ product, and computes while block i's dQ is staged (bwd_ws_block).
 //
 // Packed (varlen) batches (kExtended, kSoftcapGrad): one CTA per (128 keys of a sequence, KV
 // head, sequence), grid sized by max_seqlen_k; a CTA whose keys start past its sequence's end
@@ -523,126 +525,153 @@ __device__ __forceinline__ void bwd_ws_block(const BwdParams& p, const TmaMaps& 
   // block ranges below in uniform registers.
   const int cwarp = warp_uniform(ct / 32);
   const int wg = cwarp / 4;
-  const int wg_key0 = n0 + 64 * wg;
   const int warp_key0 = n0 + 16 * cwarp;
 
   float acc_dv[1][kD / 8][4];
   float acc_dk[1][kD / 8][4];
   zero_fill(acc_dv);
   zero_fill(acc_dk);
-  if (steps.count > 0) mbarrier_wait(sm.kv_full, 0);
   int x = 0;  // blocks handed to the dQ writer
 
-  // Which query blocks warpgroup wg's keys see (a warpgroup-uniform skip: wgmma is a
-  // warpgroup instruction) and which this warp's keys see whole (no per-element mask), asked
-  // once (core/block.cuh). Every step's block is seen by some key of the CTA (steps.m_range).
-  const BlockRange wg_blocks = BlockRange::visible_queries(mask, wg_key0, wg_key0 + 64, kBlockM);
+  // Which query blocks this warp's keys see whole (no per-element mask), asked once
+  // (core/block.cuh). Every step's block is seen by some key of the CTA (steps.m_range); a block
+  // one warpgroup's keys do not see at all runs through the same products, masked whole (P and
+  // dS come out zero): a wgmma under a warpgroup's branch, as a skip would need, makes ptxas
+  // serialize every product of the overlapped loop.
   const BlockRange unmasked_blocks = BlockRange::unmasked_queries(mask, warp_key0, warp_key0 + 16, kBlockM);
+  using KOp = KMajorIn<Cfg::kBlockN, Cfg::KSlabs::kLineBytes>;
+  using VOp = KMajorIn<Cfg::kBlockN, Cfg::VSlabs::kLineBytes>;
+  using QOp = KMajorIn<kBlockM, Cfg::QSlabs::kLineBytes>;
+  constexpr int kMSteps = kBlockM / 16;
+  // The next step's S^T computes under this step's dQ product and its staging, except for
+  // softcap at d = 64 (128-query steps), whose consumers spill with S^T's 64 accumulators live
+  // next to dQ's: there it is issued once the dQ accumulator is staged.
+  constexpr bool kScoresUnderDq = !(kVariant == kSoftcapGrad && kBlockM > 64);
+
+  // S^T = K Q^T of the block in stage st, one commit group.
+  auto issue_scores = [&](float (&pt)[1][kBlockM / 8][4], int st) {
+    wgmma_fence();
+    wgmma_ss<Cfg::kQKSteps, false, T>(pt[0], KOp{sm.sK, 64 * wg}, QOp{sm.q(st), 0});
+    wgmma_commit();
+  };
+  // The rest of a step's scores, S^T having been issued: dP^T = V dO^T behind it, one commit
+  // group; P's exponentials run while the tensor cores still compute dP^T (except with softcap:
+  // softcap_probs_and_ds); then P^T and dS^T as the A fragments of the dV and dK products.
+  auto probs_and_ds = [&](float (&pt)[1][kBlockM / 8][4], int st, int h, int m_block, uint32_t (&a_pt)[kMSteps][4],
+                          uint32_t (&a_ds)[kMSteps][4]) {
+    const int m0 = m_block * kBlockM;
+    const bool needs_mask = !unmasked_blocks.contains(m_block);
+    float dst[1][kBlockM / 8][4];
+    wgmma_fence();
+    wgmma_ss<Cfg::kQKSteps, false, T>(dst[0], VOp{sm.sV, 64 * wg}, QOp{sm.dout(st), 0});
+    wgmma_commit();
+    wgmma_wait<1>();
+    fence_accumulator(pt[0]);
+    if constexpr (kVariant == kSoftcapGrad) {
+      wgmma_wait<0>();
+      fence_accumulator(dst[0]);
+      // P^T and dS^T straight into the A fragments of the dV and dK products, 16 queries (two
+      // C tiles) at a time: softcap's derivative lives in an 8-register slice of dtanh instead
+      // of the full tile (kBlockM / 2 registers) the consumers have no room for.
+      softcap_probs_and_ds_by_slices<2>(pt, dst, sm.lse + st * kBlockM, sm.delta + st * kBlockM, needs_mask,
+                                        warp_key0, m0, mask, p, seq, h,
+                                        [&](int j0, const float (&p_slice)[1][2][4], const float (&ds_slice)[1][2][4]) {
+                                          accumulator_to_a<T>(a_pt[j0 / 2], p_slice[0], 0);
+                                          accumulator_to_a<T>(a_ds[j0 / 2], ds_slice[0], 0);
+                                        });
+    } else {
+      DtanhTile<kVariant, 1, 1> no_dtanh;
+      compute_probs<true, kVariant, true>(pt, no_dtanh, sm.lse + st * kBlockM, needs_mask, warp_key0, m0, mask, p,
+                                             seq, h);
+      // Dropout: the block's keep mask, drawn while dP^T is still on the tensor cores; it drops
+      // dP^T before dS^T = P^T (dP^T keep - delta) and then P^T for dV (the forward's key, from
+      // its record, read here).
+      KeepTile<1, kBlockM / 8> keep;
+      if constexpr (kDrop) {
+        dropout_keep_tile<true>(keep, dropout_key(p.dropout), uint32_t(bi * p.hq + h), warp_key0, m0);
+      }
+      wgmma_wait<0>();
+      fence_accumulator(dst[0]);
+      if constexpr (kDrop) dropout_apply_tile(dst, keep, p.dropout.scale);
+      compute_ds<true, kVariant>(dst, pt, no_dtanh, sm.delta + st * kBlockM);
+      if constexpr (kDrop) dropout_apply_tile(pt, keep, p.dropout.scale);
+      accumulator_to_a<T>(a_pt, pt[0]);
+      accumulator_to_a<T>(a_ds, dst[0]);
+    }
+  };
+
+  // The steps overlap: step i + 1's S^T is issued behind step i's dQ product and computes while
+  // step i's dQ accumulator is staged; its dP^T, P^T and dS^T follow in step i's iteration, so
+  // that no product is in flight across the loop's back edge (ptxas then serializes them all).
+  // An iteration starts with the block's P^T and dS^T fragments ready. The last iteration runs
+  // the scores of one more step on the other stage's stale rows (dropped).
   // Step i's head and query block, walked alongside i: head(i) and m_block(i) divide by the
   // query range, an integer division (some 50 instructions) per block.
   int h = steps.h_begin, m_block = steps.m_range.begin;
-  for (int i = 0; i < steps.count; ++i, KeyTileSteps::next(steps.m_range, steps.h_end, h, m_block)) {
+  uint32_t a_pt[kMSteps][4];
+  uint32_t a_ds[kMSteps][4];
+  if (steps.count > 0) {
+    mbarrier_wait(sm.kv_full, 0);
+    mbarrier_wait(&sm.q_full[0], 0);  // step 0: stage 0, parity 0
+    float pt[1][kBlockM / 8][4];
+    issue_scores(pt, 0);
+    probs_and_ds(pt, 0, h, m_block, a_pt, a_ds);
+  }
+  for (int i = 0; i < steps.count; ++i) {
     const int s = KeyTileSteps::stage(i, kStages);
-    const int m0 = m_block * kBlockM;
     T* sdS = sm.ds(i);
-    mbarrier_wait(&sm.q_full[s], KeyTileSteps::parity(i, kStages));
-    const T* sQ_s = sm.q(s);
-    const T* sdO_s = sm.dout(s);
     // K for the dQ product, made opaque per block: hoisted out of the loop, that product's k-step
     // descriptors hold uniform registers the packed-batch instances lack (softcap, d = 128,
     // spilled 212 bytes when ptxas gave up on them).
     T* sK_dq = sm.sK;
     opaque(sK_dq);
-
-    const bool wg_sees_block = wg_blocks.contains(m_block);
-    uint32_t a_pt[kBlockM / 16][4];
-    uint32_t a_ds[kBlockM / 16][4];
     // The dQ accumulator is defined (zeroed) before its product overwrites it: an accumulator
     // the asm sees undefined stays live across the whole loop (its registers spill), and one
     // defined while other products are in flight serializes every wgmma (ptxas C7515). So it is
-    // zeroed after S and dP have landed, before dV and dK are issued.
+    // zeroed while no product is in flight, before dV and dK are issued.
     float acc_dq[1][DqSplit<Cfg>::kN / 8][4];
-    if (wg_sees_block) {
-      const bool needs_mask = !unmasked_blocks.contains(m_block);
-      // S^T = K Q^T and dP^T = V dO^T, one commit group each: P's exponentials run while the
-      // tensor cores still compute dP^T (except with softcap: softcap_probs_and_ds).
-      float pt[1][kBlockM / 8][4];
-      float dst[1][kBlockM / 8][4];
-      using KOp = KMajorIn<Cfg::kBlockN, Cfg::KSlabs::kLineBytes>;
-      using VOp = KMajorIn<Cfg::kBlockN, Cfg::VSlabs::kLineBytes>;
-      using QOp = KMajorIn<kBlockM, Cfg::QSlabs::kLineBytes>;
-      wgmma_fence();
-      wgmma_ss<Cfg::kQKSteps, false, T>(pt[0], KOp{sm.sK, 64 * wg}, QOp{sQ_s, 0});
-      wgmma_commit();
-      wgmma_ss<Cfg::kQKSteps, false, T>(dst[0], VOp{sm.sV, 64 * wg}, QOp{sdO_s, 0});
-      wgmma_commit();
-      wgmma_wait<1>();
-      fence_accumulator(pt[0]);
-
-      if constexpr (kVariant == kSoftcapGrad) {
-        wgmma_wait<0>();
-        fence_accumulator(dst[0]);
-        // P^T and dS^T straight into the A fragments of the dV and dK products, 16 queries (two
-        // C tiles) at a time: softcap's derivative lives in an 8-register slice of dtanh instead
-        // of the full tile (kBlockM / 2 registers) the consumers have no room for.
-        softcap_probs_and_ds_by_slices<2>(pt, dst, sm.lse + s * kBlockM, sm.delta + s * kBlockM, needs_mask,
-                                          warp_key0, m0, mask, p, seq, h,
-                                          [&](int j0, const float (&p_slice)[1][2][4], const float (&ds_slice)[1][2][4]) {
-                                            accumulator_to_a<T>(a_pt[j0 / 2], p_slice[0], 0);
-                                            accumulator_to_a<T>(a_ds[j0 / 2], ds_slice[0], 0);
-                                          });
-      } else {
-        DtanhTile<kVariant, 1, 1> no_dtanh;
-        compute_probs<true, kVariant, true>(pt, no_dtanh, sm.lse + s * kBlockM, needs_mask, warp_key0, m0, mask,
-                                               p, seq, h);
-        // Dropout: the block's keep mask, drawn while dP^T is still on the tensor cores; it drops
-        // dP^T before dS^T = P^T (dP^T keep - delta) and then P^T for dV (the forward's key, from
-        // its record, read here).
-        KeepTile<1, kBlockM / 8> keep;
-        if constexpr (kDrop) {
-          dropout_keep_tile<true>(keep, dropout_key(p.dropout), uint32_t(bi * p.hq + h), warp_key0, m0);
-        }
-        wgmma_wait<0>();
-        fence_accumulator(dst[0]);
-        if constexpr (kDrop) dropout_apply_tile(dst, keep, p.dropout.scale);
-        compute_ds<true, kVariant>(dst, pt, no_dtanh, sm.delta + s * kBlockM);
-        if constexpr (kDrop) dropout_apply_tile(pt, keep, p.dropout.scale);
-        accumulator_to_a<T>(a_pt, pt[0]);
-        accumulator_to_a<T>(a_ds, dst[0]);
-      }
-
-      // dV += P^T dO, dK += dS^T Q run while dS^T is staged for the dQ product.
-      zero_accumulator(acc_dq[0]);
-      issue_dv_dk<T, kD, kBlockM, Cfg::QSlabs::kLineBytes>(acc_dv, acc_dk, a_pt, a_ds, sdO_s, sQ_s);
-      claim_ds<T, Cfg>(sm, i);
-      stage_ds_transposed<Cfg>(sdS, a_ds);
-    } else {
-      zero_accumulator(acc_dq[0]);
-      claim_ds<T, Cfg>(sm, i);
-      zero_ds_rows<Cfg>(sdS, wg, ct);
-    }
+    zero_accumulator(acc_dq[0]);
+    // dV += P^T dO, dK += dS^T Q run while dS^T is staged for the dQ product.
+    issue_dv_dk<T, kD, kBlockM, Cfg::QSlabs::kLineBytes>(acc_dv, acc_dk, a_pt, a_ds, sm.dout(s), sm.q(s));
+    claim_ds<T, Cfg>(sm, i);
+    stage_ds_transposed<Cfg>(sdS, a_ds);
     fence_proxy_async();  // the generic-proxy writes of dS^T, before the tensor cores read them
     named_barrier_sync(kDsBarrier, kConsumerThreads);
-
-    // Unconditional: a block one warpgroup's keys do not see has dS = 0 there (its rows zeroed),
-    // and a wgmma under a branch while dV, dK are in flight makes ptxas serialize them all.
     issue_dq_product<T, Cfg>(acc_dq, sdS, sK_dq, wg);
-    wgmma_wait<0>();  // dV, dK and dQ of this block
-    if constexpr (Cfg::kDsBuffers == 1) mbarrier_arrive(sm.ds_empty);  // this thread's dQ product read sdS
+    wgmma_wait<1>();  // dV and dK of this block
     fence_accumulator(acc_dv[0]);
     fence_accumulator(acc_dk[0]);
-    if (wg_sees_block) {
-      fence_fragments(a_pt);
-      fence_fragments(a_ds);
-    }
+    fence_fragments(a_pt);
+    fence_fragments(a_ds);
     // Q, dO, lse, delta of stage s are no longer read. Every thread arrives for its own reads of
     // lse and delta (the producer rewrites them with ordinary stores): an arrival per warp after
     // __syncwarp orders them as well, but compute-sanitizer's racecheck does not follow that chain.
     mbarrier_arrive(&sm.q_empty[s]);
+
+    // The next step (past the last: this step's head and block again, on stale rows).
+    const bool more = i + 1 < steps.count;
+    int h_next = h, m_next = m_block;
+    KeyTileSteps::next(steps.m_range, steps.h_end, h_next, m_next);
+    if (!more) {
+      h_next = h;
+      m_next = m_block;
+    }
+    const int s_next = KeyTileSteps::stage(i + 1, kStages);
+    if (more) mbarrier_wait(&sm.q_full[s_next], KeyTileSteps::parity(i + 1, kStages));
+    float pt[1][kBlockM / 8][4];
+    if constexpr (kScoresUnderDq) issue_scores(pt, s_next);
+
+    wgmma_wait<kScoresUnderDq ? 1 : 0>();  // this block's dQ
+    if constexpr (Cfg::kDsBuffers == 1) mbarrier_arrive(sm.ds_empty);  // this thread's dQ product read sdS
     // Every step's block has queries the CTA's keys reach (steps.m_range): each adds a dQ tile.
     fence_accumulator(acc_dq[0]);
     float* dst = p.dq_accum + DqTile<Cfg>::template offset<kVarlen>(p, seq, h, m_block);
     stage_dq<T, Cfg>(sm, acc_dq, dst, x++, wg, ct);
+
+    if constexpr (!kScoresUnderDq) issue_scores(pt, s_next);
+    probs_and_ds(pt, s_next, h_next, m_next, a_pt, a_ds);
+    h = h_next;
+    m_block = m_next;
   }
 
   mbarrier_wait(&sm.dq_empty[x & 1], ((x >> 1) & 1) ^ 1);

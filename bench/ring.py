@@ -8,7 +8,10 @@
 For each cell (tokens per GPU x causal x mode), with B = 1, 16 heads, D = 128, bf16 by default:
 
 * ring: the per-GPU time of ring_attention (the slowest rank's, CUDA events around ITERS calls
-  after WARMUP, every rank in step: a barrier before each timed loop);
+  after WARMUP, every rank in step: a barrier before each timed loop), calls queued back to back
+  (pipelined: one call's host work runs under the previous call's kernels); ring_sync: the same
+  with a synchronize after every call, as a step that reads its result at once sees it (the
+  host's work per call is then added to the GPU's), and `efficiency_sync` = ideal / ring_sync;
 * ideal: flash_cuda.attention on the whole sequence (W x tokens) on rank 0 alone, divided by
   W; `efficiency` = ideal / ring (1.0: the sequence split over W GPUs runs W times faster);
 * compute: the same ring steps with the blocks kept in hand instead of exchanged
@@ -60,6 +63,14 @@ def timed(fn, iters: int, warmup: int, everyone: bool = True) -> float:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         ms = float(t)
     return ms
+
+
+def synchronized(step):
+    """``step`` followed by a synchronize: no call's host work overlaps the previous call's kernels."""
+    def run():
+        step()
+        torch.cuda.synchronize()
+    return run
 
 
 def make_step(fn, q, k, v, do, mode):
@@ -139,8 +150,9 @@ def main():
                 k, v = (torch.randn(args.batch, hkv, tokens, args.d, device="cuda", dtype=dt, generator=g)
                         for _ in range(2))
                 opts = dict(is_causal=causal, layout=args.layout, method=args.method)
-                ring_ms = timed(make_step(lambda a, b, c: fcd.ring_attention(a, b, c, **opts), q, k, v, do, mode),
-                                args.iters, args.warmup)
+                ring_step = make_step(lambda a, b, c: fcd.ring_attention(a, b, c, **opts), q, k, v, do, mode)
+                ring_ms = timed(ring_step, args.iters, args.warmup)
+                ring_sync_ms = timed(synchronized(ring_step), args.iters, args.warmup)
                 method = fcr.pick_method(args.method, args.heads, hkv, tokens, W)
                 cfg = fcr.Config(fcr.CudaBlocks(q, ScoreOptions(args.d ** -0.5), False, 0), fcr.Ring(None, W, rank),
                                  method, args.layout, -1, 0 if causal else -1, mode == "fwd_bwd",
@@ -165,12 +177,14 @@ def main():
                 dist.barrier()
                 ideal = single_ms / W
                 rows.append(dict(tokens_per_gpu=tokens, seq=W * tokens, causal=int(causal), mode=mode, method=method,
-                                 ring_ms=ring_ms, ideal_ms=ideal, efficiency=ideal / ring_ms,
+                                 ring_ms=ring_ms, ring_sync_ms=ring_sync_ms, ideal_ms=ideal,
+                                 efficiency=ideal / ring_ms, efficiency_sync=ideal / ring_sync_ms,
                                  compute_ms=compute_ms, comm_ms=comm_ms, hidden=hidden))
                 if rank == 0:
                     r = rows[-1]
-                    print(f"W={W} tokens/GPU={tokens} causal={int(causal)} {mode}: ring {ring_ms:.2f} ms, "
-                          f"ideal {ideal:.2f} ms (efficiency {r['efficiency']:.2f}), compute {compute_ms:.2f} ms, "
+                    print(f"W={W} tokens/GPU={tokens} causal={int(causal)} {mode}: ring {ring_ms:.2f} ms "
+                          f"(synchronized {ring_sync_ms:.2f}), ideal {ideal:.2f} ms (efficiency "
+                          f"{r['efficiency']:.2f} / {r['efficiency_sync']:.2f}), compute {compute_ms:.2f} ms, "
                           f"comm {comm_ms:.2f} ms, hidden {hidden:.2f}", flush=True)
                 del q, k, v, do
                 torch.cuda.empty_cache()

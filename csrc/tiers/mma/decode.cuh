@@ -73,6 +73,7 @@ struct Tile {
   using TC = T;
   using TM = T;  // the products' 16-bit operands (Q, P, the converted K and V)
   static constexpr bool kFp8 = false;
+  static constexpr bool kQToHalf = false;  // Fp8Config: a bf16 Q tile converted to fp16
   static constexpr int kPitchC = kPitch;
   static constexpr int kChunkElems = 8;
   static constexpr size_t kStageBytes = size_t(2) * kBlockN * kPitch * sizeof(T);  // K and V
@@ -672,6 +673,9 @@ __device__ __forceinline__ void decode_block(const FwdParams& p) {
                            : q;
       cp_async_16(sQ + r * Cfg::kPitch + c, src, valid);
     }
+    // A Q tile converted to fp16 (q_slice_to_fp16) lands in a group of its own, before the
+    // steps, so that it is converted while they are still in flight; else it lands with step 0.
+    if constexpr (Cfg::kQToHalf) cp_async_commit();
   }
   const KeyCopier<Cfg> copier = KeyCopier<Cfg>::make(p);
   // Which steps the bulk copies fill (kBulk): the steps wholly inside the cached tokens. They are
@@ -765,6 +769,19 @@ __device__ __forceinline__ void decode_block(const FwdParams& p) {
       compute_block_softmax_and_weighted_v<Cfg>(s, stats, acc_o, sV + wn * Cfg::kSubN * Cfg::kPitch, exp_scale);
     }
   } else {
+    if constexpr (Cfg::kQToHalf) {
+      // Q's group has landed (kStages - 1 steps may still be in flight): one warp per 16-row
+      // slice converts it, outside the key loop, whose registers O's accumulators hold.
+      cp_async_wait<Cfg::kStages - 1>();
+      __syncthreads();
+      if (wn == 0) {
+        const float unscale = q_slice_to_fp16<Cfg>(sQ + wm * 16 * Cfg::kPitch);
+        if (threadIdx.x % 32 == 0) smem.q_unscale[wm] = unscale;
+      }
+      __syncthreads();
+      q_unscale = smem.q_unscale[wm];
+      exp_scale = mod.exp_scale(scale_log2());
+    }
     for (int nb = nb_begin; nb < nb_end; ++nb) {
       cp_async_wait<Cfg::kStages - 2>();  // one commit group per step, empty ones included
       if constexpr (kBulk) {
@@ -773,19 +790,6 @@ __device__ __forceinline__ void decode_block(const FwdParams& p) {
       __syncthreads();  // step nb landed for all; step nb - 1's stage is free
       if (nb + Cfg::kStages - 1 < nb_end) load(nb + Cfg::kStages - 1);
       cp_async_commit();
-      if constexpr (Cfg::kFp8) {
-        if constexpr (Cfg::kQToHalf) {
-          if (nb == nb_begin) {  // Q landed with step 0: one warp per slice converts it
-            if (wn == 0) {
-              const float unscale = q_slice_to_fp16<Cfg>(sQ + wm * 16 * Cfg::kPitch);
-              if (threadIdx.x % 32 == 0) smem.q_unscale[wm] = unscale;
-            }
-            __syncthreads();
-            q_unscale = smem.q_unscale[wm];
-            exp_scale = mod.exp_scale(scale_log2());
-          }
-        }
-      }
       if constexpr (Cfg::kQInRegs) {
         if (nb == nb_begin) {  // Q landed with step 0
           if constexpr (Cfg::kFp8) {

@@ -55,7 +55,7 @@ CASES = [
     (1, 2, 1, 4200, 4300, 64, True, (-1, -1), "bshd"),
     (2, 6, 2, 2100, 2300, 64, False, (-1, -1), "strided"),
     (1, 2, 2, 2500, 2048, 64, True, (100, -1), "offset"),
-    # Head dims above 128 (64 keys per step; d = 256 writes O from registers), their buckets
+    # Head dims above 128 (64 keys per step; d = 256 stages O in Q's tile), their buckets
     # below the full width, and more tiles than SMs.
     (1, 4, 4, 1000, 1000, 192, False, (-1, -1), "strided"),
     (2, 4, 2, 700, 900, 256, True, (-1, -1), "bshd"),
@@ -303,7 +303,9 @@ def test_ws_schedules_agree():
 # 16 rows cut by Sq (the TMA store leaves out the rows past the sequence), head dims below their
 # bucket's width (columns left out), GQA, strided views, the 192-row tiles at d = 64, more tiles
 # than SMs (the staging rows rewritten while earlier stores may still be reading them), and
-# d = 256, where O is not staged and the switch changes nothing.
+# d = 256, where O is staged in Q's tile (the next tile's Q lands on it once the stores have read
+# it): more tiles than SMs, and causal rows past Sk (tiles without keys, whose zeros are staged
+# there too).
 TMA_STORE_CASES = [
     (2, 4, 2, 1000, 1100, 128, True, "bshd"),
     (1, 4, 4, 777, 900, 64, False, "bhsd"),
@@ -315,6 +317,8 @@ TMA_STORE_CASES = [
     (4, 16, 4, 1000, 1000, 128, False, "bhsd"),
     (3, 20, 4, 601, 650, 64, False, "bshd"),
     (2, 4, 2, 700, 900, 256, True, "bshd"),
+    (3, 24, 8, 1000, 1000, 256, False, "bhsd"),
+    (2, 8, 2, 900, 200, 256, True, "strided"),
 ]
 
 
@@ -341,7 +345,7 @@ def test_ws_tma_store_matches_lane_copy(monkeypatch, schedule, B, Hq, Hkv, Sq, S
 # (seqlens_q, seqlens_k, Hq, Hkv, D): packed batches whose sequences end inside a query tile and
 # inside a warp's 16 rows (that warp copies lane by lane: a TMA store would write the next
 # sequence's rows), sequences of 1 and 0 rows, one that fills whole tiles, GQA, head dims
-# 64 / 96 / 128 / 192 and below their buckets.
+# 64 / 96 / 128 / 192 / 256 and below their buckets.
 TMA_STORE_VARLEN_CASES = [
     ((130, 77, 200, 1, 129, 0, 256), (129, 200, 77, 65, 300, 5, 256), 4, 2, 128),
     ((130, 77, 200, 1, 129, 0, 256), (129, 200, 77, 65, 300, 5, 256), 4, 1, 64),
@@ -349,6 +353,7 @@ TMA_STORE_VARLEN_CASES = [
     ((257, 1, 130, 33), (129, 7, 0, 90), 4, 2, 192),
     ((100, 200, 3), (150, 150, 260), 2, 2, 104),
     ((70, 190, 5), (65, 190, 300), 2, 1, 40),
+    ((257, 1, 130, 33), (129, 7, 0, 90), 4, 2, 256),
 ]
 
 

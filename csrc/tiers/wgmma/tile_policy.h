@@ -44,9 +44,9 @@ constexpr int fwd_block_n(int width) { return width <= 128 ? 128 : 64; }
 
 // d = 256, the overlapped schedule (the plain instances and the GQA-packed kernel): 80-key steps
 // instead of 64. Q 64 KiB + 2 stages x (K 40 KiB + V 40 KiB) = 224 KiB, with the barriers and
-// the swizzle's 1024 bytes of slack inside 227 KiB (O is stored from registers at d = 256: no
-// staging tile). Fewer steps per tile, so fewer per-step waits and hand-overs per key; Q K^T
-// runs m64n80k16, P V 5 k-steps of 16 keys. The serial-only (extended) and the dropout
+// the swizzle's 1024 bytes of slack inside 227 KiB (O has no staging tile of its own at d = 256:
+// kFwdStageOInQ below). Fewer steps per tile, so fewer per-step waits and hand-overs per key;
+// Q K^T runs m64n80k16, P V 5 k-steps of 16 keys. The serial-only (extended) and the dropout
 // instances keep 64: their consumers have no registers for S of 80 keys beside what they hold.
 // A switch of its own so that the two d = 256 levers (this one and kFwdTurnsAtD256) can be
 // measured apart: flip it in a copy of the tree and compare with bench/ab_builds.py.
@@ -61,6 +61,14 @@ constexpr int fwd_overlap_block_n(int width) { return width == 256 && kFwdD256Ke
 // without them it measured the same (OPTIMIZATION.md), so its kernel stays as it was.
 constexpr bool kFwdTurnsAtD256 = false;
 constexpr bool fwd_turn_barriers(int width) { return width < 256 || kFwdTurnsAtD256; }
+
+// Where O's own staging tile does not fit (d = 256: fwd/smem.h), O is staged in Q's tile
+// instead and leaves by TMA stores as at the other head dims: each consumer warp writes its 16
+// rows over its own rows of Q once its warpgroup's last S = Q K^T is done, and Q is released to
+// the producer only after the TMA unit has read them: the stores become 16-row boxes, and the
+// next tile's Q loads after this tile's epilogue instead of under its last P V. When false, each
+// consumer thread stores its own pairs of O from registers.
+constexpr bool kFwdStageOInQ = true;
 
 template <int kBucket, bool kExtended = false>
 struct FwdTile {

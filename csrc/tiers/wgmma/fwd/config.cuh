@@ -107,7 +107,11 @@ struct WsConfig {
   template <bool kWithO>
   using Storage = FwdSharedStorage<T_, kBlockM, kBlockN_, kHeadDim_, kVWidth, kStages_, kWithO>;
   static constexpr bool kStageO = Storage<true>::kBytes + kSwizzleAlign <= kSmemHopper;
-  using SharedStorage = Storage<kStageO>;
+  // Else, where V is as wide as Q, O is staged in Q's tile (tile_policy.h: kFwdStageOInQ); Q is
+  // then released after the epilogue's stores have read it, not after the last S.
+  static constexpr bool kStageOInQ = !kStageO && wgmma::kFwdStageOInQ && kVWidth == kHeadDim_;
+  static constexpr bool kStagedO = kStageO || kStageOInQ;
+  using SharedStorage = FwdSharedStorage<T_, kBlockM, kBlockN_, kHeadDim_, kVWidth, kStages_, kStageO, kStageOInQ>;
   static constexpr size_t kSmemBytes = SharedStorage::kBytes + kSwizzleAlign;
   static_assert(kTileQ % 1024 == 0 && KSlabs::kBytes % 1024 == 0 && VSlabs::kBytes % 1024 == 0,
                 "TMA's boxes fill whole slabs");

@@ -11,6 +11,7 @@
 #include "../../../core/scheduler.cuh"
 #include "../../../core/softmax.cuh"
 #include "config.cuh"
+#include "mainloop.cuh"  // QueryTile
 
 namespace flash_cuda {
 namespace sm90 {
@@ -44,8 +45,9 @@ __device__ __forceinline__ void wait_o_staging() {
   __syncwarp();
 }
 
-// Step 4 of a consumer warp's tile, through this warp's own 16 rows of the O staging tile, or
-// straight from registers where that tile does not fit (kStageO). Before the rows are rewritten,
+// Step 4 of a consumer warp's tile, through this warp's own 16 rows of the O staging tile (O's
+// own tile, kStageO; or at d = 256 the warp's own rows of Q, kStageOInQ, released to the producer
+// at the end), or straight from registers where neither serves. Before the rows are rewritten,
 // the previous tile's reads of them are done: the lanes' copies (normalize_output's __syncwarp
 // and the one in wait_o_staging), the TMA unit's (wait_o_staging). Only the sequence's rows are
 // stored (rows_valid): a packed tile's rows past its end hold another sequence's queries, so a
@@ -56,11 +58,12 @@ __device__ __forceinline__ void wait_o_staging() {
 // warp (0 .. kConsumerWarps - 1); shift: log2 G of GQA packing.
 template <typename Cfg, bool kExt, bool kPackGqa, typename Work>
 __device__ __forceinline__ void store_tile_output(float (&acc_o)[1][Cfg::kDTiles][4], const RowStats<1>& stats,
-                                                  typename Cfg::T* sO, const FwdParams& p, const TmaMaps& maps,
+                                                  typename Cfg::T* sO, const QueryTile& qt, const FwdParams& p,
+                                                  const TmaMaps& maps,
                                                   const TileScheduler::Tile& tile, const Work& w, int cwarp,
                                                   int shift) {
   using T = typename Cfg::T;
-  if constexpr (Cfg::kStageO) {
+  if constexpr (Cfg::kStagedO) {
     wait_o_staging();
   } else {
     __syncwarp();
@@ -78,19 +81,27 @@ __device__ __forceinline__ void store_tile_output(float (&acc_o)[1][Cfg::kDTiles
   // warp's rows are addressed as those of a kBlockM-row tile from its first row on.
   using Staging = SwizzledTile<Cfg::kBlockM>;
   if constexpr (kPackGqa) {
-    normalize_output<T, Staging, Cfg::kStageO, /*kInTileLoop=*/true>(
+    normalize_output<T, Staging, Cfg::kStagedO, /*kInTileLoop=*/true>(
         acc_o, stats, sO_warp, o, p.o_row_stride, lse, warp_rows_valid, p.d, /*copy=*/true,
         GqaOutRows{16 * cwarp, shift, p.o_head_stride, p.stat_head_stride}, sinks);
   } else {
     const bool packed = kExt && p.cu_seqlens_q != nullptr;
     const bool by_tma =
-        Cfg::kStageO && maps.o_by_tma != 0 && (warp_rows_valid == 16 || (!packed && warp_rows_valid > 0));
-    normalize_output<T, Staging, Cfg::kStageO, /*kInTileLoop=*/true>(
+        Cfg::kStagedO && maps.o_by_tma != 0 && (warp_rows_valid == 16 || (!packed && warp_rows_valid > 0));
+    normalize_output<T, Staging, Cfg::kStagedO, /*kInTileLoop=*/true>(
         acc_o, stats, sO_warp, o + static_cast<int64_t>(16 * cwarp) * p.o_row_stride, p.o_row_stride,
         lse + 16 * cwarp, warp_rows_valid, p.d, /*copy=*/!by_tma, StridedRows{}, sinks);
     if (by_tma) {
       store_o_tma<Cfg>(&maps.o, sO_warp, w.seq.q_start + w.q0 + 16 * cwarp, tile.h, packed ? 0 : tile.b);
     }
+  }
+  if constexpr (Cfg::kStageOInQ) {
+    // The staged rows are Q's: the next tile's Q may land on them once the TMA unit (or the
+    // lanes' copy) has read them and this warp's generic writes are ordered before the
+    // producer's load (the async proxy).
+    fence_proxy_async();
+    wait_o_staging();
+    qt.release();
   }
 }
 
@@ -98,7 +109,7 @@ __device__ __forceinline__ void store_tile_output(float (&acc_o)[1][Cfg::kDTiles
 // retires.
 template <typename Cfg>
 __device__ __forceinline__ void finish_output_stores() {
-  if constexpr (Cfg::kStageO) {
+  if constexpr (Cfg::kStagedO) {
     if (threadIdx.x % 32 == 0) bulk_wait<0>();
   }
 }

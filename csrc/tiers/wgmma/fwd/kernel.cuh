@@ -196,17 +196,18 @@ __device__ __forceinline__ void fwd_ws_block(const FwdParams& p, const TmaMaps& 
 
     // The consume functions release Q after the tile's last S = Q K^T, so that the next
     // tile's Q loads under the last P V and this epilogue; a tile without keys (for which the
-    // producer loaded no Q) releases here.
+    // producer loaded no Q) releases here. Where O is staged in Q's tile (kStageOInQ), the
+    // epilogue releases it once its stores have read the staged rows.
     if constexpr (kSchedule == kOverlap) {
       consume_overlap<Cfg>(ring_t, first, sQ_t, qt_t, cv, acc_o, stats);
     } else {
       consume_serial<Cfg>(ring_t, first, sQ_t, qt_t, cv, acc_o, stats);
     }
-    if (cv.range.count() == 0) qt_t.release();
+    if (!Cfg::kStageOInQ && cv.range.count() == 0) qt_t.release();
     first += cv.range.count();
 
     // Step 4, normalize_output, and the stores.
-    store_tile_output<Cfg, kExt, kPackGqa>(acc_o, stats, sO_t, p, maps, tile, w, cwarp, shift);
+    store_tile_output<Cfg, kExt, kPackGqa>(acc_o, stats, sO_t, qt_t, p, maps, tile, w, cwarp, shift);
   }
   finish_output_stores<Cfg>();
 }

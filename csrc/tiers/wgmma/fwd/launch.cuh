@@ -51,7 +51,7 @@ bool launch_ws_tiles(Kernel kernel, const FwdParams& p, cudaStream_t stream, int
   }
   // O's map (one head per box) serves the unpacked tiles; without it the lanes copy the staged rows.
   maps.o_by_tma =
-      group == 1 && Cfg::kStageO && wgmma::ws_tma_store() && make_o_tensor_map(p, &maps.o, /*box_rows=*/16) ? 1 : 0;
+      group == 1 && Cfg::kStagedO && wgmma::ws_tma_store() && make_o_tensor_map(p, &maps.o, /*box_rows=*/16) ? 1 : 0;
   set_smem_limit(kernel, Cfg::kSmemBytes, "fwd_sm90_ws");
   // One CTA per SM fits (shared memory and registers): a persistent grid of num_sms CTAs.
   const int64_t tiles = int64_t(ceil_div(p.sq, Cfg::kBlockM / group)) * (p.hq / group) * p.b;

@@ -340,7 +340,7 @@ __device__ __forceinline__ void consume_serial(const Ring<Cfg>& ring, int first,
     issue_qk<Cfg>(sc, sQ, cv.wg_row0, ring.k(s));
     compute_qk_scores_and_max<Cfg, 0>(sc, block_max, cv, nb);
     ring.release_k(s);
-    if (nb == cv.range.end - 1) qt.release();  // the tile's last product that reads Q is done
+    if (!Cfg::kStageOInQ && nb == cv.range.end - 1) qt.release();  // the tile's last product that reads Q is done
     merge_block_stats(stats, block_max, acc_o);
     mbarrier_wait(&ring.v_full[s], ring.parity(i));
     compute_block_softmax_and_weighted_v<Cfg>(sc, stats, acc_o, ring.v(s), cv, nb);
@@ -394,7 +394,7 @@ __device__ __forceinline__ void consume_overlap(const Ring<Cfg>& ring, int first
   turns.pass(false);
   compute_qk_scores_and_max<Cfg, 0>(sc, block_max, cv, cv.range.begin);
   ring.release_k(ring.stage(first));
-  if (n == 1) qt.release();  // the tile's last product that reads Q is done
+  if (!Cfg::kStageOInQ && n == 1) qt.release();  // the tile's last product that reads Q is done
   merge_block_stats(stats, block_max, rescale);
   rescale.pending = false;
   compute_block_softmax<Cfg>(sc, stats, cv.exp_scale);
@@ -412,7 +412,7 @@ __device__ __forceinline__ void consume_overlap(const Ring<Cfg>& ring, int first
     turns.pass(false);
     compute_qk_scores_and_max<Cfg, 1>(sc, block_max, cv, cv.range.begin + i);
     ring.release_k(s);
-    if (i == n - 1) qt.release();
+    if (!Cfg::kStageOInQ && i == n - 1) qt.release();
     merge_block_stats(stats, block_max, rescale);
     compute_block_softmax<Cfg>(sc, stats, cv.exp_scale);
     drop_probs<Cfg>(sc, cv, cv.range.begin + i);

@@ -8,8 +8,9 @@
 // number of slabs (each a multiple of 1024 bytes), so no padding falls between them. Nothing
 // aliases: O is staged in its own tile, so that a persistent CTA's producer may already fill the
 // ring with the next tile's K/V while the consumers write this tile's O. Where that tile does not
-// fit (d = 256: WsConfig::kStageO), the struct has none and each consumer thread stores its own
-// pairs.
+// fit (d = 256: WsConfig::kStageO), O is staged in Q's tile (kStageOInQ: the consumers then hold
+// Q until their stores have read it), or, with that switched off, each consumer thread stores its
+// own pairs.
 //
 // Barriers (mainloop.cuh): q_full / q_empty (Q of the current tile), and per stage k_full,
 // v_full (producer arrival + transaction bytes: V may still be landing while S = Q K^T runs),
@@ -52,8 +53,10 @@ struct FwdSync {
   int tile_slot[2];
 };
 
-template <typename T, int kBlockM, int kBlockN, int kHeadDim, int kVWidth, int kStages, bool kStageO>
+template <typename T, int kBlockM, int kBlockN, int kHeadDim, int kVWidth, int kStages, bool kStageO,
+          bool kStageOInQ = false>
 struct FwdSharedStorage {
+  static_assert(!(kStageO && kStageOInQ), "one staging tile");
   using Tiles = std::conditional_t<kStageO, FwdRingAndOTiles<T, kBlockM, kBlockN, kHeadDim, kVWidth, kStages>,
                                    FwdRingTiles<T, kBlockM, kBlockN, kHeadDim, kVWidth, kStages>>;
   using Sync = FwdSync<kStages>;
@@ -62,10 +65,12 @@ struct FwdSharedStorage {
   // The bytes the CTA uses: sizeof(FwdSharedStorage) would round up to the tiles' alignment.
   static constexpr size_t kBytes = sizeof(Tiles) + sizeof(Sync);
   static_assert(sizeof(Tiles) % kSwizzleAlign == 0, "the words follow the last slab without padding");
-  // The O staging tile; none (nullptr, never written) where it does not fit.
+  // The O staging tile: its own, or Q's (kStageOInQ); none (nullptr, never written) otherwise.
   __device__ __forceinline__ T* o_staging() {
     if constexpr (kStageO) {
       return tiles.o;
+    } else if constexpr (kStageOInQ) {
+      return tiles.q;
     } else {
       return nullptr;
     }

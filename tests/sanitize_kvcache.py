@@ -35,6 +35,9 @@ CASES = [
     (2, 6, 2, 33, 128, 256, (100, 7), 33, None, dict(is_causal=True)),
     (2, 4, 4, 3, 64, 256, (200, 50), 3, None, dict(alibi=True, is_causal=True)),
     (1, 8, 1, 1, 64, 4096, (4000,), 1, None, dict(num_splits=0)),
+    # pages smaller than a step by tensor-map boxes on Hopper: 32-key steps at d 128, d 64's steps
+    (2, 8, 2, 8, 128, 768, (700, 50), 8, 16, dict(is_causal=True)),
+    (2, 8, 2, 1, 64, 1024, (1000, 64), 1, 32, dict(num_splits=3)),
     # prompt chunks on the prefill route: pages of 16 and 256, a sequence starting empty
     (2, 8, 2, 40, 128, 768, (700, 0), 40, 16, dict(is_causal=True)),
     (3, 4, 2, 24, 64, 512, (300, 5, 0), 24, 256, dict(is_causal=True, window_size=(64, 0), softcap=10.0)),
@@ -92,6 +95,7 @@ FP8_CASES = [
     (2, 8, 2, 1, 128, 512, (300, 0), 1, None, dict(is_causal=True)),
     (3, 8, 2, 4, 64, 768, (700, 3, 400), 4, 16, dict(is_causal=True, num_splits=3)),
     (2, 16, 2, 1, 256, 768, (600, 1), 1, 48, dict(softcap=20.0)),
+    (2, 8, 2, 1, 128, 768, (700, 40), 1, 16, dict(is_causal=True)),
 ]
 
 

@@ -17,7 +17,7 @@ import torch
 import flash_cuda
 from flash_cuda.reference import _read_kvcache, _write_kvcache, attention_naive, quantize_e4m3
 
-from attn_check import gpu_skip_reason, out_lse_problems
+from attn_check import gpu_skip_reason, hopper_skip_reason, out_lse_problems
 
 pytestmark = pytest.mark.skipif(gpu_skip_reason() is not None, reason=str(gpu_skip_reason()))
 
@@ -114,6 +114,20 @@ needs_fp8 = pytest.mark.skipif(not _fp8_capable(), reason="FP8 KV caches need co
 @pytest.mark.parametrize("page_size", [None, 16, 48, 256])
 def test_fp8_decode(dtype, D, page_size):
     _run(D=D, dtype=dtype, page_size=page_size, seed=D + (page_size or 0))
+
+
+@needs_fp8
+@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("Sq", [1, 8])
+def test_fp8_small_pages_route(D, Sq):
+    """On Hopper, e4m3 pages of 16 come in as tensor-map boxes at d 64 / 128 (csrc/tiers/mma/decode.cuh:
+    box_key_block); d 256's padded line is wider than a box and keeps the bulk copies."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        _run(D=D, Sq=Sq, s_new=Sq, page_size=16, seed=D + Sq)
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if "decode_kernel" in e.name]
+    boxes = hopper_skip_reason("the box fill") is None and D <= 128
+    assert names and all(("decode_kernel_page_boxes" in n) == boxes for n in names), (boxes, names)
 
 
 @needs_fp8

@@ -85,4 +85,38 @@ inline bool make_row_tensor_map(CUtensorMap* map, const void* base, bool bf16, i
   return r == CUDA_SUCCESS;
 }
 
+// A map over a paged KV cache's rows for the split-KV decode (tiers/mma/decode.cuh:
+// box_key_block): dimensions (d, row in page, head, page) with the strides of the pool (any
+// order), elements of elem_bytes bytes (2: fp16 / bf16, 1: e4m3), boxes of box_cols columns x
+// box_rows rows of one page and head, unswizzled. box_cols may exceed d (the decode ring's padded
+// lines): TMA fills the columns past d with zeros, so a box lands as box_rows whole lines of the
+// ring. Returns false where TMA cannot address the pool (base or strides not multiples of 16
+// bytes, a box wider than 256 elements).
+inline bool make_page_tensor_map(CUtensorMap* map, const void* base, int elem_bytes, int d, int page_size, int heads,
+                                 int num_pages, int64_t row_stride, int64_t head_stride, int64_t page_stride,
+                                 int box_cols, int box_rows) {
+  const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
+  if (encode == nullptr || reinterpret_cast<uintptr_t>(base) % 16 != 0) return false;
+  if (elem_bytes != 1 && elem_bytes != 2) return false;
+  if (box_cols > 256 || box_rows > 256 || (box_cols * elem_bytes) % 16 != 0 || box_rows > page_size) return false;
+  // Extent-1 dimensions are never stepped along: their strides become the packed span.
+  const int64_t row_bytes = page_size > 1 ? row_stride * elem_bytes : (int64_t(d) * elem_bytes + 15) / 16 * 16;
+  const int64_t head_bytes = heads > 1 ? head_stride * elem_bytes : row_bytes * page_size;
+  const int64_t page_bytes = num_pages > 1 ? page_stride * elem_bytes : head_bytes * heads;
+  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(d), static_cast<cuuint64_t>(page_size),
+                              static_cast<cuuint64_t>(heads), static_cast<cuuint64_t>(num_pages)};
+  const cuuint64_t strides[3] = {static_cast<cuuint64_t>(row_bytes), static_cast<cuuint64_t>(head_bytes),
+                                 static_cast<cuuint64_t>(page_bytes)};
+  for (cuuint64_t s : strides) {
+    if (s % 16 != 0 || s >= (cuuint64_t{1} << 40)) return false;
+  }
+  const cuuint32_t box[4] = {static_cast<cuuint32_t>(box_cols), static_cast<cuuint32_t>(box_rows), 1, 1};
+  const cuuint32_t unit[4] = {1, 1, 1, 1};
+  const CUresult r = encode(map, elem_bytes == 2 ? CU_TENSOR_MAP_DATA_TYPE_UINT16 : CU_TENSOR_MAP_DATA_TYPE_UINT8, 4,
+                            const_cast<void*>(base), dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                            CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS;
+}
+
 }  // namespace flash_cuda

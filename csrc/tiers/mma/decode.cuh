@@ -33,6 +33,7 @@
 #include "../../arch/sm80.cuh"
 #include "../../arch/sm90.cuh"
 #include "../../arch/tile.cuh"
+#include "../../arch/tma.h"
 #include "../../arch/types.cuh"
 #include "../../core/block.cuh"
 #include "../../core/combine.cuh"
@@ -101,6 +102,12 @@ struct Tile {
   static constexpr bool kBulkEligible = kStages_ != 1;
   // Dense caches stay on cp.async: one contiguous step is what it streams best.
   static constexpr bool kDenseBulk = false;
+  // Pages of a multiple of 16 rows (smaller than a step) come in by tensor-map boxes
+  // (box_key_block) where the bulk copies' rows are short (d = 64: 128 bytes) or few (steps of
+  // 32 keys); 256-byte rows in 64-key steps stream as fast or faster by bulk copies
+  // (OPTIMIZATION.md step 54). A box spans a padded line: kPitchC <= 256 elements.
+  static constexpr bool kPageBoxes =
+      kBulkEligible && kPitchC <= 256 && (kHeadDim * sizeof(TC) < 256 || kBlockN < 64);
   static constexpr size_t kSmemBytes = sizeof(Storage);
   // Q's A fragments stay in registers for the whole key loop where they fit next to O's
   // accumulators (d <= 128: 32 registers); at d = 256 they are read from shared memory per step.
@@ -163,6 +170,8 @@ struct Fp8Config : Tile<T_, kHeadDim_, kWarpsM_, Fp8Sizes<T_, kHeadDim_, kWarpsM
   // bandwidth; at d <= 128 cp.async streamed a dense FP8 cache faster (OPTIMIZATION.md step 51).
   static constexpr bool kDenseBulk = kHeadDim_ >= 256;
   static constexpr int kPitchC = Fp8Sizes<T_, kHeadDim_, kWarpsM_>::kPitchC;
+  // Boxes at every head dim whose padded line a box spans (d = 64, 128): e4m3 rows are short.
+  static constexpr bool kPageBoxes = kPitchC <= 256;
   static constexpr int kChunkElems = 16;
   static constexpr size_t kStageBytes = Fp8Sizes<T_, kHeadDim_, kWarpsM_>::kStageBytes;
   struct Storage {
@@ -351,6 +360,39 @@ __device__ __forceinline__ void bulk_key_block(const FwdParams& p, const CacheSe
                         : cache_row(p, static_cast<const T*>(p.k), p.k_batch_stride, p.k_head_stride,
                                     p.k_row_stride, bi, h_kv, row);
     sm90::bulk_load((is_v ? sV : sK) + r * Cfg::kPitchC, src, kRowBytes, full);
+  }
+}
+
+// The tensor maps of a paged cache's K and V pools (arch/tma.h: make_page_tensor_map), for
+// box_key_block: boxes of kPitchC columns x kBoxRows rows of one page and KV head.
+struct PageMaps {
+  static constexpr int kBoxRows = 16;
+  CUtensorMap k, v;
+};
+
+// The Hopper fill of a cached step from pages of a multiple of 16 rows smaller than the step
+// (Cfg::kPageBoxes, launch_decode): each 16-row run of the step lies in one page and is one
+// tensor-map box per K and V, landing as 16 whole padded lines of the ring (the columns past d
+// as zeros), where bulk_key_block issues a copy per row. Lane 0 of warp w issues the runs w,
+// w + 4, ...: kBlockN / 8 boxes a step, their page ids read in parallel. The stage's mbarrier
+// `full` expects the boxes' bytes, pads included (TMA counts a box whole).
+template <typename Cfg>
+__device__ __forceinline__ void box_key_block(const FwdParams& p, const PageMaps& maps, int bi, int h_kv, int n0,
+                                              typename Cfg::TC* sK, typename Cfg::TC* sV, uint64_t* full) {
+  constexpr int kRuns = Cfg::kBlockN / PageMaps::kBoxRows;
+  constexpr int kWarps = Cfg::kThreads / 32;
+  constexpr uint32_t kBoxBytes = PageMaps::kBoxRows * Cfg::kPitchC * sizeof(typename Cfg::TC);
+  static_assert(Cfg::kBlockN % PageMaps::kBoxRows == 0, "whole runs of 16 rows");
+  static_assert(kBoxBytes % 128 == 0, "TMA boxes land on 128-byte boundaries");
+  if (threadIdx.x == 0) sm90::mbarrier_arrive_expect_tx(full, 2 * kRuns * kBoxBytes);
+  if (threadIdx.x % 32 != 0) return;
+  for (int run = threadIdx.x / 32; run < kRuns; run += kWarps) {
+    const int pos = n0 + run * PageMaps::kBoxRows;
+    const int page = min(max(p.block_table[bi * p.block_table_stride + pos / p.page_size], 0), p.num_pages - 1);
+    const int row = pos % p.page_size;
+    const int line = run * PageMaps::kBoxRows * Cfg::kPitchC;
+    sm90::tma_load_4d(sK + line, &maps.k, full, 0, row, h_kv, page);
+    sm90::tma_load_4d(sV + line, &maps.v, full, 0, row, h_kv, page);
   }
 }
 
@@ -598,9 +640,10 @@ __device__ __forceinline__ void normalize_output(const FwdParams& p, const Cache
 }
 
 // One CTA of the decode grid: (row chunks * num_splits, hq / decode_heads, b). kBulk: cached steps
-// by bulk copies (Cfg::kBulkEligible, pages smaller than a step, d == kHeadDim: launch_decode).
-template <typename Cfg, bool kBulk>
-__device__ __forceinline__ void decode_block(const FwdParams& p) {
+// by bulk copies (Cfg::kBulkEligible, pages smaller than a step, d == kHeadDim: launch_decode);
+// kBoxes: by tensor-map boxes of `maps` (Cfg::kPageBoxes, pages of a multiple of 16 rows).
+template <typename Cfg, bool kBulk, bool kBoxes = false>
+__device__ __forceinline__ void decode_block(const FwdParams& p, const PageMaps* maps = nullptr) {
   using T = typename Cfg::T;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   auto& smem = *reinterpret_cast<typename Cfg::Storage*>(smem_raw);
@@ -680,8 +723,8 @@ __device__ __forceinline__ void decode_block(const FwdParams& p) {
   // Which steps the bulk copies fill (kBulk): the steps wholly inside the cached tokens. They are
   // a prefix of [nb_begin, nb_end), so the k-th fill of a stage completes its barrier's phase k
   // and step nb waits on parity ((nb - nb_begin) / kStages) % 2.
-  auto is_bulk = [&](int nb) { return kBulk && (nb + 1) * Cfg::kBlockN <= seq.len; };
-  if constexpr (kBulk) {
+  auto is_bulk = [&](int nb) { return (kBulk || kBoxes) && (nb + 1) * Cfg::kBlockN <= seq.len; };
+  if constexpr (kBulk || kBoxes) {
     if (threadIdx.x == 0) {
       for (int s = 0; s < Cfg::kStages; ++s) sm90::mbarrier_init(&smem.full[s], 1);
       sm90::fence_barrier_init();
@@ -690,7 +733,13 @@ __device__ __forceinline__ void decode_block(const FwdParams& p) {
   }
   auto load = [&](int nb) {
     auto* stage = sKV + (nb % Cfg::kStages) * kStageElems;
-    if constexpr (kBulk) {
+    if constexpr (kBoxes) {
+      if (is_bulk(nb)) {
+        box_key_block<Cfg>(p, *maps, bi, h_kv, nb * Cfg::kBlockN, stage, stage + Cfg::kBlockN * Cfg::kPitchC,
+                           &smem.full[nb % Cfg::kStages]);
+        return;
+      }
+    } else if constexpr (kBulk) {
       if (is_bulk(nb)) {
         bulk_key_block<Cfg>(p, seq, bi, h_kv, nb * Cfg::kBlockN, stage, stage + Cfg::kBlockN * Cfg::kPitchC,
                             &smem.full[nb % Cfg::kStages]);
@@ -783,7 +832,7 @@ __device__ __forceinline__ void decode_block(const FwdParams& p) {
     }
     for (int nb = nb_begin; nb < nb_end; ++nb) {
       cp_async_wait<Cfg::kStages - 2>();  // one commit group per step, empty ones included
-      if constexpr (kBulk) {
+      if constexpr (kBulk || kBoxes) {
         if (is_bulk(nb)) sm90::mbarrier_wait(&smem.full[nb % Cfg::kStages], ((nb - nb_begin) / Cfg::kStages) % 2);
       }
       __syncthreads();  // step nb landed for all; step nb - 1's stage is free
@@ -867,6 +916,15 @@ __global__ void __launch_bounds__(Cfg::kThreads) decode_kernel(const FwdParams p
   }
 }
 
+
+// Pages of a multiple of 16 rows by tensor-map boxes (sm_90a alone, like the bulk variant); the
+// maps are kernel parameters, where the TMA unit reads them.
+template <typename Cfg>
+__global__ void __launch_bounds__(Cfg::kThreads)
+    decode_kernel_page_boxes(const __grid_constant__ FwdParams p, const __grid_constant__ PageMaps maps) {
+  FLASH_SM90_KERNEL_BODY(decode_block<Cfg, false, true>(p, &maps));
+}
+
 }  // namespace decode
 
 // Row chunks and splits of a decode launch with config Cfg (the split count from the shapes: the
@@ -890,19 +948,42 @@ int plan_decode_splits(const FwdParams& p) {
 
 template <typename Cfg>
 void launch_decode(const FwdParams& p, cudaStream_t stream) {
-  // Pages smaller than a step on Hopper: the bulk variant (Tile::kBulkEligible says where it was
-  // measured faster); its shared memory and registers give the occupancy the split plan assumed.
+  // Pages smaller than a step on Hopper: the box variant (Tile::kPageBoxes) or the bulk one
+  // (Tile::kBulkEligible), each where it was measured faster; their shared memory and registers
+  // give the occupancy the split plan assumed.
   auto kernel = decode::decode_kernel<Cfg, false>;
+  const int chunks = ceil_div(p.sq * p.decode_heads, Cfg::kRows);
+  const dim3 grid(static_cast<unsigned>(chunks * p.num_splits), p.hq / p.decode_heads, p.b);
+  bool launched = false;
+  const bool small_pages = p.block_table != nullptr && p.page_size % Cfg::kBlockN != 0;
+  if constexpr (Cfg::kPageBoxes) {
+    // Pages of 16, 32, 48 rows: boxes, where TMA can address the pools (else the bulk copies).
+    auto boxes = decode::decode_kernel_page_boxes<Cfg>;
+    decode::PageMaps maps;
+    if (p.sm_arch == 90 && small_pages && p.page_size % decode::PageMaps::kBoxRows == 0 &&
+        sm90_kernel_built(boxes)) {
+      const int elem = static_cast<int>(sizeof(typename Cfg::TC));
+      if (make_page_tensor_map(&maps.k, p.k, elem, p.d, p.page_size, p.hkv, p.num_pages, p.k_row_stride,
+                               p.k_head_stride, p.k_batch_stride, Cfg::kPitchC, decode::PageMaps::kBoxRows) &&
+          make_page_tensor_map(&maps.v, p.v, elem, p.d, p.page_size, p.hkv, p.num_pages, p.v_row_stride,
+                               p.v_head_stride, p.v_batch_stride, Cfg::kPitchC, decode::PageMaps::kBoxRows)) {
+        set_smem_limit(boxes, Cfg::kSmemBytes, "flash_decode");
+        boxes<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p, maps);
+        launched = true;
+      }
+    }
+  }
   if constexpr (Cfg::kBulkEligible) {
-    const bool bulk_pages = p.block_table != nullptr ? p.page_size % Cfg::kBlockN != 0 : Cfg::kDenseBulk;
-    if (p.sm_arch == 90 && bulk_pages && p.d == Cfg::kHeadDim && sm90_kernel_built(decode::decode_kernel<Cfg, true>)) {
+    const bool bulk_pages = p.block_table != nullptr ? small_pages : Cfg::kDenseBulk;
+    if (!launched && p.sm_arch == 90 && bulk_pages && p.d == Cfg::kHeadDim &&
+        sm90_kernel_built(decode::decode_kernel<Cfg, true>)) {
       kernel = decode::decode_kernel<Cfg, true>;
     }
   }
-  set_smem_limit(kernel, Cfg::kSmemBytes, "flash_decode");
-  const int chunks = ceil_div(p.sq * p.decode_heads, Cfg::kRows);
-  const dim3 grid(static_cast<unsigned>(chunks * p.num_splits), p.hq / p.decode_heads, p.b);
-  kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
+  if (!launched) {
+    set_smem_limit(kernel, Cfg::kSmemBytes, "flash_decode");
+    kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
+  }
   check_launch("flash_decode");
   if (p.num_splits > 1) launch_combine_key_splits<typename Cfg::T>(p, stream);
 }

@@ -102,12 +102,13 @@ struct Tile {
   static constexpr bool kBulkEligible = kStages_ != 1;
   // Dense caches stay on cp.async: one contiguous step is what it streams best.
   static constexpr bool kDenseBulk = false;
-  // Pages of a multiple of 16 rows (smaller than a step) come in by tensor-map boxes
-  // (box_key_block) where the bulk copies' rows are short (d = 64: 128 bytes) or few (steps of
-  // 32 keys); 256-byte rows in 64-key steps stream as fast or faster by bulk copies
-  // (OPTIMIZATION.md step 54). A box spans a padded line: kPitchC <= 256 elements.
-  static constexpr bool kPageBoxes =
-      kBulkEligible && kPitchC <= 256 && (kHeadDim * sizeof(TC) < 256 || kBlockN < 64);
+  // Which fill takes cached steps from pages smaller than a step on Hopper (OPTIMIZATION.md steps
+  // 54, 55): tensor-map boxes (box_key_block; a box spans a padded line: kPitchC <= 256 elements)
+  // for 32-key steps, bulk copies for d = 256's 512-byte rows, else cp.async with the step's page
+  // ids read before its copies (load_key_block), which streamed 64-key steps at d 64 / 128 at
+  // 0.92-0.97 of the dense cache's time.
+  static constexpr bool kPageBoxes = kBulkEligible && kPitchC <= 256 && kBlockN < 64;
+  static constexpr bool kBulkPages = kBulkEligible && kHeadDim * sizeof(TC) > 256;
   static constexpr size_t kSmemBytes = sizeof(Storage);
   // Q's A fragments stay in registers for the whole key loop where they fit next to O's
   // accumulators (d <= 128: 32 registers); at d = 256 they are read from shared memory per step.
@@ -170,8 +171,10 @@ struct Fp8Config : Tile<T_, kHeadDim_, kWarpsM_, Fp8Sizes<T_, kHeadDim_, kWarpsM
   // bandwidth; at d <= 128 cp.async streamed a dense FP8 cache faster (OPTIMIZATION.md step 51).
   static constexpr bool kDenseBulk = kHeadDim_ >= 256;
   static constexpr int kPitchC = Fp8Sizes<T_, kHeadDim_, kWarpsM_>::kPitchC;
-  // Boxes at every head dim whose padded line a box spans (d = 64, 128): e4m3 rows are short.
+  // Boxes at every head dim whose padded line a box spans (d = 64, 128): e4m3 rows are short;
+  // bulk copies at d = 256.
   static constexpr bool kPageBoxes = kPitchC <= 256;
+  static constexpr bool kBulkPages = kBulkEligible;
   static constexpr int kChunkElems = 16;
   static constexpr size_t kStageBytes = Fp8Sizes<T_, kHeadDim_, kWarpsM_>::kStageBytes;
   struct Storage {
@@ -269,7 +272,8 @@ struct KeyCopier {
 // Keys [n0, n0 + kBlockN) of KV head h_kv into a stage: cached positions from the cache, new ones
 // from k_new / v_new, positions past the sequence (and columns past d) as zeros. Steps wholly
 // inside the cached tokens (all but the last) take the short paths: one pointer per step for a
-// dense cache and for pages that hold whole steps, a page lookup per row otherwise. kK / kV: which
+// dense cache and for pages that hold whole steps, else each row's page id, all read before the
+// first copy. kK / kV: which
 // of the two to copy (the half-step loop copies them apart).
 template <typename Cfg, bool kK = true, bool kV = true>
 __device__ __forceinline__ void load_key_block(const FwdParams& p, const CacheSeq& seq, const KeyCopier<Cfg>& cp,
@@ -303,6 +307,33 @@ __device__ __forceinline__ void load_key_block(const FwdParams& p, const CacheSe
       const int r = pass * Copier::kRowsPerPass;
       if constexpr (kK) cp_async_16_stream<Cfg::kPrefetch>(sk + r * Cfg::kPitch, ks + r * p.k_row_stride, true);
       if constexpr (kV) cp_async_16_stream<Cfg::kPrefetch>(sv + r * Cfg::kPitch, vs + r * p.v_row_stride, true);
+    }
+    return;
+  }
+  if (cached && cp.col_valid) {
+    // Pages smaller than a step: every page id this thread's rows need is read before the first
+    // copy is issued, so the lookups' latencies overlap (read per copy, each copy waited for its
+    // own: the copies are asm with a memory clobber, which no load may cross).
+    int page[Copier::kPasses];
+#pragma unroll
+    for (int pass = 0; pass < Copier::kPasses; ++pass) {
+      const int pos = n0 + cp.r_first + pass * Copier::kRowsPerPass + seq.k_start;
+      page[pass] = p.block_table[bi * p.block_table_stride + pos / p.page_size];
+    }
+    const T* ks = k + h_kv * p.k_head_stride + cp.c;
+    const T* vs = v + h_kv * p.v_head_stride + cp.c;
+#pragma unroll
+    for (int pass = 0; pass < Copier::kPasses; ++pass) {
+      const int pos = n0 + cp.r_first + pass * Copier::kRowsPerPass + seq.k_start;
+      const int64_t pg = min(max(page[pass], 0), p.num_pages - 1);
+      const int64_t row = pos % p.page_size;
+      const int r = pass * Copier::kRowsPerPass;
+      if constexpr (kK) {
+        cp_async_16_stream<Cfg::kPrefetch>(sk + r * Cfg::kPitch, ks + pg * p.k_batch_stride + row * p.k_row_stride, true);
+      }
+      if constexpr (kV) {
+        cp_async_16_stream<Cfg::kPrefetch>(sv + r * Cfg::kPitch, vs + pg * p.v_batch_stride + row * p.v_row_stride, true);
+      }
     }
     return;
   }
@@ -949,8 +980,8 @@ int plan_decode_splits(const FwdParams& p) {
 template <typename Cfg>
 void launch_decode(const FwdParams& p, cudaStream_t stream) {
   // Pages smaller than a step on Hopper: the box variant (Tile::kPageBoxes) or the bulk one
-  // (Tile::kBulkEligible), each where it was measured faster; their shared memory and registers
-  // give the occupancy the split plan assumed.
+  // (Tile::kBulkPages) where each was measured faster than cp.async; their shared memory and
+  // registers give the occupancy the split plan assumed.
   auto kernel = decode::decode_kernel<Cfg, false>;
   const int chunks = ceil_div(p.sq * p.decode_heads, Cfg::kRows);
   const dim3 grid(static_cast<unsigned>(chunks * p.num_splits), p.hq / p.decode_heads, p.b);
@@ -974,7 +1005,7 @@ void launch_decode(const FwdParams& p, cudaStream_t stream) {
     }
   }
   if constexpr (Cfg::kBulkEligible) {
-    const bool bulk_pages = p.block_table != nullptr ? small_pages : Cfg::kDenseBulk;
+    const bool bulk_pages = p.block_table != nullptr ? small_pages && Cfg::kBulkPages : Cfg::kDenseBulk;
     if (!launched && p.sm_arch == 90 && bulk_pages && p.d == Cfg::kHeadDim &&
         sm90_kernel_built(decode::decode_kernel<Cfg, true>)) {
       kernel = decode::decode_kernel<Cfg, true>;

@@ -219,6 +219,46 @@ def test_small_pages_route(D, page_size, transposed_pool, Sq, num_splits):
         assert boxes or ", false>(" in n, f"expected the cp.async kernel: {n}"
 
 
+# The deep-ring ablation rung (FLASH_CUDA_DECODE_RING=deep, an ablation build only): d 128 with
+# one 16-row slice runs a ring of 3 steps where at most 2 CTAs share an SM, 4 where 1 does; the
+# same splits and results as the two-step ring.
+@pytest.mark.parametrize("B,lens,page_size,num_splits", [
+    (1, (1500,), None, 0),          # few CTAs: 4 steps deep
+    (3, (1400, 3, 777), 16, 2),     # pages of 16 by cp.async
+    (2, (1500, 64), 256, 40),       # pages holding whole steps; 160 CTAs: 3 steps deep
+])
+def test_decode_deep_ring_rung(monkeypatch, B, lens, page_size, num_splits):
+    from flash_cuda import _ext
+    if not _ext.ablations():
+        pytest.skip("an ablation rung: this build has none (FLASH_CUDA_ABLATIONS=1 builds them)")
+    if hopper_skip_reason("the deep-ring rung") is not None:
+        pytest.skip(hopper_skip_reason("the deep-ring rung"))
+    monkeypatch.setenv("FLASH_CUDA_DECODE_RING", "deep")
+    kw = dict(B=B, Hq=8, Hkv=2, Sq=1, D=128, capacity=1536, lens=lens, s_new=1, page_size=page_size,
+              is_causal=True, num_splits=num_splits, seed=B + (page_size or 0))
+    _, launches = _decode_launches(lambda: _run_case(**kw))
+    assert launches and all("DeepRingConfig" in name for name, _ in launches), launches
+
+
+# The small-page fill rung (FLASH_CUDA_DECODE_PAGES, an ablation build on Hopper only): each fill
+# forced on the tiles that can take it, the results those of the policy's fill.
+@pytest.mark.parametrize("fill", ["boxes", "bulk", "cp_async"])
+@pytest.mark.parametrize("D,Sq", [(64, 1), (128, 1), (128, 8)])
+def test_decode_small_page_fill_rung(monkeypatch, fill, D, Sq):
+    from flash_cuda import _ext
+    if not _ext.ablations():
+        pytest.skip("an ablation rung: this build has none (FLASH_CUDA_ABLATIONS=1 builds them)")
+    if hopper_skip_reason("the small-page fill rung") is not None:
+        pytest.skip(hopper_skip_reason("the small-page fill rung"))
+    monkeypatch.setenv("FLASH_CUDA_DECODE_PAGES", fill)
+    kw = dict(B=3, Hq=8, Hkv=2, Sq=Sq, D=D, capacity=16 * 96, lens=(1400, 3, 777), s_new=Sq, page_size=16,
+              transposed_pool=True, is_causal=True, seed=D + Sq)
+    _, launches = _decode_launches(lambda: _run_case(**kw))
+    names = [name for name, _ in launches]
+    expect = {"boxes": "decode_kernel_page_boxes", "bulk": ", true>(", "cp_async": ", false>("}[fill]
+    assert names and all(expect in n for n in names), (fill, names)
+
+
 @pytest.mark.parametrize("num_splits", [0, 1, 2, 7, 64])
 @pytest.mark.parametrize("lens", [(2047, 5), (0, 0), (1, 2000)])
 def test_splits(num_splits, lens):

@@ -93,6 +93,12 @@ FLASH_HOST_DEVICE inline int64_t decode_stat_rows(const FwdParams& p) {
 // attends, and where a key position lives in a dense or a paged cache.
 // ---------------------------------------------------------------------------------
 #if defined(__CUDACC__)
+// The page holding position pos of sequence bi in a paged cache: its id from the block table,
+// clamped to the pool (ids from the device are trusted but never used to leave the tensors).
+__device__ __forceinline__ int cache_page(const FwdParams& p, int bi, int pos) {
+  return min(max(p.block_table[bi * p.block_table_stride + pos / p.page_size], 0), p.num_pages - 1);
+}
+
 // Where key position `pos` of sequence bi, KV head h lives in the cache (a row of d elements).
 template <typename T>
 __device__ __forceinline__ T* cache_row(const FwdParams& p, T* base, int64_t batch_stride, int64_t head_stride,
@@ -100,7 +106,7 @@ __device__ __forceinline__ T* cache_row(const FwdParams& p, T* base, int64_t bat
   if (p.block_table == nullptr) {  // (a packed batch passes pos counted from its first row)
     return base + bi * batch_stride + h * head_stride + static_cast<int64_t>(pos) * row_stride;
   }
-  const int page = min(max(p.block_table[bi * p.block_table_stride + pos / p.page_size], 0), p.num_pages - 1);
+  const int page = cache_page(p, bi, pos);
   return base + page * batch_stride + h * head_stride + static_cast<int64_t>(pos % p.page_size) * row_stride;
 }
 

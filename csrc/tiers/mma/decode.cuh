@@ -40,6 +40,7 @@
 #include "../../core/mask.cuh"
 #include "../../core/scheduler.cuh"
 #include "../../core/softmax.cuh"
+#include "../../include/ablation.h"
 #include "gemm.cuh"
 
 namespace flash_cuda {
@@ -107,7 +108,8 @@ struct Tile {
   // for 32-key steps, bulk copies for d = 256's 512-byte rows, else cp.async with the step's page
   // ids read before its copies (load_key_block), which streamed 64-key steps at d 64 / 128 at
   // 0.92-0.97 of the dense cache's time.
-  static constexpr bool kPageBoxes = kBulkEligible && kPitchC <= 256 && kBlockN < 64;
+  static constexpr bool kBoxable = kBulkEligible && kPitchC <= 256;  // (the ablation rung's reach)
+  static constexpr bool kPageBoxes = kBoxable && kBlockN < 64;
   static constexpr bool kBulkPages = kBulkEligible && kHeadDim * sizeof(TC) > 256;
   static constexpr size_t kSmemBytes = sizeof(Storage);
   // Q's A fragments stay in registers for the whole key loop where they fit next to O's
@@ -126,6 +128,13 @@ constexpr int kFullStages = static_cast<int>(
     std::min<size_t>(kMaxStages, std::max<size_t>(2, kRingBytes / Tile<T, kHeadDim, kWarpsM, 1>::kStageBytes)));
 template <typename T, int kHeadDim, int kWarpsM>
 struct Config : Tile<T, kHeadDim, kWarpsM, kFullStages<T, kHeadDim, kWarpsM>> {};
+
+// Ablation rung (FLASH_CUDA_ABLATIONS, FLASH_CUDA_DECODE_RING=deep; launch_decode): the full
+// tiles with a deeper ring where the grid leaves an SM fewer CTAs than the two-step ring was
+// sized for (three per SM at d = 128): three steps with two CTAs per SM, four with one, so that
+// as many bytes stay in flight per SM. A type of its own, so that its kernels' names say so.
+template <typename T, int kHeadDim, int kWarpsM, int kStages>
+struct DeepRingConfig : Tile<T, kHeadDim, kWarpsM, kStages> {};
 
 // The 99 KiB class in the d = 256 bucket (head dims 129..256) with one 16-row slice (the common
 // decode: Sq * group <= 16): two whole steps of 64 keys (132 KiB) do not fit next to Q, so the
@@ -173,7 +182,8 @@ struct Fp8Config : Tile<T_, kHeadDim_, kWarpsM_, Fp8Sizes<T_, kHeadDim_, kWarpsM
   static constexpr int kPitchC = Fp8Sizes<T_, kHeadDim_, kWarpsM_>::kPitchC;
   // Boxes at every head dim whose padded line a box spans (d = 64, 128): e4m3 rows are short;
   // bulk copies at d = 256.
-  static constexpr bool kPageBoxes = kPitchC <= 256;
+  static constexpr bool kBoxable = kPitchC <= 256;
+  static constexpr bool kPageBoxes = kBoxable;
   static constexpr bool kBulkPages = kBulkEligible;
   static constexpr int kChunkElems = 16;
   static constexpr size_t kStageBytes = Fp8Sizes<T_, kHeadDim_, kWarpsM_>::kStageBytes;
@@ -273,8 +283,7 @@ struct KeyCopier {
 // from k_new / v_new, positions past the sequence (and columns past d) as zeros. Steps wholly
 // inside the cached tokens (all but the last) take the short paths: one pointer per step for a
 // dense cache and for pages that hold whole steps, else each row's page id, all read before the
-// first copy. kK / kV: which
-// of the two to copy (the half-step loop copies them apart).
+// first copy. kK / kV: which of the two to copy (the half-step loop copies them apart).
 template <typename Cfg, bool kK = true, bool kV = true>
 __device__ __forceinline__ void load_key_block(const FwdParams& p, const CacheSeq& seq, const KeyCopier<Cfg>& cp,
                                                int bi, int h_kv, int n0, typename Cfg::T* sK, typename Cfg::T* sV) {
@@ -295,7 +304,7 @@ __device__ __forceinline__ void load_key_block(const FwdParams& p, const CacheSe
       kb = bi * p.k_batch_stride + row * p.k_row_stride;
       vb = bi * p.v_batch_stride + row * p.v_row_stride;
     } else {
-      const int page = min(max(p.block_table[bi * p.block_table_stride + n0 / p.page_size], 0), p.num_pages - 1);
+      const int page = cache_page(p, bi, n0);
       const int row = row0 % p.page_size;
       kb = page * p.k_batch_stride + static_cast<int64_t>(row) * p.k_row_stride;
       vb = page * p.v_batch_stride + static_cast<int64_t>(row) * p.v_row_stride;
@@ -313,7 +322,8 @@ __device__ __forceinline__ void load_key_block(const FwdParams& p, const CacheSe
   if (cached && cp.col_valid) {
     // Pages smaller than a step: every page id this thread's rows need is read before the first
     // copy is issued, so the lookups' latencies overlap (read per copy, each copy waited for its
-    // own: the copies are asm with a memory clobber, which no load may cross).
+    // own: the copies are asm with a memory clobber, which no load may cross); clamped as
+    // cache_page does, once all are read (the code measured).
     int page[Copier::kPasses];
 #pragma unroll
     for (int pass = 0; pass < Copier::kPasses; ++pass) {
@@ -419,7 +429,7 @@ __device__ __forceinline__ void box_key_block(const FwdParams& p, const PageMaps
   if (threadIdx.x % 32 != 0) return;
   for (int run = threadIdx.x / 32; run < kRuns; run += kWarps) {
     const int pos = n0 + run * PageMaps::kBoxRows;
-    const int page = min(max(p.block_table[bi * p.block_table_stride + pos / p.page_size], 0), p.num_pages - 1);
+    const int page = cache_page(p, bi, pos);
     const int row = pos % p.page_size;
     const int line = run * PageMaps::kBoxRows * Cfg::kPitchC;
     sm90::tma_load_4d(sK + line, &maps.k, full, 0, row, h_kv, page);
@@ -947,7 +957,6 @@ __global__ void __launch_bounds__(Cfg::kThreads) decode_kernel(const FwdParams p
   }
 }
 
-
 // Pages of a multiple of 16 rows by tensor-map boxes (sm_90a alone, like the bulk variant); the
 // maps are kernel parameters, where the TMA unit reads them.
 template <typename Cfg>
@@ -978,7 +987,36 @@ int plan_decode_splits(const FwdParams& p) {
 }
 
 template <typename Cfg>
+void launch_decode(const FwdParams& p, cudaStream_t stream);
+
+// The deep-ring rung (DeepRingConfig): the same grid and splits as Cfg's launch (planned from
+// Cfg's occupancy), a ring of 3 steps where at most 2 CTAs share an SM, 4 where 1 does; false
+// where it does not apply (no switch, FP8, rings already that deep, shared memory short).
+template <typename Cfg>
+bool launch_decode_deep_ring(const FwdParams& p, cudaStream_t stream) {
+  if constexpr (kAblations && !Cfg::kFp8 && Cfg::kStages == 2) {
+    if (!ablation_is("FLASH_CUDA_DECODE_RING", "deep")) return false;
+    using Deep3 = decode::DeepRingConfig<typename Cfg::T, Cfg::kHeadDim, Cfg::kWarpsM, 3>;
+    using Deep4 = decode::DeepRingConfig<typename Cfg::T, Cfg::kHeadDim, Cfg::kWarpsM, 4>;
+    const int64_t chunks = ceil_div(p.sq * p.decode_heads, Cfg::kRows);
+    const int64_t ctas = chunks * p.num_splits * (p.hq / p.decode_heads) * p.b;
+    const int64_t per_sm = (ctas + p.num_sms - 1) / std::max(p.num_sms, 1);
+    const size_t optin = device_smem_optin();
+    if (per_sm <= 1 && optin >= Deep4::kSmemBytes) {
+      launch_decode<Deep4>(p, stream);
+      return true;
+    }
+    if (per_sm <= 2 && optin >= 2 * Deep3::kSmemBytes) {
+      launch_decode<Deep3>(p, stream);
+      return true;
+    }
+  }
+  return false;
+}
+
+template <typename Cfg>
 void launch_decode(const FwdParams& p, cudaStream_t stream) {
+  if (launch_decode_deep_ring<Cfg>(p, stream)) return;
   // Pages smaller than a step on Hopper: the box variant (Tile::kPageBoxes) or the bulk one
   // (Tile::kBulkPages) where each was measured faster than cp.async; their shared memory and
   // registers give the occupancy the split plan assumed.
@@ -987,11 +1025,21 @@ void launch_decode(const FwdParams& p, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(chunks * p.num_splits), p.hq / p.decode_heads, p.b);
   bool launched = false;
   const bool small_pages = p.block_table != nullptr && p.page_size % Cfg::kBlockN != 0;
-  if constexpr (Cfg::kPageBoxes) {
-    // Pages of 16, 32, 48 rows: boxes, where TMA can address the pools (else the bulk copies).
+  // Ablation rung FLASH_CUDA_DECODE_PAGES=boxes|bulk|cp_async: that fill for the small pages of
+  // every config that can take it (boxes: Tile::kBoxable; bulk: kBulkEligible), cp.async else.
+  bool want_boxes = Cfg::kPageBoxes, want_bulk = Cfg::kBulkPages;
+  if constexpr (kAblations) {
+    if (ablation_is("FLASH_CUDA_DECODE_PAGES", "boxes") || ablation_is("FLASH_CUDA_DECODE_PAGES", "bulk") ||
+        ablation_is("FLASH_CUDA_DECODE_PAGES", "cp_async")) {
+      want_boxes = ablation_is("FLASH_CUDA_DECODE_PAGES", "boxes");
+      want_bulk = ablation_is("FLASH_CUDA_DECODE_PAGES", "bulk");
+    }
+  }
+  if constexpr (Cfg::kPageBoxes || (kAblations && Cfg::kBoxable)) {
+    // Pages of 16, 32, 48 rows: boxes, where TMA can address the pools (else the next fill).
     auto boxes = decode::decode_kernel_page_boxes<Cfg>;
     decode::PageMaps maps;
-    if (p.sm_arch == 90 && small_pages && p.page_size % decode::PageMaps::kBoxRows == 0 &&
+    if (want_boxes && p.sm_arch == 90 && small_pages && p.page_size % decode::PageMaps::kBoxRows == 0 &&
         sm90_kernel_built(boxes)) {
       const int elem = static_cast<int>(sizeof(typename Cfg::TC));
       if (make_page_tensor_map(&maps.k, p.k, elem, p.d, p.page_size, p.hkv, p.num_pages, p.k_row_stride,
@@ -1005,7 +1053,7 @@ void launch_decode(const FwdParams& p, cudaStream_t stream) {
     }
   }
   if constexpr (Cfg::kBulkEligible) {
-    const bool bulk_pages = p.block_table != nullptr ? small_pages && Cfg::kBulkPages : Cfg::kDenseBulk;
+    const bool bulk_pages = p.block_table != nullptr ? small_pages && want_bulk : Cfg::kDenseBulk;
     if (!launched && p.sm_arch == 90 && bulk_pages && p.d == Cfg::kHeadDim &&
         sm90_kernel_built(decode::decode_kernel<Cfg, true>)) {
       kernel = decode::decode_kernel<Cfg, true>;

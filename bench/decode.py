@@ -6,6 +6,7 @@ default backend on the same (dense) keys; and the time of the step captured in a
     python bench/decode.py                              # the default grid, markdown to stdout
     python bench/decode.py --batch 1 --seqlen 32k --sq 1 --csv out.csv
     python bench/decode.py --quick                      # a few cells
+    python bench/decode.py --ablation FLASH_CUDA_DECODE_RING=deep   # a rung against the default
 
 Per cell: q (B, Hq, Sq, D) with Hq = 32 (64 for B = 64's GQA-8 row of the issue is --hq 64),
 Hkv = Hq / ratio, every sequence holding Sk tokens, one new token per query row appended
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import functools
 import itertools
+import os
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -69,6 +71,14 @@ def make_step(dtype, D, Hq, Hkv, B, Sk, Sq, kv, cache, splits=0):
     return step, SimpleNamespace(q=q, k_cache=k_cache, v_cache=v_cache, page=page)
 
 
+def _switch(text):
+    """--ablation's NAME=VALUE, as (NAME, VALUE)."""
+    name, sep, value = text.partition("=")
+    if not sep or not name.startswith("FLASH_CUDA_") or not value:
+        raise argparse.ArgumentTypeError(f"expected FLASH_CUDA_NAME=VALUE, got {text!r}")
+    return name, value
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtype", nargs="+", default=["bf16", "fp16"], choices=["bf16", "fp16"])
@@ -90,6 +100,10 @@ def main(argv=None) -> int:
     ap.add_argument("--prefill", action="store_true",
                     help="also time prefill (2k-token chunks into an empty dense cache and into paged caches "
                          "already holding tokens, pages 16 and 256, B 1 and 4) against attention() on the same tokens")
+    ap.add_argument("--ablation", type=_switch, default=None, metavar="NAME=VALUE",
+                    help="also time each cell with this ablation switch set (csrc/include/ablation.h; needs a "
+                         "FLASH_CUDA_ABLATIONS=1 build), alternating with the default in one process: "
+                         "rung_us and rung_vs (the default's time over the rung's)")
     ap.add_argument("--csv", default=None)
     args = ap.parse_args(argv)
 
@@ -102,6 +116,12 @@ def main(argv=None) -> int:
     import torch.nn.functional as F
 
     import flash_cuda
+    from flash_cuda import _ext
+
+    if args.ablation and not _ext.ablations():
+        print("decode.py: --ablation needs a build with the ablation rungs (FLASH_CUDA_ABLATIONS=1 "
+              "python3 -m flash_cuda.build)", file=sys.stderr)
+        return 2
 
     timers = functools.lru_cache(maxsize=None)(lambda rep: C.Timer(25, rep))  # median, L2 flushed
 
@@ -133,6 +153,15 @@ def main(argv=None) -> int:
             continue
         step, t = make_step(dtype, D, Hq, Hkv, B, Sk, Sq, kv, cache, splits)
         ms = do_bench(step, rep=args.rep)
+        rung_ms = float("nan")
+        if args.ablation:  # default, rung, rung, default: the switch is read at every launch
+            name, value = args.ablation
+            os.environ[name] = value
+            try:
+                rung_ms = (do_bench(step, rep=args.rep) + do_bench(step, rep=args.rep)) / 2
+            finally:
+                del os.environ[name]
+            ms = (ms + do_bench(step, rep=args.rep)) / 2
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
@@ -157,9 +186,12 @@ def main(argv=None) -> int:
         rows.append(dict(dtype=dt, D=D, ratio=ratio, B=B, Sk=Sk, Sq=Sq, splits=splits, kv=kv, cache=cache,
                          kv_mib=kv_bytes / (1 << 20), us=ms * 1e3, gbs=gbs, pct_copy=100 * gbs / copy_gbs,
                          sdpa_us=sdpa_ms * 1e3, vs_sdpa=sdpa_ms / ms, graph_us=graph_ms * 1e3))
+        if args.ablation:
+            rows[-1].update(rung_us=rung_ms * 1e3, rung_vs=ms / rung_ms)
         r = rows[-1]
         print(f"{dt} D={D} G={ratio} B={B} Sk={Sk} Sq={Sq} splits={splits or 'auto'} kv={kv} {cache}: {r['us']:.1f} us {gbs:.0f} GB/s "
-              f"({r['pct_copy']:.0f}% copy) sdpa x{r['vs_sdpa']:.2f} graph {r['graph_us']:.1f} us", flush=True)
+              f"({r['pct_copy']:.0f}% copy) sdpa x{r['vs_sdpa']:.2f} graph {r['graph_us']:.1f} us"
+              + (f" rung {r['rung_us']:.1f} us (x{r['rung_vs']:.3f})" if args.ablation else ""), flush=True)
         del step, t, graph
         torch.cuda.empty_cache()
 
@@ -171,6 +203,9 @@ def main(argv=None) -> int:
     if args.csv:
         C.write_csv(df, args.csv, env)
     print(C.markdown(df, floatfmt=".2f"))
+    if args.ablation:
+        print(f"{'='.join(args.ablation)}: the default's time / the rung's, min {df.rung_vs.min():.3f} "
+              f"median {df.rung_vs.median():.3f} max {df.rung_vs.max():.3f}")
     big = df[df.kv_mib >= 64]
     if len(big):
         print(f"\nK+V >= 64 MiB: {len(big)} cells, % of copy bandwidth min {big.pct_copy.min():.1f} "

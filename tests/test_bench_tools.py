@@ -629,6 +629,13 @@ def test_decode_bench_help_and_no_gpu_message():
         assert proc.returncode == 2 and "needs a CUDA GPU" in proc.stderr
 
 
+def test_decode_bench_ablation_switch_is_checked():
+    """--ablation takes FLASH_CUDA_NAME=VALUE; anything else is refused before any GPU work."""
+    proc = subprocess.run([sys.executable, str(BENCH / "decode.py"), "--ablation", "RING=deep"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "expected FLASH_CUDA_NAME=VALUE" in proc.stderr
+
+
 def test_decode_bench_paged_cells_against_their_dense_cell():
     """bench/decode.py's dense_refs: a paged cell takes SDPA's time from the dense cell of its
     shape and reports the dense cache's time over its own; cells without a dense twin keep theirs."""

@@ -240,6 +240,34 @@ def test_decode_deep_ring_rung(monkeypatch, B, lens, page_size, num_splits):
     assert launches and all("DeepRingConfig" in name for name, _ in launches), launches
 
 
+# The cluster-merge rung (FLASH_CUDA_DECODE_MERGE=cluster, an ablation build on Hopper only): the
+# splits of a row chunk in one thread-block cluster, merged by its rank 0 through distributed shared
+# memory (no merge kernel); splits forced up to the cluster limit and planned (capped at 8), ranges
+# without keys, sinks, pages, 16- and 32-row tiles.
+@pytest.mark.parametrize("case", [
+    dict(B=1, lens=(1500,), num_splits=0),
+    dict(B=3, lens=(1400, 0, 777), num_splits=8, page_size=16),
+    dict(B=2, lens=(1500, 3), num_splits=3, sinks=True),
+    dict(B=2, lens=(900, 1200), num_splits=2, Sq=8, s_new=8, D=64),
+])
+def test_decode_cluster_merge_rung(monkeypatch, case):
+    from flash_cuda import _ext
+    if not _ext.ablations():
+        pytest.skip("an ablation rung: this build has none (FLASH_CUDA_ABLATIONS=1 builds them)")
+    if hopper_skip_reason("the cluster-merge rung") is not None:
+        pytest.skip(hopper_skip_reason("the cluster-merge rung"))
+    monkeypatch.setenv("FLASH_CUDA_DECODE_MERGE", "cluster")
+    case = dict(case)
+    if case.pop("sinks", False):
+        case["sinks"] = torch.linspace(-1.0, 3.0, 8, device=DEV)
+    page = case.get("page_size")
+    kw = dict(Hq=8, Hkv=2, Sq=1, s_new=1, D=128, capacity=1536 if page is None else page * (1536 // page),
+              is_causal=True, seed=len(case["lens"]) + case["num_splits"], **case)
+    _, launches = _decode_launches(lambda: _run_case(**kw))
+    names = [name for name, _ in launches]
+    assert names and all("decode_kernel_cluster_merge" in n for n in names), names
+
+
 # The small-page fill rung (FLASH_CUDA_DECODE_PAGES, an ablation build on Hopper only): each fill
 # forced on the tiles that can take it, the results those of the policy's fill.
 @pytest.mark.parametrize("fill", ["boxes", "bulk", "cp_async"])

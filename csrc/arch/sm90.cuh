@@ -343,6 +343,43 @@ __device__ __forceinline__ void mbarrier_wait(uint64_t* bar, int parity) {
 }
 
 // ---------------------------------------------------------------------------------
+// Thread-block clusters: this CTA's rank, the cluster-wide barrier (release / acquire: shared
+// memory written before it is visible to every CTA of the cluster after it), and loads from
+// another CTA's shared memory (distributed shared memory) at the address `mapa` gives.
+// ---------------------------------------------------------------------------------
+__device__ __forceinline__ uint32_t cluster_ctarank() {
+  uint32_t r = 0;
+  FLASH_SM90_ASM("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+  return r;
+}
+
+__device__ __forceinline__ void cluster_sync() {
+  FLASH_SM90_ASM("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+
+// The address of `local` (this CTA's shared memory) in the window of CTA `rank` of the cluster.
+__device__ __forceinline__ uint32_t cluster_address(const void* local, uint32_t rank) {
+  uint32_t a = 0;
+  FLASH_SM90_ASM("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(a) : "r"(smem_addr(local)), "r"(rank));
+  return a;
+}
+
+__device__ __forceinline__ float4 cluster_load4(uint32_t addr) {
+  float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+  FLASH_SM90_ASM("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+                 : "r"(addr)
+                 : "memory");
+  return v;
+}
+
+__device__ __forceinline__ float2 cluster_load2(uint32_t addr) {
+  float2 v = make_float2(0.f, 0.f);
+  FLASH_SM90_ASM("ld.shared::cluster.v2.f32 {%0, %1}, [%2];\n" : "=f"(v.x), "=f"(v.y) : "r"(addr) : "memory");
+  return v;
+}
+
+// ---------------------------------------------------------------------------------
 // Bulk copy: `bytes` contiguous bytes of global memory into shared memory by the TMA unit, no
 // tensor map, completing on an mbarrier (complete_tx); bytes, src and dst are multiples of 16.
 // ---------------------------------------------------------------------------------

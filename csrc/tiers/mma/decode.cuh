@@ -680,10 +680,99 @@ __device__ __forceinline__ void normalize_output(const FwdParams& p, const Cache
   }
 }
 
+// Ablation rung FLASH_CUDA_DECODE_MERGE=cluster (launch_decode): the num_splits CTAs of a row
+// chunk are one thread-block cluster, and its rank 0 merges their ranges through distributed
+// shared memory, instead of the split workspace and the merge kernel. Each CTA first folds its
+// warps' (m, l, O) into slice 0 of its merge area (O relative to the range's m, unnormalized);
+// after the cluster barrier rank 0 weighs every range's rows as combine_key_splits_kernel does
+// and writes O and lse; the second barrier keeps every CTA's shared memory until it has read.
+constexpr int kMaxClusterSplits = 8;  // (the portable cluster size)
+
+template <typename Cfg>
+__device__ __forceinline__ void cluster_merge_output(const FwdParams& p, const CacheSeq& seq, float* sO,
+                                                     float* sStats, int bi, int h0, int r0, int rows_valid,
+                                                     float v_descale) {
+  using T = typename Cfg::T;
+  constexpr int kRowStride = Cfg::kMergePitch;
+  constexpr int kSliceFloats = Cfg::kRows * kRowStride;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int r = warp; r < rows_valid; r += Cfg::kThreads / 32) {
+    float m = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < Cfg::kWarpsN; ++w) m = fmaxf(m, sStats[(w * Cfg::kRows + r) * 2]);
+    float weight[Cfg::kWarpsN];
+    float l = 0.f;
+#pragma unroll
+    for (int w = 0; w < Cfg::kWarpsN; ++w) {
+      const float mw = sStats[(w * Cfg::kRows + r) * 2], lw = sStats[(w * Cfg::kRows + r) * 2 + 1];
+      weight[w] = lw == 0.f ? 0.f : ex2_approx(mw - safe_max(m));
+      l += lw * weight[w];
+    }
+    for (int c = 4 * lane; c < p.d; c += 128) {  // (slice 0's chunk c is read by this lane alone)
+      float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+      for (int w = 0; w < Cfg::kWarpsN; ++w) {
+        const float4 x = *reinterpret_cast<const float4*>(sO + w * kSliceFloats + r * kRowStride + c);
+        acc = make_float4(fmaf(weight[w], x.x, acc.x), fmaf(weight[w], x.y, acc.y), fmaf(weight[w], x.z, acc.z),
+                          fmaf(weight[w], x.w, acc.w));
+      }
+      *reinterpret_cast<float4*>(sO + r * kRowStride + c) = acc;
+    }
+    __syncwarp();  // every lane has read slot 0's (m, l) of row r
+    if (lane == 0) *reinterpret_cast<float2*>(sStats + r * 2) = make_float2(m, l);
+  }
+  __syncthreads();
+  sm90::cluster_sync();
+  if (sm90::cluster_ctarank() == 0) {
+    const int heads = p.decode_heads, splits = p.num_splits;
+    for (int r = warp; r < rows_valid; r += Cfg::kThreads / 32) {
+      float ms[kMaxClusterSplits], ls[kMaxClusterSplits];
+      float m = -INFINITY;
+#pragma unroll
+      for (int s = 0; s < kMaxClusterSplits; ++s) {
+        const float2 st = s < splits ? sm90::cluster_load2(sm90::cluster_address(sStats + r * 2, s))
+                                     : make_float2(-INFINITY, 0.f);
+        ms[s] = st.x;
+        ls[s] = st.y;
+        m = fmaxf(m, st.x);
+      }
+      float l = 0.f;
+#pragma unroll
+      for (int s = 0; s < kMaxClusterSplits; ++s) {
+        ms[s] = ls[s] == 0.f ? 0.f : ex2_approx(ms[s] - safe_max(m));  // (now the range's weight)
+        l += ls[s] * ms[s];
+      }
+      const int R = r0 + r, i = R / heads, h = h0 + R % heads;
+      float o_scale = 1.f;
+      if (p.sinks != nullptr) o_scale = merge_sink(m, l, sink_log2_of(p.sinks, h));
+      float inv = l == 0.f ? 0.f : o_scale / l;
+      if constexpr (Cfg::kFp8) inv *= v_descale;
+      T* o = static_cast<T*>(p.o) + bi * p.o_batch_stride + h * p.o_head_stride +
+             static_cast<int64_t>(seq.q_start + i) * p.o_row_stride;
+      for (int c = 4 * lane; c < p.d; c += 128) {
+        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+        for (int s = 0; s < kMaxClusterSplits; ++s) {
+          if (s < splits && ms[s] != 0.f) {
+            const float4 x = sm90::cluster_load4(sm90::cluster_address(sO + r * kRowStride + c, s));
+            acc = make_float4(fmaf(ms[s], x.x, acc.x), fmaf(ms[s], x.y, acc.y), fmaf(ms[s], x.z, acc.z),
+                              fmaf(ms[s], x.w, acc.w));
+          }
+        }
+        store4(o + c, make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv));
+      }
+      if (lane == 0 && p.softmax_lse != nullptr) {
+        p.softmax_lse[seq.stat_row(p, bi, h, i)] = l == 0.f ? -INFINITY : (m + log2f(l)) * 0.69314718055994531f;
+      }
+    }
+  }
+  sm90::cluster_sync();
+}
+
 // One CTA of the decode grid: (row chunks * num_splits, hq / decode_heads, b). kBulk: cached steps
 // by bulk copies (Cfg::kBulkEligible, pages smaller than a step, d == kHeadDim: launch_decode);
 // kBoxes: by tensor-map boxes of `maps` (Cfg::kPageBoxes, pages of a multiple of 16 rows).
-template <typename Cfg, bool kBulk, bool kBoxes = false>
+template <typename Cfg, bool kBulk, bool kBoxes = false, bool kClusterMerge = false>
 __device__ __forceinline__ void decode_block(const FwdParams& p, const PageMaps* maps = nullptr) {
   using T = typename Cfg::T;
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -935,7 +1024,11 @@ __device__ __forceinline__ void decode_block(const FwdParams& p, const PageMaps*
     }
   }
   __syncthreads();
-  normalize_output<Cfg>(p, seq, sO, sStats, bi, h0, r0, rows_valid, split, v_descale);
+  if constexpr (kClusterMerge) {
+    cluster_merge_output<Cfg>(p, seq, sO, sStats, bi, h0, r0, rows_valid, v_descale);
+  } else {
+    normalize_output<Cfg>(p, seq, sO, sStats, bi, h0, r0, rows_valid, split, v_descale);
+  }
 }
 
 // The bulk variant exists in the sm_90a build alone (elsewhere it traps and is never launched:
@@ -957,6 +1050,13 @@ __global__ void __launch_bounds__(Cfg::kThreads) decode_kernel(const FwdParams p
   }
 }
 
+// The cluster-merge rung (cluster_merge_output; sm_90a alone, launched with a cluster of
+// num_splits CTAs along x).
+template <typename Cfg>
+__global__ void __launch_bounds__(Cfg::kThreads) decode_kernel_cluster_merge(const FwdParams p) {
+  FLASH_SM90_KERNEL_BODY(decode_block<Cfg, false, false, true>(p));
+}
+
 // Pages of a multiple of 16 rows by tensor-map boxes (sm_90a alone, like the bulk variant); the
 // maps are kernel parameters, where the TMA unit reads them.
 template <typename Cfg>
@@ -966,6 +1066,16 @@ __global__ void __launch_bounds__(Cfg::kThreads)
 }
 
 }  // namespace decode
+
+// The cluster-merge rung (FLASH_CUDA_ABLATIONS, FLASH_CUDA_DECODE_MERGE=cluster): 16-bit caches on
+// sm_90, no packed batch; the planner then caps the splits at kMaxClusterSplits.
+template <typename Cfg>
+bool cluster_merge_requested(const FwdParams& p) {
+  if constexpr (kAblations && !Cfg::kFp8) {
+    return p.sm_arch == 90 && p.cu_seqlens_q == nullptr && ablation_is("FLASH_CUDA_DECODE_MERGE", "cluster");
+  }
+  return false;
+}
 
 // Row chunks and splits of a decode launch with config Cfg (the split count from the shapes: the
 // cache's capacity p.sk, never its lengths).
@@ -983,7 +1093,8 @@ int plan_decode_splits(const FwdParams& p) {
     }
     return n;
   });
-  return plan_key_splits(ctas, ceil_div(p.sk, Cfg::kBlockN), Cfg::kBlockN, p.num_sms, per_sm, chunks == 1);
+  const int splits = plan_key_splits(ctas, ceil_div(p.sk, Cfg::kBlockN), Cfg::kBlockN, p.num_sms, per_sm, chunks == 1);
+  return cluster_merge_requested<Cfg>(p) ? std::min(splits, decode::kMaxClusterSplits) : splits;
 }
 
 template <typename Cfg>
@@ -1017,12 +1128,34 @@ bool launch_decode_deep_ring(const FwdParams& p, cudaStream_t stream) {
 template <typename Cfg>
 void launch_decode(const FwdParams& p, cudaStream_t stream) {
   if (launch_decode_deep_ring<Cfg>(p, stream)) return;
+  const int chunks = ceil_div(p.sq * p.decode_heads, Cfg::kRows);
+  const dim3 grid(static_cast<unsigned>(chunks * p.num_splits), p.hq / p.decode_heads, p.b);
+  if constexpr (kAblations && !Cfg::kFp8) {
+    auto merged = decode::decode_kernel_cluster_merge<Cfg>;
+    if (cluster_merge_requested<Cfg>(p) && p.num_splits > 1 && p.num_splits <= decode::kMaxClusterSplits &&
+        sm90_kernel_built(merged)) {
+      set_smem_limit(merged, Cfg::kSmemBytes, "flash_decode");
+      cudaLaunchConfig_t config = {};
+      config.gridDim = grid;
+      config.blockDim = dim3(Cfg::kThreads);
+      config.dynamicSmemBytes = Cfg::kSmemBytes;
+      config.stream = stream;
+      cudaLaunchAttribute attr[1];
+      attr[0].id = cudaLaunchAttributeClusterDimension;
+      attr[0].val.clusterDim.x = static_cast<unsigned>(p.num_splits);
+      attr[0].val.clusterDim.y = 1;
+      attr[0].val.clusterDim.z = 1;
+      config.attrs = attr;
+      config.numAttrs = 1;
+      (void)cudaLaunchKernelEx(&config, merged, p);
+      check_launch("flash_decode");
+      return;
+    }
+  }
   // Pages smaller than a step on Hopper: the box variant (Tile::kPageBoxes) or the bulk one
   // (Tile::kBulkPages) where each was measured faster than cp.async; their shared memory and
   // registers give the occupancy the split plan assumed.
   auto kernel = decode::decode_kernel<Cfg, false>;
-  const int chunks = ceil_div(p.sq * p.decode_heads, Cfg::kRows);
-  const dim3 grid(static_cast<unsigned>(chunks * p.num_splits), p.hq / p.decode_heads, p.b);
   bool launched = false;
   const bool small_pages = p.block_table != nullptr && p.page_size % Cfg::kBlockN != 0;
   // Ablation rung FLASH_CUDA_DECODE_PAGES=boxes|bulk|cp_async: that fill for the small pages of

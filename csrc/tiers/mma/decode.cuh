@@ -613,6 +613,23 @@ __device__ __forceinline__ void compute_block_softmax_and_weighted_v(float (&s)[
   }
 }
 
+// Row r's statistics merged over the warps of its slice, from their (m, l) pairs in shared memory:
+// the largest m, each warp's weight 2^(m_w - m) (0 for a warp that saw no key) and l.
+template <typename Cfg>
+__device__ __forceinline__ void merge_warp_stats(const float* sStats, int r, float& m, float& l,
+                                                 float (&weight)[Cfg::kWarpsN]) {
+  m = -INFINITY;
+#pragma unroll
+  for (int w = 0; w < Cfg::kWarpsN; ++w) m = fmaxf(m, sStats[(w * Cfg::kRows + r) * 2]);
+  l = 0.f;
+#pragma unroll
+  for (int w = 0; w < Cfg::kWarpsN; ++w) {
+    const float mw = sStats[(w * Cfg::kRows + r) * 2], lw = sStats[(w * Cfg::kRows + r) * 2 + 1];
+    weight[w] = lw == 0.f ? 0.f : ex2_approx(mw - safe_max(m));
+    l += lw * weight[w];
+  }
+}
+
 // Step 4, after the warps of a slice left their (m, l) and O rows in shared memory: the rows'
 // merged statistics, then O / l and lse into the output (one range; the sink merged in), or the
 // range's normalized O and (m, log2 l) into the split workspace.
@@ -628,17 +645,8 @@ __device__ __forceinline__ void normalize_output(const FwdParams& p, const Cache
   // A warp per row, its lanes over the 4-column chunks.
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   for (int r = warp; r < rows_valid; r += Cfg::kThreads / 32) {
-    float m = -INFINITY;
-#pragma unroll
-    for (int w = 0; w < Cfg::kWarpsN; ++w) m = fmaxf(m, sStats[(w * Cfg::kRows + r) * 2]);
-    float weight[Cfg::kWarpsN];
-    float l = 0.f;
-#pragma unroll
-    for (int w = 0; w < Cfg::kWarpsN; ++w) {
-      const float mw = sStats[(w * Cfg::kRows + r) * 2], lw = sStats[(w * Cfg::kRows + r) * 2 + 1];
-      weight[w] = lw == 0.f ? 0.f : ex2_approx(mw - safe_max(m));
-      l += lw * weight[w];
-    }
+    float m, l, weight[Cfg::kWarpsN];
+    merge_warp_stats<Cfg>(sStats, r, m, l, weight);
     const int R = r0 + r, i = R / heads, h = h0 + R % heads;
     const int64_t row = seq.stat_row(p, bi, h, i);
     const bool split_out = p.num_splits > 1;
@@ -697,17 +705,8 @@ __device__ __forceinline__ void cluster_merge_output(const FwdParams& p, const C
   constexpr int kSliceFloats = Cfg::kRows * kRowStride;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   for (int r = warp; r < rows_valid; r += Cfg::kThreads / 32) {
-    float m = -INFINITY;
-#pragma unroll
-    for (int w = 0; w < Cfg::kWarpsN; ++w) m = fmaxf(m, sStats[(w * Cfg::kRows + r) * 2]);
-    float weight[Cfg::kWarpsN];
-    float l = 0.f;
-#pragma unroll
-    for (int w = 0; w < Cfg::kWarpsN; ++w) {
-      const float mw = sStats[(w * Cfg::kRows + r) * 2], lw = sStats[(w * Cfg::kRows + r) * 2 + 1];
-      weight[w] = lw == 0.f ? 0.f : ex2_approx(mw - safe_max(m));
-      l += lw * weight[w];
-    }
+    float m, l, weight[Cfg::kWarpsN];
+    merge_warp_stats<Cfg>(sStats, r, m, l, weight);
     for (int c = 4 * lane; c < p.d; c += 128) {  // (slice 0's chunk c is read by this lane alone)
       float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll

@@ -262,7 +262,8 @@ def test_decode_cluster_merge_rung(monkeypatch, case):
         case["sinks"] = torch.linspace(-1.0, 3.0, 8, device=DEV)
     page = case.get("page_size")
     kw = dict(Hq=8, Hkv=2, Sq=1, s_new=1, D=128, capacity=1536 if page is None else page * (1536 // page),
-              is_causal=True, seed=len(case["lens"]) + case["num_splits"], **case)
+              is_causal=True, seed=len(case["lens"]) + case["num_splits"])
+    kw.update(case)
     _, launches = _decode_launches(lambda: _run_case(**kw))
     names = [name for name, _ in launches]
     assert names and all("decode_kernel_cluster_merge" in n for n in names), names

@@ -10,11 +10,12 @@ behind a switch):
     FLASH_CUDA_ABLATIONS=1 python3 bench/ab_switch.py --switch FLASH_CUDA_WS_BLOCK_M=128 --d 96 \\
         --seqlen 2k 4k 16k --rounds 5
 
-Per cell (bf16 or fp16, B * S = --tokens, H * D = 2048, causal and not, forward): the pooled
+Per cell (bf16 or fp16, B * S = --tokens, H * D = 2048, causal and not, the forward or with
+``--mode bwd`` the backward alone, 2.5x the forward's FLOPs): the pooled
 median time of each side over the rounds (``triton.testing.do_bench``, L2 flushed; the order of the
 sides alternates by round), its TFLOPS, and default / rung speed (above 1: the default is faster);
 before timing, each side's error against float64 on one head beside naive attention's in the same
-dtype (FlashAttention's 2x rule). Without a GPU or an ablation build it says so and exits 2.
+dtype (FlashAttention's 2x rule; the backward: the largest error of dq, dk, dv). Without a GPU or an ablation build it says so and exits 2.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ def parse_args(argv=None):
     ap.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
     ap.add_argument("--tokens", type=parse_size, default=16384, help="B * S of every cell (default 16k)")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--mode", choices=["fwd", "bwd"], default="fwd")
     args = ap.parse_args(argv)
     name, sep, value = args.switch.partition("=")
     if not sep or not name.startswith("FLASH_CUDA_"):
@@ -72,6 +74,26 @@ def accuracy(args, flash_cuda, torch, dtype, S, D, causal) -> str:
         s = (x.to(t) @ y.to(t).transpose(-1, -2)) / D ** 0.5
         return s.masked_fill(mask, float("-inf")) if causal else s
 
+    if args.mode == "bwd":
+        dout = torch.randn_like(q)
+
+        def grads(fn, t):
+            xs = [x.detach().to(t).requires_grad_() for x in (q, k, v)]
+            return torch.autograd.grad(fn(*xs), xs, dout.to(t))
+
+        def naive_fn(t):
+            return lambda a, b, c: torch.softmax(scores(a, b, torch.float32), -1).to(t) @ c
+
+        ref = grads(lambda a, b, c: torch.softmax(scores(a, b, torch.float64), -1) @ c, torch.float64)
+        naive = grads(naive_fn(dtype), dtype)
+        errs = []
+        for on in (False, True):
+            set_switch(args, on)
+            got = grads(lambda a, b, c: flash_cuda.attention(a, b, c, is_causal=causal), dtype)
+            errs.append(max((g.double() - r).abs().max().item() for g, r in zip(got, ref)))
+        set_switch(args, False)
+        naive_err = max((g.double() - r).abs().max().item() for g, r in zip(naive, ref))
+        return f"grads: default {errs[0]:.2e}, rung {errs[1]:.2e}, naive {naive_err:.2e}"
     ref = torch.softmax(scores(q, k, torch.float64), -1) @ v.double()
     naive = (torch.softmax(scores(q, k, torch.float32), -1).to(dtype) @ v).double()
     errs = []
@@ -99,27 +121,34 @@ def main(argv=None) -> int:
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     torch.manual_seed(0)
     todo = cells(args)
-    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, {args.dtype}, "
+    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, {args.dtype}, {args.mode}, "
           f"rung {args.switch}, {args.rounds} interleaved rounds")
     for (_, _, S, D, c) in todo:
         print(f"accuracy D {D} S {S} causal {c}: {accuracy(args, flash_cuda, torch, dtype, min(S, 4096), D, c)}",
               flush=True)
-    inputs = {x: [torch.randn(x[0], x[1], x[2], x[3], device="cuda", dtype=dtype) for _ in range(3)] for x in todo}
+    bwd = args.mode == "bwd"
+    inputs = {x: [torch.randn(x[0], x[1], x[2], x[3], device="cuda", dtype=dtype, requires_grad=bwd)
+                  for _ in range(3)] for x in todo}
     times = {x: ([], []) for x in todo}
     for r in range(args.rounds):
         for x in todo:
             q, k, v = inputs[x]
+            if bwd:  # the backward alone: one forward's graph, its backward timed (the switch read per launch)
+                out = flash_cuda.attention(q, k, v, is_causal=x[4])
+                dout = torch.randn_like(out)
+                fn = lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)  # noqa: E731
+            else:
+                fn = lambda: flash_cuda.attention(q, k, v, is_causal=x[4])  # noqa: E731
             for on in ((False, True) if r % 2 == 0 else (True, False)):
                 set_switch(args, on)
-                times[x][int(on)].append(tt.do_bench(lambda: flash_cuda.attention(q, k, v, is_causal=x[4]),
-                                                     warmup=25, rep=100))
+                times[x][int(on)].append(tt.do_bench(fn, warmup=25, rep=100))
         set_switch(args, False)
     print("\n| D | B | H | S | causal | default ms | rung ms | default TFLOPS | rung TFLOPS | default / rung speed |")
     print("| ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: |")
     for x in todo:
         B, H, S, D, c = x
         a, b = statistics.median(times[x][0]), statistics.median(times[x][1])
-        flops = 4 * B * H * S * S * D / (2 if c else 1)
+        flops = 4 * B * H * S * S * D / (2 if c else 1) * (2.5 if bwd else 1)
         print(f"| {D} | {B} | {H} | {S} | {c} | {a:.3f} | {b:.3f} | {flops / a / 1e9:.0f} | {flops / b / 1e9:.0f} "
               f"| {b / a:.3f} |", flush=True)
     return 0

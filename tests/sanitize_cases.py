@@ -220,6 +220,10 @@ CASES: List[Case] = [
     Case(F16, 1, 4, 1, 1, 1000, 128, False, "bshd", sinks=True),
     Case(BF16, 1, 2, 1, 129, 300, 256, False, "strided", softcap=5.0, sinks=True),
     _varlen_case(BF16, 4, 2, (100, 0, 77, 200), (90, 3, 150, 260), 96, True, sinks=True),
+    # ---- the Hopper backward's 80-query steps (d 97..128, Sq >= 4096): a partial last step,
+    # causal rows past Sk, a window, GQA ----
+    Case(BF16, 1, 2, 1, 4100, 300, 128, True, "bshd"),
+    Case(F16, 1, 4, 2, 4096, 333, 112, False, "strided", window=(100, 20)),
 ]
 
 

@@ -453,3 +453,67 @@ def test_packed_batch_deterministic_is_bitwise(mode):
         out = flash_cuda.varlen_attention(qf, kf, vf, cu_q, cu_k, max_q, max_k, is_causal=True, deterministic=True)
         grads.append(torch.autograd.grad(out, (qf, kf, vf), torch.ones_like(out)))
     assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+# 80-query steps (csrc/tiers/wgmma/tile_policy.h: kBwdSteps80MinSq): d 97..128 dense calls
+# without score modifiers step over 80 queries from Sq 4096 on, dQ^T = K^T dS^T into transposed
+# workspace tiles. Query counts around multiples of 80 (a last block of 1, 79 or 80 rows), Sq !=
+# Sk both ways, causal and windowed masks (blocks the diagonal cuts anywhere), GQA with the ring
+# wrapping, views, head dims below the bucket. The short cases take them through the ablation
+# switch FLASH_CUDA_SM90_BWD_STEP=80 (csrc/tiers/wgmma/ablation.h) and skip in builds without it.
+STEP80_CASES = [
+    (2, 4, 4, 1000, 1000, 128, False, (-1, -1), "bhsd"),
+    (1, 8, 2, 801, 1029, 128, True, (-1, -1), "bshd"),
+    (1, 4, 1, 159, 700, 112, False, (100, 37), "strided"),
+    (2, 4, 2, 160, 161, 128, True, (-1, -1), "offset"),
+    (1, 2, 2, 81, 1, 104, False, (-1, -1), "bhsd"),
+    (1, 4, 1, 1500, 300, 128, True, (-1, -1), "bshd"),  # 1200 rows see no key
+    (2, 8, 2, 900, 900, 128, False, (40, 0), "bhsd"),
+    # From Sq 4096 the default takes them.
+    (1, 2, 2, 4096, 4096, 128, False, (-1, -1), "bhsd"),
+    (1, 4, 2, 4177, 4100, 128, True, (-1, -1), "bshd"),
+    (1, 2, 1, 4100, 3000, 112, False, (300, 0), "strided"),
+]
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("B,Hq,Hkv,Sq,Sk,D,is_causal,window,layout", STEP80_CASES)
+def test_sm90_bwd_80_query_steps(monkeypatch, mode, dtype, B, Hq, Hkv, Sq, Sk, D, is_causal, window, layout):
+    import flash_cuda
+    from flash_cuda import _ext
+
+    if mode != "ws":
+        pytest.skip("80-query steps are the warp-specialized kernel's (deterministic=False)")
+    if Sq < 4096:
+        if not _ext.ablations():
+            pytest.skip("below Sq 4096 an ablation switch: this build has none (FLASH_CUDA_ABLATIONS=1 builds them)")
+        monkeypatch.setenv("FLASH_CUDA_SM90_BWD_STEP", "80")
+    else:
+        monkeypatch.delenv("FLASH_CUDA_SM90_BWD_STEP", raising=False)
+    q, k, v = make_inputs(B, Hq, Hkv, Sq, Sk, D, dtype, "cuda", layout=layout, seed=Sq + Sk + 80)
+    check_attention(q, k, v, is_causal=is_causal, scale=None, window_size=window, label="sm90 bwd 80-query steps",
+                    seed=Sq)
+    qf, kf, vf = (t.detach().requires_grad_() for t in (q, k, v))
+    out = flash_cuda.attention(qf, kf, vf, is_causal=is_causal, window_size=window)
+    names = _backward_kernels(out, (qf, kf, vf))
+    if not names:
+        pytest.skip("torch.profiler recorded no CUDA kernel here (no CUPTI): the gradients held, the route is unchecked")
+    assert "TilesOf80Queries" in names, names
+
+
+@pytest.mark.parametrize("Sq,D,deterministic,steps80", [(4095, 128, False, False), (4096, 128, False, True),
+                                                        (4096, 96, False, False), (4096, 128, True, False)])
+def test_80_query_steps_route(monkeypatch, mode, Sq, D, deterministic, steps80):
+    """The default takes 80-query steps exactly at d 97..128 from Sq 4096 with deterministic=False."""
+    import flash_cuda
+
+    if mode != "ws":
+        pytest.skip("one route test")
+    monkeypatch.delenv("FLASH_CUDA_SM90_BWD_STEP", raising=False)
+    q, k, v = make_inputs(1, 2, 2, Sq, 512, D, BF16, "cuda", seed=4)
+    qf, kf, vf = (t.detach().requires_grad_() for t in (q, k, v))
+    out = flash_cuda.attention(qf, kf, vf, deterministic=deterministic)
+    names = _backward_kernels(out, (qf, kf, vf))
+    if not names:
+        pytest.skip("torch.profiler recorded no CUDA kernel here (no CUPTI)")
+    assert ("TilesOf80Queries" in names) == steps80, names

@@ -1,8 +1,8 @@
 // tiers/wgmma/ablation.h — the Hopper family's ablation switches (include/ablation.h): each names
 // one configuration OPTIMIZATION.md measured against the default. They are read only in a build
 // with FLASH_CUDA_ABLATIONS, and only where that build consults its ablations first: the
-// forward's ablation launcher (fwd/ablation.cuh) and the family's contract (family.h, the
-// backward's two switches below). The production decisions (config.h, tile_policy.h) read none.
+// forward's ablation launcher (fwd/ablation.cuh), the family's contract (family.h, the
+// backward's switches below) and the backward's launcher (bwd_ws.cuh: the 80-query rung). The production decisions (config.h, tile_policy.h) read none.
 // Host code only.
 #pragma once
 
@@ -58,6 +58,14 @@ inline BwdParams bwd_call(const BwdParams& p) {
 }
 // FLASH_CUDA_SM90_BWD_D256=0: head dims 129..256 run the mma.sync backward instead of the wide one.
 inline bool bwd_wide_enabled() { return ablation_int("FLASH_CUDA_SM90_BWD_D256", 1) != 0; }
+// FLASH_CUDA_SM90_BWD_STEP=64 | 80: the warp-specialized backward at d 97..128 steps over 64
+// queries, or over 80 wherever that can run (config.h: can_bwd_steps80); unset: config.h's rule
+// (bwd_steps80, from kBwdSteps80MinSq queries). The launcher (bwd_ws.cuh) and the dQ workspace's
+// plan (family.h) both ask here, so a production build, which reads no switch, follows the rule.
+inline bool bwd_steps80(const BwdParams& p) {
+  const int force = ablation_int("FLASH_CUDA_SM90_BWD_STEP", 0);
+  return force != 0 ? force == 80 && can_bwd_steps80(p) : wgmma::bwd_steps80(p);
+}
 
 }  // namespace ablation
 }  // namespace wgmma

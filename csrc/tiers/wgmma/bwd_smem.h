@@ -51,12 +51,13 @@ struct WsStorage {
                 "slabs stay aligned");
 };
 
-// bwd_ws.cuh's own tiles: dS^T [kBlockN keys][kBlockM queries] (one or two buffers) and the two
-// dQ staging buffers (kBlockM x kD floats each, in the order of DqTile).
-template <typename T, int kD, int kBlockN, int kBlockM, int kDsBuffers>
+// bwd_ws.cuh's own tiles: dS^T [kBlockN keys][kBlockM queries] (one or two buffers) and the
+// dQ staging buffers (kBlockM x kD floats each, in the order of DqTile; two, or one for the
+// 80-query steps).
+template <typename T, int kD, int kBlockN, int kBlockM, int kDsBuffers, int kDqBuffers = 2>
 struct WsExchange {
   T ds[kDsBuffers][kBlockN * kBlockM];
-  float dq[2][kBlockM * kD];
+  float dq[kDqBuffers][kBlockM * kD];
   static_assert(sizeof(ds[0]) % kSwizzleAlign == 0, "slabs stay aligned");
 };
 

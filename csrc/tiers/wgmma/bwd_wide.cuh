@@ -194,6 +194,7 @@ __device__ __forceinline__ void stage_tiles(T* tile, const float (&acc)[1][kTile
 // convert_dq_tiles_kernel (bwd_ws.cuh) reads it back into dq.
 template <typename Cfg>
 struct WideDqTile {
+  static constexpr bool kTransposed = false;  // (bwd_ws.cuh: DqTile)
   static constexpr int kFloats = Cfg::kBlockM * Cfg::kD;
   static constexpr int kJ0 = Cfg::kCols0 / 8, kJ1 = Cfg::kCols1 / 8;
   static_assert(4 * 32 * 4 * (kJ0 + kJ1) == kFloats, "the two parts fill the tile");

@@ -55,6 +55,7 @@
 #include <type_traits>
 
 #include "../../core/dropout.cuh"
+#include "ablation.h"
 #include "bwd.cuh"
 #include "bwd_smem.h"
 #include "tma_maps.h"
@@ -92,7 +93,23 @@ struct TilesOfWidth : Traits {
   static_assert(kWidth == 96 && Traits::kHeadDim == 128, "the native d = 96 tiles");
 };
 
-// The tiles of bwd.cuh's dK/dV kernel (BwdTraits, or TilesOfWidth), plus the ring's own sizes.
+// 80-query steps (tile_policy.h: kBwdSteps80MinSq): the 128-wide tiles stepping over 80 queries
+// instead of 64, as FlashAttention-4's sm90 backward does at d = 128 without a mask. 80 rows are no multiple of wgmma's M = 64, so the dQ product runs transposed,
+// dQ^T = K^T dS^T: each warpgroup computes 64 of d's rows for all 80 queries (M = d, N = 80),
+// reading K as the MN-major A operand and dS^T as the MN-major B operand, staged in five
+// 16-query slabs with the 32-byte swizzle (a 160-byte row has no wider swizzle). The dQ
+// workspace's tiles are then transposed too (DqTile). Shared memory holds one dQ staging buffer
+// (two dS^T buffers and one dQ buffer: 231,784 bytes); the consumers need 240 registers, which
+// leaves the producer warpgroup 24, where a writer thread beside the producer would spill: the
+// first consumer thread issues the dQ reductions itself.
+template <typename Traits>
+struct TilesOf80Queries : Traits {
+  static constexpr int kKVBlockM = 80;
+  static_assert(Traits::kHeadDim == 128 && Traits::kKVBlockN == 128, "the 128-wide tiles, 128 keys per CTA");
+};
+
+// The tiles of bwd.cuh's dK/dV kernel (BwdTraits, TilesOfWidth or TilesOf80Queries), plus the
+// ring's own sizes.
 // kDepth: the head dims the instance serves (<= kD): the products that reduce over d (S^T, dP^T)
 // stop after its k-steps; the tiles keep their width, TMA filling the columns past d with zeros
 // (d = 96 on the 128-wide tiles: 6 of their 8 k-steps). The tiles are 128-byte-swizzled
@@ -106,6 +123,10 @@ struct WsBwdConfig : Traits {
   static_assert(kDepth <= kD, "the tiles hold the instance's head dims");
   static constexpr int kBlockN = Traits::kKVBlockN;  // keys of the CTA, 64 per consumer warpgroup
   static constexpr int kBlockM = Traits::kKVBlockM;  // queries per step
+  // 80-query steps (TilesOf80Queries): dQ^T = K^T dS^T, one dQ staging buffer, written by the
+  // first consumer thread.
+  static constexpr bool kTransposedDq = kBlockM % 64 != 0;
+  static constexpr int kDqBuffers = kTransposedDq ? 1 : 2;
   static constexpr int kStages = kStages_;
   static constexpr int kThreads = 128 + kConsumerThreads;
   static constexpr int kConsumerWarps = kConsumerThreads / 32;
@@ -124,11 +145,11 @@ struct WsBwdConfig : Traits {
   // consumers need 232.
   template <int kVariant>
   static constexpr int producer_regs() {
-    return kD == 64 ? 40 : 32;
+    return kTransposedDq ? 24 : kD == 64 ? 40 : 32;
   }
   template <int kVariant>
   static constexpr int consumer_regs() {
-    return (kD == 64 && kVariant == kPlain) ? 224 : 232;
+    return kTransposedDq ? 240 : (kD == 64 && kVariant == kPlain) ? 224 : 232;
   }
   template <int kVariant>
   static constexpr bool regs_balance() {
@@ -138,15 +159,17 @@ struct WsBwdConfig : Traits {
   static_assert(regs_balance<kPlain>() && regs_balance<kExtended>() && regs_balance<kSoftcapGrad>(),
                 "the consumers' registers come from the producer's");
   static_assert(Traits::kKVWarpGroups == 2, "two consumer warpgroups of 64 keys");
-  static_assert(kBlockM == wgmma::bwd_block_m(kD), "the dQ workspace is sized with this tile height (tile_policy.h)");
-  static_assert(kBlockM % 32 == 0 && kBlockN <= 256 && kBlockM <= 256, "stats by lanes, TMA boxes of <= 256 rows");
+  static_assert(kBlockM == wgmma::bwd_block_m(kD) || kTransposedDq,
+                "the dQ workspace is sized with this tile height (tile_policy.h; the 80-query rung: family.h)");
+  static_assert(kBlockM % 16 == 0 && kBlockN <= 256 && kBlockM <= 256, "k-steps of 16 queries, TMA boxes of <= 256 rows");
   // The layout (bwd_smem.h: WsStorage, this kernel's part WsExchange: dS^T and the two dQ staging
   // buffers, a query block's kBlockM x d floats in the order of the accumulator fragments, DqTile,
   // as the workspace holds them). Two dS^T buffers unless they do not fit: d = 64 (128-query
   // steps: its two 32 KiB dQ buffers and the ring leave 32 KiB for dS^T). Any 16-bit T gives the
   // same bytes.
   template <typename T, int kBuffers>
-  using StorageWith = WsStorage<T, kD, kBlockN, kBlockM, kStages, WsExchange<T, kD, kBlockN, kBlockM, kBuffers>>;
+  using StorageWith =
+      WsStorage<T, kD, kBlockN, kBlockM, kStages, WsExchange<T, kD, kBlockN, kBlockM, kBuffers, kDqBuffers>>;
   static constexpr int kDsBuffers = smem_request_bytes<StorageWith<uint16_t, 2>>() <= kSmemHopper ? 2 : 1;
   template <typename T>
   using Storage = StorageWith<T, kDsBuffers>;
@@ -168,7 +191,7 @@ struct Smem {
   T* sQ;    // [kStages]
   T* sdO;   // [kStages]
   T* sdS;   // [Cfg::kDsBuffers]
-  float* sdQ = nullptr;  // [2] (Cfg::kStagesDq)
+  float* sdQ = nullptr;  // [Cfg::kDqBuffers] (Cfg::kStagesDq)
   float* lse;    // [kStages][kBlockM]
   float* delta;  // [kStages][kBlockM]
   uint64_t* kv_full;
@@ -312,6 +335,7 @@ __device__ __forceinline__ void produce(const BwdParams& p, const TmaMaps& maps,
       // with kLseLog2): converted once here rather than by every consumer thread that reads it.
 #pragma unroll
       for (int r = 0; r < Cfg::kBlockM; r += 32) {
+        if (Cfg::kBlockM % 32 != 0 && r + lane >= Cfg::kBlockM) break;  // 80 queries: 16 lanes in the last pass
         const bool valid = m0 + r + lane < seq.sq;
         const float l = valid ? lse_to_log2(lse[m0 + r + lane]) : 0.f, dl = valid ? delta[m0 + r + lane] : 0.f;
         const uint32_t at = stats + (s * Cfg::kBlockM + r) * 4;
@@ -348,11 +372,21 @@ __device__ __forceinline__ void stage_ds_transposed(void* sdS, const uint32_t (&
   const uint32_t ct = thread_index_opaque() - (Cfg::kThreads - kConsumerThreads);  // consumer thread
   const uint32_t lane = ct % 32, warp = ct / 32;
   const uint32_t m = lane / 8, row = lane % 8;
-  const uint32_t lane_bytes = (16 * warp + 8 * (m % 2) + row) * kSwizzleBytes + (((m / 2) ^ row) << 4);
-  const uint32_t at = smem_addr(sdS) + lane_bytes;
+  if constexpr (Cfg::kTransposedDq) {
+    // 80 queries: k-step kk is slab kk, [kBlockN keys][16 queries] in 32-byte lines whose two
+    // 16-byte chunks swap where bit 2 of the key row is set (the 32-byte swizzle: address bit 4
+    // ^= bit 7); the lane's key row has that bit in row / 4.
+    constexpr uint32_t kLine = 32;
+    const uint32_t at = smem_addr(sdS) + (16 * warp + 8 * (m % 2) + row) * kLine + (((m / 2) ^ (row / 4)) << 4);
 #pragma unroll
-  for (int kk = 0; kk < Cfg::kKVBlockM / 16; ++kk) {
-    stmatrix_x4((at ^ ((2 * kk % 8) << 4)) + (kk / 4) * kBlockN * kSwizzleBytes, a_ds[kk]);
+    for (int kk = 0; kk < Cfg::kKVBlockM / 16; ++kk) stmatrix_x4(at + kk * kBlockN * kLine, a_ds[kk]);
+  } else {
+    const uint32_t lane_bytes = (16 * warp + 8 * (m % 2) + row) * kSwizzleBytes + (((m / 2) ^ row) << 4);
+    const uint32_t at = smem_addr(sdS) + lane_bytes;
+#pragma unroll
+    for (int kk = 0; kk < Cfg::kKVBlockM / 16; ++kk) {
+      stmatrix_x4((at ^ ((2 * kk % 8) << 4)) + (kk / 4) * kBlockN * kSwizzleBytes, a_ds[kk]);
+    }
   }
 }
 
@@ -373,11 +407,16 @@ __device__ __forceinline__ void zero_ds_rows(void* sdS, int wg, int tid) {
 // queries x two halves of d (d = 128; the native d = 96: 48 columns each, K's slabs 16 wide so
 // that the second half starts on one), or two 64-query halves x all of d (d = 64). Issued as
 // one commit group after both warpgroups staged their keys' rows of dS^T (the caller waits).
+// 80-query steps (kTransposed): dQ^T = K^T dS^T, each warpgroup 64 of d's rows (K's slab wg)
+// for all 80 queries.
 template <typename Cfg>
 struct DqSplit {
-  static constexpr int kN = Cfg::kHeadDim * (Cfg::kKVBlockM / 64) / 2;  // dQ columns of one warpgroup
-  static_assert(Cfg::kKVWarpGroups == 2 && (Cfg::kKVBlockM / 64) * (Cfg::kHeadDim / kN) == 2 &&
-                    kN % Cfg::KSlabs::kCols == 0,
+  static constexpr bool kTransposed = Cfg::kKVBlockM % 64 != 0;
+  // dQ columns of one warpgroup (kTransposed: the N of dQ^T, the queries)
+  static constexpr int kN = kTransposed ? Cfg::kKVBlockM : Cfg::kHeadDim * (Cfg::kKVBlockM / 64) / 2;
+  static_assert(kTransposed ? Cfg::kHeadDim == 2 * Cfg::KSlabs::kCols
+                            : Cfg::kKVWarpGroups == 2 && (Cfg::kKVBlockM / 64) * (Cfg::kHeadDim / kN) == 2 &&
+                                  kN % Cfg::KSlabs::kCols == 0,
                 "two warpgroups split the dQ product, each from a slab of K on");
   __device__ __forceinline__ static int row0(int wg) { return Cfg::kKVBlockM == 64 ? 0 : 64 * wg; }
   __device__ __forceinline__ static int col0(int wg) { return Cfg::kKVBlockM == 64 ? kN * wg : 0; }
@@ -389,11 +428,18 @@ __device__ __forceinline__ void issue_dq_product(float (&acc)[1][DqSplit<Cfg>::k
   using Split = DqSplit<Cfg>;
   using KS = typename Cfg::KSlabs;
   constexpr int kBlockN = Cfg::kKVBlockN;
-  const T* a_tile = sdS + (Split::row0(wg) / 64) * kBlockN * 64;           // dS^T slab: keys x 64 queries
-  const T* b_tile = sK + (Split::col0(wg) / KS::kCols) * KS::kSlabElems;  // K slab(s): keys x kN columns
   wgmma_fence();
-  // A = dS (M = queries, K = keys) read transposed from dS^T; B = K (N-major).
-  wgmma_ss<kBlockN / 16, false, T>(acc[0], MNMajor<kBlockN>{a_tile, 0}, MNMajorIn<kBlockN, KS::kLineBytes>{b_tile, 0});
+  if constexpr (Split::kTransposed) {
+    // A = K^T (M = d's rows of K's slab wg, K = keys), B = dS^T (K = keys, N = queries, the
+    // 16-query slabs), both MN-major.
+    wgmma_ss<kBlockN / 16, false, T>(acc[0], MNMajor<kBlockN>{sK + wg * KS::kSlabElems, 0},
+                                     SlabOperand<kBlockN, 32, true>{sdS, 0});
+  } else {
+    const T* a_tile = sdS + (Split::row0(wg) / 64) * kBlockN * 64;           // dS^T slab: keys x 64 queries
+    const T* b_tile = sK + (Split::col0(wg) / KS::kCols) * KS::kSlabElems;  // K slab(s): keys x kN columns
+    // A = dS (M = queries, K = keys) read transposed from dS^T; B = K (N-major).
+    wgmma_ss<kBlockN / 16, false, T>(acc[0], MNMajor<kBlockN>{a_tile, 0}, MNMajorIn<kBlockN, KS::kLineBytes>{b_tile, 0});
+  }
   wgmma_commit();
 }
 
@@ -405,22 +451,32 @@ __device__ __forceinline__ void issue_dq_product(float (&acc)[1][DqSplit<Cfg>::k
 //   float4 index (wg * kN / 8 + j) * 128 + ct;  e = 0, 1: row g, columns 2t, 2t + 1 of the
 //   fragment's 8 columns; e = 2, 3: row g + 8 (g = lane / 4, t = lane % 4, rows of warp ct / 32).
 // convert_dq_tiles_kernel reads it back into dq.
+// 80-query steps (kTransposed): the same order of dQ^T's fragments, whose rows are d and columns
+// queries: e = 0, 1 are queries 2t, 2t + 1 of column g of d, e = 2, 3 the same queries 8 columns
+// further right.
 template <typename Cfg>
 struct DqTile {
   using Split = DqSplit<Cfg>;
+  static constexpr bool kTransposed = Split::kTransposed;
   static constexpr int kFloats = Cfg::kBlockM * Cfg::kD;
   template <bool kVarlen = true>
   __device__ __forceinline__ static int64_t offset(const BwdParams& p, const SeqInfo& seq, int h, int m_block) {
     return wgmma::dq_tile<kVarlen>(p, seq.bi, h, seq.q_start, m_block, Cfg::kBlockM) * kFloats;
   }
-  // Where float4 v of a tile sits in the block: its first row and column (the second pair of
-  // floats is 8 rows further down).
+  // Where float4 v of a tile sits in the block: its first row (query) and column (the second
+  // pair of floats is 8 rows further down; kTransposed: the first pair is two rows, the second 8
+  // columns further right).
   __device__ __forceinline__ static void place(int v, int& row, int& col) {
     constexpr int kJ = Split::kN / 8;
     const int wg = v / (kJ * 128), j = v / 128 % kJ, ct = v % 128;
     const int lane = ct % 32;
-    row = Split::row0(wg) + 16 * (ct / 32) + lane / 4;
-    col = Split::col0(wg) + 8 * j + 2 * (lane % 4);
+    if constexpr (kTransposed) {
+      row = 8 * j + 2 * (lane % 4);
+      col = 64 * wg + 16 * (ct / 32) + lane / 4;
+    } else {
+      row = Split::row0(wg) + 16 * (ct / 32) + lane / 4;
+      col = Split::col0(wg) + 8 * j + 2 * (lane % 4);
+    }
   }
 };
 
@@ -473,6 +529,39 @@ __device__ __forceinline__ void stage_dq(const Smem<T, Cfg>& sm, const float (&a
 #endif
 }
 
+// The 80-query steps' dQ hand-over, with one staging buffer and no writer thread: the first
+// consumer thread waits until the reduction of exchange x - 1 has read the buffer and frees it
+// (dq_empty), every consumer warpgroup stages its accumulator there (DqTile order), and once all
+// eight warps arrived on dq_full that thread issues exchange x's bulk reduction into dst. Its read
+// of the buffer then runs under the next block's products.
+template <typename T, typename Cfg>
+__device__ __forceinline__ void stage_dq_self(const Smem<T, Cfg>& sm, const float (&acc)[1][DqSplit<Cfg>::kN / 8][4],
+                                              float* dst, int x, int wg, int ct) {
+#if FLASH_SM90_ENABLED
+  constexpr int kJ = DqSplit<Cfg>::kN / 8;
+  if (x > 0) {
+    if (ct == 0) {
+      bulk_wait_read<0>();
+      mbarrier_arrive(sm.dq_empty);
+    }
+    mbarrier_wait(sm.dq_empty, (x - 1) & 1);
+  }
+  const uint32_t at = smem_addr(sm.dq(0)) + ((wg * kJ) * 128 + thread_index_opaque() % 128) * 16;
+#pragma unroll
+  for (int j = 0; j < kJ; ++j) {
+    st_shared_v4_f32(at + j * 128 * 16, acc[0][j][0], acc[0][j][1], acc[0][j][2], acc[0][j][3]);
+  }
+  fence_proxy_async();  // generic-proxy writes, read next by the bulk reduction (async proxy)
+  __syncwarp();
+  if (ct % 32 == 0) mbarrier_arrive(sm.dq_full);
+  if (ct == 0) {
+    mbarrier_wait(sm.dq_full, x & 1);
+    bulk_reduce_add_f32(dst, sm.dq(0), Smem<T, Cfg>::kDqTile * sizeof(float));
+    bulk_commit();
+  }
+#endif
+}
+
 // A single dS^T buffer is written for step i only after both warpgroups' dQ products of step
 // i - 1 have read it (each thread arrives on ds_empty after its wgmma wait). With two buffers the
 // named barrier of step i - 1 already orders it: a warpgroup past that barrier knows the other
@@ -509,7 +598,7 @@ __device__ __forceinline__ void bwd_ws_block(const BwdParams& p, const TmaMaps& 
     setmaxnreg_dec<Cfg::template producer_regs<kVariant>()>();
     if (warp == 0) {
       produce<T, Cfg, kVarlen>(p, maps, sm, n0, hkv, bi, lane);
-    } else if (warp == 1 && lane == 0) {
+    } else if (warp == 1 && lane == 0 && !Cfg::kTransposedDq) {
       write_dq<T, Cfg>(sm);
     }
     return;
@@ -666,7 +755,11 @@ __device__ __forceinline__ void bwd_ws_block(const BwdParams& p, const TmaMaps& 
     // Every step's block has queries the CTA's keys reach (steps.m_range): each adds a dQ tile.
     fence_accumulator(acc_dq[0]);
     float* dst = p.dq_accum + DqTile<Cfg>::template offset<kVarlen>(p, seq, h, m_block);
-    stage_dq<T, Cfg>(sm, acc_dq, dst, x++, wg, ct);
+    if constexpr (Cfg::kTransposedDq) {
+      stage_dq_self<T, Cfg>(sm, acc_dq, dst, x++, wg, ct);
+    } else {
+      stage_dq<T, Cfg>(sm, acc_dq, dst, x++, wg, ct);
+    }
 
     if constexpr (!kScoresUnderDq) issue_scores(pt, s_next);
     probs_and_ds(pt, s_next, h_next, m_next, a_pt, a_ds);
@@ -674,8 +767,12 @@ __device__ __forceinline__ void bwd_ws_block(const BwdParams& p, const TmaMaps& 
     m_block = m_next;
   }
 
-  mbarrier_wait(&sm.dq_empty[x & 1], ((x >> 1) & 1) ^ 1);
-  hand_over_dq<T, Cfg>(sm, nullptr, x, ct);  // tells the writer to stop
+  if constexpr (Cfg::kTransposedDq) {
+    if (ct == 0) bulk_wait<0>();  // the adds themselves are done before the CTA retires
+  } else {
+    mbarrier_wait(&sm.dq_empty[x & 1], ((x >> 1) & 1) ^ 1);
+    hand_over_dq<T, Cfg>(sm, nullptr, x, ct);  // tells the writer to stop
+  }
 
   // At d = 128 the epilogue stages each warp's rows in the Q / dO ring, free once both
   // warpgroups are past their last products (every load they waited for has landed; the
@@ -728,7 +825,22 @@ __global__ void __launch_bounds__(256) convert_dq_tiles_kernel(const __grid_cons
   const int m0 = mb * Cfg::kBlockM;
   if (m0 >= seq.sq) return;  // a packed batch's shorter sequences (the whole block returns)
   const float4* tile = reinterpret_cast<const float4*>(p.dq_accum + Tile::offset(p, seq, h, mb));
-  for (int u = threadIdx.x; u < Tile::kFloats / 16; u += 256) {
+  if constexpr (Tile::kTransposed) {
+    // dQ^T's fragments (80-query steps): a float4 holds two queries of two columns 8 apart,
+    // written as four 16-bit elements.
+    uint16_t* st16 = reinterpret_cast<uint16_t*>(stage);
+    for (int v = threadIdx.x; v < Tile::kFloats / 4; v += 256) {
+      int row, col;
+      Tile::place(v, row, col);
+      const float4 a = tile[v];
+      const uint32_t first = pack2<T>(a.x * p.scale, a.z * p.scale), second = pack2<T>(a.y * p.scale, a.w * p.scale);
+      st16[row * kPitch + col] = static_cast<uint16_t>(first);
+      st16[row * kPitch + col + 8] = static_cast<uint16_t>(first >> 16);
+      st16[(row + 1) * kPitch + col] = static_cast<uint16_t>(second);
+      st16[(row + 1) * kPitch + col + 8] = static_cast<uint16_t>(second >> 16);
+    }
+  }
+  for (int u = threadIdx.x; u < (Tile::kTransposed ? 0 : Tile::kFloats / 16); u += 256) {
     int row, col;
     Tile::place(4 * u, row, col);  // lane t = 0 of the group: columns col .. col + 7
     float4 a[4];
@@ -803,6 +915,18 @@ bool launch_bwd_sm90_ws(const BwdParams& p, cudaStream_t stream) {
   using Tiles = std::conditional_t<kWidth == Traits::kHeadDim, Traits, sm90::bwd_ws::TilesOfWidth<Traits, kWidth>>;
   using Cfg = sm90::bwd_ws::WsBwdConfig<Tiles, 2, kDepth>;
   auto kernel = sm90::bwd_ws::bwd_sm90_ws_kernel<T, Cfg, kVariant>;
+  if constexpr (kVariant == kPlain && kWidth == 128 && kDepth == 128) {
+    // 80-query steps (config.h: bwd_steps80, through ablation.h's switch; family.h sized the dQ
+    // workspace by the same rule).
+    if (wgmma::ablation::bwd_steps80(p)) {
+      using Cfg80 = sm90::bwd_ws::WsBwdConfig<sm90::bwd_ws::TilesOf80Queries<Tiles>, 2, kDepth>;
+      auto kernel80 = sm90::bwd_ws::bwd_sm90_ws_kernel<T, Cfg80, kVariant>;
+      if (p.dq_accum == nullptr || !sm90_kernel_built(kernel80)) return false;
+      if (!launch_bwd_ws_main<T, Cfg80>(kernel80, p, "bwd_sm90_ws_q80", stream)) return false;
+      launch_convert_dq_tiles<T, Cfg80>(p, stream);
+      return true;
+    }
+  }
   const bool packed = p.cu_seqlens_q != nullptr;
   // A kPlain kernel reads no cu_seqlens: packed batches come as kExtended or kSoftcapGrad (variant_of).
   if (p.dq_accum == nullptr || (packed && kVariant == kPlain) || !sm90_kernel_built(kernel)) return false;

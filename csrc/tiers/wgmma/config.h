@@ -52,6 +52,15 @@ inline int bwd_tile_width(const BwdParams& p) {
   return p.d > 64 && p.d <= 96 ? bwd_ws_width(width, 96) : width;
 }
 
+// The 80-query steps of the warp-specialized backward (tile_policy.h: kBwdSteps80MinSq): where
+// they can run (d 97..128 on the 128-wide tiles, kPlain, deterministic=False with every gradient,
+// which is when the dQ workspace exists) and where they do by default.
+inline bool can_bwd_steps80(const BwdParams& p) {
+  return p.d > 96 && p.d <= 128 && !p.deterministic && variant_of(p, /*backward=*/true) == kPlain &&
+         bwd_wants_all(p);
+}
+inline bool bwd_steps80(const BwdParams& p) { return can_bwd_steps80(p) && p.sq >= kBwdSteps80MinSq; }
+
 // The tiles of the warp-specialized backward's dQ workspace (bwd_ws.cuh: DqTile, block_m x
 // bucket-d floats each), one per (sequence, query head, query block of block_m rows):
 //   dense:   tile (bi * hq + h) * ceil(sq / block_m) + m_block

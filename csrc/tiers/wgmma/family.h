@@ -165,7 +165,7 @@ struct WgmmaFamily {
     Workspace ws;
     if (p.deterministic || !bwd_wants_all(p)) return ws;
     const int bucket_d = wgmma::bwd_tile_width(p);
-    const int block_m = wgmma::bwd_block_m(bucket_d);
+    const int block_m = wgmma::ablation::bwd_steps80(p) ? 80 : wgmma::bwd_block_m(bucket_d);
     ws.floats = wgmma::dq_tile_count(p, block_m) * block_m * bucket_d;
     ws.zero_floats = true;
     return ws;

@@ -142,6 +142,13 @@ constexpr int bwd_ws_width(int width, int depth) { return kBwdD96Native && width
 // WsBwdConfig::kBlockM static_asserts against this): the height of its dQ workspace tiles.
 constexpr int bwd_block_m(int width) { return width <= 64 ? 128 : 64; }
 
+// The warp-specialized backward at d 97..128 steps over 80 queries instead of 64 (bwd_ws.cuh:
+// TilesOf80Queries, dQ transposed) for dense calls without score modifiers or dropout from this
+// many queries on (config.h: bwd_steps80); its dQ workspace tiles are then 80 rows high. Measured
+// (OPTIMIZATION.md step 56): 2-3% faster from 4k, 7% slower at 1k causal, where the diagonal cuts
+// more of the taller steps.
+constexpr int kBwdSteps80MinSq = 4096;
+
 // The backward with dropout runs the 128-wide tiles at every d (64-query steps): the 64-wide
 // tiles' 128-query steps leave no registers for the keep bits. At d 65..96 too: kBwdD96Native
 // leaves these instances on the 128-wide tiles, so that its A/B measures the kernels without

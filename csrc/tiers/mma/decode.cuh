@@ -206,11 +206,18 @@ struct Fp8Config : Tile<T_, kHeadDim_, kWarpsM_, Fp8Sizes<T_, kHeadDim_, kWarpsM
 // The decode config per GPU class (arch/gpu_class.h): Full where the device's opt-in shared memory
 // holds it, else Compact, which fits every class. Compact is Full wherever Full fits 99 KiB, so
 // the instances of those head dims hold one kernel per row count.
+// Between the two, the full tiles with one stage fewer where that fits 99 KiB (d = 256's 64-row
+// tile: four stages and their mbarriers pass it by 32 bytes).
+template <typename T, int kHeadDim, int kWarpsM>
+struct ShallowConfig : Tile<T, kHeadDim, kWarpsM, std::max(2, kFullStages<T, kHeadDim, kWarpsM> - 1)> {};
 template <typename T, int kHeadDim, int kWarpsM>
 struct ConfigPolicy {
   using Full = Config<T, kHeadDim, kWarpsM>;
-  using Compact =
-      std::conditional_t<Full::kSmemBytes <= kSmemConsumer, Full, HalfStepConfig<T, kHeadDim, kWarpsM>>;
+  using Shallow = ShallowConfig<T, kHeadDim, kWarpsM>;
+  using Compact = std::conditional_t<
+      Full::kSmemBytes <= kSmemConsumer, Full,
+      std::conditional_t<(Shallow::kStages < Full::kStages && Shallow::kSmemBytes <= kSmemConsumer), Shallow,
+                         HalfStepConfig<T, kHeadDim, kWarpsM>>>;
 };
 // FP8 caches: one config for every class (a device whose shared memory does not hold it has no
 // FP8 decode at that head dim: with_decode_config).

@@ -58,6 +58,9 @@ inline BwdParams bwd_call(const BwdParams& p) {
 }
 // FLASH_CUDA_SM90_BWD_D256=0: head dims 129..256 run the mma.sync backward instead of the wide one.
 inline bool bwd_wide_enabled() { return ablation_int("FLASH_CUDA_SM90_BWD_D256", 1) != 0; }
+// FLASH_CUDA_SM90_BWD_RELEASE=warp: the warp-specialized backward's kPlain kernels release a Q /
+// dO stage once per consumer warp instead of once per thread (bwd_ws.cuh: WarpRelease).
+inline bool bwd_warp_release() { return ablation_is("FLASH_CUDA_SM90_BWD_RELEASE", "warp"); }
 // FLASH_CUDA_SM90_BWD_STEP=64 | 80: the warp-specialized backward at d 97..128 steps over 64
 // queries, or over 80 wherever that can run (config.h: can_bwd_steps80); unset: config.h's rule
 // (bwd_steps80, from kBwdSteps80MinSq queries). The launcher (bwd_ws.cuh) and the dQ workspace's

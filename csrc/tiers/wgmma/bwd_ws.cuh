@@ -108,8 +108,22 @@ struct TilesOf80Queries : Traits {
   static_assert(Traits::kHeadDim == 128 && Traits::kKVBlockN == 128, "the 128-wide tiles, 128 keys per CTA");
 };
 
-// The tiles of bwd.cuh's dK/dV kernel (BwdTraits, TilesOfWidth or TilesOf80Queries), plus the
-// ring's own sizes.
+// The ablation rung FLASH_CUDA_SM90_BWD_RELEASE=warp (ablation.h): a consumer warp releases a Q /
+// dO stage with one arrival (lane 0, after __syncwarp) instead of one per thread, as CUTLASS's
+// pipelines release a stage once per consumer. Measures what the 256 arrivals per step cost; the
+// per-thread form stands because compute-sanitizer's racecheck does not follow __syncwarp's
+// ordering of the other lanes' lse / delta reads. Any of the tiles above.
+template <typename Traits>
+struct WarpRelease : Traits {
+  static constexpr bool kWarpRelease = true;
+};
+template <typename Cfg, typename = void>
+struct WarpReleaseOf : std::false_type {};
+template <typename Cfg>
+struct WarpReleaseOf<Cfg, std::void_t<decltype(Cfg::kWarpRelease)>> : std::bool_constant<Cfg::kWarpRelease> {};
+
+// The tiles of bwd.cuh's dK/dV kernel (BwdTraits, TilesOfWidth or TilesOf80Queries, maybe in
+// WarpRelease), plus the ring's own sizes.
 // kDepth: the head dims the instance serves (<= kD): the products that reduce over d (S^T, dP^T)
 // stop after its k-steps; the tiles keep their width, TMA filling the columns past d with zeros
 // (d = 96 on the 128-wide tiles: 6 of their 8 k-steps). The tiles are 128-byte-swizzled
@@ -230,7 +244,7 @@ struct Smem {
       mbarrier_init(tail, 1);
       for (int s = 0; s < Cfg::kStages; ++s) {
         mbarrier_init(&q_full[s], 32);
-        mbarrier_init(&q_empty[s], kConsumerThreads);
+        mbarrier_init(&q_empty[s], WarpReleaseOf<Cfg>::value ? Cfg::kConsumerWarps : kConsumerThreads);
       }
       if constexpr (kDqWriter) {
         for (int b = 0; b < 2; ++b) {
@@ -735,7 +749,12 @@ __device__ __forceinline__ void bwd_ws_block(const BwdParams& p, const TmaMaps& 
     // Q, dO, lse, delta of stage s are no longer read. Every thread arrives for its own reads of
     // lse and delta (the producer rewrites them with ordinary stores): an arrival per warp after
     // __syncwarp orders them as well, but compute-sanitizer's racecheck does not follow that chain.
-    mbarrier_arrive(&sm.q_empty[s]);
+    if constexpr (WarpReleaseOf<Cfg>::value) {
+      __syncwarp();
+      if (lane == 0) mbarrier_arrive(&sm.q_empty[s]);
+    } else {
+      mbarrier_arrive(&sm.q_empty[s]);
+    }
 
     // The next step (past the last: this step's head and block again, on stale rows).
     const bool more = i + 1 < steps.count;
@@ -908,14 +927,13 @@ bool launch_bwd_ws_main(Kernel kernel, const BwdParams& p, const char* name, cud
 // Launches delta's preprocess and the warp-specialized backward and returns true, or returns
 // false having launched nothing: no dq_accum workspace (deterministic=True, or a call that wants
 // only dQ or only dK / dV: family.h), or a view TMA cannot address.
-template <typename T, typename Traits, int kVariant, int kDepth>
-bool launch_bwd_sm90_ws(const BwdParams& p, cudaStream_t stream) {
-  // The tiles' width: the Traits', or natively 96 at d = 96 (tile_policy.h: bwd_ws_width).
-  constexpr int kWidth = wgmma::bwd_ws_width(Traits::kHeadDim, kDepth);
-  using Tiles = std::conditional_t<kWidth == Traits::kHeadDim, Traits, sm90::bwd_ws::TilesOfWidth<Traits, kWidth>>;
+// The launch on tiles Tiles (launch_bwd_sm90_ws's, maybe in WarpRelease): the 80-query steps
+// where they apply, else the 64- / 128-query ones.
+template <typename T, typename Tiles, int kVariant, int kDepth>
+bool launch_bwd_ws_tiles(const BwdParams& p, cudaStream_t stream) {
   using Cfg = sm90::bwd_ws::WsBwdConfig<Tiles, 2, kDepth>;
   auto kernel = sm90::bwd_ws::bwd_sm90_ws_kernel<T, Cfg, kVariant>;
-  if constexpr (kVariant == kPlain && kWidth == 128 && kDepth == 128) {
+  if constexpr (kVariant == kPlain && Tiles::kHeadDim == 128 && kDepth == 128) {
     // 80-query steps (config.h: bwd_steps80, through ablation.h's switch; family.h sized the dQ
     // workspace by the same rule).
     if (wgmma::ablation::bwd_steps80(p)) {
@@ -933,6 +951,19 @@ bool launch_bwd_sm90_ws(const BwdParams& p, cudaStream_t stream) {
   if (!launch_bwd_ws_main<T, Cfg>(kernel, p, "bwd_sm90_ws", stream)) return false;
   launch_convert_dq_tiles<T, Cfg>(p, stream);
   return true;
+}
+
+template <typename T, typename Traits, int kVariant, int kDepth>
+bool launch_bwd_sm90_ws(const BwdParams& p, cudaStream_t stream) {
+  // The tiles' width: the Traits', or natively 96 at d = 96 (tile_policy.h: bwd_ws_width).
+  constexpr int kWidth = wgmma::bwd_ws_width(Traits::kHeadDim, kDepth);
+  using Tiles = std::conditional_t<kWidth == Traits::kHeadDim, Traits, sm90::bwd_ws::TilesOfWidth<Traits, kWidth>>;
+  if constexpr (kAblations && kVariant == kPlain) {
+    if (wgmma::ablation::bwd_warp_release()) {
+      return launch_bwd_ws_tiles<T, sm90::bwd_ws::WarpRelease<Tiles>, kVariant, kDepth>(p, stream);
+    }
+  }
+  return launch_bwd_ws_tiles<T, Tiles, kVariant, kDepth>(p, stream);
 }
 
 // The backward with attention dropout: the warp-specialized kernel's dropout instance, or false

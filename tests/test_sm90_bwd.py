@@ -517,3 +517,40 @@ def test_80_query_steps_route(monkeypatch, mode, Sq, D, deterministic, steps80):
     if not names:
         pytest.skip("torch.profiler recorded no CUDA kernel here (no CUPTI)")
     assert ("TilesOf80Queries" in names) == steps80, names
+
+
+# The stats rung (FLASH_CUDA_SM90_BWD_STATS=bulk, an ablation build only: csrc/tiers/wgmma/
+# ablation.h): the delta preprocess writes each query's (lse in log2 units, delta) into the
+# workspace, the producer takes a block's pairs by one bulk copy. Every tile shape of the kPlain
+# kernels (d 32 and 64: 128-query steps; 96: native 96-wide; 128: 64-query and, from Sq 4096,
+# 80-query steps), partial last blocks (the workspace's zero rows), masks, GQA, views.
+STATS_CASES = [
+    (2, 4, 2, 1000, 1100, 64, True, (-1, -1), "bshd"),
+    (1, 4, 4, 300, 257, 96, False, (100, 37), "strided"),
+    (2, 8, 2, 777, 1029, 128, True, (-1, -1), "bhsd"),
+    (1, 4, 2, 4177, 4100, 128, True, (-1, -1), "offset"),
+    (1, 6, 3, 65, 1, 32, False, (-1, -1), "bhsd"),
+    (1, 4, 1, 1500, 300, 112, True, (-1, -1), "bshd"),  # 1200 rows see no key
+]
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("B,Hq,Hkv,Sq,Sk,D,is_causal,window,layout", STATS_CASES)
+def test_sm90_bwd_bulk_stats_rung(monkeypatch, mode, dtype, B, Hq, Hkv, Sq, Sk, D, is_causal, window, layout):
+    import flash_cuda
+    from flash_cuda import _ext
+
+    if mode != "ws":
+        pytest.skip("the rung is the warp-specialized kernel's (deterministic=False)")
+    if not _ext.ablations():
+        pytest.skip("an ablation rung: this build has none (FLASH_CUDA_ABLATIONS=1 builds them)")
+    monkeypatch.setenv("FLASH_CUDA_SM90_BWD_STATS", "bulk")
+    q, k, v = make_inputs(B, Hq, Hkv, Sq, Sk, D, dtype, "cuda", layout=layout, seed=Sq + D + 7)
+    check_attention(q, k, v, is_causal=is_causal, scale=None, window_size=window, label="sm90 bwd stats rung",
+                    seed=Sq)
+    qf, kf, vf = (t.detach().requires_grad_() for t in (q, k, v))
+    out = flash_cuda.attention(qf, kf, vf, is_causal=is_causal, window_size=window)
+    names = _backward_kernels(out, (qf, kf, vf))
+    if not names:
+        pytest.skip("torch.profiler recorded no CUDA kernel here (no CUPTI): the gradients held, the route is unchecked")
+    assert "BulkStats" in names, names

@@ -14,10 +14,14 @@
 #include "../arch/host.h"
 #include "../arch/sm80.cuh"
 #include "../arch/types.cuh"
+#include "../include/ablation.h"
+#include "softmax.cuh"
 
 namespace flash_cuda {
 
-template <typename T, int kLanes>
+// kStats: also each row's (lse in log2 units, delta) pair into p.bwd_stats (include/params.h; the
+// ablation rung FLASH_CUDA_SM90_BWD_STATS=bulk, dense batches).
+template <typename T, int kLanes, bool kStats = false>
 __global__ void __launch_bounds__(256) bwd_preprocess_delta_kernel(BwdParams p) {
   constexpr int kVec = 16 / sizeof(T);  // elements per 16-byte vector
   constexpr int kRowsPerBlock = 256 / kLanes;
@@ -56,6 +60,10 @@ __global__ void __launch_bounds__(256) bwd_preprocess_delta_kernel(BwdParams p) 
     const float dl = p.dlse != nullptr ? p.dlse[stat] : 0.f;
     // A row that saw no key has lse = -inf and O = 0; its delta is irrelevant but finite.
     p.delta[stat] = acc - dl;
+    if constexpr (kStats) {
+      const int64_t pair = ((static_cast<int64_t>(bi) * p.hq + h) * p.stats_rows + i) * 2;
+      *reinterpret_cast<float2*>(p.bwd_stats + pair) = make_float2(lse_to_log2(p.softmax_lse[stat]), acc - dl);
+    }
   }
 }
 
@@ -77,6 +85,19 @@ inline void launch_bwd_preprocess(const BwdParams& params, cudaStream_t stream) 
     const int64_t blocks = (total_rows + rows_per_block - 1) / rows_per_block;
     kernel<<<static_cast<unsigned>(blocks), 256, 0, stream>>>(p);
   };
+  if constexpr (kAblations) {
+    if (p.bwd_stats != nullptr) {
+      if (vectors <= 8) {
+        launch(bwd_preprocess_delta_kernel<T, 8, true>, 8);
+      } else if (vectors <= 16) {
+        launch(bwd_preprocess_delta_kernel<T, 16, true>, 16);
+      } else {
+        launch(bwd_preprocess_delta_kernel<T, 32, true>, 32);
+      }
+      check_launch("bwd_preprocess_delta");
+      return;
+    }
+  }
   if (vectors <= 8) {
     launch(bwd_preprocess_delta_kernel<T, 8>, 8);
   } else if (vectors <= 16) {

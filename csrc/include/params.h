@@ -224,6 +224,12 @@ struct BwdParams : FwdParams {
 
   // true: no floating-point atomics anywhere, gradients are bitwise reproducible.
   bool deterministic = false;
+
+  // The ablation rung FLASH_CUDA_SM90_BWD_STATS=bulk (tiers/wgmma/ablation.h; nullptr
+  // otherwise): float32 [b][hq][stats_rows][2], each query's (lse in log2 units, delta), rows
+  // past sq zero; written by the delta preprocess, a query block's pairs copied by one bulk copy.
+  float* bwd_stats = nullptr;
+  int stats_rows = 0;
 };
 
 // Two partial results of the same query rows over disjoint key sets, merged by their row

@@ -122,6 +122,20 @@ struct WarpReleaseOf : std::false_type {};
 template <typename Cfg>
 struct WarpReleaseOf<Cfg, std::void_t<decltype(Cfg::kWarpRelease)>> : std::bool_constant<Cfg::kWarpRelease> {};
 
+// The ablation rung FLASH_CUDA_SM90_BWD_STATS=bulk (ablation.h): a query block's (lse in log2
+// units, delta) pairs, written by the delta preprocess into BwdParams::bwd_stats, land in the
+// stage's lse / delta words (read as pairs) by one bulk copy of the producer's lane 0 on the
+// stage's barrier, instead of the producer's lanes loading, converting and storing them. kPlain
+// on dense batches, any of the tiles above.
+template <typename Traits>
+struct BulkStats : Traits {
+  static constexpr bool kBulkStats = true;
+};
+template <typename Cfg, typename = void>
+struct BulkStatsOf : std::false_type {};
+template <typename Cfg>
+struct BulkStatsOf<Cfg, std::void_t<decltype(Cfg::kBulkStats)>> : std::bool_constant<Cfg::kBulkStats> {};
+
 // The tiles of bwd.cuh's dK/dV kernel (BwdTraits, TilesOfWidth or TilesOf80Queries, maybe in
 // WarpRelease), plus the ring's own sizes.
 // kDepth: the head dims the instance serves (<= kD): the products that reduce over d (S^T, dP^T)
@@ -275,17 +289,18 @@ struct Smem {
 // would reach this one's gradients through 0 * NaN. So the tiles land on the producer's own
 // `tail` barrier first; the lanes zero those rows, fence them towards the async proxy (the
 // consumers' wgmma reads them) and then arrive on `full`, which carries no bytes this time.
+// extra_tx: bytes of another copy lane 0 issues onto `full` itself (a dense block only).
 template <typename S0, typename S1, typename T>
 __device__ __forceinline__ void load_pair(T* dst0, const CUtensorMap* map0, T* dst1, const CUtensorMap* map1,
                                           uint64_t* full, uint64_t* tail, int& tail_phase, int row, int h, int b,
-                                          int valid, int lane) {
+                                          int valid, int lane, uint32_t extra_tx = 0) {
 #if FLASH_SM90_ENABLED
   constexpr int kRows = S0::kRows;
   static_assert(S1::kRows == kRows, "two tiles of the same rows");
   const bool partial = valid < kRows;
   uint64_t* bar = partial ? tail : full;
   if (lane == 0) {
-    mbarrier_arrive_expect_tx(bar, S0::kBytes + S1::kBytes);
+    mbarrier_arrive_expect_tx(bar, S0::kBytes + S1::kBytes + extra_tx);
     if constexpr (std::is_same_v<S0, S1>) {
 #pragma unroll
       for (int c = 0; c < S0::kSlabs; ++c) {
@@ -343,21 +358,35 @@ __device__ __forceinline__ void produce(const BwdParams& p, const TmaMaps& maps,
     for (int mb = steps.m_range.begin; mb < steps.m_range.end; ++mb) {
       const int m0 = mb * Cfg::kBlockM;
       mbarrier_wait(&sm.q_empty[s], phase ^ 1);  // the first pass finds it free
-      // Rows past the sequence read as lse = delta = 0: their Q and dO rows are zero (TMA's fill,
-      // or load_pair's zeroing in a packed batch), so P = 1 there multiplies zeros, and their dQ
-      // is never added. lse is staged in log2 units (lse_to_log2, the consumers' compute_probs
-      // with kLseLog2): converted once here rather than by every consumer thread that reads it.
+      if constexpr (BulkStatsOf<Cfg>::value) {
+        // The block's pairs in one bulk copy into the stage's lse / delta words (rows past the
+        // sequence are the workspace's zeros), counted on q_full with Q and dO.
+        constexpr uint32_t kStatBytes = Cfg::kBlockM * 2 * sizeof(float);
+        load_pair<typename Cfg::QSlabs, typename Cfg::QSlabs>(sm.q(s), &maps.q, sm.dout(s), &maps.dout, &sm.q_full[s],
+                                                              sm.tail, tail_phase, seq.q_start + m0, h, tb,
+                                                              Cfg::kBlockM, lane, kStatBytes);
+        if (lane == 0) {
+          const float* src = p.bwd_stats + ((int64_t(seq.bi) * p.hq + h) * p.stats_rows + m0) * 2;
+          bulk_load(sm.lse + s * Cfg::kBlockM * 2, src, kStatBytes, &sm.q_full[s]);
+        }
+      } else {
+        // Rows past the sequence read as lse = delta = 0: their Q and dO rows are zero (TMA's
+        // fill, or load_pair's zeroing in a packed batch), so P = 1 there multiplies zeros, and
+        // their dQ is never added. lse is staged in log2 units (lse_to_log2, the consumers'
+        // compute_probs with kLseLog2): converted once here rather than by every consumer thread
+        // that reads it.
 #pragma unroll
-      for (int r = 0; r < Cfg::kBlockM; r += 32) {
-        if (Cfg::kBlockM % 32 != 0 && r + lane >= Cfg::kBlockM) break;  // 80 queries: 16 lanes in the last pass
-        const bool valid = m0 + r + lane < seq.sq;
-        const float l = valid ? lse_to_log2(lse[m0 + r + lane]) : 0.f, dl = valid ? delta[m0 + r + lane] : 0.f;
-        const uint32_t at = stats + (s * Cfg::kBlockM + r) * 4;
-        st_shared_f32_pair<Cfg::kStages * Cfg::kBlockM * 4>(at, l, dl);
+        for (int r = 0; r < Cfg::kBlockM; r += 32) {
+          if (Cfg::kBlockM % 32 != 0 && r + lane >= Cfg::kBlockM) break;  // 80 queries: 16 lanes in the last pass
+          const bool valid = m0 + r + lane < seq.sq;
+          const float l = valid ? lse_to_log2(lse[m0 + r + lane]) : 0.f, dl = valid ? delta[m0 + r + lane] : 0.f;
+          const uint32_t at = stats + (s * Cfg::kBlockM + r) * 4;
+          st_shared_f32_pair<Cfg::kStages * Cfg::kBlockM * 4>(at, l, dl);
+        }
+        load_pair<typename Cfg::QSlabs, typename Cfg::QSlabs>(sm.q(s), &maps.q, sm.dout(s), &maps.dout, &sm.q_full[s],
+                                                              sm.tail, tail_phase, seq.q_start + m0, h, tb,
+                                                              packed ? seq.sq - m0 : Cfg::kBlockM, lane);
       }
-      load_pair<typename Cfg::QSlabs, typename Cfg::QSlabs>(sm.q(s), &maps.q, sm.dout(s), &maps.dout, &sm.q_full[s],
-                                                            sm.tail, tail_phase, seq.q_start + m0, h, tb,
-                                                            packed ? seq.sq - m0 : Cfg::kBlockM, lane);
       if (++s == Cfg::kStages) {
         s = 0;
         phase ^= 1;
@@ -684,7 +713,11 @@ __device__ __forceinline__ void bwd_ws_block(const BwdParams& p, const TmaMaps& 
                                         });
     } else {
       DtanhTile<kVariant, 1, 1> no_dtanh;
-      compute_probs<true, kVariant, true>(pt, no_dtanh, sm.lse + st * kBlockM, needs_mask, warp_key0, m0, mask, p,
+      // BulkStats: the stage holds (lse, delta) pairs (the producer's bulk copy).
+      constexpr bool kPairs = BulkStatsOf<Cfg>::value;
+      const float* stage_lse = sm.lse + st * kBlockM * (kPairs ? 2 : 1);
+      const float* stage_delta = kPairs ? stage_lse : sm.delta + st * kBlockM;
+      compute_probs<true, kVariant, true, kPairs>(pt, no_dtanh, stage_lse, needs_mask, warp_key0, m0, mask, p,
                                              seq, h);
       // Dropout: the block's keep mask, drawn while dP^T is still on the tensor cores; it drops
       // dP^T before dS^T = P^T (dP^T keep - delta) and then P^T for dV (the forward's key, from
@@ -696,7 +729,7 @@ __device__ __forceinline__ void bwd_ws_block(const BwdParams& p, const TmaMaps& 
       wgmma_wait<0>();
       fence_accumulator(dst[0]);
       if constexpr (kDrop) dropout_apply_tile(dst, keep, p.dropout.scale);
-      compute_ds<true, kVariant>(dst, pt, no_dtanh, sm.delta + st * kBlockM);
+      compute_ds<true, kVariant, kPairs>(dst, pt, no_dtanh, stage_delta);
       if constexpr (kDrop) dropout_apply_tile(pt, keep, p.dropout.scale);
       accumulator_to_a<T>(a_pt, pt[0]);
       accumulator_to_a<T>(a_ds, dst[0]);
@@ -959,6 +992,9 @@ bool launch_bwd_sm90_ws(const BwdParams& p, cudaStream_t stream) {
   constexpr int kWidth = wgmma::bwd_ws_width(Traits::kHeadDim, kDepth);
   using Tiles = std::conditional_t<kWidth == Traits::kHeadDim, Traits, sm90::bwd_ws::TilesOfWidth<Traits, kWidth>>;
   if constexpr (kAblations && kVariant == kPlain) {
+    if (p.bwd_stats != nullptr && p.cu_seqlens_q == nullptr) {  // ablation.h: bwd_bulk_stats; family.h made them
+      return launch_bwd_ws_tiles<T, sm90::bwd_ws::BulkStats<Tiles>, kVariant, kDepth>(p, stream);
+    }
     if (wgmma::ablation::bwd_warp_release()) {
       return launch_bwd_ws_tiles<T, sm90::bwd_ws::WarpRelease<Tiles>, kVariant, kDepth>(p, stream);
     }

@@ -92,8 +92,8 @@ template <int kDType, int kVariant> struct WideBwdEntry {
 //   deterministic=False (the wide kernel) and at d <= 32 for the calls of
 //   config.h: narrow_bwd_applies. Workspace, with deterministic=False
 //   and every gradient wanted (the warp-specialized kernels run only then):
-//   the fp32 dQ the warp-specialized kernels add into, zero-filled: tiles of 64 or 128 rows at
-//   the head-dim bucket's width (bwd_ws.cuh: DqTile, bwd_wide.cuh: WideDqTile). Softcap's derivative with deterministic=True is declined (the
+//   the fp32 dQ the warp-specialized kernels add into, zero-filled: tiles of 64, 80 (config.h:
+//   bwd_steps80) or 128 rows at the head-dim bucket's width (bwd_ws.cuh: DqTile, bwd_wide.cuh: WideDqTile). Softcap's derivative with deterministic=True is declined (the
 //   mma.sync family has it).
 struct WgmmaFamily {
   static bool applies(const FwdParams& p, Tier tier) {
@@ -132,7 +132,15 @@ struct WgmmaFamily {
     }
   }
   static void attach(FwdParams& p, float*, int* ints) { p.tile_counter = ints; }
-  static void attach(BwdParams& p, float* floats, int*) { p.dq_accum = floats; }
+  static void attach(BwdParams& p, float* floats, int*) {
+    p.dq_accum = floats;
+    if constexpr (kAblations) {  // the stats rung's pairs after the dQ tiles (plan_bwd)
+      if (floats != nullptr && wgmma::ablation::bwd_bulk_stats(p)) {
+        p.stats_rows = ceil_div(p.sq, bwd_block_m_of(p)) * bwd_block_m_of(p);
+        p.bwd_stats = floats + dq_floats(p);
+      }
+    }
+  }
   static bool run(const FwdParams& p, Tier, cudaStream_t stream) {
     return with_dtype_variant<wgmma::FwdEntry, tiles::WgmmaFwdBuckets>(p, variant_of(p, /*backward=*/false), stream);
   }
@@ -161,12 +169,23 @@ struct WgmmaFamily {
     return ((tier == Tier::kAuto || tier == Tier::kWgmma) && wgmma::bwd_head_dim(p.d)) ||
            wgmma::wide_bwd_applies(p, tier);
   }
+  // The dQ workspace's tile height and floats.
+  static int bwd_block_m_of(const BwdParams& p) {
+    return wgmma::ablation::bwd_steps80(p) ? 80 : wgmma::bwd_block_m(wgmma::bwd_tile_width(p));
+  }
+  static int64_t dq_floats(const BwdParams& p) {
+    const int block_m = bwd_block_m_of(p);
+    return wgmma::dq_tile_count(p, block_m) * block_m * wgmma::bwd_tile_width(p);
+  }
   static Workspace plan_bwd(const BwdParams& p) {
     Workspace ws;
     if (p.deterministic || !bwd_wants_all(p)) return ws;
-    const int bucket_d = wgmma::bwd_tile_width(p);
-    const int block_m = wgmma::ablation::bwd_steps80(p) ? 80 : wgmma::bwd_block_m(bucket_d);
-    ws.floats = wgmma::dq_tile_count(p, block_m) * block_m * bucket_d;
+    ws.floats = dq_floats(p);
+    if constexpr (kAblations) {  // the stats rung: [b][hq][sq rounded up to the tile height][2]
+      if (wgmma::ablation::bwd_bulk_stats(p)) {
+        ws.floats += int64_t(p.b) * p.hq * ceil_div(p.sq, bwd_block_m_of(p)) * bwd_block_m_of(p) * 2;
+      }
+    }
     ws.zero_floats = true;
     return ws;
   }

@@ -94,10 +94,11 @@ struct TilesOfWidth : Traits {
 };
 
 // 80-query steps (tile_policy.h: kBwdSteps80MinSq): the 128-wide tiles stepping over 80 queries
-// instead of 64, as FlashAttention-4's sm90 backward does at d = 128 without a mask. 80 rows are no multiple of wgmma's M = 64, so the dQ product runs transposed,
-// dQ^T = K^T dS^T: each warpgroup computes 64 of d's rows for all 80 queries (M = d, N = 80),
-// reading K as the MN-major A operand and dS^T as the MN-major B operand, staged in five
-// 16-query slabs with the 32-byte swizzle (a 160-byte row has no wider swizzle). The dQ
+// instead of 64, as FlashAttention-4's sm90 backward does at d = 128 without a mask. 80 rows are
+// no multiple of wgmma's M = 64, so the dQ product runs transposed, dQ^T = K^T dS^T: each
+// warpgroup computes 64 of d's rows for all 80 queries (M = d, N = 80), reading K as the MN-major
+// A operand and dS^T as the MN-major B operand, staged in five 16-query slabs with the 32-byte
+// swizzle (a 160-byte row has no wider swizzle). The dQ
 // workspace's tiles are then transposed too (DqTile). Shared memory holds one dQ staging buffer
 // (two dS^T buffers and one dQ buffer: 231,784 bytes); the consumers need 240 registers, which
 // leaves the producer warpgroup 24, where a writer thread beside the producer would spill: the
@@ -137,7 +138,7 @@ template <typename Cfg>
 struct BulkStatsOf<Cfg, std::void_t<decltype(Cfg::kBulkStats)>> : std::bool_constant<Cfg::kBulkStats> {};
 
 // The tiles of bwd.cuh's dK/dV kernel (BwdTraits, TilesOfWidth or TilesOf80Queries, maybe in
-// WarpRelease), plus the ring's own sizes.
+// an ablation rung's WarpRelease or BulkStats), plus the ring's own sizes.
 // kDepth: the head dims the instance serves (<= kD): the products that reduce over d (S^T, dP^T)
 // stop after its k-steps; the tiles keep their width, TMA filling the columns past d with zeros
 // (d = 96 on the 128-wide tiles: 6 of their 8 k-steps). The tiles are 128-byte-swizzled
@@ -188,7 +189,7 @@ struct WsBwdConfig : Traits {
                 "the consumers' registers come from the producer's");
   static_assert(Traits::kKVWarpGroups == 2, "two consumer warpgroups of 64 keys");
   static_assert(kBlockM == wgmma::bwd_block_m(kD) || kTransposedDq,
-                "the dQ workspace is sized with this tile height (tile_policy.h; the 80-query rung: family.h)");
+                "the dQ workspace is sized with this tile height (tile_policy.h; 80-query steps: family.h)");
   static_assert(kBlockM % 16 == 0 && kBlockN <= 256 && kBlockM <= 256, "k-steps of 16 queries, TMA boxes of <= 256 rows");
   // The layout (bwd_smem.h: WsStorage, this kernel's part WsExchange: dS^T and the two dQ staging
   // buffers, a query block's kBlockM x d floats in the order of the accumulator fragments, DqTile,
@@ -220,7 +221,7 @@ struct Smem {
   T* sdO;   // [kStages]
   T* sdS;   // [Cfg::kDsBuffers]
   float* sdQ = nullptr;  // [Cfg::kDqBuffers] (Cfg::kStagesDq)
-  float* lse;    // [kStages][kBlockM]
+  float* lse;    // [kStages][kBlockM] (BulkStats: [kStages][kBlockM][2] pairs over both)
   float* delta;  // [kStages][kBlockM]
   uint64_t* kv_full;
   uint64_t* q_full;   // [kStages]
@@ -960,8 +961,8 @@ bool launch_bwd_ws_main(Kernel kernel, const BwdParams& p, const char* name, cud
 // Launches delta's preprocess and the warp-specialized backward and returns true, or returns
 // false having launched nothing: no dq_accum workspace (deterministic=True, or a call that wants
 // only dQ or only dK / dV: family.h), or a view TMA cannot address.
-// The launch on tiles Tiles (launch_bwd_sm90_ws's, maybe in WarpRelease): the 80-query steps
-// where they apply, else the 64- / 128-query ones.
+// The launch on tiles Tiles (launch_bwd_sm90_ws's, maybe in an ablation rung's wrapper): the
+// 80-query steps where they apply, else the 64- / 128-query ones.
 template <typename T, typename Tiles, int kVariant, int kDepth>
 bool launch_bwd_ws_tiles(const BwdParams& p, cudaStream_t stream) {
   using Cfg = sm90::bwd_ws::WsBwdConfig<Tiles, 2, kDepth>;

@@ -98,11 +98,11 @@ struct TilesOfWidth : Traits {
 // no multiple of wgmma's M = 64, so the dQ product runs transposed, dQ^T = K^T dS^T: each
 // warpgroup computes 64 of d's rows for all 80 queries (M = d, N = 80), reading K as the MN-major
 // A operand and dS^T as the MN-major B operand, staged in five 16-query slabs with the 32-byte
-// swizzle (a 160-byte row has no wider swizzle). The dQ
-// workspace's tiles are then transposed too (DqTile). Shared memory holds one dQ staging buffer
-// (two dS^T buffers and one dQ buffer: 231,784 bytes); the consumers need 240 registers, which
-// leaves the producer warpgroup 24, where a writer thread beside the producer would spill: the
-// first consumer thread issues the dQ reductions itself.
+// swizzle (a 160-byte row has no wider swizzle). The dQ workspace's tiles are then transposed
+// too (DqTile). Shared memory holds one dQ staging buffer (two dS^T buffers and one dQ buffer:
+// 231,784 bytes); the consumers need 240 registers, which leaves the producer warpgroup 24,
+// where a writer thread beside the producer would spill: the first consumer thread issues the dQ
+// reductions itself.
 template <typename Traits>
 struct TilesOf80Queries : Traits {
   static constexpr int kKVBlockM = 80;

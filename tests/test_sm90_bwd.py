@@ -479,7 +479,6 @@ STEP80_CASES = [
 @pytest.mark.parametrize("dtype", [F16, BF16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("B,Hq,Hkv,Sq,Sk,D,is_causal,window,layout", STEP80_CASES)
 def test_sm90_bwd_80_query_steps(monkeypatch, mode, dtype, B, Hq, Hkv, Sq, Sk, D, is_causal, window, layout):
-    import flash_cuda
     from flash_cuda import _ext
 
     if mode != "ws":
@@ -491,14 +490,21 @@ def test_sm90_bwd_80_query_steps(monkeypatch, mode, dtype, B, Hq, Hkv, Sq, Sk, D
     else:
         monkeypatch.delenv("FLASH_CUDA_SM90_BWD_STEP", raising=False)
     q, k, v = make_inputs(B, Hq, Hkv, Sq, Sk, D, dtype, "cuda", layout=layout, seed=Sq + Sk + 80)
-    check_attention(q, k, v, is_causal=is_causal, scale=None, window_size=window, label="sm90 bwd 80-query steps",
-                    seed=Sq)
+    _check_ws_kernel(q, k, v, is_causal, window, "TilesOf80Queries", "sm90 bwd 80-query steps", seed=Sq)
+
+
+def _check_ws_kernel(q, k, v, is_causal, window, marker, label, *, seed):
+    """check_attention's float64 rule on the call, then that its backward ran a kernel whose name
+    holds `marker` (the tiles or the rung's wrapper, csrc/tiers/wgmma/bwd_ws.cuh)."""
+    import flash_cuda
+
+    check_attention(q, k, v, is_causal=is_causal, scale=None, window_size=window, label=label, seed=seed)
     qf, kf, vf = (t.detach().requires_grad_() for t in (q, k, v))
     out = flash_cuda.attention(qf, kf, vf, is_causal=is_causal, window_size=window)
     names = _backward_kernels(out, (qf, kf, vf))
     if not names:
         pytest.skip("torch.profiler recorded no CUDA kernel here (no CUPTI): the gradients held, the route is unchecked")
-    assert "TilesOf80Queries" in names, names
+    assert marker in names, names
 
 
 @pytest.mark.parametrize("Sq,D,deterministic,steps80", [(4095, 128, False, False), (4096, 128, False, True),
@@ -537,7 +543,6 @@ STATS_CASES = [
 @pytest.mark.parametrize("dtype", [F16, BF16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("B,Hq,Hkv,Sq,Sk,D,is_causal,window,layout", STATS_CASES)
 def test_sm90_bwd_bulk_stats_rung(monkeypatch, mode, dtype, B, Hq, Hkv, Sq, Sk, D, is_causal, window, layout):
-    import flash_cuda
     from flash_cuda import _ext
 
     if mode != "ws":
@@ -546,11 +551,4 @@ def test_sm90_bwd_bulk_stats_rung(monkeypatch, mode, dtype, B, Hq, Hkv, Sq, Sk, 
         pytest.skip("an ablation rung: this build has none (FLASH_CUDA_ABLATIONS=1 builds them)")
     monkeypatch.setenv("FLASH_CUDA_SM90_BWD_STATS", "bulk")
     q, k, v = make_inputs(B, Hq, Hkv, Sq, Sk, D, dtype, "cuda", layout=layout, seed=Sq + D + 7)
-    check_attention(q, k, v, is_causal=is_causal, scale=None, window_size=window, label="sm90 bwd stats rung",
-                    seed=Sq)
-    qf, kf, vf = (t.detach().requires_grad_() for t in (q, k, v))
-    out = flash_cuda.attention(qf, kf, vf, is_causal=is_causal, window_size=window)
-    names = _backward_kernels(out, (qf, kf, vf))
-    if not names:
-        pytest.skip("torch.profiler recorded no CUDA kernel here (no CUPTI): the gradients held, the route is unchecked")
-    assert "BulkStats" in names, names
+    _check_ws_kernel(q, k, v, is_causal, window, "BulkStats", "sm90 bwd stats rung", seed=Sq)

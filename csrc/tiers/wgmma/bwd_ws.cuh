@@ -109,33 +109,32 @@ struct TilesOf80Queries : Traits {
   static_assert(Traits::kHeadDim == 128 && Traits::kKVBlockN == 128, "the 128-wide tiles, 128 keys per CTA");
 };
 
-// The ablation rung FLASH_CUDA_SM90_BWD_RELEASE=warp (ablation.h): a consumer warp releases a Q /
-// dO stage with one arrival (lane 0, after __syncwarp) instead of one per thread, as CUTLASS's
-// pipelines release a stage once per consumer. Measures what the 256 arrivals per step cost; the
-// per-thread form stands because compute-sanitizer's racecheck does not follow __syncwarp's
-// ordering of the other lanes' lse / delta reads. Any of the tiles above.
+// Ablation rungs as wrappers of any of the tiles above, each adding its bit to kRungs (one
+// detector, RungsOf, reads them, and wrappers nest):
+//   WarpRelease (FLASH_CUDA_SM90_BWD_RELEASE=warp, ablation.h): a consumer warp releases a Q / dO
+//     stage with one arrival (lane 0, after __syncwarp) instead of one per thread, as CUTLASS's
+//     pipelines release a stage once per consumer. The per-thread form stands because
+//     compute-sanitizer's racecheck does not follow __syncwarp's ordering of the other lanes'
+//     lse / delta reads.
+//   BulkStats (FLASH_CUDA_SM90_BWD_STATS=bulk): a query block's (lse in log2 units, delta) pairs,
+//     written by the delta preprocess into BwdParams::bwd_stats, land in the stage's lse / delta
+//     words (read as pairs) by one bulk copy of the producer's lane 0 on the stage's barrier,
+//     instead of the producer's lanes loading, converting and storing them. kPlain, dense batches.
+enum : int { kRungWarpRelease = 1, kRungBulkStats = 2 };
+template <typename Tiles, typename = void>
+struct RungsOf : std::integral_constant<int, 0> {};
+template <typename Tiles>
+struct RungsOf<Tiles, std::void_t<decltype(Tiles::kRungs)>> : std::integral_constant<int, Tiles::kRungs> {};
+template <typename Tiles, int kRung>
+constexpr bool kHasRung = (RungsOf<Tiles>::value & kRung) != 0;
 template <typename Traits>
 struct WarpRelease : Traits {
-  static constexpr bool kWarpRelease = true;
+  static constexpr int kRungs = RungsOf<Traits>::value | kRungWarpRelease;
 };
-template <typename Cfg, typename = void>
-struct WarpReleaseOf : std::false_type {};
-template <typename Cfg>
-struct WarpReleaseOf<Cfg, std::void_t<decltype(Cfg::kWarpRelease)>> : std::bool_constant<Cfg::kWarpRelease> {};
-
-// The ablation rung FLASH_CUDA_SM90_BWD_STATS=bulk (ablation.h): a query block's (lse in log2
-// units, delta) pairs, written by the delta preprocess into BwdParams::bwd_stats, land in the
-// stage's lse / delta words (read as pairs) by one bulk copy of the producer's lane 0 on the
-// stage's barrier, instead of the producer's lanes loading, converting and storing them. kPlain
-// on dense batches, any of the tiles above.
 template <typename Traits>
 struct BulkStats : Traits {
-  static constexpr bool kBulkStats = true;
+  static constexpr int kRungs = RungsOf<Traits>::value | kRungBulkStats;
 };
-template <typename Cfg, typename = void>
-struct BulkStatsOf : std::false_type {};
-template <typename Cfg>
-struct BulkStatsOf<Cfg, std::void_t<decltype(Cfg::kBulkStats)>> : std::bool_constant<Cfg::kBulkStats> {};
 
 // The tiles of bwd.cuh's dK/dV kernel (BwdTraits, TilesOfWidth or TilesOf80Queries, maybe in
 // an ablation rung's WarpRelease or BulkStats), plus the ring's own sizes.
@@ -259,7 +258,7 @@ struct Smem {
       mbarrier_init(tail, 1);
       for (int s = 0; s < Cfg::kStages; ++s) {
         mbarrier_init(&q_full[s], 32);
-        mbarrier_init(&q_empty[s], WarpReleaseOf<Cfg>::value ? Cfg::kConsumerWarps : kConsumerThreads);
+        mbarrier_init(&q_empty[s], kHasRung<Cfg, kRungWarpRelease> ? Cfg::kConsumerWarps : kConsumerThreads);
       }
       if constexpr (kDqWriter) {
         for (int b = 0; b < 2; ++b) {
@@ -359,7 +358,7 @@ __device__ __forceinline__ void produce(const BwdParams& p, const TmaMaps& maps,
     for (int mb = steps.m_range.begin; mb < steps.m_range.end; ++mb) {
       const int m0 = mb * Cfg::kBlockM;
       mbarrier_wait(&sm.q_empty[s], phase ^ 1);  // the first pass finds it free
-      if constexpr (BulkStatsOf<Cfg>::value) {
+      if constexpr (kHasRung<Cfg, kRungBulkStats>) {
         // The block's pairs in one bulk copy into the stage's lse / delta words (rows past the
         // sequence are the workspace's zeros), counted on q_full with Q and dO.
         constexpr uint32_t kStatBytes = Cfg::kBlockM * 2 * sizeof(float);
@@ -715,7 +714,7 @@ __device__ __forceinline__ void bwd_ws_block(const BwdParams& p, const TmaMaps& 
     } else {
       DtanhTile<kVariant, 1, 1> no_dtanh;
       // BulkStats: the stage holds (lse, delta) pairs (the producer's bulk copy).
-      constexpr bool kPairs = BulkStatsOf<Cfg>::value;
+      constexpr bool kPairs = kHasRung<Cfg, kRungBulkStats>;
       const float* stage_lse = sm.lse + st * kBlockM * (kPairs ? 2 : 1);
       const float* stage_delta = kPairs ? stage_lse : sm.delta + st * kBlockM;
       compute_probs<true, kVariant, true, kPairs>(pt, no_dtanh, stage_lse, needs_mask, warp_key0, m0, mask, p,
@@ -783,7 +782,7 @@ __device__ __forceinline__ void bwd_ws_block(const BwdParams& p, const TmaMaps& 
     // Q, dO, lse, delta of stage s are no longer read. Every thread arrives for its own reads of
     // lse and delta (the producer rewrites them with ordinary stores): an arrival per warp after
     // __syncwarp orders them as well, but compute-sanitizer's racecheck does not follow that chain.
-    if constexpr (WarpReleaseOf<Cfg>::value) {
+    if constexpr (kHasRung<Cfg, kRungWarpRelease>) {
       __syncwarp();
       if (lane == 0) mbarrier_arrive(&sm.q_empty[s]);
     } else {

@@ -224,9 +224,9 @@ CASES: List[Case] = [
     # causal rows past Sk, a window, GQA ----
     Case(BF16, 1, 2, 1, 4100, 300, 128, True, "bshd"),
     Case(F16, 1, 4, 2, 4096, 333, 112, False, "strided", window=(100, 20)),
-    # ---- the backward's stats rung (FLASH_CUDA_SM90_BWD_STATS=bulk; an ablation build reads it,
-    # any other runs the default): bulk-copied (lse, delta) pairs, a partial last block ----
-    Case(BF16, 1, 4, 2, 300, 500, 128, True, "bshd", env=(("FLASH_CUDA_SM90_BWD_STATS", "bulk"),)),
+    # ---- the backward's lanes rung (FLASH_CUDA_SM90_BWD_STATS=lanes; an ablation build reads it,
+    # any other runs the default, bulk-copied (lse, delta) pairs): a partial last block ----
+    Case(BF16, 1, 4, 2, 300, 500, 128, True, "bshd", env=(("FLASH_CUDA_SM90_BWD_STATS", "lanes"),)),
 ]
 
 

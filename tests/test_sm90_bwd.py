@@ -493,9 +493,10 @@ def test_sm90_bwd_80_query_steps(monkeypatch, mode, dtype, B, Hq, Hkv, Sq, Sk, D
     _check_ws_kernel(q, k, v, is_causal, window, "TilesOf80Queries", "sm90 bwd 80-query steps", seed=Sq)
 
 
-def _check_ws_kernel(q, k, v, is_causal, window, marker, label, *, seed):
+def _check_ws_kernel(q, k, v, is_causal, window, marker, label, *, seed, present=True):
     """check_attention's float64 rule on the call, then that its backward ran a kernel whose name
-    holds `marker` (the tiles or the rung's wrapper, csrc/tiers/wgmma/bwd_ws.cuh)."""
+    holds `marker` (the tiles or an option's wrapper, csrc/tiers/wgmma/bwd_ws.cuh), or with
+    present=False that no kernel of it does."""
     import flash_cuda
 
     check_attention(q, k, v, is_causal=is_causal, scale=None, window_size=window, label=label, seed=seed)
@@ -504,7 +505,7 @@ def _check_ws_kernel(q, k, v, is_causal, window, marker, label, *, seed):
     names = _backward_kernels(out, (qf, kf, vf))
     if not names:
         pytest.skip("torch.profiler recorded no CUDA kernel here (no CUPTI): the gradients held, the route is unchecked")
-    assert marker in names, names
+    assert (marker in names) == present, names
 
 
 @pytest.mark.parametrize("Sq,D,deterministic,steps80", [(4095, 128, False, False), (4096, 128, False, True),
@@ -525,11 +526,12 @@ def test_80_query_steps_route(monkeypatch, mode, Sq, D, deterministic, steps80):
     assert ("TilesOf80Queries" in names) == steps80, names
 
 
-# The stats rung (FLASH_CUDA_SM90_BWD_STATS=bulk, an ablation build only: csrc/tiers/wgmma/
-# ablation.h): the delta preprocess writes each query's (lse in log2 units, delta) into the
-# workspace, the producer takes a block's pairs by one bulk copy. Every tile shape of the kPlain
-# kernels (d 32 and 64: 128-query steps; 96: native 96-wide; 128: 64-query and, from Sq 4096,
-# 80-query steps), partial last blocks (the workspace's zero rows), masks, GQA, views.
+# The (lse, delta) pairs (config.h: bwd_bulk_stats; bwd_ws.cuh: BulkStats): the delta preprocess
+# writes each query's (lse in log2 units, delta) into the workspace, the producer takes a block's
+# pairs by one bulk copy; the ablation rung FLASH_CUDA_SM90_BWD_STATS=lanes stages them by the
+# producer's lanes instead. Every tile shape of the kPlain kernels (d 32 and 64: 128-query steps;
+# 96: native 96-wide; 128: 64-query and, from Sq 4096, 80-query steps), partial last blocks (the
+# workspace's zero rows), masks, GQA, views.
 STATS_CASES = [
     (2, 4, 2, 1000, 1100, 64, True, (-1, -1), "bshd"),
     (1, 4, 4, 300, 257, 96, False, (100, 37), "strided"),
@@ -542,13 +544,18 @@ STATS_CASES = [
 
 @pytest.mark.parametrize("dtype", [F16, BF16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("B,Hq,Hkv,Sq,Sk,D,is_causal,window,layout", STATS_CASES)
-def test_sm90_bwd_bulk_stats_rung(monkeypatch, mode, dtype, B, Hq, Hkv, Sq, Sk, D, is_causal, window, layout):
+@pytest.mark.parametrize("stats", ["bulk", "lanes"])
+def test_sm90_bwd_stats(monkeypatch, mode, stats, dtype, B, Hq, Hkv, Sq, Sk, D, is_causal, window, layout):
     from flash_cuda import _ext
 
     if mode != "ws":
-        pytest.skip("the rung is the warp-specialized kernel's (deterministic=False)")
-    if not _ext.ablations():
-        pytest.skip("an ablation rung: this build has none (FLASH_CUDA_ABLATIONS=1 builds them)")
-    monkeypatch.setenv("FLASH_CUDA_SM90_BWD_STATS", "bulk")
+        pytest.skip("the pairs are the warp-specialized kernel's (deterministic=False)")
+    if stats == "lanes":
+        if not _ext.ablations():
+            pytest.skip("an ablation rung: this build has none (FLASH_CUDA_ABLATIONS=1 builds them)")
+        monkeypatch.setenv("FLASH_CUDA_SM90_BWD_STATS", "lanes")
+    else:
+        monkeypatch.delenv("FLASH_CUDA_SM90_BWD_STATS", raising=False)
     q, k, v = make_inputs(B, Hq, Hkv, Sq, Sk, D, dtype, "cuda", layout=layout, seed=Sq + D + 7)
-    _check_ws_kernel(q, k, v, is_causal, window, "BulkStats", "sm90 bwd stats rung", seed=Sq)
+    _check_ws_kernel(q, k, v, is_causal, window, "BulkStats", f"sm90 bwd stats {stats}", seed=Sq,
+                     present=stats == "bulk")

@@ -14,13 +14,12 @@
 #include "../arch/host.h"
 #include "../arch/sm80.cuh"
 #include "../arch/types.cuh"
-#include "../include/ablation.h"
 #include "softmax.cuh"
 
 namespace flash_cuda {
 
-// kStats: also each row's (lse in log2 units, delta) pair into p.bwd_stats (include/params.h; the
-// ablation rung FLASH_CUDA_SM90_BWD_STATS=bulk, dense batches).
+// kStats: also each row's (lse in log2 units, delta) pair into p.bwd_stats (include/params.h;
+// the Hopper backward's kPlain kernels read them: tiers/wgmma/config.h, bwd_bulk_stats).
 template <typename T, int kLanes, bool kStats = false>
 __global__ void __launch_bounds__(256) bwd_preprocess_delta_kernel(BwdParams p) {
   constexpr int kVec = 16 / sizeof(T);  // elements per 16-byte vector
@@ -85,18 +84,16 @@ inline void launch_bwd_preprocess(const BwdParams& params, cudaStream_t stream) 
     const int64_t blocks = (total_rows + rows_per_block - 1) / rows_per_block;
     kernel<<<static_cast<unsigned>(blocks), 256, 0, stream>>>(p);
   };
-  if constexpr (kAblations) {
-    if (p.bwd_stats != nullptr) {
-      if (vectors <= 8) {
-        launch(bwd_preprocess_delta_kernel<T, 8, true>, 8);
-      } else if (vectors <= 16) {
-        launch(bwd_preprocess_delta_kernel<T, 16, true>, 16);
-      } else {
-        launch(bwd_preprocess_delta_kernel<T, 32, true>, 32);
-      }
-      check_launch("bwd_preprocess_delta");
-      return;
+  if (p.bwd_stats != nullptr) {
+    if (vectors <= 8) {
+      launch(bwd_preprocess_delta_kernel<T, 8, true>, 8);
+    } else if (vectors <= 16) {
+      launch(bwd_preprocess_delta_kernel<T, 16, true>, 16);
+    } else {
+      launch(bwd_preprocess_delta_kernel<T, 32, true>, 32);
     }
+    check_launch("bwd_preprocess_delta");
+    return;
   }
   if (vectors <= 8) {
     launch(bwd_preprocess_delta_kernel<T, 8>, 8);

@@ -225,7 +225,7 @@ struct BwdParams : FwdParams {
   // true: no floating-point atomics anywhere, gradients are bitwise reproducible.
   bool deterministic = false;
 
-  // The ablation rung FLASH_CUDA_SM90_BWD_STATS=bulk (tiers/wgmma/ablation.h; nullptr
+  // The Hopper backward's kPlain kernels (tiers/wgmma/config.h: bwd_bulk_stats; nullptr
   // otherwise): float32 [b][hq][stats_rows][2], each query's (lse in log2 units, delta), rows
   // past sq zero; written by the delta preprocess, a query block's pairs copied by one bulk copy.
   float* bwd_stats = nullptr;

@@ -61,14 +61,13 @@ inline bool bwd_wide_enabled() { return ablation_int("FLASH_CUDA_SM90_BWD_D256",
 // FLASH_CUDA_SM90_BWD_RELEASE=warp: the warp-specialized backward's kPlain kernels release a Q /
 // dO stage once per consumer warp instead of once per thread (bwd_ws.cuh: WarpRelease).
 inline bool bwd_warp_release() { return ablation_is("FLASH_CUDA_SM90_BWD_RELEASE", "warp"); }
-// FLASH_CUDA_SM90_BWD_STATS=bulk: the warp-specialized backward's kPlain kernels (d <= 128, dense
-// batches) take a query block's lse (in log2 units) and delta as pairs the delta preprocess wrote
-// into the workspace (BwdParams::bwd_stats), by one bulk copy of the producer's lane 0 onto the
-// stage's barrier, instead of its 32 lanes loading, converting and storing them (bwd_ws.cuh:
-// BulkStats), as FlashAttention-4's sm90 backward loads LSE and dPsum.
+// FLASH_CUDA_SM90_BWD_STATS=lanes: the warp-specialized backward's kPlain kernels stage a query
+// block's lse and delta by the producer's 32 lanes (load, convert to log2 units, store) instead
+// of taking the pairs the delta preprocess wrote by one bulk copy (config.h: bwd_bulk_stats;
+// bwd_ws.cuh: BulkStats). The launcher (bwd_ws.cuh), the workspace's plan (family.h) and the
+// preprocess (core/bwd_preprocess.cuh, through BwdParams::bwd_stats) all follow this answer.
 inline bool bwd_bulk_stats(const BwdParams& p) {
-  return ablation_is("FLASH_CUDA_SM90_BWD_STATS", "bulk") && p.d <= 128 && !p.deterministic &&
-         variant_of(p, /*backward=*/true) == kPlain && bwd_wants_all(p);
+  return !ablation_is("FLASH_CUDA_SM90_BWD_STATS", "lanes") && wgmma::bwd_bulk_stats(p);
 }
 // FLASH_CUDA_SM90_BWD_STEP=64 | 80: the warp-specialized backward at d 97..128 steps over 64
 // queries, or over 80 wherever that can run (config.h: can_bwd_steps80); unset: config.h's rule

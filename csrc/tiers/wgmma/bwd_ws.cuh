@@ -109,35 +109,38 @@ struct TilesOf80Queries : Traits {
   static_assert(Traits::kHeadDim == 128 && Traits::kKVBlockN == 128, "the 128-wide tiles, 128 keys per CTA");
 };
 
-// Ablation rungs as wrappers of any of the tiles above, each adding its bit to kRungs (one
-// detector, RungsOf, reads them, and wrappers nest):
-//   WarpRelease (FLASH_CUDA_SM90_BWD_RELEASE=warp, ablation.h): a consumer warp releases a Q / dO
-//     stage with one arrival (lane 0, after __syncwarp) instead of one per thread, as CUTLASS's
-//     pipelines release a stage once per consumer. The per-thread form stands because
-//     compute-sanitizer's racecheck does not follow __syncwarp's ordering of the other lanes'
-//     lse / delta reads.
-//   BulkStats (FLASH_CUDA_SM90_BWD_STATS=bulk): a query block's (lse in log2 units, delta) pairs,
-//     written by the delta preprocess into BwdParams::bwd_stats, land in the stage's lse / delta
-//     words (read as pairs) by one bulk copy of the producer's lane 0 on the stage's barrier,
-//     instead of the producer's lanes loading, converting and storing them. kPlain, dense batches.
-enum : int { kRungWarpRelease = 1, kRungBulkStats = 2 };
+// Options as wrappers of any of the tiles above, each adding its bit to kOptions (one detector,
+// OptionsOf, reads them, and wrappers nest):
+//   BulkStats (the kPlain kernels' default, config.h: bwd_bulk_stats): a query block's (lse in
+//     log2 units, delta) pairs, written by the delta preprocess into BwdParams::bwd_stats, land
+//     in the stage's lse / delta words (read as pairs) by one bulk copy of the producer's lane 0
+//     on the stage's barrier, counted with Q and dO, as FlashAttention-4's sm90 backward loads
+//     LSE and dPsum. Without it (the ablation rung FLASH_CUDA_SM90_BWD_STATS=lanes, and the
+//     other variants, whose packed batches have no dense rows of pairs) the producer's 32 lanes
+//     load, convert and store them every step.
+//   WarpRelease (the ablation rung FLASH_CUDA_SM90_BWD_RELEASE=warp, ablation.h): a consumer warp
+//     releases a Q / dO stage with one arrival (lane 0, after __syncwarp) instead of one per
+//     thread, as CUTLASS's pipelines release a stage once per consumer. The per-thread form
+//     stands because compute-sanitizer's racecheck does not follow __syncwarp's ordering of the
+//     other lanes' lse / delta reads.
+enum : int { kOptWarpRelease = 1, kOptBulkStats = 2 };
 template <typename Tiles, typename = void>
-struct RungsOf : std::integral_constant<int, 0> {};
+struct OptionsOf : std::integral_constant<int, 0> {};
 template <typename Tiles>
-struct RungsOf<Tiles, std::void_t<decltype(Tiles::kRungs)>> : std::integral_constant<int, Tiles::kRungs> {};
-template <typename Tiles, int kRung>
-constexpr bool kHasRung = (RungsOf<Tiles>::value & kRung) != 0;
+struct OptionsOf<Tiles, std::void_t<decltype(Tiles::kOptions)>> : std::integral_constant<int, Tiles::kOptions> {};
+template <typename Tiles, int kOption>
+constexpr bool kHasOption = (OptionsOf<Tiles>::value & kOption) != 0;
 template <typename Traits>
 struct WarpRelease : Traits {
-  static constexpr int kRungs = RungsOf<Traits>::value | kRungWarpRelease;
+  static constexpr int kOptions = OptionsOf<Traits>::value | kOptWarpRelease;
 };
 template <typename Traits>
 struct BulkStats : Traits {
-  static constexpr int kRungs = RungsOf<Traits>::value | kRungBulkStats;
+  static constexpr int kOptions = OptionsOf<Traits>::value | kOptBulkStats;
 };
 
 // The tiles of bwd.cuh's dK/dV kernel (BwdTraits, TilesOfWidth or TilesOf80Queries, maybe in
-// an ablation rung's WarpRelease or BulkStats), plus the ring's own sizes.
+// BulkStats or WarpRelease), plus the ring's own sizes.
 // kDepth: the head dims the instance serves (<= kD): the products that reduce over d (S^T, dP^T)
 // stop after its k-steps; the tiles keep their width, TMA filling the columns past d with zeros
 // (d = 96 on the 128-wide tiles: 6 of their 8 k-steps). The tiles are 128-byte-swizzled
@@ -258,7 +261,7 @@ struct Smem {
       mbarrier_init(tail, 1);
       for (int s = 0; s < Cfg::kStages; ++s) {
         mbarrier_init(&q_full[s], 32);
-        mbarrier_init(&q_empty[s], kHasRung<Cfg, kRungWarpRelease> ? Cfg::kConsumerWarps : kConsumerThreads);
+        mbarrier_init(&q_empty[s], kHasOption<Cfg, kOptWarpRelease> ? Cfg::kConsumerWarps : kConsumerThreads);
       }
       if constexpr (kDqWriter) {
         for (int b = 0; b < 2; ++b) {
@@ -358,7 +361,7 @@ __device__ __forceinline__ void produce(const BwdParams& p, const TmaMaps& maps,
     for (int mb = steps.m_range.begin; mb < steps.m_range.end; ++mb) {
       const int m0 = mb * Cfg::kBlockM;
       mbarrier_wait(&sm.q_empty[s], phase ^ 1);  // the first pass finds it free
-      if constexpr (kHasRung<Cfg, kRungBulkStats>) {
+      if constexpr (kHasOption<Cfg, kOptBulkStats>) {
         // The block's pairs in one bulk copy into the stage's lse / delta words (rows past the
         // sequence are the workspace's zeros), counted on q_full with Q and dO.
         constexpr uint32_t kStatBytes = Cfg::kBlockM * 2 * sizeof(float);
@@ -714,7 +717,7 @@ __device__ __forceinline__ void bwd_ws_block(const BwdParams& p, const TmaMaps& 
     } else {
       DtanhTile<kVariant, 1, 1> no_dtanh;
       // BulkStats: the stage holds (lse, delta) pairs (the producer's bulk copy).
-      constexpr bool kPairs = kHasRung<Cfg, kRungBulkStats>;
+      constexpr bool kPairs = kHasOption<Cfg, kOptBulkStats>;
       const float* stage_lse = sm.lse + st * kBlockM * (kPairs ? 2 : 1);
       const float* stage_delta = kPairs ? stage_lse : sm.delta + st * kBlockM;
       compute_probs<true, kVariant, true, kPairs>(pt, no_dtanh, stage_lse, needs_mask, warp_key0, m0, mask, p,
@@ -782,7 +785,7 @@ __device__ __forceinline__ void bwd_ws_block(const BwdParams& p, const TmaMaps& 
     // Q, dO, lse, delta of stage s are no longer read. Every thread arrives for its own reads of
     // lse and delta (the producer rewrites them with ordinary stores): an arrival per warp after
     // __syncwarp orders them as well, but compute-sanitizer's racecheck does not follow that chain.
-    if constexpr (kHasRung<Cfg, kRungWarpRelease>) {
+    if constexpr (kHasOption<Cfg, kOptWarpRelease>) {
       __syncwarp();
       if (lane == 0) mbarrier_arrive(&sm.q_empty[s]);
     } else {
@@ -960,7 +963,7 @@ bool launch_bwd_ws_main(Kernel kernel, const BwdParams& p, const char* name, cud
 // Launches delta's preprocess and the warp-specialized backward and returns true, or returns
 // false having launched nothing: no dq_accum workspace (deterministic=True, or a call that wants
 // only dQ or only dK / dV: family.h), or a view TMA cannot address.
-// The launch on tiles Tiles (launch_bwd_sm90_ws's, maybe in an ablation rung's wrapper): the
+// The launch on tiles Tiles (launch_bwd_sm90_ws's, maybe in BulkStats or WarpRelease): the
 // 80-query steps where they apply, else the 64- / 128-query ones.
 template <typename T, typename Tiles, int kVariant, int kDepth>
 bool launch_bwd_ws_tiles(const BwdParams& p, cudaStream_t stream) {
@@ -991,15 +994,27 @@ bool launch_bwd_sm90_ws(const BwdParams& p, cudaStream_t stream) {
   // The tiles' width: the Traits', or natively 96 at d = 96 (tile_policy.h: bwd_ws_width).
   constexpr int kWidth = wgmma::bwd_ws_width(Traits::kHeadDim, kDepth);
   using Tiles = std::conditional_t<kWidth == Traits::kHeadDim, Traits, sm90::bwd_ws::TilesOfWidth<Traits, kWidth>>;
-  if constexpr (kAblations && kVariant == kPlain) {
-    if (p.bwd_stats != nullptr && p.cu_seqlens_q == nullptr) {  // ablation.h: bwd_bulk_stats; family.h made them
-      return launch_bwd_ws_tiles<T, sm90::bwd_ws::BulkStats<Tiles>, kVariant, kDepth>(p, stream);
+  if constexpr (kVariant == kPlain) {
+    // family.h made the (lse, delta) pairs where config.h's bwd_bulk_stats says so (in an ablation
+    // build, ablation.h's); without them the launch declines (no dQ workspace), or, in an ablation
+    // build, the producer's lanes stage lse and delta (FLASH_CUDA_SM90_BWD_STATS=lanes).
+    if (p.bwd_stats == nullptr) {
+      if constexpr (kAblations) {
+        return launch_bwd_ws_tiles<T, Tiles, kVariant, kDepth>(p, stream);
+      } else {
+        return false;
+      }
     }
-    if (wgmma::ablation::bwd_warp_release()) {
-      return launch_bwd_ws_tiles<T, sm90::bwd_ws::WarpRelease<Tiles>, kVariant, kDepth>(p, stream);
+    using Bulk = sm90::bwd_ws::BulkStats<Tiles>;
+    if constexpr (kAblations) {
+      if (wgmma::ablation::bwd_warp_release()) {
+        return launch_bwd_ws_tiles<T, sm90::bwd_ws::WarpRelease<Bulk>, kVariant, kDepth>(p, stream);
+      }
     }
+    return launch_bwd_ws_tiles<T, Bulk, kVariant, kDepth>(p, stream);
+  } else {
+    return launch_bwd_ws_tiles<T, Tiles, kVariant, kDepth>(p, stream);
   }
-  return launch_bwd_ws_tiles<T, Tiles, kVariant, kDepth>(p, stream);
 }
 
 // The backward with attention dropout: the warp-specialized kernel's dropout instance, or false

@@ -61,6 +61,14 @@ inline bool can_bwd_steps80(const BwdParams& p) {
 }
 inline bool bwd_steps80(const BwdParams& p) { return can_bwd_steps80(p) && p.sq >= kBwdSteps80MinSq; }
 
+// The warp-specialized backward's kPlain kernels take each query block's (lse in log2 units,
+// delta) pairs from the workspace, where the delta preprocess wrote them (BwdParams::bwd_stats;
+// bwd_ws.cuh: BulkStats), wherever those kernels run with a dQ workspace: d <= 128, kPlain,
+// deterministic=False with every gradient.
+inline bool bwd_bulk_stats(const BwdParams& p) {
+  return p.d <= 128 && !p.deterministic && variant_of(p, /*backward=*/true) == kPlain && bwd_wants_all(p);
+}
+
 // The tiles of the warp-specialized backward's dQ workspace (bwd_ws.cuh: DqTile, block_m x
 // bucket-d floats each), one per (sequence, query head, query block of block_m rows):
 //   dense:   tile (bi * hq + h) * ceil(sq / block_m) + m_block

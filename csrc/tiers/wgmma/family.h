@@ -134,11 +134,9 @@ struct WgmmaFamily {
   static void attach(FwdParams& p, float*, int* ints) { p.tile_counter = ints; }
   static void attach(BwdParams& p, float* floats, int*) {
     p.dq_accum = floats;
-    if constexpr (kAblations) {  // the stats rung's pairs after the dQ tiles (plan_bwd)
-      if (floats != nullptr && wgmma::ablation::bwd_bulk_stats(p)) {
-        p.stats_rows = ceil_div(p.sq, bwd_block_m_of(p)) * bwd_block_m_of(p);
-        p.bwd_stats = floats + dq_floats(p);
-      }
+    if (floats != nullptr && wgmma::ablation::bwd_bulk_stats(p)) {  // the pairs after the dQ tiles (plan_bwd)
+      p.stats_rows = ceil_div(p.sq, bwd_block_m_of(p)) * bwd_block_m_of(p);
+      p.bwd_stats = floats + dq_floats(p);
     }
   }
   static bool run(const FwdParams& p, Tier, cudaStream_t stream) {
@@ -181,10 +179,8 @@ struct WgmmaFamily {
     Workspace ws;
     if (p.deterministic || !bwd_wants_all(p)) return ws;
     ws.floats = dq_floats(p);
-    if constexpr (kAblations) {  // the stats rung: [b][hq][sq rounded up to the tile height][2]
-      if (wgmma::ablation::bwd_bulk_stats(p)) {
-        ws.floats += int64_t(p.b) * p.hq * ceil_div(p.sq, bwd_block_m_of(p)) * bwd_block_m_of(p) * 2;
-      }
+    if (wgmma::ablation::bwd_bulk_stats(p)) {  // the (lse, delta) pairs: [b][hq][sq rounded up to the tile height][2]
+      ws.floats += int64_t(p.b) * p.hq * ceil_div(p.sq, bwd_block_m_of(p)) * bwd_block_m_of(p) * 2;
     }
     ws.zero_floats = true;
     return ws;

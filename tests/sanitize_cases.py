@@ -227,6 +227,11 @@ CASES: List[Case] = [
     # ---- the backward's lanes rung (FLASH_CUDA_SM90_BWD_STATS=lanes; an ablation build reads it,
     # any other runs the default, bulk-copied (lse, delta) pairs): a partial last block ----
     Case(BF16, 1, 4, 2, 300, 500, 128, True, "bshd", env=(("FLASH_CUDA_SM90_BWD_STATS", "lanes"),)),
+    # ---- the rung that zeroes the dQ workspace in the delta preprocess
+    # (FLASH_CUDA_SM90_BWD_ZERO=preprocess): its stores beside the pairs' (a partial last block) ----
+    Case(BF16, 1, 4, 2, 300, 500, 128, True, "bshd", env=(("FLASH_CUDA_SM90_BWD_ZERO", "preprocess"),)),
+    # ---- the rung that reads the lse pairs before the S^T wait (FLASH_CUDA_SM90_BWD_LSE=early) ----
+    Case(BF16, 1, 4, 2, 300, 500, 96, True, "bshd", env=(("FLASH_CUDA_SM90_BWD_LSE", "early"),)),
 ]
 
 

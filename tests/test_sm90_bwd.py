@@ -559,3 +559,88 @@ def test_sm90_bwd_stats(monkeypatch, mode, stats, dtype, B, Hq, Hkv, Sq, Sk, D, 
     q, k, v = make_inputs(B, Hq, Hkv, Sq, Sk, D, dtype, "cuda", layout=layout, seed=Sq + D + 7)
     _check_ws_kernel(q, k, v, is_causal, window, "BulkStats", f"sm90 bwd stats {stats}", seed=Sq,
                      present=stats == "bulk")
+
+
+# The rung FLASH_CUDA_SM90_BWD_LSE=early (an ablation build only): the consumers read a step's lse
+# pairs before waiting for S^T; d 65..128 (64- and 80-query steps, 96 wide), partial last blocks,
+# masks, GQA, views.
+@pytest.mark.parametrize("B,Hq,Hkv,Sq,Sk,D,is_causal,window,layout",
+                         [c for c in STATS_CASES if 64 < c[5] <= 128])
+def test_sm90_bwd_early_lse_rung(monkeypatch, mode, B, Hq, Hkv, Sq, Sk, D, is_causal, window, layout):
+    from flash_cuda import _ext
+
+    if mode != "ws":
+        pytest.skip("the rung is the warp-specialized kernel's (deterministic=False)")
+    if not _ext.ablations():
+        pytest.skip("an ablation rung: this build has none (FLASH_CUDA_ABLATIONS=1 builds them)")
+    monkeypatch.setenv("FLASH_CUDA_SM90_BWD_LSE", "early")
+    q, k, v = make_inputs(B, Hq, Hkv, Sq, Sk, D, BF16, "cuda", layout=layout, seed=Sq + D + 9)
+    _check_ws_kernel(q, k, v, is_causal, window, "EarlyLse", "sm90 bwd early lse rung", seed=Sq)
+
+
+# The rung FLASH_CUDA_SM90_BWD_ZERO=preprocess (an ablation build only: csrc/tiers/wgmma/
+# ablation.h): the delta preprocess zeroes the dQ workspace (and the pairs past sq) instead of a
+# memset. The float64 rule on the call, then a backward right after the caching allocator was
+# handed a NaN-filled block, which the workspace reuses: a word left unzeroed shows in dq. Every
+# warp-specialized backward that takes the workspace: the pairs' tile shapes (128-, 64-, 80-query
+# steps, 96 wide), softcap, the wide backward (d 256), a packed batch.
+ZERO_CASES = [
+    (2, 4, 2, 1000, 1100, 64, True, 0.0, "bshd"),
+    (1, 4, 4, 300, 257, 96, False, 0.0, "strided"),
+    (2, 8, 2, 777, 1029, 128, True, 0.0, "bhsd"),
+    (1, 4, 2, 4177, 4100, 128, True, 0.0, "offset"),
+    (1, 4, 2, 500, 700, 128, False, 20.0, "bshd"),
+    (1, 4, 2, 333, 400, 256, True, 0.0, "bhsd"),
+]
+
+
+def _zero_rung(monkeypatch, mode):
+    from flash_cuda import _ext
+
+    if mode != "ws":
+        pytest.skip("the dQ workspace is the warp-specialized kernels' (deterministic=False)")
+    if not _ext.ablations():
+        pytest.skip("an ablation rung: this build has none (FLASH_CUDA_ABLATIONS=1 builds them)")
+    monkeypatch.setenv("FLASH_CUDA_SM90_BWD_ZERO", "preprocess")
+
+
+def _grads_after_dirt(fn, inputs, nbytes):
+    """fn's output's gradients, taken right after a NaN-filled block of nbytes went back to the
+    caching allocator as its only free block (the backward's allocations, its workspace among
+    them, are carved from it)."""
+    inputs = [t.detach().requires_grad_() for t in inputs]
+    out = fn(*inputs)
+    dout = torch.randn_like(out)
+    torch.cuda.empty_cache()  # the NaN block below is then the allocator's only free one
+    dirt = torch.full((nbytes // 4,), float("nan"), device="cuda")
+    del dirt
+    return torch.autograd.grad(out, inputs, dout)
+
+
+@pytest.mark.parametrize("B,Hq,Hkv,Sq,Sk,D,is_causal,softcap,layout", ZERO_CASES)
+def test_sm90_bwd_zero_in_preprocess_rung(monkeypatch, mode, B, Hq, Hkv, Sq, Sk, D, is_causal, softcap, layout):
+    import flash_cuda
+
+    _zero_rung(monkeypatch, mode)
+    q, k, v = make_inputs(B, Hq, Hkv, Sq, Sk, D, BF16, "cuda", layout=layout, seed=Sq + D + 11)
+    check_attention(q, k, v, is_causal=is_causal, scale=None, softcap=softcap, label="sm90 bwd zero rung",
+                    seed=Sq)
+    # the workspace: up to (Sq + 128) rows of 256 floats per (batch, head), and the pairs
+    grads = _grads_after_dirt(lambda a, b, c: flash_cuda.attention(a, b, c, is_causal=is_causal, softcap=softcap),
+                              (q, k, v), 8 * B * Hq * (Sq + 128) * 256 * 4)
+    for name, g in zip("qkv", grads):
+        assert torch.isfinite(g).all(), f"d{name} holds non-finite values: a workspace word was left unzeroed"
+
+
+def test_sm90_bwd_zero_in_preprocess_rung_packed(monkeypatch, mode):
+    import flash_cuda
+
+    _zero_rung(monkeypatch, mode)
+    q, k, v, cu_q, cu_k, max_q, max_k = make_varlen_inputs((300, 0, 517, 64), (129, 5, 700, 64), 4, 2, 128, BF16,
+                                                           seed=12)
+    check_varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k, is_causal=True, label="sm90 bwd zero rung varlen")
+    grads = _grads_after_dirt(lambda a, b, c: flash_cuda.varlen_attention(a, b, c, cu_q, cu_k, max_q, max_k,
+                                                                          is_causal=True),
+                              (q, k, v), 8 * 4 * 1200 * 256 * 4)
+    for name, g in zip("qkv", grads):
+        assert torch.isfinite(g).all(), f"d{name} holds non-finite values: a workspace word was left unzeroed"

@@ -61,6 +61,14 @@ inline bool bwd_wide_enabled() { return ablation_int("FLASH_CUDA_SM90_BWD_D256",
 // FLASH_CUDA_SM90_BWD_RELEASE=warp: the warp-specialized backward's kPlain kernels release a Q /
 // dO stage once per consumer warp instead of once per thread (bwd_ws.cuh: WarpRelease).
 inline bool bwd_warp_release() { return ablation_is("FLASH_CUDA_SM90_BWD_RELEASE", "warp"); }
+// FLASH_CUDA_SM90_BWD_ZERO=preprocess: the warp-specialized backwards' dQ workspace is zeroed by
+// the delta preprocess (core/bwd_preprocess.cuh: kZero, BwdParams::zero_floats), its stores beside
+// that kernel's loads of O and dO, instead of by a memset of its own before it (family.h).
+inline bool bwd_zero_in_preprocess() { return ablation_is("FLASH_CUDA_SM90_BWD_ZERO", "preprocess"); }
+// FLASH_CUDA_SM90_BWD_LSE=early: the warp-specialized backward's kPlain kernels read a step's lse
+// pairs before waiting for S^T instead of after it (bwd_ws.cuh: EarlyLse), at d 65..128 (64- and
+// 80-query steps; d <= 64 runs the default).
+inline bool bwd_early_lse() { return ablation_is("FLASH_CUDA_SM90_BWD_LSE", "early"); }
 // FLASH_CUDA_SM90_BWD_STATS=lanes: the warp-specialized backward's kPlain kernels stage a query
 // block's lse and delta by the producer's 32 lanes (load, convert to log2 units, store) instead
 // of taking the pairs the delta preprocess wrote by one bulk copy (config.h: bwd_bulk_stats;

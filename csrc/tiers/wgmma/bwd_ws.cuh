@@ -123,7 +123,10 @@ struct TilesOf80Queries : Traits {
 //     thread, as CUTLASS's pipelines release a stage once per consumer. The per-thread form
 //     stands because compute-sanitizer's racecheck does not follow __syncwarp's ordering of the
 //     other lanes' lse / delta reads.
-enum : int { kOptWarpRelease = 1, kOptBulkStats = 2 };
+//   EarlyLse (the ablation rung FLASH_CUDA_SM90_BWD_LSE=early, with BulkStats): a consumer thread
+//     reads its lse pairs of the step before it waits for S^T, so P's first exponent does not wait
+//     on that LDS after the wait (kBlockM / 4 registers live across it: 64- and 80-query steps).
+enum : int { kOptWarpRelease = 1, kOptBulkStats = 2, kOptEarlyLse = 4 };
 template <typename Tiles, typename = void>
 struct OptionsOf : std::integral_constant<int, 0> {};
 template <typename Tiles>
@@ -137,6 +140,10 @@ struct WarpRelease : Traits {
 template <typename Traits>
 struct BulkStats : Traits {
   static constexpr int kOptions = OptionsOf<Traits>::value | kOptBulkStats;
+};
+template <typename Traits>
+struct EarlyLse : Traits {
+  static constexpr int kOptions = OptionsOf<Traits>::value | kOptEarlyLse;
 };
 
 // The tiles of bwd.cuh's dK/dV kernel (BwdTraits, TilesOfWidth or TilesOf80Queries, maybe in
@@ -700,6 +707,11 @@ __device__ __forceinline__ void bwd_ws_block(const BwdParams& p, const TmaMaps& 
     wgmma_fence();
     wgmma_ss<Cfg::kQKSteps, false, T>(dst[0], VOp{sm.sV, 64 * wg}, QOp{sm.dout(st), 0});
     wgmma_commit();
+    constexpr bool kEarlyLse = kHasOption<Cfg, kOptEarlyLse> && kVariant != kSoftcapGrad;
+    float2 lse_pre[kEarlyLse ? kBlockM / 8 : 1];
+    if constexpr (kEarlyLse) {
+      read_lse_pairs<kHasOption<Cfg, kOptBulkStats>>(lse_pre, sm.lse + st * kBlockM * (kHasOption<Cfg, kOptBulkStats> ? 2 : 1));
+    }
     wgmma_wait<1>();
     fence_accumulator(pt[0]);
     if constexpr (kVariant == kSoftcapGrad) {
@@ -721,7 +733,7 @@ __device__ __forceinline__ void bwd_ws_block(const BwdParams& p, const TmaMaps& 
       const float* stage_lse = sm.lse + st * kBlockM * (kPairs ? 2 : 1);
       const float* stage_delta = kPairs ? stage_lse : sm.delta + st * kBlockM;
       compute_probs<true, kVariant, true, kPairs>(pt, no_dtanh, stage_lse, needs_mask, warp_key0, m0, mask, p,
-                                             seq, h);
+                                                  seq, h, kEarlyLse ? lse_pre : nullptr);
       // Dropout: the block's keep mask, drawn while dP^T is still on the tensor cores; it drops
       // dP^T before dS^T = P^T (dP^T keep - delta) and then P^T for dV (the forward's key, from
       // its record, read here).
@@ -1009,6 +1021,11 @@ bool launch_bwd_sm90_ws(const BwdParams& p, cudaStream_t stream) {
     if constexpr (kAblations) {
       if (wgmma::ablation::bwd_warp_release()) {
         return launch_bwd_ws_tiles<T, sm90::bwd_ws::WarpRelease<Bulk>, kVariant, kDepth>(p, stream);
+      }
+      if constexpr (Tiles::kKVBlockM < 128) {  // 128-query steps (d <= 64): its registers would spill
+        if (wgmma::ablation::bwd_early_lse()) {
+          return launch_bwd_ws_tiles<T, sm90::bwd_ws::EarlyLse<Bulk>, kVariant, kDepth>(p, stream);
+        }
       }
     }
     return launch_bwd_ws_tiles<T, Bulk, kVariant, kDepth>(p, stream);

@@ -138,6 +138,9 @@ struct WgmmaFamily {
       p.stats_rows = ceil_div(p.sq, bwd_block_m_of(p)) * bwd_block_m_of(p);
       p.bwd_stats = floats + dq_floats(p);
     }
+    if constexpr (kAblations) {  // the rung that zeroes the workspace in the preprocess (plan_bwd)
+      if (floats != nullptr && wgmma::ablation::bwd_zero_in_preprocess()) p.zero_floats = dq_floats(p);
+    }
   }
   static bool run(const FwdParams& p, Tier, cudaStream_t stream) {
     return with_dtype_variant<wgmma::FwdEntry, tiles::WgmmaFwdBuckets>(p, variant_of(p, /*backward=*/false), stream);
@@ -183,6 +186,7 @@ struct WgmmaFamily {
       ws.floats += int64_t(p.b) * p.hq * ceil_div(p.sq, bwd_block_m_of(p)) * bwd_block_m_of(p) * 2;
     }
     ws.zero_floats = true;
+    if constexpr (kAblations) ws.zero_floats = !wgmma::ablation::bwd_zero_in_preprocess();  // attach, below
     return ws;
   }
   static bool run_bwd(const BwdParams& p, Tier tier, cudaStream_t stream) {

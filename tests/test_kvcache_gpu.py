@@ -288,6 +288,25 @@ def test_decode_small_page_fill_rung(monkeypatch, fill, D, Sq):
     assert names and all(expect in n for n in names), (fill, names)
 
 
+# The whole-page boxes rung (FLASH_CUDA_DECODE_WHOLE_PAGES=boxes, an ablation build on Hopper):
+# pages that hold whole steps filled by tensor-map boxes; lengths that end inside a page, the last
+# step's new keys, GQA groups of 8 with Sq 4 (32-key steps) and 1.
+@pytest.mark.parametrize("page_size", [64, 256])
+@pytest.mark.parametrize("D,Sq", [(128, 1), (128, 4), (64, 4)])
+def test_decode_whole_page_boxes_rung(monkeypatch, page_size, D, Sq):
+    from flash_cuda import _ext
+    if not _ext.ablations():
+        pytest.skip("an ablation rung: this build has none (FLASH_CUDA_ABLATIONS=1 builds them)")
+    if hopper_skip_reason("the whole-page boxes rung") is not None:
+        pytest.skip(hopper_skip_reason("the whole-page boxes rung"))
+    monkeypatch.setenv("FLASH_CUDA_DECODE_WHOLE_PAGES", "boxes")
+    kw = dict(B=3, Hq=16, Hkv=2, Sq=Sq, D=D, capacity=page_size * 24, lens=(1400, 3, 777), s_new=Sq,
+              page_size=page_size, transposed_pool=True, is_causal=True, seed=D + Sq + page_size)
+    _, launches = _decode_launches(lambda: _run_case(**kw))
+    names = [name for name, _ in launches]
+    assert names and all("decode_kernel_page_boxes" in n for n in names), names
+
+
 @pytest.mark.parametrize("num_splits", [0, 1, 2, 7, 64])
 @pytest.mark.parametrize("lens", [(2047, 5), (0, 0), (1, 2000)])
 def test_splits(num_splits, lens):

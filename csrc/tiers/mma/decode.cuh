@@ -1166,8 +1166,13 @@ void launch_decode(const FwdParams& p, cudaStream_t stream) {
   const bool small_pages = p.block_table != nullptr && p.page_size % Cfg::kBlockN != 0;
   // Ablation rung FLASH_CUDA_DECODE_PAGES=boxes|bulk|cp_async: that fill for the small pages of
   // every config that can take it (boxes: Tile::kBoxable; bulk: kBulkEligible), cp.async else.
+  // Ablation rung FLASH_CUDA_DECODE_WHOLE_PAGES=boxes: pages that hold whole steps (a multiple of
+  // 16 rows) by the boxes too, instead of cp.async from one page lookup per step.
+  bool boxes_any_page = false;
   bool want_boxes = Cfg::kPageBoxes, want_bulk = Cfg::kBulkPages;
   if constexpr (kAblations) {
+    boxes_any_page = p.block_table != nullptr && ablation_is("FLASH_CUDA_DECODE_WHOLE_PAGES", "boxes");
+    if (boxes_any_page) want_boxes = true;
     if (ablation_is("FLASH_CUDA_DECODE_PAGES", "boxes") || ablation_is("FLASH_CUDA_DECODE_PAGES", "bulk") ||
         ablation_is("FLASH_CUDA_DECODE_PAGES", "cp_async")) {
       want_boxes = ablation_is("FLASH_CUDA_DECODE_PAGES", "boxes");
@@ -1178,7 +1183,7 @@ void launch_decode(const FwdParams& p, cudaStream_t stream) {
     // Pages of 16, 32, 48 rows: boxes, where TMA can address the pools (else the next fill).
     auto boxes = decode::decode_kernel_page_boxes<Cfg>;
     decode::PageMaps maps;
-    if (want_boxes && p.sm_arch == 90 && small_pages && p.page_size % decode::PageMaps::kBoxRows == 0 &&
+    if (want_boxes && p.sm_arch == 90 && (small_pages || boxes_any_page) && p.page_size % decode::PageMaps::kBoxRows == 0 &&
         sm90_kernel_built(boxes)) {
       const int elem = static_cast<int>(sizeof(typename Cfg::TC));
       if (make_page_tensor_map(&maps.k, p.k, elem, p.d, p.page_size, p.hkv, p.num_pages, p.k_row_stride,

@@ -232,6 +232,10 @@ CASES: List[Case] = [
     Case(BF16, 1, 4, 2, 300, 500, 128, True, "bshd", env=(("FLASH_CUDA_SM90_BWD_ZERO", "preprocess"),)),
     # ---- the rung that reads the lse pairs before the S^T wait (FLASH_CUDA_SM90_BWD_LSE=early) ----
     Case(BF16, 1, 4, 2, 300, 500, 96, True, "bshd", env=(("FLASH_CUDA_SM90_BWD_LSE", "early"),)),
+    # ---- the rung that hands the 80-query steps' dQ halves over per warpgroup
+    # (FLASH_CUDA_SM90_BWD_DQ=per_wg, the 80-query steps forced): a partial last block, GQA ----
+    Case(BF16, 1, 4, 2, 250, 500, 128, True, "bshd",
+         env=(("FLASH_CUDA_SM90_BWD_STEP", "80"), ("FLASH_CUDA_SM90_BWD_DQ", "per_wg"))),
 ]
 
 

@@ -493,6 +493,22 @@ def test_sm90_bwd_80_query_steps(monkeypatch, mode, dtype, B, Hq, Hkv, Sq, Sk, D
     _check_ws_kernel(q, k, v, is_causal, window, "TilesOf80Queries", "sm90 bwd 80-query steps", seed=Sq)
 
 
+# The rung FLASH_CUDA_SM90_BWD_DQ=per_wg (an ablation build only): the 80-query steps' warpgroups
+# hand their dQ halves over apart. The same cases, bf16, the 80-query steps forced.
+@pytest.mark.parametrize("B,Hq,Hkv,Sq,Sk,D,is_causal,window,layout", STEP80_CASES)
+def test_sm90_bwd_dq_per_wg_rung(monkeypatch, mode, B, Hq, Hkv, Sq, Sk, D, is_causal, window, layout):
+    from flash_cuda import _ext
+
+    if mode != "ws":
+        pytest.skip("80-query steps are the warp-specialized kernel's (deterministic=False)")
+    if not _ext.ablations():
+        pytest.skip("an ablation rung: this build has none (FLASH_CUDA_ABLATIONS=1 builds them)")
+    monkeypatch.setenv("FLASH_CUDA_SM90_BWD_STEP", "80")
+    monkeypatch.setenv("FLASH_CUDA_SM90_BWD_DQ", "per_wg")
+    q, k, v = make_inputs(B, Hq, Hkv, Sq, Sk, D, BF16, "cuda", layout=layout, seed=Sq + Sk + 81)
+    _check_ws_kernel(q, k, v, is_causal, window, "DqPerWg", "sm90 bwd dQ per warpgroup rung", seed=Sq)
+
+
 def _check_ws_kernel(q, k, v, is_causal, window, marker, label, *, seed, present=True):
     """check_attention's float64 rule on the call, then that its backward ran a kernel whose name
     holds `marker` (the tiles or an option's wrapper, csrc/tiers/wgmma/bwd_ws.cuh), or with

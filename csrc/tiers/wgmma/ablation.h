@@ -65,6 +65,9 @@ inline bool bwd_warp_release() { return ablation_is("FLASH_CUDA_SM90_BWD_RELEASE
 // the delta preprocess (core/bwd_preprocess.cuh: kZero, BwdParams::zero_floats), its stores beside
 // that kernel's loads of O and dO, instead of by a memset of its own before it (family.h).
 inline bool bwd_zero_in_preprocess() { return ablation_is("FLASH_CUDA_SM90_BWD_ZERO", "preprocess"); }
+// FLASH_CUDA_SM90_BWD_DQ=per_wg: the 80-query steps' consumer warpgroups hand their halves of the
+// dQ staging buffer over apart, each issuing its own bulk reduction (bwd_ws.cuh: DqPerWg).
+inline bool bwd_dq_per_wg() { return ablation_is("FLASH_CUDA_SM90_BWD_DQ", "per_wg"); }
 // FLASH_CUDA_SM90_BWD_LSE=early: the warp-specialized backward's kPlain kernels read a step's lse
 // pairs before waiting for S^T instead of after it (bwd_ws.cuh: EarlyLse), at d 65..128 (64- and
 // 80-query steps; d <= 64 runs the default).

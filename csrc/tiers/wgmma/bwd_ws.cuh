@@ -126,7 +126,12 @@ struct TilesOf80Queries : Traits {
 //   EarlyLse (the ablation rung FLASH_CUDA_SM90_BWD_LSE=early, with BulkStats): a consumer thread
 //     reads its lse pairs of the step before it waits for S^T, so P's first exponent does not wait
 //     on that LDS after the wait (kBlockM / 4 registers live across it: 64- and 80-query steps).
-enum : int { kOptWarpRelease = 1, kOptBulkStats = 2, kOptEarlyLse = 4 };
+//   DqPerWg (the ablation rung FLASH_CUDA_SM90_BWD_DQ=per_wg; the 80-query steps): each consumer
+//     warpgroup hands its half of the dQ staging buffer over on its own (dq_full[wg] of its four
+//     warps, dq_empty[wg]), its first thread issuing that half's bulk reduction, as
+//     FlashAttention-4's sm90 backward has a dQ barrier pair per warpgroup; so neither warpgroup
+//     waits for the other's arrival, nor behind the other half's read.
+enum : int { kOptWarpRelease = 1, kOptBulkStats = 2, kOptEarlyLse = 4, kOptDqPerWg = 8 };
 template <typename Tiles, typename = void>
 struct OptionsOf : std::integral_constant<int, 0> {};
 template <typename Tiles>
@@ -144,6 +149,10 @@ struct BulkStats : Traits {
 template <typename Traits>
 struct EarlyLse : Traits {
   static constexpr int kOptions = OptionsOf<Traits>::value | kOptEarlyLse;
+};
+template <typename Traits>
+struct DqPerWg : Traits {
+  static constexpr int kOptions = OptionsOf<Traits>::value | kOptDqPerWg;
 };
 
 // The tiles of bwd.cuh's dK/dV kernel (BwdTraits, TilesOfWidth or TilesOf80Queries, maybe in
@@ -272,7 +281,7 @@ struct Smem {
       }
       if constexpr (kDqWriter) {
         for (int b = 0; b < 2; ++b) {
-          mbarrier_init(&dq_full[b], Cfg::kConsumerWarps);
+          mbarrier_init(&dq_full[b], kHasOption<Cfg, kOptDqPerWg> ? Cfg::kConsumerWarps / 2 : Cfg::kConsumerWarps);
           mbarrier_init(&dq_empty[b], 1);
         }
       }
@@ -592,6 +601,32 @@ __device__ __forceinline__ void stage_dq_self(const Smem<T, Cfg>& sm, const floa
                                               float* dst, int x, int wg, int ct) {
 #if FLASH_SM90_ENABLED
   constexpr int kJ = DqSplit<Cfg>::kN / 8;
+  if constexpr (kHasOption<Cfg, kOptDqPerWg>) {
+    // The warpgroup's half: its barrier pair, its first thread, its kJ x 128 16-byte vectors.
+    constexpr int kHalfFloats = kJ * 128 * 4;
+    const bool first = ct % 128 == 0;
+    if (x > 0) {
+      if (first) {
+        bulk_wait_read<0>();
+        mbarrier_arrive(&sm.dq_empty[wg]);
+      }
+      mbarrier_wait(&sm.dq_empty[wg], (x - 1) & 1);
+    }
+    const uint32_t at = smem_addr(sm.dq(0)) + ((wg * kJ) * 128 + thread_index_opaque() % 128) * 16;
+#pragma unroll
+    for (int j = 0; j < kJ; ++j) {
+      st_shared_v4_f32(at + j * 128 * 16, acc[0][j][0], acc[0][j][1], acc[0][j][2], acc[0][j][3]);
+    }
+    fence_proxy_async();  // generic-proxy writes, read next by the bulk reduction (async proxy)
+    __syncwarp();
+    if (ct % 32 == 0) mbarrier_arrive(&sm.dq_full[wg]);
+    if (first) {
+      mbarrier_wait(&sm.dq_full[wg], x & 1);
+      bulk_reduce_add_f32(dst + wg * kHalfFloats, sm.dq(0) + wg * kHalfFloats, kHalfFloats * sizeof(float));
+      bulk_commit();
+    }
+    return;
+  }
   if (x > 0) {
     if (ct == 0) {
       bulk_wait_read<0>();
@@ -835,7 +870,8 @@ __device__ __forceinline__ void bwd_ws_block(const BwdParams& p, const TmaMaps& 
   }
 
   if constexpr (Cfg::kTransposedDq) {
-    if (ct == 0) bulk_wait<0>();  // the adds themselves are done before the CTA retires
+    // the adds themselves are done before the CTA retires (DqPerWg: each warpgroup's issuer)
+    if (kHasOption<Cfg, kOptDqPerWg> ? ct % 128 == 0 : ct == 0) bulk_wait<0>();
   } else {
     mbarrier_wait(&sm.dq_empty[x & 1], ((x >> 1) & 1) ^ 1);
     hand_over_dq<T, Cfg>(sm, nullptr, x, ct);  // tells the writer to stop
@@ -985,12 +1021,21 @@ bool launch_bwd_ws_tiles(const BwdParams& p, cudaStream_t stream) {
     // 80-query steps (config.h: bwd_steps80, through ablation.h's switch; family.h sized the dQ
     // workspace by the same rule).
     if (wgmma::ablation::bwd_steps80(p)) {
-      using Cfg80 = sm90::bwd_ws::WsBwdConfig<sm90::bwd_ws::TilesOf80Queries<Tiles>, 2, kDepth>;
-      auto kernel80 = sm90::bwd_ws::bwd_sm90_ws_kernel<T, Cfg80, kVariant>;
-      if (p.dq_accum == nullptr || !sm90_kernel_built(kernel80)) return false;
-      if (!launch_bwd_ws_main<T, Cfg80>(kernel80, p, "bwd_sm90_ws_q80", stream)) return false;
-      launch_convert_dq_tiles<T, Cfg80>(p, stream);
-      return true;
+      auto launch80 = [&](auto tiles80) {
+        using Cfg80 = sm90::bwd_ws::WsBwdConfig<decltype(tiles80), 2, kDepth>;
+        auto kernel80 = sm90::bwd_ws::bwd_sm90_ws_kernel<T, Cfg80, kVariant>;
+        if (p.dq_accum == nullptr || !sm90_kernel_built(kernel80)) return false;
+        if (!launch_bwd_ws_main<T, Cfg80>(kernel80, p, "bwd_sm90_ws_q80", stream)) return false;
+        launch_convert_dq_tiles<T, Cfg80>(p, stream);
+        return true;
+      };
+      // The rung FLASH_CUDA_SM90_BWD_DQ=per_wg, on the default's tiles only (no other rung's).
+      if constexpr (kAblations && sm90::bwd_ws::OptionsOf<Tiles>::value == sm90::bwd_ws::kOptBulkStats) {
+        if (wgmma::ablation::bwd_dq_per_wg()) {
+          return launch80(sm90::bwd_ws::TilesOf80Queries<sm90::bwd_ws::DqPerWg<Tiles>>{});
+        }
+      }
+      return launch80(sm90::bwd_ws::TilesOf80Queries<Tiles>{});
     }
   }
   const bool packed = p.cu_seqlens_q != nullptr;

@@ -4,6 +4,7 @@ CPU side of bench/run.py (grid, tables, anchor join, plots, --dry-run) / bench/n
 
 import importlib.util
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -669,6 +670,21 @@ def test_ab_switch_cells_and_arguments():
     assert ab.cells(args) == [(8, 21, 2048, 96, False), (1, 21, 16384, 96, False)]
     with pytest.raises(SystemExit):
         ab.parse_args(["--switch", "BLOCK_M"])
+    # several rungs, one of two switches: each against the same default, which unsets them all
+    many = ab.parse_args(["--switch", "FLASH_CUDA_A=1", "--switch", "FLASH_CUDA_B=x,FLASH_CUDA_C=2"])
+    assert many.rungs == [[("FLASH_CUDA_A", "1")], [("FLASH_CUDA_B", "x"), ("FLASH_CUDA_C", "2")]]
+    saved = {n: os.environ.pop(n, None) for n in many.names}
+    try:
+        ab.set_switch(many, 2)
+        assert [os.environ.get(n) for n in many.names] == [None, "x", "2"]
+        ab.set_switch(many, 0)
+        assert all(n not in os.environ for n in many.names)
+    finally:
+        for n, v in saved.items():
+            if v is not None:
+                os.environ[n] = v
+    assert [ab.side_order(2, r) for r in range(2)] == [[0, 1], [1, 0]]
+    assert sorted(map(tuple, (ab.side_order(3, r)[0:1] for r in range(3)))) == [(0,), (1,), (2,)]
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         proc = subprocess.run([sys.executable, str(BENCH / "ab_switch.py"), "--switch", "FLASH_CUDA_WS_BLOCK_M=128"],

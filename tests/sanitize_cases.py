@@ -236,6 +236,9 @@ CASES: List[Case] = [
     # (FLASH_CUDA_SM90_BWD_DQ=per_wg, the 80-query steps forced): a partial last block, GQA ----
     Case(BF16, 1, 4, 2, 250, 500, 128, True, "bshd",
          env=(("FLASH_CUDA_SM90_BWD_STEP", "80"), ("FLASH_CUDA_SM90_BWD_DQ", "per_wg"))),
+    # ---- the rung with one dQ buffer and two dS^T buffers at d <= 64 (FLASH_CUDA_SM90_BWD_DQBUF=1):
+    # several steps per CTA, a partial last block ----
+    Case(BF16, 1, 4, 2, 700, 500, 64, True, "bshd", env=(("FLASH_CUDA_SM90_BWD_DQBUF", "1"),)),
 ]
 
 

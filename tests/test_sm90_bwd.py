@@ -594,6 +594,32 @@ def test_sm90_bwd_early_lse_rung(monkeypatch, mode, B, Hq, Hkv, Sq, Sk, D, is_ca
     _check_ws_kernel(q, k, v, is_causal, window, "EarlyLse", "sm90 bwd early lse rung", seed=Sq)
 
 
+# The rung FLASH_CUDA_SM90_BWD_DQBUF=1 (an ablation build only): the 128-query steps (d <= 64)
+# with one dQ staging buffer and two dS^T buffers. Partial last blocks, masks, GQA, views, many
+# steps per CTA (the single buffer's phases wrap), d 32 and 64.
+ONE_DQ_CASES = [
+    (2, 4, 2, 1000, 1100, 64, True, (-1, -1), "bshd"),
+    (1, 4, 4, 1500, 300, 64, True, (-1, -1), "bhsd"),  # 1200 rows see no key
+    (1, 6, 3, 700, 900, 64, False, (100, 37), "strided"),
+    (1, 8, 1, 2100, 2100, 64, False, (-1, -1), "offset"),
+    (1, 6, 3, 65, 1, 32, False, (-1, -1), "bhsd"),
+    (2, 4, 2, 300, 500, 32, True, (-1, -1), "bshd"),
+]
+
+
+@pytest.mark.parametrize("B,Hq,Hkv,Sq,Sk,D,is_causal,window,layout", ONE_DQ_CASES)
+def test_sm90_bwd_one_dq_buffer_rung(monkeypatch, mode, B, Hq, Hkv, Sq, Sk, D, is_causal, window, layout):
+    from flash_cuda import _ext
+
+    if mode != "ws":
+        pytest.skip("the rung is the warp-specialized kernel's (deterministic=False)")
+    if not _ext.ablations():
+        pytest.skip("an ablation rung: this build has none (FLASH_CUDA_ABLATIONS=1 builds them)")
+    monkeypatch.setenv("FLASH_CUDA_SM90_BWD_DQBUF", "1")
+    q, k, v = make_inputs(B, Hq, Hkv, Sq, Sk, D, BF16, "cuda", layout=layout, seed=Sq + D + 13)
+    _check_ws_kernel(q, k, v, is_causal, window, "OneDq", "sm90 bwd one dQ buffer rung", seed=Sq)
+
+
 # The rung FLASH_CUDA_SM90_BWD_ZERO=preprocess (an ablation build only: csrc/tiers/wgmma/
 # ablation.h): the delta preprocess zeroes the dQ workspace (and the pairs past sq) instead of a
 # memset. The float64 rule on the call, then a backward right after the caching allocator was

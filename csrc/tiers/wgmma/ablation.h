@@ -68,6 +68,9 @@ inline bool bwd_zero_in_preprocess() { return ablation_is("FLASH_CUDA_SM90_BWD_Z
 // FLASH_CUDA_SM90_BWD_DQ=per_wg: the 80-query steps' consumer warpgroups hand their halves of the
 // dQ staging buffer over apart, each issuing its own bulk reduction (bwd_ws.cuh: DqPerWg).
 inline bool bwd_dq_per_wg() { return ablation_is("FLASH_CUDA_SM90_BWD_DQ", "per_wg"); }
+// FLASH_CUDA_SM90_BWD_DQBUF=1: the 128-query steps (d <= 64) with one dQ staging buffer and two
+// dS^T buffers instead of two and one (bwd_ws.cuh: OneDq).
+inline bool bwd_one_dq() { return ablation_int("FLASH_CUDA_SM90_BWD_DQBUF", 2) == 1; }
 // FLASH_CUDA_SM90_BWD_LSE=early: the warp-specialized backward's kPlain kernels read a step's lse
 // pairs before waiting for S^T instead of after it (bwd_ws.cuh: EarlyLse), at d 65..128 (64- and
 // 80-query steps; d <= 64 runs the default).

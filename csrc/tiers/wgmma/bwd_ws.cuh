@@ -131,7 +131,11 @@ struct TilesOf80Queries : Traits {
 //     warps, dq_empty[wg]), its first thread issuing that half's bulk reduction, as
 //     FlashAttention-4's sm90 backward has a dQ barrier pair per warpgroup; so neither warpgroup
 //     waits for the other's arrival, nor behind the other half's read.
-enum : int { kOptWarpRelease = 1, kOptBulkStats = 2, kOptEarlyLse = 4, kOptDqPerWg = 8 };
+//   OneDq (the ablation rung FLASH_CUDA_SM90_BWD_DQBUF=1; the 128-query steps, d <= 64): one dQ
+//     staging buffer instead of two, which leaves room for two dS^T buffers, so a step's dS^T no
+//     longer waits for both warpgroups' dQ products of the step before (claim_ds), as
+//     FlashAttention-4's sm90 backward at d 64 holds two dS stages and one dQ buffer.
+enum : int { kOptWarpRelease = 1, kOptBulkStats = 2, kOptEarlyLse = 4, kOptDqPerWg = 8, kOptOneDq = 16 };
 template <typename Tiles, typename = void>
 struct OptionsOf : std::integral_constant<int, 0> {};
 template <typename Tiles>
@@ -154,6 +158,10 @@ template <typename Traits>
 struct DqPerWg : Traits {
   static constexpr int kOptions = OptionsOf<Traits>::value | kOptDqPerWg;
 };
+template <typename Traits>
+struct OneDq : Traits {
+  static constexpr int kOptions = OptionsOf<Traits>::value | kOptOneDq;
+};
 
 // The tiles of bwd.cuh's dK/dV kernel (BwdTraits, TilesOfWidth or TilesOf80Queries, maybe in
 // BulkStats or WarpRelease), plus the ring's own sizes.
@@ -173,7 +181,10 @@ struct WsBwdConfig : Traits {
   // 80-query steps (TilesOf80Queries): dQ^T = K^T dS^T, one dQ staging buffer, written by the
   // first consumer thread.
   static constexpr bool kTransposedDq = kBlockM % 64 != 0;
-  static constexpr int kDqBuffers = kTransposedDq ? 1 : 2;
+  static constexpr int kDqBuffers = kTransposedDq || kHasOption<Traits, kOptOneDq> ? 1 : 2;
+  // Exchange x's dQ staging buffer and the parity of its barriers' phase.
+  __device__ __forceinline__ static int dq_buffer(int x) { return kDqBuffers == 2 ? x & 1 : 0; }
+  __device__ __forceinline__ static int dq_parity(int x) { return kDqBuffers == 2 ? (x >> 1) & 1 : x & 1; }
   static constexpr int kStages = kStages_;
   static constexpr int kThreads = 128 + kConsumerThreads;
   static constexpr int kConsumerWarps = kConsumerThreads / 32;
@@ -549,8 +560,8 @@ template <typename T, typename Cfg>
 __device__ __forceinline__ void write_dq(const Smem<T, Cfg>& sm) {
 #if FLASH_SM90_ENABLED
   for (int x = 0;; ++x) {
-    const int b = x & 1;
-    mbarrier_wait(&sm.dq_full[b], (x >> 1) & 1);
+    const int b = Cfg::dq_buffer(x);
+    mbarrier_wait(&sm.dq_full[b], Cfg::dq_parity(x));
     float* dst = sm.dq_dst[b];
     if (dst == nullptr) break;
     bulk_reduce_add_f32(dst, sm.dq(b), Smem<T, Cfg>::kDqTile * sizeof(float));
@@ -566,9 +577,9 @@ __device__ __forceinline__ void write_dq(const Smem<T, Cfg>& sm) {
 // (nullptr: no more blocks). Each consumer warp arrives once its part of sdQ is written and fenced.
 template <typename T, typename Cfg>
 __device__ __forceinline__ void hand_over_dq(const Smem<T, Cfg>& sm, float* dst, int x, int ct) {
-  if (ct == 0) sm.dq_dst[x & 1] = dst;
+  if (ct == 0) sm.dq_dst[Cfg::dq_buffer(x)] = dst;
   __syncwarp();
-  if (ct % 32 == 0) mbarrier_arrive(&sm.dq_full[x & 1]);
+  if (ct % 32 == 0) mbarrier_arrive(&sm.dq_full[Cfg::dq_buffer(x)]);
 }
 
 // A consumer warpgroup's dQ accumulator into sdQ[x % 2] (DqTile order: 16-byte vectors, 128
@@ -579,9 +590,9 @@ __device__ __forceinline__ void stage_dq(const Smem<T, Cfg>& sm, const float (&a
                                          float* dst, int x, int wg, int ct) {
 #if FLASH_SM90_ENABLED
   constexpr int kJ = DqSplit<Cfg>::kN / 8;
-  mbarrier_wait(&sm.dq_empty[x & 1], ((x >> 1) & 1) ^ 1);  // the first pass finds both free
+  mbarrier_wait(&sm.dq_empty[Cfg::dq_buffer(x)], Cfg::dq_parity(x) ^ 1);  // the first pass finds them free
   // DqTile order; the thread's part from %tid.x, not kept across the loop (as in stage_ds_transposed)
-  const uint32_t at = smem_addr(sm.dq(x & 1)) + ((wg * kJ) * 128 + thread_index_opaque() % 128) * 16;
+  const uint32_t at = smem_addr(sm.dq(Cfg::dq_buffer(x))) + ((wg * kJ) * 128 + thread_index_opaque() % 128) * 16;
 #pragma unroll
   for (int j = 0; j < kJ; ++j) {
     st_shared_v4_f32(at + j * 128 * 16, acc[0][j][0], acc[0][j][1], acc[0][j][2], acc[0][j][3]);
@@ -873,7 +884,7 @@ __device__ __forceinline__ void bwd_ws_block(const BwdParams& p, const TmaMaps& 
     // the adds themselves are done before the CTA retires (DqPerWg: each warpgroup's issuer)
     if (kHasOption<Cfg, kOptDqPerWg> ? ct % 128 == 0 : ct == 0) bulk_wait<0>();
   } else {
-    mbarrier_wait(&sm.dq_empty[x & 1], ((x >> 1) & 1) ^ 1);
+    mbarrier_wait(&sm.dq_empty[Cfg::dq_buffer(x)], Cfg::dq_parity(x) ^ 1);
     hand_over_dq<T, Cfg>(sm, nullptr, x, ct);  // tells the writer to stop
   }
 
@@ -1066,6 +1077,11 @@ bool launch_bwd_sm90_ws(const BwdParams& p, cudaStream_t stream) {
     if constexpr (kAblations) {
       if (wgmma::ablation::bwd_warp_release()) {
         return launch_bwd_ws_tiles<T, sm90::bwd_ws::WarpRelease<Bulk>, kVariant, kDepth>(p, stream);
+      }
+      if constexpr (Tiles::kKVBlockM == 128) {  // 128-query steps (d <= 64)
+        if (wgmma::ablation::bwd_one_dq()) {
+          return launch_bwd_ws_tiles<T, sm90::bwd_ws::OneDq<Bulk>, kVariant, kDepth>(p, stream);
+        }
       }
       if constexpr (Tiles::kKVBlockM < 128) {  // 128-query steps (d <= 64): its registers would spill
         if (wgmma::ablation::bwd_early_lse()) {

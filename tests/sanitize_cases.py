@@ -239,6 +239,10 @@ CASES: List[Case] = [
     # ---- the rung with one dQ buffer and two dS^T buffers at d <= 64 (FLASH_CUDA_SM90_BWD_DQBUF=1):
     # several steps per CTA, a partial last block ----
     Case(BF16, 1, 4, 2, 700, 500, 64, True, "bshd", env=(("FLASH_CUDA_SM90_BWD_DQBUF", "1"),)),
+    # ---- the forward's 192-row tiles in 128-key steps at d = 64 (FLASH_CUDA_WS_TALL_BLOCK_N=128,
+    # FLASH_CUDA_WS_BLOCK_M=192 below the threshold): partial blocks, GQA ----
+    Case(BF16, 1, 4, 2, 500, 700, 64, True, "bshd",
+         env=(("FLASH_CUDA_WS_BLOCK_M", "192"), ("FLASH_CUDA_WS_TALL_BLOCK_N", "128"))),
 ]
 
 

@@ -152,6 +152,16 @@ def test_ws_forward_d64_192_row_tiles(monkeypatch, dtype, B, Hq, Hkv, Sq, Sk, D,
     test_ws_forward_matches_float64("rows192", dtype, B, Hq, Hkv, Sq, Sk, D, is_causal, window, layout)
 
 
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("B,Hq,Hkv,Sq,Sk,D,is_causal,window,layout", [c for c in CASES if c[5] == 64])
+def test_ws_forward_d64_192_row_tiles_128_key_steps(monkeypatch, dtype, B, Hq, Hkv, Sq, Sk, D, is_causal, window,
+                                                    layout):
+    """The d = 64 ablation FLASH_CUDA_WS_TALL_BLOCK_N=128 (the 192-row tiles in 128-key steps,
+    overlapped) at every Sq (FLASH_CUDA_WS_BLOCK_M=192), under the same rule."""
+    _ablation(monkeypatch, FLASH_CUDA_WS_BLOCK_M="192", FLASH_CUDA_WS_TALL_BLOCK_N="128")
+    test_ws_forward_matches_float64("rows192keys128", dtype, B, Hq, Hkv, Sq, Sk, D, is_causal, window, layout)
+
+
 @pytest.mark.parametrize("every", ["4", "8"])
 @pytest.mark.parametrize("dtype", [F16, BF16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("B,Hq,Hkv,Sq,Sk,D,is_causal,window,layout", [c for c in CASES if c[5] in (64, 128)])

@@ -92,8 +92,10 @@ struct WsConfig {
   static constexpr int kConsumerRegs = kConsumerWGs == 3 ? 160 : (kWideOverlap ? 240 : 232);
   // The consumers re-derive per tile what their tile loop would otherwise keep live across it
   // (the shared-memory pointers, their warp, the scheduler's sizes): at d = 256 with 80-key steps
-  // those words beside O, two S tiles and P spilled. Elsewhere the loop keeps them.
-  static constexpr bool kLeanTileLoop = kWideOverlap && kBlockN_ > 64;
+  // those words beside O, two S tiles and P spilled, and so did three consumer warpgroups' 160
+  // registers with 128-key steps (the ablation rung FLASH_CUDA_WS_TALL_BLOCK_N=128). Elsewhere the
+  // loop keeps them.
+  static constexpr bool kLeanTileLoop = (kWideOverlap && kBlockN_ > 64) || (kConsumerWGs_ == 3 && kBlockN_ == 128);
   static_assert(kConsumerWGs == 2 || (kConsumerWGs == 3 && (kHeadDim_ == 64 || kVWidth == 96)), "measured shapes");
   // setmaxnreg moves registers within what the CTA was launched with: kThreads x the per-thread
   // count that __launch_bounds__(kThreads, 1) allows (65536 / kThreads, a multiple of 8).

@@ -47,6 +47,8 @@ def parse_args(argv=None):
     ap.add_argument("--tokens", type=parse_size, default=16384, help="B * S of every cell (default 16k)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--mode", choices=["fwd", "bwd"], default="fwd")
+    ap.add_argument("--group", type=int, default=1,
+                    help="query heads per KV head (GQA: K and V get H / group heads; default 1)")
     args = ap.parse_args(argv)
     args.rungs = []  # [[(name, value), ...] per rung]
     for rung in args.switch:
@@ -84,12 +86,17 @@ def rung_label(args, side: int) -> str:
 
 
 def accuracy(args, flash_cuda, torch, dtype, S, D, causal) -> str:
-    """Max error against float64 of both sides and of naive attention in dtype, one (B 1, H 2) slice."""
-    q, k, v = (torch.randn(1, 2, S, D, device="cuda", dtype=dtype) for _ in range(3))
+    """Max error against float64 of both sides and of naive attention in dtype, one (B 1, 2 KV heads)
+    slice."""
+    q = torch.randn(1, 2 * args.group, S, D, device="cuda", dtype=dtype)
+    k, v = (torch.randn(1, 2, S, D, device="cuda", dtype=dtype) for _ in range(2))
     mask = torch.ones(S, S, device="cuda", dtype=torch.bool).triu(1) if causal else None
 
+    def rep(t):  # K or V for every query head (GQA)
+        return t.repeat_interleave(args.group, dim=1)
+
     def scores(x, y, t):
-        s = (x.to(t) @ y.to(t).transpose(-1, -2)) / D ** 0.5
+        s = (x.to(t) @ rep(y).to(t).transpose(-1, -2)) / D ** 0.5
         return s.masked_fill(mask, float("-inf")) if causal else s
 
     if args.mode == "bwd":
@@ -100,9 +107,9 @@ def accuracy(args, flash_cuda, torch, dtype, S, D, causal) -> str:
             return torch.autograd.grad(fn(*xs), xs, dout.to(t))
 
         def naive_fn(t):
-            return lambda a, b, c: torch.softmax(scores(a, b, torch.float32), -1).to(t) @ c
+            return lambda a, b, c: torch.softmax(scores(a, b, torch.float32), -1).to(t) @ rep(c)
 
-        ref = grads(lambda a, b, c: torch.softmax(scores(a, b, torch.float64), -1) @ c, torch.float64)
+        ref = grads(lambda a, b, c: torch.softmax(scores(a, b, torch.float64), -1) @ rep(c), torch.float64)
         naive = grads(naive_fn(dtype), dtype)
         errs = []
         for side in range(len(args.rungs) + 1):
@@ -112,8 +119,8 @@ def accuracy(args, flash_cuda, torch, dtype, S, D, causal) -> str:
         set_switch(args, 0)
         naive_err = max((g.double() - r).abs().max().item() for g, r in zip(naive, ref))
         return f"grads: {_errs(errs)}, naive {naive_err:.2e}"
-    ref = torch.softmax(scores(q, k, torch.float64), -1) @ v.double()
-    naive = (torch.softmax(scores(q, k, torch.float32), -1).to(dtype) @ v).double()
+    ref = torch.softmax(scores(q, k, torch.float64), -1) @ rep(v).double()
+    naive = (torch.softmax(scores(q, k, torch.float32), -1).to(dtype) @ rep(v)).double()
     errs = []
     for side in range(len(args.rungs) + 1):
         set_switch(args, side)
@@ -148,14 +155,16 @@ def main(argv=None) -> int:
     todo = cells(args)
     sides = len(args.rungs) + 1
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, {args.dtype}, {args.mode}, "
+          + (f"GQA group {args.group}, " if args.group > 1 else "")
           + ", ".join(f"rung{'' if sides == 2 else ' ' + str(i)} {rung_label(args, i)}" for i in range(1, sides))
           + f", {args.rounds} interleaved rounds")
     for (_, _, S, D, c) in todo:
         print(f"accuracy D {D} S {S} causal {c}: {accuracy(args, flash_cuda, torch, dtype, min(S, 4096), D, c)}",
               flush=True)
     bwd = args.mode == "bwd"
-    inputs = {x: [torch.randn(x[0], x[1], x[2], x[3], device="cuda", dtype=dtype, requires_grad=bwd)
-                  for _ in range(3)] for x in todo}
+    inputs = {x: [torch.randn(x[0], x[1] // (1 if i == 0 else args.group), x[2], x[3], device="cuda", dtype=dtype,
+                              requires_grad=bwd)
+                  for i in range(3)] for x in todo}
     times = {x: [[] for _ in range(sides)] for x in todo}
     for r in range(args.rounds):
         for x in todo:

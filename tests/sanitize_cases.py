@@ -243,6 +243,9 @@ CASES: List[Case] = [
     # FLASH_CUDA_WS_BLOCK_M=192 below the threshold): partial blocks, GQA ----
     Case(BF16, 1, 4, 2, 500, 700, 64, True, "bshd",
          env=(("FLASH_CUDA_WS_BLOCK_M", "192"), ("FLASH_CUDA_WS_TALL_BLOCK_N", "128"))),
+    # ---- the GQA backward with one CTA per query head, dK / dV summed in fp32
+    # (FLASH_CUDA_SM90_BWD_GQA=split): a partial last key block ----
+    Case(BF16, 1, 8, 2, 300, 333, 128, True, "bshd", env=(("FLASH_CUDA_SM90_BWD_GQA", "split"),)),
 ]
 
 

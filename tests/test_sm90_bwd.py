@@ -620,6 +620,34 @@ def test_sm90_bwd_one_dq_buffer_rung(monkeypatch, mode, B, Hq, Hkv, Sq, Sk, D, i
     _check_ws_kernel(q, k, v, is_causal, window, "OneDq", "sm90 bwd one dQ buffer rung", seed=Sq)
 
 
+# The rung FLASH_CUDA_SM90_BWD_GQA=split (an ablation build only): with GQA one CTA per (key
+# block, query head), dK / dV added into fp32 sums and converted. Groups of 2 to 8 (and the
+# whole as one group), d 32-128 (128-, 96-wide, 64- and 80-query steps), masks, keys no query
+# sees (zero gradients), partial blocks, views.
+GQA_SPLIT_CASES = [
+    (2, 8, 2, 1000, 1100, 64, True, (-1, -1), "bshd"),
+    (1, 8, 1, 300, 1029, 128, False, (-1, -1), "bhsd"),
+    (1, 6, 2, 700, 900, 96, True, (100, 0), "strided"),
+    (2, 8, 4, 777, 1029, 128, True, (-1, -1), "offset"),
+    (1, 4, 2, 1500, 300, 64, True, (-1, -1), "bshd"),  # 1200 rows see no key
+    (1, 4, 2, 4177, 4100, 128, True, (-1, -1), "bshd"),  # 80-query steps
+    (1, 8, 2, 500, 700, 32, False, (64, 64), "bhsd"),
+]
+
+
+@pytest.mark.parametrize("B,Hq,Hkv,Sq,Sk,D,is_causal,window,layout", GQA_SPLIT_CASES)
+def test_sm90_bwd_gqa_split_rung(monkeypatch, mode, B, Hq, Hkv, Sq, Sk, D, is_causal, window, layout):
+    from flash_cuda import _ext
+
+    if mode != "ws":
+        pytest.skip("the rung is the warp-specialized kernel's (deterministic=False)")
+    if not _ext.ablations():
+        pytest.skip("an ablation rung: this build has none (FLASH_CUDA_ABLATIONS=1 builds them)")
+    monkeypatch.setenv("FLASH_CUDA_SM90_BWD_GQA", "split")
+    q, k, v = make_inputs(B, Hq, Hkv, Sq, Sk, D, BF16, "cuda", layout=layout, seed=Sq + D + 17)
+    _check_ws_kernel(q, k, v, is_causal, window, "HeadSplit", "sm90 bwd GQA split rung", seed=Sq)
+
+
 # The rung FLASH_CUDA_SM90_BWD_ZERO=preprocess (an ablation build only: csrc/tiers/wgmma/
 # ablation.h): the delta preprocess zeroes the dQ workspace (and the pairs past sq) instead of a
 # memset. The float64 rule on the call, then a backward right after the caching allocator was

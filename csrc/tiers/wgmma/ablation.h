@@ -86,6 +86,13 @@ inline bool bwd_early_lse() { return ablation_is("FLASH_CUDA_SM90_BWD_LSE", "ear
 inline bool bwd_bulk_stats(const BwdParams& p) {
   return !ablation_is("FLASH_CUDA_SM90_BWD_STATS", "lanes") && wgmma::bwd_bulk_stats(p);
 }
+// FLASH_CUDA_SM90_BWD_GQA=split: the warp-specialized backward's kPlain kernels with GQA run one
+// CTA per (key block, query head) instead of per (key block, KV head), adding their dK / dV into
+// an fp32 workspace that a kernel then converts (bwd_ws.cuh: HeadSplit), as FlashAttention-4's
+// sm90 backward reduces dK / dV over a group in fp32.
+inline bool bwd_gqa_split(const BwdParams& p) {
+  return ablation_is("FLASH_CUDA_SM90_BWD_GQA", "split") && p.hq > p.hkv && bwd_bulk_stats(p);
+}
 // FLASH_CUDA_SM90_BWD_STEP=64 | 80: the warp-specialized backward at d 97..128 steps over 64
 // queries, or over 80 wherever that can run (config.h: can_bwd_steps80); unset: config.h's rule
 // (bwd_steps80, from kBwdSteps80MinSq queries). The launcher (bwd_ws.cuh) and the dQ workspace's

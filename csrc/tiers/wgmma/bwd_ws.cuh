@@ -135,7 +135,11 @@ struct TilesOf80Queries : Traits {
 //     staging buffer instead of two, which leaves room for two dS^T buffers, so a step's dS^T no
 //     longer waits for both warpgroups' dQ products of the step before (claim_ds), as
 //     FlashAttention-4's sm90 backward at d 64 holds two dS stages and one dQ buffer.
-enum : int { kOptWarpRelease = 1, kOptBulkStats = 2, kOptEarlyLse = 4, kOptDqPerWg = 8, kOptOneDq = 16 };
+//   HeadSplit (the ablation rung FLASH_CUDA_SM90_BWD_GQA=split; GQA): one CTA per (key block, query
+//     head) instead of per (key block, KV head) walking the group's heads; each adds its dK, dV
+//     into BwdParams::dkv_heads (fp32 reductions), which convert_dkv_heads_kernel writes out.
+enum : int { kOptWarpRelease = 1, kOptBulkStats = 2, kOptEarlyLse = 4, kOptDqPerWg = 8, kOptOneDq = 16,
+             kOptHeadSplit = 32 };
 template <typename Tiles, typename = void>
 struct OptionsOf : std::integral_constant<int, 0> {};
 template <typename Tiles>
@@ -161,6 +165,10 @@ struct DqPerWg : Traits {
 template <typename Traits>
 struct OneDq : Traits {
   static constexpr int kOptions = OptionsOf<Traits>::value | kOptOneDq;
+};
+template <typename Traits>
+struct HeadSplit : Traits {
+  static constexpr int kOptions = OptionsOf<Traits>::value | kOptHeadSplit;
 };
 
 // The tiles of bwd.cuh's dK/dV kernel (BwdTraits, TilesOfWidth or TilesOf80Queries, maybe in
@@ -366,7 +374,10 @@ __device__ __forceinline__ void produce(const BwdParams& p, const TmaMaps& maps,
                                         int hkv, int bi, int lane) {
 #if FLASH_SM90_ENABLED
   const SeqInfo seq = SeqInfo::make<kVarlen>(p, bi);
-  const KeyTileSteps steps = KeyTileSteps::make(seq.mask<kVarlen>(p), n0, Cfg::kBlockN, Cfg::kBlockM, hkv, p.hq / p.hkv);
+  // HeadSplit: the CTA's one query head (blockIdx.y), a group of one.
+  constexpr bool kHeadSplit = kHasOption<Cfg, kOptHeadSplit>;
+  const KeyTileSteps steps = KeyTileSteps::make(seq.mask<kVarlen>(p), n0, Cfg::kBlockN, Cfg::kBlockM,
+                                                kHeadSplit ? int(blockIdx.y) : hkv, kHeadSplit ? 1 : p.hq / p.hkv);
   if (steps.count == 0) return;  // no query sees these keys, or none are left: nothing to load
   // A packed batch's maps span the packed rows (batch extent 1): rows from the sequence's first,
   // batch coordinate 0, and the blocks at its end have rows to zero (load_pair).
@@ -672,6 +683,31 @@ __device__ __forceinline__ void claim_ds(const Smem<T, Cfg>& sm, int i) {
   }
 }
 
+// HeadSplit's epilogue: this warp's 16 keys of dK (times the scale) and dV added into the
+// group's fp32 sums (BwdParams::dkv_heads), two columns per reduction, rows past the sequence
+// and columns past d left out.
+template <int kD>
+__device__ __forceinline__ void add_dk_dv_heads(const BwdParams& p, const SeqInfo& seq, const float (&acc_dk)[1][kD / 8][4],
+                                                const float (&acc_dv)[1][kD / 8][4], int hkv, int warp_key0) {
+#if FLASH_SM90_ENABLED
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  float* dk = p.dkv_heads + ((int64_t(seq.bi) * p.hkv + hkv) * p.dkv_rows + warp_key0) * kD;
+  float* dv = dk + int64_t(p.b) * p.hkv * p.dkv_rows * kD;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int row = g + 8 * half;
+    if (warp_key0 + row >= seq.sk) continue;
+#pragma unroll
+    for (int j = 0; j < kD / 8; ++j) {
+      const int col = 8 * j + 2 * t;
+      if (col >= p.d) continue;
+      red_add_v2_f32(dk + row * kD + col, acc_dk[0][j][2 * half] * p.scale, acc_dk[0][j][2 * half + 1] * p.scale);
+      red_add_v2_f32(dv + row * kD + col, acc_dv[0][j][2 * half], acc_dv[0][j][2 * half + 1]);
+    }
+  }
+#endif
+}
+
 // kDrop: attention dropout (the dropout instances: dense batches without score modifiers, kPlain).
 template <typename T, typename Cfg, int kVariant, bool kDrop = false>
 __device__ __forceinline__ void bwd_ws_block(const BwdParams& p, const TmaMaps& maps) {
@@ -692,7 +728,8 @@ __device__ __forceinline__ void bwd_ws_block(const BwdParams& p, const TmaMaps& 
   // them after the split, so that nothing computed before it stays live in the producer's 24
   // registers.
   const int n0 = blockIdx.x * Cfg::kBlockN;
-  const int hkv = blockIdx.y, bi = blockIdx.z;
+  constexpr bool kHeadSplit = kHasOption<Cfg, kOptHeadSplit>;  // blockIdx.y: a query head
+  const int hkv = kHeadSplit ? int(blockIdx.y) / (p.hq / p.hkv) : blockIdx.y, bi = blockIdx.z;
   if (warp < 4) {
     setmaxnreg_dec<Cfg::template producer_regs<kVariant>()>();
     if (warp == 0) {
@@ -707,7 +744,8 @@ __device__ __forceinline__ void bwd_ws_block(const BwdParams& p, const TmaMaps& 
   setmaxnreg_inc<Cfg::template consumer_regs<kVariant>()>();
   const SeqInfo seq = SeqInfo::make<kVarlen>(p, bi);
   const AttnMask mask = seq.mask<kVarlen>(p);
-  const KeyTileSteps steps = KeyTileSteps::make(mask, n0, Cfg::kBlockN, kBlockM, hkv, p.hq / p.hkv);
+  const KeyTileSteps steps = KeyTileSteps::make(mask, n0, Cfg::kBlockN, kBlockM, kHeadSplit ? int(blockIdx.y) : hkv,
+                                                kHeadSplit ? 1 : p.hq / p.hkv);
   const int ct = threadIdx.x - 128;
   // Warp-uniform (arch/sm80.cuh): the products' descriptors, made from wg, and this warp's
   // block ranges below in uniform registers.
@@ -892,7 +930,9 @@ __device__ __forceinline__ void bwd_ws_block(const BwdParams& p, const TmaMaps& 
   // warpgroups are past their last products (every load they waited for has landed; the
   // producer issues no more), so the stores are whole 16-byte rows. At d = 64 (half the
   // stores) the extra barrier costs as much as the wider stores gain: direct stores there.
-  if constexpr (kD > 64) {
+  if constexpr (kHeadSplit) {
+    if (steps.count > 0) add_dk_dv_heads<kD>(p, seq, acc_dk, acc_dv, hkv, warp_key0);
+  } else if constexpr (kD > 64) {
     static_assert(Cfg::kConsumerWarps * 16 * kStagedPitch<kD> <= 2 * Cfg::kStages * Smem<T, Cfg>::kQTile,
                   "the staged dK / dV rows fit the Q / dO ring");
     named_barrier_sync(kDsBarrier, kConsumerThreads);
@@ -991,6 +1031,26 @@ __global__ void __launch_bounds__(256) convert_dq_tiles_kernel(const __grid_cons
   }
 }
 
+// HeadSplit: dk, dv from the group sums (BwdParams::dkv_heads, rows of kWidth floats), one CTA per
+// 128 keys of a (KV head, batch entry), four columns per thread and step.
+template <typename T, int kWidth>
+__global__ void __launch_bounds__(256) convert_dkv_heads_kernel(const __grid_constant__ BwdParams p) {
+  const int n0 = blockIdx.x * 128, h = blockIdx.y, bi = blockIdx.z;
+  const int64_t plane = int64_t(p.b) * p.hkv * p.dkv_rows * kWidth;
+  const float* sums = p.dkv_heads + ((int64_t(bi) * p.hkv + h) * p.dkv_rows + n0) * kWidth;
+  for (int i = threadIdx.x; i < 128 * kWidth / 4; i += 256) {
+    const int r = i / (kWidth / 4), c = i % (kWidth / 4) * 4;
+    if (n0 + r >= p.sk || c >= p.d) continue;  // d % 8 == 0: a group of four is inside the row or past it
+    const int64_t key = n0 + r;
+    const float4 k4 = *reinterpret_cast<const float4*>(sums + r * kWidth + c);
+    const float4 v4 = *reinterpret_cast<const float4*>(sums + plane + r * kWidth + c);
+    T* dk = static_cast<T*>(p.dk) + bi * p.dk_batch_stride + h * p.dk_head_stride + key * p.dk_row_stride + c;
+    T* dv = static_cast<T*>(p.dv) + bi * p.dv_batch_stride + h * p.dv_head_stride + key * p.dv_row_stride + c;
+    *reinterpret_cast<uint2*>(dk) = make_uint2(pack2<T>(k4.x, k4.y), pack2<T>(k4.z, k4.w));
+    *reinterpret_cast<uint2*>(dv) = make_uint2(pack2<T>(v4.x, v4.y), pack2<T>(v4.z, v4.w));
+  }
+}
+
 }  // namespace bwd_ws
 }  // namespace sm90
 
@@ -1001,11 +1061,18 @@ void launch_convert_dq_tiles(const BwdParams& p, cudaStream_t stream) {
   check_launch("convert_dq_tiles");
 }
 
+// HeadSplit: dk, dv from the group sums, after the backward that added into them.
+template <typename T, int kWidth>
+void launch_convert_dkv_heads(const BwdParams& p, cudaStream_t stream) {
+  sm90::bwd_ws::convert_dkv_heads_kernel<T, kWidth><<<dim3(ceil_div(p.sk, 128), p.hkv, p.b), 256, 0, stream>>>(p);
+  check_launch("convert_dkv_heads");
+}
+
 // The warp-specialized backwards' main launch (this kernel and the wide one): the TMA maps of Q,
 // dO, K and V, delta's preprocess, then one CTA per key block of each (kv head, batch entry).
 // False, having launched nothing, where a view TMA cannot address.
 template <typename T, typename Cfg, typename Kernel>
-bool launch_bwd_ws_main(Kernel kernel, const BwdParams& p, const char* name, cudaStream_t stream) {
+bool launch_bwd_ws_main(Kernel kernel, const BwdParams& p, const char* name, cudaStream_t stream, int grid_heads = 0) {
   constexpr size_t kSmemBytes = sm90::smem_request_bytes<typename Cfg::template Storage<T>>();
   static_assert(kSmemBytes <= kSmemHopper, "fits a Hopper block");
   sm90::bwd_ws::TmaMaps maps;
@@ -1014,7 +1081,9 @@ bool launch_bwd_ws_main(Kernel kernel, const BwdParams& p, const char* name, cud
   }
   launch_bwd_preprocess<T>(p, stream);
   set_smem_limit(kernel, kSmemBytes, name);
-  kernel<<<dim3(ceil_div(p.sk, Cfg::kBlockN), p.hkv, p.b), Cfg::kThreads, kSmemBytes, stream>>>(p, maps);
+  // grid_heads: the grid's heads (HeadSplit: the query heads), else the KV heads.
+  kernel<<<dim3(ceil_div(p.sk, Cfg::kBlockN), grid_heads > 0 ? grid_heads : p.hkv, p.b), Cfg::kThreads, kSmemBytes,
+           stream>>>(p, maps);
   check_launch(name);
   return true;
 }
@@ -1036,8 +1105,10 @@ bool launch_bwd_ws_tiles(const BwdParams& p, cudaStream_t stream) {
         using Cfg80 = sm90::bwd_ws::WsBwdConfig<decltype(tiles80), 2, kDepth>;
         auto kernel80 = sm90::bwd_ws::bwd_sm90_ws_kernel<T, Cfg80, kVariant>;
         if (p.dq_accum == nullptr || !sm90_kernel_built(kernel80)) return false;
-        if (!launch_bwd_ws_main<T, Cfg80>(kernel80, p, "bwd_sm90_ws_q80", stream)) return false;
+        constexpr bool kSplit = sm90::bwd_ws::kHasOption<Cfg80, sm90::bwd_ws::kOptHeadSplit>;
+        if (!launch_bwd_ws_main<T, Cfg80>(kernel80, p, "bwd_sm90_ws_q80", stream, kSplit ? p.hq : 0)) return false;
         launch_convert_dq_tiles<T, Cfg80>(p, stream);
+        if constexpr (kSplit) launch_convert_dkv_heads<T, Cfg80::kD>(p, stream);
         return true;
       };
       // The rung FLASH_CUDA_SM90_BWD_DQ=per_wg, on the default's tiles only (no other rung's).
@@ -1052,8 +1123,10 @@ bool launch_bwd_ws_tiles(const BwdParams& p, cudaStream_t stream) {
   const bool packed = p.cu_seqlens_q != nullptr;
   // A kPlain kernel reads no cu_seqlens: packed batches come as kExtended or kSoftcapGrad (variant_of).
   if (p.dq_accum == nullptr || (packed && kVariant == kPlain) || !sm90_kernel_built(kernel)) return false;
-  if (!launch_bwd_ws_main<T, Cfg>(kernel, p, "bwd_sm90_ws", stream)) return false;
+  constexpr bool kSplit = sm90::bwd_ws::kHasOption<Cfg, sm90::bwd_ws::kOptHeadSplit>;
+  if (!launch_bwd_ws_main<T, Cfg>(kernel, p, "bwd_sm90_ws", stream, kSplit ? p.hq : 0)) return false;
   launch_convert_dq_tiles<T, Cfg>(p, stream);
+  if constexpr (kSplit) launch_convert_dkv_heads<T, Cfg::kD>(p, stream);
   return true;
 }
 
@@ -1075,6 +1148,9 @@ bool launch_bwd_sm90_ws(const BwdParams& p, cudaStream_t stream) {
     }
     using Bulk = sm90::bwd_ws::BulkStats<Tiles>;
     if constexpr (kAblations) {
+      if (p.dkv_heads != nullptr) {  // family.h made the sums: ablation.h's bwd_gqa_split
+        return launch_bwd_ws_tiles<T, sm90::bwd_ws::HeadSplit<Bulk>, kVariant, kDepth>(p, stream);
+      }
       if (wgmma::ablation::bwd_warp_release()) {
         return launch_bwd_ws_tiles<T, sm90::bwd_ws::WarpRelease<Bulk>, kVariant, kDepth>(p, stream);
       }

@@ -493,18 +493,24 @@ def test_sm90_bwd_80_query_steps(monkeypatch, mode, dtype, B, Hq, Hkv, Sq, Sk, D
     _check_ws_kernel(q, k, v, is_causal, window, "TilesOf80Queries", "sm90 bwd 80-query steps", seed=Sq)
 
 
+def _ws_rung(monkeypatch, mode, **env):
+    """An ablation rung of the warp-specialized backward: skips in the deterministic mode and in
+    builds without rungs, else sets its switches."""
+    from flash_cuda import _ext
+
+    if mode != "ws":
+        pytest.skip("the rung is the warp-specialized kernel's (deterministic=False)")
+    if not _ext.ablations():
+        pytest.skip("an ablation rung: this build has none (FLASH_CUDA_ABLATIONS=1 builds them)")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+
+
 # The rung FLASH_CUDA_SM90_BWD_DQ=per_wg (an ablation build only): the 80-query steps' warpgroups
 # hand their dQ halves over apart. The same cases, bf16, the 80-query steps forced.
 @pytest.mark.parametrize("B,Hq,Hkv,Sq,Sk,D,is_causal,window,layout", STEP80_CASES)
 def test_sm90_bwd_dq_per_wg_rung(monkeypatch, mode, B, Hq, Hkv, Sq, Sk, D, is_causal, window, layout):
-    from flash_cuda import _ext
-
-    if mode != "ws":
-        pytest.skip("80-query steps are the warp-specialized kernel's (deterministic=False)")
-    if not _ext.ablations():
-        pytest.skip("an ablation rung: this build has none (FLASH_CUDA_ABLATIONS=1 builds them)")
-    monkeypatch.setenv("FLASH_CUDA_SM90_BWD_STEP", "80")
-    monkeypatch.setenv("FLASH_CUDA_SM90_BWD_DQ", "per_wg")
+    _ws_rung(monkeypatch, mode, FLASH_CUDA_SM90_BWD_STEP="80", FLASH_CUDA_SM90_BWD_DQ="per_wg")
     q, k, v = make_inputs(B, Hq, Hkv, Sq, Sk, D, BF16, "cuda", layout=layout, seed=Sq + Sk + 81)
     _check_ws_kernel(q, k, v, is_causal, window, "DqPerWg", "sm90 bwd dQ per warpgroup rung", seed=Sq)
 
@@ -562,15 +568,11 @@ STATS_CASES = [
 @pytest.mark.parametrize("B,Hq,Hkv,Sq,Sk,D,is_causal,window,layout", STATS_CASES)
 @pytest.mark.parametrize("stats", ["bulk", "lanes"])
 def test_sm90_bwd_stats(monkeypatch, mode, stats, dtype, B, Hq, Hkv, Sq, Sk, D, is_causal, window, layout):
-    from flash_cuda import _ext
-
-    if mode != "ws":
-        pytest.skip("the pairs are the warp-specialized kernel's (deterministic=False)")
     if stats == "lanes":
-        if not _ext.ablations():
-            pytest.skip("an ablation rung: this build has none (FLASH_CUDA_ABLATIONS=1 builds them)")
-        monkeypatch.setenv("FLASH_CUDA_SM90_BWD_STATS", "lanes")
+        _ws_rung(monkeypatch, mode, FLASH_CUDA_SM90_BWD_STATS="lanes")
     else:
+        if mode != "ws":
+            pytest.skip("the pairs are the warp-specialized kernel's (deterministic=False)")
         monkeypatch.delenv("FLASH_CUDA_SM90_BWD_STATS", raising=False)
     q, k, v = make_inputs(B, Hq, Hkv, Sq, Sk, D, dtype, "cuda", layout=layout, seed=Sq + D + 7)
     _check_ws_kernel(q, k, v, is_causal, window, "BulkStats", f"sm90 bwd stats {stats}", seed=Sq,
@@ -583,13 +585,7 @@ def test_sm90_bwd_stats(monkeypatch, mode, stats, dtype, B, Hq, Hkv, Sq, Sk, D, 
 @pytest.mark.parametrize("B,Hq,Hkv,Sq,Sk,D,is_causal,window,layout",
                          [c for c in STATS_CASES if 64 < c[5] <= 128])
 def test_sm90_bwd_early_lse_rung(monkeypatch, mode, B, Hq, Hkv, Sq, Sk, D, is_causal, window, layout):
-    from flash_cuda import _ext
-
-    if mode != "ws":
-        pytest.skip("the rung is the warp-specialized kernel's (deterministic=False)")
-    if not _ext.ablations():
-        pytest.skip("an ablation rung: this build has none (FLASH_CUDA_ABLATIONS=1 builds them)")
-    monkeypatch.setenv("FLASH_CUDA_SM90_BWD_LSE", "early")
+    _ws_rung(monkeypatch, mode, FLASH_CUDA_SM90_BWD_LSE="early")
     q, k, v = make_inputs(B, Hq, Hkv, Sq, Sk, D, BF16, "cuda", layout=layout, seed=Sq + D + 9)
     _check_ws_kernel(q, k, v, is_causal, window, "EarlyLse", "sm90 bwd early lse rung", seed=Sq)
 
@@ -609,13 +605,7 @@ ONE_DQ_CASES = [
 
 @pytest.mark.parametrize("B,Hq,Hkv,Sq,Sk,D,is_causal,window,layout", ONE_DQ_CASES)
 def test_sm90_bwd_one_dq_buffer_rung(monkeypatch, mode, B, Hq, Hkv, Sq, Sk, D, is_causal, window, layout):
-    from flash_cuda import _ext
-
-    if mode != "ws":
-        pytest.skip("the rung is the warp-specialized kernel's (deterministic=False)")
-    if not _ext.ablations():
-        pytest.skip("an ablation rung: this build has none (FLASH_CUDA_ABLATIONS=1 builds them)")
-    monkeypatch.setenv("FLASH_CUDA_SM90_BWD_DQBUF", "1")
+    _ws_rung(monkeypatch, mode, FLASH_CUDA_SM90_BWD_DQBUF="1")
     q, k, v = make_inputs(B, Hq, Hkv, Sq, Sk, D, BF16, "cuda", layout=layout, seed=Sq + D + 13)
     _check_ws_kernel(q, k, v, is_causal, window, "OneDq", "sm90 bwd one dQ buffer rung", seed=Sq)
 
@@ -637,13 +627,7 @@ GQA_SPLIT_CASES = [
 
 @pytest.mark.parametrize("B,Hq,Hkv,Sq,Sk,D,is_causal,window,layout", GQA_SPLIT_CASES)
 def test_sm90_bwd_gqa_split_rung(monkeypatch, mode, B, Hq, Hkv, Sq, Sk, D, is_causal, window, layout):
-    from flash_cuda import _ext
-
-    if mode != "ws":
-        pytest.skip("the rung is the warp-specialized kernel's (deterministic=False)")
-    if not _ext.ablations():
-        pytest.skip("an ablation rung: this build has none (FLASH_CUDA_ABLATIONS=1 builds them)")
-    monkeypatch.setenv("FLASH_CUDA_SM90_BWD_GQA", "split")
+    _ws_rung(monkeypatch, mode, FLASH_CUDA_SM90_BWD_GQA="split")
     q, k, v = make_inputs(B, Hq, Hkv, Sq, Sk, D, BF16, "cuda", layout=layout, seed=Sq + D + 17)
     _check_ws_kernel(q, k, v, is_causal, window, "HeadSplit", "sm90 bwd GQA split rung", seed=Sq)
 
@@ -664,16 +648,6 @@ ZERO_CASES = [
 ]
 
 
-def _zero_rung(monkeypatch, mode):
-    from flash_cuda import _ext
-
-    if mode != "ws":
-        pytest.skip("the dQ workspace is the warp-specialized kernels' (deterministic=False)")
-    if not _ext.ablations():
-        pytest.skip("an ablation rung: this build has none (FLASH_CUDA_ABLATIONS=1 builds them)")
-    monkeypatch.setenv("FLASH_CUDA_SM90_BWD_ZERO", "preprocess")
-
-
 def _grads_after_dirt(fn, inputs, nbytes):
     """fn's output's gradients, taken right after a NaN-filled block of nbytes went back to the
     caching allocator as its only free block (the backward's allocations, its workspace among
@@ -691,7 +665,7 @@ def _grads_after_dirt(fn, inputs, nbytes):
 def test_sm90_bwd_zero_in_preprocess_rung(monkeypatch, mode, B, Hq, Hkv, Sq, Sk, D, is_causal, softcap, layout):
     import flash_cuda
 
-    _zero_rung(monkeypatch, mode)
+    _ws_rung(monkeypatch, mode, FLASH_CUDA_SM90_BWD_ZERO="preprocess")
     q, k, v = make_inputs(B, Hq, Hkv, Sq, Sk, D, BF16, "cuda", layout=layout, seed=Sq + D + 11)
     check_attention(q, k, v, is_causal=is_causal, scale=None, softcap=softcap, label="sm90 bwd zero rung",
                     seed=Sq)
@@ -705,7 +679,7 @@ def test_sm90_bwd_zero_in_preprocess_rung(monkeypatch, mode, B, Hq, Hkv, Sq, Sk,
 def test_sm90_bwd_zero_in_preprocess_rung_packed(monkeypatch, mode):
     import flash_cuda
 
-    _zero_rung(monkeypatch, mode)
+    _ws_rung(monkeypatch, mode, FLASH_CUDA_SM90_BWD_ZERO="preprocess")
     q, k, v, cu_q, cu_k, max_q, max_k = make_varlen_inputs((300, 0, 517, 64), (129, 5, 700, 64), 4, 2, 128, BF16,
                                                            seed=12)
     check_varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k, is_causal=True, label="sm90 bwd zero rung varlen")

@@ -162,6 +162,15 @@ def test_ws_forward_d64_192_row_tiles_128_key_steps(monkeypatch, dtype, B, Hq, H
     test_ws_forward_matches_float64("rows192keys128", dtype, B, Hq, Hkv, Sq, Sk, D, is_causal, window, layout)
 
 
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("B,Hq,Hkv,Sq,Sk,D,is_causal,window,layout", [c for c in CASES if 64 < c[5] <= 96])
+def test_ws_forward_d96_p_in_shared_memory(monkeypatch, dtype, B, Hq, Hkv, Sq, Sk, D, is_causal, window, layout):
+    """The d 65..96 ablation FLASH_CUDA_WS_P_SMEM=1 (the 192-row tiles in 128-key steps, P through
+    shared memory) at every Sq (FLASH_CUDA_WS_BLOCK_M=192), masks included, under the same rule."""
+    _ablation(monkeypatch, FLASH_CUDA_WS_BLOCK_M="192", FLASH_CUDA_WS_P_SMEM="1")
+    test_ws_forward_matches_float64("psmem", dtype, B, Hq, Hkv, Sq, Sk, D, is_causal, window, layout)
+
+
 @pytest.mark.parametrize("every", ["4", "8"])
 @pytest.mark.parametrize("dtype", [F16, BF16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("B,Hq,Hkv,Sq,Sk,D,is_causal,window,layout", [c for c in CASES if c[5] in (64, 128)])

@@ -2,7 +2,7 @@
 // a build with FLASH_CUDA_ABLATIONS (launch.cuh includes it there and asks it first). Each rung is
 // one configuration OPTIMIZATION.md measured against the default, chosen by its switch
 // (tiers/wgmma/ablation.h): the poly-exp2 share (d 64 / 128), and at d = 64 192-key steps, a
-// 4-stage ring, the tile height and the 192-row tiles' key step; the serial schedule beside the overlapped one wherever both fit;
+// 4-stage ring, the tile height and the 192-row tiles' key step; at d = 96 P through shared memory; the serial schedule beside the overlapped one wherever both fit;
 // one CTA per tile instead of the persistent grid. Where no switch is set it launches what a
 // production build does (launch.cuh: with_fwd_tiles).
 #pragma once
@@ -61,6 +61,15 @@ bool run_fwd_sm90_ws(const FwdParams& p, cudaStream_t stream) {
   // their threshold too, =128 keeping d = 96 on its 128-row ones above it.
   const int block_m = switches::ws_block_m_override();
   const bool tall = block_m == 192 || (block_m != 128 && wgmma::fwd_tall_tiles(kHeadDim, p.sq, masks_keys(p)));
+  // FLASH_CUDA_WS_P_SMEM=1: d 96's 192-row tiles in 128-key steps with P through shared memory.
+  if constexpr (kHeadDim == 96 && kVariant == kPlain) {
+    if (tall && switches::ws_p_smem()) {
+      using Tile = wgmma::FwdTile<96>;
+      return launch_rung<PInSmem<WsConfig<T, Tile::kWidth, 128, 0, Tile::kStages, wgmma::kFwdTallConsumerWGs,
+                                          Tile::kDepth>>,
+                         kVariant>(p, stream, opt);
+    }
+  }
   // FLASH_CUDA_WS_TALL_BLOCK_N=128: d 64's 192-row tiles in 128-key steps (d > 32).
   if constexpr (kHeadDim == 64 && kVariant == kPlain) {
     if (tall && p.d > wgmma::kNarrowDepth && switches::ws_tall_block_n_override() == 128) {

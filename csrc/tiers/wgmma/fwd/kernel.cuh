@@ -199,7 +199,11 @@ __device__ __forceinline__ void fwd_ws_block(const FwdParams& p, const TmaMaps& 
     // producer loaded no Q) releases here. Where O is staged in Q's tile (kStageOInQ), the
     // epilogue releases it once its stores have read the staged rows.
     if constexpr (kSchedule == kOverlap) {
-      consume_overlap<Cfg>(ring_t, first, sQ_t, qt_t, cv, acc_o, stats);
+      if constexpr (Cfg::kPInSmem) {
+        consume_overlap<Cfg>(ring_t, first, sQ_t, qt_t, cv, acc_o, stats, smem_t.p_tiles());
+      } else {
+        consume_overlap<Cfg>(ring_t, first, sQ_t, qt_t, cv, acc_o, stats);
+      }
     } else {
       consume_serial<Cfg>(ring_t, first, sQ_t, qt_t, cv, acc_o, stats);
     }

@@ -246,9 +246,11 @@ CASES: List[Case] = [
     # ---- the GQA backward with one CTA per query head, dK / dV summed in fp32
     # (FLASH_CUDA_SM90_BWD_GQA=split): a partial last key block ----
     Case(BF16, 1, 8, 2, 300, 333, 128, True, "bshd", env=(("FLASH_CUDA_SM90_BWD_GQA", "split"),)),
-    # ---- the forward's 192-row tiles at d 96 in 128-key steps with P through shared memory
+    # ---- the forward's 192-row tiles at d 96 / 64 in 128-key steps with P through shared memory
     # (FLASH_CUDA_WS_P_SMEM=1, FLASH_CUDA_WS_BLOCK_M=192 below the threshold): masks, GQA ----
     Case(BF16, 1, 4, 2, 500, 700, 96, True, "bshd",
+         env=(("FLASH_CUDA_WS_BLOCK_M", "192"), ("FLASH_CUDA_WS_P_SMEM", "1"))),
+    Case(F16, 1, 2, 1, 400, 900, 64, False, "strided",
          env=(("FLASH_CUDA_WS_BLOCK_M", "192"), ("FLASH_CUDA_WS_P_SMEM", "1"))),
 ]
 

@@ -31,8 +31,9 @@ inline int ws_block_m_override() { return ablation_int("FLASH_CUDA_WS_BLOCK_M", 
 // FLASH_CUDA_WS_TALL_BLOCK_N=128: the d = 64 kPlain forward's 192-row tiles step over 128 keys
 // instead of 96, overlapped (FlashAttention-4's d 64 tiles), wherever the 192-row tiles run.
 inline int ws_tall_block_n_override() { return ablation_int("FLASH_CUDA_WS_TALL_BLOCK_N", 0); }
-// FLASH_CUDA_WS_P_SMEM=1: the d 65..96 kPlain forward's 192-row tiles in 128-key steps with P
-// through shared memory (fwd/config.cuh: PInSmem) instead of 80-key steps with P in registers.
+// FLASH_CUDA_WS_P_SMEM=1: the d 33..96 kPlain forward's 192-row tiles in 128-key steps with P
+// through shared memory (fwd/config.cuh: PInSmem) instead of 96- (d 64) or 80-key steps (d 96)
+// with P in registers.
 inline bool ws_p_smem() { return ablation_int("FLASH_CUDA_WS_P_SMEM", 0) == 1; }
 // FLASH_CUDA_WS_EXP2_POLY=N (4 or 8): in the d 64 / 128 kPlain forward every N-th 8-key tile of
 // P is exponentiated on the FMA pipe (poly_exp2) instead of MUFU.

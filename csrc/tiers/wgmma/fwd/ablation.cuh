@@ -70,8 +70,13 @@ bool run_fwd_sm90_ws(const FwdParams& p, cudaStream_t stream) {
                          kVariant>(p, stream, opt);
     }
   }
-  // FLASH_CUDA_WS_TALL_BLOCK_N=128: d 64's 192-row tiles in 128-key steps (d > 32).
+  // FLASH_CUDA_WS_TALL_BLOCK_N=128: d 64's 192-row tiles in 128-key steps (d > 32), P in registers
+  // or (FLASH_CUDA_WS_P_SMEM=1) through shared memory.
   if constexpr (kHeadDim == 64 && kVariant == kPlain) {
+    if (tall && p.d > wgmma::kNarrowDepth && switches::ws_p_smem()) {
+      return launch_rung<PInSmem<WsConfig<T, 64, 128, 0, wgmma::FwdTile<64>::kStages, wgmma::kFwdTallConsumerWGs>>,
+                         kVariant>(p, stream, opt);
+    }
     if (tall && p.d > wgmma::kNarrowDepth && switches::ws_tall_block_n_override() == 128) {
       return launch_rung<WsConfig<T, 64, 128, 0, wgmma::FwdTile<64>::kStages, wgmma::kFwdTallConsumerWGs>, kVariant>(
           p, stream, opt);

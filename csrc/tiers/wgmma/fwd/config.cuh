@@ -123,7 +123,7 @@ struct WsConfig {
   static_assert(kSmemBytes <= kSmemHopper, "fits a Hopper block");
 };
 
-// The ablation rung FLASH_CUDA_WS_P_SMEM=1 (d 65..96 on the 192-row tiles, tiers/wgmma/ablation.h):
+// The ablation rung FLASH_CUDA_WS_P_SMEM=1 (d 33..96 on the 192-row tiles, tiers/wgmma/ablation.h):
 // a configuration whose consumers write each key step's P (16-bit) into their warpgroup's tile of
 // shared memory and read it from there as P V's A operand (mainloop.cuh: stage_p,
 // issue_weighted_v), as FlashAttention-4's sm90 forward does at d 96 on 192-row tiles, instead

@@ -227,25 +227,10 @@ CASES: List[Case] = [
     # ---- the backward's lanes rung (FLASH_CUDA_SM90_BWD_STATS=lanes; an ablation build reads it,
     # any other runs the default, bulk-copied (lse, delta) pairs): a partial last block ----
     Case(BF16, 1, 4, 2, 300, 500, 128, True, "bshd", env=(("FLASH_CUDA_SM90_BWD_STATS", "lanes"),)),
-    # ---- the rung that zeroes the dQ workspace in the delta preprocess
-    # (FLASH_CUDA_SM90_BWD_ZERO=preprocess): its stores beside the pairs' (a partial last block) ----
-    Case(BF16, 1, 4, 2, 300, 500, 128, True, "bshd", env=(("FLASH_CUDA_SM90_BWD_ZERO", "preprocess"),)),
-    # ---- the rung that reads the lse pairs before the S^T wait (FLASH_CUDA_SM90_BWD_LSE=early) ----
-    Case(BF16, 1, 4, 2, 300, 500, 96, True, "bshd", env=(("FLASH_CUDA_SM90_BWD_LSE", "early"),)),
-    # ---- the rung that hands the 80-query steps' dQ halves over per warpgroup
-    # (FLASH_CUDA_SM90_BWD_DQ=per_wg, the 80-query steps forced): a partial last block, GQA ----
-    Case(BF16, 1, 4, 2, 250, 500, 128, True, "bshd",
-         env=(("FLASH_CUDA_SM90_BWD_STEP", "80"), ("FLASH_CUDA_SM90_BWD_DQ", "per_wg"))),
-    # ---- the rung with one dQ buffer and two dS^T buffers at d <= 64 (FLASH_CUDA_SM90_BWD_DQBUF=1):
-    # several steps per CTA, a partial last block ----
-    Case(BF16, 1, 4, 2, 700, 500, 64, True, "bshd", env=(("FLASH_CUDA_SM90_BWD_DQBUF", "1"),)),
     # ---- the forward's 192-row tiles in 128-key steps at d = 64 (FLASH_CUDA_WS_TALL_BLOCK_N=128,
     # FLASH_CUDA_WS_BLOCK_M=192 below the threshold): partial blocks, GQA ----
     Case(BF16, 1, 4, 2, 500, 700, 64, True, "bshd",
          env=(("FLASH_CUDA_WS_BLOCK_M", "192"), ("FLASH_CUDA_WS_TALL_BLOCK_N", "128"))),
-    # ---- the GQA backward with one CTA per query head, dK / dV summed in fp32
-    # (FLASH_CUDA_SM90_BWD_GQA=split): a partial last key block ----
-    Case(BF16, 1, 8, 2, 300, 333, 128, True, "bshd", env=(("FLASH_CUDA_SM90_BWD_GQA", "split"),)),
     # ---- the forward's 192-row tiles at d 96 / 64 in 128-key steps with P through shared memory
     # (FLASH_CUDA_WS_P_SMEM=1, FLASH_CUDA_WS_BLOCK_M=192 below the threshold): masks, GQA ----
     Case(BF16, 1, 4, 2, 500, 700, 96, True, "bshd",

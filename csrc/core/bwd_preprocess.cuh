@@ -14,18 +14,13 @@
 #include "../arch/host.h"
 #include "../arch/sm80.cuh"
 #include "../arch/types.cuh"
-#include "../include/ablation.h"
 #include "softmax.cuh"
 
 namespace flash_cuda {
 
 // kStats: also each row's (lse in log2 units, delta) pair into p.bwd_stats (include/params.h;
 // the Hopper backward's kPlain kernels read them: tiers/wgmma/config.h, bwd_bulk_stats).
-// kZero (the ablation rung FLASH_CUDA_SM90_BWD_ZERO=preprocess, include/params.h: zero_floats):
-// also zeroes the dQ workspace's first p.zero_floats words and, with kStats, the pairs of the
-// rows past sq that the last query block reads: a grid-stride share per thread, stored before its
-// loads of O and dO (a store does not wait for its completion).
-template <typename T, int kLanes, bool kStats = false, bool kZero = false>
+template <typename T, int kLanes, bool kStats = false>
 __global__ void __launch_bounds__(256) bwd_preprocess_delta_kernel(BwdParams p) {
   constexpr int kVec = 16 / sizeof(T);  // elements per 16-byte vector
   constexpr int kRowsPerBlock = 256 / kLanes;
@@ -47,22 +42,6 @@ __global__ void __launch_bounds__(256) bwd_preprocess_delta_kernel(BwdParams p) 
                    i * p.o_row_stride;
   const T* do_row = static_cast<const T*>(p.dout) + bi * p.do_batch_stride + h * p.do_head_stride +
                     i * p.do_row_stride;
-
-  if constexpr (kZero) {
-    // The workspace's float4 words, a grid-stride share per thread (the workspace is 256-byte
-    // aligned, zero_floats a multiple of 4: whole dQ tiles).
-    const int64_t threads = static_cast<int64_t>(gridDim.x) * blockDim.x;
-    const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-    float4* words = reinterpret_cast<float4*>(p.dq_accum);
-    for (int64_t w = first; w < p.zero_floats / 4; w += threads) words[w] = make_float4(0.f, 0.f, 0.f, 0.f);
-    if constexpr (kStats) {  // the pairs of rows sq .. stats_rows - 1 of every (batch, head)
-      const int pad = p.stats_rows - p.sq;
-      for (int64_t w = first; w < static_cast<int64_t>(p.b) * p.hq * pad; w += threads) {
-        const int64_t bh = w / pad;
-        *reinterpret_cast<float2*>(p.bwd_stats + (bh * p.stats_rows + p.sq + w % pad) * 2) = make_float2(0.f, 0.f);
-      }
-    }
-  }
 
   float acc = 0.f;
   // d is a multiple of 8, so a 16-byte vector never straddles the row end for 16-bit
@@ -105,27 +84,6 @@ inline void launch_bwd_preprocess(const BwdParams& params, cudaStream_t stream) 
     const int64_t blocks = (total_rows + rows_per_block - 1) / rows_per_block;
     kernel<<<static_cast<unsigned>(blocks), 256, 0, stream>>>(p);
   };
-  if constexpr (kAblations) {
-    if (p.zero_floats > 0) {  // the rung that zeroes the dQ workspace here (include/params.h)
-      auto run = [&](auto stats) {
-        constexpr bool kStats = decltype(stats)::value;
-        if (vectors <= 8) {
-          launch(bwd_preprocess_delta_kernel<T, 8, kStats, true>, 8);
-        } else if (vectors <= 16) {
-          launch(bwd_preprocess_delta_kernel<T, 16, kStats, true>, 16);
-        } else {
-          launch(bwd_preprocess_delta_kernel<T, 32, kStats, true>, 32);
-        }
-      };
-      if (p.bwd_stats != nullptr) {
-        run(std::true_type{});
-      } else {
-        run(std::false_type{});
-      }
-      check_launch("bwd_preprocess_delta");
-      return;
-    }
-  }
   if (p.bwd_stats != nullptr) {
     if (vectors <= 8) {
       launch(bwd_preprocess_delta_kernel<T, 8, true>, 8);

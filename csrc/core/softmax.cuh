@@ -261,15 +261,13 @@ __device__ __forceinline__ float lse_to_log2(float lse) {
 // converts each entry once as it stages it: per block and thread that saves 3 instructions per
 // entry, 16 / 32 entries at d = 128 / 64).
 // kPairs (kTransposed only): sLse holds (lse, delta) pairs per query, as compute_ds reads them.
-// lse_pre (kTransposed only; nullptr: read sLse): the thread's lse pairs of each column tile j,
-// read from sLse by the caller before it waited for s (read_lse_pairs), in registers once inlined.
 template <bool kTransposed, int kVariant, bool kLseLog2 = false, bool kPairs = false, int kMTiles, int kNTiles,
           bool kSoftcap = kVariant == kSoftcapGrad>
 __device__ __forceinline__ void compute_probs(float (&s)[kMTiles][kNTiles][4],
                                              float (&dtanh)[kSoftcap ? kMTiles : 1][kSoftcap ? kNTiles : 1][4],
                                              const float* sLse, bool needs_mask, int row0, int col0,
                                              const AttnMask& mask, const FwdParams& p, const SeqInfo& seq,
-                                             int h, const float2* lse_pre = nullptr) {
+                                             int h) {
   const float scale_log2 = p.scale_log2;
   const int lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
@@ -308,9 +306,7 @@ __device__ __forceinline__ void compute_probs(float (&s)[kMTiles][kNTiles][4],
 #pragma unroll
     for (int j = 0; j < kNTiles; ++j) {
       float2 lse;
-      if (lse_pre != nullptr) {
-        lse = lse_pre[j];
-      } else if constexpr (kPairs) {
+      if constexpr (kPairs) {
         const float4 pair2 = *reinterpret_cast<const float4*>(sLse + 2 * (8 * j + 2 * t));
         lse = make_float2(pair2.x, pair2.z);
       } else {
@@ -333,22 +329,6 @@ __device__ __forceinline__ void compute_probs(float (&s)[kMTiles][kNTiles][4],
     }
   }
   if (needs_mask) mask_fragment<kTransposed>(s, row0, col0, 0.f, mask);
-}
-
-// compute_probs' lse_pre: the thread's lse of columns 8j + 2t, 8j + 2t + 1 for each column tile j
-// of a transposed tile, from sLse as compute_probs reads it (kPairs: (lse, delta) pairs).
-template <bool kPairs, int kNTiles>
-__device__ __forceinline__ void read_lse_pairs(float2 (&lse)[kNTiles], const float* sLse) {
-  const int t = threadIdx.x % 4;
-#pragma unroll
-  for (int j = 0; j < kNTiles; ++j) {
-    if constexpr (kPairs) {
-      const float4 pair2 = *reinterpret_cast<const float4*>(sLse + 2 * (8 * j + 2 * t));
-      lse[j] = make_float2(pair2.x, pair2.z);
-    } else {
-      lse[j] = *reinterpret_cast<const float2*>(sLse + 8 * j + 2 * t);
-    }
-  }
 }
 
 // dS = P * (dP - delta) (times dtanh with softcap), in place in dp. kTransposed as above:

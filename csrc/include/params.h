@@ -230,17 +230,6 @@ struct BwdParams : FwdParams {
   // past sq zero; written by the delta preprocess, a query block's pairs copied by one bulk copy.
   float* bwd_stats = nullptr;
   int stats_rows = 0;
-
-  // The ablation rung FLASH_CUDA_SM90_BWD_ZERO=preprocess (tiers/wgmma/ablation.h; 0 otherwise):
-  // the delta preprocess zeroes the dQ workspace's first zero_floats words (from dq_accum) and the
-  // pairs' rows past sq, which a memset of the whole workspace zeroes otherwise.
-  int64_t zero_floats = 0;
-
-  // The ablation rung FLASH_CUDA_SM90_BWD_GQA=split (tiers/wgmma/ablation.h; nullptr otherwise):
-  // float32 [2][b][hkv][dkv_rows][tile width], the sums of dK (scaled) and then of dV over a KV
-  // group's query heads, each CTA adding its head's by reductions; zero-filled with the workspace.
-  float* dkv_heads = nullptr;
-  int dkv_rows = 0;
 };
 
 // Two partial results of the same query rows over disjoint key sets, merged by their row

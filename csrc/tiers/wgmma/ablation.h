@@ -68,20 +68,6 @@ inline bool bwd_wide_enabled() { return ablation_int("FLASH_CUDA_SM90_BWD_D256",
 // FLASH_CUDA_SM90_BWD_RELEASE=warp: the warp-specialized backward's kPlain kernels release a Q /
 // dO stage once per consumer warp instead of once per thread (bwd_ws.cuh: WarpRelease).
 inline bool bwd_warp_release() { return ablation_is("FLASH_CUDA_SM90_BWD_RELEASE", "warp"); }
-// FLASH_CUDA_SM90_BWD_ZERO=preprocess: the warp-specialized backwards' dQ workspace is zeroed by
-// the delta preprocess (core/bwd_preprocess.cuh: kZero, BwdParams::zero_floats), its stores beside
-// that kernel's loads of O and dO, instead of by a memset of its own before it (family.h).
-inline bool bwd_zero_in_preprocess() { return ablation_is("FLASH_CUDA_SM90_BWD_ZERO", "preprocess"); }
-// FLASH_CUDA_SM90_BWD_DQ=per_wg: the 80-query steps' consumer warpgroups hand their halves of the
-// dQ staging buffer over apart, each issuing its own bulk reduction (bwd_ws.cuh: DqPerWg).
-inline bool bwd_dq_per_wg() { return ablation_is("FLASH_CUDA_SM90_BWD_DQ", "per_wg"); }
-// FLASH_CUDA_SM90_BWD_DQBUF=1: the 128-query steps (d <= 64) with one dQ staging buffer and two
-// dS^T buffers instead of two and one (bwd_ws.cuh: OneDq).
-inline bool bwd_one_dq() { return ablation_int("FLASH_CUDA_SM90_BWD_DQBUF", 2) == 1; }
-// FLASH_CUDA_SM90_BWD_LSE=early: the warp-specialized backward's kPlain kernels read a step's lse
-// pairs before waiting for S^T instead of after it (bwd_ws.cuh: EarlyLse), at d 65..128 (64- and
-// 80-query steps; d <= 64 runs the default).
-inline bool bwd_early_lse() { return ablation_is("FLASH_CUDA_SM90_BWD_LSE", "early"); }
 // FLASH_CUDA_SM90_BWD_STATS=lanes: the warp-specialized backward's kPlain kernels stage a query
 // block's lse and delta by the producer's 32 lanes (load, convert to log2 units, store) instead
 // of taking the pairs the delta preprocess wrote by one bulk copy (config.h: bwd_bulk_stats;
@@ -89,13 +75,6 @@ inline bool bwd_early_lse() { return ablation_is("FLASH_CUDA_SM90_BWD_LSE", "ear
 // preprocess (core/bwd_preprocess.cuh, through BwdParams::bwd_stats) all follow this answer.
 inline bool bwd_bulk_stats(const BwdParams& p) {
   return !ablation_is("FLASH_CUDA_SM90_BWD_STATS", "lanes") && wgmma::bwd_bulk_stats(p);
-}
-// FLASH_CUDA_SM90_BWD_GQA=split: the warp-specialized backward's kPlain kernels with GQA run one
-// CTA per (key block, query head) instead of per (key block, KV head), adding their dK / dV into
-// an fp32 workspace that a kernel then converts (bwd_ws.cuh: HeadSplit), as FlashAttention-4's
-// sm90 backward reduces dK / dV over a group in fp32.
-inline bool bwd_gqa_split(const BwdParams& p) {
-  return ablation_is("FLASH_CUDA_SM90_BWD_GQA", "split") && p.hq > p.hkv && bwd_bulk_stats(p);
 }
 // FLASH_CUDA_SM90_BWD_STEP=64 | 80: the warp-specialized backward at d 97..128 steps over 64
 // queries, or over 80 wherever that can run (config.h: can_bwd_steps80); unset: config.h's rule

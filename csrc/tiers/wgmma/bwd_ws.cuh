@@ -123,23 +123,7 @@ struct TilesOf80Queries : Traits {
 //     thread, as CUTLASS's pipelines release a stage once per consumer. The per-thread form
 //     stands because compute-sanitizer's racecheck does not follow __syncwarp's ordering of the
 //     other lanes' lse / delta reads.
-//   EarlyLse (the ablation rung FLASH_CUDA_SM90_BWD_LSE=early, with BulkStats): a consumer thread
-//     reads its lse pairs of the step before it waits for S^T, so P's first exponent does not wait
-//     on that LDS after the wait (kBlockM / 4 registers live across it: 64- and 80-query steps).
-//   DqPerWg (the ablation rung FLASH_CUDA_SM90_BWD_DQ=per_wg; the 80-query steps): each consumer
-//     warpgroup hands its half of the dQ staging buffer over on its own (dq_full[wg] of its four
-//     warps, dq_empty[wg]), its first thread issuing that half's bulk reduction, as
-//     FlashAttention-4's sm90 backward has a dQ barrier pair per warpgroup; so neither warpgroup
-//     waits for the other's arrival, nor behind the other half's read.
-//   OneDq (the ablation rung FLASH_CUDA_SM90_BWD_DQBUF=1; the 128-query steps, d <= 64): one dQ
-//     staging buffer instead of two, which leaves room for two dS^T buffers, so a step's dS^T no
-//     longer waits for both warpgroups' dQ products of the step before (claim_ds), as
-//     FlashAttention-4's sm90 backward at d 64 holds two dS stages and one dQ buffer.
-//   HeadSplit (the ablation rung FLASH_CUDA_SM90_BWD_GQA=split; GQA): one CTA per (key block, query
-//     head) instead of per (key block, KV head) walking the group's heads; each adds its dK, dV
-//     into BwdParams::dkv_heads (fp32 reductions), which convert_dkv_heads_kernel writes out.
-enum : int { kOptWarpRelease = 1, kOptBulkStats = 2, kOptEarlyLse = 4, kOptDqPerWg = 8, kOptOneDq = 16,
-             kOptHeadSplit = 32 };
+enum : int { kOptWarpRelease = 1, kOptBulkStats = 2 };
 template <typename Tiles, typename = void>
 struct OptionsOf : std::integral_constant<int, 0> {};
 template <typename Tiles>
@@ -153,22 +137,6 @@ struct WarpRelease : Traits {
 template <typename Traits>
 struct BulkStats : Traits {
   static constexpr int kOptions = OptionsOf<Traits>::value | kOptBulkStats;
-};
-template <typename Traits>
-struct EarlyLse : Traits {
-  static constexpr int kOptions = OptionsOf<Traits>::value | kOptEarlyLse;
-};
-template <typename Traits>
-struct DqPerWg : Traits {
-  static constexpr int kOptions = OptionsOf<Traits>::value | kOptDqPerWg;
-};
-template <typename Traits>
-struct OneDq : Traits {
-  static constexpr int kOptions = OptionsOf<Traits>::value | kOptOneDq;
-};
-template <typename Traits>
-struct HeadSplit : Traits {
-  static constexpr int kOptions = OptionsOf<Traits>::value | kOptHeadSplit;
 };
 
 // The tiles of bwd.cuh's dK/dV kernel (BwdTraits, TilesOfWidth or TilesOf80Queries, maybe in
@@ -189,10 +157,7 @@ struct WsBwdConfig : Traits {
   // 80-query steps (TilesOf80Queries): dQ^T = K^T dS^T, one dQ staging buffer, written by the
   // first consumer thread.
   static constexpr bool kTransposedDq = kBlockM % 64 != 0;
-  static constexpr int kDqBuffers = kTransposedDq || kHasOption<Traits, kOptOneDq> ? 1 : 2;
-  // Exchange x's dQ staging buffer and the parity of its barriers' phase.
-  __device__ __forceinline__ static int dq_buffer(int x) { return kDqBuffers == 2 ? x & 1 : 0; }
-  __device__ __forceinline__ static int dq_parity(int x) { return kDqBuffers == 2 ? (x >> 1) & 1 : x & 1; }
+  static constexpr int kDqBuffers = kTransposedDq ? 1 : 2;
   static constexpr int kStages = kStages_;
   static constexpr int kThreads = 128 + kConsumerThreads;
   static constexpr int kConsumerWarps = kConsumerThreads / 32;
@@ -300,7 +265,7 @@ struct Smem {
       }
       if constexpr (kDqWriter) {
         for (int b = 0; b < 2; ++b) {
-          mbarrier_init(&dq_full[b], kHasOption<Cfg, kOptDqPerWg> ? Cfg::kConsumerWarps / 2 : Cfg::kConsumerWarps);
+          mbarrier_init(&dq_full[b], Cfg::kConsumerWarps);
           mbarrier_init(&dq_empty[b], 1);
         }
       }
@@ -374,10 +339,7 @@ __device__ __forceinline__ void produce(const BwdParams& p, const TmaMaps& maps,
                                         int hkv, int bi, int lane) {
 #if FLASH_SM90_ENABLED
   const SeqInfo seq = SeqInfo::make<kVarlen>(p, bi);
-  // HeadSplit: the CTA's one query head (blockIdx.y), a group of one.
-  constexpr bool kHeadSplit = kHasOption<Cfg, kOptHeadSplit>;
-  const KeyTileSteps steps = KeyTileSteps::make(seq.mask<kVarlen>(p), n0, Cfg::kBlockN, Cfg::kBlockM,
-                                                kHeadSplit ? int(blockIdx.y) : hkv, kHeadSplit ? 1 : p.hq / p.hkv);
+  const KeyTileSteps steps = KeyTileSteps::make(seq.mask<kVarlen>(p), n0, Cfg::kBlockN, Cfg::kBlockM, hkv, p.hq / p.hkv);
   if (steps.count == 0) return;  // no query sees these keys, or none are left: nothing to load
   // A packed batch's maps span the packed rows (batch extent 1): rows from the sequence's first,
   // batch coordinate 0, and the blocks at its end have rows to zero (load_pair).
@@ -571,8 +533,8 @@ template <typename T, typename Cfg>
 __device__ __forceinline__ void write_dq(const Smem<T, Cfg>& sm) {
 #if FLASH_SM90_ENABLED
   for (int x = 0;; ++x) {
-    const int b = Cfg::dq_buffer(x);
-    mbarrier_wait(&sm.dq_full[b], Cfg::dq_parity(x));
+    const int b = x & 1;
+    mbarrier_wait(&sm.dq_full[b], (x >> 1) & 1);
     float* dst = sm.dq_dst[b];
     if (dst == nullptr) break;
     bulk_reduce_add_f32(dst, sm.dq(b), Smem<T, Cfg>::kDqTile * sizeof(float));
@@ -588,9 +550,9 @@ __device__ __forceinline__ void write_dq(const Smem<T, Cfg>& sm) {
 // (nullptr: no more blocks). Each consumer warp arrives once its part of sdQ is written and fenced.
 template <typename T, typename Cfg>
 __device__ __forceinline__ void hand_over_dq(const Smem<T, Cfg>& sm, float* dst, int x, int ct) {
-  if (ct == 0) sm.dq_dst[Cfg::dq_buffer(x)] = dst;
+  if (ct == 0) sm.dq_dst[x & 1] = dst;
   __syncwarp();
-  if (ct % 32 == 0) mbarrier_arrive(&sm.dq_full[Cfg::dq_buffer(x)]);
+  if (ct % 32 == 0) mbarrier_arrive(&sm.dq_full[x & 1]);
 }
 
 // A consumer warpgroup's dQ accumulator into sdQ[x % 2] (DqTile order: 16-byte vectors, 128
@@ -601,9 +563,9 @@ __device__ __forceinline__ void stage_dq(const Smem<T, Cfg>& sm, const float (&a
                                          float* dst, int x, int wg, int ct) {
 #if FLASH_SM90_ENABLED
   constexpr int kJ = DqSplit<Cfg>::kN / 8;
-  mbarrier_wait(&sm.dq_empty[Cfg::dq_buffer(x)], Cfg::dq_parity(x) ^ 1);  // the first pass finds them free
+  mbarrier_wait(&sm.dq_empty[x & 1], ((x >> 1) & 1) ^ 1);  // the first pass finds both free
   // DqTile order; the thread's part from %tid.x, not kept across the loop (as in stage_ds_transposed)
-  const uint32_t at = smem_addr(sm.dq(Cfg::dq_buffer(x))) + ((wg * kJ) * 128 + thread_index_opaque() % 128) * 16;
+  const uint32_t at = smem_addr(sm.dq(x & 1)) + ((wg * kJ) * 128 + thread_index_opaque() % 128) * 16;
 #pragma unroll
   for (int j = 0; j < kJ; ++j) {
     st_shared_v4_f32(at + j * 128 * 16, acc[0][j][0], acc[0][j][1], acc[0][j][2], acc[0][j][3]);
@@ -623,32 +585,6 @@ __device__ __forceinline__ void stage_dq_self(const Smem<T, Cfg>& sm, const floa
                                               float* dst, int x, int wg, int ct) {
 #if FLASH_SM90_ENABLED
   constexpr int kJ = DqSplit<Cfg>::kN / 8;
-  if constexpr (kHasOption<Cfg, kOptDqPerWg>) {
-    // The warpgroup's half: its barrier pair, its first thread, its kJ x 128 16-byte vectors.
-    constexpr int kHalfFloats = kJ * 128 * 4;
-    const bool first = ct % 128 == 0;
-    if (x > 0) {
-      if (first) {
-        bulk_wait_read<0>();
-        mbarrier_arrive(&sm.dq_empty[wg]);
-      }
-      mbarrier_wait(&sm.dq_empty[wg], (x - 1) & 1);
-    }
-    const uint32_t at = smem_addr(sm.dq(0)) + ((wg * kJ) * 128 + thread_index_opaque() % 128) * 16;
-#pragma unroll
-    for (int j = 0; j < kJ; ++j) {
-      st_shared_v4_f32(at + j * 128 * 16, acc[0][j][0], acc[0][j][1], acc[0][j][2], acc[0][j][3]);
-    }
-    fence_proxy_async();  // generic-proxy writes, read next by the bulk reduction (async proxy)
-    __syncwarp();
-    if (ct % 32 == 0) mbarrier_arrive(&sm.dq_full[wg]);
-    if (first) {
-      mbarrier_wait(&sm.dq_full[wg], x & 1);
-      bulk_reduce_add_f32(dst + wg * kHalfFloats, sm.dq(0) + wg * kHalfFloats, kHalfFloats * sizeof(float));
-      bulk_commit();
-    }
-    return;
-  }
   if (x > 0) {
     if (ct == 0) {
       bulk_wait_read<0>();
@@ -683,31 +619,6 @@ __device__ __forceinline__ void claim_ds(const Smem<T, Cfg>& sm, int i) {
   }
 }
 
-// HeadSplit's epilogue: this warp's 16 keys of dK (times the scale) and dV added into the
-// group's fp32 sums (BwdParams::dkv_heads), two columns per reduction, rows past the sequence
-// and columns past d left out.
-template <int kD>
-__device__ __forceinline__ void add_dk_dv_heads(const BwdParams& p, const SeqInfo& seq, const float (&acc_dk)[1][kD / 8][4],
-                                                const float (&acc_dv)[1][kD / 8][4], int hkv, int warp_key0) {
-#if FLASH_SM90_ENABLED
-  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  float* dk = p.dkv_heads + ((int64_t(seq.bi) * p.hkv + hkv) * p.dkv_rows + warp_key0) * kD;
-  float* dv = dk + int64_t(p.b) * p.hkv * p.dkv_rows * kD;
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int row = g + 8 * half;
-    if (warp_key0 + row >= seq.sk) continue;
-#pragma unroll
-    for (int j = 0; j < kD / 8; ++j) {
-      const int col = 8 * j + 2 * t;
-      if (col >= p.d) continue;
-      red_add_v2_f32(dk + row * kD + col, acc_dk[0][j][2 * half] * p.scale, acc_dk[0][j][2 * half + 1] * p.scale);
-      red_add_v2_f32(dv + row * kD + col, acc_dv[0][j][2 * half], acc_dv[0][j][2 * half + 1]);
-    }
-  }
-#endif
-}
-
 // kDrop: attention dropout (the dropout instances: dense batches without score modifiers, kPlain).
 template <typename T, typename Cfg, int kVariant, bool kDrop = false>
 __device__ __forceinline__ void bwd_ws_block(const BwdParams& p, const TmaMaps& maps) {
@@ -728,8 +639,7 @@ __device__ __forceinline__ void bwd_ws_block(const BwdParams& p, const TmaMaps& 
   // them after the split, so that nothing computed before it stays live in the producer's 24
   // registers.
   const int n0 = blockIdx.x * Cfg::kBlockN;
-  constexpr bool kHeadSplit = kHasOption<Cfg, kOptHeadSplit>;  // blockIdx.y: a query head
-  const int hkv = kHeadSplit ? int(blockIdx.y) / (p.hq / p.hkv) : blockIdx.y, bi = blockIdx.z;
+  const int hkv = blockIdx.y, bi = blockIdx.z;
   if (warp < 4) {
     setmaxnreg_dec<Cfg::template producer_regs<kVariant>()>();
     if (warp == 0) {
@@ -744,8 +654,7 @@ __device__ __forceinline__ void bwd_ws_block(const BwdParams& p, const TmaMaps& 
   setmaxnreg_inc<Cfg::template consumer_regs<kVariant>()>();
   const SeqInfo seq = SeqInfo::make<kVarlen>(p, bi);
   const AttnMask mask = seq.mask<kVarlen>(p);
-  const KeyTileSteps steps = KeyTileSteps::make(mask, n0, Cfg::kBlockN, kBlockM, kHeadSplit ? int(blockIdx.y) : hkv,
-                                                kHeadSplit ? 1 : p.hq / p.hkv);
+  const KeyTileSteps steps = KeyTileSteps::make(mask, n0, Cfg::kBlockN, kBlockM, hkv, p.hq / p.hkv);
   const int ct = threadIdx.x - 128;
   // Warp-uniform (arch/sm80.cuh): the products' descriptors, made from wg, and this warp's
   // block ranges below in uniform registers.
@@ -791,11 +700,6 @@ __device__ __forceinline__ void bwd_ws_block(const BwdParams& p, const TmaMaps& 
     wgmma_fence();
     wgmma_ss<Cfg::kQKSteps, false, T>(dst[0], VOp{sm.sV, 64 * wg}, QOp{sm.dout(st), 0});
     wgmma_commit();
-    constexpr bool kEarlyLse = kHasOption<Cfg, kOptEarlyLse> && kVariant != kSoftcapGrad;
-    float2 lse_pre[kEarlyLse ? kBlockM / 8 : 1];
-    if constexpr (kEarlyLse) {
-      read_lse_pairs<kHasOption<Cfg, kOptBulkStats>>(lse_pre, sm.lse + st * kBlockM * (kHasOption<Cfg, kOptBulkStats> ? 2 : 1));
-    }
     wgmma_wait<1>();
     fence_accumulator(pt[0]);
     if constexpr (kVariant == kSoftcapGrad) {
@@ -817,7 +721,7 @@ __device__ __forceinline__ void bwd_ws_block(const BwdParams& p, const TmaMaps& 
       const float* stage_lse = sm.lse + st * kBlockM * (kPairs ? 2 : 1);
       const float* stage_delta = kPairs ? stage_lse : sm.delta + st * kBlockM;
       compute_probs<true, kVariant, true, kPairs>(pt, no_dtanh, stage_lse, needs_mask, warp_key0, m0, mask, p,
-                                                  seq, h, kEarlyLse ? lse_pre : nullptr);
+                                                  seq, h);
       // Dropout: the block's keep mask, drawn while dP^T is still on the tensor cores; it drops
       // dP^T before dS^T = P^T (dP^T keep - delta) and then P^T for dV (the forward's key, from
       // its record, read here).
@@ -919,10 +823,9 @@ __device__ __forceinline__ void bwd_ws_block(const BwdParams& p, const TmaMaps& 
   }
 
   if constexpr (Cfg::kTransposedDq) {
-    // the adds themselves are done before the CTA retires (DqPerWg: each warpgroup's issuer)
-    if (kHasOption<Cfg, kOptDqPerWg> ? ct % 128 == 0 : ct == 0) bulk_wait<0>();
+    if (ct == 0) bulk_wait<0>();  // the adds themselves are done before the CTA retires
   } else {
-    mbarrier_wait(&sm.dq_empty[Cfg::dq_buffer(x)], Cfg::dq_parity(x) ^ 1);
+    mbarrier_wait(&sm.dq_empty[x & 1], ((x >> 1) & 1) ^ 1);
     hand_over_dq<T, Cfg>(sm, nullptr, x, ct);  // tells the writer to stop
   }
 
@@ -930,9 +833,7 @@ __device__ __forceinline__ void bwd_ws_block(const BwdParams& p, const TmaMaps& 
   // warpgroups are past their last products (every load they waited for has landed; the
   // producer issues no more), so the stores are whole 16-byte rows. At d = 64 (half the
   // stores) the extra barrier costs as much as the wider stores gain: direct stores there.
-  if constexpr (kHeadSplit) {
-    if (steps.count > 0) add_dk_dv_heads<kD>(p, seq, acc_dk, acc_dv, hkv, warp_key0);
-  } else if constexpr (kD > 64) {
+  if constexpr (kD > 64) {
     static_assert(Cfg::kConsumerWarps * 16 * kStagedPitch<kD> <= 2 * Cfg::kStages * Smem<T, Cfg>::kQTile,
                   "the staged dK / dV rows fit the Q / dO ring");
     named_barrier_sync(kDsBarrier, kConsumerThreads);
@@ -1031,26 +932,6 @@ __global__ void __launch_bounds__(256) convert_dq_tiles_kernel(const __grid_cons
   }
 }
 
-// HeadSplit: dk, dv from the group sums (BwdParams::dkv_heads, rows of kWidth floats), one CTA per
-// 128 keys of a (KV head, batch entry), four columns per thread and step.
-template <typename T, int kWidth>
-__global__ void __launch_bounds__(256) convert_dkv_heads_kernel(const __grid_constant__ BwdParams p) {
-  const int n0 = blockIdx.x * 128, h = blockIdx.y, bi = blockIdx.z;
-  const int64_t plane = int64_t(p.b) * p.hkv * p.dkv_rows * kWidth;
-  const float* sums = p.dkv_heads + ((int64_t(bi) * p.hkv + h) * p.dkv_rows + n0) * kWidth;
-  for (int i = threadIdx.x; i < 128 * kWidth / 4; i += 256) {
-    const int r = i / (kWidth / 4), c = i % (kWidth / 4) * 4;
-    if (n0 + r >= p.sk || c >= p.d) continue;  // d % 8 == 0: a group of four is inside the row or past it
-    const int64_t key = n0 + r;
-    const float4 k4 = *reinterpret_cast<const float4*>(sums + r * kWidth + c);
-    const float4 v4 = *reinterpret_cast<const float4*>(sums + plane + r * kWidth + c);
-    T* dk = static_cast<T*>(p.dk) + bi * p.dk_batch_stride + h * p.dk_head_stride + key * p.dk_row_stride + c;
-    T* dv = static_cast<T*>(p.dv) + bi * p.dv_batch_stride + h * p.dv_head_stride + key * p.dv_row_stride + c;
-    *reinterpret_cast<uint2*>(dk) = make_uint2(pack2<T>(k4.x, k4.y), pack2<T>(k4.z, k4.w));
-    *reinterpret_cast<uint2*>(dv) = make_uint2(pack2<T>(v4.x, v4.y), pack2<T>(v4.z, v4.w));
-  }
-}
-
 }  // namespace bwd_ws
 }  // namespace sm90
 
@@ -1061,18 +942,11 @@ void launch_convert_dq_tiles(const BwdParams& p, cudaStream_t stream) {
   check_launch("convert_dq_tiles");
 }
 
-// HeadSplit: dk, dv from the group sums, after the backward that added into them.
-template <typename T, int kWidth>
-void launch_convert_dkv_heads(const BwdParams& p, cudaStream_t stream) {
-  sm90::bwd_ws::convert_dkv_heads_kernel<T, kWidth><<<dim3(ceil_div(p.sk, 128), p.hkv, p.b), 256, 0, stream>>>(p);
-  check_launch("convert_dkv_heads");
-}
-
 // The warp-specialized backwards' main launch (this kernel and the wide one): the TMA maps of Q,
 // dO, K and V, delta's preprocess, then one CTA per key block of each (kv head, batch entry).
 // False, having launched nothing, where a view TMA cannot address.
 template <typename T, typename Cfg, typename Kernel>
-bool launch_bwd_ws_main(Kernel kernel, const BwdParams& p, const char* name, cudaStream_t stream, int grid_heads = 0) {
+bool launch_bwd_ws_main(Kernel kernel, const BwdParams& p, const char* name, cudaStream_t stream) {
   constexpr size_t kSmemBytes = sm90::smem_request_bytes<typename Cfg::template Storage<T>>();
   static_assert(kSmemBytes <= kSmemHopper, "fits a Hopper block");
   sm90::bwd_ws::TmaMaps maps;
@@ -1081,9 +955,7 @@ bool launch_bwd_ws_main(Kernel kernel, const BwdParams& p, const char* name, cud
   }
   launch_bwd_preprocess<T>(p, stream);
   set_smem_limit(kernel, kSmemBytes, name);
-  // grid_heads: the grid's heads (HeadSplit: the query heads), else the KV heads.
-  kernel<<<dim3(ceil_div(p.sk, Cfg::kBlockN), grid_heads > 0 ? grid_heads : p.hkv, p.b), Cfg::kThreads, kSmemBytes,
-           stream>>>(p, maps);
+  kernel<<<dim3(ceil_div(p.sk, Cfg::kBlockN), p.hkv, p.b), Cfg::kThreads, kSmemBytes, stream>>>(p, maps);
   check_launch(name);
   return true;
 }
@@ -1101,32 +973,19 @@ bool launch_bwd_ws_tiles(const BwdParams& p, cudaStream_t stream) {
     // 80-query steps (config.h: bwd_steps80, through ablation.h's switch; family.h sized the dQ
     // workspace by the same rule).
     if (wgmma::ablation::bwd_steps80(p)) {
-      auto launch80 = [&](auto tiles80) {
-        using Cfg80 = sm90::bwd_ws::WsBwdConfig<decltype(tiles80), 2, kDepth>;
-        auto kernel80 = sm90::bwd_ws::bwd_sm90_ws_kernel<T, Cfg80, kVariant>;
-        if (p.dq_accum == nullptr || !sm90_kernel_built(kernel80)) return false;
-        constexpr bool kSplit = sm90::bwd_ws::kHasOption<Cfg80, sm90::bwd_ws::kOptHeadSplit>;
-        if (!launch_bwd_ws_main<T, Cfg80>(kernel80, p, "bwd_sm90_ws_q80", stream, kSplit ? p.hq : 0)) return false;
-        launch_convert_dq_tiles<T, Cfg80>(p, stream);
-        if constexpr (kSplit) launch_convert_dkv_heads<T, Cfg80::kD>(p, stream);
-        return true;
-      };
-      // The rung FLASH_CUDA_SM90_BWD_DQ=per_wg, on the default's tiles only (no other rung's).
-      if constexpr (kAblations && sm90::bwd_ws::OptionsOf<Tiles>::value == sm90::bwd_ws::kOptBulkStats) {
-        if (wgmma::ablation::bwd_dq_per_wg()) {
-          return launch80(sm90::bwd_ws::TilesOf80Queries<sm90::bwd_ws::DqPerWg<Tiles>>{});
-        }
-      }
-      return launch80(sm90::bwd_ws::TilesOf80Queries<Tiles>{});
+      using Cfg80 = sm90::bwd_ws::WsBwdConfig<sm90::bwd_ws::TilesOf80Queries<Tiles>, 2, kDepth>;
+      auto kernel80 = sm90::bwd_ws::bwd_sm90_ws_kernel<T, Cfg80, kVariant>;
+      if (p.dq_accum == nullptr || !sm90_kernel_built(kernel80)) return false;
+      if (!launch_bwd_ws_main<T, Cfg80>(kernel80, p, "bwd_sm90_ws_q80", stream)) return false;
+      launch_convert_dq_tiles<T, Cfg80>(p, stream);
+      return true;
     }
   }
   const bool packed = p.cu_seqlens_q != nullptr;
   // A kPlain kernel reads no cu_seqlens: packed batches come as kExtended or kSoftcapGrad (variant_of).
   if (p.dq_accum == nullptr || (packed && kVariant == kPlain) || !sm90_kernel_built(kernel)) return false;
-  constexpr bool kSplit = sm90::bwd_ws::kHasOption<Cfg, sm90::bwd_ws::kOptHeadSplit>;
-  if (!launch_bwd_ws_main<T, Cfg>(kernel, p, "bwd_sm90_ws", stream, kSplit ? p.hq : 0)) return false;
+  if (!launch_bwd_ws_main<T, Cfg>(kernel, p, "bwd_sm90_ws", stream)) return false;
   launch_convert_dq_tiles<T, Cfg>(p, stream);
-  if constexpr (kSplit) launch_convert_dkv_heads<T, Cfg::kD>(p, stream);
   return true;
 }
 
@@ -1148,21 +1007,8 @@ bool launch_bwd_sm90_ws(const BwdParams& p, cudaStream_t stream) {
     }
     using Bulk = sm90::bwd_ws::BulkStats<Tiles>;
     if constexpr (kAblations) {
-      if (p.dkv_heads != nullptr) {  // family.h made the sums: ablation.h's bwd_gqa_split
-        return launch_bwd_ws_tiles<T, sm90::bwd_ws::HeadSplit<Bulk>, kVariant, kDepth>(p, stream);
-      }
       if (wgmma::ablation::bwd_warp_release()) {
         return launch_bwd_ws_tiles<T, sm90::bwd_ws::WarpRelease<Bulk>, kVariant, kDepth>(p, stream);
-      }
-      if constexpr (Tiles::kKVBlockM == 128) {  // 128-query steps (d <= 64)
-        if (wgmma::ablation::bwd_one_dq()) {
-          return launch_bwd_ws_tiles<T, sm90::bwd_ws::OneDq<Bulk>, kVariant, kDepth>(p, stream);
-        }
-      }
-      if constexpr (Tiles::kKVBlockM < 128) {  // 128-query steps (d <= 64): its registers would spill
-        if (wgmma::ablation::bwd_early_lse()) {
-          return launch_bwd_ws_tiles<T, sm90::bwd_ws::EarlyLse<Bulk>, kVariant, kDepth>(p, stream);
-        }
       }
     }
     return launch_bwd_ws_tiles<T, Bulk, kVariant, kDepth>(p, stream);

@@ -138,15 +138,6 @@ struct WgmmaFamily {
       p.stats_rows = ceil_div(p.sq, bwd_block_m_of(p)) * bwd_block_m_of(p);
       p.bwd_stats = floats + dq_floats(p);
     }
-    if constexpr (kAblations) {
-      // the rung that zeroes the workspace in the preprocess (plan_bwd), where nothing follows the pairs
-      if (floats != nullptr && zero_in_preprocess(p)) p.zero_floats = dq_floats(p);
-      // the GQA rung's dK / dV sums after the pairs (plan_bwd)
-      if (floats != nullptr && wgmma::ablation::bwd_gqa_split(p)) {
-        p.dkv_rows = ceil_div(p.sk, 128) * 128;
-        p.dkv_heads = p.bwd_stats + int64_t(p.b) * p.hq * p.stats_rows * 2;
-      }
-    }
   }
   static bool run(const FwdParams& p, Tier, cudaStream_t stream) {
     return with_dtype_variant<wgmma::FwdEntry, tiles::WgmmaFwdBuckets>(p, variant_of(p, /*backward=*/false), stream);
@@ -192,18 +183,7 @@ struct WgmmaFamily {
       ws.floats += int64_t(p.b) * p.hq * ceil_div(p.sq, bwd_block_m_of(p)) * bwd_block_m_of(p) * 2;
     }
     ws.zero_floats = true;
-    if constexpr (kAblations) {
-      ws.zero_floats = !zero_in_preprocess(p);  // attach, above
-      if (wgmma::ablation::bwd_gqa_split(p)) {  // [2][b][hkv][sk rounded up to 128][tile width]
-        ws.floats += 2 * int64_t(p.b) * p.hkv * ceil_div(p.sk, 128) * 128 * wgmma::bwd_tile_width(p);
-      }
-    }
     return ws;
-  }
-  // The ablation rung FLASH_CUDA_SM90_BWD_ZERO=preprocess, where the workspace holds nothing the
-  // preprocess does not zero (the GQA rung's sums are zeroed with the memset).
-  static bool zero_in_preprocess(const BwdParams& p) {
-    return wgmma::ablation::bwd_zero_in_preprocess() && !wgmma::ablation::bwd_gqa_split(p);
   }
   static bool run_bwd(const BwdParams& p, Tier tier, cudaStream_t stream) {
     const Variant variant = variant_of(p, /*backward=*/true);

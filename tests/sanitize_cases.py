@@ -227,16 +227,12 @@ CASES: List[Case] = [
     # ---- the backward's lanes rung (FLASH_CUDA_SM90_BWD_STATS=lanes; an ablation build reads it,
     # any other runs the default, bulk-copied (lse, delta) pairs): a partial last block ----
     Case(BF16, 1, 4, 2, 300, 500, 128, True, "bshd", env=(("FLASH_CUDA_SM90_BWD_STATS", "lanes"),)),
-    # ---- the forward's 192-row tiles in 128-key steps at d = 64 (FLASH_CUDA_WS_TALL_BLOCK_N=128,
-    # FLASH_CUDA_WS_BLOCK_M=192 below the threshold): partial blocks, GQA ----
+    # ---- the forward's 192-row tiles in 128-key steps at d = 64 (Sq >= 2048): a partial last
+    # tile and key block, GQA; and their former 96-key steps (FLASH_CUDA_WS_TALL_BLOCK_N=96,
+    # FLASH_CUDA_WS_BLOCK_M=192 below the threshold) ----
+    Case(BF16, 1, 4, 2, 2100, 2200, 64, True, "bshd"),
     Case(BF16, 1, 4, 2, 500, 700, 64, True, "bshd",
-         env=(("FLASH_CUDA_WS_BLOCK_M", "192"), ("FLASH_CUDA_WS_TALL_BLOCK_N", "128"))),
-    # ---- the forward's 192-row tiles at d 96 / 64 in 128-key steps with P through shared memory
-    # (FLASH_CUDA_WS_P_SMEM=1, FLASH_CUDA_WS_BLOCK_M=192 below the threshold): masks, GQA ----
-    Case(BF16, 1, 4, 2, 500, 700, 96, True, "bshd",
-         env=(("FLASH_CUDA_WS_BLOCK_M", "192"), ("FLASH_CUDA_WS_P_SMEM", "1"))),
-    Case(F16, 1, 2, 1, 400, 900, 64, False, "strided",
-         env=(("FLASH_CUDA_WS_BLOCK_M", "192"), ("FLASH_CUDA_WS_P_SMEM", "1"))),
+         env=(("FLASH_CUDA_WS_BLOCK_M", "192"), ("FLASH_CUDA_WS_TALL_BLOCK_N", "96"))),
 ]
 
 

@@ -159,25 +159,11 @@ def test_wgmma_header_is_generated():
     assert fresh == (arch / "sm90_wgmma.cuh").read_text(), "run csrc/arch/gen_sm90_wgmma.py"
 
 
-# Single kernels of the ablation builds allowed to spill: (instance, arch) -> (a piece of the
-# kernel's mangled name, the reason). The other kernels of those files spill nothing.
-# * The d = 64 forward's 192-row tiles in 128-key steps (FLASH_CUDA_WS_TALL_BLOCK_N=128): three
-#   consumer warpgroups at 160 registers keep three tile-loop words in local memory (20 bytes,
-#   stored and loaded once per tile, none in the key loop).
-KERNEL_SPILL_ALLOW = {
-    ("wgmma_fwd_bf16_d64.cu+ablations", "sm_90a"): ("WsConfigI13__nv_bfloat16Li64ELi128ELi0ELi2ELi3E",
-                                                    "192-row tiles in 128-key steps, tile-loop words"),
-}
-
-
 def test_no_spills(reports):
     bad = []
     for (name, arch), (rows, _) in sorted(reports.items()):
         assert rows, f"ptxas reported no kernel for {name} ({arch})"
         for kernel, stack, stores, loads in rows:
-            allowed = KERNEL_SPILL_ALLOW.get((name, arch))
-            if allowed is not None and allowed[0] in kernel and stores <= 32 and loads <= 32:
-                continue
             if (stack or stores or loads) and (name, arch) not in SPILL_ALLOW:
                 bad.append(f"{name} [{arch}] {kernel}: stack {stack} B, spill stores {stores} B, loads {loads} B")
     assert not bad, "register spills / stack frames:\n" + "\n".join(bad)

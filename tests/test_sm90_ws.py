@@ -154,21 +154,12 @@ def test_ws_forward_d64_192_row_tiles(monkeypatch, dtype, B, Hq, Hkv, Sq, Sk, D,
 
 @pytest.mark.parametrize("dtype", [F16, BF16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("B,Hq,Hkv,Sq,Sk,D,is_causal,window,layout", [c for c in CASES if c[5] == 64])
-def test_ws_forward_d64_192_row_tiles_128_key_steps(monkeypatch, dtype, B, Hq, Hkv, Sq, Sk, D, is_causal, window,
-                                                    layout):
-    """The d = 64 ablation FLASH_CUDA_WS_TALL_BLOCK_N=128 (the 192-row tiles in 128-key steps,
-    overlapped) at every Sq (FLASH_CUDA_WS_BLOCK_M=192), under the same rule."""
-    _ablation(monkeypatch, FLASH_CUDA_WS_BLOCK_M="192", FLASH_CUDA_WS_TALL_BLOCK_N="128")
-    test_ws_forward_matches_float64("rows192keys128", dtype, B, Hq, Hkv, Sq, Sk, D, is_causal, window, layout)
-
-
-@pytest.mark.parametrize("dtype", [F16, BF16], ids=["fp16", "bf16"])
-@pytest.mark.parametrize("B,Hq,Hkv,Sq,Sk,D,is_causal,window,layout", [c for c in CASES if 32 < c[5] <= 96])
-def test_ws_forward_p_in_shared_memory(monkeypatch, dtype, B, Hq, Hkv, Sq, Sk, D, is_causal, window, layout):
-    """The d 33..96 ablation FLASH_CUDA_WS_P_SMEM=1 (the 192-row tiles in 128-key steps, P through
-    shared memory) at every Sq (FLASH_CUDA_WS_BLOCK_M=192), masks included, under the same rule."""
-    _ablation(monkeypatch, FLASH_CUDA_WS_BLOCK_M="192", FLASH_CUDA_WS_P_SMEM="1")
-    test_ws_forward_matches_float64("psmem", dtype, B, Hq, Hkv, Sq, Sk, D, is_causal, window, layout)
+def test_ws_forward_d64_192_row_tiles_96_key_steps(monkeypatch, dtype, B, Hq, Hkv, Sq, Sk, D, is_causal, window,
+                                                   layout):
+    """The d = 64 ablation FLASH_CUDA_WS_TALL_BLOCK_N=96 (the 192-row tiles in 96-key steps, the
+    default's before 128) at every Sq (FLASH_CUDA_WS_BLOCK_M=192), under the same rule."""
+    _ablation(monkeypatch, FLASH_CUDA_WS_BLOCK_M="192", FLASH_CUDA_WS_TALL_BLOCK_N="96")
+    test_ws_forward_matches_float64("rows192keys96", dtype, B, Hq, Hkv, Sq, Sk, D, is_causal, window, layout)
 
 
 @pytest.mark.parametrize("every", ["4", "8"])

@@ -70,6 +70,14 @@ __device__ __forceinline__ uint32_t thread_index_opaque() {
   return tid;
 }
 
+// The n low bits set, n in 0 .. 32 (all 32 at n = 32): one BMSK, where (1u << n) - 1 needs a
+// select for n = 32 and keeps its constant in a register.
+__device__ __forceinline__ uint32_t low_bits(int n) {
+  uint32_t bits;
+  asm("bmsk.clamp.b32 %0, 0, %1;" : "=r"(bits) : "r"(n));
+  return bits;
+}
+
 // ---------------------------------------------------------------------------------
 // The MUFU unit and exact-NaN min / max.
 // ---------------------------------------------------------------------------------

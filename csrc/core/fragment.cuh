@@ -14,6 +14,7 @@
 
 #include <cstdint>
 
+#include "../arch/sm80.cuh"
 #include "../arch/types.cuh"
 
 namespace flash_cuda {
@@ -57,7 +58,7 @@ __device__ __forceinline__ uint32_t columns_below(int x) {
   x = x < 0 ? 0 : (x > 128 ? 128 : x);
   const int r = x & 7;
   const int n = 2 * (x >> 3) + (r < 2 ? r : 2);  // 0 .. 32
-  return n == 32 ? 0xffffffffu : (1u << n) - 1u;
+  return low_bits(n);
 }
 
 // Sets every element whose column lies outside its row's range to `value`: range_of(row) gives

@@ -25,16 +25,12 @@ inline int ws_block_n_override() { return ablation_int("FLASH_CUDA_WS_BLOCK_N", 
 // FLASH_CUDA_WS_STAGES=4: the d = 64 kPlain forward with 4 K/V stages in its ring instead of 2.
 inline int ws_stages_override() { return ablation_int("FLASH_CUDA_WS_STAGES", 0); }
 // FLASH_CUDA_WS_BLOCK_M=128 | 192: the d = 64 / 96 kPlain forward's tiles, 128 rows (two
-// consumer warpgroups) or 192 (three; 96 keys per step at d = 64, 80 at d = 96); unset: 192 rows
+// consumer warpgroups) or 192 (three; 128 keys per step at d = 64, 80 at d = 96); unset: 192 rows
 // from Sq = 2048 on.
 inline int ws_block_m_override() { return ablation_int("FLASH_CUDA_WS_BLOCK_M", 0); }
-// FLASH_CUDA_WS_TALL_BLOCK_N=128: the d = 64 kPlain forward's 192-row tiles step over 128 keys
-// instead of 96, overlapped (FlashAttention-4's d 64 tiles), wherever the 192-row tiles run.
+// FLASH_CUDA_WS_TALL_BLOCK_N=96: the d = 64 kPlain forward's 192-row tiles step over 96 keys
+// instead of 128 (the default before OPTIMIZATION.md step 58), wherever the 192-row tiles run.
 inline int ws_tall_block_n_override() { return ablation_int("FLASH_CUDA_WS_TALL_BLOCK_N", 0); }
-// FLASH_CUDA_WS_P_SMEM=1: the d 33..96 kPlain forward's 192-row tiles in 128-key steps with P
-// through shared memory (fwd/config.cuh: PInSmem) instead of 96- (d 64) or 80-key steps (d 96)
-// with P in registers.
-inline bool ws_p_smem() { return ablation_int("FLASH_CUDA_WS_P_SMEM", 0) == 1; }
 // FLASH_CUDA_WS_EXP2_POLY=N (4 or 8): in the d 64 / 128 kPlain forward every N-th 8-key tile of
 // P is exponentiated on the FMA pipe (poly_exp2) instead of MUFU.
 inline int ws_exp2_poly_every() { return ablation_int("FLASH_CUDA_WS_EXP2_POLY", 0); }

@@ -82,14 +82,16 @@ struct FwdTile {
 
 // d = 64, dense batches without modifiers (kPlain): 192-row tiles, three consumer warpgroups, so
 // that three warps per scheduler interleave their dependent softmax chains (d = 64 is
-// latency-bound), with 96-key steps (at 160 registers a consumer holds S of 96 keys beside P and
-// O; 128 spill). Short queries lose with them (fewer, partly empty tiles), hence the threshold.
-// d <= 32 takes the same two shapes and threshold, 32 deep.
+// latency-bound), with 128-key steps: at 160 registers a consumer holds S of 128 keys beside P
+// and O once its tile loop keeps no word across the key loop (fwd/config.cuh: kLeanTileLoop).
+// Short queries lose with them (fewer, partly empty tiles), hence the threshold. d <= 32 takes the
+// same threshold and 96-key steps, 32 deep.
 // d = 96 (the 128-wide Q / K tiles 96 deep, V and O 96 wide) takes them too, with 80-key steps
 // (96 spill beside O's 48 registers), but only where no key is masked: on a causal or windowed
 // call the taller diagonal tiles cost more than the third warpgroup gains.
 constexpr int kFwdTallConsumerWGs = 3;
-constexpr int kFwdTallBlockN = 96;
+constexpr int kFwdTallBlockN = 128;
+constexpr int kFwdTallBlockNNarrow = 96;
 constexpr int kFwdTallBlockN96 = 80;
 constexpr int kFwdTallMinSq = 2048;
 constexpr bool fwd_tall_tiles(int bucket, int sq, bool masked) {

@@ -61,24 +61,10 @@ bool run_fwd_sm90_ws(const FwdParams& p, cudaStream_t stream) {
   // their threshold too, =128 keeping d = 96 on its 128-row ones above it.
   const int block_m = switches::ws_block_m_override();
   const bool tall = block_m == 192 || (block_m != 128 && wgmma::fwd_tall_tiles(kHeadDim, p.sq, masks_keys(p)));
-  // FLASH_CUDA_WS_P_SMEM=1: d 96's 192-row tiles in 128-key steps with P through shared memory.
-  if constexpr (kHeadDim == 96 && kVariant == kPlain) {
-    if (tall && switches::ws_p_smem()) {
-      using Tile = wgmma::FwdTile<96>;
-      return launch_rung<PInSmem<WsConfig<T, Tile::kWidth, 128, 0, Tile::kStages, wgmma::kFwdTallConsumerWGs,
-                                          Tile::kDepth>>,
-                         kVariant>(p, stream, opt);
-    }
-  }
-  // FLASH_CUDA_WS_TALL_BLOCK_N=128: d 64's 192-row tiles in 128-key steps (d > 32), P in registers
-  // or (FLASH_CUDA_WS_P_SMEM=1) through shared memory.
+  // FLASH_CUDA_WS_TALL_BLOCK_N=96: d 64's 192-row tiles in 96-key steps (d > 32), as before step 58.
   if constexpr (kHeadDim == 64 && kVariant == kPlain) {
-    if (tall && p.d > wgmma::kNarrowDepth && switches::ws_p_smem()) {
-      return launch_rung<PInSmem<WsConfig<T, 64, 128, 0, wgmma::FwdTile<64>::kStages, wgmma::kFwdTallConsumerWGs>>,
-                         kVariant>(p, stream, opt);
-    }
-    if (tall && p.d > wgmma::kNarrowDepth && switches::ws_tall_block_n_override() == 128) {
-      return launch_rung<WsConfig<T, 64, 128, 0, wgmma::FwdTile<64>::kStages, wgmma::kFwdTallConsumerWGs>, kVariant>(
+    if (tall && p.d > wgmma::kNarrowDepth && switches::ws_tall_block_n_override() == 96) {
+      return launch_rung<WsConfig<T, 64, 96, 0, wgmma::FwdTile<64>::kStages, wgmma::kFwdTallConsumerWGs>, kVariant>(
           p, stream, opt);
     }
   }

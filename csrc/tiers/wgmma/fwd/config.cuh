@@ -91,10 +91,10 @@ struct WsConfig {
   static constexpr int kProducerRegs = kConsumerWGs == 3 ? 24 : (kWideOverlap ? 24 : 40);
   static constexpr int kConsumerRegs = kConsumerWGs == 3 ? 160 : (kWideOverlap ? 240 : 232);
   // The consumers re-derive per tile what their tile loop would otherwise keep live across it
-  // (the shared-memory pointers, their warp, the scheduler's sizes): at d = 256 with 80-key steps
-  // those words beside O, two S tiles and P spilled, and so did three consumer warpgroups' 160
-  // registers with 128-key steps (the ablation rung FLASH_CUDA_WS_TALL_BLOCK_N=128). Elsewhere the
-  // loop keeps them.
+  // (the shared-memory pointers, their warp, the scheduler's sizes, and after the key loop the
+  // tile's coordinates and the epilogue's addresses): at d = 256 with 80-key steps those words
+  // beside O, two S tiles and P spilled, and so did three consumer warpgroups' 160 registers with
+  // 128-key steps (d = 64's tall tiles). Elsewhere the loop keeps them.
   static constexpr bool kLeanTileLoop = (kWideOverlap && kBlockN_ > 64) || (kConsumerWGs_ == 3 && kBlockN_ == 128);
   static_assert(kConsumerWGs == 2 || (kConsumerWGs == 3 && (kHeadDim_ == 64 || kVWidth == 96)), "measured shapes");
   // setmaxnreg moves registers within what the CTA was launched with: kThreads x the per-thread
@@ -114,31 +114,10 @@ struct WsConfig {
   static constexpr bool kStageOInQ = !kStageO && wgmma::kFwdStageOInQ && kVWidth == kHeadDim_;
   static constexpr bool kStagedO = kStageO || kStageOInQ;
   using SharedStorage = FwdSharedStorage<T_, kBlockM, kBlockN_, kHeadDim_, kVWidth, kStages_, kStageO, kStageOInQ>;
-  // P V with P from registers (PInSmem below: from shared memory).
-  static constexpr bool kPInSmem = false;
   static constexpr size_t kSmemBytes = SharedStorage::kBytes + kSwizzleAlign;
   static_assert(kTileQ % 1024 == 0 && KSlabs::kBytes % 1024 == 0 && VSlabs::kBytes % 1024 == 0,
                 "TMA's boxes fill whole slabs");
   static_assert(kBlockM <= 256 && kBlockN <= 256, "a TMA box has at most 256 rows");
-  static_assert(kSmemBytes <= kSmemHopper, "fits a Hopper block");
-};
-
-// The ablation rung FLASH_CUDA_WS_P_SMEM=1 (d 33..96 on the 192-row tiles, tiers/wgmma/ablation.h):
-// a configuration whose consumers write each key step's P (16-bit) into their warpgroup's tile of
-// shared memory and read it from there as P V's A operand (mainloop.cuh: stage_p,
-// issue_weighted_v), as FlashAttention-4's sm90 forward does at d 96 on 192-row tiles, instead
-// of keeping P's A fragments in registers; the registers that frees allow 128-key steps. The
-// P tiles take the place of O's staging, so O is stored from registers.
-template <typename Base>
-struct PInSmem : Base {
-  using T = typename Base::T;
-  static constexpr bool kPInSmem = true;
-  static constexpr bool kStageO = false;
-  static constexpr bool kStageOInQ = false;
-  static constexpr bool kStagedO = false;
-  using SharedStorage = FwdSharedStorage<T, Base::kBlockM, Base::kBlockN, Base::kHeadDim, Base::kVWidth, Base::kStages,
-                                         false, false, true>;
-  static constexpr size_t kSmemBytes = SharedStorage::kBytes + kSwizzleAlign;
   static_assert(kSmemBytes <= kSmemHopper, "fits a Hopper block");
 };
 

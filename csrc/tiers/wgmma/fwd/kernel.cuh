@@ -199,19 +199,37 @@ __device__ __forceinline__ void fwd_ws_block(const FwdParams& p, const TmaMaps& 
     // producer loaded no Q) releases here. Where O is staged in Q's tile (kStageOInQ), the
     // epilogue releases it once its stores have read the staged rows.
     if constexpr (kSchedule == kOverlap) {
-      if constexpr (Cfg::kPInSmem) {
-        consume_overlap<Cfg>(ring_t, first, sQ_t, qt_t, cv, acc_o, stats, smem_t.p_tiles());
-      } else {
-        consume_overlap<Cfg>(ring_t, first, sQ_t, qt_t, cv, acc_o, stats);
-      }
+      consume_overlap<Cfg>(ring_t, first, sQ_t, qt_t, cv, acc_o, stats);
     } else {
       consume_serial<Cfg>(ring_t, first, sQ_t, qt_t, cv, acc_o, stats);
     }
-    if (!Cfg::kStageOInQ && cv.range.count() == 0) qt_t.release();
-    first += cv.range.count();
+    const int n_blocks = cv.range.count();
+    if (!Cfg::kStageOInQ && n_blocks == 0) qt_t.release();
+    first += n_blocks;
 
     // Step 4, normalize_output, and the stores.
-    store_tile_output<Cfg, kExt, kPackGqa>(acc_o, stats, sO_t, qt_t, p, maps, tile, w, cwarp, shift);
+    if constexpr (Cfg::kLeanTileLoop) {
+      // The epilogue's addresses and the tile's coordinates are derived again here rather than
+      // kept in registers across the key loop. The slot still holds t: slot k % 2 is next written
+      // for tile k + 2, after every consumer warp has released tile k + 1's Q, which this warp
+      // does only after this epilogue.
+      unsigned char* raw_o = smem_raw;
+      opaque(raw_o);
+      auto& smem_o = *reinterpret_cast<typename Cfg::SharedStorage*>(aligned_smem_base<Cfg::kSharedBase>(raw_o));
+      const QueryTile qt_o{&smem_o.sync.q_full, &smem_o.sync.q_empty, smem_o.sync.tile_slot};
+      const int t_out = atomicAdd(&qt_o.slot[k & 1], 0);
+      TileScheduler sched_o = TileScheduler::of<Cfg::kBlockM, kPackGqa>(p, shift);
+      opaque(sched_o.m_blocks);
+      opaque(sched_o.heads);
+      opaque(sched_o.section);
+      const TileScheduler::Tile tile_o = sched_o.at(t_out);
+      const Work w_o = Work::make(p, tile_o.b, tile_o.m_block, shift);
+      const int cwarp_o = int(thread_index_opaque() / 32) - 4;
+      store_tile_output<Cfg, kExt, kPackGqa>(acc_o, stats, smem_o.o_staging(), qt_o, p, maps, tile_o, w_o, cwarp_o,
+                                             shift);
+    } else {
+      store_tile_output<Cfg, kExt, kPackGqa>(acc_o, stats, sO_t, qt_t, p, maps, tile, w, cwarp, shift);
+    }
   }
   finish_output_stores<Cfg>();
 }

@@ -110,7 +110,7 @@ bool with_fwd_tiles(const FwdParams& p, bool tall, Launch&& launch) {
     // P V still 64 wide. The shapes of d = 64 and its threshold.
     if (p.d <= wgmma::kNarrowDepth) {
       if (wgmma::fwd_tall_tiles(kHeadDim, p.sq, masks_keys(p))) {
-        return launch(WsConfig<T, 64, kTallN, 0, Tile::kStages, kTallWGs, wgmma::kNarrowDepth>{});
+        return launch(WsConfig<T, 64, wgmma::kFwdTallBlockNNarrow, 0, Tile::kStages, kTallWGs, wgmma::kNarrowDepth>{});
       }
       return launch(WsConfig<T, 64, Tile::kBlockN, 0, Tile::kStages, Tile::kConsumerWGs, wgmma::kNarrowDepth>{});
     }

@@ -255,48 +255,6 @@ __device__ __forceinline__ void issue_weighted_v(float (&acc_o)[1][Cfg::kDTiles]
   wgmma_commit();
 }
 
-// PInSmem (config.cuh): O += P V with P from this warpgroup's tile of shared memory (64 rows in
-// 64-key slabs of the 128-byte swizzle, K-major), written by stage_p (one commit group).
-template <typename Cfg>
-__device__ __forceinline__ void issue_weighted_v(float (&acc_o)[1][Cfg::kDTiles][4], const typename Cfg::T* sP_wg,
-                                                 const typename Cfg::T* sV) {
-  wgmma_fence();
-  if constexpr (Cfg::VSlabs::kCols == kSlabCols) {
-    wgmma_ss<Cfg::kBlockN / 16, true, typename Cfg::T>(acc_o[0], KMajor<64>{sP_wg, 0}, MNMajor<Cfg::kBlockN>{sV, 0});
-  } else {
-    wgmma_ss<Cfg::kBlockN / 16, true, typename Cfg::T>(acc_o[0], KMajor<64>{sP_wg, 0}, MNMajor64B<Cfg::kBlockN>{sV});
-  }
-  wgmma_commit();
-}
-
-// PInSmem: P rounded to 16 bits into this warpgroup's tile (arch/tile.cuh: SwizzledTile<64>), once
-// the previous P V has read it (the caller waited for that product); the generic-proxy writes
-// fenced for the tensor cores and the warpgroup's four warps met on its named barrier, so the
-// next P V reads them all.
-constexpr int kPBarrier = 8;  // + the warpgroup (the turns take 1 .. 3)
-// The thread's byte offsets, from one base: its row r = 16 w + g (+ 8) sits at r * 128, and its
-// 16-byte chunk of columns 8j .. 8j + 7 is chunk (j % 8) ^ g of the row (the swizzle, r % 8 = g),
-// so chunk j is the base, whose chunk bits hold g, xor'ed with j; slab j / 8 is 64 rows further.
-// The base comes from %tid.x read opaquely each call: else the compiler hoists the 2 kNTiles
-// offsets out of the key loop and keeps them live in registers the consumers do not have.
-template <typename Cfg>
-__device__ __forceinline__ void stage_p(typename Cfg::T* sP_wg, const float (&sc)[1][Cfg::kNTiles][4], int wg) {
-  const uint32_t tid = thread_index_opaque();
-  const uint32_t g = (tid % 32) / 4, t = tid % 4, w = (tid / 32) % 4;
-  const uint32_t base = (16 * w + g) * kSwizzleBytes + g * 16 + 4 * t;
-  unsigned char* tile = reinterpret_cast<unsigned char*>(sP_wg);
-#pragma unroll
-  for (int j = 0; j < Cfg::kNTiles; ++j) {
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const uint32_t at = (base ^ ((j % 8) << 4)) + (j / 8) * 64 * kSwizzleBytes + half * 8 * kSwizzleBytes;
-      *reinterpret_cast<uint32_t*>(tile + at) = pack2<typename Cfg::T>(sc[0][j][2 * half], sc[0][j][2 * half + 1]);
-    }
-  }
-  fence_proxy_async();
-  named_barrier_sync(kPBarrier + wg, 128);
-}
-
 // Step 1: S was issued (issue_qk), possibly followed by kNewer more groups (the previous
 // block's P V); wait for S alone, then the modifiers, the mask and the block's row maxima.
 template <typename Cfg, int kNewer, typename View>
@@ -416,34 +374,16 @@ struct Turns {
 // block i-1's statistics, issue P(i-1) V(i-1); wait for S(i) alone and run its mask, max,
 // statistics and exponentials while P V is on the tensor cores; then wait for P V, free the
 // stage and round P(i) into A fragments. `first`: the ring position of this tile's block 0.
-// PInSmem (config.cuh): P goes through the warpgroup's tile of sP (the CTA's P tiles) instead of
-// the A fragments pa.
 template <typename Cfg, typename View>
 __device__ __forceinline__ void consume_overlap(const Ring<Cfg>& ring, int first, const typename Cfg::T* sQ,
                                                 const QueryTile& qt, const View& cv, float (&acc_o)[1][Cfg::kDTiles][4],
-                                                RowStats<1>& stats, typename Cfg::T* sP = nullptr) {
+                                                RowStats<1>& stats) {
   const int n = cv.range.count();
   if (n <= 0) return;
   const Turns<Cfg::kConsumerWGs, Cfg::kTurnBarriers> turns{cv.wg};
   turns.open();
   float sc[1][Cfg::kNTiles][4];
-  uint32_t pa[Cfg::kPInSmem ? 1 : Cfg::kBlockN / 16][4];
-  typename Cfg::T* const sP_wg = Cfg::kPInSmem ? sP + cv.wg * 64 * Cfg::kBlockN : nullptr;
-  // P of the step into pa, or into the warpgroup's tile; then its P V.
-  auto keep_p = [&]() {
-    if constexpr (Cfg::kPInSmem) {
-      stage_p<Cfg>(sP_wg, sc, cv.wg);
-    } else {
-      to_a_fragments<Cfg>(pa, sc);
-    }
-  };
-  auto weighted_v = [&](const typename Cfg::T* sV) {
-    if constexpr (Cfg::kPInSmem) {
-      issue_weighted_v<Cfg>(acc_o, sP_wg, sV);
-    } else {
-      issue_weighted_v<Cfg>(acc_o, pa, sV);
-    }
-  };
+  uint32_t pa[Cfg::kBlockN / 16][4];
   float block_max[1][2];
   Rescale rescale;
 
@@ -459,7 +399,7 @@ __device__ __forceinline__ void consume_overlap(const Ring<Cfg>& ring, int first
   rescale.pending = false;
   compute_block_softmax<Cfg>(sc, stats, cv.exp_scale);
   drop_probs<Cfg>(sc, cv, cv.range.begin);
-  keep_p();
+  to_a_fragments<Cfg>(pa, sc);
 
   for (int i = 1; i < n; ++i) {
     const int s = ring.stage(first + i), s_prev = ring.stage(first + i - 1);
@@ -468,7 +408,7 @@ __device__ __forceinline__ void consume_overlap(const Ring<Cfg>& ring, int first
     issue_qk<Cfg>(sc, sQ, cv.wg_row0, ring.k(s));
     rescale.apply(acc_o);
     mbarrier_wait(&ring.v_full[s_prev], ring.parity(first + i - 1));
-    weighted_v(ring.v(s_prev));
+    issue_weighted_v<Cfg>(acc_o, pa, ring.v(s_prev));
     turns.pass(false);
     compute_qk_scores_and_max<Cfg, 1>(sc, block_max, cv, cv.range.begin + i);
     ring.release_k(s);
@@ -480,7 +420,7 @@ __device__ __forceinline__ void consume_overlap(const Ring<Cfg>& ring, int first
     fence_accumulator(acc_o[0]);
     fence_fragments(pa);
     ring.release_v(s_prev);
-    keep_p();
+    to_a_fragments<Cfg>(pa, sc);
   }
 
   // The last block's P V.
@@ -488,7 +428,7 @@ __device__ __forceinline__ void consume_overlap(const Ring<Cfg>& ring, int first
   turns.take();
   rescale.apply(acc_o);
   mbarrier_wait(&ring.v_full[s_last], ring.parity(first + n - 1));
-  weighted_v(ring.v(s_last));
+  issue_weighted_v<Cfg>(acc_o, pa, ring.v(s_last));
   turns.pass(true);
   wgmma_wait<0>();
   fence_accumulator(acc_o[0]);

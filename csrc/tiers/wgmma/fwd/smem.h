@@ -45,13 +45,6 @@ struct FwdRingAndOTiles : FwdRingTiles<T, kBlockM, kBlockN, kHeadDim, kVWidth, k
   alignas(kSwizzleAlign) T o[kBlockM * kHeadDim];
 };
 
-// The ablation rung with P in shared memory (config.cuh: PInSmem): the ring, then every consumer
-// warpgroup's 64 rows of P (16-bit, in 64-key slabs of the 128-byte swizzle), no O staging tile.
-template <typename T, int kBlockM, int kBlockN, int kHeadDim, int kVWidth, int kStages>
-struct FwdRingAndPTiles : FwdRingTiles<T, kBlockM, kBlockN, kHeadDim, kVWidth, kStages> {
-  alignas(kSwizzleAlign) T p[kBlockM * kBlockN];
-};
-
 template <int kStages>
 struct FwdSync {
   uint64_t q_full, q_empty;
@@ -61,28 +54,17 @@ struct FwdSync {
 };
 
 template <typename T, int kBlockM, int kBlockN, int kHeadDim, int kVWidth, int kStages, bool kStageO,
-          bool kStageOInQ = false, bool kP = false>
+          bool kStageOInQ = false>
 struct FwdSharedStorage {
   static_assert(!(kStageO && kStageOInQ), "one staging tile");
-  static_assert(!(kP && (kStageO || kStageOInQ)), "P's tiles or O's staging");
-  using Tiles = std::conditional_t<
-      kP, FwdRingAndPTiles<T, kBlockM, kBlockN, kHeadDim, kVWidth, kStages>,
-      std::conditional_t<kStageO, FwdRingAndOTiles<T, kBlockM, kBlockN, kHeadDim, kVWidth, kStages>,
-                         FwdRingTiles<T, kBlockM, kBlockN, kHeadDim, kVWidth, kStages>>>;
+  using Tiles = std::conditional_t<kStageO, FwdRingAndOTiles<T, kBlockM, kBlockN, kHeadDim, kVWidth, kStages>,
+                                   FwdRingTiles<T, kBlockM, kBlockN, kHeadDim, kVWidth, kStages>>;
   using Sync = FwdSync<kStages>;
   Tiles tiles;
   Sync sync;
   // The bytes the CTA uses: sizeof(FwdSharedStorage) would round up to the tiles' alignment.
   static constexpr size_t kBytes = sizeof(Tiles) + sizeof(Sync);
   static_assert(sizeof(Tiles) % kSwizzleAlign == 0, "the words follow the last slab without padding");
-  // The P tiles (kP), all consumer warpgroups' one after the other; nullptr otherwise.
-  __device__ __forceinline__ T* p_tiles() {
-    if constexpr (kP) {
-      return tiles.p;
-    } else {
-      return nullptr;
-    }
-  }
   // The O staging tile: its own, or Q's (kStageOInQ); none (nullptr, never written) otherwise.
   __device__ __forceinline__ T* o_staging() {
     if constexpr (kStageO) {

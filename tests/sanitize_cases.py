@@ -233,6 +233,9 @@ CASES: List[Case] = [
     Case(BF16, 1, 4, 2, 2100, 2200, 64, True, "bshd"),
     Case(BF16, 1, 4, 2, 500, 700, 64, True, "bshd",
          env=(("FLASH_CUDA_WS_BLOCK_M", "192"), ("FLASH_CUDA_WS_TALL_BLOCK_N", "96"))),
+    # ---- delta's preprocess on a (row block, head, batch) grid (FLASH_CUDA_BWD_PREPROCESS=grid):
+    # a partial row block, dlse, GQA ----
+    Case(BF16, 1, 4, 2, 300, 500, 64, True, "bshd", dlse=True, env=(("FLASH_CUDA_BWD_PREPROCESS", "grid"),)),
 ]
 
 

@@ -568,3 +568,60 @@ def test_sm90_bwd_stats(monkeypatch, mode, stats, dtype, B, Hq, Hkv, Sq, Sk, D, 
     q, k, v = make_inputs(B, Hq, Hkv, Sq, Sk, D, dtype, "cuda", layout=layout, seed=Sq + D + 7)
     _check_ws_kernel(q, k, v, is_causal, window, "BulkStats", f"sm90 bwd stats {stats}", seed=Sq,
                      present=stats == "bulk")
+
+
+# The ablation rung FLASH_CUDA_BWD_PREPROCESS=grid (core/bwd_preprocess.cuh: delta's kernel on a
+# (row block, head, batch) grid, lse and dlse read first): the same sums in the same order, so
+# dK and dV (and with deterministic=True dQ too) are bitwise the default's; dQ of the
+# warp-specialized kernel adds in a varying order. lse's gradient (dlse) on, each lane count (d 64:
+# 8 lanes, 128: 16, 256: 32), partial row blocks, GQA, views, a packed batch.
+PREPROCESS_CASES = [
+    (2, 4, 2, 1000, 1100, 64, True, "bshd"),
+    (1, 4, 4, 300, 257, 128, False, "strided"),
+    (1, 2, 1, 129, 300, 256, True, "bhsd"),
+    (3, 4, 2, None, None, 128, True, "packed"),
+]
+
+
+@pytest.mark.parametrize("B,Hq,Hkv,Sq,Sk,D,is_causal,layout", PREPROCESS_CASES)
+def test_bwd_preprocess_grid_rung(monkeypatch, mode, B, Hq, Hkv, Sq, Sk, D, is_causal, layout):
+    import flash_cuda
+    from flash_cuda import _ext
+
+    if not _ext.ablations():
+        pytest.skip("an ablation rung: this build has none (FLASH_CUDA_ABLATIONS=1 builds them)")
+    det = _det(mode)
+    if layout == "packed":
+        lens = torch.tensor([0, 300, 1, 777], dtype=torch.int32, device="cuda")  # B = 3 sequences
+        cu = torch.cumsum(lens, 0, dtype=torch.int32)
+        total = int(cu[-1])
+        gen = torch.Generator(device="cuda").manual_seed(11)
+        q, k, v = (torch.randn(total, h, D, device="cuda", dtype=BF16, generator=gen) for h in (Hq, Hkv, Hkv))
+
+        def run(qf, kf, vf):
+            return flash_cuda.varlen_attention(qf, kf, vf, cu, cu, int(lens.max()), int(lens.max()),
+                                               is_causal=is_causal, return_lse=True, deterministic=det)
+    else:
+        q, k, v = make_inputs(B, Hq, Hkv, Sq, Sk, D, BF16, "cuda", layout=layout, seed=Sq + D + 3)
+
+        def run(qf, kf, vf):
+            return flash_cuda.attention(qf, kf, vf, is_causal=is_causal, return_lse=True, deterministic=det)
+
+    def grads():
+        qf, kf, vf = (t.detach().requires_grad_() for t in (q, k, v))
+        out, lse = run(qf, kf, vf)
+        gen = torch.Generator(device="cuda").manual_seed(5)
+        dout = torch.randn(out.shape, device="cuda", dtype=out.dtype, generator=gen)
+        dlse = torch.randn(lse.shape, device="cuda", dtype=lse.dtype, generator=gen)
+        torch.autograd.backward((out, lse), (dout, dlse))
+        return qf.grad, kf.grad, vf.grad
+
+    monkeypatch.delenv("FLASH_CUDA_BWD_PREPROCESS", raising=False)
+    dq0, dk0, dv0 = grads()
+    monkeypatch.setenv("FLASH_CUDA_BWD_PREPROCESS", "grid")
+    dq1, dk1, dv1 = grads()
+    assert torch.equal(dk1, dk0) and torch.equal(dv1, dv0)
+    if det:
+        assert torch.equal(dq1, dq0)
+    else:
+        assert (dq1.float() - dq0.float()).abs().max() <= 1e-2 * dq0.float().abs().max()

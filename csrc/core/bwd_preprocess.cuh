@@ -14,6 +14,7 @@
 #include "../arch/host.h"
 #include "../arch/sm80.cuh"
 #include "../arch/types.cuh"
+#include "../include/ablation.h"
 #include "softmax.cuh"
 
 namespace flash_cuda {
@@ -66,6 +67,56 @@ __global__ void __launch_bounds__(256) bwd_preprocess_delta_kernel(BwdParams p) 
   }
 }
 
+// The ablation rung FLASH_CUDA_BWD_PREPROCESS=grid (an ablation build reads it): the same sums
+// on a grid of (row blocks of a sequence, hq, b), so that a thread's row, head and batch entry
+// come from its block's coordinates with no division (the kernel above divides its flat row
+// index by sq and hq in 64 bits: a visible share of a kernel of a few dozen instructions per
+// 16-byte vector), and the row's lse and dlse read before its vectors, so that their latency
+// runs under them.
+template <typename T, int kLanes, bool kStats>
+__global__ void __launch_bounds__(256) bwd_preprocess_delta_grid_kernel(BwdParams p) {
+  constexpr int kVec = 16 / sizeof(T);  // elements per 16-byte vector
+  constexpr int kRowsPerBlock = 256 / kLanes;
+  const int i = blockIdx.x * kRowsPerBlock + threadIdx.x / kLanes;
+  const int h = blockIdx.y;
+  const int lane = threadIdx.x % kLanes;
+  const int bi = blockIdx.z;  // b and hq are below 65536 (the binding checks)
+  // Rows past the end still take part in the shuffles (every lane of the warp must), reading
+  // nothing.
+  const bool valid = i < p.sq;
+  const int64_t stat = bi * p.stat_batch_stride + h * p.stat_head_stride + i;
+  // The row's statistics are read before its vectors, so that their latency runs under them.
+  const bool first_lane = valid && lane == 0;
+  const float dl = first_lane && p.dlse != nullptr ? p.dlse[stat] : 0.f;
+  const float lse = kStats && first_lane ? p.softmax_lse[stat] : 0.f;
+
+  const T* o_row = static_cast<const T*>(p.o) + bi * p.o_batch_stride + h * p.o_head_stride +
+                   static_cast<int64_t>(i) * p.o_row_stride;
+  const T* do_row = static_cast<const T*>(p.dout) + bi * p.do_batch_stride + h * p.do_head_stride +
+                    static_cast<int64_t>(i) * p.do_row_stride;
+
+  float acc = 0.f;
+  // d is a multiple of 8, so a 16-byte vector never straddles the row end for 16-bit
+  // types; fp32 uses 4-element vectors, and d % 4 == 0 as well.
+  for (int c = lane * kVec; valid && c < p.d; c += kLanes * kVec) {
+    const uint4 ov = *reinterpret_cast<const uint4*>(o_row + c);
+    const uint4 dv = *reinterpret_cast<const uint4*>(do_row + c);
+    const T* oe = reinterpret_cast<const T*>(&ov);
+    const T* de = reinterpret_cast<const T*>(&dv);
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) acc += to_float(oe[e]) * to_float(de[e]);
+  }
+  acc = group_sum<kLanes>(acc);
+  if (first_lane) {
+    // A row that saw no key has lse = -inf and O = 0; its delta is irrelevant but finite.
+    p.delta[stat] = acc - dl;
+    if constexpr (kStats) {
+      const int64_t pair = ((static_cast<int64_t>(bi) * p.hq + h) * p.stats_rows + i) * 2;
+      *reinterpret_cast<float2*>(p.bwd_stats + pair) = make_float2(lse_to_log2(lse), acc - dl);
+    }
+  }
+}
+
 // Launches the delta kernel. Requires 16-byte aligned rows (the binding checks pointer
 // and stride alignment, and copies inputs that are not aligned).
 template <typename T>
@@ -79,6 +130,27 @@ inline void launch_bwd_preprocess(const BwdParams& params, cudaStream_t stream) 
   if (total_rows == 0) return;
   constexpr int kVec = 16 / sizeof(T);
   const int vectors = (p.d + kVec - 1) / kVec;  // per row
+  if constexpr (kAblations) {
+    if (ablation_is("FLASH_CUDA_BWD_PREPROCESS", "grid")) {
+      auto launch_grid = [&](auto kernel, int lanes) {
+        const int rows_per_block = 256 / lanes;
+        kernel<<<dim3((p.sq + rows_per_block - 1) / rows_per_block, p.hq, p.b), 256, 0, stream>>>(p);
+      };
+      const bool stats = p.bwd_stats != nullptr;
+      if (vectors <= 8) {
+        stats ? launch_grid(bwd_preprocess_delta_grid_kernel<T, 8, true>, 8)
+              : launch_grid(bwd_preprocess_delta_grid_kernel<T, 8, false>, 8);
+      } else if (vectors <= 16) {
+        stats ? launch_grid(bwd_preprocess_delta_grid_kernel<T, 16, true>, 16)
+              : launch_grid(bwd_preprocess_delta_grid_kernel<T, 16, false>, 16);
+      } else {
+        stats ? launch_grid(bwd_preprocess_delta_grid_kernel<T, 32, true>, 32)
+              : launch_grid(bwd_preprocess_delta_grid_kernel<T, 32, false>, 32);
+      }
+      check_launch("bwd_preprocess_delta");
+      return;
+    }
+  }
   auto launch = [&](auto kernel, int lanes) {
     const int64_t rows_per_block = 256 / lanes;
     const int64_t blocks = (total_rows + rows_per_block - 1) / rows_per_block;

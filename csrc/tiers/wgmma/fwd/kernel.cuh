@@ -168,7 +168,10 @@ __device__ __forceinline__ void fwd_ws_block(const FwdParams& p, const TmaMaps& 
     if constexpr (Cfg::kLeanTileLoop) ring_t.point_at(smem_t);
     const int cwarp = Cfg::kLeanTileLoop ? int(tid_t / 32) - 4 : cwarp_all;
     mbarrier_wait(qt_t.full, k & 1);
-    const int t = atomicAdd(&qt_t.slot[k & 1], 0);
+    // Every thread reads the same t; lane 0's, broadcast, lets ptxas see it as warp-uniform, so
+    // the ring positions and the wgmma descriptors derived from it live in uniform registers
+    // instead of being rebuilt in ordinary ones and moved (R2UR) for every wgmma.
+    const int t = warp_uniform(atomicAdd(&qt_t.slot[k & 1], 0));
     if (t < 0) break;
     const TileScheduler::Tile tile = sched_t.at(t);
     const Work w = Work::make(p, tile.b, tile.m_block, shift);  // rows_valid > 0: the producer publishes no other tile

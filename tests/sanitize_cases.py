@@ -236,6 +236,9 @@ CASES: List[Case] = [
     # ---- delta's preprocess on a (row block, head, batch) grid (FLASH_CUDA_BWD_PREPROCESS=grid):
     # a partial row block, dlse, GQA ----
     Case(BF16, 1, 4, 2, 300, 500, 64, True, "bshd", dlse=True, env=(("FLASH_CUDA_BWD_PREPROCESS", "grid"),)),
+    # ---- the (lse, delta) entries per two queries (FLASH_CUDA_SM90_BWD_STATS=quads): a partial
+    # last block, an odd query count, dlse ----
+    Case(BF16, 1, 4, 2, 301, 500, 128, True, "bshd", dlse=True, env=(("FLASH_CUDA_SM90_BWD_STATS", "quads"),)),
 ]
 
 

@@ -542,7 +542,7 @@ def test_80_query_steps_route(monkeypatch, mode, Sq, D, deterministic, steps80):
 # The (lse, delta) pairs (config.h: bwd_bulk_stats; bwd_ws.cuh: BulkStats): the delta preprocess
 # writes each query's (lse in log2 units, delta) into the workspace, the producer takes a block's
 # pairs by one bulk copy; the ablation rung FLASH_CUDA_SM90_BWD_STATS=lanes stages them by the
-# producer's lanes instead. Every tile shape of the kPlain kernels (d 32 and 64: 128-query steps;
+# producer's lanes instead, and =quads lays them out per two queries (QuadStats). Every tile shape of the kPlain kernels (d 32 and 64: 128-query steps;
 # 96: native 96-wide; 128: 64-query and, from Sq 4096, 80-query steps), partial last blocks (the
 # workspace's zero rows), masks, GQA, views.
 STATS_CASES = [
@@ -557,17 +557,18 @@ STATS_CASES = [
 
 @pytest.mark.parametrize("dtype", [F16, BF16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("B,Hq,Hkv,Sq,Sk,D,is_causal,window,layout", STATS_CASES)
-@pytest.mark.parametrize("stats", ["bulk", "lanes"])
+@pytest.mark.parametrize("stats", ["bulk", "lanes", "quads"])
 def test_sm90_bwd_stats(monkeypatch, mode, stats, dtype, B, Hq, Hkv, Sq, Sk, D, is_causal, window, layout):
-    if stats == "lanes":
-        _ws_rung(monkeypatch, mode, FLASH_CUDA_SM90_BWD_STATS="lanes")
+    if stats != "bulk":
+        _ws_rung(monkeypatch, mode, FLASH_CUDA_SM90_BWD_STATS=stats)
     else:
         if mode != "ws":
             pytest.skip("the pairs are the warp-specialized kernel's (deterministic=False)")
         monkeypatch.delenv("FLASH_CUDA_SM90_BWD_STATS", raising=False)
     q, k, v = make_inputs(B, Hq, Hkv, Sq, Sk, D, dtype, "cuda", layout=layout, seed=Sq + D + 7)
-    _check_ws_kernel(q, k, v, is_causal, window, "BulkStats", f"sm90 bwd stats {stats}", seed=Sq,
-                     present=stats == "bulk")
+    marker = "QuadStats" if stats == "quads" else "BulkStats"
+    _check_ws_kernel(q, k, v, is_causal, window, marker, f"sm90 bwd stats {stats}", seed=Sq,
+                     present=stats != "lanes")
 
 
 # The ablation rung FLASH_CUDA_BWD_PREPROCESS=grid (core/bwd_preprocess.cuh: delta's kernel on a

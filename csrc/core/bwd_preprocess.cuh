@@ -11,6 +11,8 @@
 // (launch_bwd_preprocess), as delta needs no boundaries.
 #pragma once
 
+#include <type_traits>
+
 #include "../arch/host.h"
 #include "../arch/sm80.cuh"
 #include "../arch/types.cuh"
@@ -20,8 +22,24 @@
 namespace flash_cuda {
 
 // kStats: also each row's (lse in log2 units, delta) pair into p.bwd_stats (include/params.h;
-// the Hopper backward's kPlain kernels read them: tiers/wgmma/config.h, bwd_bulk_stats).
-template <typename T, int kLanes, bool kStats = false>
+// the Hopper backward's kPlain kernels read them: tiers/wgmma/config.h, bwd_bulk_stats):
+// kStatsPairs as (lse_i, delta_i); kStatsQuads (an ablation rung: tiers/wgmma/ablation.h,
+// bwd_quad_stats) per two rows as (lse_i, lse_i+1, delta_i, delta_i+1).
+enum : int { kStatsNone = 0, kStatsPairs = 1, kStatsQuads = 2 };
+// Writes row i's (lse in log2 units, delta), rows counted from row0 (its (batch entry, head)'s
+// first row in the stats, [b][hq][stats_rows]).
+template <int kStats>
+__device__ __forceinline__ void store_row_stats(float* bwd_stats, int64_t row0, int i, float lse_log2, float delta) {
+  if constexpr (kStats == kStatsQuads) {
+    float* quad = bwd_stats + (row0 + (i & ~1)) * 2 + (i & 1);
+    quad[0] = lse_log2;
+    quad[2] = delta;
+  } else {
+    *reinterpret_cast<float2*>(bwd_stats + (row0 + i) * 2) = make_float2(lse_log2, delta);
+  }
+}
+
+template <typename T, int kLanes, int kStats = kStatsNone>
 __global__ void __launch_bounds__(256) bwd_preprocess_delta_kernel(BwdParams p) {
   constexpr int kVec = 16 / sizeof(T);  // elements per 16-byte vector
   constexpr int kRowsPerBlock = 256 / kLanes;
@@ -60,9 +78,9 @@ __global__ void __launch_bounds__(256) bwd_preprocess_delta_kernel(BwdParams p) 
     const float dl = p.dlse != nullptr ? p.dlse[stat] : 0.f;
     // A row that saw no key has lse = -inf and O = 0; its delta is irrelevant but finite.
     p.delta[stat] = acc - dl;
-    if constexpr (kStats) {
-      const int64_t pair = ((static_cast<int64_t>(bi) * p.hq + h) * p.stats_rows + i) * 2;
-      *reinterpret_cast<float2*>(p.bwd_stats + pair) = make_float2(lse_to_log2(p.softmax_lse[stat]), acc - dl);
+    if constexpr (kStats != kStatsNone) {
+      store_row_stats<kStats>(p.bwd_stats, (static_cast<int64_t>(bi) * p.hq + h) * p.stats_rows, i,
+                              lse_to_log2(p.softmax_lse[stat]), acc - dl);
     }
   }
 }
@@ -73,7 +91,7 @@ __global__ void __launch_bounds__(256) bwd_preprocess_delta_kernel(BwdParams p) 
 // index by sq and hq in 64 bits: a visible share of a kernel of a few dozen instructions per
 // 16-byte vector), and the row's lse and dlse read before its vectors, so that their latency
 // runs under them.
-template <typename T, int kLanes, bool kStats>
+template <typename T, int kLanes, int kStats>
 __global__ void __launch_bounds__(256) bwd_preprocess_delta_grid_kernel(BwdParams p) {
   constexpr int kVec = 16 / sizeof(T);  // elements per 16-byte vector
   constexpr int kRowsPerBlock = 256 / kLanes;
@@ -88,7 +106,7 @@ __global__ void __launch_bounds__(256) bwd_preprocess_delta_grid_kernel(BwdParam
   // The row's statistics are read before its vectors, so that their latency runs under them.
   const bool first_lane = valid && lane == 0;
   const float dl = first_lane && p.dlse != nullptr ? p.dlse[stat] : 0.f;
-  const float lse = kStats && first_lane ? p.softmax_lse[stat] : 0.f;
+  const float lse = kStats != kStatsNone && first_lane ? p.softmax_lse[stat] : 0.f;
 
   const T* o_row = static_cast<const T*>(p.o) + bi * p.o_batch_stride + h * p.o_head_stride +
                    static_cast<int64_t>(i) * p.o_row_stride;
@@ -110,9 +128,9 @@ __global__ void __launch_bounds__(256) bwd_preprocess_delta_grid_kernel(BwdParam
   if (first_lane) {
     // A row that saw no key has lse = -inf and O = 0; its delta is irrelevant but finite.
     p.delta[stat] = acc - dl;
-    if constexpr (kStats) {
-      const int64_t pair = ((static_cast<int64_t>(bi) * p.hq + h) * p.stats_rows + i) * 2;
-      *reinterpret_cast<float2*>(p.bwd_stats + pair) = make_float2(lse_to_log2(lse), acc - dl);
+    if constexpr (kStats != kStatsNone) {
+      store_row_stats<kStats>(p.bwd_stats, (static_cast<int64_t>(bi) * p.hq + h) * p.stats_rows, i,
+                              lse_to_log2(lse), acc - dl);
     }
   }
 }
@@ -130,23 +148,34 @@ inline void launch_bwd_preprocess(const BwdParams& params, cudaStream_t stream) 
   if (total_rows == 0) return;
   constexpr int kVec = 16 / sizeof(T);
   const int vectors = (p.d + kVec - 1) / kVec;  // per row
+  // The stats' layout: pairs, or (an ablation build's FLASH_CUDA_SM90_BWD_STATS=quads, which the
+  // Hopper backward's launcher reads too: tiers/wgmma/ablation.h) quads.
+  const bool quads = kAblations && ablation_is("FLASH_CUDA_SM90_BWD_STATS", "quads");
+  auto with_stats = [&](auto&& run) {
+    if (p.bwd_stats == nullptr) {
+      run(std::integral_constant<int, kStatsNone>{});
+    } else if (quads) {
+      if constexpr (kAblations) run(std::integral_constant<int, kStatsQuads>{});
+    } else {
+      run(std::integral_constant<int, kStatsPairs>{});
+    }
+  };
   if constexpr (kAblations) {
     if (ablation_is("FLASH_CUDA_BWD_PREPROCESS", "grid")) {
       auto launch_grid = [&](auto kernel, int lanes) {
         const int rows_per_block = 256 / lanes;
         kernel<<<dim3((p.sq + rows_per_block - 1) / rows_per_block, p.hq, p.b), 256, 0, stream>>>(p);
       };
-      const bool stats = p.bwd_stats != nullptr;
-      if (vectors <= 8) {
-        stats ? launch_grid(bwd_preprocess_delta_grid_kernel<T, 8, true>, 8)
-              : launch_grid(bwd_preprocess_delta_grid_kernel<T, 8, false>, 8);
-      } else if (vectors <= 16) {
-        stats ? launch_grid(bwd_preprocess_delta_grid_kernel<T, 16, true>, 16)
-              : launch_grid(bwd_preprocess_delta_grid_kernel<T, 16, false>, 16);
-      } else {
-        stats ? launch_grid(bwd_preprocess_delta_grid_kernel<T, 32, true>, 32)
-              : launch_grid(bwd_preprocess_delta_grid_kernel<T, 32, false>, 32);
-      }
+      with_stats([&](auto stats) {
+        constexpr int kStats = decltype(stats)::value;
+        if (vectors <= 8) {
+          launch_grid(bwd_preprocess_delta_grid_kernel<T, 8, kStats>, 8);
+        } else if (vectors <= 16) {
+          launch_grid(bwd_preprocess_delta_grid_kernel<T, 16, kStats>, 16);
+        } else {
+          launch_grid(bwd_preprocess_delta_grid_kernel<T, 32, kStats>, 32);
+        }
+      });
       check_launch("bwd_preprocess_delta");
       return;
     }
@@ -156,24 +185,16 @@ inline void launch_bwd_preprocess(const BwdParams& params, cudaStream_t stream) 
     const int64_t blocks = (total_rows + rows_per_block - 1) / rows_per_block;
     kernel<<<static_cast<unsigned>(blocks), 256, 0, stream>>>(p);
   };
-  if (p.bwd_stats != nullptr) {
+  with_stats([&](auto stats) {
+    constexpr int kStats = decltype(stats)::value;
     if (vectors <= 8) {
-      launch(bwd_preprocess_delta_kernel<T, 8, true>, 8);
+      launch(bwd_preprocess_delta_kernel<T, 8, kStats>, 8);
     } else if (vectors <= 16) {
-      launch(bwd_preprocess_delta_kernel<T, 16, true>, 16);
+      launch(bwd_preprocess_delta_kernel<T, 16, kStats>, 16);
     } else {
-      launch(bwd_preprocess_delta_kernel<T, 32, true>, 32);
+      launch(bwd_preprocess_delta_kernel<T, 32, kStats>, 32);
     }
-    check_launch("bwd_preprocess_delta");
-    return;
-  }
-  if (vectors <= 8) {
-    launch(bwd_preprocess_delta_kernel<T, 8>, 8);
-  } else if (vectors <= 16) {
-    launch(bwd_preprocess_delta_kernel<T, 16>, 16);
-  } else {
-    launch(bwd_preprocess_delta_kernel<T, 32>, 32);
-  }
+  });
   check_launch("bwd_preprocess_delta");
 }
 

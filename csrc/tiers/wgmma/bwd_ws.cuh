@@ -123,7 +123,10 @@ struct TilesOf80Queries : Traits {
 //     thread, as CUTLASS's pipelines release a stage once per consumer. The per-thread form
 //     stands because compute-sanitizer's racecheck does not follow __syncwarp's ordering of the
 //     other lanes' lse / delta reads.
-enum : int { kOptWarpRelease = 1, kOptBulkStats = 2 };
+//   QuadStats (the ablation rung FLASH_CUDA_SM90_BWD_STATS=quads, ablation.h): BulkStats with the
+//     entries laid out per two queries, (lse_q, lse_q+1, delta_q, delta_q+1), so that a consumer
+//     thread reads its two queries' lse, and later their delta, with one 8-byte load each.
+enum : int { kOptWarpRelease = 1, kOptBulkStats = 2, kOptQuadStats = 4 };
 template <typename Tiles, typename = void>
 struct OptionsOf : std::integral_constant<int, 0> {};
 template <typename Tiles>
@@ -137,6 +140,10 @@ struct WarpRelease : Traits {
 template <typename Traits>
 struct BulkStats : Traits {
   static constexpr int kOptions = OptionsOf<Traits>::value | kOptBulkStats;
+};
+template <typename Traits>
+struct QuadStats : Traits {
+  static constexpr int kOptions = OptionsOf<Traits>::value | kOptBulkStats | kOptQuadStats;
 };
 
 // The tiles of bwd.cuh's dK/dV kernel (BwdTraits, TilesOfWidth or TilesOf80Queries, maybe in
@@ -716,8 +723,8 @@ __device__ __forceinline__ void bwd_ws_block(const BwdParams& p, const TmaMaps& 
                                         });
     } else {
       DtanhTile<kVariant, 1, 1> no_dtanh;
-      // BulkStats: the stage holds (lse, delta) pairs (the producer's bulk copy).
-      constexpr bool kPairs = kHasOption<Cfg, kOptBulkStats>;
+      // BulkStats: the stage holds (lse, delta) pairs (the producer's bulk copy); QuadStats: quads.
+      constexpr int kPairs = kHasOption<Cfg, kOptBulkStats> ? (kHasOption<Cfg, kOptQuadStats> ? 2 : 1) : 0;
       const float* stage_lse = sm.lse + st * kBlockM * (kPairs ? 2 : 1);
       const float* stage_delta = kPairs ? stage_lse : sm.delta + st * kBlockM;
       compute_probs<true, kVariant, true, kPairs>(pt, no_dtanh, stage_lse, needs_mask, warp_key0, m0, mask, p,
@@ -1007,6 +1014,9 @@ bool launch_bwd_sm90_ws(const BwdParams& p, cudaStream_t stream) {
     }
     using Bulk = sm90::bwd_ws::BulkStats<Tiles>;
     if constexpr (kAblations) {
+      if (wgmma::ablation::bwd_quad_stats()) {
+        return launch_bwd_ws_tiles<T, sm90::bwd_ws::QuadStats<Tiles>, kVariant, kDepth>(p, stream);
+      }
       if (wgmma::ablation::bwd_warp_release()) {
         return launch_bwd_ws_tiles<T, sm90::bwd_ws::WarpRelease<Bulk>, kVariant, kDepth>(p, stream);
       }

@@ -239,6 +239,9 @@ CASES: List[Case] = [
     # ---- the (lse, delta) entries per two queries (FLASH_CUDA_SM90_BWD_STATS=quads): a partial
     # last block, an odd query count, dlse ----
     Case(BF16, 1, 4, 2, 301, 500, 128, True, "bshd", dlse=True, env=(("FLASH_CUDA_SM90_BWD_STATS", "quads"),)),
+    # ---- the backward's launches chained by programmatic dependent launch
+    # (FLASH_CUDA_SM90_BWD_PDL=1): the producer's wait before the pairs, the conversion's ----
+    Case(BF16, 2, 4, 2, 700, 500, 64, True, "bshd", dlse=True, env=(("FLASH_CUDA_SM90_BWD_PDL", "1"),)),
 ]
 
 

@@ -626,3 +626,14 @@ def test_bwd_preprocess_grid_rung(monkeypatch, mode, B, Hq, Hkv, Sq, Sk, D, is_c
         assert torch.equal(dq1, dq0)
     else:
         assert (dq1.float() - dq0.float()).abs().max() <= 1e-2 * dq0.float().abs().max()
+
+
+# The ablation rung FLASH_CUDA_SM90_BWD_PDL=1 (bwd_ws.cuh: Pdl): delta's preprocess, the kernel and
+# dQ's conversion chained by programmatic dependent launch; the kernel's producer waits for the
+# preprocess before its first lse / delta load, the conversion for the kernel. The float64 rule
+# on the STATS_CASES shapes, and the kernel that ran is the rung's.
+@pytest.mark.parametrize("B,Hq,Hkv,Sq,Sk,D,is_causal,window,layout", STATS_CASES)
+def test_sm90_bwd_pdl_rung(monkeypatch, mode, B, Hq, Hkv, Sq, Sk, D, is_causal, window, layout):
+    _ws_rung(monkeypatch, mode, FLASH_CUDA_SM90_BWD_PDL="1")
+    q, k, v = make_inputs(B, Hq, Hkv, Sq, Sk, D, BF16, "cuda", layout=layout, seed=Sq + D + 9)
+    _check_ws_kernel(q, k, v, is_causal, window, "Pdl<", "sm90 bwd pdl", seed=Sq)

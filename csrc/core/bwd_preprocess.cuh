@@ -29,7 +29,7 @@ enum : int { kStatsNone = 0, kStatsPairs = 1, kStatsQuads = 2 };
 // Writes row i's (lse in log2 units, delta), rows counted from row0 (its (batch entry, head)'s
 // first row in the stats, [b][hq][stats_rows]).
 template <int kStats>
-__device__ __forceinline__ void store_row_stats(float* bwd_stats, int64_t row0, int i, float lse_log2, float delta) {
+__device__ __forceinline__ void store_bwd_stats(float* bwd_stats, int64_t row0, int i, float lse_log2, float delta) {
   if constexpr (kStats == kStatsQuads) {
     float* quad = bwd_stats + (row0 + (i & ~1)) * 2 + (i & 1);
     quad[0] = lse_log2;
@@ -39,8 +39,9 @@ __device__ __forceinline__ void store_row_stats(float* bwd_stats, int64_t row0, 
   }
 }
 
-template <typename T, int kLanes, int kStats = kStatsNone>
+template <typename T, int kLanes, int kStats = kStatsNone, bool kTrigger = false>
 __global__ void __launch_bounds__(256) bwd_preprocess_delta_kernel(BwdParams p) {
+  if constexpr (kTrigger) launch_dependent_grids();  // launch_bwd_preprocess's kTrigger
   constexpr int kVec = 16 / sizeof(T);  // elements per 16-byte vector
   constexpr int kRowsPerBlock = 256 / kLanes;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / kLanes;
@@ -79,7 +80,7 @@ __global__ void __launch_bounds__(256) bwd_preprocess_delta_kernel(BwdParams p) 
     // A row that saw no key has lse = -inf and O = 0; its delta is irrelevant but finite.
     p.delta[stat] = acc - dl;
     if constexpr (kStats != kStatsNone) {
-      store_row_stats<kStats>(p.bwd_stats, (static_cast<int64_t>(bi) * p.hq + h) * p.stats_rows, i,
+      store_bwd_stats<kStats>(p.bwd_stats, (static_cast<int64_t>(bi) * p.hq + h) * p.stats_rows, i,
                               lse_to_log2(p.softmax_lse[stat]), acc - dl);
     }
   }
@@ -91,8 +92,9 @@ __global__ void __launch_bounds__(256) bwd_preprocess_delta_kernel(BwdParams p) 
 // index by sq and hq in 64 bits: a visible share of a kernel of a few dozen instructions per
 // 16-byte vector), and the row's lse and dlse read before its vectors, so that their latency
 // runs under them.
-template <typename T, int kLanes, int kStats>
+template <typename T, int kLanes, int kStats, bool kTrigger>
 __global__ void __launch_bounds__(256) bwd_preprocess_delta_grid_kernel(BwdParams p) {
+  if constexpr (kTrigger) launch_dependent_grids();
   constexpr int kVec = 16 / sizeof(T);  // elements per 16-byte vector
   constexpr int kRowsPerBlock = 256 / kLanes;
   const int i = blockIdx.x * kRowsPerBlock + threadIdx.x / kLanes;
@@ -129,15 +131,19 @@ __global__ void __launch_bounds__(256) bwd_preprocess_delta_grid_kernel(BwdParam
     // A row that saw no key has lse = -inf and O = 0; its delta is irrelevant but finite.
     p.delta[stat] = acc - dl;
     if constexpr (kStats != kStatsNone) {
-      store_row_stats<kStats>(p.bwd_stats, (static_cast<int64_t>(bi) * p.hq + h) * p.stats_rows, i,
+      store_bwd_stats<kStats>(p.bwd_stats, (static_cast<int64_t>(bi) * p.hq + h) * p.stats_rows, i,
                               lse_to_log2(lse), acc - dl);
     }
   }
 }
 
 // Launches the delta kernel. Requires 16-byte aligned rows (the binding checks pointer
-// and stride alignment, and copies inputs that are not aligned).
-template <typename T>
+// and stride alignment, and copies inputs that are not aligned). kTrigger: its CTAs let the next
+// kernel launch at once (a programmatic dependent launch: arch/host.h, launch_programmatic),
+// which waits for these results before it reads them. kStatsLayout: how the (lse, delta) entries
+// go into p.bwd_stats where it is set (kStatsPairs, or kStatsQuads for the Hopper backward's
+// QuadStats rung).
+template <typename T, bool kTrigger = false, int kStatsLayout = kStatsPairs>
 inline void launch_bwd_preprocess(const BwdParams& params, cudaStream_t stream) {
   BwdParams p = params;
   if (p.cu_seqlens_q != nullptr) {  // varlen: rows [h][0, total_q), batch stride 0
@@ -148,16 +154,11 @@ inline void launch_bwd_preprocess(const BwdParams& params, cudaStream_t stream) 
   if (total_rows == 0) return;
   constexpr int kVec = 16 / sizeof(T);
   const int vectors = (p.d + kVec - 1) / kVec;  // per row
-  // The stats' layout: pairs, or (an ablation build's FLASH_CUDA_SM90_BWD_STATS=quads, which the
-  // Hopper backward's launcher reads too: tiers/wgmma/ablation.h) quads.
-  const bool quads = kAblations && ablation_is("FLASH_CUDA_SM90_BWD_STATS", "quads");
   auto with_stats = [&](auto&& run) {
     if (p.bwd_stats == nullptr) {
       run(std::integral_constant<int, kStatsNone>{});
-    } else if (quads) {
-      if constexpr (kAblations) run(std::integral_constant<int, kStatsQuads>{});
     } else {
-      run(std::integral_constant<int, kStatsPairs>{});
+      run(std::integral_constant<int, kStatsLayout>{});
     }
   };
   if constexpr (kAblations) {
@@ -169,11 +170,11 @@ inline void launch_bwd_preprocess(const BwdParams& params, cudaStream_t stream) 
       with_stats([&](auto stats) {
         constexpr int kStats = decltype(stats)::value;
         if (vectors <= 8) {
-          launch_grid(bwd_preprocess_delta_grid_kernel<T, 8, kStats>, 8);
+          launch_grid(bwd_preprocess_delta_grid_kernel<T, 8, kStats, kTrigger>, 8);
         } else if (vectors <= 16) {
-          launch_grid(bwd_preprocess_delta_grid_kernel<T, 16, kStats>, 16);
+          launch_grid(bwd_preprocess_delta_grid_kernel<T, 16, kStats, kTrigger>, 16);
         } else {
-          launch_grid(bwd_preprocess_delta_grid_kernel<T, 32, kStats>, 32);
+          launch_grid(bwd_preprocess_delta_grid_kernel<T, 32, kStats, kTrigger>, 32);
         }
       });
       check_launch("bwd_preprocess_delta");
@@ -188,11 +189,11 @@ inline void launch_bwd_preprocess(const BwdParams& params, cudaStream_t stream) 
   with_stats([&](auto stats) {
     constexpr int kStats = decltype(stats)::value;
     if (vectors <= 8) {
-      launch(bwd_preprocess_delta_kernel<T, 8, kStats>, 8);
+      launch(bwd_preprocess_delta_kernel<T, 8, kStats, kTrigger>, 8);
     } else if (vectors <= 16) {
-      launch(bwd_preprocess_delta_kernel<T, 16, kStats>, 16);
+      launch(bwd_preprocess_delta_kernel<T, 16, kStats, kTrigger>, 16);
     } else {
-      launch(bwd_preprocess_delta_kernel<T, 32, kStats>, 32);
+      launch(bwd_preprocess_delta_kernel<T, 32, kStats, kTrigger>, 32);
     }
   });
   check_launch("bwd_preprocess_delta");

@@ -73,6 +73,10 @@ def build(tree: Path, cache: Path, namespace: str = "") -> Path:
 def load(path: Path, tag: str):
     """Loads one build's extension module from its file (its name is the file's up to the first
     dot: flash_cuda_kernels, or flash_cuda_kernels_<namespace>; see flash_cuda/_ext.py)."""
+    # torch first: the module links against its libraries (libc10, ...), which the dynamic loader
+    # finds only once torch has loaded them (a worker process starts without them).
+    import torch  # noqa: F401
+
     name = Path(path).name.split(".")[0]
     loader = importlib.machinery.ExtensionFileLoader(name, str(path))
     spec = importlib.util.spec_from_file_location(name, str(path), loader=loader)

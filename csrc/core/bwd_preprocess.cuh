@@ -39,10 +39,29 @@ __device__ __forceinline__ void store_bwd_stats(float* bwd_stats, int64_t row0, 
   }
 }
 
+// sum_d dO[d] * O[d] of a row, by its kLanes lanes (each 16-byte vectors, coalesced along the
+// row), reduced over them with shuffles; a lane of a row that is not valid reads nothing but
+// takes part in the shuffles (every lane of the warp must).
+template <typename T, int kLanes>
+__device__ __forceinline__ float row_dot(const T* o_row, const T* do_row, int d, int lane, bool valid) {
+  constexpr int kVec = 16 / sizeof(T);  // elements per 16-byte vector
+  float acc = 0.f;
+  // d is a multiple of 8, so a 16-byte vector never straddles the row end for 16-bit
+  // types; fp32 uses 4-element vectors, and d % 4 == 0 as well.
+  for (int c = lane * kVec; valid && c < d; c += kLanes * kVec) {
+    const uint4 ov = *reinterpret_cast<const uint4*>(o_row + c);
+    const uint4 dv = *reinterpret_cast<const uint4*>(do_row + c);
+    const T* oe = reinterpret_cast<const T*>(&ov);
+    const T* de = reinterpret_cast<const T*>(&dv);
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) acc += to_float(oe[e]) * to_float(de[e]);
+  }
+  return group_sum<kLanes>(acc);
+}
+
 template <typename T, int kLanes, int kStats = kStatsNone, bool kTrigger = false>
 __global__ void __launch_bounds__(256) bwd_preprocess_delta_kernel(BwdParams p) {
   if constexpr (kTrigger) launch_dependent_grids();  // launch_bwd_preprocess's kTrigger
-  constexpr int kVec = 16 / sizeof(T);  // elements per 16-byte vector
   constexpr int kRowsPerBlock = 256 / kLanes;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / kLanes;
   const int lane = threadIdx.x % kLanes;
@@ -63,18 +82,7 @@ __global__ void __launch_bounds__(256) bwd_preprocess_delta_kernel(BwdParams p) 
   const T* do_row = static_cast<const T*>(p.dout) + bi * p.do_batch_stride + h * p.do_head_stride +
                     i * p.do_row_stride;
 
-  float acc = 0.f;
-  // d is a multiple of 8, so a 16-byte vector never straddles the row end for 16-bit
-  // types; fp32 uses 4-element vectors, and d % 4 == 0 as well.
-  for (int c = lane * kVec; valid && c < p.d; c += kLanes * kVec) {
-    const uint4 ov = *reinterpret_cast<const uint4*>(o_row + c);
-    const uint4 dv = *reinterpret_cast<const uint4*>(do_row + c);
-    const T* oe = reinterpret_cast<const T*>(&ov);
-    const T* de = reinterpret_cast<const T*>(&dv);
-#pragma unroll
-    for (int e = 0; e < kVec; ++e) acc += to_float(oe[e]) * to_float(de[e]);
-  }
-  acc = group_sum<kLanes>(acc);
+  const float acc = row_dot<T, kLanes>(o_row, do_row, p.d, lane, valid);
   if (valid && lane == 0) {
     const float dl = p.dlse != nullptr ? p.dlse[stat] : 0.f;
     // A row that saw no key has lse = -inf and O = 0; its delta is irrelevant but finite.
@@ -95,7 +103,6 @@ __global__ void __launch_bounds__(256) bwd_preprocess_delta_kernel(BwdParams p) 
 template <typename T, int kLanes, int kStats, bool kTrigger>
 __global__ void __launch_bounds__(256) bwd_preprocess_delta_grid_kernel(BwdParams p) {
   if constexpr (kTrigger) launch_dependent_grids();
-  constexpr int kVec = 16 / sizeof(T);  // elements per 16-byte vector
   constexpr int kRowsPerBlock = 256 / kLanes;
   const int i = blockIdx.x * kRowsPerBlock + threadIdx.x / kLanes;
   const int h = blockIdx.y;
@@ -115,18 +122,7 @@ __global__ void __launch_bounds__(256) bwd_preprocess_delta_grid_kernel(BwdParam
   const T* do_row = static_cast<const T*>(p.dout) + bi * p.do_batch_stride + h * p.do_head_stride +
                     static_cast<int64_t>(i) * p.do_row_stride;
 
-  float acc = 0.f;
-  // d is a multiple of 8, so a 16-byte vector never straddles the row end for 16-bit
-  // types; fp32 uses 4-element vectors, and d % 4 == 0 as well.
-  for (int c = lane * kVec; valid && c < p.d; c += kLanes * kVec) {
-    const uint4 ov = *reinterpret_cast<const uint4*>(o_row + c);
-    const uint4 dv = *reinterpret_cast<const uint4*>(do_row + c);
-    const T* oe = reinterpret_cast<const T*>(&ov);
-    const T* de = reinterpret_cast<const T*>(&dv);
-#pragma unroll
-    for (int e = 0; e < kVec; ++e) acc += to_float(oe[e]) * to_float(de[e]);
-  }
-  acc = group_sum<kLanes>(acc);
+  const float acc = row_dot<T, kLanes>(o_row, do_row, p.d, lane, valid);
   if (first_lane) {
     // A row that saw no key has lse = -inf and O = 0; its delta is irrelevant but finite.
     p.delta[stat] = acc - dl;

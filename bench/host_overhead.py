@@ -9,6 +9,10 @@ bound (short sequences, many small layers, decoding).
     python bench/host_overhead.py --seqlen 512 --d 128 --calls 2000
     python bench/host_overhead.py --decode          # one new token against a KV cache
 
+``--ablation NAME=VALUE`` (a build with the rungs: FLASH_CUDA_ABLATIONS=1) adds flash_cuda with that
+switch set as another provider, timed in the same process right after the default, e.g.
+``--ablation FLASH_CUDA_TMA_MAP_CACHE=1``.
+
 ``--decode`` times a decode step instead (forward only, no autograd): q (B, 32, 1, D) against a
 cache of ``--seqlen`` tokens with 8 KV heads, through attention_with_kvcache (with and without
 appending the new key), attention() on the cache's filled rows, and SDPA (enable_gqa) on the
@@ -47,7 +51,11 @@ def main(argv=None) -> int:
     ap.add_argument("--trace", action="store_true",
                     help="also list where each provider's host time goes: the CPU-side ops and CUDA runtime "
                          "calls of --calls calls (torch.profiler), per call")
+    ap.add_argument("--ablation", default=None, metavar="NAME=VALUE",
+                    help="also time flash_cuda with this ablation switch set (an ablation build's rungs)")
     args = ap.parse_args(argv)
+    if args.ablation is not None and (args.ablation.count("=") != 1 or not args.ablation.startswith("FLASH_CUDA_")):
+        ap.error("--ablation takes NAME=VALUE with a FLASH_CUDA_ switch")
 
     import torch
     import torch.nn.functional as F
@@ -68,6 +76,7 @@ def main(argv=None) -> int:
         "flash_cuda": lambda: flash_cuda.attention(q, k, v, is_causal=causal),
         "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal),
     }
+    providers = with_ablation(args, providers, flash_cuda)
 
     def timed(step) -> float:
         return C.host_us_per_call(step, args.calls, args.warmup)
@@ -96,6 +105,33 @@ def main(argv=None) -> int:
             trace(torch, f"{name}, forward under no_grad", fwd, args)
             trace(torch, f"{name}, forward + backward ({args.backward})", fwd_bwd, args)
     return 0
+
+
+def with_ablation(args, providers, flash_cuda):
+    """With --ablation: a copy of the first provider (flash_cuda's) whose calls run with the switch
+    set, placed right after it (the extension reads a rung's switch at each call)."""
+    if args.ablation is None:
+        return providers
+    if not flash_cuda._ext.ablations():
+        raise SystemExit("host_overhead.py: --ablation needs a build with the ablation rungs (FLASH_CUDA_ABLATIONS=1)")
+    import os
+
+    name, value = args.ablation.split("=")
+    first, fn = next(iter(providers.items()))
+
+    def switched():
+        os.environ[name] = value
+        try:
+            return fn()
+        finally:
+            del os.environ[name]
+
+    out = {}
+    for key, f in providers.items():
+        out[key] = f
+        if key == first:
+            out[f"{first} {args.ablation}"] = switched
+    return out
 
 
 def trace(torch, title, step, args, rows: int = 14) -> None:
@@ -135,6 +171,7 @@ def decode(args, torch, F, flash_cuda, dtype) -> int:
         "flash_cuda.attention": lambda: flash_cuda.attention(q, k, v),
         "sdpa (enable_gqa)": lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True),
     }
+    providers = with_ablation(args, providers, flash_cuda)
     print(f"decode: B={B} Hq={Hq} Hkv={Hkv} cache={L} D={D} {args.dtype}, {args.calls} calls, one synchronize")
     print(f"{'provider':46s} {'us/call':>8s}")
     with torch.no_grad():

@@ -687,3 +687,41 @@ def test_ws_gqa_route(monkeypatch, kernel, B, Hq, Hkv, Sq, Sk, D, pack, env):
             assert ("fwd_sm90_ws_kernel" in names) == (not packed), names
         check_attention(q, k, v, is_causal=True, scale=None, softcap=softcap, check_grad=False,
                         label=f"GQA route pack={pack} env={env} softcap={softcap}")
+
+
+def test_tensor_map_cache_rung(monkeypatch):
+    """The ablation rung FLASH_CUDA_TMA_MAP_CACHE=1 (arch/tma.h: the calling thread's last maps
+    remembered by their arguments): forward and backward outputs bitwise those of the default over
+    a sequence of calls that repeat a tensor (hits), put another shape or view at the same address
+    (a new entry), and change head dims, dtypes and layouts."""
+    import flash_cuda
+
+    _ablation(monkeypatch)
+
+    def run(q, k, v, causal):
+        qf, kf, vf = (t.detach().requires_grad_() for t in (q, k, v))
+        out = flash_cuda.attention(qf, kf, vf, is_causal=causal)
+        gen = torch.Generator(device="cuda").manual_seed(3)
+        out.backward(torch.randn(out.shape, device="cuda", dtype=out.dtype, generator=gen))
+        return out, kf.grad, vf.grad
+
+    buf = torch.empty(4 << 20, device="cuda", dtype=BF16)
+    calls = []
+    for i, (B, H, S, D, dtype, causal) in enumerate([(2, 4, 1000, 128, BF16, True), (2, 4, 1000, 128, BF16, True),
+                                                      (1, 8, 700, 64, BF16, False), (2, 4, 1000, 128, F16, True),
+                                                      (1, 2, 2100, 96, BF16, True)]):
+        n = B * H * S * D
+        gen = torch.Generator(device="cuda").manual_seed(i)
+        # q at the start of one buffer, every call: the same address under other shapes and views
+        q = buf[:n].view(B, S, H, D).transpose(1, 2).to(dtype) if dtype != BF16 else buf[:n].view(B, H, S, D)
+        q.copy_(torch.randn(q.shape, device="cuda", dtype=dtype, generator=gen))
+        k, v = (torch.randn(B, H, S, D, device="cuda", dtype=dtype, generator=gen) for _ in range(2))
+        calls.append((q, k, v, causal))
+    for q, k, v, causal in calls:
+        monkeypatch.delenv("FLASH_CUDA_TMA_MAP_CACHE", raising=False)
+        want = run(q, k, v, causal)
+        monkeypatch.setenv("FLASH_CUDA_TMA_MAP_CACHE", "1")
+        got = run(q, k, v, causal)
+        got_again = run(q, k, v, causal)  # every map a hit
+        for w, g, g2 in zip(want, got, got_again):
+            assert torch.equal(g, w) and torch.equal(g2, w)

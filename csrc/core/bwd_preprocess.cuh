@@ -150,47 +150,41 @@ inline void launch_bwd_preprocess(const BwdParams& params, cudaStream_t stream) 
   if (total_rows == 0) return;
   constexpr int kVec = 16 / sizeof(T);
   const int vectors = (p.d + kVec - 1) / kVec;  // per row
-  auto with_stats = [&](auto&& run) {
+  // run(stats layout, lanes): the row's lanes are the fewest that cover d in one 16-byte vector each.
+  auto dispatch = [&](auto&& run) {
+    auto with_lanes = [&](auto stats) {
+      if (vectors <= 8) {
+        run(stats, std::integral_constant<int, 8>{});
+      } else if (vectors <= 16) {
+        run(stats, std::integral_constant<int, 16>{});
+      } else {
+        run(stats, std::integral_constant<int, 32>{});
+      }
+    };
     if (p.bwd_stats == nullptr) {
-      run(std::integral_constant<int, kStatsNone>{});
+      with_lanes(std::integral_constant<int, kStatsNone>{});
     } else {
-      run(std::integral_constant<int, kStatsLayout>{});
+      with_lanes(std::integral_constant<int, kStatsLayout>{});
     }
   };
+  // The grid rung's kernels exist only in an ablation build.
   if constexpr (kAblations) {
     if (ablation_is("FLASH_CUDA_BWD_PREPROCESS", "grid")) {
-      auto launch_grid = [&](auto kernel, int lanes) {
-        const int rows_per_block = 256 / lanes;
-        kernel<<<dim3((p.sq + rows_per_block - 1) / rows_per_block, p.hq, p.b), 256, 0, stream>>>(p);
-      };
-      with_stats([&](auto stats) {
-        constexpr int kStats = decltype(stats)::value;
-        if (vectors <= 8) {
-          launch_grid(bwd_preprocess_delta_grid_kernel<T, 8, kStats, kTrigger>, 8);
-        } else if (vectors <= 16) {
-          launch_grid(bwd_preprocess_delta_grid_kernel<T, 16, kStats, kTrigger>, 16);
-        } else {
-          launch_grid(bwd_preprocess_delta_grid_kernel<T, 32, kStats, kTrigger>, 32);
-        }
+      dispatch([&](auto stats, auto lanes) {
+        constexpr int kStats = decltype(stats)::value, kLanes = decltype(lanes)::value;
+        constexpr int kRowsPerBlock = 256 / kLanes;
+        bwd_preprocess_delta_grid_kernel<T, kLanes, kStats, kTrigger>
+            <<<dim3((p.sq + kRowsPerBlock - 1) / kRowsPerBlock, p.hq, p.b), 256, 0, stream>>>(p);
       });
       check_launch("bwd_preprocess_delta");
       return;
     }
   }
-  auto launch = [&](auto kernel, int lanes) {
-    const int64_t rows_per_block = 256 / lanes;
-    const int64_t blocks = (total_rows + rows_per_block - 1) / rows_per_block;
-    kernel<<<static_cast<unsigned>(blocks), 256, 0, stream>>>(p);
-  };
-  with_stats([&](auto stats) {
-    constexpr int kStats = decltype(stats)::value;
-    if (vectors <= 8) {
-      launch(bwd_preprocess_delta_kernel<T, 8, kStats, kTrigger>, 8);
-    } else if (vectors <= 16) {
-      launch(bwd_preprocess_delta_kernel<T, 16, kStats, kTrigger>, 16);
-    } else {
-      launch(bwd_preprocess_delta_kernel<T, 32, kStats, kTrigger>, 32);
-    }
+  dispatch([&](auto stats, auto lanes) {
+    constexpr int kStats = decltype(stats)::value, kLanes = decltype(lanes)::value;
+    constexpr int64_t kRowsPerBlock = 256 / kLanes;
+    const int64_t blocks = (total_rows + kRowsPerBlock - 1) / kRowsPerBlock;
+    bwd_preprocess_delta_kernel<T, kLanes, kStats, kTrigger><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(p);
   });
   check_launch("bwd_preprocess_delta");
 }

@@ -11,7 +11,7 @@ bound (short sequences, many small layers, decoding).
 
 ``--ablation NAME=VALUE`` (a build with the rungs: FLASH_CUDA_ABLATIONS=1) adds flash_cuda with that
 switch set as another provider, timed in the same process right after the default, e.g.
-``--ablation FLASH_CUDA_TMA_MAP_CACHE=1``.
+``--ablation FLASH_CUDA_WS_PERSISTENT=0``.
 
 ``--decode`` times a decode step instead (forward only, no autograd): q (B, 32, 1, D) against a
 cache of ``--seqlen`` tokens with 8 KV heads, through attention_with_kvcache (with and without

@@ -233,15 +233,6 @@ CASES: List[Case] = [
     Case(BF16, 1, 4, 2, 2100, 2200, 64, True, "bshd"),
     Case(BF16, 1, 4, 2, 500, 700, 64, True, "bshd",
          env=(("FLASH_CUDA_WS_BLOCK_M", "192"), ("FLASH_CUDA_WS_TALL_BLOCK_N", "96"))),
-    # ---- delta's preprocess on a (row block, head, batch) grid (FLASH_CUDA_BWD_PREPROCESS=grid):
-    # a partial row block, dlse, GQA ----
-    Case(BF16, 1, 4, 2, 300, 500, 64, True, "bshd", dlse=True, env=(("FLASH_CUDA_BWD_PREPROCESS", "grid"),)),
-    # ---- the (lse, delta) entries per two queries (FLASH_CUDA_SM90_BWD_STATS=quads): a partial
-    # last block, an odd query count, dlse ----
-    Case(BF16, 1, 4, 2, 301, 500, 128, True, "bshd", dlse=True, env=(("FLASH_CUDA_SM90_BWD_STATS", "quads"),)),
-    # ---- the backward's launches chained by programmatic dependent launch
-    # (FLASH_CUDA_SM90_BWD_PDL=1): the producer's wait before the pairs, the conversion's ----
-    Case(BF16, 2, 4, 2, 700, 500, 64, True, "bshd", dlse=True, env=(("FLASH_CUDA_SM90_BWD_PDL", "1"),)),
 ]
 
 

@@ -542,7 +542,7 @@ def test_80_query_steps_route(monkeypatch, mode, Sq, D, deterministic, steps80):
 # The (lse, delta) pairs (config.h: bwd_bulk_stats; bwd_ws.cuh: BulkStats): the delta preprocess
 # writes each query's (lse in log2 units, delta) into the workspace, the producer takes a block's
 # pairs by one bulk copy; the ablation rung FLASH_CUDA_SM90_BWD_STATS=lanes stages them by the
-# producer's lanes instead, and =quads lays them out per two queries (QuadStats). Every tile shape of the kPlain kernels (d 32 and 64: 128-query steps;
+# producer's lanes instead. Every tile shape of the kPlain kernels (d 32 and 64: 128-query steps;
 # 96: native 96-wide; 128: 64-query and, from Sq 4096, 80-query steps), partial last blocks (the
 # workspace's zero rows), masks, GQA, views.
 STATS_CASES = [
@@ -557,83 +557,14 @@ STATS_CASES = [
 
 @pytest.mark.parametrize("dtype", [F16, BF16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("B,Hq,Hkv,Sq,Sk,D,is_causal,window,layout", STATS_CASES)
-@pytest.mark.parametrize("stats", ["bulk", "lanes", "quads"])
+@pytest.mark.parametrize("stats", ["bulk", "lanes"])
 def test_sm90_bwd_stats(monkeypatch, mode, stats, dtype, B, Hq, Hkv, Sq, Sk, D, is_causal, window, layout):
-    if stats != "bulk":
-        _ws_rung(monkeypatch, mode, FLASH_CUDA_SM90_BWD_STATS=stats)
+    if stats == "lanes":
+        _ws_rung(monkeypatch, mode, FLASH_CUDA_SM90_BWD_STATS="lanes")
     else:
         if mode != "ws":
             pytest.skip("the pairs are the warp-specialized kernel's (deterministic=False)")
         monkeypatch.delenv("FLASH_CUDA_SM90_BWD_STATS", raising=False)
     q, k, v = make_inputs(B, Hq, Hkv, Sq, Sk, D, dtype, "cuda", layout=layout, seed=Sq + D + 7)
-    marker = "QuadStats" if stats == "quads" else "BulkStats"
-    _check_ws_kernel(q, k, v, is_causal, window, marker, f"sm90 bwd stats {stats}", seed=Sq,
-                     present=stats != "lanes")
-
-
-# The ablation rung FLASH_CUDA_BWD_PREPROCESS=grid (core/bwd_preprocess.cuh: delta's kernel on a
-# (row block, head, batch) grid, lse and dlse read first): the same sums in the same order, so
-# dK and dV (and with deterministic=True dQ too) are bitwise the default's; dQ of the
-# warp-specialized kernel adds in a varying order. lse's gradient (dlse) on, each lane count (d 64:
-# 8 lanes, 128: 16, 256: 32), partial row blocks, GQA, views, a packed batch.
-PREPROCESS_CASES = [
-    (2, 4, 2, 1000, 1100, 64, True, "bshd"),
-    (1, 4, 4, 300, 257, 128, False, "strided"),
-    (1, 2, 1, 129, 300, 256, True, "bhsd"),
-    (3, 4, 2, None, None, 128, True, "packed"),
-]
-
-
-@pytest.mark.parametrize("B,Hq,Hkv,Sq,Sk,D,is_causal,layout", PREPROCESS_CASES)
-def test_bwd_preprocess_grid_rung(monkeypatch, mode, B, Hq, Hkv, Sq, Sk, D, is_causal, layout):
-    import flash_cuda
-    from flash_cuda import _ext
-
-    if not _ext.ablations():
-        pytest.skip("an ablation rung: this build has none (FLASH_CUDA_ABLATIONS=1 builds them)")
-    det = _det(mode)
-    if layout == "packed":
-        lens = torch.tensor([0, 300, 1, 777], dtype=torch.int32, device="cuda")  # B = 3 sequences
-        cu = torch.cumsum(lens, 0, dtype=torch.int32)
-        total = int(cu[-1])
-        gen = torch.Generator(device="cuda").manual_seed(11)
-        q, k, v = (torch.randn(total, h, D, device="cuda", dtype=BF16, generator=gen) for h in (Hq, Hkv, Hkv))
-
-        def run(qf, kf, vf):
-            return flash_cuda.varlen_attention(qf, kf, vf, cu, cu, int(lens.max()), int(lens.max()),
-                                               is_causal=is_causal, return_lse=True, deterministic=det)
-    else:
-        q, k, v = make_inputs(B, Hq, Hkv, Sq, Sk, D, BF16, "cuda", layout=layout, seed=Sq + D + 3)
-
-        def run(qf, kf, vf):
-            return flash_cuda.attention(qf, kf, vf, is_causal=is_causal, return_lse=True, deterministic=det)
-
-    def grads():
-        qf, kf, vf = (t.detach().requires_grad_() for t in (q, k, v))
-        out, lse = run(qf, kf, vf)
-        gen = torch.Generator(device="cuda").manual_seed(5)
-        dout = torch.randn(out.shape, device="cuda", dtype=out.dtype, generator=gen)
-        dlse = torch.randn(lse.shape, device="cuda", dtype=lse.dtype, generator=gen)
-        torch.autograd.backward((out, lse), (dout, dlse))
-        return qf.grad, kf.grad, vf.grad
-
-    monkeypatch.delenv("FLASH_CUDA_BWD_PREPROCESS", raising=False)
-    dq0, dk0, dv0 = grads()
-    monkeypatch.setenv("FLASH_CUDA_BWD_PREPROCESS", "grid")
-    dq1, dk1, dv1 = grads()
-    assert torch.equal(dk1, dk0) and torch.equal(dv1, dv0)
-    if det:
-        assert torch.equal(dq1, dq0)
-    else:
-        assert (dq1.float() - dq0.float()).abs().max() <= 1e-2 * dq0.float().abs().max()
-
-
-# The ablation rung FLASH_CUDA_SM90_BWD_PDL=1 (bwd_ws.cuh: Pdl): delta's preprocess, the kernel and
-# dQ's conversion chained by programmatic dependent launch; the kernel's producer waits for the
-# preprocess before its first lse / delta load, the conversion for the kernel. The float64 rule
-# on the STATS_CASES shapes, and the kernel that ran is the rung's.
-@pytest.mark.parametrize("B,Hq,Hkv,Sq,Sk,D,is_causal,window,layout", STATS_CASES)
-def test_sm90_bwd_pdl_rung(monkeypatch, mode, B, Hq, Hkv, Sq, Sk, D, is_causal, window, layout):
-    _ws_rung(monkeypatch, mode, FLASH_CUDA_SM90_BWD_PDL="1")
-    q, k, v = make_inputs(B, Hq, Hkv, Sq, Sk, D, BF16, "cuda", layout=layout, seed=Sq + D + 9)
-    _check_ws_kernel(q, k, v, is_causal, window, "Pdl<", "sm90 bwd pdl", seed=Sq)
+    _check_ws_kernel(q, k, v, is_causal, window, "BulkStats", f"sm90 bwd stats {stats}", seed=Sq,
+                     present=stats == "bulk")

@@ -13,7 +13,6 @@
 #include <stdexcept>
 #include <string>
 #include <tuple>
-#include <utility>
 
 #include "../include/params.h"
 #include "gpu_class.h"
@@ -37,26 +36,6 @@ inline void check_launch(const char* kernel_name) {
     throw std::runtime_error(std::string("flash_cuda: kernel ") + kernel_name +
                              " failed: " + cudaGetErrorString(err));
   }
-}
-
-// A programmatic dependent launch (sm_90): the grid may start before the kernel before it in the
-// stream has finished, once every CTA of that kernel has called launch_dependent_grids (or
-// exited); it must call grid_dependency_wait (arch/sm80.cuh) before it reads what that kernel
-// writes. Errors are checked by the caller's check_launch, as after <<<...>>>.
-template <typename... Params, typename... Args>
-inline void launch_programmatic(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem_bytes,
-                                cudaStream_t stream, Args&&... args) {
-  cudaLaunchConfig_t config = {};
-  config.gridDim = grid;
-  config.blockDim = block;
-  config.dynamicSmemBytes = smem_bytes;
-  config.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = attr;
-  config.numAttrs = 1;
-  (void)cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
 }
 
 // The answer of a per-kernel host query on the current device, computed once per (kernel,

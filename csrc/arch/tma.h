@@ -8,9 +8,6 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <cstring>
-
-#include "../include/ablation.h"
 
 namespace flash_cuda {
 
@@ -33,52 +30,6 @@ inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
     return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);
   }();
   return fn;
-}
-
-// cuTensorMapEncodeTiled for the 4-d maps below. The ablation rung FLASH_CUDA_TMA_MAP_CACHE=1 (an
-// ablation build reads it) remembers the last maps of the calling thread: a map is a pure
-// function of these arguments (the base address among them), so an entry whose arguments all
-// match is the map the driver would encode again; a call's 3-5 encodes then become lookups.
-struct TensorMapArgs {
-  const void* base;
-  cuuint64_t dims[4];
-  cuuint64_t strides[3];
-  cuuint32_t box[4];
-  int dtype, swizzle, promotion;
-};
-inline bool tensor_map_cache_on() { return ablation_int("FLASH_CUDA_TMA_MAP_CACHE", 0) == 1; }
-inline CUresult encode_tensor_map(PFN_cuTensorMapEncodeTiled_v12000 encode, CUtensorMap* map, const TensorMapArgs& a) {
-  const cuuint32_t unit[4] = {1, 1, 1, 1};
-  auto run = [&] {
-    return encode(map, static_cast<CUtensorMapDataType>(a.dtype), 4, const_cast<void*>(a.base), a.dims, a.strides,
-                  a.box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE, static_cast<CUtensorMapSwizzle>(a.swizzle),
-                  static_cast<CUtensorMapL2promotion>(a.promotion), CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  };
-  if (!kAblations || !tensor_map_cache_on()) return run();
-  // 16 entries per thread, direct-mapped by a hash of the arguments (their padding zeroed by the
-  // callers' value-initialization, so that whole structs compare).
-  constexpr int kEntries = 16;
-  struct Cache {
-    TensorMapArgs args[kEntries];
-    CUtensorMap maps[kEntries];
-    bool used[kEntries];
-  };
-  thread_local Cache cache{};
-  uint64_t h = 1469598103934665603ull;  // FNV-1a
-  const unsigned char* bytes = reinterpret_cast<const unsigned char*>(&a);
-  for (size_t i = 0; i < sizeof(a); ++i) h = (h ^ bytes[i]) * 1099511628211ull;
-  const int slot = static_cast<int>(h % kEntries);
-  if (cache.used[slot] && std::memcmp(&cache.args[slot], &a, sizeof(a)) == 0) {
-    *map = cache.maps[slot];
-    return CUDA_SUCCESS;
-  }
-  const CUresult r = run();
-  if (r == CUDA_SUCCESS) {
-    std::memcpy(&cache.args[slot], &a, sizeof(a));
-    cache.maps[slot] = *map;
-    cache.used[slot] = true;
-  }
-  return r;
 }
 
 // A map over the rows of a [batch][heads][rows][d] view of 16-bit elements (strides in
@@ -121,21 +72,17 @@ inline bool make_row_tensor_map(CUtensorMap* map, const void* base, bool bf16, i
   for (cuuint64_t s : strides) {
     if (s % 16 != 0 || s >= (cuuint64_t{1} << 40)) return false;
   }
+  const cuuint32_t box[4] = {static_cast<cuuint32_t>(box_cols),
+                             static_cast<cuuint32_t>(heads_inside ? box_heads : box_rows),
+                             static_cast<cuuint32_t>(heads_inside ? box_rows / box_heads : 1), 1};
+  const cuuint32_t unit[4] = {1, 1, 1, 1};
   const CUtensorMapSwizzle swizzle = box_cols == 64   ? CU_TENSOR_MAP_SWIZZLE_128B
                                      : box_cols == 32 ? CU_TENSOR_MAP_SWIZZLE_64B
                                                       : CU_TENSOR_MAP_SWIZZLE_32B;
-  TensorMapArgs a{};
-  a.base = base;
-  for (int i = 0; i < 4; ++i) a.dims[i] = dims[i];
-  for (int i = 0; i < 3; ++i) a.strides[i] = strides[i];
-  a.box[0] = static_cast<cuuint32_t>(box_cols);
-  a.box[1] = static_cast<cuuint32_t>(heads_inside ? box_heads : box_rows);
-  a.box[2] = static_cast<cuuint32_t>(heads_inside ? box_rows / box_heads : 1);
-  a.box[3] = 1;
-  a.dtype = bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
-  a.swizzle = swizzle;
-  a.promotion = CU_TENSOR_MAP_L2_PROMOTION_L2_128B;
-  return encode_tensor_map(encode, map, a) == CUDA_SUCCESS;
+  const CUresult r = encode(map, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 4,
+                            const_cast<void*>(base), dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
+                            CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS;
 }
 
 // A map over a paged KV cache's rows for the split-KV decode (tiers/mma/decode.cuh:
@@ -163,17 +110,13 @@ inline bool make_page_tensor_map(CUtensorMap* map, const void* base, int elem_by
   for (cuuint64_t s : strides) {
     if (s % 16 != 0 || s >= (cuuint64_t{1} << 40)) return false;
   }
-  TensorMapArgs a{};
-  a.base = base;
-  for (int i = 0; i < 4; ++i) a.dims[i] = dims[i];
-  for (int i = 0; i < 3; ++i) a.strides[i] = strides[i];
-  a.box[0] = static_cast<cuuint32_t>(box_cols);
-  a.box[1] = static_cast<cuuint32_t>(box_rows);
-  a.box[2] = a.box[3] = 1;
-  a.dtype = elem_bytes == 2 ? CU_TENSOR_MAP_DATA_TYPE_UINT16 : CU_TENSOR_MAP_DATA_TYPE_UINT8;
-  a.swizzle = CU_TENSOR_MAP_SWIZZLE_NONE;
-  a.promotion = CU_TENSOR_MAP_L2_PROMOTION_L2_256B;
-  return encode_tensor_map(encode, map, a) == CUDA_SUCCESS;
+  const cuuint32_t box[4] = {static_cast<cuuint32_t>(box_cols), static_cast<cuuint32_t>(box_rows), 1, 1};
+  const cuuint32_t unit[4] = {1, 1, 1, 1};
+  const CUresult r = encode(map, elem_bytes == 2 ? CU_TENSOR_MAP_DATA_TYPE_UINT16 : CU_TENSOR_MAP_DATA_TYPE_UINT8, 4,
+                            const_cast<void*>(base), dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                            CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS;
 }
 
 }  // namespace flash_cuda

@@ -260,10 +260,8 @@ __device__ __forceinline__ float lse_to_log2(float lse) {
 // kLseLog2: sLse holds lse_to_log2(lse) already (the warp-specialized Hopper backwards' producer
 // converts each entry once as it stages it: per block and thread that saves 3 instructions per
 // entry, 16 / 32 entries at d = 128 / 64).
-// kPairs (kTransposed only): sLse holds (lse, delta) pairs per query (1), or per two queries
-// (lse_q, lse_q+1, delta_q, delta_q+1) (2: core/bwd_preprocess.cuh, kStatsQuads), as compute_ds
-// reads them.
-template <bool kTransposed, int kVariant, bool kLseLog2 = false, int kPairs = 0, int kMTiles, int kNTiles,
+// kPairs (kTransposed only): sLse holds (lse, delta) pairs per query, as compute_ds reads them.
+template <bool kTransposed, int kVariant, bool kLseLog2 = false, bool kPairs = false, int kMTiles, int kNTiles,
           bool kSoftcap = kVariant == kSoftcapGrad>
 __device__ __forceinline__ void compute_probs(float (&s)[kMTiles][kNTiles][4],
                                              float (&dtanh)[kSoftcap ? kMTiles : 1][kSoftcap ? kNTiles : 1][4],
@@ -308,9 +306,7 @@ __device__ __forceinline__ void compute_probs(float (&s)[kMTiles][kNTiles][4],
 #pragma unroll
     for (int j = 0; j < kNTiles; ++j) {
       float2 lse;
-      if constexpr (kPairs == 2) {
-        lse = *reinterpret_cast<const float2*>(sLse + 2 * (8 * j + 2 * t));
-      } else if constexpr (kPairs == 1) {
+      if constexpr (kPairs) {
         const float4 pair2 = *reinterpret_cast<const float4*>(sLse + 2 * (8 * j + 2 * t));
         lse = make_float2(pair2.x, pair2.z);
       } else {
@@ -337,8 +333,8 @@ __device__ __forceinline__ void compute_probs(float (&s)[kMTiles][kNTiles][4],
 
 // dS = P * (dP - delta) (times dtanh with softcap), in place in dp. kTransposed as above:
 // delta indexed by column (dK/dV products) or by row (dQ products). kPairs: sDelta holds
-// compute_probs' (lse, delta) pairs (1) or quads (2).
-template <bool kTransposed, int kVariant, int kPairs = 0, int kMTiles, int kNTiles,
+// compute_probs' (lse, delta) pairs.
+template <bool kTransposed, int kVariant, bool kPairs = false, int kMTiles, int kNTiles,
           bool kSoftcap = kVariant == kSoftcapGrad>
 __device__ __forceinline__ void compute_ds(float (&dp)[kMTiles][kNTiles][4],
                                            const float (&p)[kMTiles][kNTiles][4],
@@ -348,11 +344,7 @@ __device__ __forceinline__ void compute_ds(float (&dp)[kMTiles][kNTiles][4],
   const int g = lane / 4, t = lane % 4;
   for_each_tile<kMTiles, kNTiles>([&](int mt, int j) {
     float delta[2];
-    if constexpr (kTransposed && kPairs == 2) {
-      const float2 d2 = *reinterpret_cast<const float2*>(sDelta + 2 * (8 * j + 2 * t) + 2);
-      delta[0] = d2.x;
-      delta[1] = d2.y;
-    } else if constexpr (kTransposed && kPairs == 1) {
+    if constexpr (kTransposed && kPairs) {
       const float4 pair2 = *reinterpret_cast<const float4*>(sDelta + 2 * (8 * j + 2 * t));
       delta[0] = pair2.y;
       delta[1] = pair2.w;

@@ -72,16 +72,6 @@ inline bool bwd_warp_release() { return ablation_is("FLASH_CUDA_SM90_BWD_RELEASE
 inline bool bwd_bulk_stats(const BwdParams& p) {
   return !ablation_is("FLASH_CUDA_SM90_BWD_STATS", "lanes") && wgmma::bwd_bulk_stats(p);
 }
-// FLASH_CUDA_SM90_BWD_STATS=quads: the same bulk copy, of the entries laid out per two queries
-// as (lse_q, lse_q+1, delta_q, delta_q+1) (core/bwd_preprocess.cuh: kStatsQuads, which the
-// launcher asks the preprocess for), so that a
-// consumer thread reads its two queries' lse, and later their delta, with one 8-byte load each
-// instead of two 4-byte ones (bwd_ws.cuh: QuadStats; core/softmax.cuh: kPairs = 2).
-inline bool bwd_quad_stats() { return ablation_is("FLASH_CUDA_SM90_BWD_STATS", "quads"); }
-// FLASH_CUDA_SM90_BWD_PDL=1: the warp-specialized backward's kPlain launches (delta's
-// preprocess, the kernel, dQ's conversion) chained by programmatic dependent launch (bwd_ws.cuh:
-// Pdl) instead of plain stream order.
-inline bool bwd_pdl() { return ablation_int("FLASH_CUDA_SM90_BWD_PDL", 0) == 1; }
 // FLASH_CUDA_SM90_BWD_STEP=64 | 80: the warp-specialized backward at d 97..128 steps over 64
 // queries, or over 80 wherever that can run (config.h: can_bwd_steps80); unset: config.h's rule
 // (bwd_steps80, from kBwdSteps80MinSq queries). The launcher (bwd_ws.cuh) and the dQ workspace's

@@ -123,16 +123,7 @@ struct TilesOf80Queries : Traits {
 //     thread, as CUTLASS's pipelines release a stage once per consumer. The per-thread form
 //     stands because compute-sanitizer's racecheck does not follow __syncwarp's ordering of the
 //     other lanes' lse / delta reads.
-//   QuadStats (the ablation rung FLASH_CUDA_SM90_BWD_STATS=quads, ablation.h): BulkStats with the
-//     entries laid out per two queries, (lse_q, lse_q+1, delta_q, delta_q+1), so that a consumer
-//     thread reads its two queries' lse, and later their delta, with one 8-byte load each.
-//   Pdl (the ablation rung FLASH_CUDA_SM90_BWD_PDL=1, ablation.h): the three launches chained by
-//     programmatic dependent launch (arch/sm80.cuh), as FlashAttention-4's sm90 backward chains
-//     them: the delta preprocess lets this kernel launch at its start, whose producer waits for
-//     the preprocess's results only before its first lse / delta load (the K / V loads, the
-//     barriers' setup and the register split run under the preprocess's tail); this kernel lets
-//     the dQ conversion launch, which waits for it before reading the workspace.
-enum : int { kOptWarpRelease = 1, kOptBulkStats = 2, kOptQuadStats = 4, kOptPdl = 8 };
+enum : int { kOptWarpRelease = 1, kOptBulkStats = 2 };
 template <typename Tiles, typename = void>
 struct OptionsOf : std::integral_constant<int, 0> {};
 template <typename Tiles>
@@ -146,14 +137,6 @@ struct WarpRelease : Traits {
 template <typename Traits>
 struct BulkStats : Traits {
   static constexpr int kOptions = OptionsOf<Traits>::value | kOptBulkStats;
-};
-template <typename Traits>
-struct QuadStats : Traits {
-  static constexpr int kOptions = OptionsOf<Traits>::value | kOptBulkStats | kOptQuadStats;
-};
-template <typename Traits>
-struct Pdl : Traits {
-  static constexpr int kOptions = OptionsOf<Traits>::value | kOptPdl;
 };
 
 // The tiles of bwd.cuh's dK/dV kernel (BwdTraits, TilesOfWidth or TilesOf80Queries, maybe in
@@ -370,7 +353,6 @@ __device__ __forceinline__ void produce(const BwdParams& p, const TmaMaps& maps,
   // than divided out: this warp runs on producer_regs() registers.
   const uint32_t stats = smem_addr(sm.lse) + lane * 4;
   int s = 0, phase = 0;
-  if constexpr (kHasOption<Cfg, kOptPdl>) grid_dependency_wait();  // delta's preprocess has written
 #pragma unroll 1
   for (int h = steps.h_begin; h < steps.h_end; ++h) {
     const float* lse = p.softmax_lse + seq.stat_offset(p, h);
@@ -651,7 +633,6 @@ __device__ __forceinline__ void bwd_ws_block(const BwdParams& p, const TmaMaps& 
   // offsets and mask from cu_seqlens; kPlain folds all of it to the dense constants.
   constexpr bool kVarlen = kVariant != kPlain;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  if constexpr (kHasOption<Cfg, kOptPdl>) launch_dependent_grids();  // the dQ conversion may launch
   sm.template init_barriers</*kDqWriter=*/true>();
 
   // The CTA's keys, its KV head and batch, and the (head, query block) steps: each role derives
@@ -735,8 +716,8 @@ __device__ __forceinline__ void bwd_ws_block(const BwdParams& p, const TmaMaps& 
                                         });
     } else {
       DtanhTile<kVariant, 1, 1> no_dtanh;
-      // BulkStats: the stage holds (lse, delta) pairs (the producer's bulk copy); QuadStats: quads.
-      constexpr int kPairs = kHasOption<Cfg, kOptBulkStats> ? (kHasOption<Cfg, kOptQuadStats> ? 2 : 1) : 0;
+      // BulkStats: the stage holds (lse, delta) pairs (the producer's bulk copy).
+      constexpr bool kPairs = kHasOption<Cfg, kOptBulkStats>;
       const float* stage_lse = sm.lse + st * kBlockM * (kPairs ? 2 : 1);
       const float* stage_delta = kPairs ? stage_lse : sm.delta + st * kBlockM;
       compute_probs<true, kVariant, true, kPairs>(pt, no_dtanh, stage_lse, needs_mask, warp_key0, m0, mask, p,
@@ -888,9 +869,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 // Tile: the workspace's tile order (DqTile here, bwd_wide.cuh's WideDqTile), any in which the 4
 // consecutive float4 from a multiple of 4 on hold 8 consecutive columns of one row (and of the
 // row 8 further down).
-template <typename T, typename Cfg, typename Tile, bool kWait = false>
+template <typename T, typename Cfg, typename Tile>
 __global__ void __launch_bounds__(256) convert_dq_tiles_kernel(const __grid_constant__ BwdParams p) {
-  if constexpr (kWait) grid_dependency_wait();  // Pdl: the backward that added into the tiles has finished
   constexpr int kPitch = Cfg::kD + 8;  // padded row of the staging tile
   constexpr int kChunksPerRow = Cfg::kD / 8;
   static_assert(Tile::kFloats % 16 == 0, "whole groups of 4 float4");
@@ -958,12 +938,7 @@ __global__ void __launch_bounds__(256) convert_dq_tiles_kernel(const __grid_cons
 // dq from the dQ workspace's tiles (order Tile), after the backward that added into them.
 template <typename T, typename Cfg, typename Tile = sm90::bwd_ws::DqTile<Cfg>>
 void launch_convert_dq_tiles(const BwdParams& p, cudaStream_t stream) {
-  const dim3 grid(ceil_div(p.sq, Cfg::kBlockM), p.hq, p.b);
-  if constexpr (sm90::bwd_ws::kHasOption<Cfg, sm90::bwd_ws::kOptPdl>) {
-    launch_programmatic(sm90::bwd_ws::convert_dq_tiles_kernel<T, Cfg, Tile, true>, grid, dim3(256), 0, stream, p);
-  } else {
-    sm90::bwd_ws::convert_dq_tiles_kernel<T, Cfg, Tile><<<grid, 256, 0, stream>>>(p);
-  }
+  sm90::bwd_ws::convert_dq_tiles_kernel<T, Cfg, Tile><<<dim3(ceil_div(p.sq, Cfg::kBlockM), p.hq, p.b), 256, 0, stream>>>(p);
   check_launch("convert_dq_tiles");
 }
 
@@ -978,16 +953,9 @@ bool launch_bwd_ws_main(Kernel kernel, const BwdParams& p, const char* name, cud
   if (!maps.make(p, Cfg::kBlockM, Cfg::kBlockN, Cfg::QSlabs::kCols, Cfg::KSlabs::kCols, Cfg::VSlabs::kCols)) {
     return false;
   }
-  constexpr bool kPdl = sm90::bwd_ws::kHasOption<Cfg, sm90::bwd_ws::kOptPdl>;
-  constexpr int kStatsLayout = sm90::bwd_ws::kHasOption<Cfg, sm90::bwd_ws::kOptQuadStats> ? kStatsQuads : kStatsPairs;
-  launch_bwd_preprocess<T, /*kTrigger=*/kPdl, kStatsLayout>(p, stream);
+  launch_bwd_preprocess<T>(p, stream);
   set_smem_limit(kernel, kSmemBytes, name);
-  const dim3 grid(ceil_div(p.sk, Cfg::kBlockN), p.hkv, p.b);
-  if constexpr (kPdl) {
-    launch_programmatic(kernel, grid, dim3(Cfg::kThreads), kSmemBytes, stream, p, maps);
-  } else {
-    kernel<<<grid, Cfg::kThreads, kSmemBytes, stream>>>(p, maps);
-  }
+  kernel<<<dim3(ceil_div(p.sk, Cfg::kBlockN), p.hkv, p.b), Cfg::kThreads, kSmemBytes, stream>>>(p, maps);
   check_launch(name);
   return true;
 }
@@ -1039,12 +1007,6 @@ bool launch_bwd_sm90_ws(const BwdParams& p, cudaStream_t stream) {
     }
     using Bulk = sm90::bwd_ws::BulkStats<Tiles>;
     if constexpr (kAblations) {
-      if (wgmma::ablation::bwd_pdl()) {
-        return launch_bwd_ws_tiles<T, sm90::bwd_ws::Pdl<Bulk>, kVariant, kDepth>(p, stream);
-      }
-      if (wgmma::ablation::bwd_quad_stats()) {
-        return launch_bwd_ws_tiles<T, sm90::bwd_ws::QuadStats<Tiles>, kVariant, kDepth>(p, stream);
-      }
       if (wgmma::ablation::bwd_warp_release()) {
         return launch_bwd_ws_tiles<T, sm90::bwd_ws::WarpRelease<Bulk>, kVariant, kDepth>(p, stream);
       }

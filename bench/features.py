@@ -24,12 +24,13 @@ VARLEN_B, VARLEN_S = 8, 2048
 MIXED_RANGE, MIXED_SEED = (128, 4096), 0
 SMALL_S, SMALL_D = 4096, 128  # softcap / ALiBi / sinks rows
 SOFTCAP = 50.0
+GQA_GROUPS = 4  # the gqa rows: SMALL_D's 16 query heads over 4 KV heads
 DROPOUT_P, DROPOUT_S = 0.1, 4096
 GOAL_WINDOW, GOAL_VARLEN = 0.85, 0.95  # within 15% / 5% of the plain call
 GOAL_DROPOUT = 1 / 1.1  # dropout_p = 0.1 within 10% of dropout_p = 0 in time
 GOAL_SINKS = 0.97  # the gate: the cost of sinks within 3% of the plain call
 
-CSV_COLUMNS = ["feature", "dtype", "D", "H", "causal", "mode", "layout", "B", "seqlens", "total_tokens", "window_left",
+CSV_COLUMNS = ["feature", "dtype", "D", "H", "kv_heads", "causal", "mode", "layout", "B", "seqlens", "total_tokens", "window_left",
                "window_right", "softcap", "alibi", "sinks", "dropout_p", "visible_pairs", "ms", "tflops", "peak_gib",
                "status", "baseline_tflops", "ratio", "goal", "sdpa_tflops", "fa4_tflops"]
 
@@ -70,6 +71,7 @@ def label(call) -> str:
     text += f" window ({call.window[0]}, {call.window[1]})" if call.window != (-1, -1) else ""
     text += (f" softcap {call.softcap:g}" if call.softcap else "") + (" alibi" if call.alibi else "")
     text += " sinks" if call.sinks else ""
+    text += f" GQA {call.H}/{call.kv_heads}" if call.groups > 1 else ""
     text += f" dropout {call.dropout:g}" if call.dropout else ""
     return text + ("" if call.provider == "flash_cuda" else f" [{call.provider}]")
 
@@ -111,7 +113,8 @@ def build_rows(d_list, causal_list, modes) -> list:
     for causal, mode in itertools.product(causal_list if SMALL_D in d_list else [], modes):
         base = dense(SMALL_D, causal, mode, M.TOKENS // SMALL_S, SMALL_S)
         rows += [Row("softcap", replace(base, softcap=SOFTCAP), base), Row("alibi", replace(base, alibi=True), base),
-                 Row("sinks", replace(base, sinks=True), base, GOAL_SINKS)]
+                 Row("sinks", replace(base, sinks=True), base, GOAL_SINKS),
+                 Row("gqa", replace(base, groups=GQA_GROUPS), base)]
     for D, causal, mode in itertools.product(d_list, causal_list, modes):
         base = dense(D, causal, mode, max(1, M.TOKENS // DROPOUT_S), DROPOUT_S)
         rows.append(Row("dropout", replace(base, dropout=DROPOUT_P), base, GOAL_DROPOUT))
@@ -175,6 +178,7 @@ def csv_frame(rows, results, dtype) -> pd.DataFrame:
         call, lens = row.call, row.call.seqlens
         out.append({
             "feature": row.feature, "dtype": str(dtype).removeprefix("torch."), "D": call.D, "H": call.H,
+            "kv_heads": call.kv_heads,
             "causal": int(call.causal), "mode": call.mode, "layout": "varlen" if call.varlen else "dense",
             "B": len(lens), "seqlens": f"{lens[0]}x{len(lens)}" if len(set(lens)) == 1 else ";".join(map(str, lens)),
             "total_tokens": sum(lens), "window_left": sides(call)[0], "window_right": sides(call)[1],

@@ -70,6 +70,11 @@ class Call:
     alibi: bool = False
     dropout: float = 0.0
     sinks: bool = False  # attention sinks: sink_logits(H), made where the ALiBi slopes are (make_fn, check)
+    groups: int = 1  # query heads per KV head (GQA): k and v get H // groups heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.H // self.groups
 
     def options(self) -> dict:
         """attention()'s options but the tensors alibi_slopes and sinks; defaults left out, so plain calls need no
@@ -161,10 +166,13 @@ def sink_logits(H: int) -> torch.Tensor:
 def make_inputs(call: Call, dtype, seed: int, device="cuda"):
     """Random q, k, v, dout and cu_seqlens (None when dense); None when they do not fit."""
     gen = torch.Generator(device=device).manual_seed(seed)
-    shape = (sum(call.seqlens), call.H, call.D) if call.varlen else (len(call.seqlens), call.H, call.seqlens[0], call.D)
+
+    def shape(heads):
+        return (sum(call.seqlens), heads, call.D) if call.varlen else (len(call.seqlens), heads, call.seqlens[0], call.D)
     cu = torch.tensor([0, *itertools.accumulate(call.seqlens)], dtype=torch.int32, device=device)
-    try:
-        return (*(torch.randn(shape, device=device, dtype=dtype, generator=gen) for _ in range(4)),
+    try:  # q, k, v, dout
+        return (*(torch.randn(shape(h), device=device, dtype=dtype, generator=gen)
+                  for h in (call.H, call.kv_heads, call.kv_heads, call.H)),
                 cu if call.varlen else None)
     except torch.cuda.OutOfMemoryError:
         return None
@@ -177,7 +185,9 @@ def make_fn(call: Call, cu, device, dtype):
     if call.provider in SDPA_BACKEND:
         if call.sinks:
             raise NotImplementedError("SDPA has no attention sinks")
-        return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=call.causal, dropout_p=call.dropout)
+        gqa = {"enable_gqa": True} if call.groups > 1 else {}
+        return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=call.causal, dropout_p=call.dropout,
+                                                               **gqa)
     fc, opts = load_flash_cuda(), call.options()
     if FLASH_KERNEL[call.provider] != "auto":
         opts["kernel"] = FLASH_KERNEL[call.provider]
@@ -194,18 +204,21 @@ def make_fn(call: Call, cu, device, dtype):
 
 
 def check(call: Call, fwd, q, k, v, dout, cu, dtype) -> str:
-    """'ok' or 'WRONG (...)' against the float32 reference on heads 0 and H-1 of the last sequence: cheap at any S,
-    and a wrong batch or head offset still shows."""
+    """'ok' or 'WRONG (...)' against the float32 reference on KV heads 0 and last of the last sequence, with their
+    query heads (heads 0 and H-1 without GQA): cheap at any S, and a wrong batch or head offset still shows."""
     from flash_cuda.reference import attention_naive, dropout_keep_mask
-    heads = torch.tensor(sorted({0, call.H - 1}), device=q.device)
+    g, kv = call.groups, call.kv_heads
+    heads = torch.tensor(sorted({*range(g), *range(call.H - g, call.H)}), device=q.device)  # q, out, dq, dout
+    kv_heads = torch.tensor(sorted({0, kv - 1}), device=q.device)  # k, v, dk, dv
     a, b = (int(cu[-2]), int(cu[-1])) if call.varlen else (None, None)
 
-    def view(t):  # -> (1, heads, S, D) float32
+    def view(t, sel=heads):  # -> (1, heads, S, D) float32
         t = t.transpose(1, 2) if bshd(call) else t
         if call.varlen:
-            return t.detach()[a:b].index_select(1, heads).transpose(0, 1).unsqueeze(0).float()
-        return t.detach()[-1:].index_select(1, heads).float()
-    opts, need_grad, ref_in = call.options(), call.mode != "fwd", [view(t).requires_grad_() for t in (q, k, v)]
+            return t.detach()[a:b].index_select(1, sel).transpose(0, 1).unsqueeze(0).float()
+        return t.detach()[-1:].index_select(1, sel).float()
+    opts, need_grad = call.options(), call.mode != "fwd"
+    ref_in = [view(q).requires_grad_(), view(k, kv_heads).requires_grad_(), view(v, kv_heads).requires_grad_()]
     if call.alibi:
         opts["alibi_slopes"] = alibi_slopes(call.H)[heads.cpu()].to(q.device)
     if call.sinks:
@@ -235,7 +248,7 @@ def check(call: Call, fwd, q, k, v, dout, cu, dtype) -> str:
     got = [view(out)]
     if need_grad:
         out.backward(dout)
-        got += [view(t.grad) for t in (q, k, v)]
+        got += [view(q.grad), view(k.grad, kv_heads), view(v.grad, kv_heads)]
         for t in (q, k, v):
             t.grad = None
     for i, (name, x, w) in enumerate(zip(("out", "dq", "dk", "dv"), got, want)):
@@ -322,7 +335,7 @@ def measure_all(flops: dict, dtype, timer, seed: int, check_first: bool, device=
         if absent[c.provider]:
             results[c] = {"status": absent[c.provider]}
         else:
-            groups[c.varlen, c.D, c.H, c.seqlens].append(c)
+            groups[c.varlen, c.D, c.H, c.kv_heads, c.seqlens].append(c)
     bar = tqdm(total=len(flops) - len(results), disable=None, file=sys.stderr,  # off where not a terminal
                dynamic_ncols=True)
     for i, group in enumerate(groups.values()):

@@ -174,7 +174,7 @@ def parse_args(argv=None):
     a("--out", help="results folder (default bench/results/<dtype>; several dtypes: OUT/<dtype>)")
     a("--compare-anchors", nargs="?", const="auto", metavar="DIR", help="our numbers next to DIR's (shared/anchors)")
     a("--seed", type=int, default=0, help="random seed for the inputs")
-    a("--features", action="store_true", help="window, varlen, softcap, ALiBi, sinks, dropout rows instead of the grid")
+    a("--features", action="store_true", help="window, varlen, softcap, ALiBi, sinks, GQA, dropout rows instead of the grid")
     a("--dry-run", action="store_true", help="print the configs and providers, run nothing")
     args = p.parse_args(argv)
     for D in args.d:

@@ -113,7 +113,7 @@ def test_rows_plan(feat):
         by.setdefault(r.feature, []).append(r)
     assert len(by["window"]) == 4 and len(by["varlen"]) == 8 and len(by["varlen mixed"]) == 8
     assert len(by["softcap"]) == 4 and len(by["alibi"]) == 4 and len(by["dropout"]) == 8
-    assert len(by["sinks"]) == 4
+    assert len(by["sinks"]) == 4 and len(by["gqa"]) == 4
     for r in rows:
         c = r.call
         assert c.H * c.D == 2048 and r.base.provider == "flash_cuda" and r.sdpa.provider == "sdpa"
@@ -124,8 +124,12 @@ def test_rows_plan(feat):
     for r in by["varlen"]:
         assert r.call.varlen and sum(r.call.seqlens) == 16384 and r.base.seqlens == (2048,) * 8
         assert r.goal == 0.95
-    for r in by["softcap"] + by["alibi"] + by["sinks"]:
+    for r in by["softcap"] + by["alibi"] + by["sinks"] + by["gqa"]:
         assert r.call.D == 128 and r.call.seqlens == (4096,) * 4
+    for r in by["gqa"]:  # the issue's GQA row: 16 query heads over 4 KV heads, against the same call without GQA
+        assert r.call == replace(r.base, groups=4) and r.base.groups == 1 and r.sdpa.groups == 1
+        assert (r.call.H, r.call.kv_heads) == (16, 4) and r.goal is None
+        assert feat.label(r.call) == "B=4 S=4k GQA 16/4" and feat.label(r.other("fa4")) == "B=4 S=4k GQA 16/4 [fa4]"
     assert by["softcap"][0].call.softcap == 50.0 and by["alibi"][0].call.alibi
     for r in by["sinks"]:
         assert r.call == replace(r.base, sinks=True) and not r.base.sinks and not r.sdpa.sinks
@@ -138,9 +142,9 @@ def test_rows_plan(feat):
         assert r.goal == pytest.approx(1 / 1.1)
     assert not feat.build_rows([64], [0], ["fwd"])[0].feature == "window"
     # every distinct call once: 4 window rows -> 12 calls, ...; dropout at D 128 shares the
-    # softcap rows' plain calls; the sinks rows add only their 4 feature calls (plain and SDPA shared)
-    assert len(feat.distinct_calls(rows)) == 80
-    assert len(feat.distinct_calls(rows, ["fa4"])) == 80 + 40
+    # softcap rows' plain calls; the sinks and gqa rows add only their 4 feature calls each (plain and SDPA shared)
+    assert len(feat.distinct_calls(rows)) == 84
+    assert len(feat.distinct_calls(rows, ["fa4"])) == 84 + 44
     assert not any(r.feature == "sinks" for r in feat.build_rows([64], [0, 1], ["fwd"]))
 
 
@@ -163,7 +167,7 @@ def test_table_and_csv(feat):
     assert first.visible_pairs == feat.visible_pairs(16384, 16384, 1024, 0)
     assert first.window_left == 1024 and first.window_right == 0 and first["dtype"] == "bfloat16"
     assert first.layout == "dense" and first.seqlens == "16384x1"
-    assert first.sinks == 0
+    assert first.sinks == 0 and first.H == 16 and first.kv_heads == 16
 
 
 def test_flash_cuda_gets_sinks(feat, monkeypatch):
@@ -211,7 +215,7 @@ def test_features_dry_run():
     proc = subprocess.run([sys.executable, str(BENCH / "run.py"), "--features", "--dry-run"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert "40 rows, 80 timed calls" in proc.stdout
+    assert "44 rows, 84 timed calls" in proc.stdout
     assert "features.csv" in proc.stdout
 
 
@@ -225,7 +229,7 @@ def test_features_dry_run_d128_has_sinks():
                      for c in (0, 1) for m in ("fwd", "bwd")]
     # right after the ALiBi row of the same (causal, mode)
     assert all(lines[lines.index(ln) - 1].startswith("alibi ") for ln in sinks)
-    assert "26 rows, 46 timed calls" in proc.stdout
+    assert "30 rows, 50 timed calls" in proc.stdout
 
 
 _PHILOX = (1234, 8)  # the (seed, offset) the stand-in draws dropout with, as the bench reads it
@@ -270,6 +274,7 @@ def test_features_end_to_end_on_cpu(feat, monkeypatch, tmp_path, capsys, broken)
     monkeypatch.setattr(feat, "SMALL_S", 32)
     monkeypatch.setattr(feat, "SMALL_D", 32)
     monkeypatch.setattr(feat, "SOFTCAP", 1.0)  # 50 barely moves N(0, 1) logits
+    monkeypatch.setattr(feat, "GQA_GROUPS", 2)  # H = 2 here: both query heads over one KV head
     monkeypatch.setattr(M, "load_flash_cuda", lambda: _FakeFlash(ref, broken))
     monkeypatch.setattr(feat, "DROPOUT_S", 32)
     monkeypatch.setattr(feat, "DROPOUT_P", 0.3)
@@ -319,7 +324,7 @@ def test_features_fa4_on_cpu(feat, monkeypatch, tmp_path, capsys):
         monkeypatch.setattr(M, name, value)
     for name, value in (("WINDOW_S", 64), ("WINDOW", (9, 0)), ("VARLEN_B", 3), ("VARLEN_S", 24),
                         ("MIXED_RANGE", (5, 40)), ("SMALL_S", 32), ("SMALL_D", 32), ("SOFTCAP", 1.0),
-                        ("DROPOUT_S", 32)):
+                        ("DROPOUT_S", 32), ("GQA_GROUPS", 2)):
         monkeypatch.setattr(feat, name, value)
     monkeypatch.setattr(M, "load_flash_cuda", lambda: _FakeFlash(ref))
     monkeypatch.setattr(M, "next_philox", lambda device: _PHILOX)
@@ -372,3 +377,26 @@ def test_features_without_fa4_skip_it(feat, monkeypatch, capsys):
         "sys.modules; pip install flash-attn-4)"}
     assert feat.others(argparse.Namespace(providers=["flash_cuda", "fa4"])) == ["fa4"]
     assert feat.others(argparse.Namespace(providers=None)) == [] and feat.others(argparse.Namespace()) == []
+
+
+def test_check_gqa_heads(feat):
+    """The check of a GQA call compares each KV head's query heads with the reference: a kernel that pairs query
+    head h with KV head h % kv_heads (interleaved) instead of h // groups is WRONG, in the output and in dk / dv."""
+    sys.path.append(str(ROOT))
+    ref = pytest.importorskip("flash_cuda.reference")
+    M = feat.M
+    call = M.Call("flash_cuda", 16, 4, True, "bwd", (24, 24), groups=2)
+    assert call.kv_heads == 2
+    q, k, v, dout, cu = M.make_inputs(call, torch.float32, 0, device="cpu")
+    assert q.shape == dout.shape == (2, 4, 24, 16) and k.shape == v.shape == (2, 2, 24, 16)
+
+    def grouped(q, k, v):
+        return ref.attention_naive(q, k, v, is_causal=True)[0]
+
+    def interleaved(q, k, v):
+        idx = torch.arange(q.shape[1]) % k.shape[1]
+        return ref.attention_naive(q, k.index_select(1, idx), v.index_select(1, idx), is_causal=True)[0]
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    assert M.check(call, grouped, *leaves, dout, cu, torch.float32) == "ok"
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    assert M.check(call, interleaved, *leaves, dout, cu, torch.float32).startswith("WRONG")

@@ -55,6 +55,7 @@
 #include <type_traits>
 
 #include "../../core/dropout.cuh"
+#include "../../core/scheduler.cuh"
 #include "ablation.h"
 #include "bwd.cuh"
 #include "bwd_smem.h"
@@ -123,7 +124,11 @@ struct TilesOf80Queries : Traits {
 //     thread, as CUTLASS's pipelines release a stage once per consumer. The per-thread form
 //     stands because compute-sanitizer's racecheck does not follow __syncwarp's ordering of the
 //     other lanes' lse / delta reads.
-enum : int { kOptWarpRelease = 1, kOptBulkStats = 2 };
+//   LongestFirst (the ablation rung FLASH_CUDA_SM90_BWD_ORDER=longest, ablation.h): under a
+//     right-bounded mask the CTAs start in the order of their length, every pair's first key
+//     block first (core/scheduler.cuh: key_block_order), so that a GQA call's long CTAs, each
+//     walking a group's query heads, do not end the grid.
+enum : int { kOptWarpRelease = 1, kOptBulkStats = 2, kOptLongestFirst = 4 };
 template <typename Tiles, typename = void>
 struct OptionsOf : std::integral_constant<int, 0> {};
 template <typename Tiles>
@@ -137,6 +142,10 @@ struct WarpRelease : Traits {
 template <typename Traits>
 struct BulkStats : Traits {
   static constexpr int kOptions = OptionsOf<Traits>::value | kOptBulkStats;
+};
+template <typename Traits>
+struct LongestFirst : Traits {
+  static constexpr int kOptions = OptionsOf<Traits>::value | kOptLongestFirst;
 };
 
 // The tiles of bwd.cuh's dK/dV kernel (BwdTraits, TilesOfWidth or TilesOf80Queries, maybe in
@@ -638,8 +647,15 @@ __device__ __forceinline__ void bwd_ws_block(const BwdParams& p, const TmaMaps& 
   // The CTA's keys, its KV head and batch, and the (head, query block) steps: each role derives
   // them after the split, so that nothing computed before it stays live in the producer's 24
   // registers.
-  const int n0 = blockIdx.x * Cfg::kBlockN;
-  const int hkv = blockIdx.y, bi = blockIdx.z;
+  int n_block = blockIdx.x, hkv = blockIdx.y, bi = blockIdx.z;
+  if constexpr (kHasOption<Cfg, kOptLongestFirst>) {
+    int pair;
+    key_block_order(blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z), gridDim.x,
+                    gridDim.y * gridDim.z, true, n_block, pair);
+    hkv = pair % gridDim.y;
+    bi = pair / gridDim.y;
+  }
+  const int n0 = n_block * Cfg::kBlockN;
   if (warp < 4) {
     setmaxnreg_dec<Cfg::template producer_regs<kVariant>()>();
     if (warp == 0) {
@@ -1009,6 +1025,9 @@ bool launch_bwd_sm90_ws(const BwdParams& p, cudaStream_t stream) {
     if constexpr (kAblations) {
       if (wgmma::ablation::bwd_warp_release()) {
         return launch_bwd_ws_tiles<T, sm90::bwd_ws::WarpRelease<Bulk>, kVariant, kDepth>(p, stream);
+      }
+      if (wgmma::ablation::bwd_longest_first(p)) {
+        return launch_bwd_ws_tiles<T, sm90::bwd_ws::LongestFirst<Bulk>, kVariant, kDepth>(p, stream);
       }
     }
     return launch_bwd_ws_tiles<T, Bulk, kVariant, kDepth>(p, stream);

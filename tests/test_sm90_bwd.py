@@ -571,7 +571,7 @@ def test_sm90_bwd_stats(monkeypatch, mode, stats, dtype, B, Hq, Hkv, Sq, Sk, D, 
 
 
 # The rung FLASH_CUDA_SM90_BWD_ORDER=longest (csrc/tiers/wgmma/bwd_ws.cuh: LongestFirst; core/
-# scheduler.cuh: key_block_order): under a right-bounded mask the CTAs start longest first,
+# scheduler.cuh: key_block_longest_first): under a right-bounded mask the CTAs start longest first,
 # ascending key blocks across every (KV head, batch) pair. Each CTA's work is the default's, so dK
 # and dV are bitwise the default's (dQ's adds land in another order). GQA with long CTAs, the
 # 80-query steps, partial blocks, Sq != Sk, a window bounded on the right; views.

@@ -138,19 +138,13 @@ __device__ __forceinline__ void query_block_order(int idx, int num_m_blocks, int
   }
 }
 
-// The same for the kernels whose CTA owns a block of keys (the Hopper backward: a grid of key
-// blocks by (head, batch) pairs). Under a right-bounded mask the early key blocks are seen by the
-// most queries, so longest first is ascending key blocks across all pairs; otherwise the blocks
-// of one pair stay adjacent (its Q and dO shared in L2). `idx` is the CTA's place in that order.
-__device__ __forceinline__ void key_block_order(int idx, int num_n_blocks, int pair_count, bool longest_first,
-                                                int& n_block, int& pair) {
-  if (longest_first) {
-    n_block = idx / pair_count;
-    pair = idx % pair_count;
-  } else {
-    pair = idx / num_n_blocks;
-    n_block = idx % num_n_blocks;
-  }
+// Longest first for the kernels whose CTA owns a block of keys (the Hopper backward: a grid of
+// key blocks by (head, batch) pairs, launched pair by pair). Under a right-bounded mask the early
+// key blocks are seen by the most queries, so longest first is ascending key blocks across all
+// pairs. `idx` is the CTA's linear index in the grid.
+__device__ __forceinline__ void key_block_longest_first(int idx, int pair_count, int& n_block, int& pair) {
+  n_block = idx / pair_count;
+  pair = idx % pair_count;
 }
 
 #endif  // __CUDACC__

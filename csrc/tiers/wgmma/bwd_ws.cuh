@@ -126,7 +126,7 @@ struct TilesOf80Queries : Traits {
 //     other lanes' lse / delta reads.
 //   LongestFirst (the ablation rung FLASH_CUDA_SM90_BWD_ORDER=longest, ablation.h): under a
 //     right-bounded mask the CTAs start in the order of their length, every pair's first key
-//     block first (core/scheduler.cuh: key_block_order), so that a GQA call's long CTAs, each
+//     block first (core/scheduler.cuh: key_block_longest_first), so that a GQA call's long CTAs, each
 //     walking a group's query heads, do not end the grid.
 enum : int { kOptWarpRelease = 1, kOptBulkStats = 2, kOptLongestFirst = 4 };
 template <typename Tiles, typename = void>
@@ -650,8 +650,8 @@ __device__ __forceinline__ void bwd_ws_block(const BwdParams& p, const TmaMaps& 
   int n_block = blockIdx.x, hkv = blockIdx.y, bi = blockIdx.z;
   if constexpr (kHasOption<Cfg, kOptLongestFirst>) {
     int pair;
-    key_block_order(blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z), gridDim.x,
-                    gridDim.y * gridDim.z, true, n_block, pair);
+    key_block_longest_first(blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z), gridDim.y * gridDim.z,
+                            n_block, pair);
     hkv = pair % gridDim.y;
     bi = pair / gridDim.y;
   }

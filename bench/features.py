@@ -30,9 +30,9 @@ GOAL_WINDOW, GOAL_VARLEN = 0.85, 0.95  # within 15% / 5% of the plain call
 GOAL_DROPOUT = 1 / 1.1  # dropout_p = 0.1 within 10% of dropout_p = 0 in time
 GOAL_SINKS = 0.97  # the gate: the cost of sinks within 3% of the plain call
 
-CSV_COLUMNS = ["feature", "dtype", "D", "H", "kv_heads", "causal", "mode", "layout", "B", "seqlens", "total_tokens", "window_left",
-               "window_right", "softcap", "alibi", "sinks", "dropout_p", "visible_pairs", "ms", "tflops", "peak_gib",
-               "status", "baseline_tflops", "ratio", "goal", "sdpa_tflops", "fa4_tflops"]
+CSV_COLUMNS = ["feature", "dtype", "D", "H", "kv_heads", "causal", "mode", "layout", "B", "seqlens", "total_tokens",
+               "window_left", "window_right", "softcap", "alibi", "sinks", "dropout_p", "visible_pairs", "ms", "tflops",
+               "peak_gib", "status", "baseline_tflops", "ratio", "goal", "sdpa_tflops", "fa4_tflops"]
 
 
 @functools.lru_cache(maxsize=None)

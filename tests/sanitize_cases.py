@@ -233,9 +233,9 @@ CASES: List[Case] = [
     Case(BF16, 1, 4, 2, 2100, 2200, 64, True, "bshd"),
     Case(BF16, 1, 4, 2, 500, 700, 64, True, "bshd",
          env=(("FLASH_CUDA_WS_BLOCK_M", "192"), ("FLASH_CUDA_WS_TALL_BLOCK_N", "96"))),
-    # ---- the backward's CTAs longest first (FLASH_CUDA_SM90_BWD_ORDER=longest; an ablation build
-    # reads it): GQA, a partial last key block ----
-    Case(BF16, 1, 8, 2, 700, 650, 128, True, "bhsd", env=(("FLASH_CUDA_SM90_BWD_ORDER", "longest"),)),
+    # ---- the backward's CTAs longest first over sections of pairs (bwd_ws.cuh: bwd_tile_section):
+    # GQA, a partial last key block, 10 pairs: sections of 8 and 2 ----
+    Case(BF16, 5, 4, 2, 700, 650, 128, True, "bhsd"),
 ]
 
 

@@ -570,11 +570,12 @@ def test_sm90_bwd_stats(monkeypatch, mode, stats, dtype, B, Hq, Hkv, Sq, Sk, D, 
                      present=stats == "bulk")
 
 
-# The rung FLASH_CUDA_SM90_BWD_ORDER=longest (csrc/tiers/wgmma/bwd_ws.cuh: LongestFirst; core/
-# scheduler.cuh: key_block_longest_first): under a right-bounded mask the CTAs start longest first,
-# ascending key blocks across every (KV head, batch) pair. Each CTA's work is the default's, so dK
-# and dV are bitwise the default's (dQ's adds land in another order). GQA with long CTAs, the
-# 80-query steps, partial blocks, Sq != Sk, a window bounded on the right; views.
+# The order of the backward's CTAs (csrc/tiers/wgmma/bwd_ws.cuh: bwd_tile_section; core/scheduler.cuh:
+# key_block_longest_first, key_section): under a right-bounded mask the dense CTAs go longest first,
+# ascending key blocks over sections of (KV head, batch) pairs. The rung FLASH_CUDA_SM90_BWD_SECTION=N
+# sets the section: 1 is the grid's own order, pair by pair; 3 leaves a short last section. Each CTA's
+# work is the default's, so dK and dV are bitwise the default's (dQ's adds land in another order).
+# GQA with long CTAs, the 80-query steps, partial blocks, Sq != Sk, a window bounded on the right; views.
 ORDER_CASES = [
     (2, 16, 4, 1000, 1000, 128, True, (-1, -1), "bshd"),
     (1, 4, 4, 4177, 4100, 128, True, (-1, -1), "bhsd"),
@@ -583,23 +584,24 @@ ORDER_CASES = [
 ]
 
 
+@pytest.mark.parametrize("section", ["1", "3"])
 @pytest.mark.parametrize("B,Hq,Hkv,Sq,Sk,D,is_causal,window,layout", ORDER_CASES)
-def test_sm90_bwd_longest_first_rung(monkeypatch, mode, B, Hq, Hkv, Sq, Sk, D, is_causal, window, layout):
+def test_sm90_bwd_key_sections_rung(monkeypatch, mode, section, B, Hq, Hkv, Sq, Sk, D, is_causal, window, layout):
     import flash_cuda
 
     _ws_rung(monkeypatch, mode)
     q, k, v = make_inputs(B, Hq, Hkv, Sq, Sk, D, BF16, "cuda", layout=layout, seed=Sq + D + 11)
     dout = torch.randn(q.shape, dtype=q.dtype, device=q.device, generator=torch.Generator("cuda").manual_seed(Sq))
     grads = {}
-    for order in ("default", "longest"):
-        if order == "longest":
-            monkeypatch.setenv("FLASH_CUDA_SM90_BWD_ORDER", "longest")
+    for order in ("default", "rung"):
+        if order == "rung":
+            monkeypatch.setenv("FLASH_CUDA_SM90_BWD_SECTION", section)
         else:
-            monkeypatch.delenv("FLASH_CUDA_SM90_BWD_ORDER", raising=False)
+            monkeypatch.delenv("FLASH_CUDA_SM90_BWD_SECTION", raising=False)
         qf, kf, vf = (t.detach().requires_grad_() for t in (q, k, v))
         out = flash_cuda.attention(qf, kf, vf, is_causal=is_causal, window_size=window)
         grads[order] = torch.autograd.grad(out, (qf, kf, vf), dout)
-    assert torch.equal(grads["default"][1], grads["longest"][1]) and torch.equal(grads["default"][2],
-                                                                                 grads["longest"][2])
-    # the switch still set: the float64 rule on the rung, and that its kernel ran
-    _check_ws_kernel(q, k, v, is_causal, window, "LongestFirst", "sm90 bwd longest first", seed=Sq)
+    assert torch.equal(grads["default"][1], grads["rung"][1]) and torch.equal(grads["default"][2], grads["rung"][2])
+    # the switch still set: the float64 rule on the rung
+    check_attention(q, k, v, is_causal=is_causal, scale=None, window_size=window, label=f"sm90 bwd section {section}",
+                    seed=Sq)

@@ -98,6 +98,20 @@ inline int tile_section(const FwdParams& p, int group, int block_m) {
   return static_cast<int>(std::max<int64_t>(1, std::min(fit, pairs)));
 }
 
+// The section of the backward's longest-first key blocks (key_block_longest_first): the
+// (KV head, batch) pairs whose queries' Q and dO (the group's query heads) fit in kL2Budget
+// together, at most kMaxKeySection, at least 1 (one pair after another, the plain grid's order).
+// Longer sections let the long CTAs of more pairs start before any short one, which a GQA call,
+// whose CTAs walk a group of query heads, needs; past L2 the CTAs in flight read too many pairs'
+// Q and dO.
+constexpr int kMaxKeySection = 8;
+inline int key_section(const FwdParams& p) {
+  const int64_t pairs = int64_t(p.hkv) * p.b;
+  const int64_t q_do_bytes = int64_t(4) * p.sq * p.d * (p.hkv > 0 ? p.hq / p.hkv : 1);
+  const int64_t fit = q_do_bytes > 0 ? kL2Budget / q_do_bytes : pairs;
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>({fit, pairs, kMaxKeySection})));
+}
+
 // The CTAs of a persistent launch over `tiles` tiles: one per SM (each fits one CTA per SM), or
 // one per tile when `persistent` is off; 0 when the tile loop's numbers would not fit an int.
 inline int persistent_grid(int64_t tiles, int num_sms, bool persistent) {
@@ -140,11 +154,18 @@ __device__ __forceinline__ void query_block_order(int idx, int num_m_blocks, int
 
 // Longest first for the kernels whose CTA owns a block of keys (the Hopper backward: a grid of
 // key blocks by (head, batch) pairs, launched pair by pair). Under a right-bounded mask the early
-// key blocks are seen by the most queries, so longest first is ascending key blocks across all
-// pairs. `idx` is the CTA's linear index in the grid.
-__device__ __forceinline__ void key_block_longest_first(int idx, int pair_count, int& n_block, int& pair) {
-  n_block = idx / pair_count;
-  pair = idx % pair_count;
+// key blocks are seen by the most queries, so longest first is ascending key blocks, across a
+// section of `section` pairs (the forward's sections, mirrored): key block 0 of every pair of the
+// section, then key block 1, ..., then the next section. `idx` is the CTA's linear index in the
+// grid of n_blocks x pair_count; section >= 1.
+__device__ __forceinline__ void key_block_longest_first(int idx, int n_blocks, int pair_count, int section,
+                                                        int& n_block, int& pair) {
+  const unsigned per_section = unsigned(section) * unsigned(n_blocks);
+  const unsigned first = unsigned(idx) / per_section * unsigned(section);
+  const unsigned r = unsigned(idx) % per_section;
+  const unsigned pairs = min(unsigned(section), unsigned(pair_count) - first);  // the last may be short
+  n_block = int(r / pairs);
+  pair = int(first + r % pairs);
 }
 
 #endif  // __CUDACC__

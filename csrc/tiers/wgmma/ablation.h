@@ -64,12 +64,10 @@ inline bool bwd_wide_enabled() { return ablation_int("FLASH_CUDA_SM90_BWD_D256",
 // FLASH_CUDA_SM90_BWD_RELEASE=warp: the warp-specialized backward's kPlain kernels release a Q /
 // dO stage once per consumer warp instead of once per thread (bwd_ws.cuh: WarpRelease).
 inline bool bwd_warp_release() { return ablation_is("FLASH_CUDA_SM90_BWD_RELEASE", "warp"); }
-// FLASH_CUDA_SM90_BWD_ORDER=longest: under a right-bounded mask (causal, or a window whose right
-// side is bounded) the warp-specialized backward's kPlain CTAs start longest first, ascending key
-// blocks across all (KV head, batch) pairs, instead of pair by pair (bwd_ws.cuh: LongestFirst).
-inline bool bwd_longest_first(const BwdParams& p) {
-  return ablation_is("FLASH_CUDA_SM90_BWD_ORDER", "longest") && p.window_right >= 0;
-}
+// FLASH_CUDA_SM90_BWD_SECTION=N: the warp-specialized backward's kPlain CTAs go longest first
+// over sections of N (KV head, batch) pairs (bwd_ws.cuh: bwd_tile_section); 1 is the grid's own
+// order, pair by pair (the default before OPTIMIZATION.md step 60).
+inline int bwd_section_override() { return ablation_int("FLASH_CUDA_SM90_BWD_SECTION", 0); }
 // FLASH_CUDA_SM90_BWD_STATS=lanes: the warp-specialized backward's kPlain kernels stage a query
 // block's lse and delta by the producer's 32 lanes (load, convert to log2 units, store) instead
 // of taking the pairs the delta preprocess wrote by one bulk copy (config.h: bwd_bulk_stats;

@@ -124,11 +124,7 @@ struct TilesOf80Queries : Traits {
 //     thread, as CUTLASS's pipelines release a stage once per consumer. The per-thread form
 //     stands because compute-sanitizer's racecheck does not follow __syncwarp's ordering of the
 //     other lanes' lse / delta reads.
-//   LongestFirst (the ablation rung FLASH_CUDA_SM90_BWD_ORDER=longest, ablation.h): under a
-//     right-bounded mask the CTAs start in the order of their length, every pair's first key
-//     block first (core/scheduler.cuh: key_block_longest_first), so that a GQA call's long CTAs, each
-//     walking a group's query heads, do not end the grid.
-enum : int { kOptWarpRelease = 1, kOptBulkStats = 2, kOptLongestFirst = 4 };
+enum : int { kOptWarpRelease = 1, kOptBulkStats = 2 };
 template <typename Tiles, typename = void>
 struct OptionsOf : std::integral_constant<int, 0> {};
 template <typename Tiles>
@@ -142,10 +138,6 @@ struct WarpRelease : Traits {
 template <typename Traits>
 struct BulkStats : Traits {
   static constexpr int kOptions = OptionsOf<Traits>::value | kOptBulkStats;
-};
-template <typename Traits>
-struct LongestFirst : Traits {
-  static constexpr int kOptions = OptionsOf<Traits>::value | kOptLongestFirst;
 };
 
 // The tiles of bwd.cuh's dK/dV kernel (BwdTraits, TilesOfWidth or TilesOf80Queries, maybe in
@@ -647,11 +639,13 @@ __device__ __forceinline__ void bwd_ws_block(const BwdParams& p, const TmaMaps& 
   // The CTA's keys, its KV head and batch, and the (head, query block) steps: each role derives
   // them after the split, so that nothing computed before it stays live in the producer's 24
   // registers.
+  // Dense batches take their key blocks longest first over sections of pairs (p.tile_section,
+  // launch_bwd_ws_main's; 1: the grid's own order, pair by pair).
   int n_block = blockIdx.x, hkv = blockIdx.y, bi = blockIdx.z;
-  if constexpr (kHasOption<Cfg, kOptLongestFirst>) {
+  if constexpr (kVariant == kPlain) {
     int pair;
-    key_block_longest_first(blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z), gridDim.y * gridDim.z,
-                            n_block, pair);
+    key_block_longest_first(blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z), gridDim.x,
+                            gridDim.y * gridDim.z, p.tile_section, n_block, pair);
     hkv = pair % gridDim.y;
     bi = pair / gridDim.y;
   }
@@ -958,11 +952,24 @@ void launch_convert_dq_tiles(const BwdParams& p, cudaStream_t stream) {
   check_launch("convert_dq_tiles");
 }
 
+// The section of pairs over which the kPlain CTAs go longest first (core/scheduler.cuh:
+// key_block_longest_first): key_section under a right-bounded mask, where key blocks differ in
+// length; else 1, the grid's order. FLASH_CUDA_SM90_BWD_SECTION=N (ablation.h) sets it.
+inline int bwd_tile_section(const BwdParams& p) {
+  if constexpr (kAblations) {
+    const int n = wgmma::ablation::bwd_section_override();
+    if (n > 0) return std::min(n, p.hkv * p.b);
+  }
+  return p.window_right >= 0 ? key_section(p) : 1;
+}
+
 // The warp-specialized backwards' main launch (this kernel and the wide one): the TMA maps of Q,
 // dO, K and V, delta's preprocess, then one CTA per key block of each (kv head, batch entry).
 // False, having launched nothing, where a view TMA cannot address.
 template <typename T, typename Cfg, typename Kernel>
-bool launch_bwd_ws_main(Kernel kernel, const BwdParams& p, const char* name, cudaStream_t stream) {
+bool launch_bwd_ws_main(Kernel kernel, const BwdParams& call, const char* name, cudaStream_t stream) {
+  BwdParams p = call;
+  p.tile_section = bwd_tile_section(call);
   constexpr size_t kSmemBytes = sm90::smem_request_bytes<typename Cfg::template Storage<T>>();
   static_assert(kSmemBytes <= kSmemHopper, "fits a Hopper block");
   sm90::bwd_ws::TmaMaps maps;
@@ -1025,9 +1032,6 @@ bool launch_bwd_sm90_ws(const BwdParams& p, cudaStream_t stream) {
     if constexpr (kAblations) {
       if (wgmma::ablation::bwd_warp_release()) {
         return launch_bwd_ws_tiles<T, sm90::bwd_ws::WarpRelease<Bulk>, kVariant, kDepth>(p, stream);
-      }
-      if (wgmma::ablation::bwd_longest_first(p)) {
-        return launch_bwd_ws_tiles<T, sm90::bwd_ws::LongestFirst<Bulk>, kVariant, kDepth>(p, stream);
       }
     }
     return launch_bwd_ws_tiles<T, Bulk, kVariant, kDepth>(p, stream);

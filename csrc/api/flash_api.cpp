@@ -985,6 +985,41 @@ at::Tensor dropout_mask(int64_t batch, int64_t heads, int64_t sq, int64_t sk, in
   return mask;
 }
 
+// fp8_v_layout(v): V (batch, kv_heads, seqlen_k, head_dim) in float8_e4m3fn laid out for the FP8
+// forward's P V product (core/fp8_v_layout.cuh): (batch, kv_heads, head_dim, seqlen_k rounded up
+// to 32), each head dim's keys contiguous in the order of P's A fragments (core/fragment.cuh:
+// e4m3_pv_key), zeros past seqlen_k. For the FP8 forward and for tests of that order.
+at::Tensor fp8_v_layout(const at::Tensor& v) {
+  FLASH_CHECK(v.is_cuda(), "flash_cuda.fp8_v_layout: v must be a CUDA tensor");
+  FLASH_CHECK(v.scalar_type() == at::kFloat8_e4m3fn, "flash_cuda.fp8_v_layout: v must be float8_e4m3fn, got ",
+              v.scalar_type());
+  FLASH_CHECK(v.dim() == 4, "flash_cuda.fp8_v_layout: v must be (batch, kv_heads, seqlen_k, head_dim), got ",
+              v.sizes());
+  const int64_t d = v.size(3);
+  FLASH_CHECK(d % 16 == 0 && d > 0 && d <= 256, "flash_cuda.fp8_v_layout: head_dim must be a multiple of 16 in [16, 256], got ", d);
+  FLASH_CHECK(v.stride(3) == 1 && v.stride(2) % 16 == 0 && reinterpret_cast<uintptr_t>(v.data_ptr()) % 16 == 0,
+              "flash_cuda.fp8_v_layout: v's rows must be contiguous and 16-byte aligned (stride(-1) == 1, "
+              "stride(-2) a multiple of 16)");
+  FLASH_CHECK(v.size(0) <= 65535 && v.size(1) <= 65535 && v.size(2) <= INT32_MAX - 64,
+              "flash_cuda.fp8_v_layout: v is too large");
+  Fp8VLayoutParams p;
+  p.b = static_cast<int>(v.size(0));
+  p.hkv = static_cast<int>(v.size(1));
+  p.sk = static_cast<int>(v.size(2));
+  p.d = static_cast<int>(d);
+  p.sk_pad = (p.sk + 31) / 32 * 32;
+  at::Tensor vt = at::empty({v.size(0), v.size(1), d, p.sk_pad}, v.options());
+  p.v = v.data_ptr();
+  p.v_batch_stride = v.stride(0);
+  p.v_head_stride = v.stride(1);
+  p.v_row_stride = v.stride(2);
+  p.vt = vt.data_ptr();
+  if (vt.numel() == 0) return vt;
+  const c10::cuda::CUDAGuard guard(v.device());
+  run_fp8_v_layout<uint8_t>(p, at::cuda::getCurrentCUDAStream().stream());
+  return vt;
+}
+
 }  // namespace flash_cuda
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -1034,4 +1069,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "the mask of kept elements the kernels' dropout draws (uint8, batch x heads x sq x sk)");
   m.def("merge_partials", &flash_cuda::merge_partials,
         "merges two partial (out, lse[, stats]) results of the same rows into out (context parallelism)");
+  m.def("fp8_v_layout", &flash_cuda::fp8_v_layout,
+        "V (batch, kv_heads, seqlen_k, head_dim) e4m3 laid out for the FP8 forward's P V product");
 }

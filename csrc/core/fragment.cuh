@@ -14,6 +14,7 @@
 
 #include <cstdint>
 
+#include "../arch/fp8.cuh"
 #include "../arch/sm80.cuh"
 #include "../arch/types.cuh"
 
@@ -115,6 +116,44 @@ template <typename T, int kN>
 __device__ __forceinline__ void accumulator_to_a(uint32_t (&a)[kN / 2][4], const float (&d)[kN][4]) {
 #pragma unroll
   for (int kk = 0; kk < kN / 2; ++kk) accumulator_to_a<T>(a[kk], d, kk);
+}
+
+#endif  // __CUDACC__
+
+// ---- e4m3 products (Hopper's FP8 forward) ----
+// An e4m3 A fragment holds four keys of one row per register (arch/sm90_wgmma.cuh: register i,
+// row g + 8 (i % 2), A columns 16 (i / 2) + 4 t .. + 3 of a 32-deep k-step), where the accumulator
+// gives thread t keys 2 t, 2 t + 1 of each 8-column tile. Rather than exchange values between the
+// lanes of a quad, the thread packs its own keys, 2 t, 2 t + 1, 8 + 2 t, 9 + 2 t (and the same
+// 16 keys on), and the other operand, V^T, holds the keys of each 32-key k-step in that order:
+// its column c is key e4m3_pv_key(c) of the k-step. A sum over keys does not depend on their
+// order, so P V is unchanged (core/fp8_v_layout.cuh lays V^T out so).
+__host__ __device__ constexpr int e4m3_pv_key(int c) {
+  return 16 * (c / 16) + 8 * ((c % 4) / 2) + 2 * ((c % 16) / 4) + (c % 2);
+}
+
+#if defined(__CUDACC__)
+
+// The e4m3 A fragment of k-step kk (8-column tiles 4 kk .. 4 kk + 3 of one 16-row tile; each
+// value rounded to nearest even, saturated at +-448: arch/fp8.cuh), in e4m3_pv_key's key order.
+template <int kN>
+__device__ __forceinline__ void accumulator_to_a_e4m3(uint32_t (&a)[4], const float (&d)[kN][4], int kk) {
+  auto pack4 = [](float x0, float x1, float x2, float x3) {
+    return uint32_t(f32x2_to_e4m3x2(x0, x1)) | (uint32_t(f32x2_to_e4m3x2(x2, x3)) << 16);
+  };
+  const int j = 4 * kk;
+  a[0] = pack4(d[j][0], d[j][1], d[j + 1][0], d[j + 1][1]);              // row g,     keys 2t, 2t+1, 8+2t, 9+2t
+  a[1] = pack4(d[j][2], d[j][3], d[j + 1][2], d[j + 1][3]);              // row g + 8, the same keys
+  a[2] = pack4(d[j + 2][0], d[j + 2][1], d[j + 3][0], d[j + 3][1]);      // row g,     16 keys further
+  a[3] = pack4(d[j + 2][2], d[j + 2][3], d[j + 3][2], d[j + 3][3]);      // row g + 8
+}
+
+// Every k-step's e4m3 A fragment of one 16-row tile (kN 8-column tiles: kN / 4 k-steps of 32).
+template <int kN>
+__device__ __forceinline__ void accumulator_to_a_e4m3(uint32_t (&a)[kN / 4][4], const float (&d)[kN][4]) {
+  static_assert(kN % 4 == 0, "whole 32-key k-steps");
+#pragma unroll
+  for (int kk = 0; kk < kN / 4; ++kk) accumulator_to_a_e4m3(a[kk], d, kk);
 }
 
 #endif  // __CUDACC__

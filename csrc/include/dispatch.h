@@ -76,4 +76,8 @@ template <int kDType> void run_merge_partials(const MergeParams& params, cudaStr
 // KvGatherTarget; core/kv_gather.cuh, csrc/instances/kv_gather.cu); kBytes: the element size.
 template <int kBytes> void run_kv_gather(const FwdParams& params, const KvGatherTarget& target, cudaStream_t stream);
 
+// V of an FP8 forward laid out for its P V product (include/params.h: Fp8VLayoutParams;
+// core/fp8_v_layout.cuh, csrc/instances/fp8_v_layout.cu).
+template <typename T> void run_fp8_v_layout(const Fp8VLayoutParams& params, cudaStream_t stream);
+
 }  // namespace flash_cuda

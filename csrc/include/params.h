@@ -267,6 +267,16 @@ struct KvGatherTarget {
   int32_t* key_counts = nullptr;
 };
 
+// V of an FP8 (e4m3) forward laid out for its P V product (core/fp8_v_layout.cuh): vt[b][h][c][j]
+// = v[b][h][key(j)][c] for keys below sk, where key(j) permutes each group of 32 keys
+// (core/fragment.cuh: e4m3_pv_key), and 0 at the positions of keys sk .. sk_pad - 1. Bytes.
+struct Fp8VLayoutParams {
+  const void* v = nullptr;
+  int64_t v_batch_stride = 0, v_head_stride = 0, v_row_stride = 0;  // elements (bytes)
+  void* vt = nullptr;                                                 // contiguous [b][hkv][d][sk_pad]
+  int b = 0, hkv = 0, sk = 0, d = 0, sk_pad = 0;                      // sk_pad: sk rounded up to 32
+};
+
 // Which gradients the call computes (BwdParams: dq / dk / dv nullptr = not wanted).
 FLASH_HOST_DEVICE inline bool bwd_wants_dq(const BwdParams& p) { return p.dq != nullptr; }
 FLASH_HOST_DEVICE inline bool bwd_wants_dkdv(const BwdParams& p) { return p.dk != nullptr; }

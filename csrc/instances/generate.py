@@ -103,6 +103,10 @@ def instances() -> dict:
     files["kv_gather.cu"] = _file(
         "a KV cache's keys laid out for the query-tiled forwards (fwd_kvcache's prefill route).", "kv_gather.cuh",
         ["template void run_kv_gather<2>(const FwdParams&, const KvGatherTarget&, cudaStream_t);"], folder="core")
+    files["fp8_v_layout.cu"] = _file(
+        "V of an FP8 forward laid out for its P V product (keys contiguous, in the A fragments' order).",
+        "fp8_v_layout.cuh", ["template void run_fp8_v_layout<uint8_t>(const Fp8VLayoutParams&, cudaStream_t);"],
+        folder="core")
     return files
 
 

@@ -231,21 +231,23 @@ template <int kRows, int kLineBytes>
 using MNMajorIn = std::conditional_t<kLineBytes == kSwizzleBytes, MNMajor<kRows>, SlabOperand<kRows, kLineBytes, true>>;
 
 // The slabs of one TMA-filled tile of kRows rows: kSlabs boxes of kCols columns, each kRows lines
-// of 2 kCols bytes, one after the other. kCols 64: the 128-byte swizzle (every tile but those
-// below); 32: the 64-byte swizzle (the forward's V and the backward's Q, dO, V at d = 96); 16:
-// the 32-byte swizzle (the backward's K at d = 96). kElems: the tile's elements; kBytes: what its
-// boxes deliver (columns past d included: TMA counts the zeros it fills).
-template <int kRows_, int kCols_, int kSlabs_>
+// of kElemBytes kCols bytes, one after the other. 16-bit elements: kCols 64, the 128-byte swizzle
+// (every tile but those below); 32: the 64-byte swizzle (the forward's V and the backward's Q,
+// dO, V at d = 96); 16: the 32-byte swizzle (the backward's K at d = 96). e4m3 (kElemBytes 1):
+// 128 columns per 128-byte line. kElems: the tile's elements; kBytes: what its boxes deliver
+// (columns past d included: TMA counts the zeros it fills).
+template <int kRows_, int kCols_, int kSlabs_, int kElemBytes_ = 2>
 struct Slabs {
   static constexpr int kRows = kRows_;
   static constexpr int kCols = kCols_;
   static constexpr int kSlabs = kSlabs_;
-  static constexpr int kLineBytes = 2 * kCols;
+  static constexpr int kElemBytes = kElemBytes_;
+  static constexpr int kLineBytes = kElemBytes * kCols;
   static constexpr int kSlabElems = kRows * kCols;
   static constexpr int kElems = kSlabs * kSlabElems;
-  static constexpr size_t kBytes = size_t(kElems) * 2;
-  static_assert(kCols == 64 || kCols == 32 || kCols == 16, "one line per row: 128-, 64- or 32-byte swizzle");
-  static_assert(kSlabElems * 2 % 1024 == 0, "every slab starts on the swizzle's period");
+  static constexpr size_t kBytes = size_t(kElems) * kElemBytes;
+  static_assert(kLineBytes == 128 || kLineBytes == 64 || kLineBytes == 32, "one line per row: 128-, 64- or 32-byte swizzle");
+  static_assert(kSlabElems * kElemBytes % 1024 == 0, "every slab starts on the swizzle's period");
 };
 
 // The products of a warpgroup over kSteps k-steps of 16, issued (the caller fences, commits and

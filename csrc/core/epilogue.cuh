@@ -54,13 +54,14 @@ struct GqaOutRows {
 // it). `out` places the warp's row r in o and lse (StridedRows, GqaOutRows). sinks: the attention
 // sinks from the warp's first query head on (row r's is sinks[out.head(r)]), merged into the
 // row's finished statistics (merge_sink); nullptr: none (a warp-uniform branch, once per tile).
+// out_scale: a factor of every output, after 1 / l (the FP8 forward's V descale).
 // ---------------------------------------------------------------------------------
 template <typename T, typename Stage, bool kStaged = true, bool kInTileLoop = false, typename OutRows = StridedRows,
           int kM, int kD>
 __device__ __forceinline__ void normalize_output(float (&acc_o)[kM][kD][4], const RowStats<kM>& stats, T* sO_warp,
                                                  T* o_rows, int64_t o_row_stride, float* lse_rows, int rows_valid,
                                                  int d, bool copy = true, const OutRows& out = {},
-                                                 const float* sinks = nullptr) {
+                                                 const float* sinks = nullptr, float out_scale = 1.f) {
   const int lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
   constexpr float kLn2 = 0.6931471805599453f;
@@ -75,7 +76,7 @@ __device__ __forceinline__ void normalize_output(float (&acc_o)[kM][kD][4], cons
       if (sinks != nullptr) o_scale = merge_sink(m, l, sink_log2_of(sinks, out.head(r)));
       // l == 0 only for a row that saw no key (and has no sink): output 0, lse -inf. (Testing
       // l > 0 instead would also send a NaN row to -inf and hide the NaN from the backward.)
-      const float inv = l == 0.f ? 0.f : o_scale / l;
+      const float inv = l == 0.f ? 0.f : o_scale / l * out_scale;
 #pragma unroll
       for (int dt = 0; dt < kD; ++dt) {
         const uint32_t packed = pack2<T>(acc_o[mt][dt][half * 2] * inv, acc_o[mt][dt][half * 2 + 1] * inv);

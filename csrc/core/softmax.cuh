@@ -110,6 +110,10 @@ __device__ __forceinline__ void start_online_softmax(float (&acc_o)[kM][kD][4], 
 // disappears from the later blocks. 2^8 keeps P far inside fp16's range (65504). Every
 // 16-bit forward uses it (kMaxLag = 0: the exact running max).
 constexpr int kMaxLag = 8;
+// The FP8 forward's P = 2^(S - (m - kFp8POffset)), in [0, 2^8]: rounded to e4m3, a P in [0, 1]
+// would flush every logit more than ~6.9 below the max to zero (flash_cuda/reference.py:
+// FP8_P_OFFSET). Its running max is exact (kLag 0): a lag would take P past e4m3's 448.
+constexpr float kFp8POffset = 8.f;
 template <int kLag = kMaxLag, int kM>
 __device__ __forceinline__ bool update_row_stats(RowStats<kM>& stats, const float (&block_max)[kM][2],
                                                  float (&alpha)[kM][2]) {

@@ -185,6 +185,10 @@ struct FwdParams {
   bool cache_fp8 = false;
   const float* k_descale = nullptr;
   const float* v_descale = nullptr;
+  // ---- the FP8 forward (tiers/wgmma/fwd: WsConfig's kFp8): q, k e4m3 as above, v its V^T
+  // (core/fp8_v_layout.cuh: [b][hkv][d][sk rounded up to 32], v_row_stride counting a head dim's
+  // keys), o in the call's output type; q_descale, k_descale, v_descale [b][hkv] float32. ----
+  const float* q_descale = nullptr;
 };
 
 struct BwdParams : FwdParams {

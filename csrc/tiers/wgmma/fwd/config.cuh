@@ -10,6 +10,7 @@
 #include "../../../arch/gpu_class.h"
 #include "../../../arch/sm90.cuh"
 #include "../../../arch/tile.cuh"
+#include "../../../core/softmax.cuh"
 #include "../tile_policy.h"
 #include "smem.h"
 
@@ -45,12 +46,25 @@ enum WsSchedule : int { kSerial = 0, kOverlap = 1 };
 // V, P V and O are kVWidth wide (tile_policy.h: fwd_value_width): kHeadDim_, or 96 at d = 96.
 // kSerialOnly_: the instance has the serial schedule alone (launch_fwd_sm90_ws), whose consumers
 // hold one S tile, not two: at d = 256 they fit in 232 registers and the producer gets 40.
+// Out_: O's type, T_'s but for e4m3 inputs (T_ = __nv_fp8_e4m3, the FP8 forward, kFp8): there
+// Q and K are 128-column slabs of bytes, V comes as V^T (core/fp8_v_layout.cuh: head dims as
+// rows, each row 128 keys of a step in the order of P's A fragments), the products take 32-deep
+// k-steps of e4m3 (arch/sm90_wgmma.cuh), P is rounded to e4m3 relative to the running max lowered
+// by kFp8POffset (flash_cuda/reference.py: attention_fp8_forward_blocked) with an exact running
+// max, and O leaves as Out_ scaled by V's descale.
 template <typename T_, int kHeadDim_, int kBlockN_ = wgmma::fwd_block_n(kHeadDim_), int kPolyEvery_ = 0,
           int kStages_ = wgmma::FwdTile<kHeadDim_>::kStages,
           int kConsumerWGs_ = wgmma::FwdTile<kHeadDim_>::kConsumerWGs, int kDepth_ = kHeadDim_,
-          bool kSerialOnly_ = false>
+          bool kSerialOnly_ = false, typename Out_ = T_>
 struct WsConfig {
   using T = T_;
+  using Out = Out_;
+  static constexpr bool kFp8 = sizeof(T_) == 1;
+  static_assert(kFp8 || std::is_same<Out_, T_>::value, "16-bit inputs give O in their type");
+  static_assert(!kFp8 || (kHeadDim_ % 128 == 0 && kBlockN_ % 128 == 0 && kDepth_ == kHeadDim_ && kPolyEvery_ == 0),
+                "e4m3 tiles: 128-byte lines of Q, K and V^T, the whole depth");
+  // Q's and K's slab width in elements: 128 bytes.
+  static constexpr int kQSlabCols = kSlabCols * 2 / int(sizeof(T_));
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kBlockM = wgmma::kFwdRowsPerConsumer * kConsumerWGs_;
@@ -58,16 +72,24 @@ struct WsConfig {
   static constexpr int kNTiles = kBlockN / 8;         // C-fragment tiles of S (core/fragment.cuh)
   static constexpr int kDTiles = kVWidth / 8;         // of O
   static constexpr size_t kTileQ = size_t(kBlockM) * kHeadDim * sizeof(T);
-  static_assert(kHeadDim % 64 == 0, "swizzled slabs are 64 columns wide");
+  static_assert(kHeadDim % 64 == 0, "swizzled slabs are 128 bytes wide");
   static_assert(kVWidth <= kHeadDim && kVWidth >= kDepth_ && kVWidth % 32 == 0, "V holds the head dims");
   // A K / V stage (arch/sm90.cuh: Slabs): K in Q's 64-column slabs; V in the same, or where it is
   // narrower than the tiles (d = 96) in 32-column slabs with the 64-byte swizzle, whose three make
   // exactly 96 columns.
-  using KSlabs = Slabs<kBlockN_, kSlabCols, kHeadDim_ / kSlabCols>;
-  using VSlabs =
-      std::conditional_t<kVWidth == kHeadDim_, KSlabs, Slabs<kBlockN_, kSlabCols / 2, kVWidth / (kSlabCols / 2)>>;
+  // e4m3: V^T, kVWidth rows (head dims) of the step's keys.
+  using KSlabs = Slabs<kBlockN_, kQSlabCols, kHeadDim_ / kQSlabCols, int(sizeof(T_))>;
+  using VSlabs = std::conditional_t<
+      kFp8, Slabs<kVWidth, kQSlabCols, kBlockN_ / kQSlabCols, 1>,
+      std::conditional_t<kVWidth == kHeadDim_, KSlabs, Slabs<kBlockN_, kSlabCols / 2, kVWidth / (kSlabCols / 2)>>>;
   static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "wgmma N");
-  static constexpr int kQKSteps = (kDepth_ + 15) / 16;
+  // k-steps of S = Q K^T (16 elements, 32 of e4m3) and of O += P V (P's A fragments).
+  static constexpr int kKStep = kFp8 ? 32 : 16;
+  static constexpr int kQKSteps = (kDepth_ + kKStep - 1) / kKStep;
+  static constexpr int kPSteps = kBlockN_ / kKStep;
+  // The running max (core/softmax.cuh: update_row_stats): lagging by up to kMaxLag for 16-bit P
+  // (2^8 is far inside fp16's range), exact for e4m3, whose P already reaches 2^kFp8POffset.
+  static constexpr int kLag = kFp8 ? 0 : kMaxLag;
   static_assert(kDepth_ <= kHeadDim_, "the tiles hold the instance's head dims");
   static constexpr int kPolyEvery = kPolyEvery_;
   static constexpr int kStages = kStages_;
@@ -78,7 +100,8 @@ struct WsConfig {
   static constexpr int kConsumerThreads = 128 * kConsumerWGs;
   static constexpr int kConsumerWarps = kConsumerThreads / 32;
   static constexpr int kThreads = 128 + kConsumerThreads;
-  static constexpr int kSlabs = kHeadDim_ / kSlabCols;
+  static constexpr int kSlabs = kHeadDim_ / kQSlabCols;  // of Q and K
+  static constexpr int kOSlabs = kHeadDim_ / kSlabCols;   // of the O staging tile (16-bit O)
   // Registers per thread after setmaxnreg (see the static_assert below for the total). One
   // producer warp walks the tile loop (the rest of its warpgroup exits); a dense batch's loop
   // fits in 24 with little to spare (one more live value spilled it), a packed one's (its
@@ -107,13 +130,14 @@ struct WsConfig {
   // Shared memory (smem.h), with the O staging tile where it fits. kSmemBytes: the storage and
   // the 1024 bytes by which aligned_smem_base may move the dynamic base to the swizzle's period.
   template <bool kWithO>
-  using Storage = FwdSharedStorage<T_, kBlockM, kBlockN_, kHeadDim_, kVWidth, kStages_, kWithO>;
+  using Storage = FwdSharedStorage<T_, kBlockM, kBlockN_, kHeadDim_, kVWidth, kStages_, kWithO, false, Out_>;
   static constexpr bool kStageO = Storage<true>::kBytes + kSwizzleAlign <= kSmemHopper;
   // Else, where V is as wide as Q, O is staged in Q's tile (tile_policy.h: kFwdStageOInQ); Q is
   // then released after the epilogue's stores have read it, not after the last S.
-  static constexpr bool kStageOInQ = !kStageO && wgmma::kFwdStageOInQ && kVWidth == kHeadDim_;
+  static constexpr bool kStageOInQ = !kStageO && wgmma::kFwdStageOInQ && kVWidth == kHeadDim_ && !kFp8;
   static constexpr bool kStagedO = kStageO || kStageOInQ;
-  using SharedStorage = FwdSharedStorage<T_, kBlockM, kBlockN_, kHeadDim_, kVWidth, kStages_, kStageO, kStageOInQ>;
+  using SharedStorage =
+      FwdSharedStorage<T_, kBlockM, kBlockN_, kHeadDim_, kVWidth, kStages_, kStageO, kStageOInQ, Out_>;
   static constexpr size_t kSmemBytes = SharedStorage::kBytes + kSwizzleAlign;
   static_assert(kTileQ % 1024 == 0 && KSlabs::kBytes % 1024 == 0 && VSlabs::kBytes % 1024 == 0,
                 "TMA's boxes fill whole slabs");

@@ -26,13 +26,13 @@ namespace ws {
 // are written again (the next tile's normalize_output) that lane waits until the unit has read
 // them (wait_o_staging), and before the CTA retires until the stores are done.
 template <typename Cfg>
-__device__ __forceinline__ void store_o_tma(const CUtensorMap* map, const typename Cfg::T* sO_warp, int row, int h,
+__device__ __forceinline__ void store_o_tma(const CUtensorMap* map, const typename Cfg::Out* sO_warp, int row, int h,
                                             int b) {
   fence_proxy_async();  // this lane's staging writes, before the async proxy reads them
   __syncwarp();
   if (threadIdx.x % 32 != 0) return;
 #pragma unroll
-  for (int c = 0; c < Cfg::kSlabs; ++c) {
+  for (int c = 0; c < Cfg::kOSlabs; ++c) {
     tma_store_4d(map, sO_warp + c * Cfg::kBlockM * kSlabCols, c * kSlabCols, row, h, b);
   }
   bulk_commit();
@@ -58,11 +58,11 @@ __device__ __forceinline__ void wait_o_staging() {
 // warp (0 .. kConsumerWarps - 1); shift: log2 G of GQA packing.
 template <typename Cfg, bool kExt, bool kPackGqa, typename Work>
 __device__ __forceinline__ void store_tile_output(float (&acc_o)[1][Cfg::kDTiles][4], const RowStats<1>& stats,
-                                                  typename Cfg::T* sO, const QueryTile& qt, const FwdParams& p,
+                                                  typename Cfg::Out* sO, const QueryTile& qt, const FwdParams& p,
                                                   const TmaMaps& maps,
                                                   const TileScheduler::Tile& tile, const Work& w, int cwarp,
                                                   int shift) {
-  using T = typename Cfg::T;
+  using T = typename Cfg::Out;
   if constexpr (Cfg::kStagedO) {
     wait_o_staging();
   } else {
@@ -75,6 +75,12 @@ __device__ __forceinline__ void store_tile_output(float (&acc_o)[1][Cfg::kDTiles
   const int warp_rows_valid = min(16, w.rows_valid - 16 * cwarp);
   // The sinks from the tile's first query head on (a GQA-packed row's head is its GqaOutRows::head).
   const float* sinks = p.sinks == nullptr ? nullptr : p.sinks + h;
+  // e4m3 inputs: O = acc (1 / l) v_descale of the tile's (batch, KV head).
+  float out_scale = 1.f;
+  if constexpr (Cfg::kFp8) {
+    static_assert(!kPackGqa && !kExt, "the FP8 forward: dense batches, one head per tile, no score modifier");
+    out_scale = p.v_descale[tile.b * p.hkv + int(unsigned(tile.h) / (unsigned(p.hq) / unsigned(p.hkv)))];
+  }
   T* sO_warp = sO + cwarp * 16 * kSlabCols;
   // A consumer warp's 16 rows of the O staging tile (whose slabs hold all kBlockM rows): row r
   // of the warp is row 16 w + r of the tile, which has the same swizzle phase (r % 8), so the
@@ -90,7 +96,7 @@ __device__ __forceinline__ void store_tile_output(float (&acc_o)[1][Cfg::kDTiles
         Cfg::kStagedO && maps.o_by_tma != 0 && (warp_rows_valid == 16 || (!packed && warp_rows_valid > 0));
     normalize_output<T, Staging, Cfg::kStagedO, /*kInTileLoop=*/true>(
         acc_o, stats, sO_warp, o + static_cast<int64_t>(16 * cwarp) * p.o_row_stride, p.o_row_stride,
-        lse + 16 * cwarp, warp_rows_valid, p.d, /*copy=*/!by_tma, StridedRows{}, sinks);
+        lse + 16 * cwarp, warp_rows_valid, p.d, /*copy=*/!by_tma, StridedRows{}, sinks, out_scale);
     if (by_tma) {
       store_o_tma<Cfg>(&maps.o, sO_warp, w.seq.q_start + w.q0 + 16 * cwarp, tile.h, packed ? 0 : tile.b);
     }

@@ -74,7 +74,7 @@ __device__ __forceinline__ void fwd_ws_block(const FwdParams& p, const TmaMaps& 
   extern __shared__ unsigned char smem_raw[];
   auto& smem = *reinterpret_cast<typename Cfg::SharedStorage*>(aligned_smem_base<Cfg::kSharedBase>(smem_raw));
   T* sQ = smem.tiles.q;
-  T* sO = smem.o_staging();
+  typename Cfg::Out* sO = smem.o_staging();
   QueryTile qt{&smem.sync.q_full, &smem.sync.q_empty, smem.sync.tile_slot};
   Ring<Cfg> ring;
   ring.point_at(smem);
@@ -164,7 +164,7 @@ __device__ __forceinline__ void fwd_ws_block(const FwdParams& p, const TmaMaps& 
         Cfg::kLeanTileLoop ? QueryTile{&smem_t.sync.q_full, &smem_t.sync.q_empty, smem_t.sync.tile_slot} : qt;
     Ring<Cfg> ring_t = ring;
     T* const sQ_t = Cfg::kLeanTileLoop ? smem_t.tiles.q : sQ;
-    T* const sO_t = Cfg::kLeanTileLoop ? smem_t.o_staging() : sO;
+    typename Cfg::Out* const sO_t = Cfg::kLeanTileLoop ? smem_t.o_staging() : sO;
     if constexpr (Cfg::kLeanTileLoop) ring_t.point_at(smem_t);
     const int cwarp = Cfg::kLeanTileLoop ? int(tid_t / 32) - 4 : cwarp_all;
     mbarrier_wait(qt_t.full, k & 1);
@@ -191,7 +191,14 @@ __device__ __forceinline__ void fwd_ws_block(const FwdParams& p, const TmaMaps& 
     cv.warp_row0 = cv.rows.query(cv.row_base);
     cv.warp_row_end = min(cv.rows.query(cv.row_base + 15) + 1, w.seq.sq);
     cv.scale_log2 = p.scale_log2;
-    cv.exp_scale = cv.mod.exp_scale(p.scale_log2);
+    if constexpr (Cfg::kFp8) {
+      // e4m3 inputs: the scores' factor times fp32(q_descale k_descale) of the tile's (batch, KV
+      // head) (flash_cuda/reference.py: attention_fp8_forward_blocked).
+      static_assert(!kExt && !kPackGqa && !kDrop, "the FP8 forward: dense batches without score modifiers");
+      const int bkv = tile.b * p.hkv + int(unsigned(tile.h) / (unsigned(p.hq) / unsigned(p.hkv)));
+      cv.scale_log2 = p.scale_log2 * (p.q_descale[bkv] * p.k_descale[bkv]);
+    }
+    cv.exp_scale = cv.mod.exp_scale(cv.scale_log2);
 
     float acc_o[1][Cfg::kDTiles][4];
     RowStats<1> stats;

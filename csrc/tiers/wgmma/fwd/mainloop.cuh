@@ -154,6 +154,25 @@ __device__ __forceinline__ void load_v_zero_tail(const CUtensorMap* map, const R
   if (issuing_lane()) mbarrier_arrive(&ring.v_full[s]);
 }
 
+// V^T of key block nb (the FP8 forward: config.cuh, core/fp8_v_layout.cuh) into ring position i:
+// one box per 128 keys, all kVWidth head dims of the step, from V^T's map (dimensions: keys,
+// head dims, KV heads, batch). Keys past the sequence are zeros there (the layout's own up to a
+// multiple of 32, TMA's past the tensor), so no block needs load_v_zero_tail.
+template <typename Cfg>
+__device__ __forceinline__ void load_vt(const CUtensorMap* map, const Ring<Cfg>& ring, int i, int nb,
+                                        const TileCoords& at) {
+  using V = typename Cfg::VSlabs;
+  const int s = ring.stage(i);
+  mbarrier_wait(&ring.v_empty[s], ring.parity(i) ^ 1);
+  if (!issuing_lane()) return;
+  mbarrier_arrive_expect_tx(&ring.v_full[s], V::kBytes);
+#pragma unroll
+  for (int c = 0; c < V::kSlabs; ++c) {
+    tma_load_4d(ring.sV + s * V::kElems + c * V::kSlabElems, map, &ring.v_full[s], at.k_row + nb * Cfg::kBlockN + c * V::kCols,
+                0, at.h_kv, at.b);
+  }
+}
+
 // The producer of tile k (number t, or t = -1: none left). K of the tile's first block goes
 // first: its stage is usually free well before the consumers are done with the previous tile's
 // Q, so the new tile's first product can start as soon as Q lands. `first`: the ring position
@@ -178,10 +197,11 @@ __device__ __forceinline__ void produce(const TmaMaps& maps, const Ring<Cfg>& ri
       mbarrier_arrive_expect_tx(qt.full, Cfg::kTileQ);
 #pragma unroll
       for (int c = 0; c < Cfg::kSlabs; ++c) {
+        constexpr int kCols = Cfg::kQSlabCols;
         if constexpr (kPackGqa) {
-          tma_load_4d(sQ + c * Cfg::kBlockM * kSlabCols, &maps.q, qt.full, c * kSlabCols, at.h, at.q_row, at.b);
+          tma_load_4d(sQ + c * Cfg::kBlockM * kCols, &maps.q, qt.full, c * kCols, at.h, at.q_row, at.b);
         } else {
-          tma_load_4d(sQ + c * Cfg::kBlockM * kSlabCols, &maps.q, qt.full, c * kSlabCols, at.q_row, at.h, at.b);
+          tma_load_4d(sQ + c * Cfg::kBlockM * kCols, &maps.q, qt.full, c * kCols, at.q_row, at.h, at.b);
         }
       }
     } else {
@@ -191,7 +211,9 @@ __device__ __forceinline__ void produce(const TmaMaps& maps, const Ring<Cfg>& ri
   if (!loads) return;
   for (int nb = range.begin, i = first; nb < range.end; ++nb, ++i) {
     if (nb > range.begin) load_kv<Cfg, KSlabs>(&maps.k, ring.sK, ring.k_full, ring.k_empty, ring, i, nb, at);
-    if (nb == range.end - 1 && last_rows < Cfg::kBlockN) {
+    if constexpr (Cfg::kFp8) {
+      load_vt<Cfg>(&maps.v, ring, i, nb, at);
+    } else if (nb == range.end - 1 && last_rows < Cfg::kBlockN) {
       load_v_zero_tail<Cfg>(&maps.v, ring, tail_phase, i, nb, at, last_rows);
     } else {
       load_kv<Cfg, typename Cfg::VSlabs>(&maps.v, ring.sV, ring.v_full, ring.v_empty, ring, i, nb, at);
@@ -241,13 +263,16 @@ __device__ __forceinline__ void issue_qk(float (&sc)[1][Cfg::kNTiles][4], const 
 
 // Issues O += P V with P already in A fragments (one commit group): per k-step one wgmma of
 // N = kVWidth, V read MN-major from its slabs (at d = 96 one m64n96k16 over the three 64-byte-
-// swizzled 32-column slabs, whose LBO steps N from slab to slab: arch/sm90.cuh).
+// swizzled 32-column slabs, whose LBO steps N from slab to slab: arch/sm90.cuh); e4m3: V^T read
+// K-major, 32 keys per k-step.
 template <typename Cfg>
 __device__ __forceinline__ void issue_weighted_v(float (&acc_o)[1][Cfg::kDTiles][4],
-                                                 const uint32_t (&pa)[Cfg::kBlockN / 16][4],
+                                                 const uint32_t (&pa)[Cfg::kPSteps][4],
                                                  const typename Cfg::T* sV) {
   wgmma_fence();
-  if constexpr (Cfg::VSlabs::kCols == kSlabCols) {
+  if constexpr (Cfg::kFp8) {
+    wgmma_rs<typename Cfg::T>(acc_o[0], pa, KMajor<Cfg::kVWidth>{sV, 0});
+  } else if constexpr (Cfg::VSlabs::kCols == kSlabCols) {
     wgmma_rs<typename Cfg::T>(acc_o[0], pa, MNMajor<Cfg::kBlockN>{sV, 0});
   } else {
     wgmma_rs<typename Cfg::T>(acc_o[0], pa, MNMajor64B<Cfg::kBlockN>{sV});
@@ -265,6 +290,12 @@ __device__ __forceinline__ void compute_qk_scores_and_max(float (&sc)[1][Cfg::kN
   modify_and_mask(sc, cv.needs_mask(nb, Cfg::kBlockN), cv.row_base, nb * Cfg::kBlockN, cv.mask, cv.mod, cv.scale_log2,
                   cv.rows);
   block_row_max(sc, block_max, cv.mod.exp_scale(cv.scale_log2));
+  if constexpr (Cfg::kFp8) {
+    // The reference max m - kFp8POffset (config.cuh: kFp8): the statistics then hold it, and P,
+    // l and lse follow from it unchanged (-inf stays -inf).
+    block_max[0][0] -= kFp8POffset;
+    block_max[0][1] -= kFp8POffset;
+  }
 }
 
 // Step 2, overlapped: the new running statistics now; O, which the previous block's P V may
@@ -279,9 +310,10 @@ struct Rescale {
     pending = false;
   }
 };
+template <int kLag>
 __device__ __forceinline__ void merge_block_stats(RowStats<1>& stats, const float (&block_max)[1][2],
                                                   Rescale& rescale) {
-  rescale.pending = update_row_stats(stats, block_max, rescale.alpha);
+  rescale.pending = update_row_stats<kLag>(stats, block_max, rescale.alpha);
 }
 
 // Step 3 in two halves: P = 2^(S - m) in place and the row sums (overlapped: while the previous
@@ -293,9 +325,13 @@ __device__ __forceinline__ void compute_block_softmax(float (&sc)[1][Cfg::kNTile
   exponentiate_block<typename Cfg::T, Cfg::kPolyEvery>(sc, stats, exp_scale);
 }
 template <typename Cfg>
-__device__ __forceinline__ void to_a_fragments(uint32_t (&pa)[Cfg::kBlockN / 16][4],
+__device__ __forceinline__ void to_a_fragments(uint32_t (&pa)[Cfg::kPSteps][4],
                                                const float (&sc)[1][Cfg::kNTiles][4]) {
-  accumulator_to_a<typename Cfg::T>(pa, sc[0]);
+  if constexpr (Cfg::kFp8) {
+    accumulator_to_a_e4m3(pa, sc[0]);  // V^T's keys in the same order (core/fragment.cuh: e4m3_pv_key)
+  } else {
+    accumulator_to_a<typename Cfg::T>(pa, sc[0]);
+  }
 }
 
 // Dropout (the dropout instances): P of key block nb times the keep mask and scale, after the row
@@ -317,9 +353,9 @@ __device__ __forceinline__ void compute_block_softmax_and_weighted_v(float (&sc)
                                                                     int nb) {
   compute_block_softmax<Cfg>(sc, stats, cv.exp_scale);
   drop_probs<Cfg>(sc, cv, nb);
-  // P rounded to 16 bits, all of it before the first wgmma: registers an in-flight wgmma reads
-  // must not be written in between.
-  uint32_t pa[Cfg::kBlockN / 16][4];
+  // P rounded to 16 bits (e4m3), all of it before the first wgmma: registers an in-flight wgmma
+  // reads must not be written in between.
+  uint32_t pa[Cfg::kPSteps][4];
   to_a_fragments<Cfg>(pa, sc);
   issue_weighted_v<Cfg>(acc_o, pa, sV);
   wgmma_wait<0>();
@@ -341,7 +377,7 @@ __device__ __forceinline__ void consume_serial(const Ring<Cfg>& ring, int first,
     compute_qk_scores_and_max<Cfg, 0>(sc, block_max, cv, nb);
     ring.release_k(s);
     if (!Cfg::kStageOInQ && nb == cv.range.end - 1) qt.release();  // the tile's last product that reads Q is done
-    merge_block_stats(stats, block_max, acc_o);
+    merge_block_stats<Cfg::kLag>(stats, block_max, acc_o);
     mbarrier_wait(&ring.v_full[s], ring.parity(i));
     compute_block_softmax_and_weighted_v<Cfg>(sc, stats, acc_o, ring.v(s), cv, nb);
     ring.release_v(s);
@@ -383,7 +419,7 @@ __device__ __forceinline__ void consume_overlap(const Ring<Cfg>& ring, int first
   const Turns<Cfg::kConsumerWGs, Cfg::kTurnBarriers> turns{cv.wg};
   turns.open();
   float sc[1][Cfg::kNTiles][4];
-  uint32_t pa[Cfg::kBlockN / 16][4];
+  uint32_t pa[Cfg::kPSteps][4];
   float block_max[1][2];
   Rescale rescale;
 
@@ -395,7 +431,7 @@ __device__ __forceinline__ void consume_overlap(const Ring<Cfg>& ring, int first
   compute_qk_scores_and_max<Cfg, 0>(sc, block_max, cv, cv.range.begin);
   ring.release_k(ring.stage(first));
   if (!Cfg::kStageOInQ && n == 1) qt.release();  // the tile's last product that reads Q is done
-  merge_block_stats(stats, block_max, rescale);
+  merge_block_stats<Cfg::kLag>(stats, block_max, rescale);
   rescale.pending = false;
   compute_block_softmax<Cfg>(sc, stats, cv.exp_scale);
   drop_probs<Cfg>(sc, cv, cv.range.begin);
@@ -413,7 +449,7 @@ __device__ __forceinline__ void consume_overlap(const Ring<Cfg>& ring, int first
     compute_qk_scores_and_max<Cfg, 1>(sc, block_max, cv, cv.range.begin + i);
     ring.release_k(s);
     if (!Cfg::kStageOInQ && i == n - 1) qt.release();
-    merge_block_stats(stats, block_max, rescale);
+    merge_block_stats<Cfg::kLag>(stats, block_max, rescale);
     compute_block_softmax<Cfg>(sc, stats, cv.exp_scale);
     drop_probs<Cfg>(sc, cv, cv.range.begin + i);
     wgmma_wait<0>();  // P(i-1) V(i-1) landed: pa may be rewritten, O rescaled, the stage freed

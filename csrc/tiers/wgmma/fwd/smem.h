@@ -40,9 +40,10 @@ struct FwdRingTiles {
 // writes conflict-free), which is what a TMA store of 64-column boxes reads. At d = 96 only its
 // first kVWidth columns are written: a TMA store leaves out the box's columns past d, and the
 // lanes' copy reads none past kVWidth, so whatever the rest holds never reaches memory.
-template <typename T, int kBlockM, int kBlockN, int kHeadDim, int kVWidth, int kStages>
+// Out: O's type (T's but for e4m3 inputs).
+template <typename T, int kBlockM, int kBlockN, int kHeadDim, int kVWidth, int kStages, typename Out = T>
 struct FwdRingAndOTiles : FwdRingTiles<T, kBlockM, kBlockN, kHeadDim, kVWidth, kStages> {
-  alignas(kSwizzleAlign) T o[kBlockM * kHeadDim];
+  alignas(kSwizzleAlign) Out o[kBlockM * kHeadDim];
 };
 
 template <int kStages>
@@ -54,10 +55,11 @@ struct FwdSync {
 };
 
 template <typename T, int kBlockM, int kBlockN, int kHeadDim, int kVWidth, int kStages, bool kStageO,
-          bool kStageOInQ = false>
+          bool kStageOInQ = false, typename Out = T>
 struct FwdSharedStorage {
   static_assert(!(kStageO && kStageOInQ), "one staging tile");
-  using Tiles = std::conditional_t<kStageO, FwdRingAndOTiles<T, kBlockM, kBlockN, kHeadDim, kVWidth, kStages>,
+  static_assert(!kStageOInQ || std::is_same<Out, T>::value, "O staged in Q's tile has Q's type");
+  using Tiles = std::conditional_t<kStageO, FwdRingAndOTiles<T, kBlockM, kBlockN, kHeadDim, kVWidth, kStages, Out>,
                                    FwdRingTiles<T, kBlockM, kBlockN, kHeadDim, kVWidth, kStages>>;
   using Sync = FwdSync<kStages>;
   Tiles tiles;
@@ -66,7 +68,7 @@ struct FwdSharedStorage {
   static constexpr size_t kBytes = sizeof(Tiles) + sizeof(Sync);
   static_assert(sizeof(Tiles) % kSwizzleAlign == 0, "the words follow the last slab without padding");
   // The O staging tile: its own, or Q's (kStageOInQ); none (nullptr, never written) otherwise.
-  __device__ __forceinline__ T* o_staging() {
+  __device__ __forceinline__ Out* o_staging() {
     if constexpr (kStageO) {
       return tiles.o;
     } else if constexpr (kStageOInQ) {

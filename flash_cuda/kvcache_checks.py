@@ -445,11 +445,15 @@ def validate_fp8(q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_causa
             fp8_descales(v_descale, "v_descale", B, Hkv, q.device))
 
 
-def fp8_descales(descale, name: str, batch: int, kv_heads: int, device) -> Tensor:
+def fp8_descales(descale, name: str, batch: int, kv_heads: int, device, prefix: str = None) -> Tensor:
     """A descale as the contiguous float32 (batch, kv_heads) tensor on ``device`` the kernels read
     (a stored e4m3 value x8 stands for x8 * descale): None is 1; a float, or a float32 tensor of
     shape () or (1,), is per tensor; (batch, kv_heads) is per (batch entry, KV head), as
-    flash_cuda.reference.fp8_descale defines them. A tensor must be on ``device``."""
+    flash_cuda.reference.fp8_descale defines them. A tensor must be on ``device``. ``prefix``: the
+    messages' (the calling function's name; this module's by default)."""
+    def _fail(kind, msg: str):
+        raise kind((_PREFIX if prefix is None else prefix) + msg)
+
     if descale is None:
         return torch.ones((batch, kv_heads), dtype=torch.float32, device=device)
     if isinstance(descale, bool) or not isinstance(descale, (int, float, Tensor)):

@@ -252,7 +252,7 @@ void fill_fwd(FwdParams& p, const Shape& s, const MaskArgs& m, const at::Tensor&
     p.total_k = static_cast<int>(s.rows_k);
   }
   p.cache_len = p.sk;  // (the decode family's view of attention(): every key is cached)
-  p.dtype = dtype_of(q);
+  p.dtype = dtype_of(out);  // O's type: q's, but for e4m3 inputs (fwd_fp8)
   const auto prop = at::cuda::getDeviceProperties(q.device().index());
   // Under FLASH_CUDA_EMULATE_ARCH (arch/gpu_class.h) the dispatcher sees that GPU class.
   p.sm_arch = emulated_arch() > 0 ? emulated_arch() : prop->major * 10 + prop->minor;
@@ -985,6 +985,84 @@ at::Tensor dropout_mask(int64_t batch, int64_t heads, int64_t sq, int64_t sk, in
   return mask;
 }
 
+at::Tensor fp8_v_layout(const at::Tensor& v);
+
+// out, lse = fwd_fp8(q, k, v, q_descale, k_descale, v_descale, scale, window_left, window_right,
+//                    out_dtype): the FP8 forward on Hopper (tiers/wgmma/fwd: WsConfig's kFp8), dense
+// batches. q (B, Hq, Sq, D), k / v (B, Hkv, Sk, D) float8_e4m3fn; the descales float32 (B, Hkv)
+// (flash_cuda/reference.py: fp8_descale); D 128 or 256; out (B, Hq, Sq, D) in out_dtype (bfloat16
+// or float16), lse float32 (B, Hq, Sq). V is laid out for the P V product first (fp8_v_layout).
+std::tuple<at::Tensor, at::Tensor> fwd_fp8(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+                                           const at::Tensor& q_descale, const at::Tensor& k_descale,
+                                           const at::Tensor& v_descale, double scale, int64_t window_left,
+                                           int64_t window_right, at::ScalarType out_dtype) {
+  const char* kWhat = "flash_cuda.attention_fp8";
+  FLASH_CHECK(q_in.is_cuda() && k_in.is_cuda() && v_in.is_cuda(), kWhat, ": q, k, v must be CUDA tensors");
+  FLASH_CHECK(q_in.device() == k_in.device() && q_in.device() == v_in.device(), kWhat,
+              ": q, k, v must be on the same device");
+  for (const at::Tensor* t : {&q_in, &k_in, &v_in}) {
+    FLASH_CHECK(t->scalar_type() == at::kFloat8_e4m3fn, kWhat, ": q, k, v must be float8_e4m3fn, got ",
+                t->scalar_type());
+    FLASH_CHECK(t->dim() == 4, kWhat, ": q, k, v must be 4-d (batch, heads, seq, head_dim)");
+    FLASH_CHECK(t->stride(-1) == 1, kWhat, ": the last dimension of q, k, v must be contiguous (stride 1)");
+  }
+  FLASH_CHECK(k_in.sizes() == v_in.sizes(), kWhat, ": k and v shapes differ");
+  FLASH_CHECK(out_dtype == at::kBFloat16 || out_dtype == at::kHalf, kWhat,
+              ": out_dtype must be bfloat16 or float16, got ", out_dtype);
+  Shape s;
+  s.B = q_in.size(0);
+  s.Hq = q_in.size(1);
+  s.Hkv = k_in.size(1);
+  s.Sq = q_in.size(2);
+  s.Sk = k_in.size(2);
+  s.D = q_in.size(3);
+  s.rows_q = s.Sq;
+  s.rows_k = s.Sk;
+  FLASH_CHECK(k_in.size(0) == s.B && k_in.size(3) == s.D, kWhat, ": q, k, v batch sizes or head dims differ");
+  FLASH_CHECK(s.Hkv > 0 && s.Hq % s.Hkv == 0, kWhat, ": query heads (", s.Hq,
+              ") must be a multiple of key/value heads (", s.Hkv, ")");
+  FLASH_CHECK(s.D == 128 || s.D == 256, kWhat, ": head_dim must be 128 or 256, got ", s.D);
+  FLASH_CHECK(s.B < 65536 && s.Hq < 65536 && s.Sq < (int64_t(1) << 31) && s.Sk < (int64_t(1) << 31) - 64, kWhat,
+              ": batch and heads must be < 65536, sequence lengths < 2^31");
+  FLASH_CHECK(std::isfinite(scale) && scale >= 0, kWhat, ": scale must be finite and >= 0, got ", scale);
+  FLASH_CHECK(window_left >= -1 && window_right >= -1, kWhat, ": window sizes must be >= -1");
+  for (const at::Tensor* d : {&q_descale, &k_descale, &v_descale}) {
+    FLASH_CHECK(d->scalar_type() == at::kFloat && d->is_contiguous() && d->device() == q_in.device() &&
+                    d->dim() == 2 && d->size(0) == s.B && d->size(1) == s.Hkv,
+                kWhat, ": descales must be contiguous float32 (batch, kv_heads) tensors on q's device");
+  }
+  const auto prop = at::cuda::getDeviceProperties(q_in.device().index());
+  const int arch = emulated_arch() > 0 ? emulated_arch() : prop->major * 10 + prop->minor;
+  FLASH_CHECK(arch == 90, kWhat, ": the FP8 forward runs on Hopper (sm_90) GPUs, got compute capability ",
+              prop->major, ".", prop->minor);
+
+  const c10::cuda::CUDAGuard guard(q_in.device());
+  at::Tensor out = at::empty({s.B, s.Hq, s.Sq, s.D}, q_in.options().dtype(out_dtype));
+  at::Tensor lse = at::empty(s.lse_shape(), q_in.options().dtype(at::kFloat));
+  if (s.empty()) {
+    out.zero_();
+    lse.fill_(-INFINITY);
+    return {out, lse};
+  }
+  const at::Tensor q = aligned(q_in), k = aligned(k_in);
+  const at::Tensor vt = fp8_v_layout(aligned(v_in));
+  MaskArgs m;
+  m.window_left = window_left;
+  m.window_right = window_right;
+  FwdParams p;
+  fill_fwd(p, s, m, q, k, vt, out, lse, scale);
+  p.q_descale = q_descale.data_ptr<float>();
+  p.k_descale = k_descale.data_ptr<float>();
+  p.v_descale = v_descale.data_ptr<float>();
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream().stream();
+  const bool bf16 = out_dtype == at::kBFloat16;
+  const bool ran = s.D == 128 ? (bf16 ? run_fwd_sm90_fp8<kBF16, 128>(p, stream) : run_fwd_sm90_fp8<kF16, 128>(p, stream))
+                              : (bf16 ? run_fwd_sm90_fp8<kBF16, 256>(p, stream) : run_fwd_sm90_fp8<kF16, 256>(p, stream));
+  FLASH_CHECK(ran, kWhat, ": no FP8 kernel ran (the extension was built without sm_90a, or TMA cannot address these "
+              "views: q and k need 16-byte aligned rows)");
+  return {out, lse};
+}
+
 // fp8_v_layout(v): V (batch, kv_heads, seqlen_k, head_dim) in float8_e4m3fn laid out for the FP8
 // forward's P V product (core/fp8_v_layout.cuh): (batch, kv_heads, head_dim, seqlen_k rounded up
 // to 32), each head dim's keys contiguous in the order of P's A fragments (core/fragment.cuh:
@@ -1069,6 +1147,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "the mask of kept elements the kernels' dropout draws (uint8, batch x heads x sq x sk)");
   m.def("merge_partials", &flash_cuda::merge_partials,
         "merges two partial (out, lse[, stats]) results of the same rows into out (context parallelism)");
+  m.def("fwd_fp8", &flash_cuda::fwd_fp8,
+        "the FP8 (e4m3) forward on Hopper: (out, lse); descales float32 (batch, kv_heads)", py::arg("q"),
+        py::arg("k"), py::arg("v"), py::arg("q_descale"), py::arg("k_descale"), py::arg("v_descale"),
+        py::arg("scale"), py::arg("window_left"), py::arg("window_right"), py::arg("out_dtype"));
   m.def("fp8_v_layout", &flash_cuda::fp8_v_layout,
         "V (batch, kv_heads, seqlen_k, head_dim) e4m3 laid out for the FP8 forward's P V product");
 }

@@ -85,6 +85,33 @@ inline bool make_row_tensor_map(CUtensorMap* map, const void* base, bool bf16, i
   return r == CUDA_SUCCESS;
 }
 
+// An e4m3 tensor's rows for the FP8 forward (tiers/wgmma/fwd: WsConfig's kFp8): dimensions
+// (column, row, head, batch) of bytes, boxes of 128 columns x box_rows rows of one head, with the
+// 128-byte swizzle: one slab of 128-byte lines (arch/sm90.cuh: Slabs with 1-byte elements). Q and
+// K (columns: head dims) and V^T (columns: keys, rows: head dims; core/fp8_v_layout.cuh). Columns
+// and rows past the extents land as zeros. False where TMA cannot address the view.
+inline bool make_e4m3_row_tensor_map(CUtensorMap* map, const void* base, int cols, int rows, int heads, int batch,
+                                     int64_t row_stride, int64_t head_stride, int64_t batch_stride, int box_rows) {
+  const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
+  if (encode == nullptr || reinterpret_cast<uintptr_t>(base) % 16 != 0 || box_rows < 1 || box_rows > 256) return false;
+  const int64_t row_bytes = rows > 1 ? row_stride : (cols + 15) / 16 * 16;
+  const int64_t head_bytes = heads > 1 ? head_stride : row_bytes * rows;
+  const int64_t batch_bytes = batch > 1 ? batch_stride : head_bytes * heads;
+  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows),
+                              static_cast<cuuint64_t>(heads), static_cast<cuuint64_t>(batch)};
+  const cuuint64_t strides[3] = {static_cast<cuuint64_t>(row_bytes), static_cast<cuuint64_t>(head_bytes),
+                                 static_cast<cuuint64_t>(batch_bytes)};
+  for (cuuint64_t s : strides) {
+    if (s % 16 != 0 || s >= (cuuint64_t{1} << 40)) return false;
+  }
+  const cuuint32_t box[4] = {128, static_cast<cuuint32_t>(box_rows), 1, 1};
+  const cuuint32_t unit[4] = {1, 1, 1, 1};
+  const CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 4, const_cast<void*>(base), dims, strides, box, unit,
+                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                            CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS;
+}
+
 // A map over a paged KV cache's rows for the split-KV decode (tiers/mma/decode.cuh:
 // box_key_block): dimensions (d, row in page, head, page) with the strides of the pool (any
 // order), elements of elem_bytes bytes (2: fp16 / bf16, 1: e4m3), boxes of box_cols columns x

@@ -80,4 +80,8 @@ template <int kBytes> void run_kv_gather(const FwdParams& params, const KvGather
 // core/fp8_v_layout.cuh, csrc/instances/fp8_v_layout.cu).
 template <typename T> void run_fp8_v_layout(const Fp8VLayoutParams& params, cudaStream_t stream);
 
+// The FP8 (e4m3) forward on Hopper (tiers/wgmma/fwd/launch.cuh; csrc/instances/wgmma_fwd_fp8_*.cu):
+// O in kOutDType (kBF16 or kF16), head dims 128 and 256; false where it does not run.
+template <int kOutDType, int kHeadDim> bool run_fwd_sm90_fp8(const FwdParams& params, cudaStream_t stream);
+
 }  // namespace flash_cuda

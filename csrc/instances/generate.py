@@ -83,6 +83,11 @@ def instances() -> dict:
                 f"split-KV decode over an FP8 (e4m3) KV cache, {dt} queries, head-dim bucket {d}.", "mma/decode.cuh",
                 [f"template int plan_decode<{dtype}, {d}, true>(const FwdParams&);",
                  f"template bool run_decode<{dtype}, {d}, true>(const FwdParams&, cudaStream_t);"])
+    for dt, enum in t.DTYPES.items():
+        for d in t.WGMMA_FWD_FP8:
+            files[f"wgmma_fwd_fp8_{dt}_d{d}.cu"] = _file(
+                f"Hopper FP8 (e4m3) forward, O in {dt}, head dim {d}.", "wgmma/fwd/launch.cuh",
+                [f"template bool run_fwd_sm90_fp8<static_cast<int>(DType::{enum}), {d}>(const FwdParams&, cudaStream_t);"])
     for d in t.SIMT_BUCKETS:
         # fwd_outer.cuh holds the run_fwd_simt that picks the kernel of each bucket.
         for direction, header, params, what in (("fwd", "simt/fwd_outer.cuh", "FwdParams", "forward"),

@@ -1,0 +1,96 @@
+"""flash_cuda.attention_fp8 on the GPU (Hopper): the FP8 (e4m3) forward against its specification,
+flash_cuda.reference.attention_fp8_forward_blocked, by the 2x rule: out and lse against float64
+attention on the dequantized inputs, within twice the error of the naive FP8 attention
+(reference.attention_fp8_naive) plus a small term (tests/test_reference_fp8.py: assert_rule).
+Descales per tensor and per (batch, KV head), GQA, causal and windows, Sq != Sk, lengths that
+are no multiple of a tile, head dims 128 and 256, both output dtypes; rows that see no key; bad
+arguments (flash_cuda/fp8.py checks them before the launch)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flash_cuda
+from flash_cuda.reference import attention_fp8_naive, attention_naive
+
+from attn_check import hopper_skip_reason
+from test_reference_fp8 import F64, assert_rule, dequant64, make_fp8
+
+_SKIP = hopper_skip_reason("the FP8 forward")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_SKIP is not None, reason=str(_SKIP))]
+
+DEV = "cuda"
+
+
+def _to_dev(fp8, ds):
+    q8, k8, v8 = (t.to(DEV) for t in fp8)
+    return (q8, k8, v8), tuple(d if d is None else d.to(DEV) for d in ds)
+
+
+def _check(B, Hq, Hkv, Sq, Sk, D, *, kind="bhkv", out_dtype=torch.bfloat16, seed=0, **opts):
+    fp8, ds = make_fp8(B, Hq, Hkv, Sq, Sk, D, kind=kind, seed=seed)
+    (q8, k8, v8), dsd = _to_dev(fp8, ds)
+    out, lse = flash_cuda.attention_fp8(q8, k8, v8, *dsd, out_dtype=out_dtype, return_lse=True, **opts)
+    assert out.dtype == out_dtype and out.shape == (B, Hq, Sq, D) and lse.shape == (B, Hq, Sq)
+    nout, nlse = attention_fp8_naive(*fp8, *ds, out_dtype=out_dtype, **opts)
+    rout, rlse = attention_naive(dequant64(fp8[0], ds[0]), dequant64(fp8[1], ds[1]), dequant64(fp8[2], ds[2]),
+                                 **opts)
+    assert_rule("out", out.cpu(), rout, nout)
+    assert_rule("lse", lse.cpu(), rlse, nlse, atol_rel=2.0 ** -18)
+
+
+@pytest.mark.parametrize("D", [128, 256])
+@pytest.mark.parametrize("B,Hq,Hkv,Sq,Sk", [(2, 4, 4, 300, 300), (1, 8, 2, 1000, 777), (2, 2, 1, 130, 1029),
+                                           (1, 4, 4, 1, 513), (1, 2, 2, 2048, 2048)])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_against_spec(D, B, Hq, Hkv, Sq, Sk, is_causal):
+    _check(B, Hq, Hkv, Sq, Sk, D, is_causal=is_causal, seed=Sq + Sk + D)
+
+
+@pytest.mark.parametrize("kind", ["one", "tensor", "saturate"])
+def test_descale_forms(kind):
+    _check(2, 4, 2, 257, 300, 128, kind=kind, is_causal=True, seed=7)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float16, torch.bfloat16])
+def test_out_dtypes(out_dtype):
+    _check(1, 4, 4, 400, 400, 128, out_dtype=out_dtype, seed=3)
+
+
+@pytest.mark.parametrize("window", [(64, 0), (100, 37), (-1, 50)])
+def test_windows(window):
+    _check(1, 4, 2, 700, 650, 128, window_size=window, seed=window[0] + 5)
+
+
+def test_rows_without_keys():
+    # Sq > Sk under a causal mask: the first Sq - Sk rows see no key (out 0, lse -inf).
+    fp8, ds = make_fp8(1, 2, 2, 300, 100, 128, seed=11)
+    (q8, k8, v8), dsd = _to_dev(fp8, ds)
+    out, lse = flash_cuda.attention_fp8(q8, k8, v8, *dsd, is_causal=True, return_lse=True)
+    assert torch.all(out[:, :, :200] == 0) and torch.all(torch.isneginf(lse[:, :, :200]))
+    _check(1, 2, 2, 300, 100, 128, is_causal=True, seed=11)
+
+
+def test_strided_views():
+    # (B, S, H, D) transposed: rows 16-byte aligned, stride(-1) 1; the same as contiguous inputs.
+    fp8, ds = make_fp8(2, 4, 4, 333, 333, 128, seed=21)
+    (q8, k8, v8), dsd = _to_dev(fp8, ds)
+    views = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q8, k8, v8)]
+    assert not views[0].is_contiguous()
+    a = flash_cuda.attention_fp8(q8, k8, v8, *dsd)
+    b = flash_cuda.attention_fp8(*views, *dsd)
+    assert torch.equal(a, b)
+
+
+def test_bad_arguments():
+    fp8, ds = make_fp8(1, 2, 2, 64, 64, 128, seed=1)
+    (q8, k8, v8), _ = _to_dev(fp8, ds)
+    with pytest.raises(ValueError, match="per \\(batch, KV head\\) of shape \\(1, 2\\)"):
+        flash_cuda.attention_fp8(q8, k8, v8, torch.ones(3, device=DEV))
+    with pytest.raises(TypeError, match="float32"):
+        flash_cuda.attention_fp8(q8, k8, v8, torch.ones((), device=DEV, dtype=torch.float16))
+    with pytest.raises(TypeError, match="mixed FP8 / 16-bit"):
+        flash_cuda.attention_fp8(q8, k8.to(torch.bfloat16), v8)
+    with pytest.raises(ValueError, match="head_dim must be one of"):
+        flash_cuda.attention_fp8(*(t[..., :64] for t in (q8, k8, v8)))

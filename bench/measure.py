@@ -31,7 +31,11 @@ FLASH_KERNEL = {"flash_cuda": "auto", "flash_cuda_simt": "simt", "flash_cuda_mma
 SDPA_BACKEND = {"sdpa": None, "sdpa_flash": "FLASH_ATTENTION", "sdpa_cudnn": "CUDNN_ATTENTION",
                 "sdpa_efficient": "EFFICIENT_ATTENTION", "sdpa_math": "MATH"}
 OTHER = {"fa4": "FlashAttention-4"}  # other libraries' providers, on (B, S, H, D) tensors
-PROVIDERS = [*FLASH_KERNEL, *SDPA_BACKEND, *OTHER]
+# flash_cuda's FP8 forward (flash_cuda.attention_fp8): the inputs rounded to e4m3 once, untimed (descales 1: N(0, 1)
+# values sit well inside e4m3's range), the output in bfloat16, the forward only.
+FP8 = {"flash_cuda_fp8": "e4m3"}
+FP8_TOLERANCE = 6e-2  # relative L2 of out: P rounded to e4m3 (3 mantissa bits) on top of the inputs' rounding
+PROVIDERS = [*FLASH_KERNEL, *SDPA_BACKEND, *OTHER, *FP8]
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DTYPE_SHORT = {t: name for name, t in DTYPES.items()}
 # Relative L2 error allowed against the float32 reference: (output, gradients).
@@ -178,10 +182,23 @@ def make_inputs(call: Call, dtype, seed: int, device="cuda"):
         return None
 
 
+def fp8_fn(call: Call):
+    """(q8, k8, v8) -> out of flash_cuda's FP8 forward (e4m3 inputs made by measure()); what it lacks raises."""
+    if call.mode != "fwd":
+        raise NotImplementedError("the FP8 forward has no backward")
+    if call.varlen or call.softcap or call.alibi or call.dropout or call.sinks:
+        raise NotImplementedError("the FP8 forward takes dense calls with a causal mask or a window only")
+    fc = load_flash_cuda()
+    window = {"window_size": call.window} if call.window != (-1, -1) else {}
+    return lambda q, k, v: fc.attention_fp8(q, k, v, is_causal=call.causal, **window)
+
+
 def make_fn(call: Call, cu, device, dtype):
     """(q, k, v) -> out of the call's provider (measure() forces SDPA's backend)."""
     if call.provider in OTHER:
         return fa4_fn(call, cu, dtype, device)
+    if call.provider in FP8:
+        return fp8_fn(call)
     if call.provider in SDPA_BACKEND:
         if call.sinks:
             raise NotImplementedError("SDPA has no attention sinks")
@@ -215,8 +232,8 @@ def check(call: Call, fwd, q, k, v, dout, cu, dtype) -> str:
     def view(t, sel=heads):  # -> (1, heads, S, D) float32
         t = t.transpose(1, 2) if bshd(call) else t
         if call.varlen:
-            return t.detach()[a:b].index_select(1, sel).transpose(0, 1).unsqueeze(0).float()
-        return t.detach()[-1:].index_select(1, sel).float()
+            return t.detach()[a:b].float().index_select(1, sel).transpose(0, 1).unsqueeze(0)
+        return t.detach()[-1:].float().index_select(1, sel)  # (float first: e4m3 inputs have no index_select)
     opts, need_grad = call.options(), call.mode != "fwd"
     ref_in = [view(q).requires_grad_(), view(k, kv_heads).requires_grad_(), view(v, kv_heads).requires_grad_()]
     if call.alibi:
@@ -252,7 +269,7 @@ def check(call: Call, fwd, q, k, v, dout, cu, dtype) -> str:
         for t in (q, k, v):
             t.grad = None
     for i, (name, x, w) in enumerate(zip(("out", "dq", "dk", "dv"), got, want)):
-        tol = TOLERANCE[dtype][min(i, 1)]
+        tol = FP8_TOLERANCE if call.provider in FP8 else TOLERANCE[dtype][min(i, 1)]
         err = float((x - w).norm() / w.norm().clamp_min(1e-30)) if x.isfinite().all() else math.inf
         if not err <= tol:
             return f"WRONG ({name} rel err {err:.3g} > {tol:g})"
@@ -308,6 +325,8 @@ def measure(call: Call, inputs, flops: float, dtype, timer, check_first: bool = 
         return {"status": "OOM (inputs)"}
     q, k, v, dout = (t.transpose(1, 2).contiguous() if bshd(call) else t for t in inputs[:4])
     q, k, v = (t.detach().requires_grad_(call.mode != "fwd") for t in (q, k, v))
+    if call.provider in FP8 and call.mode == "fwd":
+        q, k, v = (t.to(torch.float8_e4m3fn) for t in (q, k, v))  # the reference (check) reads these values
     cu = inputs[4]
     with warnings.catch_warnings():  # SDPA warns why each backend refused; the status says it is unsupported
         warnings.simplefilter("ignore")

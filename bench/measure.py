@@ -31,7 +31,7 @@ FLASH_KERNEL = {"flash_cuda": "auto", "flash_cuda_simt": "simt", "flash_cuda_mma
 SDPA_BACKEND = {"sdpa": None, "sdpa_flash": "FLASH_ATTENTION", "sdpa_cudnn": "CUDNN_ATTENTION",
                 "sdpa_efficient": "EFFICIENT_ATTENTION", "sdpa_math": "MATH"}
 OTHER = {"fa4": "FlashAttention-4"}  # other libraries' providers, on (B, S, H, D) tensors
-# flash_cuda's FP8 forward (flash_cuda.attention_fp8): the inputs rounded to e4m3 once, untimed (descales 1: N(0, 1)
+# flash_cuda's FP8 forward (flash_cuda.fp8.attention_fp8): the inputs rounded to e4m3 once, untimed (descales 1: N(0, 1)
 # values sit well inside e4m3's range), the output in bfloat16, the forward only.
 FP8 = {"flash_cuda_fp8": "e4m3"}
 FP8_TOLERANCE = 6e-2  # relative L2 of out: P rounded to e4m3 (3 mantissa bits) on top of the inputs' rounding
@@ -188,9 +188,10 @@ def fp8_fn(call: Call):
         raise NotImplementedError("the FP8 forward has no backward")
     if call.varlen or call.softcap or call.alibi or call.dropout or call.sinks:
         raise NotImplementedError("the FP8 forward takes dense calls with a causal mask or a window only")
-    fc = load_flash_cuda()
+    load_flash_cuda()
+    from flash_cuda.fp8 import attention_fp8
     window = {"window_size": call.window} if call.window != (-1, -1) else {}
-    return lambda q, k, v: fc.attention_fp8(q, k, v, is_causal=call.causal, **window)
+    return lambda q, k, v: attention_fp8(q, k, v, is_causal=call.causal, **window)
 
 
 def make_fn(call: Call, cu, device, dtype):

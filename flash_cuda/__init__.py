@@ -8,7 +8,6 @@
                                       max_seqlen_q, max_seqlen_k, is_causal=True)
     out = flash_cuda.attention_with_kvcache(q, k_cache, v_cache, k_new, v_new,
                                             cache_seqlens=lengths, is_causal=True)
-    out = flash_cuda.attention_fp8(q8, k8, v8, q_descale, k_descale, v_descale)  # e4m3, Hopper
 
 ``import flash_cuda`` works without the compiled extension (e.g. on a CPU-only machine);
 :func:`is_available` tells whether it is loaded, :func:`unavailable_reason` why not (None
@@ -22,7 +21,6 @@ from ._ext import is_available, unavailable_reason
 from .interface import (KERNELS, MAX_HEAD_DIM, MIN_HEAD_DIM, SUPPORTED_DTYPES, attention,
                         varlen_attention)
 from .kvcache import attention_with_kvcache
-from .fp8 import attention_fp8
 from . import reference
 
 __version__ = "0.1.0"
@@ -31,7 +29,6 @@ __all__ = [
     "attention",
     "varlen_attention",
     "attention_with_kvcache",
-    "attention_fp8",
     "is_available",
     "unavailable_reason",
     "reference",

@@ -236,7 +236,7 @@ CASES: List[Case] = [
     # ---- the backward's CTAs longest first over sections of pairs (bwd_ws.cuh: bwd_tile_section):
     # GQA, a partial last key block, 10 pairs: sections of 8 and 2 ----
     Case(BF16, 5, 4, 2, 700, 650, 128, True, "bhsd"),
-    # ---- the FP8 forward (flash_cuda.attention_fp8; Hopper): V laid out for the P V product, GQA,
+    # ---- the FP8 forward (flash_cuda.fp8.attention_fp8; Hopper): V laid out for the P V product, GQA,
     # partial blocks, Sq != Sk, rows without keys; d = 256 with a window ----
     Case("float8_e4m3fn", 2, 4, 2, 300, 200, 128, True),
     Case("float8_e4m3fn", 1, 2, 2, 257, 700, 256, False, window=(100, 30)),
@@ -323,19 +323,19 @@ def _run_dropout_case(case: Case, index: int, check: bool) -> None:
 
 
 def _run_fp8_case(case: Case, index: int, check: bool) -> None:
-    """flash_cuda.attention_fp8 (forward only) on e4m3 inputs with (B, Hkv) descales, against float64
+    """flash_cuda.fp8.attention_fp8 (forward only) on e4m3 inputs with (B, Hkv) descales, against float64
     attention on the dequantized values within twice the naive FP8 attention's error (the rule of
     tests/test_reference_fp8.py)."""
     import torch
 
-    import flash_cuda
+    from flash_cuda.fp8 import attention_fp8
     from flash_cuda.reference import attention_fp8_naive, attention_naive
     from test_reference_fp8 import assert_rule, dequant64, make_fp8
 
     fp8, ds = make_fp8(case.B, case.Hq, case.Hkv, case.Sq, case.Sk, case.D, seed=index)
     dev = [t.to("cuda") for t in fp8]
     options = dict(is_causal=case.causal, window_size=case.window)
-    out, lse = flash_cuda.attention_fp8(*dev, *(d.to("cuda") for d in ds), return_lse=True, **options)
+    out, lse = attention_fp8(*dev, *(d.to("cuda") for d in ds), return_lse=True, **options)
     torch.cuda.synchronize()
     if not check:
         return

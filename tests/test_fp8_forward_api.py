@@ -1,4 +1,4 @@
-"""flash_cuda.attention_fp8's argument checks that need no GPU (flash_cuda/fp8.py): each bad argument
+"""flash_cuda.fp8.attention_fp8's argument checks that need no GPU (flash_cuda/fp8.py): each bad argument
 is refused with a message that names it and what is accepted, before anything reaches the device."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import flash_cuda
+from flash_cuda.fp8 import attention_fp8
 
 E4M3 = torch.float8_e4m3fn
 
@@ -18,38 +18,38 @@ def _t(*shape, dtype=E4M3):
 def test_dtypes():
     q = _t(1, 2, 8, 128)
     with pytest.raises(TypeError, match="only the e4m3 FP8 format"):
-        flash_cuda.attention_fp8(q, q.to(torch.float8_e5m2), q)
+        attention_fp8(q, q.to(torch.float8_e5m2), q)
     with pytest.raises(TypeError, match="mixed FP8 / 16-bit operands"):
-        flash_cuda.attention_fp8(q, _t(1, 2, 8, 128, dtype=torch.bfloat16), q)
+        attention_fp8(q, _t(1, 2, 8, 128, dtype=torch.bfloat16), q)
     with pytest.raises(TypeError, match="must be a torch.Tensor"):
-        flash_cuda.attention_fp8(q, q, None)
+        attention_fp8(q, q, None)
 
 
 def test_shapes():
     with pytest.raises(ValueError, match="must be 4-d"):
-        flash_cuda.attention_fp8(_t(2, 8, 128), _t(2, 8, 128), _t(2, 8, 128))
+        attention_fp8(_t(2, 8, 128), _t(2, 8, 128), _t(2, 8, 128))
     with pytest.raises(ValueError, match="k and v must have the same shape"):
-        flash_cuda.attention_fp8(_t(1, 2, 8, 128), _t(1, 2, 8, 128), _t(1, 2, 9, 128))
+        attention_fp8(_t(1, 2, 8, 128), _t(1, 2, 8, 128), _t(1, 2, 9, 128))
     with pytest.raises(ValueError, match="multiple of the number of key/value heads"):
-        flash_cuda.attention_fp8(_t(1, 3, 8, 128), _t(1, 2, 8, 128), _t(1, 2, 8, 128))
+        attention_fp8(_t(1, 3, 8, 128), _t(1, 2, 8, 128), _t(1, 2, 8, 128))
     with pytest.raises(ValueError, match=r"head_dim must be one of \(128, 256\)"):
-        flash_cuda.attention_fp8(_t(1, 2, 8, 64), _t(1, 2, 8, 64), _t(1, 2, 8, 64))
+        attention_fp8(_t(1, 2, 8, 64), _t(1, 2, 8, 64), _t(1, 2, 8, 64))
 
 
 def test_options():
     q = _t(1, 2, 8, 128)
     with pytest.raises(TypeError, match="out_dtype must be torch.bfloat16 or torch.float16"):
-        flash_cuda.attention_fp8(q, q, q, out_dtype=torch.float32)
+        attention_fp8(q, q, q, out_dtype=torch.float32)
     with pytest.raises(TypeError, match="is_causal must be a bool"):
-        flash_cuda.attention_fp8(q, q, q, is_causal=1)
+        attention_fp8(q, q, q, is_causal=1)
     with pytest.raises(ValueError, match="window"):
-        flash_cuda.attention_fp8(q, q, q, window_size=(-2, 0))
+        attention_fp8(q, q, q, window_size=(-2, 0))
 
 
 def test_no_backward_and_cuda_only():
     q = _t(1, 2, 8, 128)
     qg = q.clone().requires_grad_()
     with pytest.raises(RuntimeError, match="no backward"):
-        flash_cuda.attention_fp8(qg, q, q)
+        attention_fp8(qg, q, q)
     with pytest.raises(RuntimeError, match="must be CUDA tensors"):
-        flash_cuda.attention_fp8(q, q, q)
+        attention_fp8(q, q, q)

@@ -1,4 +1,4 @@
-"""flash_cuda.attention_fp8 on the GPU (Hopper): the FP8 (e4m3) forward against its specification,
+"""flash_cuda.fp8.attention_fp8 on the GPU (Hopper): the FP8 (e4m3) forward against its specification,
 flash_cuda.reference.attention_fp8_forward_blocked, by the 2x rule: out and lse against float64
 attention on the dequantized inputs, within twice the error of the naive FP8 attention
 (reference.attention_fp8_naive) plus a small term (tests/test_reference_fp8.py: assert_rule).
@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import flash_cuda
+from flash_cuda.fp8 import attention_fp8
 from flash_cuda.reference import attention_fp8_naive, attention_naive
 
 from attn_check import hopper_skip_reason
@@ -31,7 +31,7 @@ def _to_dev(fp8, ds):
 def _check(B, Hq, Hkv, Sq, Sk, D, *, kind="bhkv", out_dtype=torch.bfloat16, seed=0, **opts):
     fp8, ds = make_fp8(B, Hq, Hkv, Sq, Sk, D, kind=kind, seed=seed)
     (q8, k8, v8), dsd = _to_dev(fp8, ds)
-    out, lse = flash_cuda.attention_fp8(q8, k8, v8, *dsd, out_dtype=out_dtype, return_lse=True, **opts)
+    out, lse = attention_fp8(q8, k8, v8, *dsd, out_dtype=out_dtype, return_lse=True, **opts)
     assert out.dtype == out_dtype and out.shape == (B, Hq, Sq, D) and lse.shape == (B, Hq, Sq)
     nout, nlse = attention_fp8_naive(*fp8, *ds, out_dtype=out_dtype, **opts)
     rout, rlse = attention_naive(dequant64(fp8[0], ds[0]), dequant64(fp8[1], ds[1]), dequant64(fp8[2], ds[2]),
@@ -67,7 +67,7 @@ def test_rows_without_keys():
     # Sq > Sk under a causal mask: the first Sq - Sk rows see no key (out 0, lse -inf).
     fp8, ds = make_fp8(1, 2, 2, 300, 100, 128, seed=11)
     (q8, k8, v8), dsd = _to_dev(fp8, ds)
-    out, lse = flash_cuda.attention_fp8(q8, k8, v8, *dsd, is_causal=True, return_lse=True)
+    out, lse = attention_fp8(q8, k8, v8, *dsd, is_causal=True, return_lse=True)
     assert torch.all(out[:, :, :200] == 0) and torch.all(torch.isneginf(lse[:, :, :200]))
     _check(1, 2, 2, 300, 100, 128, is_causal=True, seed=11)
 
@@ -78,8 +78,8 @@ def test_strided_views():
     (q8, k8, v8), dsd = _to_dev(fp8, ds)
     views = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q8, k8, v8)]
     assert not views[0].is_contiguous()
-    a = flash_cuda.attention_fp8(q8, k8, v8, *dsd)
-    b = flash_cuda.attention_fp8(*views, *dsd)
+    a = attention_fp8(q8, k8, v8, *dsd)
+    b = attention_fp8(*views, *dsd)
     assert torch.equal(a, b)
 
 
@@ -87,10 +87,10 @@ def test_bad_arguments():
     fp8, ds = make_fp8(1, 2, 2, 64, 64, 128, seed=1)
     (q8, k8, v8), _ = _to_dev(fp8, ds)
     with pytest.raises(ValueError, match="per \\(batch, KV head\\) of shape \\(1, 2\\)"):
-        flash_cuda.attention_fp8(q8, k8, v8, torch.ones(3, device=DEV))
+        attention_fp8(q8, k8, v8, torch.ones(3, device=DEV))
     with pytest.raises(TypeError, match="float32"):
-        flash_cuda.attention_fp8(q8, k8, v8, torch.ones((), device=DEV, dtype=torch.float16))
+        attention_fp8(q8, k8, v8, torch.ones((), device=DEV, dtype=torch.float16))
     with pytest.raises(TypeError, match="mixed FP8 / 16-bit"):
-        flash_cuda.attention_fp8(q8, k8.to(torch.bfloat16), v8)
+        attention_fp8(q8, k8.to(torch.bfloat16), v8)
     with pytest.raises(ValueError, match="head_dim must be one of"):
-        flash_cuda.attention_fp8(*(t[..., :64] for t in (q8, k8, v8)))
+        attention_fp8(*(t[..., :64] for t in (q8, k8, v8)))

@@ -121,6 +121,19 @@ struct Shape {
     return varlen ? std::vector<int64_t>{Hq, rows_q} : std::vector<int64_t>{B, Hq, Sq};
   }
   bool empty() const { return B == 0 || Hq == 0 || rows_q == 0 || rows_k == 0 || Sq == 0 || Sk == 0; }
+  // A dense call's sizes: q (B, Hq, Sq, D), k (B, Hkv, Sk, D) (the callers check that they agree).
+  static Shape dense(const at::Tensor& q, const at::Tensor& k) {
+    Shape s;
+    s.B = q.size(0);
+    s.Hq = q.size(1);
+    s.Hkv = k.size(1);
+    s.Sq = q.size(2);
+    s.Sk = k.size(2);
+    s.D = q.size(3);
+    s.rows_q = s.Sq;
+    s.rows_k = s.Sk;
+    return s;
+  }
 };
 
 // The masking and modifier arguments of a call, as the Python layer passes them.
@@ -177,13 +190,7 @@ Shape check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c
     FLASH_CHECK(s.rows_q < (int64_t(1) << 31) && s.rows_k < (int64_t(1) << 31),
                 "flash_cuda: varlen row counts must be < 2^31");
   } else {
-    s.B = q.size(0);
-    s.Hq = q.size(1);
-    s.Hkv = k.size(1);
-    s.Sq = q.size(2);
-    s.Sk = k.size(2);
-    s.rows_q = s.Sq;
-    s.rows_k = s.Sk;
+    s = Shape::dense(q, k);
     FLASH_CHECK(k.size(0) == s.B, "flash_cuda: q, k, v batch sizes differ");
   }
   FLASH_CHECK(s.Hkv > 0 || s.Hq == 0, "flash_cuda: k/v have zero heads");
@@ -1009,15 +1016,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_fp8(const at::Tensor& q_in, const at::Ten
   FLASH_CHECK(k_in.sizes() == v_in.sizes(), kWhat, ": k and v shapes differ");
   FLASH_CHECK(out_dtype == at::kBFloat16 || out_dtype == at::kHalf, kWhat,
               ": out_dtype must be bfloat16 or float16, got ", out_dtype);
-  Shape s;
-  s.B = q_in.size(0);
-  s.Hq = q_in.size(1);
-  s.Hkv = k_in.size(1);
-  s.Sq = q_in.size(2);
-  s.Sk = k_in.size(2);
-  s.D = q_in.size(3);
-  s.rows_q = s.Sq;
-  s.rows_k = s.Sk;
+  const Shape s = Shape::dense(q_in, k_in);
   FLASH_CHECK(k_in.size(0) == s.B && k_in.size(3) == s.D, kWhat, ": q, k, v batch sizes or head dims differ");
   FLASH_CHECK(s.Hkv > 0 && s.Hq % s.Hkv == 0, kWhat, ": query heads (", s.Hq,
               ") must be a multiple of key/value heads (", s.Hkv, ")");

@@ -85,18 +85,19 @@ inline bool make_row_tensor_map(CUtensorMap* map, const void* base, bool bf16, i
   return r == CUDA_SUCCESS;
 }
 
-// An e4m3 tensor's rows for the FP8 forward (tiers/wgmma/fwd: WsConfig's kFp8): dimensions
-// (column, row, head, batch) of bytes, boxes of 128 columns x box_rows rows of one head, with the
-// 128-byte swizzle: one slab of 128-byte lines (arch/sm90.cuh: Slabs with 1-byte elements). Q and
-// K (columns: head dims) and V^T (columns: keys, rows: head dims; core/fp8_v_layout.cuh). Columns
-// and rows past the extents land as zeros. False where TMA cannot address the view.
-inline bool make_e4m3_row_tensor_map(CUtensorMap* map, const void* base, int cols, int rows, int heads, int batch,
-                                     int64_t row_stride, int64_t head_stride, int64_t batch_stride, int box_rows) {
+// The map of a (column, row, head, batch) tensor, strides in bytes, boxes of box_cols x box_rows
+// of one head and batch entry. A dimension of extent 1 is never stepped along: its stride (which
+// a view may leave at any value) becomes the packed span of the dimensions inside it. False where
+// TMA cannot address the tensor (a stride not a multiple of 16 bytes, or beyond 2^40).
+inline bool encode_rows_map(CUtensorMap* map, const void* base, CUtensorMapDataType type, int elem_bytes, int cols,
+                            int rows, int heads, int batch, int64_t row_bytes, int64_t head_bytes,
+                            int64_t batch_bytes, int box_cols, int box_rows, CUtensorMapSwizzle swizzle,
+                            CUtensorMapL2promotion l2) {
   const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
-  if (encode == nullptr || reinterpret_cast<uintptr_t>(base) % 16 != 0 || box_rows < 1 || box_rows > 256) return false;
-  const int64_t row_bytes = rows > 1 ? row_stride : (cols + 15) / 16 * 16;
-  const int64_t head_bytes = heads > 1 ? head_stride : row_bytes * rows;
-  const int64_t batch_bytes = batch > 1 ? batch_stride : head_bytes * heads;
+  if (encode == nullptr || reinterpret_cast<uintptr_t>(base) % 16 != 0) return false;
+  row_bytes = rows > 1 ? row_bytes : (int64_t(cols) * elem_bytes + 15) / 16 * 16;
+  head_bytes = heads > 1 ? head_bytes : row_bytes * rows;
+  batch_bytes = batch > 1 ? batch_bytes : head_bytes * heads;
   const cuuint64_t dims[4] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows),
                               static_cast<cuuint64_t>(heads), static_cast<cuuint64_t>(batch)};
   const cuuint64_t strides[3] = {static_cast<cuuint64_t>(row_bytes), static_cast<cuuint64_t>(head_bytes),
@@ -104,12 +105,24 @@ inline bool make_e4m3_row_tensor_map(CUtensorMap* map, const void* base, int col
   for (cuuint64_t s : strides) {
     if (s % 16 != 0 || s >= (cuuint64_t{1} << 40)) return false;
   }
-  const cuuint32_t box[4] = {128, static_cast<cuuint32_t>(box_rows), 1, 1};
+  const cuuint32_t box[4] = {static_cast<cuuint32_t>(box_cols), static_cast<cuuint32_t>(box_rows), 1, 1};
   const cuuint32_t unit[4] = {1, 1, 1, 1};
-  const CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 4, const_cast<void*>(base), dims, strides, box, unit,
-                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                            CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  const CUresult r = encode(map, type, 4, const_cast<void*>(base), dims, strides, box, unit,
+                            CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, l2, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return r == CUDA_SUCCESS;
+}
+
+// An e4m3 tensor's rows for the FP8 forward (tiers/wgmma/fwd: WsConfig's kFp8): dimensions
+// (column, row, head, batch) of bytes, boxes of 128 columns x box_rows rows of one head, with the
+// 128-byte swizzle: one slab of 128-byte lines (arch/sm90.cuh: Slabs with 1-byte elements). Q and
+// K (columns: head dims) and V^T (columns: keys, rows: head dims; core/fp8_v_layout.cuh). Columns
+// and rows past the extents land as zeros. False where TMA cannot address the view.
+inline bool make_e4m3_row_tensor_map(CUtensorMap* map, const void* base, int cols, int rows, int heads, int batch,
+                                     int64_t row_stride, int64_t head_stride, int64_t batch_stride, int box_rows) {
+  if (box_rows < 1 || box_rows > 256) return false;
+  return encode_rows_map(map, base, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, cols, rows, heads, batch, row_stride,
+                         head_stride, batch_stride, 128, box_rows, CU_TENSOR_MAP_SWIZZLE_128B,
+                         CU_TENSOR_MAP_L2_PROMOTION_L2_128B);
 }
 
 // A map over a paged KV cache's rows for the split-KV decode (tiers/mma/decode.cuh:
@@ -122,28 +135,12 @@ inline bool make_e4m3_row_tensor_map(CUtensorMap* map, const void* base, int col
 inline bool make_page_tensor_map(CUtensorMap* map, const void* base, int elem_bytes, int d, int page_size, int heads,
                                  int num_pages, int64_t row_stride, int64_t head_stride, int64_t page_stride,
                                  int box_cols, int box_rows) {
-  const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
-  if (encode == nullptr || reinterpret_cast<uintptr_t>(base) % 16 != 0) return false;
   if (elem_bytes != 1 && elem_bytes != 2) return false;
   if (box_cols > 256 || box_rows > 256 || (box_cols * elem_bytes) % 16 != 0 || box_rows > page_size) return false;
-  // Extent-1 dimensions are never stepped along: their strides become the packed span.
-  const int64_t row_bytes = page_size > 1 ? row_stride * elem_bytes : (int64_t(d) * elem_bytes + 15) / 16 * 16;
-  const int64_t head_bytes = heads > 1 ? head_stride * elem_bytes : row_bytes * page_size;
-  const int64_t page_bytes = num_pages > 1 ? page_stride * elem_bytes : head_bytes * heads;
-  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(d), static_cast<cuuint64_t>(page_size),
-                              static_cast<cuuint64_t>(heads), static_cast<cuuint64_t>(num_pages)};
-  const cuuint64_t strides[3] = {static_cast<cuuint64_t>(row_bytes), static_cast<cuuint64_t>(head_bytes),
-                                 static_cast<cuuint64_t>(page_bytes)};
-  for (cuuint64_t s : strides) {
-    if (s % 16 != 0 || s >= (cuuint64_t{1} << 40)) return false;
-  }
-  const cuuint32_t box[4] = {static_cast<cuuint32_t>(box_cols), static_cast<cuuint32_t>(box_rows), 1, 1};
-  const cuuint32_t unit[4] = {1, 1, 1, 1};
-  const CUresult r = encode(map, elem_bytes == 2 ? CU_TENSOR_MAP_DATA_TYPE_UINT16 : CU_TENSOR_MAP_DATA_TYPE_UINT8, 4,
-                            const_cast<void*>(base), dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                            CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  return r == CUDA_SUCCESS;
+  return encode_rows_map(map, base, elem_bytes == 2 ? CU_TENSOR_MAP_DATA_TYPE_UINT16 : CU_TENSOR_MAP_DATA_TYPE_UINT8,
+                         elem_bytes, d, page_size, heads, num_pages, row_stride * elem_bytes,
+                         head_stride * elem_bytes, page_stride * elem_bytes, box_cols, box_rows,
+                         CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_256B);
 }
 
 }  // namespace flash_cuda

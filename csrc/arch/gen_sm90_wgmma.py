@@ -71,21 +71,30 @@ def acc_operands(n: int) -> str:
     return ",\n".join(lines)
 
 
-def wrapper(ctype: str, ptx: str, n: int) -> str:
+def wrapper(ctype: str, ptx: str, n: int, k: int = 16) -> str:
+    """Wgmma<ctype, n>: m64n{n}k{k} over ptx-typed operands. 16-bit types take the transpose
+    immediates; 8-bit ones (k 32) have none, both operands K-major."""
     nacc = n // 2
-    shape = f"m64n{n}k16.f32.{ptx}.{ptx}"
-    # ss: accumulators, desc_a, desc_b, accumulate, trans_b, trans_a
+    shape = f"m64n{n}k{k}.f32.{ptx}.{ptx}"
+    trans = k == 16
+    ss_tail = f", %{nacc + 4}, %{nacc + 3}" if trans else ""
+    ss_ins = ', "n"(kTransB), "n"(kTransA)' if trans else ""
+    rs_tail = f", %{nacc + 6}" if trans else ""
+    rs_ins = ', "n"(kTransB)' if trans else ""
+    ss_check = "" if trans else '    static_assert(kTransA == 0 && kTransB == 0, "e4m3 operands are K-major");\n'
+    rs_check = "" if trans else '    static_assert(kTransB == 0, "e4m3 operands are K-major");\n'
+    # ss: accumulators, desc_a, desc_b, accumulate[, trans_b, trans_a]
     ss = f"""\
   template <int kTransB, int kTransA = 0>
   __device__ __forceinline__ static void ss(float (&d)[{n // 8}][4], uint64_t desc_a, uint64_t desc_b,
                                             int accumulate) {{
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+{ss_check}#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     asm volatile(
         "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{nacc + 2}, 0;\\n"
         "wgmma.mma_async.sync.aligned.{shape} "
-        "{{{regs(0, nacc)}}}, %{nacc}, %{nacc + 1}, p, 1, 1, %{nacc + 4}, %{nacc + 3};\\n}}\\n"
+        "{{{regs(0, nacc)}}}, %{nacc}, %{nacc + 1}, p, 1, 1{ss_tail};\\n}}\\n"
         : {acc_operands(n).strip()}
-        : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(kTransB), "n"(kTransA));
+        : "l"(desc_a), "l"(desc_b), "r"(accumulate){ss_ins});
 #else
     __trap();
 #endif
@@ -95,60 +104,19 @@ def wrapper(ctype: str, ptx: str, n: int) -> str:
   template <int kTransB>
   __device__ __forceinline__ static void rs(float (&d)[{n // 8}][4], const uint32_t (&a)[4], uint64_t desc_b,
                                             int accumulate) {{
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+{rs_check}#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     asm volatile(
         "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{nacc + 5}, 0;\\n"
         "wgmma.mma_async.sync.aligned.{shape} "
-        "{{{regs(0, nacc)}}}, {{{regs(nacc, 4)}}}, %{nacc + 4}, p, 1, 1, %{nacc + 6};\\n}}\\n"
+        "{{{regs(0, nacc)}}}, {{{regs(nacc, 4)}}}, %{nacc + 4}, p, 1, 1{rs_tail};\\n}}\\n"
         : {acc_operands(n).strip()}
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate), "n"(kTransB));
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate){rs_ins});
 #else
     __trap();
 #endif
   }}
 """
     return f"template <> struct Wgmma<{ctype}, {n}> {{\n{ss}\n{rs}}};\n\n"
-
-
-def wrapper_e4m3(n: int) -> str:
-    nacc = n // 2
-    shape = f"m64n{n}k32.f32.e4m3.e4m3"
-    # ss: accumulators, desc_a, desc_b, accumulate (no transpose operands for 8-bit types)
-    ss = f"""\
-  template <int kTransB, int kTransA = 0>
-  __device__ __forceinline__ static void ss(float (&d)[{n // 8}][4], uint64_t desc_a, uint64_t desc_b,
-                                            int accumulate) {{
-    static_assert(kTransA == 0 && kTransB == 0, "e4m3 operands are K-major");
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    asm volatile(
-        "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{nacc + 2}, 0;\\n"
-        "wgmma.mma_async.sync.aligned.{shape} "
-        "{{{regs(0, nacc)}}}, %{nacc}, %{nacc + 1}, p, 1, 1;\\n}}\\n"
-        : {acc_operands(n).strip()}
-        : "l"(desc_a), "l"(desc_b), "r"(accumulate));
-#else
-    __trap();
-#endif
-  }}
-"""
-    rs = f"""\
-  template <int kTransB>
-  __device__ __forceinline__ static void rs(float (&d)[{n // 8}][4], const uint32_t (&a)[4], uint64_t desc_b,
-                                            int accumulate) {{
-    static_assert(kTransB == 0, "e4m3 operands are K-major");
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    asm volatile(
-        "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{nacc + 5}, 0;\\n"
-        "wgmma.mma_async.sync.aligned.{shape} "
-        "{{{regs(0, nacc)}}}, {{{regs(nacc, 4)}}}, %{nacc + 4}, p, 1, 1;\\n}}\\n"
-        : {acc_operands(n).strip()}
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
-#else
-    __trap();
-#endif
-  }}
-"""
-    return f"template <> struct Wgmma<__nv_fp8_e4m3, {n}> {{\n{ss}\n{rs}}};\n\n"
 
 
 def main() -> None:
@@ -159,7 +127,7 @@ def main() -> None:
                 out.append(wrapper(ctype, ptx, n))
     out.append(E4M3_NOTE)
     for n in NS_E4M3:
-        out.append(wrapper_e4m3(n))
+        out.append(wrapper("__nv_fp8_e4m3", "e4m3", n, k=32))
     out.append("}  // namespace sm90\n}  // namespace flash_cuda\n")
     Path(__file__).with_name("sm90_wgmma.cuh").write_text("".join(out))
 

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from . import _ext
-from .kvcache_checks import fp8_descales
+from .kvcache_checks import OTHER_FP8, fp8_descales
 from .options import check_score_options, dtype_name
 
 __all__ = ["attention_fp8", "FP8_HEAD_DIMS", "FP8_OUT_DTYPES"]
@@ -24,8 +24,6 @@ __all__ = ["attention_fp8", "FP8_HEAD_DIMS", "FP8_OUT_DTYPES"]
 PREFIX = "flash_cuda.attention_fp8: "
 FP8_HEAD_DIMS = (128, 256)
 FP8_OUT_DTYPES = (torch.bfloat16, torch.float16)
-_OTHER_FP8 = tuple(getattr(torch, n) for n in ("float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
-                                               "float8_e8m0fnu") if hasattr(torch, n))
 
 
 def _fail(kind, msg: str):
@@ -40,7 +38,7 @@ def _check(q, k, v, q_descale, k_descale, v_descale, is_causal, scale, window_si
         if not isinstance(t, Tensor):
             _fail(TypeError, f"{name} must be a torch.Tensor, got {type(t).__name__}")
     dts = ", ".join(dtype_name(t.dtype) for t in (q, k, v))
-    if any(t.dtype in _OTHER_FP8 for t in (q, k, v)):
+    if any(t.dtype in OTHER_FP8 for t in (q, k, v)):
         _fail(TypeError, f"only the e4m3 FP8 format (torch.float8_e4m3fn) is supported, got {dts}")
     if any(t.dtype != torch.float8_e4m3fn for t in (q, k, v)):
         _fail(TypeError, f"q, k and v must all be torch.float8_e4m3fn (mixed FP8 / 16-bit operands are not "

@@ -36,7 +36,8 @@ MAX_NUM_SPLITS = 256
 ENV_CHECK = "FLASH_CUDA_CHECK_KVCACHE"  # set (not to 0 / false / no / off): check_inputs on every call
 FP8_MIN_CAPABILITY = (8, 9)  # e4m3 conversions (cvt ... e4m3x2): Ada, Hopper and newer
 # The FP8 formats other than e4m3, named in the message that rejects them.
-_OTHER_FP8 = tuple(getattr(torch, n) for n in ("float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
+# The FP8 formats other than e4m3 (refused with a message that names e4m3; flash_cuda/fp8.py too).
+OTHER_FP8 = tuple(getattr(torch, n) for n in ("float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
                    if hasattr(torch, n))
 
 
@@ -411,7 +412,7 @@ def is_fp8_call(k_cache, v_cache, k_descale, v_descale) -> bool:
     """Whether a call asks for the FP8 cache: descales given, or a cache in an FP8 dtype."""
     if k_descale is not None or v_descale is not None:
         return True
-    return any(isinstance(t, Tensor) and (t.dtype == torch.float8_e4m3fn or t.dtype in _OTHER_FP8)
+    return any(isinstance(t, Tensor) and (t.dtype == torch.float8_e4m3fn or t.dtype in OTHER_FP8)
                for t in (k_cache, v_cache))
 
 
@@ -426,7 +427,7 @@ def validate_fp8(q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_causa
         if not isinstance(t, Tensor):
             _check_tensor(name, t, 4, "(batch, kv_heads, max_seqlen, head_dim)")
     dts = f"k_cache {dtype_name(k_cache.dtype)}, v_cache {dtype_name(v_cache.dtype)}"
-    if k_cache.dtype in _OTHER_FP8 or v_cache.dtype in _OTHER_FP8:
+    if k_cache.dtype in OTHER_FP8 or v_cache.dtype in OTHER_FP8:
         _fail(TypeError, f"only the e4m3 FP8 format (torch.float8_e4m3fn) is supported for caches, got {dts}")
     if k_cache.dtype != torch.float8_e4m3fn or v_cache.dtype != torch.float8_e4m3fn:
         _fail(TypeError, f"k_descale / v_descale go with FP8 caches: k_cache and v_cache must both be "

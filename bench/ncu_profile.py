@@ -26,7 +26,8 @@ iterations), which is a quick way to check a config before profiling it.
 Shapes follow bench/run.py: B*S = 16384 tokens and H*D = 2048 unless --batch / --heads are
 given. --provider sdpa_cudnn (or sdpa, sdpa_flash, sdpa_efficient, sdpa_math) profiles a
 PyTorch backend, and --provider fa4 FlashAttention-4 (`flash_attn.cute`, inputs made in its
-(B, S, H, D) layout), under the same range name, for side-by-side reports. --mode decode profiles
+(B, S, H, D) layout), under the same range name, for side-by-side reports; --provider
+flash_cuda_fp8 the FP8 forward on the same inputs rounded to e4m3. --mode decode profiles
 one KV-cache decode step of flash_cuda (bench/decode.py's inputs: --seqlen cached keys, --batch,
 --heads query heads, --ratio, --sq, --kv 16|fp8, --cache dense|pagedN).
 """
@@ -78,7 +79,7 @@ def parse_args(argv=None):
                    help="flash_cuda tier (default auto)")
     p.add_argument("--deterministic", action="store_true",
                    help="flash_cuda backward without float atomics")
-    p.add_argument("--provider", choices=["flash_cuda", "fa4"] + SDPA_BACKENDS, default="flash_cuda",
+    p.add_argument("--provider", choices=["flash_cuda", "flash_cuda_fp8", "fa4"] + SDPA_BACKENDS, default="flash_cuda",
                    help="what runs inside the range (default flash_cuda)")
     p.add_argument("--warmup", type=int, default=3, help="un-profiled iterations first")
     p.add_argument("--iters", type=int, default=3, help="profiled iterations (NVTX ranges)")
@@ -142,6 +143,12 @@ def make_forward(args):
         return lambda q, k, v: flash_cuda.attention(q, k, v, is_causal=causal, window_size=window,
                                                     kernel=args.kernel,
                                                     deterministic=args.deterministic)
+    if args.provider == "flash_cuda_fp8":
+        # The FP8 forward on main()'s inputs rounded to e4m3 (descales 1); V's layout step is
+        # inside the range, as in every call.
+        from flash_cuda.fp8 import attention_fp8  # noqa: WPS433
+        window = tuple(args.window) if args.window else (-1, -1)
+        return lambda q, k, v: attention_fp8(q, k, v, is_causal=causal, window_size=window)
     if args.provider == "fa4":
         # FlashAttention-4 takes (B, S, H, D): main() makes its inputs in that layout, so no
         # transpose runs inside the profiled range.
@@ -159,7 +166,7 @@ def make_forward(args):
 
 def backend_context(provider: str):
     import contextlib
-    if provider in ("flash_cuda", "fa4", "sdpa"):
+    if provider in ("flash_cuda", "flash_cuda_fp8", "fa4", "sdpa"):
         return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel
     return sdpa_kernel({"sdpa_flash": SDPBackend.FLASH_ATTENTION,
@@ -191,6 +198,10 @@ def main(argv=None) -> int:
     gen.manual_seed(args.seed)
     shape = (B, S, H, D) if args.provider == "fa4" else (B, H, S, D)
     q, k, v, dout = (torch.randn(shape, device="cuda", dtype=dtype, generator=gen) for _ in range(4))
+    if args.provider == "flash_cuda_fp8":
+        if args.mode != "fwd":
+            raise SystemExit("--provider flash_cuda_fp8: the FP8 forward has no backward (--mode fwd)")
+        q, k, v = (t.to(torch.float8_e4m3fn) for t in (q, k, v))
     need_grad = args.mode != "fwd"
     if need_grad:
         for t in (q, k, v):

@@ -74,7 +74,7 @@ over batch and heads and loop in Python only over blocks.
 from __future__ import annotations
 
 import math
-from typing import List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -1491,19 +1491,25 @@ def attention_fp8_naive(q: Tensor, k: Tensor, v: Tensor, q_descale=None, k_desca
                         window_size: Sequence[int] = (-1, -1), softcap: float = 0.0,
                         alibi_slopes: Optional[Tensor] = None, sinks: Optional[Tensor] = None,
                         out_dtype: torch.dtype = torch.bfloat16, round_p: bool = True,
-                        p_offset: float = FP8_P_OFFSET) -> Tuple[Tensor, Tensor]:
+                        p_offset: float = FP8_P_OFFSET,
+                        matmul: Callable[[Tensor, Tensor], Tensor] = torch.matmul) -> Tuple[Tensor, Tensor]:
     """FP8 attention the plain way: the "naive attention in the same precision" whose error
     sets the FP8 forward's tolerance (the 2x rule against float64).
 
     q, k, v float8_e4m3fn ((B, Hq, Sq, D), (B, Hkv, Sk, D)); the descales as
-    :func:`fp8_descale` takes them. The inputs are dequantized to float32 (x8 * descale), the
-    whole logit matrix x = scale * q @ k^T is formed in float32 (softcap, ALiBi, mask as in
-    :func:`attention_naive`), and with m the row max of the visible logits (the sink left
+    :func:`fp8_descale` takes them. The whole logit matrix x = scale q_descale k_descale
+    (q8 @ k8^T) is formed in float32 (the stored values' product, then the descales; softcap,
+    ALiBi, mask as in :func:`attention_naive`), and with m the row max of the visible logits (the sink left
     out, as the blocked loop leaves it out of P's reference), p = exp(x - m) * 2^p_offset,
     l = rowsum(p) unrounded, out = (e4m3(p) @ v) / (l + 2^p_offset exp(sink - m)), lse =
     log(exp(m) l 2^-p_offset + exp(sink)). ``round_p=False`` skips the e4m3 rounding of p
     (the float32 attention of the dequantized inputs): the tests' witness that the rounding
-    is there. Returns out (B, Hq, Sq, D) in ``out_dtype``, lse (B, Hq, Sq) float32.
+    is there. ``matmul`` forms both products (q8 @ k8^T, and e4m3(p) @ v8 before v's descale)
+    from float32 tensors that hold e4m3 values: torch.matmul (exact products, float32 sums), or
+    on a GPU the FP8 tensor cores' product (tests/test_reference_fp8.py:
+    e4m3_tensor_core_matmul), whose sums keep fewer bits than float32's: the naive attention in
+    the precision the kernels run at. Returns out (B, Hq, Sq, D) in ``out_dtype``, lse (B, Hq,
+    Sq) float32.
     """
     _check_fp8_inputs(q=q, k=k, v=v)
     _check_fp8_options(out_dtype, p_offset, 0.0)
@@ -1513,10 +1519,10 @@ def attention_fp8_naive(q: Tensor, k: Tensor, v: Tensor, q_descale=None, k_desca
     f32 = torch.float32
     scale = _default_scale(scale, D)
     wl, wr = normalize_window(is_causal, window_size)
-    qg = dequantize_e4m3(_group_view(q, Hkv), qd.view(B, Hkv, 1, 1, 1))
-    kg = dequantize_e4m3(k, kd.view(B, Hkv, 1, 1)).unsqueeze(2)
-    vg = dequantize_e4m3(v, vd.view(B, Hkv, 1, 1)).unsqueeze(2)
-    x = torch.matmul(qg, kg.transpose(-1, -2)) * scale  # (B, Hkv, G, Sq, Sk)
+    qg = dequantize_e4m3(_group_view(q, Hkv))
+    kg = dequantize_e4m3(k).unsqueeze(2)
+    vg = dequantize_e4m3(v).unsqueeze(2)
+    x = matmul(qg, kg.transpose(-1, -2)) * (qd * kd).view(B, Hkv, 1, 1, 1) * scale  # (B, Hkv, G, Sq, Sk)
     if softcap > 0:
         x = torch.tanh(x / softcap) * softcap
     rows = torch.arange(Sq, device=q.device)
@@ -1533,7 +1539,7 @@ def attention_fp8_naive(q: Tensor, k: Tensor, v: Tensor, q_descale=None, k_desca
     if sink is not None:
         sink = sink.detach().unsqueeze(-1)
         l = l + torch.exp(sink - m) * 2.0 ** p_offset  # inf when the sink dwarfs the keys: out 0
-    acc = torch.matmul(e4m3_round(p) if round_p else p, vg)
+    acc = matmul(e4m3_round(p) if round_p else p, vg) * vd.view(B, Hkv, 1, 1, 1)
     has = l != 0
     out = torch.where(has, acc / torch.where(has, l, torch.ones_like(l)), torch.zeros_like(acc))
     lse = torch.where(has, m + torch.log(torch.where(has, l, torch.ones_like(l))) - p_offset * LN2,

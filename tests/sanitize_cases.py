@@ -324,13 +324,13 @@ def _run_dropout_case(case: Case, index: int, check: bool) -> None:
 
 def _run_fp8_case(case: Case, index: int, check: bool) -> None:
     """flash_cuda.fp8.attention_fp8 (forward only) on e4m3 inputs with (B, Hkv) descales, against float64
-    attention on the dequantized values within twice the naive FP8 attention's error (the rule of
-    tests/test_reference_fp8.py)."""
+    attention on the dequantized values within twice the naive FP8 attention's error, its products
+    on the tensor cores (the rule of tests/test_reference_fp8.py)."""
     import torch
 
     from flash_cuda.fp8 import attention_fp8
-    from flash_cuda.reference import attention_fp8_naive, attention_naive
-    from test_reference_fp8 import assert_rule, dequant64, make_fp8
+    from flash_cuda.reference import attention_naive
+    from test_reference_fp8 import assert_rule, dequant64, make_fp8, naive_fp8_on_gpu
 
     fp8, ds = make_fp8(case.B, case.Hq, case.Hkv, case.Sq, case.Sk, case.D, seed=index)
     dev = [t.to("cuda") for t in fp8]
@@ -339,7 +339,7 @@ def _run_fp8_case(case: Case, index: int, check: bool) -> None:
     torch.cuda.synchronize()
     if not check:
         return
-    nout, nlse = attention_fp8_naive(*fp8, *ds, **options)
+    nout, nlse = naive_fp8_on_gpu(fp8, ds, **options)
     rout, rlse = attention_naive(*(dequant64(t, d) for t, d in zip(fp8, ds)), **options)
     assert_rule(f"sanitize case {index} (fp8) out", out.cpu(), rout, nout)
     assert_rule(f"sanitize case {index} (fp8) lse", lse.cpu(), rlse, nlse, atol_rel=2.0 ** -18)

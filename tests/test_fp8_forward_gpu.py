@@ -1,7 +1,8 @@
 """flash_cuda.fp8.attention_fp8 on the GPU (Hopper): the FP8 (e4m3) forward against its specification,
 flash_cuda.reference.attention_fp8_forward_blocked, by the 2x rule: out and lse against float64
 attention on the dequantized inputs, within twice the error of the naive FP8 attention
-(reference.attention_fp8_naive) plus a small term (tests/test_reference_fp8.py: assert_rule).
+(reference.attention_fp8_naive, its products on the FP8 tensor cores as the kernel's are:
+test_reference_fp8.py, e4m3_tensor_core_matmul) plus a small term (assert_rule).
 Descales per tensor and per (batch, KV head), GQA, causal and windows, Sq != Sk, lengths that
 are no multiple of a tile, head dims 128 and 256, both output dtypes; rows that see no key; bad
 arguments (flash_cuda/fp8.py checks them before the launch)."""
@@ -12,10 +13,10 @@ import pytest
 import torch
 
 from flash_cuda.fp8 import attention_fp8
-from flash_cuda.reference import attention_fp8_naive, attention_naive
+from flash_cuda.reference import attention_naive
 
 from attn_check import hopper_skip_reason
-from test_reference_fp8 import F64, assert_rule, dequant64, make_fp8
+from test_reference_fp8 import F64, assert_rule, dequant64, make_fp8, naive_fp8_on_gpu
 
 _SKIP = hopper_skip_reason("the FP8 forward")
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_SKIP is not None, reason=str(_SKIP))]
@@ -33,7 +34,7 @@ def _check(B, Hq, Hkv, Sq, Sk, D, *, kind="bhkv", out_dtype=torch.bfloat16, seed
     (q8, k8, v8), dsd = _to_dev(fp8, ds)
     out, lse = attention_fp8(q8, k8, v8, *dsd, out_dtype=out_dtype, return_lse=True, **opts)
     assert out.dtype == out_dtype and out.shape == (B, Hq, Sq, D) and lse.shape == (B, Hq, Sq)
-    nout, nlse = attention_fp8_naive(*fp8, *ds, out_dtype=out_dtype, **opts)
+    nout, nlse = naive_fp8_on_gpu(fp8, ds, out_dtype=out_dtype, **opts)
     rout, rlse = attention_naive(dequant64(fp8[0], ds[0]), dequant64(fp8[1], ds[1]), dequant64(fp8[2], ds[2]),
                                  **opts)
     assert_rule("out", out.cpu(), rout, nout)

@@ -146,6 +146,36 @@ def assert_rule(name, x, ref, naive, atol_rel=2.0 ** -12, mask=None):
     return err, err_naive
 
 
+def e4m3_tensor_core_matmul(a, b):
+    """a @ b (batch dims broadcast) on the GPU's FP8 tensor cores, for float32 CUDA tensors that
+    hold e4m3 values: torch._scaled_mm with unit scales and the plain (fast) accumulation, the
+    one the FP8 forward's wgmma products run at. Those sums keep fewer bits than float32's (at
+    D 128 and logits near 300 the lse moves by about 0.1, the kernel's and this product's alike),
+    so on the GPU the naive FP8 attention takes its products here: the "naive attention in the
+    same precision" of the 2x rule."""
+    e4m3 = torch.float8_e4m3fn
+    a8, b8 = a.to(e4m3), b.to(e4m3)
+    assert torch.equal(a8.float(), a) and torch.equal(b8.float(), b), "operands must hold e4m3 values"
+    batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    (M, K), N = a.shape[-2:], b.shape[-1]
+    pm, pk, pn = (-M) % 16, (-K) % 16, (-N) % 16  # _scaled_mm's multiples of 16; zeros add nothing
+    a8 = torch.nn.functional.pad(a8.expand(*batch, M, K).reshape(-1, M, K).view(torch.uint8), (0, pk, 0, pm)).view(e4m3)
+    b8 = torch.nn.functional.pad(b8.expand(*batch, K, N).reshape(-1, K, N).view(torch.uint8), (0, pn, 0, pk)).view(e4m3)
+    one = torch.ones((), device=a.device)
+    out = torch.stack([torch._scaled_mm(x, y.t().contiguous().t(), scale_a=one, scale_b=one, out_dtype=torch.float32,
+                                        use_fast_accum=True) for x, y in zip(a8, b8)])
+    return out[:, :M, :N].reshape(*batch, M, N)
+
+
+def naive_fp8_on_gpu(fp8, ds, **opts):
+    """attention_fp8_naive on the GPU with the tensor cores' products (e4m3_tensor_core_matmul):
+    out and lse on the CPU."""
+    dev = [t.to("cuda") for t in fp8]
+    dds = [d if d is None else d.to("cuda") for d in ds]
+    out, lse = attention_fp8_naive(*dev, *dds, matmul=e4m3_tensor_core_matmul, **opts)
+    return out.cpu(), lse.cpu()
+
+
 def check_forward(fp8, ds, opts, block_m=64, block_n=64, out_dtype=torch.bfloat16, max_lag=0.0):
     """The blocked spec against float64 on the dequantized inputs, next to the naive FP8
     attention (the 2x rule, out and lse). Returns (err, naive err) of out."""

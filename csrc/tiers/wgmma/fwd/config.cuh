@@ -61,8 +61,8 @@ struct WsConfig {
   using Out = Out_;
   static constexpr bool kFp8 = sizeof(T_) == 1;
   static_assert(kFp8 || std::is_same<Out_, T_>::value, "16-bit inputs give O in their type");
-  static_assert(!kFp8 || (kHeadDim_ % 128 == 0 && kBlockN_ % 128 == 0 && kDepth_ == kHeadDim_ && kPolyEvery_ == 0),
-                "e4m3 tiles: 128-byte lines of Q, K and V^T, the whole depth");
+  static_assert(!kFp8 || (kHeadDim_ % 128 == 0 && kBlockN_ % 64 == 0 && kDepth_ == kHeadDim_ && kPolyEvery_ == 0),
+                "e4m3 tiles: 128-byte lines of Q and K, 128- or 64-byte lines of V^T, the whole depth");
   // Q's and K's slab width in elements: 128 bytes.
   static constexpr int kQSlabCols = kSlabCols * 2 / int(sizeof(T_));
   static constexpr int kHeadDim = kHeadDim_;
@@ -77,10 +77,12 @@ struct WsConfig {
   // A K / V stage (arch/sm90.cuh: Slabs): K in Q's 64-column slabs; V in the same, or where it is
   // narrower than the tiles (d = 96) in 32-column slabs with the 64-byte swizzle, whose three make
   // exactly 96 columns.
-  // e4m3: V^T, kVWidth rows (head dims) of the step's keys.
+  // e4m3: V^T, kVWidth rows (head dims) of the step's keys, in 128-key slabs (the 128-byte
+  // swizzle), or in 64-key ones (the 64-byte swizzle) where the step is no multiple of 128 keys.
   using KSlabs = Slabs<kBlockN_, kQSlabCols, kHeadDim_ / kQSlabCols, int(sizeof(T_))>;
+  static constexpr int kVtSlabKeys = kBlockN_ % 128 == 0 ? 128 : 64;
   using VSlabs = std::conditional_t<
-      kFp8, Slabs<kVWidth, kQSlabCols, kBlockN_ / kQSlabCols, 1>,
+      kFp8, Slabs<kVWidth, kVtSlabKeys, kBlockN_ / kVtSlabKeys, 1>,
       std::conditional_t<kVWidth == kHeadDim_, KSlabs, Slabs<kBlockN_, kSlabCols / 2, kVWidth / (kSlabCols / 2)>>>;
   static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "wgmma N");
   // k-steps of S = Q K^T (16 elements, 32 of e4m3) and of O += P V (P's A fragments).

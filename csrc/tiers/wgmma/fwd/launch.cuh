@@ -192,12 +192,13 @@ template <int kOutDType, int kHeadDim>
 bool run_fwd_sm90_fp8(const FwdParams& p, cudaStream_t stream) {
   static_assert(kHeadDim == 128 || kHeadDim == 256, "the FP8 buckets");
   using Out = typename ElementOf<kOutDType>::type;
-  using Cfg = sm90::ws::WsConfig<__nv_fp8_e4m3, kHeadDim, 128, 0, 2, 2, kHeadDim, false, Out>;
+  using Cfg = sm90::ws::WsConfig<__nv_fp8_e4m3, kHeadDim, (kHeadDim == 128 ? 192 : 128), 0, 2, 2, kHeadDim, false, Out>;
   auto kernel = sm90::ws::fwd_sm90_ws_kernel<Cfg, sm90::ws::kDefaultSchedule<Cfg>, /*kExt=*/false>;
   if (p.sm_arch != 90 || !sm90_kernel_built(kernel) || p.q_descale == nullptr || p.d != kHeadDim) return false;
   if (variant_of(p, /*backward=*/false) != kPlain || has_dropout(p)) return false;
   sm90::ws::TmaMaps maps;
-  if (!make_fp8_tensor_maps(p, &maps.q, &maps.k, &maps.v, Cfg::kBlockM, Cfg::kBlockN, Cfg::kVWidth)) return false;
+  if (!make_fp8_tensor_maps(p, &maps.q, &maps.k, &maps.v, Cfg::kBlockM, Cfg::kBlockN, Cfg::kVWidth,
+                            Cfg::VSlabs::kCols)) return false;
   maps.o_by_tma = Cfg::kStagedO && wgmma::ws_tma_store() && make_o_tensor_map(p, &maps.o, /*box_rows=*/16) ? 1 : 0;
   set_smem_limit(kernel, Cfg::kSmemBytes, "fwd_sm90_fp8");
   const int64_t tiles = int64_t(ceil_div(p.sq, Cfg::kBlockM)) * p.hq * p.b;

@@ -264,14 +264,14 @@ __device__ __forceinline__ void issue_qk(float (&sc)[1][Cfg::kNTiles][4], const 
 // Issues O += P V with P already in A fragments (one commit group): per k-step one wgmma of
 // N = kVWidth, V read MN-major from its slabs (at d = 96 one m64n96k16 over the three 64-byte-
 // swizzled 32-column slabs, whose LBO steps N from slab to slab: arch/sm90.cuh); e4m3: V^T read
-// K-major, 32 keys per k-step.
+// K-major from its 128- or 64-byte lines, 32 keys per k-step.
 template <typename Cfg>
 __device__ __forceinline__ void issue_weighted_v(float (&acc_o)[1][Cfg::kDTiles][4],
                                                  const uint32_t (&pa)[Cfg::kPSteps][4],
                                                  const typename Cfg::T* sV) {
   wgmma_fence();
   if constexpr (Cfg::kFp8) {
-    wgmma_rs<typename Cfg::T>(acc_o[0], pa, KMajor<Cfg::kVWidth>{sV, 0});
+    wgmma_rs<typename Cfg::T>(acc_o[0], pa, KMajorIn<Cfg::kVWidth, Cfg::VSlabs::kLineBytes>{sV, 0});
   } else if constexpr (Cfg::VSlabs::kCols == kSlabCols) {
     wgmma_rs<typename Cfg::T>(acc_o[0], pa, MNMajor<Cfg::kBlockN>{sV, 0});
   } else {

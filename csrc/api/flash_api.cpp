@@ -1053,6 +1053,13 @@ std::tuple<at::Tensor, at::Tensor> fwd_fp8(const at::Tensor& q_in, const at::Ten
   p.q_descale = q_descale.data_ptr<float>();
   p.k_descale = k_descale.data_ptr<float>();
   p.v_descale = v_descale.data_ptr<float>();
+  // The tile scheduler's counter (core/scheduler.cuh), as the 16-bit forward's (WgmmaFamily::plan):
+  // where the persistent grid has more tiles of 64 rows or more than SMs.
+  at::Tensor counter;
+  if ((s.Sq + 63) / 64 * s.Hq * s.B > p.num_sms) {
+    counter = zeroed_on_stream({1}, q_in.options().dtype(at::kInt));
+    p.tile_counter = counter.data_ptr<int>();
+  }
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream().stream();
   const bool bf16 = out_dtype == at::kBFloat16;
   const bool ran = s.D == 128 ? (bf16 ? run_fwd_sm90_fp8<kBF16, 128>(p, stream) : run_fwd_sm90_fp8<kF16, 128>(p, stream))

@@ -93,7 +93,8 @@ constexpr int kMinSectionBlocks = 32;
 inline int tile_section(const FwdParams& p, int group, int block_m) {
   if (ceil_div(p.sq, block_m) < kMinSectionBlocks) return 1;
   const int64_t pairs = int64_t(p.hq / group) * p.b;
-  const int64_t kv_bytes = int64_t(4) * p.sk * p.d * group / (p.hkv > 0 ? p.hq / p.hkv : 1);
+  const int64_t elem_bytes = p.q_descale != nullptr ? 1 : 2;  // e4m3 K and V (the FP8 forward), else 16-bit
+  const int64_t kv_bytes = 2 * elem_bytes * p.sk * p.d * group / (p.hkv > 0 ? p.hq / p.hkv : 1);
   const int64_t fit = kv_bytes > 0 ? kL2Budget / kv_bytes : pairs;
   return static_cast<int>(std::max<int64_t>(1, std::min(fit, pairs)));
 }

@@ -186,13 +186,14 @@ bool run_fwd_sm90_ws_dropout(const FwdParams& p, cudaStream_t stream) {
 
 // The FP8 forward (p.q_descale != nullptr; WsConfig's kFp8): e4m3 Q, K and V^T (fwd_fp8 in the
 // binding lays V out first, core/fp8_v_layout.cuh), O in kOutDType; dense batches without score
-// modifiers, 128-key steps, a persistent grid striding over the tiles. False, having launched
+// modifiers, 192-key steps at d = 128 (128 at d = 256), a persistent grid drawing tiles from the
+// binding's counter (core/scheduler.cuh). False, having launched
 // nothing, where it does not apply or TMA cannot address a view.
 template <int kOutDType, int kHeadDim>
 bool run_fwd_sm90_fp8(const FwdParams& p, cudaStream_t stream) {
   static_assert(kHeadDim == 128 || kHeadDim == 256, "the FP8 buckets");
   using Out = typename ElementOf<kOutDType>::type;
-  using Cfg = sm90::ws::WsConfig<__nv_fp8_e4m3, kHeadDim, (kHeadDim == 128 ? 192 : 128), 0, 2, 2, kHeadDim, false, Out>;
+  using Cfg = sm90::ws::WsConfig<__nv_fp8_e4m3, kHeadDim, wgmma::fwd_fp8_block_n(kHeadDim), 0, 2, 2, kHeadDim, false, Out>;
   auto kernel = sm90::ws::fwd_sm90_ws_kernel<Cfg, sm90::ws::kDefaultSchedule<Cfg>, /*kExt=*/false>;
   if (p.sm_arch != 90 || !sm90_kernel_built(kernel) || p.q_descale == nullptr || p.d != kHeadDim) return false;
   if (variant_of(p, /*backward=*/false) != kPlain || has_dropout(p)) return false;
@@ -205,7 +206,6 @@ bool run_fwd_sm90_fp8(const FwdParams& p, cudaStream_t stream) {
   const int grid = persistent_grid(tiles, p.num_sms, /*persistent=*/true);
   if (grid == 0) return false;
   FwdParams params = p;
-  params.tile_counter = nullptr;  // every gridDim.x-th tile (core/scheduler.cuh: TileScheduler)
   params.tile_section = tile_section(p, 1, Cfg::kBlockM);
   kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(params, maps);
   check_launch("fwd_sm90_fp8");

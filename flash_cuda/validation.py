@@ -55,9 +55,11 @@ def check_types(q, k, v, is_causal, return_lse, deterministic, prefix: str = PRE
 def check_dtypes(q: Tensor, k: Tensor, v: Tensor, prefix: str = PREFIX) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dtype not in SUPPORTED_DTYPES:
+            fp8 = " (FP8 e4m3 inputs: flash_cuda.attention_fp8, forward only, on Hopper)" \
+                if t.dtype == torch.float8_e4m3fn else ""
             raise TypeError(
                 f"{prefix}{name} has unsupported dtype {t.dtype}; "
-                f"supported dtypes are {_ACCEPTED_DTYPES}"
+                f"supported dtypes are {_ACCEPTED_DTYPES}{fp8}"
             )
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(

@@ -53,3 +53,13 @@ def test_no_backward_and_cuda_only():
         attention_fp8(qg, q, q)
     with pytest.raises(RuntimeError, match="must be CUDA tensors"):
         attention_fp8(q, q, q)
+
+
+def test_attention_points_fp8_inputs_to_attention_fp8():
+    import flash_cuda
+    q = _t(1, 2, 8, 128)
+    with pytest.raises(TypeError, match=r"float8_e4m3fn.*flash_cuda\.attention_fp8, forward only, on Hopper"):
+        flash_cuda.attention(q, q, q)
+    with pytest.raises(TypeError, match="supported dtypes") as e5m2:
+        flash_cuda.attention(*(q.to(torch.float8_e5m2),) * 3)
+    assert "attention_fp8" not in str(e5m2.value)

@@ -738,10 +738,9 @@ def test_spec_names_are_exported():
                  "FP8_P_OFFSET"):
         assert name in R.__all__
     import flash_cuda
-    # The FP8 forward (flash_cuda.fp8.attention_fp8) joins the top-level API once its kernel has passed
-    # its GPU tests (tests/test_fp8_forward_gpu.py), not before.
-    assert not any("fp8" in n.lower() or "e4m3" in n.lower() for n in flash_cuda.__all__), \
-        "FP8 joins the top-level API once its kernel has passed on a GPU"
+    from flash_cuda.fp8 import attention_fp8
+    # The FP8 forward is top-level API (its kernel passes tests/test_fp8_forward_gpu.py on Hopper).
+    assert "attention_fp8" in flash_cuda.__all__ and flash_cuda.attention_fp8 is attention_fp8
 
 
 @pytest.mark.parametrize("opts", [{}, {"is_causal": True, "window_size": (30, 0)}, {"softcap": 4.0}])

@@ -16,7 +16,8 @@ that are not behind a switch):
 Per cell (bf16 or fp16, B * S = --tokens, H * D = 2048, causal and not, the forward or with
 ``--mode bwd`` the backward alone, 2.5x the forward's FLOPs): the pooled
 median time of each side over the rounds (``triton.testing.do_bench``, L2 flushed; the order of the
-sides rotates by round), its TFLOPS, and rung time / default time (above 1: the default is faster);
+sides rotates by round), its TFLOPS, and rung time / default time (above 1: the default is faster;
+``--mode fp8``: the FP8 forward on the same inputs rounded to e4m3, descales 1);
 before timing, each side's error against float64 on one head beside naive attention's in the same
 dtype (FlashAttention's 2x rule; the backward: the largest error of dq, dk, dv). Without a GPU or an
 ablation build it says so and exits 2.
@@ -46,7 +47,8 @@ def parse_args(argv=None):
     ap.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
     ap.add_argument("--tokens", type=parse_size, default=16384, help="B * S of every cell (default 16k)")
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--mode", choices=["fwd", "bwd"], default="fwd")
+    ap.add_argument("--mode", choices=["fwd", "bwd", "fp8"], default="fwd",
+                    help="fp8: the FP8 forward (flash_cuda.attention_fp8) on the cells' inputs rounded to e4m3")
     ap.add_argument("--group", type=int, default=1,
                     help="query heads per KV head (GQA: K and V get H / group heads; default 1)")
     args = ap.parse_args(argv)
@@ -119,12 +121,19 @@ def accuracy(args, flash_cuda, torch, dtype, S, D, causal) -> str:
         set_switch(args, 0)
         naive_err = max((g.double() - r).abs().max().item() for g, r in zip(naive, ref))
         return f"grads: {_errs(errs)}, naive {naive_err:.2e}"
+    if args.mode == "fp8":  # e4m3 inputs; naive: the FP8 attention of flash_cuda.reference in float32
+        from flash_cuda.reference import attention_fp8_naive
+        q, k, v = (t.to(torch.float8_e4m3fn) for t in (q, k, v))
+        naive = attention_fp8_naive(q, k, v, is_causal=causal)[0].double()
+        call = flash_cuda.attention_fp8
+    else:
+        naive = (torch.softmax(scores(q, k, torch.float32), -1).to(dtype) @ rep(v)).double()
+        call = flash_cuda.attention
     ref = torch.softmax(scores(q, k, torch.float64), -1) @ rep(v).double()
-    naive = (torch.softmax(scores(q, k, torch.float32), -1).to(dtype) @ rep(v)).double()
     errs = []
     for side in range(len(args.rungs) + 1):
         set_switch(args, side)
-        errs.append((flash_cuda.attention(q, k, v, is_causal=causal).double() - ref).abs().max().item())
+        errs.append((call(q, k, v, is_causal=causal).double() - ref).abs().max().item())
     set_switch(args, 0)
     return f"{_errs(errs)}, naive {(naive - ref).abs().max().item():.2e}"
 
@@ -165,6 +174,8 @@ def main(argv=None) -> int:
     inputs = {x: [torch.randn(x[0], x[1] // (1 if i == 0 else args.group), x[2], x[3], device="cuda", dtype=dtype,
                               requires_grad=bwd)
                   for i in range(3)] for x in todo}
+    if args.mode == "fp8":
+        inputs = {x: [t.to(torch.float8_e4m3fn) for t in ts] for x, ts in inputs.items()}
     times = {x: [[] for _ in range(sides)] for x in todo}
     for r in range(args.rounds):
         for x in todo:
@@ -173,6 +184,8 @@ def main(argv=None) -> int:
                 out = flash_cuda.attention(q, k, v, is_causal=x[4])
                 dout = torch.randn_like(out)
                 fn = lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)  # noqa: E731
+            elif args.mode == "fp8":
+                fn = lambda: flash_cuda.attention_fp8(q, k, v, is_causal=x[4])  # noqa: E731
             else:
                 fn = lambda: flash_cuda.attention(q, k, v, is_causal=x[4])  # noqa: E731
             for side in side_order(sides, r):

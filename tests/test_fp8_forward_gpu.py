@@ -95,3 +95,16 @@ def test_bad_arguments():
         attention_fp8(q8, k8.to(torch.bfloat16), v8)
     with pytest.raises(ValueError, match="head_dim must be one of"):
         attention_fp8(*(t[..., :64] for t in (q8, k8, v8)))
+
+
+@pytest.mark.parametrize("block_n", ["128", "224"])
+@pytest.mark.parametrize("case", [(2, 4, 2, 300, 777, True), (1, 2, 2, 1000, 1000, False)])
+def test_key_step_rungs(monkeypatch, block_n, case):
+    # The ablation rung FLASH_CUDA_SM90_FP8_BLOCK_N (fwd/ablation.cuh): the d = 128 forward over 128
+    # or 224 keys per step (V^T in 128- or 32-key slabs) under the same rule as the default.
+    from flash_cuda import _ext
+    if not _ext.ablations():
+        pytest.skip("an ablation rung: this build has none (FLASH_CUDA_ABLATIONS=1 builds them)")
+    monkeypatch.setenv("FLASH_CUDA_SM90_FP8_BLOCK_N", block_n)
+    B, Hq, Hkv, Sq, Sk, causal = case
+    _check(B, Hq, Hkv, Sq, Sk, 128, is_causal=causal, seed=int(block_n) + Sq)

@@ -113,7 +113,7 @@ inline bool encode_rows_map(CUtensorMap* map, const void* base, CUtensorMapDataT
 }
 
 // An e4m3 tensor's rows for the FP8 forward (tiers/wgmma/fwd: WsConfig's kFp8): dimensions
-// (column, row, head, batch) of bytes, boxes of box_cols (128 or 64) columns x box_rows rows of
+// (column, row, head, batch) of bytes, boxes of box_cols (128, 64 or 32) columns x box_rows rows of
 // one head, with the swizzle of that line width: one slab of box_cols-byte lines (arch/sm90.cuh:
 // Slabs with 1-byte elements). Q and K (columns: head dims) and V^T (columns: keys, rows: head
 // dims; core/fp8_v_layout.cuh). Columns and rows past the extents land as zeros. False where TMA
@@ -121,11 +121,12 @@ inline bool encode_rows_map(CUtensorMap* map, const void* base, CUtensorMapDataT
 inline bool make_e4m3_row_tensor_map(CUtensorMap* map, const void* base, int cols, int rows, int heads, int batch,
                                      int64_t row_stride, int64_t head_stride, int64_t batch_stride, int box_rows,
                                      int box_cols = 128) {
-  if (box_rows < 1 || box_rows > 256 || (box_cols != 128 && box_cols != 64)) return false;
+  if (box_rows < 1 || box_rows > 256 || (box_cols != 128 && box_cols != 64 && box_cols != 32)) return false;
+  const CUtensorMapSwizzle swizzle = box_cols == 128  ? CU_TENSOR_MAP_SWIZZLE_128B
+                                     : box_cols == 64 ? CU_TENSOR_MAP_SWIZZLE_64B
+                                                      : CU_TENSOR_MAP_SWIZZLE_32B;
   return encode_rows_map(map, base, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, cols, rows, heads, batch, row_stride,
-                         head_stride, batch_stride, box_cols, box_rows,
-                         box_cols == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B,
-                         CU_TENSOR_MAP_L2_PROMOTION_L2_128B);
+                         head_stride, batch_stride, box_cols, box_rows, swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_128B);
 }
 
 // A map over a paged KV cache's rows for the split-KV decode (tiers/mma/decode.cuh:

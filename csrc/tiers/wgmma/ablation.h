@@ -37,6 +37,9 @@ inline int ws_exp2_poly_every() { return ablation_int("FLASH_CUDA_WS_EXP2_POLY",
 // FLASH_CUDA_WS_PACK_GQA=1 | 0: GQA packing wherever it can run, or never (unset: config.h's
 // pack_gqa).
 inline int ws_pack_gqa_force() { return ablation_int("FLASH_CUDA_WS_PACK_GQA", -1); }
+// FLASH_CUDA_SM90_FP8_BLOCK_N=128 | 224: the FP8 forward at d = 128 steps over 128 or 224 keys
+// instead of 192 (tile_policy.h: fwd_fp8_block_n).
+inline int fp8_block_n_override() { return ablation_int("FLASH_CUDA_SM90_FP8_BLOCK_N", 0); }
 // Whether a switch of a forward rung with tiles other than the default is set: GQA packing (which
 // runs the default tiles, overlapped) then stays off.
 inline bool fwd_rung_set() {

@@ -3,8 +3,8 @@
 // one configuration OPTIMIZATION.md measured against the default, chosen by its switch
 // (tiers/wgmma/ablation.h): the poly-exp2 share (d 64 / 128), and at d = 64 192-key steps, a
 // 4-stage ring, the tile height and the 192-row tiles' key step; at d = 96 P through shared memory; the serial schedule beside the overlapped one wherever both fit;
-// one CTA per tile instead of the persistent grid. Where no switch is set it launches what a
-// production build does (launch.cuh: with_fwd_tiles).
+// one CTA per tile instead of the persistent grid; the FP8 forward's key step at d = 128. Where no
+// switch is set it launches what a production build does (launch.cuh: with_fwd_tiles).
 #pragma once
 
 #include "../ablation.h"
@@ -80,6 +80,21 @@ bool run_fwd_sm90_ws_gqa(const FwdParams& p, cudaStream_t stream) {
 template <typename Cfg>
 bool run_fwd_sm90_ws_dropout(const FwdParams& p, cudaStream_t stream) {
   return launch_fwd_sm90_ws_dropout<Cfg>(p, stream, launch_options());
+}
+
+// The FP8 forward with FLASH_CUDA_SM90_FP8_BLOCK_N=128 | 224 at d = 128: the key step before
+// OPTIMIZATION.md step 61, or FlashAttention-3's FP8 step (V^T in 32-key slabs, the consumers at
+// 240 registers); else the production step (tile_policy.h: fwd_fp8_block_n).
+template <int kOutDType, int kHeadDim>
+bool run_fwd_sm90_fp8(const FwdParams& p, cudaStream_t stream) {
+  if constexpr (kHeadDim == 128) {
+    switch (switches::fp8_block_n_override()) {
+      case 128: return launch_fwd_sm90_fp8<kOutDType, 128, 128>(p, stream);
+      case 224: return launch_fwd_sm90_fp8<kOutDType, 128, 224>(p, stream);
+      default: break;
+    }
+  }
+  return launch_fwd_sm90_fp8<kOutDType, kHeadDim, wgmma::fwd_fp8_block_n(kHeadDim)>(p, stream);
 }
 
 }  // namespace ablation

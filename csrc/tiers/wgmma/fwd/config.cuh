@@ -61,8 +61,8 @@ struct WsConfig {
   using Out = Out_;
   static constexpr bool kFp8 = sizeof(T_) == 1;
   static_assert(kFp8 || std::is_same<Out_, T_>::value, "16-bit inputs give O in their type");
-  static_assert(!kFp8 || (kHeadDim_ % 128 == 0 && kBlockN_ % 64 == 0 && kDepth_ == kHeadDim_ && kPolyEvery_ == 0),
-                "e4m3 tiles: 128-byte lines of Q and K, 128- or 64-byte lines of V^T, the whole depth");
+  static_assert(!kFp8 || (kHeadDim_ % 128 == 0 && kBlockN_ % 32 == 0 && kDepth_ == kHeadDim_ && kPolyEvery_ == 0),
+                "e4m3 tiles: 128-byte lines of Q and K, 128-, 64- or 32-byte lines of V^T, the whole depth");
   // Q's and K's slab width in elements: 128 bytes.
   static constexpr int kQSlabCols = kSlabCols * 2 / int(sizeof(T_));
   static constexpr int kHeadDim = kHeadDim_;
@@ -78,9 +78,10 @@ struct WsConfig {
   // narrower than the tiles (d = 96) in 32-column slabs with the 64-byte swizzle, whose three make
   // exactly 96 columns.
   // e4m3: V^T, kVWidth rows (head dims) of the step's keys, in 128-key slabs (the 128-byte
-  // swizzle), or in 64-key ones (the 64-byte swizzle) where the step is no multiple of 128 keys.
+  // swizzle), or in 64- or 32-key ones (the 64- / 32-byte swizzle) where the step is no multiple
+  // of 128 (of 64) keys.
   using KSlabs = Slabs<kBlockN_, kQSlabCols, kHeadDim_ / kQSlabCols, int(sizeof(T_))>;
-  static constexpr int kVtSlabKeys = kBlockN_ % 128 == 0 ? 128 : 64;
+  static constexpr int kVtSlabKeys = kBlockN_ % 128 == 0 ? 128 : (kBlockN_ % 64 == 0 ? 64 : 32);
   using VSlabs = std::conditional_t<
       kFp8, Slabs<kVWidth, kVtSlabKeys, kBlockN_ / kVtSlabKeys, 1>,
       std::conditional_t<kVWidth == kHeadDim_, KSlabs, Slabs<kBlockN_, kSlabCols / 2, kVWidth / (kSlabCols / 2)>>>;
@@ -110,9 +111,10 @@ struct WsConfig {
   // sequence's offsets, lengths and mask per tile) in 40, which up to d = 192 it keeps. At
   // d = 256 the overlapped consumers need 240 for the 64 x 256 O accumulator beside two S tiles
   // (232 spills), which leaves the producer 24, enough for a dense batch only; the serial-only
-  // instances (the extended ones, packed batches among them) keep 232 / 40. Three consumer
-  // warpgroups (d = 64): 24 / 160.
-  static constexpr bool kWideOverlap = kHeadDim_ > 192 && !kSerialOnly_;
+  // instances (the extended ones, packed batches among them) keep 232 / 40. So do the FP8
+  // forward's 224-key steps at d = 128 (an ablation rung; 232 spills beside O, S and P). Three
+  // consumer warpgroups (d = 64): 24 / 160.
+  static constexpr bool kWideOverlap = (kHeadDim_ > 192 || (kFp8 && kBlockN_ > 192)) && !kSerialOnly_;
   static constexpr int kProducerRegs = kConsumerWGs == 3 ? 24 : (kWideOverlap ? 24 : 40);
   static constexpr int kConsumerRegs = kConsumerWGs == 3 ? 160 : (kWideOverlap ? 240 : 232);
   // The consumers re-derive per tile what their tile loop would otherwise keep live across it

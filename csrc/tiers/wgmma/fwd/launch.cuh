@@ -186,14 +186,13 @@ bool run_fwd_sm90_ws_dropout(const FwdParams& p, cudaStream_t stream) {
 
 // The FP8 forward (p.q_descale != nullptr; WsConfig's kFp8): e4m3 Q, K and V^T (fwd_fp8 in the
 // binding lays V out first, core/fp8_v_layout.cuh), O in kOutDType; dense batches without score
-// modifiers, 192-key steps at d = 128 (128 at d = 256), a persistent grid drawing tiles from the
-// binding's counter (core/scheduler.cuh). False, having launched
-// nothing, where it does not apply or TMA cannot address a view.
-template <int kOutDType, int kHeadDim>
-bool run_fwd_sm90_fp8(const FwdParams& p, cudaStream_t stream) {
-  static_assert(kHeadDim == 128 || kHeadDim == 256, "the FP8 buckets");
+// modifiers, kBlockN-key steps (tile_policy.h: fwd_fp8_block_n), a persistent grid drawing tiles
+// from the binding's counter (core/scheduler.cuh). False, having launched nothing, where it does
+// not apply or TMA cannot address a view.
+template <int kOutDType, int kHeadDim, int kBlockN>
+bool launch_fwd_sm90_fp8(const FwdParams& p, cudaStream_t stream) {
   using Out = typename ElementOf<kOutDType>::type;
-  using Cfg = sm90::ws::WsConfig<__nv_fp8_e4m3, kHeadDim, wgmma::fwd_fp8_block_n(kHeadDim), 0, 2, 2, kHeadDim, false, Out>;
+  using Cfg = sm90::ws::WsConfig<__nv_fp8_e4m3, kHeadDim, kBlockN, 0, 2, 2, kHeadDim, false, Out>;
   auto kernel = sm90::ws::fwd_sm90_ws_kernel<Cfg, sm90::ws::kDefaultSchedule<Cfg>, /*kExt=*/false>;
   if (p.sm_arch != 90 || !sm90_kernel_built(kernel) || p.q_descale == nullptr || p.d != kHeadDim) return false;
   if (variant_of(p, /*backward=*/false) != kPlain || has_dropout(p)) return false;
@@ -210,6 +209,25 @@ bool run_fwd_sm90_fp8(const FwdParams& p, cudaStream_t stream) {
   kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(params, maps);
   check_launch("fwd_sm90_fp8");
   return true;
+}
+
+namespace sm90 {
+namespace ws {
+namespace ablation {
+template <int kOutDType, int kHeadDim>
+bool run_fwd_sm90_fp8(const FwdParams& p, cudaStream_t stream);
+}  // namespace ablation
+}  // namespace ws
+}  // namespace sm90
+
+template <int kOutDType, int kHeadDim>
+bool run_fwd_sm90_fp8(const FwdParams& p, cudaStream_t stream) {
+  static_assert(kHeadDim == 128 || kHeadDim == 256, "the FP8 buckets");
+  if constexpr (kAblations) {
+    return sm90::ws::ablation::run_fwd_sm90_fp8<kOutDType, kHeadDim>(p, stream);
+  } else {
+    return launch_fwd_sm90_fp8<kOutDType, kHeadDim, wgmma::fwd_fp8_block_n(kHeadDim)>(p, stream);
+  }
 }
 
 }  // namespace flash_cuda

@@ -186,12 +186,14 @@ def fp8_fn(call: Call):
     """(q8, k8, v8) -> out of flash_cuda's FP8 forward (e4m3 inputs made by measure()); what it lacks raises."""
     if call.mode != "fwd":
         raise NotImplementedError("the FP8 forward has no backward")
-    if call.varlen or call.softcap or call.alibi or call.dropout or call.sinks:
-        raise NotImplementedError("the FP8 forward takes dense calls with a causal mask or a window only")
+    if call.varlen or call.alibi or call.dropout or call.sinks:
+        raise NotImplementedError("the FP8 forward takes dense calls with a causal mask, a window or softcap only")
     load_flash_cuda()
     from flash_cuda.fp8 import attention_fp8
-    window = {"window_size": call.window} if call.window != (-1, -1) else {}
-    return lambda q, k, v: attention_fp8(q, k, v, is_causal=call.causal, **window)
+    opts = {"window_size": call.window} if call.window != (-1, -1) else {}
+    if call.softcap:
+        opts["softcap"] = float(call.softcap)
+    return lambda q, k, v: attention_fp8(q, k, v, is_causal=call.causal, **opts)
 
 
 def make_fn(call: Call, cu, device, dtype):

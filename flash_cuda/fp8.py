@@ -30,10 +30,10 @@ def _fail(kind, msg: str):
     raise kind(PREFIX + msg)
 
 
-def _check(q, k, v, q_descale, k_descale, v_descale, is_causal, scale, window_size, out_dtype,
+def _check(q, k, v, q_descale, k_descale, v_descale, is_causal, scale, window_size, softcap, out_dtype,
            return_lse) -> Tuple[Tuple[Tensor, Tensor, Tensor], tuple]:
     """Every check of attention_fp8's arguments; returns the descales as (batch, kv_heads)
-    float32 tensors and the extension's (scale, window_left, window_right, out_dtype)."""
+    float32 tensors and the extension's (scale, window_left, window_right, softcap, out_dtype)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor):
             _fail(TypeError, f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -66,7 +66,7 @@ def _check(q, k, v, q_descale, k_descale, v_descale, is_causal, scale, window_si
         _fail(TypeError, f"return_lse must be a bool, got {type(return_lse).__name__}")
     if not (is_causal is True or is_causal is False):
         _fail(TypeError, f"is_causal must be a bool, got {type(is_causal).__name__}")
-    opts = check_score_options(D, scale, is_causal, window_size, 0.0, PREFIX)
+    opts = check_score_options(D, scale, is_causal, window_size, softcap, PREFIX)
     if opts.scale < 0:
         _fail(ValueError, f"scale must be >= 0 for FP8 inputs, got {opts.scale}")
     if any(t.requires_grad for t in (q, k, v)):
@@ -79,12 +79,12 @@ def _check(q, k, v, q_descale, k_descale, v_descale, is_causal, scale, window_si
         _fail(RuntimeError, f"the FP8 forward runs on Hopper GPUs (compute capability 9.0), got {major}.{minor}")
     ds = tuple(fp8_descales(d, name, B, Hkv, q.device, prefix=PREFIX)
                for d, name in ((q_descale, "q_descale"), (k_descale, "k_descale"), (v_descale, "v_descale")))
-    return ds, (float(opts.scale), int(opts.window_left), int(opts.window_right), out_dtype)
+    return ds, (float(opts.scale), int(opts.window_left), int(opts.window_right), float(opts.softcap), out_dtype)
 
 
 def attention_fp8(q: Tensor, k: Tensor, v: Tensor, q_descale=None, k_descale=None, v_descale=None, *,
                   is_causal: bool = False, scale: Optional[float] = None, window_size: Tuple[int, int] = (-1, -1),
-                  out_dtype: torch.dtype = torch.bfloat16,
+                  softcap: float = 0.0, out_dtype: torch.dtype = torch.bfloat16,
                   return_lse: bool = False) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     r"""Attention on FP8 (e4m3) inputs, forward only, on Hopper GPUs.
 
@@ -97,7 +97,8 @@ def attention_fp8(q: Tensor, k: Tensor, v: Tensor, q_descale=None, k_descale=Non
             None (1), a float or a float32 tensor of shape () / (1,) per tensor, or a float32
             ``(batch, kv_heads)`` tensor on q's device (the query heads of a group share their KV
             head's), as FlashAttention-3 takes them.
-        is_causal, scale, window_size: as :func:`flash_cuda.attention`.
+        is_causal, scale, window_size, softcap: as :func:`flash_cuda.attention` (softcap on
+            the dequantized logits: ``c * tanh(scale * q.k / c)``).
         out_dtype: ``torch.bfloat16`` (default) or ``torch.float16``.
         return_lse: also return the float32 ``(batch, heads, seqlen_q)`` log-sum-exp of the
             scaled logits (in the dequantized values' units).
@@ -117,7 +118,7 @@ def attention_fp8(q: Tensor, k: Tensor, v: Tensor, q_descale=None, k_descale=Non
         RuntimeError: not CUDA tensors on one device, a GPU other than Hopper, inputs that
             require grad, or the extension is not built.
     """
-    (qd, kd, vd), args = _check(q, k, v, q_descale, k_descale, v_descale, is_causal, scale, window_size,
+    (qd, kd, vd), args = _check(q, k, v, q_descale, k_descale, v_descale, is_causal, scale, window_size, softcap,
                                 out_dtype, return_lse)
     out, lse = _ext.require().fwd_fp8(q, k, v, qd, kd, vd, *args)
     return (out, lse) if return_lse else out

@@ -240,6 +240,8 @@ CASES: List[Case] = [
     # partial blocks, Sq != Sk, rows without keys; d = 256 with a window ----
     Case("float8_e4m3fn", 2, 4, 2, 300, 200, 128, True),
     Case("float8_e4m3fn", 1, 2, 2, 257, 700, 256, False, window=(100, 30)),
+    # ---- the FP8 forward with softcap (its kExt kernel) ----
+    Case("float8_e4m3fn", 2, 4, 2, 333, 517, 128, True, softcap=30.0),
 ]
 
 
@@ -334,7 +336,7 @@ def _run_fp8_case(case: Case, index: int, check: bool) -> None:
 
     fp8, ds = make_fp8(case.B, case.Hq, case.Hkv, case.Sq, case.Sk, case.D, seed=index)
     dev = [t.to("cuda") for t in fp8]
-    options = dict(is_causal=case.causal, window_size=case.window)
+    options = dict(is_causal=case.causal, window_size=case.window, softcap=case.softcap)
     out, lse = attention_fp8(*dev, *(d.to("cuda") for d in ds), return_lse=True, **options)
     torch.cuda.synchronize()
     if not check:

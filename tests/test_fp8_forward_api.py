@@ -44,6 +44,10 @@ def test_options():
         attention_fp8(q, q, q, is_causal=1)
     with pytest.raises(ValueError, match="window"):
         attention_fp8(q, q, q, window_size=(-2, 0))
+    with pytest.raises(ValueError, match="softcap must be a finite real number >= 0"):
+        attention_fp8(q, q, q, softcap=-1.0)
+    with pytest.raises(TypeError, match="softcap must be a finite real number"):
+        attention_fp8(q, q, q, softcap="30")
 
 
 def test_no_backward_and_cuda_only():

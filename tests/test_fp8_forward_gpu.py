@@ -3,7 +3,7 @@ flash_cuda.reference.attention_fp8_forward_blocked, by the 2x rule: out and lse 
 attention on the dequantized inputs, within twice the error of the naive FP8 attention
 (reference.attention_fp8_naive, its products on the FP8 tensor cores as the kernel's are:
 test_reference_fp8.py, e4m3_tensor_core_matmul) plus a small term (assert_rule).
-Descales per tensor and per (batch, KV head), GQA, causal and windows, Sq != Sk, lengths that
+Descales per tensor and per (batch, KV head), GQA, causal and windows, softcap, Sq != Sk, lengths that
 are no multiple of a tile, head dims 128 and 256, both output dtypes; rows that see no key; bad
 arguments (flash_cuda/fp8.py checks them before the launch)."""
 
@@ -62,6 +62,14 @@ def test_out_dtypes(out_dtype):
 @pytest.mark.parametrize("window", [(64, 0), (100, 37), (-1, 50)])
 def test_windows(window):
     _check(1, 4, 2, 700, 650, 128, window_size=window, seed=window[0] + 5)
+
+
+@pytest.mark.parametrize("softcap,causal,D", [(30.0, True, 128), (5.0, False, 256), (50.0, False, 128)])
+def test_softcap(softcap, causal, D):
+    # Softcap on the dequantized logits (scale q_descale k_descale q8.k8), then the mask; the
+    # default descales' spread makes logits near 300, so 5 and 30 cap hard.
+    _check(2, 4, 2, 333, 517, D, is_causal=causal, softcap=softcap, seed=int(softcap) + D)
+    _check(1, 2, 2, 200, 200, D, kind="tensor", softcap=softcap, window_size=(50, 10), seed=3)
 
 
 def test_rows_without_keys():

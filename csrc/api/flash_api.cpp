@@ -995,14 +995,14 @@ at::Tensor dropout_mask(int64_t batch, int64_t heads, int64_t sq, int64_t sk, in
 at::Tensor fp8_v_layout(const at::Tensor& v);
 
 // out, lse = fwd_fp8(q, k, v, q_descale, k_descale, v_descale, scale, window_left, window_right,
-//                    out_dtype): the FP8 forward on Hopper (tiers/wgmma/fwd: WsConfig's kFp8), dense
-// batches. q (B, Hq, Sq, D), k / v (B, Hkv, Sk, D) float8_e4m3fn; the descales float32 (B, Hkv)
+//                    softcap, out_dtype): the FP8 forward on Hopper (tiers/wgmma/fwd: WsConfig's kFp8),
+// dense batches, softcap (> 0) on the dequantized logits. q (B, Hq, Sq, D), k / v (B, Hkv, Sk, D) float8_e4m3fn; the descales float32 (B, Hkv)
 // (flash_cuda/reference.py: fp8_descale); D 128 or 256; out (B, Hq, Sq, D) in out_dtype (bfloat16
 // or float16), lse float32 (B, Hq, Sq). V is laid out for the P V product first (fp8_v_layout).
 std::tuple<at::Tensor, at::Tensor> fwd_fp8(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
                                            const at::Tensor& q_descale, const at::Tensor& k_descale,
                                            const at::Tensor& v_descale, double scale, int64_t window_left,
-                                           int64_t window_right, at::ScalarType out_dtype) {
+                                           int64_t window_right, double softcap, at::ScalarType out_dtype) {
   const char* kWhat = "flash_cuda.attention_fp8";
   FLASH_CHECK(q_in.is_cuda() && k_in.is_cuda() && v_in.is_cuda(), kWhat, ": q, k, v must be CUDA tensors");
   FLASH_CHECK(q_in.device() == k_in.device() && q_in.device() == v_in.device(), kWhat,
@@ -1025,6 +1025,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_fp8(const at::Tensor& q_in, const at::Ten
               ": batch and heads must be < 65536, sequence lengths < 2^31");
   FLASH_CHECK(std::isfinite(scale) && scale >= 0, kWhat, ": scale must be finite and >= 0, got ", scale);
   FLASH_CHECK(window_left >= -1 && window_right >= -1, kWhat, ": window sizes must be >= -1");
+  FLASH_CHECK(std::isfinite(softcap) && softcap >= 0, kWhat, ": softcap must be finite and >= 0, got ", softcap);
   for (const at::Tensor* d : {&q_descale, &k_descale, &v_descale}) {
     FLASH_CHECK(d->scalar_type() == at::kFloat && d->is_contiguous() && d->device() == q_in.device() &&
                     d->dim() == 2 && d->size(0) == s.B && d->size(1) == s.Hkv,
@@ -1048,6 +1049,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_fp8(const at::Tensor& q_in, const at::Ten
   MaskArgs m;
   m.window_left = window_left;
   m.window_right = window_right;
+  m.softcap = softcap;
   FwdParams p;
   fill_fwd(p, s, m, q, k, vt, out, lse, scale);
   p.q_descale = q_descale.data_ptr<float>();
@@ -1156,7 +1158,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fwd_fp8", &flash_cuda::fwd_fp8,
         "the FP8 (e4m3) forward on Hopper: (out, lse); descales float32 (batch, kv_heads)", py::arg("q"),
         py::arg("k"), py::arg("v"), py::arg("q_descale"), py::arg("k_descale"), py::arg("v_descale"),
-        py::arg("scale"), py::arg("window_left"), py::arg("window_right"), py::arg("out_dtype"));
+        py::arg("scale"), py::arg("window_left"), py::arg("window_right"), py::arg("softcap"),
+        py::arg("out_dtype"));
   m.def("fp8_v_layout", &flash_cuda::fp8_v_layout,
         "V (batch, kv_heads, seqlen_k, head_dim) e4m3 laid out for the FP8 forward's P V product");
 }

@@ -193,8 +193,9 @@ __device__ __forceinline__ void fwd_ws_block(const FwdParams& p, const TmaMaps& 
     cv.scale_log2 = p.scale_log2;
     if constexpr (Cfg::kFp8) {
       // e4m3 inputs: the scores' factor times fp32(q_descale k_descale) of the tile's (batch, KV
-      // head) (flash_cuda/reference.py: attention_fp8_forward_blocked).
-      static_assert(!kExt && !kPackGqa && !kDrop, "the FP8 forward: dense batches without score modifiers");
+      // head) (flash_cuda/reference.py: attention_fp8_forward_blocked); the modifiers (kExt:
+      // softcap) then act on the dequantized logits, as they take this factor first.
+      static_assert(!kPackGqa && !kDrop, "the FP8 forward: dense batches without dropout");
       const int bkv = tile.b * p.hkv + int(unsigned(tile.h) / (unsigned(p.hq) / unsigned(p.hkv)));
       cv.scale_log2 = p.scale_log2 * (p.q_descale[bkv] * p.k_descale[bkv]);
     }

@@ -21,7 +21,7 @@ from ._ext import is_available, unavailable_reason
 from .interface import (KERNELS, MAX_HEAD_DIM, MIN_HEAD_DIM, SUPPORTED_DTYPES, attention,
                         varlen_attention)
 from .kvcache import attention_with_kvcache
-from .fp8 import attention_fp8
+from .fp8 import attention_fp8, varlen_attention_fp8
 from . import reference
 
 __version__ = "0.1.0"
@@ -31,6 +31,7 @@ __all__ = [
     "varlen_attention",
     "attention_with_kvcache",
     "attention_fp8",
+    "varlen_attention_fp8",
     "is_available",
     "unavailable_reason",
     "reference",

@@ -1614,14 +1614,15 @@ def attention_fp8_varlen_naive(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Te
                                window_size: Sequence[int] = (-1, -1), softcap: float = 0.0,
                                alibi_slopes: Optional[Tensor] = None, sinks: Optional[Tensor] = None,
                                out_dtype: torch.dtype = torch.bfloat16, round_p: bool = True,
-                               p_offset: float = FP8_P_OFFSET) -> Tuple[Tensor, Tensor]:
+                               p_offset: float = FP8_P_OFFSET,
+                               matmul: Callable[[Tensor, Tensor], Tensor] = torch.matmul) -> Tuple[Tensor, Tensor]:
     """:func:`attention_fp8_naive` over a packed batch (q (total_q, Hq, D), k / v (total_k,
-    Hkv, D), all float8_e4m3fn); (B, Hkv) descales have one row per sequence. Returns out
-    (total_q, Hq, D) in ``out_dtype`` and lse (Hq, total_q) float32."""
+    Hkv, D), all float8_e4m3fn); (B, Hkv) descales have one row per sequence; ``matmul`` as
+    there. Returns out (total_q, Hq, D) in ``out_dtype`` and lse (Hq, total_q) float32."""
     return _varlen_fp8(attention_fp8_naive, q, k, v, cu_seqlens_q, cu_seqlens_k, q_descale, k_descale,
                        v_descale, out_dtype, alibi_slopes, is_causal=is_causal,
                        scale=_default_scale(scale, q.shape[-1]), window_size=window_size,
-                       softcap=softcap, sinks=sinks, round_p=round_p, p_offset=p_offset)
+                       softcap=softcap, sinks=sinks, round_p=round_p, p_offset=p_offset, matmul=matmul)
 
 
 def attention_fp8_varlen_forward_blocked(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,

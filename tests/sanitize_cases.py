@@ -240,8 +240,10 @@ CASES: List[Case] = [
     # partial blocks, Sq != Sk, rows without keys; d = 256 with a window ----
     Case("float8_e4m3fn", 2, 4, 2, 300, 200, 128, True),
     Case("float8_e4m3fn", 1, 2, 2, 257, 700, 256, False, window=(100, 30)),
-    # ---- the FP8 forward with softcap (its kExt kernel) ----
+    # ---- the FP8 forward with softcap (its kExt kernel), and a packed FP8 batch (V in one slot per
+    # sequence; an empty query sequence, boxes that read into the next sequence) ----
     Case("float8_e4m3fn", 2, 4, 2, 333, 517, 128, True, softcap=30.0),
+    Case("float8_e4m3fn", 4, 4, 2, 300, 400, 128, True, varlen=((5, 0, 300, 129), (9, 3, 257, 400))),
 ]
 
 
@@ -334,9 +336,17 @@ def _run_fp8_case(case: Case, index: int, check: bool) -> None:
     from flash_cuda.reference import attention_naive
     from test_reference_fp8 import assert_rule, dequant64, make_fp8, naive_fp8_on_gpu
 
+    options = dict(is_causal=case.causal, window_size=case.window, softcap=case.softcap)
+    if case.varlen is not None:  # varlen_attention_fp8 (tests/test_fp8_forward_gpu.py: _check_varlen checks it)
+        from test_fp8_forward_gpu import _check_varlen, _run_varlen
+        if check:
+            _check_varlen(*case.varlen, case.Hq, case.Hkv, case.D, seed=index, **options)
+        else:
+            _run_varlen(*case.varlen, case.Hq, case.Hkv, case.D, seed=index, **options)
+            torch.cuda.synchronize()
+        return
     fp8, ds = make_fp8(case.B, case.Hq, case.Hkv, case.Sq, case.Sk, case.D, seed=index)
     dev = [t.to("cuda") for t in fp8]
-    options = dict(is_causal=case.causal, window_size=case.window, softcap=case.softcap)
     out, lse = attention_fp8(*dev, *(d.to("cuda") for d in ds), return_lse=True, **options)
     torch.cuda.synchronize()
     if not check:

@@ -735,13 +735,14 @@ def test_ab_builds_paired_times_alternate_the_builds_call_by_call():
 
 
 def test_fp8_provider_refuses_what_the_fp8_forward_lacks(run):
-    """flash_cuda_fp8 is a forward-only, dense provider: other calls become 'unsupported' cells."""
+    """flash_cuda_fp8 is a forward-only, dense provider with softcap the one score modifier: other
+    calls become 'unsupported' cells."""
     M = run.M
 
     assert "flash_cuda_fp8" in M.PROVIDERS
     for call in (M.Call("flash_cuda_fp8", 128, 16, False, "bwd", (1024,)),
                  M.Call("flash_cuda_fp8", 128, 16, False, "fwd", (512, 512), varlen=True),
-                 M.Call("flash_cuda_fp8", 128, 16, True, "fwd", (1024,), softcap=30.0)):
+                 M.Call("flash_cuda_fp8", 128, 16, True, "fwd", (1024,), alibi=True)):
         with pytest.raises(NotImplementedError):
             M.fp8_fn(call)
         assert M.classify_error(NotImplementedError("x")).startswith("unsupported")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flash_cuda.fp8 import attention_fp8
+from flash_cuda.fp8 import attention_fp8, varlen_attention_fp8
 
 E4M3 = torch.float8_e4m3fn
 
@@ -67,3 +67,27 @@ def test_attention_points_fp8_inputs_to_attention_fp8():
     with pytest.raises(TypeError, match="supported dtypes") as e5m2:
         flash_cuda.attention(*(q.to(torch.float8_e5m2),) * 3)
     assert "attention_fp8" not in str(e5m2.value)
+
+
+def test_varlen_checks():
+    q = _t(10, 2, 128)
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"varlen_attention_fp8: q, k, v must be 3-d \(total, heads, head_dim\)"):
+        varlen_attention_fp8(_t(1, 10, 2, 128), q, q, cu, cu, 6, 6)
+    with pytest.raises(TypeError, match="cu_seqlens_q must be an int32 tensor"):
+        varlen_attention_fp8(q, q, q, cu.long(), cu, 6, 6)
+    with pytest.raises(ValueError, match="same length"):
+        varlen_attention_fp8(q, q, q, cu, cu[:2], 6, 6)
+    with pytest.raises(TypeError, match="max_seqlen_k must be a Python int"):
+        varlen_attention_fp8(q, q, q, cu, cu, 6, 6.0)
+    with pytest.raises(TypeError, match="only the e4m3 FP8 format"):
+        varlen_attention_fp8(q, q.to(torch.float8_e5m2), q, cu, cu, 6, 6)
+    with pytest.raises(RuntimeError, match="must be CUDA tensors"):
+        varlen_attention_fp8(q, q, q, cu, cu, 6, 6)
+
+
+def test_batch_times_kv_heads_is_bounded():
+    # V's layout launch takes a (batch, KV head) per grid z index: refused before anything runs.
+    q = torch.empty(0).to(E4M3).new_empty((65536, 1, 1, 128))
+    with pytest.raises(ValueError, match=r"batch \* kv_heads \(65536 \* 1\) must be at most 65535"):
+        attention_fp8(q, q, q)

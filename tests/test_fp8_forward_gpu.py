@@ -4,19 +4,20 @@ attention on the dequantized inputs, within twice the error of the naive FP8 att
 (reference.attention_fp8_naive, its products on the FP8 tensor cores as the kernel's are:
 test_reference_fp8.py, e4m3_tensor_core_matmul) plus a small term (assert_rule).
 Descales per tensor and per (batch, KV head), GQA, causal and windows, softcap, Sq != Sk, lengths that
-are no multiple of a tile, head dims 128 and 256, both output dtypes; rows that see no key; bad
-arguments (flash_cuda/fp8.py checks them before the launch)."""
+are no multiple of a tile, head dims 128 and 256, both output dtypes; rows that see no key; packed
+batches (varlen_attention_fp8); bad arguments (flash_cuda/fp8.py checks them before the launch)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from flash_cuda.fp8 import attention_fp8
-from flash_cuda.reference import attention_naive
+from flash_cuda.fp8 import attention_fp8, varlen_attention_fp8
+from flash_cuda.reference import attention_fp8_varlen_naive, attention_naive
 
 from attn_check import hopper_skip_reason
-from test_reference_fp8 import F64, assert_rule, dequant64, make_fp8, naive_fp8_on_gpu
+from test_reference_fp8 import (F64, assert_rule, dequant64, e4m3_tensor_core_matmul, make_fp8, make_varlen_fp8,
+                                naive_fp8_on_gpu)
 
 _SKIP = hopper_skip_reason("the FP8 forward")
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_SKIP is not None, reason=str(_SKIP))]
@@ -116,3 +117,51 @@ def test_key_step_rungs(monkeypatch, block_n, case):
     monkeypatch.setenv("FLASH_CUDA_SM90_FP8_BLOCK_N", block_n)
     B, Hq, Hkv, Sq, Sk, causal = case
     _check(B, Hq, Hkv, Sq, Sk, 128, is_causal=causal, seed=int(block_n) + Sq)
+
+
+def _run_varlen(lens_q, lens_k, Hq, Hkv, D, seed=0, **opts):
+    """varlen_attention_fp8 on make_varlen_fp8's packed batch: the inputs (CPU), their device
+    copies, and (out, lse)."""
+    (q8, k8, v8), ds, cu_q, cu_k = make_varlen_fp8(lens_q, lens_k, Hq, Hkv, D, seed=seed)
+    dev = [t.to(DEV) for t in (q8, k8, v8)]
+    dsd = [d.to(DEV) for d in ds]
+    out, lse = varlen_attention_fp8(*dev, cu_q.to(DEV), cu_k.to(DEV), max(lens_q), max(lens_k), *dsd,
+                                    return_lse=True, check_cu_seqlens=True, **opts)
+    return (q8, k8, v8), ds, cu_q, cu_k, dev, dsd, out, lse
+
+
+def _check_varlen(lens_q, lens_k, Hq, Hkv, D, seed=0, **opts):
+    """varlen_attention_fp8 against float64 attention per sequence, within twice the error of the
+    naive FP8 attention on the tensor cores (each sequence as attention_fp8 would take it alone)."""
+    (q8, k8, v8), ds, cu_q, cu_k, dev, dsd, out, lse = _run_varlen(lens_q, lens_k, Hq, Hkv, D, seed, **opts)
+    assert out.shape == q8.shape and lse.shape == (Hq, sum(lens_q))
+    nout, nlse = attention_fp8_varlen_naive(*dev, cu_q.to(DEV), cu_k.to(DEV), *dsd, matmul=e4m3_tensor_core_matmul,
+                                            **opts)
+    rout = torch.zeros(q8.shape, dtype=F64)
+    rlse = torch.full((Hq, sum(lens_q)), float("-inf"), dtype=F64)
+    for b in range(len(lens_q)):
+        qa, qb, ka, kb = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), int(cu_k[b + 1])
+        seq = [dequant64(t[a:e].transpose(0, 1).unsqueeze(0), d[b:b + 1])
+               for t, a, e, d in ((q8, qa, qb, ds[0]), (k8, ka, kb, ds[1]), (v8, ka, kb, ds[2]))]
+        o, l = attention_naive(*seq, **opts)
+        rout[qa:qb] = o[0].transpose(0, 1)
+        rlse[:, qa:qb] = l[0]
+    assert_rule("out", out.cpu(), rout, nout.cpu())
+    assert_rule("lse", lse.cpu(), rlse, nlse.cpu(), atol_rel=2.0 ** -18)
+
+
+@pytest.mark.parametrize("D", [128, 256])
+@pytest.mark.parametrize("opts", [{}, {"is_causal": True}, {"window_size": (70, 20)}, {"softcap": 30.0, "is_causal": True}])
+def test_varlen(D, opts):
+    # Lengths off the tiles' edges, an empty query sequence, Sq > Sk (rows without keys under the
+    # causal mask), one sequence longer than a key step, GQA.
+    _check_varlen([5, 0, 300, 129, 40], [9, 3, 257, 400, 1], 4, 2, D, seed=D, **opts)
+
+
+def test_varlen_one_sequence_is_dense():
+    (q8, k8, v8), ds, cu_q, cu_k = make_varlen_fp8([333], [517], 4, 2, 128, seed=5)
+    dev = [t.to(DEV) for t in (q8, k8, v8)]
+    dsd = [d.to(DEV) for d in ds]
+    packed = varlen_attention_fp8(*dev, cu_q.to(DEV), cu_k.to(DEV), 333, 517, *dsd, is_causal=True)
+    dense = attention_fp8(*(t.transpose(0, 1).unsqueeze(0) for t in dev), *dsd, is_causal=True)
+    assert torch.equal(packed, dense[0].transpose(0, 1))

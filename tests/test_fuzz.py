@@ -462,9 +462,12 @@ def test_sanitize_cases_are_valid():
     import sanitize_cases as sc
 
     for c in sc.CASES:
-        if c.dtype == "float8_e4m3fn":  # the FP8 forward: its head dims, forward only, no score modifier
-            assert c.D in (128, 256) and c.Hq % c.Hkv == 0 and not (c.dlse or c.softcap or c.alibi or c.varlen
-                                                                   or c.dropout or c.sinks or c.deterministic)
+        if c.dtype == "float8_e4m3fn":  # the FP8 forward: its head dims, forward only, softcap the one modifier
+            assert c.D in (128, 256) and c.Hq % c.Hkv == 0 and c.softcap >= 0
+            assert not (c.dlse or c.alibi or c.dropout or c.sinks or c.deterministic)
+            if c.varlen:
+                lq, lk = c.varlen
+                assert len(lq) == len(lk) == c.B and max(lq) == c.Sq and max(lk) == c.Sk
             continue
         assert c.dtype in DTYPES and c.D % 8 == 0 and 8 <= c.D <= 256 and c.Hq % c.Hkv == 0
         assert c.window[0] >= -1 and c.window[1] >= -1 and not (c.causal and c.window[1] > 0)

@@ -158,6 +158,8 @@ def e4m3_tensor_core_matmul(a, b):
     assert torch.equal(a8.float(), a) and torch.equal(b8.float(), b), "operands must hold e4m3 values"
     batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
     (M, K), N = a.shape[-2:], b.shape[-1]
+    if M == 0 or N == 0 or K == 0:
+        return a.new_zeros(*batch, M, N)
     pm, pk, pn = (-M) % 16, (-K) % 16, (-N) % 16  # _scaled_mm's multiples of 16; zeros add nothing
     a8 = torch.nn.functional.pad(a8.expand(*batch, M, K).reshape(-1, M, K).view(torch.uint8), (0, pk, 0, pm)).view(e4m3)
     b8 = torch.nn.functional.pad(b8.expand(*batch, K, N).reshape(-1, K, N).view(torch.uint8), (0, pn, 0, pk)).view(e4m3)
@@ -740,7 +742,9 @@ def test_spec_names_are_exported():
     import flash_cuda
     from flash_cuda.fp8 import attention_fp8
     # The FP8 forward is top-level API (its kernel passes tests/test_fp8_forward_gpu.py on Hopper).
+    from flash_cuda.fp8 import varlen_attention_fp8
     assert "attention_fp8" in flash_cuda.__all__ and flash_cuda.attention_fp8 is attention_fp8
+    assert "varlen_attention_fp8" in flash_cuda.__all__ and flash_cuda.varlen_attention_fp8 is varlen_attention_fp8
 
 
 @pytest.mark.parametrize("opts", [{}, {"is_causal": True, "window_size": (30, 0)}, {"softcap": 4.0}])

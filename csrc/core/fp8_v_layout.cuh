@@ -7,7 +7,9 @@
 // e4m3_pv_key, a permutation within each 32-key k-step), so that P goes from the accumulator to
 // the product without moving between lanes. The rows sk .. sk_pad - 1 of a head (the last k-step's
 // keys past the sequence) are written as zeros: their probabilities are 0, and 0 x NaN of a stale
-// byte would not be.
+// byte would not be. A packed batch (cu_seqlens) gets one slot of sk_pad keys per sequence, as if
+// dense with sk its longest length: each sequence's keys from position 0, zeros after them, so a
+// key block never reads another sequence's values.
 //
 // One CTA moves a 64-key x 64-dim block of one (batch, KV head): each thread loads 16 bytes of V
 // (a row's 16 dims), the block is transposed through shared memory, and each thread stores 16
@@ -36,12 +38,19 @@ __global__ void __launch_bounds__(kFp8VThreads) fp8_v_layout_kernel(const Fp8VLa
   __shared__ T tile[kFp8VBlock][kFp8VBlock + 16];
   const int bh = blockIdx.z, bi = bh / p.hkv, h = bh % p.hkv;
   const int key0 = blockIdx.x * kFp8VBlock, dim0 = blockIdx.y * kFp8VBlock;
-  const T* v = static_cast<const T*>(p.v) + bi * p.v_batch_stride + h * p.v_head_stride;
+  int64_t first = int64_t(bi) * p.v_batch_stride;  // the sequence's first row, as an offset
+  int len = p.sk;
+  if (p.cu_seqlens != nullptr) {
+    const int start = min(max(p.cu_seqlens[bi], 0), p.rows);
+    len = min(min(p.cu_seqlens[bi + 1], p.rows) - start, p.sk);
+    first = int64_t(start) * p.v_row_stride;
+  }
+  const T* v = static_cast<const T*>(p.v) + first + h * p.v_head_stride;
   {
     const int r = threadIdx.x / 4, c = (threadIdx.x % 4) * 16;  // 64 rows x 4 chunks of 16 bytes
     const int key = key0 + r, dim = dim0 + c;
     uint4 x = make_uint4(0u, 0u, 0u, 0u);
-    if (key < p.sk && dim < p.d) x = *reinterpret_cast<const uint4*>(v + key * p.v_row_stride + dim);
+    if (key < len && dim < p.d) x = *reinterpret_cast<const uint4*>(v + key * p.v_row_stride + dim);
     *reinterpret_cast<uint4*>(&tile[r][c]) = x;
   }
   __syncthreads();

@@ -279,6 +279,10 @@ struct Fp8VLayoutParams {
   int64_t v_batch_stride = 0, v_head_stride = 0, v_row_stride = 0;  // elements (bytes)
   void* vt = nullptr;                                                 // contiguous [b][hkv][d][sk_pad]
   int b = 0, hkv = 0, sk = 0, d = 0, sk_pad = 0;                      // sk_pad: sk rounded up to 32
+  // A packed batch (v (rows, hkv, d)): sequence bi's keys are rows cu_seqlens[bi] ..
+  // cu_seqlens[bi + 1] - 1 (clamped to rows), laid out in slot bi of sk_pad keys; nullptr: dense.
+  const int* cu_seqlens = nullptr;
+  int rows = 0;
 };
 
 // Which gradients the call computes (BwdParams: dq / dk / dv nullptr = not wanted).

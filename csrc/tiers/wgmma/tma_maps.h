@@ -47,14 +47,16 @@ inline bool make_o_tensor_map(const FwdParams& p, CUtensorMap* o, int box_rows) 
 }
 
 // The FP8 forward's maps (p.q_descale != nullptr; tiers/wgmma/fwd: WsConfig's kFp8): Q and K
-// over their e4m3 bytes, V^T over [b][hkv][d][v_row_stride] (core/fp8_v_layout.cuh) in boxes of
-// v_rows head dims x v_cols keys; dense batches. O's map is make_o_tensor_map's (p.dtype: O's type).
+// over their e4m3 bytes (a packed batch's over all its rows: MapRows), V^T over
+// [b][hkv][d][v_row_stride] (core/fp8_v_layout.cuh; a packed batch's one slot per sequence) in
+// boxes of v_rows head dims x v_cols keys. O's map is make_o_tensor_map's (p.dtype: O's type).
 inline bool make_fp8_tensor_maps(const FwdParams& p, CUtensorMap* q, CUtensorMap* k, CUtensorMap* v, int block_m,
                                  int block_n, int v_rows, int v_cols) {
-  return make_e4m3_row_tensor_map(q, p.q, p.d, p.sq, p.hq, p.b, p.q_row_stride, p.q_head_stride, p.q_batch_stride,
-                                  block_m) &&
-         make_e4m3_row_tensor_map(k, p.k, p.d, p.sk, p.hkv, p.b, p.k_row_stride, p.k_head_stride, p.k_batch_stride,
-                                  block_n) &&
+  const MapRows rows = MapRows::of(p);
+  return make_e4m3_row_tensor_map(q, p.q, p.d, rows.q, p.hq, rows.batch, p.q_row_stride, p.q_head_stride,
+                                  p.q_batch_stride, block_m) &&
+         make_e4m3_row_tensor_map(k, p.k, p.d, rows.k, p.hkv, rows.batch, p.k_row_stride, p.k_head_stride,
+                                  p.k_batch_stride, block_n) &&
          make_e4m3_row_tensor_map(v, p.v, static_cast<int>(p.v_row_stride), p.d, p.hkv, p.b, p.v_row_stride,
                                   p.v_head_stride, p.v_batch_stride, v_rows, v_cols);
 }

@@ -87,7 +87,9 @@ bool run_fwd_sm90_ws_dropout(const FwdParams& p, cudaStream_t stream) {
 // 240 registers); else the production step (tile_policy.h: fwd_fp8_block_n).
 template <int kOutDType, int kHeadDim>
 bool run_fwd_sm90_fp8(const FwdParams& p, cudaStream_t stream) {
-  if (p.softcap > 0.f) return launch_fwd_sm90_fp8<kOutDType, kHeadDim, wgmma::fwd_fp8_block_n(kHeadDim), true>(p, stream);
+  if (variant_of(p, /*backward=*/false) == kExtended) {
+    return launch_fwd_sm90_fp8<kOutDType, kHeadDim, wgmma::fwd_fp8_block_n(kHeadDim), true>(p, stream);
+  }
   if constexpr (kHeadDim == 128) {
     switch (switches::fp8_block_n_override()) {
       case 128: return launch_fwd_sm90_fp8<kOutDType, 128, 128, false>(p, stream);

@@ -78,7 +78,7 @@ __device__ __forceinline__ void store_tile_output(float (&acc_o)[1][Cfg::kDTiles
   // e4m3 inputs: O = acc (1 / l) v_descale of the tile's (batch, KV head).
   float out_scale = 1.f;
   if constexpr (Cfg::kFp8) {
-    static_assert(!kPackGqa, "the FP8 forward: one head per tile (dense batches: the launcher's test)");
+    static_assert(!kPackGqa, "the FP8 forward: one head per tile");
     out_scale = p.v_descale[tile.b * p.hkv + int(unsigned(tile.h) / (unsigned(p.hq) / unsigned(p.hkv)))];
   }
   T* sO_warp = sO + cwarp * 16 * kSlabCols;

@@ -120,7 +120,7 @@ __device__ __forceinline__ void fwd_ws_block(const FwdParams& p, const TmaMaps& 
           // A GQA-packed tile's h is its KV head; its Q box starts at the group's first query head.
           const int h_kv = kPackGqa ? tile.h : int(unsigned(tile.h) / (unsigned(p.hq) / unsigned(p.hkv)));
           const TileCoords at{w.seq.q_start + w.q0, w.seq.k_start, kPackGqa ? tile.h << shift : tile.h, h_kv,
-                              packed ? 0 : tile.b};
+                              packed ? 0 : tile.b, tile.b};
           // Rows of the last block that are the sequence's, where its box would read on into
           // rows that are not its keys: another sequence's, or those past its seqused_k (rows
           // past the tensor's end TMA fills with zeros itself).
@@ -195,7 +195,7 @@ __device__ __forceinline__ void fwd_ws_block(const FwdParams& p, const TmaMaps& 
       // e4m3 inputs: the scores' factor times fp32(q_descale k_descale) of the tile's (batch, KV
       // head) (flash_cuda/reference.py: attention_fp8_forward_blocked); the modifiers (kExt:
       // softcap) then act on the dequantized logits, as they take this factor first.
-      static_assert(!kPackGqa && !kDrop, "the FP8 forward: dense batches without dropout");
+      static_assert(!kPackGqa && !kDrop, "the FP8 forward: one head per tile, no dropout");
       const int bkv = tile.b * p.hkv + int(unsigned(tile.h) / (unsigned(p.hq) / unsigned(p.hkv)));
       cv.scale_log2 = p.scale_log2 * (p.q_descale[bkv] * p.k_descale[bkv]);
     }

@@ -185,8 +185,8 @@ bool run_fwd_sm90_ws_dropout(const FwdParams& p, cudaStream_t stream) {
 }
 
 // The FP8 forward (p.q_descale != nullptr; WsConfig's kFp8): e4m3 Q, K and V^T (fwd_fp8 in the
-// binding lays V out first, core/fp8_v_layout.cuh), O in kOutDType; dense batches without score
-// modifiers but softcap (the kExt kernel), kBlockN-key steps (tile_policy.h: fwd_fp8_block_n), a
+// binding lays V out first, core/fp8_v_layout.cuh), O in kOutDType; dense or packed batches, softcap
+// the one modifier (the kExt kernel serves both), kBlockN-key steps (tile_policy.h: fwd_fp8_block_n), a
 // persistent grid drawing tiles from the binding's counter (core/scheduler.cuh). False, having
 // launched nothing, where it does not apply or TMA cannot address a view.
 template <int kOutDType, int kHeadDim, int kBlockN, bool kExt>
@@ -195,7 +195,7 @@ bool launch_fwd_sm90_fp8(const FwdParams& p, cudaStream_t stream) {
   using Cfg = sm90::ws::WsConfig<__nv_fp8_e4m3, kHeadDim, kBlockN, 0, 2, 2, kHeadDim, false, Out>;
   auto kernel = sm90::ws::fwd_sm90_ws_kernel<Cfg, sm90::ws::kDefaultSchedule<Cfg>, kExt>;
   if (p.sm_arch != 90 || !sm90_kernel_built(kernel) || p.q_descale == nullptr || p.d != kHeadDim) return false;
-  if (p.cu_seqlens_q != nullptr || p.seqused_k != nullptr || p.alibi_slopes != nullptr || has_dropout(p)) return false;
+  if (p.seqused_k != nullptr || p.alibi_slopes != nullptr || has_dropout(p)) return false;
   if ((variant_of(p, /*backward=*/false) == kExtended) != kExt) return false;
   sm90::ws::TmaMaps maps;
   if (!make_fp8_tensor_maps(p, &maps.q, &maps.k, &maps.v, Cfg::kBlockM, Cfg::kBlockN, Cfg::kVWidth,
@@ -228,8 +228,8 @@ bool run_fwd_sm90_fp8(const FwdParams& p, cudaStream_t stream) {
     return sm90::ws::ablation::run_fwd_sm90_fp8<kOutDType, kHeadDim>(p, stream);
   } else {
     constexpr int kBlockN = wgmma::fwd_fp8_block_n(kHeadDim);
-    return p.softcap > 0.f ? launch_fwd_sm90_fp8<kOutDType, kHeadDim, kBlockN, true>(p, stream)
-                           : launch_fwd_sm90_fp8<kOutDType, kHeadDim, kBlockN, false>(p, stream);
+    return variant_of(p, /*backward=*/false) == kExtended ? launch_fwd_sm90_fp8<kOutDType, kHeadDim, kBlockN, true>(p, stream)
+                                                         : launch_fwd_sm90_fp8<kOutDType, kHeadDim, kBlockN, false>(p, stream);
   }
 }
 

@@ -102,8 +102,11 @@ __device__ __forceinline__ bool issuing_lane() { return threadIdx.x % 32 == 0; }
 // sequence's keys, the heads and the batch coordinate. A dense map has a batch dimension and
 // rows per sequence; a packed map runs over every row (batch extent 1), where a sequence
 // starts at its q_start / k_start.
+// Where a tile's boxes start: Q's and K's rows (a packed sequence's first row added), heads, the
+// maps' batch coordinate (0 for a packed batch), and the sequence (batch entry) itself, which
+// V^T's slots are indexed by (the FP8 forward).
 struct TileCoords {
-  int q_row, k_row, h, h_kv, b;
+  int q_row, k_row, h, h_kv, b, seq;
 };
 
 // Loads K or V of key block nb into ring position i, as soon as the consumers freed its stage:
@@ -168,8 +171,8 @@ __device__ __forceinline__ void load_vt(const CUtensorMap* map, const Ring<Cfg>&
   mbarrier_arrive_expect_tx(&ring.v_full[s], V::kBytes);
 #pragma unroll
   for (int c = 0; c < V::kSlabs; ++c) {
-    tma_load_4d(ring.sV + s * V::kElems + c * V::kSlabElems, map, &ring.v_full[s], at.k_row + nb * Cfg::kBlockN + c * V::kCols,
-                0, at.h_kv, at.b);
+    tma_load_4d(ring.sV + s * V::kElems + c * V::kSlabElems, map, &ring.v_full[s], nb * Cfg::kBlockN + c * V::kCols,
+                0, at.h_kv, at.seq);
   }
 }
 

@@ -995,35 +995,62 @@ at::Tensor dropout_mask(int64_t batch, int64_t heads, int64_t sq, int64_t sk, in
 at::Tensor fp8_v_layout(const at::Tensor& v);
 at::Tensor fp8_v_layout_impl(const at::Tensor& v, const at::Tensor* cu_seqlens_k, int64_t batch, int64_t max_seqlen_k);
 
-// out, lse = fwd_fp8(q, k, v, q_descale, k_descale, v_descale, scale, window_left, window_right,
-//                    softcap, out_dtype): the FP8 forward on Hopper (tiers/wgmma/fwd: WsConfig's kFp8),
-// dense batches, softcap (> 0) on the dequantized logits. q (B, Hq, Sq, D), k / v (B, Hkv, Sk, D) float8_e4m3fn; the descales float32 (B, Hkv)
-// (flash_cuda/reference.py: fp8_descale); D 128 or 256; out (B, Hq, Sq, D) in out_dtype (bfloat16
-// or float16), lse float32 (B, Hq, Sq). V is laid out for the P V product first (fp8_v_layout).
-std::tuple<at::Tensor, at::Tensor> fwd_fp8(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
-                                           const at::Tensor& q_descale, const at::Tensor& k_descale,
-                                           const at::Tensor& v_descale, double scale, int64_t window_left,
-                                           int64_t window_right, double softcap, at::ScalarType out_dtype) {
-  const char* kWhat = "flash_cuda.attention_fp8";
+// The FP8 forward on Hopper (tiers/wgmma/fwd: WsConfig's kFp8) behind fwd_fp8 (cu_seqlens nullptr:
+// dense q (B, Hq, Sq, D), k / v (B, Hkv, Sk, D)) and fwd_fp8_varlen (packed q (total_q, Hq, D), k / v
+// (total_k, Hkv, D), a descale row per sequence): float8_e4m3fn operands, float32 (B, Hkv)
+// descales (flash_cuda/reference.py: fp8_descale), D 128 or 256, softcap (> 0) on the dequantized
+// logits; out in out_dtype (bfloat16 or float16) with q's shape, lse float32 (B, Hq, Sq) or (Hq,
+// total_q). V is laid out for the P V product first (fp8_v_layout_impl: a packed batch's in one
+// slot of max_seqlen_k keys per sequence).
+std::tuple<at::Tensor, at::Tensor> fp8_forward(const char* kWhat, const at::Tensor& q_in, const at::Tensor& k_in,
+                                               const at::Tensor& v_in, const at::Tensor* cu_seqlens_q,
+                                               const at::Tensor* cu_seqlens_k, int64_t max_seqlen_q,
+                                               int64_t max_seqlen_k, const at::Tensor& q_descale,
+                                               const at::Tensor& k_descale, const at::Tensor& v_descale, double scale,
+                                               int64_t window_left, int64_t window_right, double softcap,
+                                               at::ScalarType out_dtype) {
+  const bool varlen = cu_seqlens_q != nullptr;
   FLASH_CHECK(q_in.is_cuda() && k_in.is_cuda() && v_in.is_cuda(), kWhat, ": q, k, v must be CUDA tensors");
   FLASH_CHECK(q_in.device() == k_in.device() && q_in.device() == v_in.device(), kWhat,
               ": q, k, v must be on the same device");
   for (const at::Tensor* t : {&q_in, &k_in, &v_in}) {
     FLASH_CHECK(t->scalar_type() == at::kFloat8_e4m3fn, kWhat, ": q, k, v must be float8_e4m3fn, got ",
                 t->scalar_type());
-    FLASH_CHECK(t->dim() == 4, kWhat, ": q, k, v must be 4-d (batch, heads, seq, head_dim)");
+    FLASH_CHECK(t->dim() == (varlen ? 3 : 4), kWhat,
+                varlen ? ": q, k, v must be 3-d (total, heads, head_dim)" : ": q, k, v must be 4-d (batch, heads, seq, head_dim)");
     FLASH_CHECK(t->stride(-1) == 1, kWhat, ": the last dimension of q, k, v must be contiguous (stride 1)");
   }
   FLASH_CHECK(k_in.sizes() == v_in.sizes(), kWhat, ": k and v shapes differ");
   FLASH_CHECK(out_dtype == at::kBFloat16 || out_dtype == at::kHalf, kWhat,
               ": out_dtype must be bfloat16 or float16, got ", out_dtype);
-  const Shape s = Shape::dense(q_in, k_in);
-  FLASH_CHECK(k_in.size(0) == s.B && k_in.size(3) == s.D, kWhat, ": q, k, v batch sizes or head dims differ");
+  Shape s;
+  if (varlen) {
+    for (const at::Tensor* c : {cu_seqlens_q, cu_seqlens_k}) {
+      FLASH_CHECK(c->scalar_type() == at::kInt && c->dim() == 1 && c->is_contiguous() && c->device() == q_in.device(),
+                  kWhat, ": cu_seqlens must be contiguous 1-d int32 tensors on q's device");
+    }
+    FLASH_CHECK(cu_seqlens_q->size(0) == cu_seqlens_k->size(0) && cu_seqlens_q->size(0) >= 2, kWhat,
+                ": cu_seqlens_q and cu_seqlens_k must both have batch + 1 >= 2 entries");
+    FLASH_CHECK(max_seqlen_q >= 0 && max_seqlen_k >= 0, kWhat, ": max_seqlen must be >= 0");
+    s.varlen = true;
+    s.B = cu_seqlens_q->size(0) - 1;
+    s.Hq = q_in.size(1);
+    s.Hkv = k_in.size(1);
+    s.D = q_in.size(2);
+    s.rows_q = q_in.size(0);
+    s.rows_k = k_in.size(0);
+    s.Sq = std::min(max_seqlen_q, s.rows_q);
+    s.Sk = std::min(max_seqlen_k, s.rows_k);
+    FLASH_CHECK(k_in.size(2) == s.D, kWhat, ": q, k, v head dims differ");
+  } else {
+    s = Shape::dense(q_in, k_in);
+    FLASH_CHECK(k_in.size(0) == s.B && k_in.size(3) == s.D, kWhat, ": q, k, v batch sizes or head dims differ");
+  }
   FLASH_CHECK(s.Hkv > 0 && s.Hq % s.Hkv == 0, kWhat, ": query heads (", s.Hq,
               ") must be a multiple of key/value heads (", s.Hkv, ")");
   FLASH_CHECK(s.D == 128 || s.D == 256, kWhat, ": head_dim must be 128 or 256, got ", s.D);
-  FLASH_CHECK(s.B < 65536 && s.Hq < 65536 && s.Sq < (int64_t(1) << 31) && s.Sk < (int64_t(1) << 31) - 64, kWhat,
-              ": batch and heads must be < 65536, sequence lengths < 2^31");
+  FLASH_CHECK(s.B < 65536 && s.Hq < 65536 && s.rows_q < (int64_t(1) << 31) && s.rows_k < (int64_t(1) << 31) - 64,
+              kWhat, ": batch and heads must be < 65536, sequence lengths and row counts < 2^31");
   FLASH_CHECK(std::isfinite(scale) && scale >= 0, kWhat, ": scale must be finite and >= 0, got ", scale);
   FLASH_CHECK(window_left >= -1 && window_right >= -1, kWhat, ": window sizes must be >= -1");
   FLASH_CHECK(std::isfinite(softcap) && softcap >= 0, kWhat, ": softcap must be finite and >= 0, got ", softcap);
@@ -1038,21 +1065,32 @@ std::tuple<at::Tensor, at::Tensor> fwd_fp8(const at::Tensor& q_in, const at::Ten
               prop->major, ".", prop->minor);
 
   const c10::cuda::CUDAGuard guard(q_in.device());
-  at::Tensor out = at::empty({s.B, s.Hq, s.Sq, s.D}, q_in.options().dtype(out_dtype));
+  at::Tensor out = at::empty(q_in.sizes(), q_in.options().dtype(out_dtype));
   at::Tensor lse = at::empty(s.lse_shape(), q_in.options().dtype(at::kFloat));
   if (s.empty()) {
     out.zero_();
     lse.fill_(-INFINITY);
     return {out, lse};
   }
-  const at::Tensor q = aligned(q_in), k = aligned(k_in);
-  const at::Tensor vt = fp8_v_layout(aligned(v_in));
+  const at::Tensor q = aligned(q_in), k = aligned(k_in), v = aligned(v_in);
+  const at::Tensor vt = fp8_v_layout_impl(v, cu_seqlens_k, s.B, s.Sk);
   MaskArgs m;
   m.window_left = window_left;
   m.window_right = window_right;
   m.softcap = softcap;
+  if (varlen) {
+    m.cu_seqlens_q = *cu_seqlens_q;
+    m.cu_seqlens_k = *cu_seqlens_k;
+    m.max_seqlen_q = max_seqlen_q;
+    m.max_seqlen_k = max_seqlen_k;
+  }
   FwdParams p;
-  fill_fwd(p, s, m, q, k, vt, out, lse, scale);
+  fill_fwd(p, s, m, q, k, v, out, lse, scale);
+  // V^T [b][hkv][d][sk_pad] in V's place (tiers/wgmma/tma_maps.h: make_fp8_tensor_maps).
+  p.v = vt.data_ptr();
+  p.v_batch_stride = vt.stride(0);
+  p.v_head_stride = vt.stride(1);
+  p.v_row_stride = vt.stride(2);
   p.q_descale = q_descale.data_ptr<float>();
   p.k_descale = k_descale.data_ptr<float>();
   p.v_descale = v_descale.data_ptr<float>();
@@ -1072,106 +1110,28 @@ std::tuple<at::Tensor, at::Tensor> fwd_fp8(const at::Tensor& q_in, const at::Ten
   return {out, lse};
 }
 
+// out, lse = fwd_fp8(q, k, v, q_descale, k_descale, v_descale, scale, window_left, window_right,
+//                    softcap, out_dtype): fp8_forward on a dense batch.
+std::tuple<at::Tensor, at::Tensor> fwd_fp8(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                           const at::Tensor& q_descale, const at::Tensor& k_descale,
+                                           const at::Tensor& v_descale, double scale, int64_t window_left,
+                                           int64_t window_right, double softcap, at::ScalarType out_dtype) {
+  return fp8_forward("flash_cuda.attention_fp8", q, k, v, nullptr, nullptr, 0, 0, q_descale, k_descale, v_descale,
+                     scale, window_left, window_right, softcap, out_dtype);
+}
+
 // out, lse = fwd_fp8_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q_descale,
 //                           k_descale, v_descale, scale, window_left, window_right, softcap, out_dtype):
-// fwd_fp8 over a packed batch, q (total_q, Hq, D), k / v (total_k, Hkv, D) float8_e4m3fn, the
-// descales (batch, Hkv) with a row per sequence; out (total_q, Hq, D), lse float32 (Hq, total_q).
-// V is laid out in one slot of max_seqlen_k keys per sequence (fp8_v_layout_impl).
-std::tuple<at::Tensor, at::Tensor> fwd_fp8_varlen(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+// fp8_forward on a packed batch.
+std::tuple<at::Tensor, at::Tensor> fwd_fp8_varlen(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                   const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
                                                   int64_t max_seqlen_q, int64_t max_seqlen_k,
                                                   const at::Tensor& q_descale, const at::Tensor& k_descale,
                                                   const at::Tensor& v_descale, double scale, int64_t window_left,
                                                   int64_t window_right, double softcap, at::ScalarType out_dtype) {
-  const char* kWhat = "flash_cuda.varlen_attention_fp8";
-  FLASH_CHECK(q_in.is_cuda() && k_in.is_cuda() && v_in.is_cuda(), kWhat, ": q, k, v must be CUDA tensors");
-  FLASH_CHECK(q_in.device() == k_in.device() && q_in.device() == v_in.device(), kWhat,
-              ": q, k, v must be on the same device");
-  for (const at::Tensor* t : {&q_in, &k_in, &v_in}) {
-    FLASH_CHECK(t->scalar_type() == at::kFloat8_e4m3fn, kWhat, ": q, k, v must be float8_e4m3fn, got ",
-                t->scalar_type());
-    FLASH_CHECK(t->dim() == 3, kWhat, ": q, k, v must be 3-d (total, heads, head_dim)");
-    FLASH_CHECK(t->stride(-1) == 1, kWhat, ": the last dimension of q, k, v must be contiguous (stride 1)");
-  }
-  FLASH_CHECK(k_in.sizes() == v_in.sizes(), kWhat, ": k and v shapes differ");
-  FLASH_CHECK(out_dtype == at::kBFloat16 || out_dtype == at::kHalf, kWhat,
-              ": out_dtype must be bfloat16 or float16, got ", out_dtype);
-  for (const at::Tensor* c : {&cu_seqlens_q, &cu_seqlens_k}) {
-    FLASH_CHECK(c->scalar_type() == at::kInt && c->dim() == 1 && c->is_contiguous() && c->device() == q_in.device(),
-                kWhat, ": cu_seqlens must be contiguous 1-d int32 tensors on q's device");
-  }
-  FLASH_CHECK(cu_seqlens_q.size(0) == cu_seqlens_k.size(0) && cu_seqlens_q.size(0) >= 2, kWhat,
-              ": cu_seqlens_q and cu_seqlens_k must both have batch + 1 >= 2 entries");
-  FLASH_CHECK(max_seqlen_q >= 0 && max_seqlen_k >= 0, kWhat, ": max_seqlen must be >= 0");
-  Shape s;
-  s.varlen = true;
-  s.B = cu_seqlens_q.size(0) - 1;
-  s.Hq = q_in.size(1);
-  s.Hkv = k_in.size(1);
-  s.D = q_in.size(2);
-  s.rows_q = q_in.size(0);
-  s.rows_k = k_in.size(0);
-  s.Sq = std::min(max_seqlen_q, s.rows_q);
-  s.Sk = std::min(max_seqlen_k, s.rows_k);
-  FLASH_CHECK(k_in.size(2) == s.D, kWhat, ": q, k, v head dims differ");
-  FLASH_CHECK(s.Hkv > 0 && s.Hq % s.Hkv == 0, kWhat, ": query heads (", s.Hq,
-              ") must be a multiple of key/value heads (", s.Hkv, ")");
-  FLASH_CHECK(s.D == 128 || s.D == 256, kWhat, ": head_dim must be 128 or 256, got ", s.D);
-  FLASH_CHECK(s.B < 65536 && s.Hq < 65536 && s.rows_q < (int64_t(1) << 31) && s.rows_k < (int64_t(1) << 31) - 64,
-              kWhat, ": batch and heads must be < 65536, row counts < 2^31");
-  FLASH_CHECK(std::isfinite(scale) && scale >= 0, kWhat, ": scale must be finite and >= 0, got ", scale);
-  FLASH_CHECK(window_left >= -1 && window_right >= -1, kWhat, ": window sizes must be >= -1");
-  FLASH_CHECK(std::isfinite(softcap) && softcap >= 0, kWhat, ": softcap must be finite and >= 0, got ", softcap);
-  for (const at::Tensor* d : {&q_descale, &k_descale, &v_descale}) {
-    FLASH_CHECK(d->scalar_type() == at::kFloat && d->is_contiguous() && d->device() == q_in.device() &&
-                    d->dim() == 2 && d->size(0) == s.B && d->size(1) == s.Hkv,
-                kWhat, ": descales must be contiguous float32 (batch, kv_heads) tensors on q's device");
-  }
-  const auto prop = at::cuda::getDeviceProperties(q_in.device().index());
-  const int arch = emulated_arch() > 0 ? emulated_arch() : prop->major * 10 + prop->minor;
-  FLASH_CHECK(arch == 90, kWhat, ": the FP8 forward runs on Hopper (sm_90) GPUs, got compute capability ",
-              prop->major, ".", prop->minor);
-
-  const c10::cuda::CUDAGuard guard(q_in.device());
-  at::Tensor out = at::empty({s.rows_q, s.Hq, s.D}, q_in.options().dtype(out_dtype));
-  at::Tensor lse = at::empty(s.lse_shape(), q_in.options().dtype(at::kFloat));
-  if (s.empty()) {
-    out.zero_();
-    lse.fill_(-INFINITY);
-    return {out, lse};
-  }
-  const at::Tensor q = aligned(q_in), k = aligned(k_in), v = aligned(v_in);
-  const at::Tensor vt = fp8_v_layout_impl(v, &cu_seqlens_k, s.B, s.Sk);
-  MaskArgs m;
-  m.window_left = window_left;
-  m.window_right = window_right;
-  m.softcap = softcap;
-  m.cu_seqlens_q = cu_seqlens_q;
-  m.cu_seqlens_k = cu_seqlens_k;
-  m.max_seqlen_q = max_seqlen_q;
-  m.max_seqlen_k = max_seqlen_k;
-  FwdParams p;
-  fill_fwd(p, s, m, q, k, v, out, lse, scale);
-  // V^T's slots [b][hkv][d][sk_pad] (tiers/wgmma/tma_maps.h: make_fp8_tensor_maps).
-  p.v = vt.data_ptr();
-  p.v_batch_stride = vt.stride(0);
-  p.v_head_stride = vt.stride(1);
-  p.v_row_stride = vt.stride(2);
-  p.q_descale = q_descale.data_ptr<float>();
-  p.k_descale = k_descale.data_ptr<float>();
-  p.v_descale = v_descale.data_ptr<float>();
-  at::Tensor counter;  // the tile scheduler's (fwd_fp8)
-  if ((s.Sq + 63) / 64 * s.Hq * s.B > p.num_sms) {
-    counter = zeroed_on_stream({1}, q_in.options().dtype(at::kInt));
-    p.tile_counter = counter.data_ptr<int>();
-  }
-  const cudaStream_t stream = at::cuda::getCurrentCUDAStream().stream();
-  const bool bf16 = out_dtype == at::kBFloat16;
-  const bool ran = s.D == 128 ? (bf16 ? run_fwd_sm90_fp8<kBF16, 128>(p, stream) : run_fwd_sm90_fp8<kF16, 128>(p, stream))
-                              : (bf16 ? run_fwd_sm90_fp8<kBF16, 256>(p, stream) : run_fwd_sm90_fp8<kF16, 256>(p, stream));
-  FLASH_CHECK(ran, kWhat, ": no FP8 kernel ran (the extension was built without sm_90a, or TMA cannot address these "
-              "views)");
-  return {out, lse};
+  return fp8_forward("flash_cuda.varlen_attention_fp8", q, k, v, &cu_seqlens_q, &cu_seqlens_k, max_seqlen_q,
+                     max_seqlen_k, q_descale, k_descale, v_descale, scale, window_left, window_right, softcap,
+                     out_dtype);
 }
 
 // fp8_v_layout(v): V (batch, kv_heads, seqlen_k, head_dim) in float8_e4m3fn laid out for the FP8

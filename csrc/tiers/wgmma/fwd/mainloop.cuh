@@ -101,10 +101,8 @@ __device__ __forceinline__ bool issuing_lane() { return threadIdx.x % 32 == 0; }
 // Where a tile's boxes start in the tensor maps: its first query row, the first row of its
 // sequence's keys, the heads and the batch coordinate. A dense map has a batch dimension and
 // rows per sequence; a packed map runs over every row (batch extent 1), where a sequence
-// starts at its q_start / k_start.
-// Where a tile's boxes start: Q's and K's rows (a packed sequence's first row added), heads, the
-// maps' batch coordinate (0 for a packed batch), and the sequence (batch entry) itself, which
-// V^T's slots are indexed by (the FP8 forward).
+// starts at its q_start / k_start. seq: the sequence (batch entry) itself, by which the FP8
+// forward's V^T has its slots, packed batch or not (core/fp8_v_layout.cuh).
 struct TileCoords {
   int q_row, k_row, h, h_kv, b, seq;
 };
@@ -267,7 +265,7 @@ __device__ __forceinline__ void issue_qk(float (&sc)[1][Cfg::kNTiles][4], const 
 // Issues O += P V with P already in A fragments (one commit group): per k-step one wgmma of
 // N = kVWidth, V read MN-major from its slabs (at d = 96 one m64n96k16 over the three 64-byte-
 // swizzled 32-column slabs, whose LBO steps N from slab to slab: arch/sm90.cuh); e4m3: V^T read
-// K-major from its 128- or 64-byte lines, 32 keys per k-step.
+// K-major from its 128-, 64- or 32-byte lines, 32 keys per k-step.
 template <typename Cfg>
 __device__ __forceinline__ void issue_weighted_v(float (&acc_o)[1][Cfg::kDTiles][4],
                                                  const uint32_t (&pa)[Cfg::kPSteps][4],

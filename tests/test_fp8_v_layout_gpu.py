@@ -1,7 +1,8 @@
 """V laid out for the FP8 forward's P V product (csrc/core/fp8_v_layout.cuh): each head dim's keys
 contiguous, every group of 32 keys in the order of P's e4m3 A fragments (csrc/core/fragment.cuh:
-e4m3_pv_key), zeros past the sequence. The layout is the kernel's business (the users pass V as it
-is), so its statement lives here, beside the test: byte for byte against that statement."""
+e4m3_pv_key), zeros past the sequence; a packed batch's V in one slot of max_seqlen_k keys per
+sequence. The layout is the kernel's business (the users pass V as it is), so its statement lives
+here, beside the test: byte for byte against that statement."""
 
 from __future__ import annotations
 
@@ -77,3 +78,22 @@ def test_rejects_bad_inputs():
         C.fp8_v_layout(_random_e4m3((1, 1, 32, 24), seed=1))
     with pytest.raises(RuntimeError, match="16-byte aligned"):
         C.fp8_v_layout(_random_e4m3((1, 1, 33, 80), seed=2)[..., 8:72])
+
+
+@gpu
+@pytest.mark.parametrize("lens,max_k,D", [((5, 0, 300, 129), 300, 128), ((33,), 33, 256), ((7, 64, 1), 100, 128),
+                                          ((40, 90), 50, 128)])
+def test_packed_layout_byte_for_byte(lens, max_k, D):
+    # Sequence b's keys (at most max_k of them: a longer one is cut, as the kernel cuts it) in slot b,
+    # its positions from 0, zeros after them.
+    C = _ext.require()
+    v = _random_e4m3((sum(lens), 2, D), seed=sum(lens) + D)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    got = C.fp8_v_layout_packed(v, cu, max_k)
+    S_pad = (max_k + 31) // 32 * 32
+    assert got.dtype == torch.float8_e4m3fn and got.shape == (len(lens), 2, D, S_pad)
+    dense = torch.zeros((len(lens), 2, max_k, D), dtype=torch.uint8, device="cuda")
+    for b, n in enumerate(lens):
+        a, m = int(cu[b]), min(n, max_k)
+        dense[b, :, :m] = v[a:a + m].view(torch.uint8).transpose(0, 1)
+    assert torch.equal(got.view(torch.uint8), expected_layout(dense.view(torch.float8_e4m3fn)))

@@ -1189,6 +1189,18 @@ at::Tensor fp8_v_layout(const at::Tensor& v) {
   return fp8_v_layout_impl(v, nullptr, v.size(0), v.size(2));
 }
 
+// fp8_v_layout_packed(v, cu_seqlens_k, max_seqlen_k): a packed v (total_k, kv_heads, head_dim) in one
+// slot of max_seqlen_k keys (rounded up to 32) per sequence, as varlen_attention_fp8 lays it out; for
+// tests of that layout.
+at::Tensor fp8_v_layout_packed(const at::Tensor& v, const at::Tensor& cu_seqlens_k, int64_t max_seqlen_k) {
+  FLASH_CHECK(cu_seqlens_k.scalar_type() == at::kInt && cu_seqlens_k.dim() == 1 && cu_seqlens_k.size(0) >= 2 &&
+                  cu_seqlens_k.is_contiguous() && cu_seqlens_k.device() == v.device(),
+              "flash_cuda.fp8_v_layout_packed: cu_seqlens_k must be a contiguous 1-d int32 tensor of batch + 1 >= 2 "
+              "entries on v's device");
+  FLASH_CHECK(max_seqlen_k >= 0, "flash_cuda.fp8_v_layout_packed: max_seqlen_k must be >= 0");
+  return fp8_v_layout_impl(v, &cu_seqlens_k, cu_seqlens_k.size(0) - 1, max_seqlen_k);
+}
+
 }  // namespace flash_cuda
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -1249,6 +1261,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("max_seqlen_q"), py::arg("max_seqlen_k"), py::arg("q_descale"), py::arg("k_descale"),
         py::arg("v_descale"), py::arg("scale"), py::arg("window_left"), py::arg("window_right"), py::arg("softcap"),
         py::arg("out_dtype"));
+  m.def("fp8_v_layout_packed", &flash_cuda::fp8_v_layout_packed,
+        "a packed V (total_k, kv_heads, head_dim) e4m3 laid out in one slot of max_seqlen_k keys per sequence",
+        py::arg("v"), py::arg("cu_seqlens_k"), py::arg("max_seqlen_k"));
   m.def("fp8_v_layout", &flash_cuda::fp8_v_layout,
         "V (batch, kv_heads, seqlen_k, head_dim) e4m3 laid out for the FP8 forward's P V product");
 }

@@ -31,10 +31,19 @@ __device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint16_t x) {
 }
 
 // Four e4m3 values (a 32-bit word, the low byte first) as four values of T (two words).
+// Both halves of x are split inside one asm block, so that the conversion reads the high half of
+// the register in place (a shift per pair otherwise).
 template <typename T>
 __device__ __forceinline__ uint2 e4m3x4_to(uint32_t x) {
-  const uint32_t lo = e4m3x2_to_f16x2(static_cast<uint16_t>(x & 0xffffu));
-  const uint32_t hi = e4m3x2_to_f16x2(static_cast<uint16_t>(x >> 16));
+#if FLASH_FP8_CVT
+  uint32_t lo, hi;
+  asm("{\n.reg .b16 l, h;\nmov.b32 {l, h}, %2;\ncvt.rn.f16x2.e4m3x2 %0, l;\ncvt.rn.f16x2.e4m3x2 %1, h;\n}\n"
+      : "=r"(lo), "=r"(hi)
+      : "r"(x));
+#else
+  __trap();
+  const uint32_t lo = x, hi = x;
+#endif
   if constexpr (std::is_same<T, __half>::value) {
     return make_uint2(lo, hi);
   } else {

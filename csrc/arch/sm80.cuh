@@ -120,6 +120,14 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
+// One 32-bit word of shared memory, as its own load: the compiler may not fuse neighbouring words
+// into one wider load, whose registers would then have to be consecutive.
+__device__ __forceinline__ uint32_t lds_u32(const void* p) {
+  uint32_t r;
+  asm volatile("ld.volatile.shared.b32 %0, [%1];\n" : "=r"(r) : "r"(smem_addr(p)));
+  return r;
+}
+
 // Copies 16 bytes when `valid`, otherwise writes 16 zero bytes (src-size = 0 reads nothing,
 // so `gmem` may then point anywhere mapped; callers pass the tensor base).
 __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid) {

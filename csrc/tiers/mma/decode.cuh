@@ -286,20 +286,43 @@ struct KeyCopier {
   }
 };
 
+// FP8 caches: 16 values of T (two 16-byte words at src) as 16 e4m3 values e4m3(x / descale).
+template <typename T>
+__device__ __forceinline__ uint4 quantize16(const T* src, float descale) {
+  const uint4 w[2] = {*reinterpret_cast<const uint4*>(src), *reinterpret_cast<const uint4*>(src + 8)};
+  const T* x = reinterpret_cast<const T*>(w);
+  uint32_t out[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const uint16_t lo = f32x2_to_e4m3x2(__fdiv_rn(to_float(x[4 * i]), descale),
+                                        __fdiv_rn(to_float(x[4 * i + 1]), descale));
+    const uint16_t hi = f32x2_to_e4m3x2(__fdiv_rn(to_float(x[4 * i + 2]), descale),
+                                        __fdiv_rn(to_float(x[4 * i + 3]), descale));
+    out[i] = static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
+  }
+  return make_uint4(out[0], out[1], out[2], out[3]);
+}
+
 // Keys [n0, n0 + kBlockN) of KV head h_kv into a stage: cached positions from the cache, new ones
 // from k_new / v_new, positions past the sequence (and columns past d) as zeros. Steps wholly
 // inside the cached tokens (all but the last) take the short paths: one pointer per step for a
 // dense cache and for pages that hold whole steps, else each row's page id, all read before the
-// first copy. kK / kV: which of the two to copy (the half-step loop copies them apart).
+// first copy. kK / kV: which of the two to copy (the half-step loop copies them apart). An FP8
+// ring (Cfg::kFp8) takes the cache's e4m3 bytes by the same copies, and its new rows quantized
+// as the append stores them (quantize16), so that every CTA attends the values the cache will
+// hold; the descales serve only those.
 template <typename Cfg, bool kK = true, bool kV = true>
 __device__ __forceinline__ void load_key_block(const FwdParams& p, const CacheSeq& seq, const KeyCopier<Cfg>& cp,
-                                               int bi, int h_kv, int n0, typename Cfg::T* sK, typename Cfg::T* sV) {
+                                               int bi, int h_kv, int n0, typename Cfg::TC* sK, typename Cfg::TC* sV,
+                                               float k_descale = 1.f, float v_descale = 1.f) {
   using T = typename Cfg::T;
+  using TC = typename Cfg::TC;
   using Copier = KeyCopier<Cfg>;
-  const T* k = static_cast<const T*>(p.k);
-  const T* v = static_cast<const T*>(p.v);
-  T* sk = sK + cp.r_first * Cfg::kPitch + cp.c;
-  T* sv = sV + cp.r_first * Cfg::kPitch + cp.c;
+  const TC* k = static_cast<const TC*>(p.k);
+  const TC* v = static_cast<const TC*>(p.v);
+  if (Cfg::kThreads / Copier::kChunks > Cfg::kBlockN && cp.r_first >= Cfg::kBlockN) return;  // (no rows left)
+  TC* sk = sK + cp.r_first * Cfg::kPitchC + cp.c;
+  TC* sv = sV + cp.r_first * Cfg::kPitchC + cp.c;
   const bool cached = n0 + Cfg::kBlockN <= seq.len;
   const bool whole_pages = p.block_table == nullptr || p.page_size % Cfg::kBlockN == 0;
   if (cached && whole_pages && cp.col_valid) {
@@ -316,13 +339,13 @@ __device__ __forceinline__ void load_key_block(const FwdParams& p, const CacheSe
       kb = page * p.k_batch_stride + static_cast<int64_t>(row) * p.k_row_stride;
       vb = page * p.v_batch_stride + static_cast<int64_t>(row) * p.v_row_stride;
     }
-    const T* ks = k + kb + h_kv * p.k_head_stride + cp.c;
-    const T* vs = v + vb + h_kv * p.v_head_stride + cp.c;
+    const TC* ks = k + kb + h_kv * p.k_head_stride + cp.c;
+    const TC* vs = v + vb + h_kv * p.v_head_stride + cp.c;
 #pragma unroll
     for (int pass = 0; pass < Copier::kPasses; ++pass) {
       const int r = pass * Copier::kRowsPerPass;
-      if constexpr (kK) cp_async_16_stream<Cfg::kPrefetch>(sk + r * Cfg::kPitch, ks + r * p.k_row_stride, true);
-      if constexpr (kV) cp_async_16_stream<Cfg::kPrefetch>(sv + r * Cfg::kPitch, vs + r * p.v_row_stride, true);
+      if constexpr (kK) cp_async_16_stream<Cfg::kPrefetch>(sk + r * Cfg::kPitchC, ks + r * p.k_row_stride, true);
+      if constexpr (kV) cp_async_16_stream<Cfg::kPrefetch>(sv + r * Cfg::kPitchC, vs + r * p.v_row_stride, true);
     }
     return;
   }
@@ -337,8 +360,8 @@ __device__ __forceinline__ void load_key_block(const FwdParams& p, const CacheSe
       const int pos = n0 + cp.r_first + pass * Copier::kRowsPerPass + seq.k_start;
       page[pass] = p.block_table[bi * p.block_table_stride + pos / p.page_size];
     }
-    const T* ks = k + h_kv * p.k_head_stride + cp.c;
-    const T* vs = v + h_kv * p.v_head_stride + cp.c;
+    const TC* ks = k + h_kv * p.k_head_stride + cp.c;
+    const TC* vs = v + h_kv * p.v_head_stride + cp.c;
 #pragma unroll
     for (int pass = 0; pass < Copier::kPasses; ++pass) {
       const int pos = n0 + cp.r_first + pass * Copier::kRowsPerPass + seq.k_start;
@@ -346,10 +369,12 @@ __device__ __forceinline__ void load_key_block(const FwdParams& p, const CacheSe
       const int64_t row = pos % p.page_size;
       const int r = pass * Copier::kRowsPerPass;
       if constexpr (kK) {
-        cp_async_16_stream<Cfg::kPrefetch>(sk + r * Cfg::kPitch, ks + pg * p.k_batch_stride + row * p.k_row_stride, true);
+        cp_async_16_stream<Cfg::kPrefetch>(sk + r * Cfg::kPitchC, ks + pg * p.k_batch_stride + row * p.k_row_stride,
+                                           true);
       }
       if constexpr (kV) {
-        cp_async_16_stream<Cfg::kPrefetch>(sv + r * Cfg::kPitch, vs + pg * p.v_batch_stride + row * p.v_row_stride, true);
+        cp_async_16_stream<Cfg::kPrefetch>(sv + r * Cfg::kPitchC, vs + pg * p.v_batch_stride + row * p.v_row_stride,
+                                           true);
       }
     }
     return;
@@ -357,8 +382,8 @@ __device__ __forceinline__ void load_key_block(const FwdParams& p, const CacheSe
 #pragma unroll
   for (int pass = 0; pass < Copier::kPasses; ++pass) {
     const int pos = n0 + cp.r_first + pass * Copier::kRowsPerPass;
-    const T* ksrc = k;
-    const T* vsrc = v;
+    const TC* ksrc = k;
+    const TC* vsrc = v;
     const bool valid = cp.col_valid && pos < seq.total;
     if (valid) {
       if (pos < seq.len) {
@@ -367,14 +392,23 @@ __device__ __forceinline__ void load_key_block(const FwdParams& p, const CacheSe
         vsrc = cache_row(p, v, p.v_batch_stride, p.v_head_stride, p.v_row_stride, bi, h_kv, row) + cp.c;
       } else {
         const int r_new = pos - seq.len;
-        ksrc = static_cast<const T*>(p.k_new) + bi * p.knew_batch_stride + h_kv * p.knew_head_stride +
-               r_new * p.knew_row_stride + cp.c;
-        vsrc = static_cast<const T*>(p.v_new) + bi * p.vnew_batch_stride + h_kv * p.vnew_head_stride +
-               r_new * p.vnew_row_stride + cp.c;
+        const T* kn = static_cast<const T*>(p.k_new) + bi * p.knew_batch_stride + h_kv * p.knew_head_stride +
+                      r_new * p.knew_row_stride + cp.c;
+        const T* vn = static_cast<const T*>(p.v_new) + bi * p.vnew_batch_stride + h_kv * p.vnew_head_stride +
+                      r_new * p.vnew_row_stride + cp.c;
+        if constexpr (Cfg::kFp8) {
+          const int r = pass * Copier::kRowsPerPass * Cfg::kPitchC;
+          if constexpr (kK) *reinterpret_cast<uint4*>(sk + r) = quantize16(kn, k_descale);
+          if constexpr (kV) *reinterpret_cast<uint4*>(sv + r) = quantize16(vn, v_descale);
+          continue;
+        } else {
+          ksrc = kn;
+          vsrc = vn;
+        }
       }
     }
-    if constexpr (kK) cp_async_16_stream<Cfg::kPrefetch>(sk + pass * Copier::kRowsPerPass * Cfg::kPitch, ksrc, valid);
-    if constexpr (kV) cp_async_16_stream<Cfg::kPrefetch>(sv + pass * Copier::kRowsPerPass * Cfg::kPitch, vsrc, valid);
+    if constexpr (kK) cp_async_16_stream<Cfg::kPrefetch>(sk + pass * Copier::kRowsPerPass * Cfg::kPitchC, ksrc, valid);
+    if constexpr (kV) cp_async_16_stream<Cfg::kPrefetch>(sv + pass * Copier::kRowsPerPass * Cfg::kPitchC, vsrc, valid);
   }
 }
 
@@ -490,23 +524,6 @@ __device__ __forceinline__ float q_slice_to_fp16(typename Cfg::T* sQ_slice) {
   return down;
 }
 
-// FP8 caches: 16 values of T (two 16-byte words at src) as 16 e4m3 values e4m3(x / descale).
-template <typename T>
-__device__ __forceinline__ uint4 quantize16(const T* src, float descale) {
-  const uint4 w[2] = {*reinterpret_cast<const uint4*>(src), *reinterpret_cast<const uint4*>(src + 8)};
-  const T* x = reinterpret_cast<const T*>(w);
-  uint32_t out[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const uint16_t lo = f32x2_to_e4m3x2(__fdiv_rn(to_float(x[4 * i]), descale),
-                                        __fdiv_rn(to_float(x[4 * i + 1]), descale));
-    const uint16_t hi = f32x2_to_e4m3x2(__fdiv_rn(to_float(x[4 * i + 2]), descale),
-                                        __fdiv_rn(to_float(x[4 * i + 3]), descale));
-    out[i] = static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
-  }
-  return make_uint4(out[0], out[1], out[2], out[3]);
-}
-
 // The FP8 append: the new rows [r0, r1) quantized into the cache (e4m3 with the sequence's KV
 // head's descales), 16 values a thread.
 template <typename Cfg>
@@ -528,47 +545,6 @@ __device__ __forceinline__ void append_new_rows_fp8(const FwdParams& p, const Ca
                             p.v_row_stride, bi, h_kv, pos) + c;
     *reinterpret_cast<uint4*>(kc) = quantize16(kn, k_descale);
     *reinterpret_cast<uint4*>(vc) = quantize16(vn, v_descale);
-  }
-}
-
-// The FP8 ring's fill of keys [n0, n0 + kBlockN): cached positions by cp.async (16 e4m3 values a
-// copy); the new ones (positions from len_b) quantized from k_new / v_new as the append stores
-// them, so that every CTA attends the values the cache will hold; positions past the sequence
-// (and columns past d, a multiple of 16 here) as zeros.
-template <typename Cfg>
-__device__ __forceinline__ void load_key_block_fp8(const FwdParams& p, const CacheSeq& seq, const KeyCopier<Cfg>& cp,
-                                                   int bi, int h_kv, int n0, uint8_t* sK, uint8_t* sV,
-                                                   float k_descale, float v_descale) {
-  using T = typename Cfg::T;
-  using Copier = KeyCopier<Cfg>;
-  const uint8_t* k = static_cast<const uint8_t*>(p.k);
-  const uint8_t* v = static_cast<const uint8_t*>(p.v);
-  if (cp.r_first >= Cfg::kBlockN) return;
-#pragma unroll
-  for (int pass = 0; pass < Copier::kPasses; ++pass) {
-    const int pos = n0 + cp.r_first + pass * Copier::kRowsPerPass;
-    uint8_t* sk = sK + (cp.r_first + pass * Copier::kRowsPerPass) * Cfg::kPitchC + cp.c;
-    uint8_t* sv = sV + (cp.r_first + pass * Copier::kRowsPerPass) * Cfg::kPitchC + cp.c;
-    const bool valid = cp.col_valid && pos < seq.total;
-    if (valid && pos >= seq.len) {
-      const int r_new = pos - seq.len;
-      const T* kn = static_cast<const T*>(p.k_new) + bi * p.knew_batch_stride + h_kv * p.knew_head_stride +
-                    r_new * p.knew_row_stride + cp.c;
-      const T* vn = static_cast<const T*>(p.v_new) + bi * p.vnew_batch_stride + h_kv * p.vnew_head_stride +
-                    r_new * p.vnew_row_stride + cp.c;
-      *reinterpret_cast<uint4*>(sk) = quantize16(kn, k_descale);
-      *reinterpret_cast<uint4*>(sv) = quantize16(vn, v_descale);
-      continue;
-    }
-    const uint8_t* ksrc = k;
-    const uint8_t* vsrc = v;
-    if (valid) {
-      const int row = pos + seq.k_start;
-      ksrc = cache_row(p, k, p.k_batch_stride, p.k_head_stride, p.k_row_stride, bi, h_kv, row) + cp.c;
-      vsrc = cache_row(p, v, p.v_batch_stride, p.v_head_stride, p.v_row_stride, bi, h_kv, row) + cp.c;
-    }
-    cp_async_16_stream<Cfg::kPrefetch>(sk, ksrc, valid);
-    cp_async_16_stream<Cfg::kPrefetch>(sv, vsrc, valid);
   }
 }
 
@@ -882,12 +858,8 @@ __device__ __forceinline__ void decode_block(const FwdParams& p, const PageMaps*
         return;
       }
     }
-    if constexpr (Cfg::kFp8) {
-      load_key_block_fp8<Cfg>(p, seq, copier, bi, h_kv, nb * Cfg::kBlockN, stage, stage + Cfg::kBlockN * Cfg::kPitchC,
-                              k_descale, v_descale);
-    } else {
-      load_key_block<Cfg>(p, seq, copier, bi, h_kv, nb * Cfg::kBlockN, stage, stage + Cfg::kBlockN * Cfg::kPitch);
-    }
+    load_key_block<Cfg>(p, seq, copier, bi, h_kv, nb * Cfg::kBlockN, stage, stage + Cfg::kBlockN * Cfg::kPitchC,
+                        k_descale, v_descale);
   };
   // Prologue: Q with the first step, then kStages - 2 more steps in flight (the half-step loop:
   // Q with the first step's K).

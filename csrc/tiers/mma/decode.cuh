@@ -101,8 +101,6 @@ struct Tile {
   // 16 copies of 16 bytes per thread and step (every warp issues an equal share of the rows:
   // bulk_key_block). Not for the one-stage ring.
   static constexpr bool kBulkEligible = kStages_ != 1;
-  // Dense caches stay on cp.async: one contiguous step is what it streams best.
-  static constexpr bool kDenseBulk = false;
   // Which fill takes cached steps from pages smaller than a step on Hopper (OPTIMIZATION.md steps
   // 54, 55): tensor-map boxes (box_key_block; a box spans a padded line: kPitchC <= 256 elements)
   // for 32-key steps, bulk copies for d = 256's 512-byte rows, else cp.async with the step's page
@@ -176,9 +174,6 @@ struct Fp8Config : Tile<T_, kHeadDim_, kWarpsM_, Fp8Sizes<T_, kHeadDim_, kWarpsM
   // pages of 16 to 0.60-0.75 of the dense FP8 cache's time at d = 128, while 64-byte rows copied
   // one by one were slower than cp.async's (OPTIMIZATION.md step 49).
   static constexpr bool kBulkEligible = kHeadDim_ >= 128;
-  // Dense FP8 caches too at d = 256, where cp.async left a dense step's copies short of the
-  // bandwidth; at d <= 128 cp.async streamed a dense FP8 cache faster (OPTIMIZATION.md step 51).
-  static constexpr bool kDenseBulk = kHeadDim_ >= 256;
   static constexpr int kPitchC = Fp8Sizes<T_, kHeadDim_, kWarpsM_>::kPitchC;
   // Boxes at every head dim whose padded line a box spans (d = 64, 128): e4m3 rows are short;
   // bulk copies at d = 256.
@@ -1169,7 +1164,9 @@ void launch_decode(const FwdParams& p, cudaStream_t stream) {
     }
   }
   if constexpr (Cfg::kBulkEligible) {
-    const bool bulk_pages = p.block_table != nullptr ? small_pages && want_bulk : Cfg::kDenseBulk;
+    // (dense caches stay on cp.async: one contiguous step is what it streams best, e4m3 rows
+    // too since the fill's short paths, OPTIMIZATION.md step 64)
+    const bool bulk_pages = small_pages && want_bulk;
     if (!launched && p.sm_arch == 90 && bulk_pages && p.d == Cfg::kHeadDim &&
         sm90_kernel_built(decode::decode_kernel<Cfg, true>)) {
       kernel = decode::decode_kernel<Cfg, true>;

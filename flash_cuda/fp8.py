@@ -24,7 +24,7 @@ __all__ = ["attention_fp8", "varlen_attention_fp8", "FP8_HEAD_DIMS", "FP8_OUT_DT
 
 PREFIX = "flash_cuda.attention_fp8: "
 VARLEN_PREFIX = "flash_cuda.varlen_attention_fp8: "
-FP8_HEAD_DIMS = (128, 256)
+FP8_HEAD_DIMS = (64, 128, 256)
 FP8_OUT_DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -116,7 +116,7 @@ def attention_fp8(q: Tensor, k: Tensor, v: Tensor, q_descale=None, k_descale=Non
     Args:
         q: ``(batch, heads, seqlen_q, head_dim)`` ``torch.float8_e4m3fn``.
         k, v: ``(batch, kv_heads, seqlen_k, head_dim)`` ``torch.float8_e4m3fn``, the same shape
-            (GQA as in :func:`flash_cuda.attention`). head_dim 128 or 256; any strides with
+            (GQA as in :func:`flash_cuda.attention`). head_dim 64, 128 or 256; any strides with
             ``stride(-1) == 1``.
         q_descale, k_descale, v_descale: what a stored value stands for is ``x8 * descale``:
             None (1), a float or a float32 tensor of shape () / (1,) per tensor, or a float32

@@ -244,6 +244,8 @@ CASES: List[Case] = [
     # sequence; an empty query sequence, boxes that read into the next sequence) ----
     Case("float8_e4m3fn", 2, 4, 2, 333, 517, 128, True, softcap=30.0),
     Case("float8_e4m3fn", 4, 4, 2, 300, 400, 128, True, varlen=((5, 0, 300, 129), (9, 3, 257, 400))),
+    # ---- the FP8 forward at d = 64 (Q and K in one 64-byte-swizzled slab), a window, partial blocks ----
+    Case("float8_e4m3fn", 2, 4, 2, 300, 437, 64, False, window=(150, 40)),
 ]
 
 

@@ -1048,7 +1048,7 @@ std::tuple<at::Tensor, at::Tensor> fp8_forward(const char* kWhat, const at::Tens
   }
   FLASH_CHECK(s.Hkv > 0 && s.Hq % s.Hkv == 0, kWhat, ": query heads (", s.Hq,
               ") must be a multiple of key/value heads (", s.Hkv, ")");
-  FLASH_CHECK(s.D == 128 || s.D == 256, kWhat, ": head_dim must be 128 or 256, got ", s.D);
+  FLASH_CHECK(s.D == 64 || s.D == 128 || s.D == 256, kWhat, ": head_dim must be 64, 128 or 256, got ", s.D);
   FLASH_CHECK(s.B < 65536 && s.Hq < 65536 && s.rows_q < (int64_t(1) << 31) && s.rows_k < (int64_t(1) << 31) - 64,
               kWhat, ": batch and heads must be < 65536, sequence lengths and row counts < 2^31");
   FLASH_CHECK(std::isfinite(scale) && scale >= 0, kWhat, ": scale must be finite and >= 0, got ", scale);
@@ -1103,8 +1103,13 @@ std::tuple<at::Tensor, at::Tensor> fp8_forward(const char* kWhat, const at::Tens
   }
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream().stream();
   const bool bf16 = out_dtype == at::kBFloat16;
-  const bool ran = s.D == 128 ? (bf16 ? run_fwd_sm90_fp8<kBF16, 128>(p, stream) : run_fwd_sm90_fp8<kF16, 128>(p, stream))
-                              : (bf16 ? run_fwd_sm90_fp8<kBF16, 256>(p, stream) : run_fwd_sm90_fp8<kF16, 256>(p, stream));
+  auto run = [&](auto head_dim) {
+    constexpr int kD = decltype(head_dim)::value;
+    return bf16 ? run_fwd_sm90_fp8<kBF16, kD>(p, stream) : run_fwd_sm90_fp8<kF16, kD>(p, stream);
+  };
+  const bool ran = s.D == 64    ? run(std::integral_constant<int, 64>{})
+                   : s.D == 128 ? run(std::integral_constant<int, 128>{})
+                                : run(std::integral_constant<int, 256>{});
   FLASH_CHECK(ran, kWhat, ": no FP8 kernel ran (the extension was built without sm_90a, or TMA cannot address these "
               "views: q and k need 16-byte aligned rows)");
   return {out, lse};

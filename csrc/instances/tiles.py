@@ -61,8 +61,8 @@ MMA_BWD = {
 # GQA-packed instances.
 WGMMA_FWD = (64, 96, 128, 192, 256)
 # The FP8 (e4m3) forward's head dims (tiers/wgmma/fwd/launch.cuh: run_fwd_sm90_fp8): Q, K and V^T
-# in 128-byte lines; O in each 16-bit dtype.
-WGMMA_FWD_FP8 = (128, 256)
+# in 128-byte lines (Q and K 64-byte at d = 64); O in each 16-bit dtype.
+WGMMA_FWD_FP8 = (64, 128, 256)
 WGMMA_FWD_EXT = (64, 96, 128, 192, 256)
 WGMMA_FWD_GQA = (64, 96, 128)
 WGMMA_FWD_DROPOUT = (64, 96, 128)  # the forward with attention dropout (dense, no score modifier)

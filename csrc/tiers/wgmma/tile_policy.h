@@ -73,8 +73,9 @@ constexpr bool kFwdStageOInQ = true;
 // The FP8 forward (fwd/launch.cuh: run_fwd_sm90_fp8): 128-row tiles, two stages. At d = 128 its
 // products take half the 16-bit time while the softmax per key is the same, so it runs 192-key
 // steps: fewer per-step reductions, waits and hand-overs per key (V^T then in 64-key slabs;
-// 256 spills beside O and two S tiles). d = 256 keeps 128.
-constexpr int fwd_fp8_block_n(int width) { return width == 128 ? 192 : 128; }
+// 256 spills beside O and two S tiles). d = 64, whose softmax outweighs its products further,
+// takes them too; d = 256 keeps 128.
+constexpr int fwd_fp8_block_n(int width) { return width <= 128 ? 192 : 128; }
 
 template <int kBucket, bool kExtended = false>
 struct FwdTile {

@@ -49,14 +49,15 @@ inline bool make_o_tensor_map(const FwdParams& p, CUtensorMap* o, int box_rows) 
 // The FP8 forward's maps (p.q_descale != nullptr; tiers/wgmma/fwd: WsConfig's kFp8): Q and K
 // over their e4m3 bytes (a packed batch's over all its rows: MapRows), V^T over
 // [b][hkv][d][v_row_stride] (core/fp8_v_layout.cuh; a packed batch's one slot per sequence) in
-// boxes of v_rows head dims x v_cols keys. O's map is make_o_tensor_map's (p.dtype: O's type).
+// boxes of v_rows head dims x v_cols keys; Q's and K's boxes qk_cols wide (128, or 64 at d = 64).
+// O's map is make_o_tensor_map's (p.dtype: O's type).
 inline bool make_fp8_tensor_maps(const FwdParams& p, CUtensorMap* q, CUtensorMap* k, CUtensorMap* v, int block_m,
-                                 int block_n, int v_rows, int v_cols) {
+                                 int block_n, int qk_cols, int v_rows, int v_cols) {
   const MapRows rows = MapRows::of(p);
   return make_e4m3_row_tensor_map(q, p.q, p.d, rows.q, p.hq, rows.batch, p.q_row_stride, p.q_head_stride,
-                                  p.q_batch_stride, block_m) &&
+                                  p.q_batch_stride, block_m, qk_cols) &&
          make_e4m3_row_tensor_map(k, p.k, p.d, rows.k, p.hkv, rows.batch, p.k_row_stride, p.k_head_stride,
-                                  p.k_batch_stride, block_n) &&
+                                  p.k_batch_stride, block_n, qk_cols) &&
          make_e4m3_row_tensor_map(v, p.v, static_cast<int>(p.v_row_stride), p.d, p.hkv, p.b, p.v_row_stride,
                                   p.v_head_stride, p.v_batch_stride, v_rows, v_cols);
 }

@@ -3,6 +3,7 @@
 // schedules, and the tensor maps a launch hands its kernel.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <type_traits>
@@ -47,7 +48,7 @@ enum WsSchedule : int { kSerial = 0, kOverlap = 1 };
 // kSerialOnly_: the instance has the serial schedule alone (launch_fwd_sm90_ws), whose consumers
 // hold one S tile, not two: at d = 256 they fit in 232 registers and the producer gets 40.
 // Out_: O's type, T_'s but for e4m3 inputs (T_ = __nv_fp8_e4m3, the FP8 forward, kFp8): there
-// Q and K are 128-column slabs of bytes, V comes as V^T (core/fp8_v_layout.cuh: head dims as
+// Q and K are 128-column slabs of bytes (one 64-column slab at d = 64), V comes as V^T (core/fp8_v_layout.cuh: head dims as
 // rows, each row 128 keys of a step in the order of P's A fragments), the products take 32-deep
 // k-steps of e4m3 (arch/sm90_wgmma.cuh), P is rounded to e4m3 relative to the running max lowered
 // by kFp8POffset (flash_cuda/reference.py: attention_fp8_forward_blocked) with an exact running
@@ -61,10 +62,12 @@ struct WsConfig {
   using Out = Out_;
   static constexpr bool kFp8 = sizeof(T_) == 1;
   static_assert(kFp8 || std::is_same<Out_, T_>::value, "16-bit inputs give O in their type");
-  static_assert(!kFp8 || (kHeadDim_ % 128 == 0 && kBlockN_ % 32 == 0 && kDepth_ == kHeadDim_ && kPolyEvery_ == 0),
-                "e4m3 tiles: 128-byte lines of Q and K, 128-, 64- or 32-byte lines of V^T, the whole depth");
-  // Q's and K's slab width in elements: 128 bytes.
-  static constexpr int kQSlabCols = kSlabCols * 2 / int(sizeof(T_));
+  static_assert(!kFp8 || ((kHeadDim_ == 64 || kHeadDim_ % 128 == 0) && kBlockN_ % 32 == 0 && kDepth_ == kHeadDim_ &&
+                           kPolyEvery_ == 0),
+                "e4m3 tiles: 128-byte lines of Q and K (64 at d = 64), 128-, 64- or 32-byte lines of V^T, the whole depth");
+  // Q's and K's slab width in elements: 128 bytes, or the whole row where it is shorter (e4m3 at
+  // d = 64: one slab of 64-byte lines, the 64-byte swizzle).
+  static constexpr int kQSlabCols = std::min(kSlabCols * 2 / int(sizeof(T_)), kHeadDim_);
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kBlockM = wgmma::kFwdRowsPerConsumer * kConsumerWGs_;

@@ -198,7 +198,7 @@ bool launch_fwd_sm90_fp8(const FwdParams& p, cudaStream_t stream) {
   if (p.seqused_k != nullptr || p.alibi_slopes != nullptr || has_dropout(p)) return false;
   if ((variant_of(p, /*backward=*/false) == kExtended) != kExt) return false;
   sm90::ws::TmaMaps maps;
-  if (!make_fp8_tensor_maps(p, &maps.q, &maps.k, &maps.v, Cfg::kBlockM, Cfg::kBlockN, Cfg::kVWidth,
+  if (!make_fp8_tensor_maps(p, &maps.q, &maps.k, &maps.v, Cfg::kBlockM, Cfg::kBlockN, Cfg::kQSlabCols, Cfg::kVWidth,
                             Cfg::VSlabs::kCols)) return false;
   maps.o_by_tma = Cfg::kStagedO && wgmma::ws_tma_store() && make_o_tensor_map(p, &maps.o, /*box_rows=*/16) ? 1 : 0;
   set_smem_limit(kernel, Cfg::kSmemBytes, "fwd_sm90_fp8");
@@ -223,7 +223,7 @@ bool run_fwd_sm90_fp8(const FwdParams& p, cudaStream_t stream);
 
 template <int kOutDType, int kHeadDim>
 bool run_fwd_sm90_fp8(const FwdParams& p, cudaStream_t stream) {
-  static_assert(kHeadDim == 128 || kHeadDim == 256, "the FP8 buckets");
+  static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "the FP8 buckets");
   if constexpr (kAblations) {
     return sm90::ws::ablation::run_fwd_sm90_fp8<kOutDType, kHeadDim>(p, stream);
   } else {

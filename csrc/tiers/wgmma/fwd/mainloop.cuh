@@ -258,7 +258,9 @@ template <typename Cfg>
 __device__ __forceinline__ void issue_qk(float (&sc)[1][Cfg::kNTiles][4], const typename Cfg::T* sQ, int wg_row0,
                                          const typename Cfg::T* sK) {
   wgmma_fence();
-  wgmma_ss<Cfg::kQKSteps, false, typename Cfg::T>(sc[0], KMajor<Cfg::kBlockM>{sQ, wg_row0}, KMajor<Cfg::kBlockN>{sK, 0});
+  constexpr int kLine = Cfg::KSlabs::kLineBytes;  // (Q's slabs are K's: 128-byte lines but e4m3 at d = 64)
+  wgmma_ss<Cfg::kQKSteps, false, typename Cfg::T>(sc[0], KMajorIn<Cfg::kBlockM, kLine>{sQ, wg_row0},
+                                                  KMajorIn<Cfg::kBlockN, kLine>{sK, 0});
   wgmma_commit();
 }
 

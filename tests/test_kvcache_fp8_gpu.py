@@ -12,6 +12,7 @@ the dequantized values (exact in 16 bits up to the descale's product).
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import torch
@@ -152,6 +153,24 @@ def test_fp8_small_pages_route(D, Sq):
 ])
 def test_fp8_options(case):
     _run(**{"page_size": 16, **case}, seed=len(str(case)))
+
+
+# The 32-keys-per-warp rung (FLASH_CUDA_DECODE_FP8_SUBN=32, an ablation build only): FP8 steps of
+# 128 keys (one 16-row slice) at d 64, the same rule as the default's; the launches take it.
+@needs_fp8
+@pytest.mark.parametrize("D", [64])
+@pytest.mark.parametrize("case", [dict(), dict(page_size=16), dict(page_size=256, capacity=1024),
+                                  dict(Sq=8, s_new=8, Hq=16, num_splits=3), dict(window_size=(100, 0), num_splits=1)])
+def test_fp8_wide_step_rung(monkeypatch, D, case):
+    from flash_cuda import _ext
+    if not _ext.ablations():
+        pytest.skip("an ablation rung: this build has none (FLASH_CUDA_ABLATIONS=1 builds them)")
+    monkeypatch.setenv("FLASH_CUDA_DECODE_FP8_SUBN", "32")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        _run(**{"D": D, **case}, seed=D + len(str(case)))
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if "decode_kernel" in e.name]
+    assert names and all(re.search(r"Fp8Config<[^>]*,\s*(\(int\))?32>", n) for n in names), names
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or _fp8_capable(), reason="a GPU below compute capability 8.9")

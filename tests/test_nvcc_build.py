@@ -25,7 +25,8 @@ INSTANCES = sorted((CSRC / "instances").glob("*.cu"))
 # The instances whose kernels have ablation rungs (include/ablation.h), compiled once more with
 # the rungs for sm_90a.
 ABLATION_INSTANCES = [CSRC / "instances" / f"wgmma_fwd_bf16_d{d}.cu" for d in (64, 96, 128)] + [
-    CSRC / "instances" / "decode_bf16_d128.cu"] + [CSRC / "instances" / f"wgmma_bwd_bf16_d{d}.cu" for d in (64, 96, 128)]
+    CSRC / "instances" / "decode_bf16_d128.cu", CSRC / "instances" / "decode_fp8_bf16_d64.cu"] + [
+    CSRC / "instances" / f"wgmma_bwd_bf16_d{d}.cu" for d in (64, 96, 128)]
 # A100, RTX 30/40 (and A10, L40), H100/H200, RTX 50.
 ARCHS = {a: f"-gencode=arch=compute_{a[3:]},code={a}" for a in ("sm_80", "sm_86", "sm_90a", "sm_120")}
 

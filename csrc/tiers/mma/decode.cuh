@@ -54,8 +54,9 @@ constexpr size_t kRingBytes = 96 * 1024;
 constexpr int kMaxStages = 4;
 
 // The shapes of a decode tile; kStages_ = 1 is the one-stage ring whose K and V halves are
-// pipelined against each other (the kernel's half-step loop).
-template <typename T_, int kHeadDim_, int kWarpsM_, int kStages_>
+// pipelined against each other (the kernel's half-step loop). kSubN_: keys per warp per step (32
+// only in the FP8 rung Fp8WideStepPolicy).
+template <typename T_, int kHeadDim_, int kWarpsM_, int kStages_, int kSubN_ = 16>
 struct Tile {
   // The key copies ask the L2 for 256 bytes around each 16-byte request (cp_async_16_stream):
   // whole rows of keys come from DRAM in one request.
@@ -66,7 +67,7 @@ struct Tile {
   static constexpr int kWarpsN = 4 / kWarpsM;      // warps sharing a slice, splitting its keys
   static constexpr int kThreads = 128;
   static constexpr int kRows = 16 * kWarpsM;
-  static constexpr int kSubN = 16;                 // keys per warp per step
+  static constexpr int kSubN = kSubN_;             // keys per warp per step
   static constexpr int kBlockN = kSubN * kWarpsN;  // keys per step
   static constexpr int kPitch = kHeadDim + 8;      // padded rows: conflict-free ldmatrix
   // The cache's elements as the ring holds them (Fp8Config: e4m3 bytes), its row pitch in them,
@@ -150,17 +151,18 @@ struct HalfStepConfig : Tile<T, kHeadDim, kWarpsM, 1> {};
 // shared memory half the bytes of a 16-bit one. kFp8RingBytes sets the ring's steps (3 at d = 128:
 // as many bytes in flight per CTA as the 16-bit ring's, at three CTAs per SM).
 constexpr size_t kFp8RingBytes = 56 * 1024;
-template <typename T, int kHeadDim, int kWarpsM>
+template <typename T, int kHeadDim, int kWarpsM, int kSubN>
 struct Fp8Sizes {
-  using Base = Tile<T, kHeadDim, kWarpsM, 2>;
+  using Base = Tile<T, kHeadDim, kWarpsM, 2, kSubN>;
   static constexpr int kPitchC = kHeadDim + 16;
   static constexpr size_t kStageBytes = size_t(2) * Base::kBlockN * kPitchC;
   static constexpr int kStages =
       static_cast<int>(std::min<size_t>(kMaxStages, std::max<size_t>(2, kFp8RingBytes / kStageBytes)));
 };
-template <typename T_, int kHeadDim_, int kWarpsM_>
-struct Fp8Config : Tile<T_, kHeadDim_, kWarpsM_, Fp8Sizes<T_, kHeadDim_, kWarpsM_>::kStages> {
-  using Base = Tile<T_, kHeadDim_, kWarpsM_, Fp8Sizes<T_, kHeadDim_, kWarpsM_>::kStages>;
+template <typename T_, int kHeadDim_, int kWarpsM_, int kSubN_ = 16>
+struct Fp8Config : Tile<T_, kHeadDim_, kWarpsM_, Fp8Sizes<T_, kHeadDim_, kWarpsM_, kSubN_>::kStages, kSubN_> {
+  using Sizes = Fp8Sizes<T_, kHeadDim_, kWarpsM_, kSubN_>;
+  using Base = Tile<T_, kHeadDim_, kWarpsM_, Sizes::kStages, kSubN_>;
   using T = T_;
   using TC = uint8_t;
   // The products run in fp16 whatever q's type: an e4m3 pair becomes an fp16 pair in one
@@ -173,15 +175,15 @@ struct Fp8Config : Tile<T_, kHeadDim_, kWarpsM_, Fp8Sizes<T_, kHeadDim_, kWarpsM
   // (bulk_key_block), where a row is 128 bytes or more: cp.async's per-copy page lookups held
   // pages of 16 to 0.60-0.75 of the dense FP8 cache's time at d = 128, while 64-byte rows copied
   // one by one were slower than cp.async's (OPTIMIZATION.md step 49).
-  static constexpr bool kBulkEligible = kHeadDim_ >= 128;
-  static constexpr int kPitchC = Fp8Sizes<T_, kHeadDim_, kWarpsM_>::kPitchC;
+  static constexpr bool kBulkEligible = kHeadDim_ >= 128 && kSubN_ == 16;  // (the rung's steps: no bulk copies)
+  static constexpr int kPitchC = Sizes::kPitchC;
   // Boxes at every head dim whose padded line a box spans (d = 64, 128): e4m3 rows are short;
   // bulk copies at d = 256.
   static constexpr bool kBoxable = kPitchC <= 256;
   static constexpr bool kPageBoxes = kBoxable;
   static constexpr bool kBulkPages = kBulkEligible;
   static constexpr int kChunkElems = 16;
-  static constexpr size_t kStageBytes = Fp8Sizes<T_, kHeadDim_, kWarpsM_>::kStageBytes;
+  static constexpr size_t kStageBytes = Sizes::kStageBytes;
   struct Storage {
     T q[Base::kRows * Base::kPitch];
     union {
@@ -219,6 +221,14 @@ struct ConfigPolicy {
 template <typename T, int kHeadDim, int kWarpsM>
 struct Fp8ConfigPolicy {
   using Full = Fp8Config<T, kHeadDim, kWarpsM>;
+  using Compact = Full;
+};
+// Ablation rung (FLASH_CUDA_ABLATIONS, FLASH_CUDA_DECODE_FP8_SUBN=32; with_decode_config): FP8
+// steps of 32 keys per warp at d = 64, half the steps (and barriers) per byte of cache (at d = 128
+// its 16-row tile spills 4 bytes, so it is not built there).
+template <typename T, int kHeadDim, int kWarpsM>
+struct Fp8WideStepPolicy {
+  using Full = Fp8Config<T, kHeadDim, kWarpsM, 32>;
   using Compact = Full;
 };
 
@@ -1195,6 +1205,15 @@ R with_decode_config(const FwdParams& p, R none, F&& f) {
     return none;
   };
   if constexpr (kFp8) {
+    if constexpr (kAblations && kHeadDim == 64) {
+      if (ablation_int("FLASH_CUDA_DECODE_FP8_SUBN", 16) == 32) {
+        switch (decode::warps_m_for(p.sq * p.decode_heads)) {
+          case 1: return fits(decode::Fp8WideStepPolicy<T, kHeadDim, 1>{});
+          case 2: return fits(decode::Fp8WideStepPolicy<T, kHeadDim, 2>{});
+          default: return fits(decode::Fp8WideStepPolicy<T, kHeadDim, 4>{});
+        }
+      }
+    }
     switch (decode::warps_m_for(p.sq * p.decode_heads)) {
       case 1: return fits(decode::Fp8ConfigPolicy<T, kHeadDim, 1>{});
       case 2: return fits(decode::Fp8ConfigPolicy<T, kHeadDim, 2>{});

@@ -34,8 +34,11 @@ CASE_KEYS = {"name", "passed", "seconds", "errors", "problem"}
 
 
 def _cli(*args, timeout=900):
+    # `-m` puts the working directory first on sys.path: run from the tested copy's parent, or a
+    # suite started in the checkout would run an installed copy's CLI on the checkout's sources.
+    root = str(Path(flash_cuda.__file__).parents[1])
     return subprocess.run([sys.executable, "-m", "flash_cuda", *args], capture_output=True, text=True,
-                          timeout=timeout, env=dict(os.environ, PYTHONPATH=str(Path(flash_cuda.__file__).parents[1])))
+                          timeout=timeout, cwd=root, env=dict(os.environ, PYTHONPATH=root))
 
 
 def _flat(text: str) -> str:

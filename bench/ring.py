@@ -22,6 +22,12 @@ For each cell (tokens per GPU x causal x mode), with B = 1, 16 heads, D = 128, b
   `hidden` = (compute + comm - ring) / comm, the share of the transfer time that overlaps
   compute (1.0: all of it).
 
+--check gloo nccl measures the ring with each transport of the collective input check
+(flash_cuda.distributed.CHECK_TRANSPORT; a `check` column). --trace DIR records, per cell and
+rank, three synchronized calls under torch.profiler (DIR/trace_*.json, Chrome format) and prints
+rank 0's timeline summary per call: the host's time in the call, the GPU's busy span, its idle
+time inside the span, the NCCL kernels' time and the part of it under the attention kernels.
+
 NCCL_NVLS_ENABLE=0 is set unless the environment sets it. Rank 0 prints a markdown table; with
 --out DIR it also writes DIR/ring_w<W>.csv and .md (bench/common.py's environment stamp).
 """
@@ -90,6 +96,74 @@ def make_step(fn, q, k, v, do, mode):
     return step
 
 
+def _union(intervals):
+    """Sorted, merged [start, end) intervals."""
+    out = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return out
+
+
+def _overlap(xs, ys) -> float:
+    """Length of the intersection of two merged interval lists."""
+    i = j = 0
+    total = 0.0
+    while i < len(xs) and j < len(ys):
+        a, b = max(xs[i][0], ys[j][0]), min(xs[i][1], ys[j][1])
+        total += max(0.0, b - a)
+        if xs[i][1] < ys[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def trace_calls(step, path: str, calls: int = 3) -> list:
+    """``calls`` synchronized calls of ``step`` under torch.profiler, the trace written to
+    ``path``; per call (us): the host's time in it, the GPU's span (first kernel start to last
+    kernel end), the idle time inside that span, NCCL kernel time, and the part of it that
+    overlaps the other kernels."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            with record_function("ring_call"):
+                step()
+            torch.cuda.synchronize()
+    prof.export_chrome_trace(path)
+    events = prof.events()
+    calls_ = [(e.time_range.start, e.time_range.end) for e in events if e.name == "ring_call"]
+    kernels = [(e.time_range.start, e.time_range.end, "nccl" in e.name.lower()) for e in events
+               if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset"))]
+    return summarize_trace(calls_, kernels)
+
+
+def summarize_trace(calls, kernels) -> list:
+    """trace_calls' rows from the calls' host ranges (start, end) and the kernels' (start, end,
+    is_nccl), in one clock: a kernel belongs to the call during or after whose host range it
+    starts, up to the next call's start."""
+    calls = sorted(calls)
+    kernels = [k for k in kernels if k[1] > k[0]]
+    rows = []
+    for n, (c0, c1) in enumerate(calls):
+        end = calls[n + 1][0] if n + 1 < len(calls) else float("inf")
+        mine = [k for k in kernels if c0 <= k[0] < end]
+        if not mine:
+            continue
+        nccl = _union([(a, b) for a, b, is_nccl in mine if is_nccl])
+        other = _union([(a, b) for a, b, is_nccl in mine if not is_nccl])
+        busy = _union([(a, b) for a, b, _ in mine])
+        span = busy[-1][1] - busy[0][0]
+        rows.append(dict(call=n, host_us=c1 - c0, first_kernel_us=busy[0][0] - c0, gpu_span_us=span,
+                         gpu_idle_us=span - sum(b - a for a, b in busy), nccl_us=sum(b - a for a, b in nccl),
+                         nccl_under_compute_us=_overlap(nccl, other)))
+    return rows
+
+
 def comm_only(cfg, k, v, mode):
     """The ring's transfers alone, in the same order and sizes (double-buffered like the ring)."""
     ring, W = cfg.ring, cfg.world
@@ -131,6 +205,9 @@ def main():
     ap.add_argument("--method", choices=fcd.METHODS, default="ring")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--check", nargs="+", choices=fcd.CHECK_TRANSPORTS, default=[fcd.CHECK_TRANSPORT],
+                    help="transport(s) of the collective input check, each measured in turn")
+    ap.add_argument("--trace", default=None, help="folder for torch.profiler traces of synchronized calls")
     ap.add_argument("--out", default=None, help="folder for ring_w<W>.csv / .md (rank 0)")
     args = ap.parse_args()
 
@@ -151,8 +228,21 @@ def main():
                         for _ in range(2))
                 opts = dict(is_causal=causal, layout=args.layout, method=args.method)
                 ring_step = make_step(lambda a, b, c: fcd.ring_attention(a, b, c, **opts), q, k, v, do, mode)
-                ring_ms = timed(ring_step, args.iters, args.warmup)
-                ring_sync_ms = timed(synchronized(ring_step), args.iters, args.warmup)
+                by_check = {}
+                for check in args.check:
+                    fcd.CHECK_TRANSPORT = check
+                    by_check[check] = (timed(ring_step, args.iters, args.warmup),
+                                       timed(synchronized(ring_step), args.iters, args.warmup))
+                    if args.trace:
+                        os.makedirs(args.trace, exist_ok=True)
+                        name = f"trace_w{W}_{common.fmt_size(tokens)}_c{int(causal)}_{mode}_{check}_rank{rank}.json"
+                        trace = trace_calls(ring_step, os.path.join(args.trace, name))
+                        if rank == 0:
+                            import pandas as pd
+
+                            print(f"trace {name} (us):\n" + common.markdown(pd.DataFrame(trace), floatfmt=".1f"),
+                                  flush=True)
+                        dist.barrier()
                 method = fcr.pick_method(args.method, args.heads, hkv, tokens, W)
                 cfg = fcr.Config(fcr.CudaBlocks(q, ScoreOptions(args.d ** -0.5), False, 0), fcr.Ring(None, W, rank),
                                  method, args.layout, -1, 0 if causal else -1, mode == "fwd_bwd",
@@ -163,7 +253,6 @@ def main():
                     compute_ms = timed(make_step(lambda a, b, c: fcr.RingAttention.apply(a, b, c, still)[0],
                                                  q, k, v, do, mode), args.iters, args.warmup)
                     comm_ms = timed(comm_only(cfg, k.contiguous(), v.contiguous(), mode), args.iters, args.warmup)
-                    hidden = min(1.0, max(0.0, (compute_ms + comm_ms - ring_ms) / comm_ms))
                 single_ms = float("nan")
                 if rank == 0:
                     # the whole sequence on one GPU (every rank's slice shape, W times longer)
@@ -176,16 +265,20 @@ def main():
                     del qf, kf, vf, dof
                 dist.barrier()
                 ideal = single_ms / W
-                rows.append(dict(tokens_per_gpu=tokens, seq=W * tokens, causal=int(causal), mode=mode, method=method,
-                                 ring_ms=ring_ms, ring_sync_ms=ring_sync_ms, ideal_ms=ideal,
-                                 efficiency=ideal / ring_ms, efficiency_sync=ideal / ring_sync_ms,
-                                 compute_ms=compute_ms, comm_ms=comm_ms, hidden=hidden))
-                if rank == 0:
-                    r = rows[-1]
-                    print(f"W={W} tokens/GPU={tokens} causal={int(causal)} {mode}: ring {ring_ms:.2f} ms "
-                          f"(synchronized {ring_sync_ms:.2f}), ideal {ideal:.2f} ms (efficiency "
-                          f"{r['efficiency']:.2f} / {r['efficiency_sync']:.2f}), compute {compute_ms:.2f} ms, "
-                          f"comm {comm_ms:.2f} ms, hidden {hidden:.2f}", flush=True)
+                for check, (ring_ms, ring_sync_ms) in by_check.items():
+                    hidden = float("nan")
+                    if comm_ms == comm_ms:
+                        hidden = min(1.0, max(0.0, (compute_ms + comm_ms - ring_ms) / comm_ms))
+                    rows.append(dict(tokens_per_gpu=tokens, seq=W * tokens, causal=int(causal), mode=mode,
+                                     method=method, check=check, ring_ms=ring_ms, ring_sync_ms=ring_sync_ms,
+                                     ideal_ms=ideal, efficiency=ideal / ring_ms, efficiency_sync=ideal / ring_sync_ms,
+                                     compute_ms=compute_ms, comm_ms=comm_ms, hidden=hidden))
+                    if rank == 0:
+                        r = rows[-1]
+                        print(f"W={W} tokens/GPU={tokens} causal={int(causal)} {mode} check={check}: ring "
+                              f"{ring_ms:.2f} ms (synchronized {ring_sync_ms:.2f}), ideal {ideal:.2f} ms (efficiency "
+                              f"{r['efficiency']:.2f} / {r['efficiency_sync']:.2f}), compute {compute_ms:.2f} ms, "
+                              f"comm {comm_ms:.2f} ms, hidden {hidden:.2f}", flush=True)
                 del q, k, v, do
                 torch.cuda.empty_cache()
     if rank == 0:

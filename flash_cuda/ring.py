@@ -528,6 +528,15 @@ def dkv_travels_in_input_dtype(layout: str, W: int, s_local: int, left: int, rig
 _SIDE_STREAMS: dict = {}
 
 
+def side_stream(device: torch.device):
+    """The stream from which the ring issues work that must not queue behind the kernels of the
+    current stream (one per device)."""
+    side = _SIDE_STREAMS.get(device)
+    if side is None:
+        side = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    return side
+
+
 def _first_hop(ring: Ring, send, recv, ready):
     """The first exchange, issued after step 0's kernels are queued but ordered after ``ready``
     alone (an event recorded before them: the caller's k / v and the fresh receive buffers are
@@ -535,10 +544,7 @@ def _first_hop(ring: Ring, send, recv, ready):
     issuing stream's work, starts it at once instead of after the local block's attention."""
     if ready is None:
         return ring.exchange(send, recv)
-    device = send[0].device
-    side = _SIDE_STREAMS.get(device)
-    if side is None:
-        side = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    side = side_stream(send[0].device)
     side.wait_event(ready)
     with torch.cuda.stream(side):
         return ring.exchange(send, recv)

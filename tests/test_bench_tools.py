@@ -630,6 +630,25 @@ def test_decode_bench_help_and_no_gpu_message():
         assert proc.returncode == 2 and "needs a CUDA GPU" in proc.stderr
 
 
+def test_ring_bench_help_and_trace_summary():
+    """bench/ring.py's options, and its trace summary on a made-up timeline: call 0's kernels run
+    from 10 to 40 and 50 to 90 (an NCCL kernel 30-70 overlapping both), call 1 starts at 200."""
+    pytest.importorskip("torch")
+    proc = subprocess.run([sys.executable, str(BENCH / "ring.py"), "--help"], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    for opt in ("--check", "--trace", "--tokens", "--mode"):
+        assert opt in proc.stdout
+    ring = _load("flash_cuda_bench_ring", BENCH / "ring.py")
+    rows = ring.summarize_trace([(200, 230), (0, 25)],
+                                [(10, 40, False), (50, 90, False), (30, 70, True), (205, 260, False), (5, 5, True)])
+    assert rows[0] == dict(call=0, host_us=25, first_kernel_us=10, gpu_span_us=80, gpu_idle_us=0,
+                           nccl_us=40, nccl_under_compute_us=30)
+    assert rows[1]["first_kernel_us"] == 5 and rows[1]["nccl_us"] == 0 and rows[1]["gpu_span_us"] == 55
+    assert ring._union([(5, 6), (1, 3), (2, 4)]) == [[1, 4], [5, 6]]
+    assert ring._overlap([[0, 10]], [[2, 3], [9, 12]]) == 2
+
+
 def test_decode_bench_ablation_switch_is_checked():
     """--ablation takes FLASH_CUDA_NAME=VALUE; anything else is refused before any GPU work."""
     proc = subprocess.run([sys.executable, str(BENCH / "decode.py"), "--ablation", "RING=deep"],

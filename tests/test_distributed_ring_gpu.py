@@ -184,6 +184,24 @@ def _run_case(name, case, world, rank):
     return None if not problems else f"rank {rank}: " + "; ".join(problems)
 
 
+# The cases run again with the other transport of the collective input check.
+CHECK_CASES = ("bfloat16_d128_zigzag_causal", "bfloat16_d128_window_ring_lse", "float16_d64_softcap_lse")
+
+
+def _bad_inputs(rank, world, disagree):
+    """Every rank raises, none hangs: the last rank's q is 18 rows against k's 16 (its local
+    check fails), or (``disagree``) its q, k, v are 32 rows where the others' are 16."""
+    x = torch.randn(1, 2, 32 if disagree and rank == world - 1 else 16, 64, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(1, 2, 18, 64, device="cuda", dtype=torch.bfloat16) if not disagree and rank == world - 1 else x
+    expected = ("disagree on q shape",) if disagree else ("must hold the same number of local positions",
+                                                          "rejected their inputs")
+    try:
+        fcd.ring_attention(q, x, x)
+        return f"rank {rank}: no error"
+    except (ValueError, RuntimeError) as exc:
+        return None if any(e in str(exc) for e in expected) else f"rank {rank}: unexpected message {exc}"
+
+
 def _worker(rank, world, store_path, out_dir):
     results = {}
     try:
@@ -191,17 +209,16 @@ def _worker(rank, world, store_path, out_dir):
         dist.init_process_group("nccl", init_method=f"file://{store_path}", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=300))
         run_cases(results, CASES, _run_case, world, rank)
-        # a rank with bad inputs: every rank raises instead of hanging
-        x = torch.randn(1, 2, 16, 64, device="cuda", dtype=torch.bfloat16)
-        q = torch.randn(1, 2, 18 if rank == world - 1 else 16, 64, device="cuda", dtype=torch.bfloat16)
+        default = fcd.CHECK_TRANSPORT
         try:
-            fcd.ring_attention(q, x, x)
-            results["bad_shapes"] = f"rank {rank}: no error"
-        except ValueError as exc:
-            results["bad_shapes"] = None if "must hold the same number of local positions" in str(exc) or \
-                "rejected their inputs" in str(exc) else f"rank {rank}: unexpected message {exc}"
-        except RuntimeError as exc:
-            results["bad_shapes"] = None if "rejected their inputs" in str(exc) else f"rank {rank}: {exc}"
+            for check in fcd.CHECK_TRANSPORTS:
+                fcd.CHECK_TRANSPORT = check
+                if check != default:
+                    run_cases(results, {f"{check}_check_{n}": CASES[n] for n in CHECK_CASES}, _run_case, world, rank)
+                results[f"bad_shapes_{check}"] = _bad_inputs(rank, world, disagree=False)
+                results[f"disagreeing_shapes_{check}"] = _bad_inputs(rank, world, disagree=True)
+        finally:
+            fcd.CHECK_TRANSPORT = default
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001
         results["setup"] = f"rank {rank}: {traceback.format_exc()}"
@@ -223,7 +240,10 @@ def results():
     return out
 
 
-@pytest.mark.parametrize("name", list(CASES) + ["bad_shapes"])
+@pytest.mark.parametrize("name", list(CASES) + [f"{c}_check_{n}" for c in fcd.CHECK_TRANSPORTS
+                                                 if c != fcd.CHECK_TRANSPORT for n in CHECK_CASES]
+                         + [f"{kind}_{c}" for kind in ("bad_shapes", "disagreeing_shapes")
+                            for c in fcd.CHECK_TRANSPORTS])
 def test_ring_attention_gpu(results, name):
     problems = [r[name] for r in results if r.get(name)]
     missing = [i for i, r in enumerate(results) if name not in r]

@@ -17,7 +17,7 @@ For each cell (tokens per GPU x causal x mode), with B = 1, 16 heads, D = 128, b
 * compute: the same ring steps with the blocks kept in hand instead of exchanged
   (flash_cuda.ring.NoComm: the kernels and merges alone, plus a device-local copy in place of
   each transfer), comm: the ring's transfers alone (W - 1 hops of K and V; the backward also
-  W - 1 hops of K, V and W of dK, dV, in the input dtype on two GPUs where the ring sends them
+  W - 1 hops of K, V and W - 1 of dK, dV, in the input dtype on two GPUs where the ring sends them
   so, else float32);
   `hidden` = (compute + comm - ring) / comm, the share of the transfer time that overlaps
   compute (1.0: all of it).
@@ -177,7 +177,7 @@ def comm_only(cfg, k, v, mode):
         dkv = (torch.zeros(k.shape, dtype=travel, device=k.device), torch.zeros(v.shape, dtype=travel, device=v.device))
         for s in range(n):
             handles = ring.exchange(kv, bufs[s % 2]) if s + 1 < W else []
-            if with_grads:  # dK / dV hop once per step, the last one back to the owner
+            if with_grads and s > 0:  # dK / dV hop after every step but the first, the last to the owner
                 incoming = (torch.empty_like(dkv[0]), torch.empty_like(dkv[1]))
                 handles += ring.exchange(dkv, incoming, tag0=2)
                 dkv = incoming

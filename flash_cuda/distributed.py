@@ -25,8 +25,10 @@ Two methods compute the same result:
   the key block in hand with flash_cuda's kernels, with the mask rewritten in the block's
   own coordinates (a block entirely in the future is skipped, one entirely in the past runs
   without a mask, the diagonal block is plain causal); the partial ``(out, lse)`` pairs are
-  merged by log-sum-exp in float32. The backward sends K and V around again, with dK and dV
-  accumulating in float32 as they travel with their block back to its owner.
+  merged by log-sum-exp in float32. The backward sends K and V around again; each rank
+  keeps its own block's dK and dV parts, and the other ranks' parts accumulate in float32 as
+  they travel with the block from its first visitor to its last and then home (``W - 1``
+  hops).
 * ``"allgather"`` (Llama-3 style, for grouped-query attention whose K / V are small): K and
   V are all-gathered once, each query chunk attends its true key range of the whole
   sequence in one call, and the backward reduce-scatters dK / dV in float32.

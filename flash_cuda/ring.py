@@ -587,6 +587,10 @@ def _ring_forward(q: Tensor, k: Tensor, v: Tensor, cfg: Config):
 
 
 def _ring_backward(dout, q, k, v, out, lse, stats, dlse, cfg: Config):
+    """K and V travel around the ring again. Each rank keeps its own block's dK / dV parts (step
+    0) at home; the parts of the other ranks travel with the block from its first visitor (rank
+    r + 1, step 1) to its last (rank r - 1, step W - 1), each visitor adding its own, and the sum
+    comes home after the last step: W - 1 hops of dK / dV."""
     kernel, ring, W = cfg.kernel, cfg.ring, cfg.world
     S = q.shape[2]
     sched = _ring_schedule(cfg, S)
@@ -594,14 +598,19 @@ def _ring_backward(dout, q, k, v, out, lse, stats, dlse, cfg: Config):
     travel = (k.dtype if dkv_travels_in_input_dtype(cfg.layout, W, S, cfg.left, cfg.right) else kernel.acc_dtype)
     kv = (k.contiguous(), v.contiguous())
     spare = None
-    dkv = None  # the travelling (dk, dv) of the block in hand, as it arrives
+    own = None  # this rank's parts of its own block's dK / dV
+    dkv = None  # the visitors' sums of the block in hand (None: this rank is its first visitor)
     dkv_handles = None
+
+    def zeros():
+        return (torch.zeros(k.shape, dtype=travel, device=k.device), torch.zeros(v.shape, dtype=travel, device=v.device))
+
     for step in range(W):
         kv_handles = None
         if step + 1 < W:
             spare = spare or (torch.empty_like(kv[0]), torch.empty_like(kv[1]))
             kv_handles = ring.exchange(kv, spare)
-        mine = None  # this step's (dk, dv) sums: the arrived pair with this rank's parts added
+        mine = None  # the block's sums with this step's parts added
         for c, actions in zip(sched.steps[step], sched.actions[step]):
             rows, keys = slice(c.q0, c.q1), slice(c.k0, c.k1)
             dq_b, dk_b, dv_b = kernel.backward(
@@ -611,36 +620,43 @@ def _ring_backward(dout, q, k, v, out, lse, stats, dlse, cfg: Config):
             if dq is not None:
                 dq.add(actions, c.q0, dq_b)
             if cfg.need_dkdv:
-                if mine is None and dkv is None and (c.k0, c.k1) == (0, S) and dk_b.dtype == travel:
-                    mine = (dk_b, dv_b)  # the block's first parts, whole: taken as they are
+                if mine is None and (step == 0 or dkv is None) and (c.k0, c.k1) == (0, S) and dk_b.dtype == travel:
+                    mine = (dk_b, dv_b)  # the first parts, whole: taken as they are
                     continue
                 if mine is None:
-                    # The block's dK / dV arrived during the step before; the compute stream
-                    # waits for them only here, after this step's first kernel is queued.
-                    if dkv_handles is not None:
+                    if step > 0 and dkv is not None:
+                        # The visitors' sums arrived during the step before; the compute stream
+                        # waits for them only here, after this step's first kernel is queued.
                         ring.wait(dkv_handles)
-                    mine = dkv or (torch.zeros(k.shape, dtype=travel, device=k.device),
-                                   torch.zeros(v.shape, dtype=travel, device=v.device))
+                    mine = zeros() if step == 0 or dkv is None else dkv
                 mine[0][:, :, keys] += dk_b
                 mine[1][:, :, keys] += dv_b
-        if cfg.need_dkdv:
-            if mine is None:  # no call on this block: pass it on as it came
-                if dkv_handles is not None:
+        if not cfg.need_dkdv:
+            pass
+        elif step == 0:
+            own = mine
+        else:
+            if mine is None:  # no call on this block: pass the sums on as they came
+                if dkv is not None:
                     ring.wait(dkv_handles)
-                mine = dkv or (torch.zeros(k.shape, dtype=travel, device=k.device),
-                               torch.zeros(v.shape, dtype=travel, device=v.device))
-            if W > 1:
-                # Passed on with the block (after the last step, back to its owner).
-                dkv = (torch.empty_like(mine[0]), torch.empty_like(mine[1]))
-                dkv_handles = ring.exchange(mine, dkv, tag0=2)
-            else:
-                dkv = mine
+                mine = dkv or zeros()
+            # On to the next rank (after the last step: the block's owner); the sums of the
+            # next block arrive from the rank before.
+            dkv = (torch.empty_like(mine[0]), torch.empty_like(mine[1]))
+            dkv_handles = ring.exchange(mine, dkv, tag0=2)
         if kv_handles is not None:
             ring.wait(kv_handles)
             kv, spare = spare, (kv if step > 0 else None)
-    if dkv_handles is not None:
-        ring.wait(dkv_handles)
-    dk, dv = (dkv if cfg.need_dkdv else (None, None))
+    dk = dv = None
+    if cfg.need_dkdv:
+        if dkv is not None:  # the visitors' sums of this rank's own block
+            ring.wait(dkv_handles)
+            if own is None:
+                own = dkv
+            else:
+                own[0].add_(dkv[0])
+                own[1].add_(dkv[1])
+        dk, dv = own if own is not None else zeros()
     return (dq.result() if dq is not None else None), dk, dv
 
 

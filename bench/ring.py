@@ -35,6 +35,7 @@ NCCL_NVLS_ENABLE=0 is set unless the environment sets it. Rank 0 prints a markdo
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from pathlib import Path
@@ -267,7 +268,7 @@ def main():
                 ideal = single_ms / W
                 for check, (ring_ms, ring_sync_ms) in by_check.items():
                     hidden = float("nan")
-                    if comm_ms == comm_ms:
+                    if not math.isnan(comm_ms):
                         hidden = min(1.0, max(0.0, (compute_ms + comm_ms - ring_ms) / comm_ms))
                     rows.append(dict(tokens_per_gpu=tokens, seq=W * tokens, causal=int(causal), mode=mode,
                                      method=method, check=check, ring_ms=ring_ms, ring_sync_ms=ring_sync_ms,

@@ -599,7 +599,7 @@ def _ring_backward(dout, q, k, v, out, lse, stats, dlse, cfg: Config):
     kv = (k.contiguous(), v.contiguous())
     spare = None
     own = None  # this rank's parts of its own block's dK / dV
-    dkv = None  # the visitors' sums of the block in hand (None: this rank is its first visitor)
+    dkv = None  # the visitors' sums of the block in hand (None at steps 0 and 1: none yet)
     dkv_handles = None
 
     def zeros():
@@ -620,22 +620,20 @@ def _ring_backward(dout, q, k, v, out, lse, stats, dlse, cfg: Config):
             if dq is not None:
                 dq.add(actions, c.q0, dq_b)
             if cfg.need_dkdv:
-                if mine is None and (step == 0 or dkv is None) and (c.k0, c.k1) == (0, S) and dk_b.dtype == travel:
+                if mine is None and dkv is None and (c.k0, c.k1) == (0, S) and dk_b.dtype == travel:
                     mine = (dk_b, dv_b)  # the first parts, whole: taken as they are
                     continue
                 if mine is None:
-                    if step > 0 and dkv is not None:
+                    if dkv is not None:
                         # The visitors' sums arrived during the step before; the compute stream
                         # waits for them only here, after this step's first kernel is queued.
                         ring.wait(dkv_handles)
-                    mine = zeros() if step == 0 or dkv is None else dkv
+                    mine = dkv or zeros()
                 mine[0][:, :, keys] += dk_b
                 mine[1][:, :, keys] += dv_b
-        if not cfg.need_dkdv:
-            pass
-        elif step == 0:
+        if cfg.need_dkdv and step == 0:
             own = mine
-        else:
+        elif cfg.need_dkdv:
             if mine is None:  # no call on this block: pass the sums on as they came
                 if dkv is not None:
                     ring.wait(dkv_handles)

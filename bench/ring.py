@@ -23,10 +23,9 @@ For each cell (tokens per GPU x causal x mode), with B = 1, 16 heads, D = 128, b
   compute (1.0: all of it).
 
 --check gloo nccl measures the ring with each transport of the collective input check
-(flash_cuda.distributed.CHECK_TRANSPORT; a `check` column), --own-split 0 1 the backward with and
-without its own block in two parts (flash_cuda.ring.BACKWARD_OWN_SPLIT; `own_split`). --trace DIR
-records, per cell and rank, three synchronized calls under torch.profiler (DIR/trace_*.json,
-Chrome format) and prints rank 0's timeline summary per call: the host's time in the call, the GPU's busy span, its idle
+(flash_cuda.distributed.CHECK_TRANSPORT; a `check` column). --trace DIR records, per cell and
+rank, three synchronized calls under torch.profiler (DIR/trace_*.json, Chrome format) and prints
+rank 0's timeline summary per call: the host's time in the call, the GPU's busy span, its idle
 time inside the span, the NCCL kernels' time and the part of it under the attention kernels.
 
 NCCL_NVLS_ENABLE=0 is set unless the environment sets it. Rank 0 prints a markdown table; with
@@ -209,8 +208,6 @@ def main():
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--check", nargs="+", choices=fcd.CHECK_TRANSPORTS, default=[fcd.CHECK_TRANSPORT],
                     help="transport(s) of the collective input check, each measured in turn")
-    ap.add_argument("--own-split", type=int, nargs="+", choices=(0, 1), default=[int(fcr.BACKWARD_OWN_SPLIT)],
-                    help="the backward's own block in two parts (flash_cuda.ring.BACKWARD_OWN_SPLIT), each measured")
     ap.add_argument("--trace", default=None, help="folder for torch.profiler traces of synchronized calls")
     ap.add_argument("--out", default=None, help="folder for ring_w<W>.csv / .md (rank 0)")
     args = ap.parse_args()
@@ -232,16 +229,14 @@ def main():
                         for _ in range(2))
                 opts = dict(is_causal=causal, layout=args.layout, method=args.method)
                 ring_step = make_step(lambda a, b, c: fcd.ring_attention(a, b, c, **opts), q, k, v, do, mode)
-                by_variant = {}
-                splits = args.own_split if mode == "fwd_bwd" else args.own_split[:1]
-                for check, split in ((c, sp) for c in args.check for sp in splits):
-                    fcd.CHECK_TRANSPORT, fcr.BACKWARD_OWN_SPLIT = check, bool(split)
-                    by_variant[check, split] = (timed(ring_step, args.iters, args.warmup),
-                                                timed(synchronized(ring_step), args.iters, args.warmup))
+                by_check = {}
+                for check in args.check:
+                    fcd.CHECK_TRANSPORT = check
+                    by_check[check] = (timed(ring_step, args.iters, args.warmup),
+                                       timed(synchronized(ring_step), args.iters, args.warmup))
                     if args.trace:
                         os.makedirs(args.trace, exist_ok=True)
-                        name = (f"trace_w{W}_{common.fmt_size(tokens)}_c{int(causal)}_{mode}_{check}_split{split}"
-                                f"_rank{rank}.json")
+                        name = f"trace_w{W}_{common.fmt_size(tokens)}_c{int(causal)}_{mode}_{check}_rank{rank}.json"
                         trace = trace_calls(ring_step, os.path.join(args.trace, name))
                         if rank == 0:
                             import pandas as pd
@@ -271,19 +266,17 @@ def main():
                     del qf, kf, vf, dof
                 dist.barrier()
                 ideal = single_ms / W
-                for (check, split), (ring_ms, ring_sync_ms) in by_variant.items():
+                for check, (ring_ms, ring_sync_ms) in by_check.items():
                     hidden = float("nan")
                     if not math.isnan(comm_ms):
                         hidden = min(1.0, max(0.0, (compute_ms + comm_ms - ring_ms) / comm_ms))
                     rows.append(dict(tokens_per_gpu=tokens, seq=W * tokens, causal=int(causal), mode=mode,
-                                     method=method, check=check, own_split=split, ring_ms=ring_ms,
-                                     ring_sync_ms=ring_sync_ms, ideal_ms=ideal, efficiency=ideal / ring_ms,
-                                     efficiency_sync=ideal / ring_sync_ms,
+                                     method=method, check=check, ring_ms=ring_ms, ring_sync_ms=ring_sync_ms,
+                                     ideal_ms=ideal, efficiency=ideal / ring_ms, efficiency_sync=ideal / ring_sync_ms,
                                      compute_ms=compute_ms, comm_ms=comm_ms, hidden=hidden))
                     if rank == 0:
                         r = rows[-1]
-                        print(f"W={W} tokens/GPU={tokens} causal={int(causal)} {mode} check={check} "
-                              f"own_split={split}: ring "
+                        print(f"W={W} tokens/GPU={tokens} causal={int(causal)} {mode} check={check}: ring "
                               f"{ring_ms:.2f} ms (synchronized {ring_sync_ms:.2f}), ideal {ideal:.2f} ms (efficiency "
                               f"{r['efficiency']:.2f} / {r['efficiency_sync']:.2f}), compute {compute_ms:.2f} ms, "
                               f"comm {comm_ms:.2f} ms, hidden {hidden:.2f}", flush=True)

@@ -510,27 +510,6 @@ def _ring_schedule_of(layout: str, W: int, r: int, s_local: int, left: int, righ
     return _schedule(_ring_plans_of(layout, W, r, s_local, left, right), s_local)
 
 
-# The backward's own block in two parts (an ablation measured by bench/ring.py --own-split): the
-# later query rows at step 0, the earlier ones after the last step, under the last dK / dV hop.
-BACKWARD_OWN_SPLIT = False
-
-
-@functools.lru_cache(maxsize=256)
-def _ring_backward_schedule_of(layout: str, W: int, r: int, s_local: int, left: int, right: int) -> _Schedule:
-    """steps[0]: the own block for the later query rows; steps[1 .. W - 1] as the forward's;
-    steps[W]: the own block for the earlier query rows (zigzag: the first chunk, whose causal
-    share is the smaller; contiguous: the first half)."""
-    mine = _rank_chunks(layout, W, r, s_local)
-    if len(mine) == 2:
-        early, late = [mine[1]], [mine[0]]
-    else:
-        c, half = mine[0], mine[0].length // 2
-        early, late = [_Chunk(c.start + half, c.local + half, c.length - half)], [_Chunk(c.start, c.local, half)]
-    plans = _ring_plans_of(layout, W, r, s_local, left, right)
-    own_late = tuple(_plan(late, mine, left, right)) if late[0].length else ()
-    return _schedule((tuple(_plan(early, mine, left, right)),) + plans[1:] + (own_late,), s_local)
-
-
 @functools.lru_cache(maxsize=256)
 def _allgather_schedule_of(layout: str, W: int, r: int, s_local: int, left: int, right: int) -> _Schedule:
     mine = _rank_chunks(layout, W, r, s_local)
@@ -611,65 +590,54 @@ def _ring_backward(dout, q, k, v, out, lse, stats, dlse, cfg: Config):
     """K and V travel around the ring again. Each rank keeps its own block's dK / dV parts (step
     0) at home; the parts of the other ranks travel with the block from its first visitor (rank
     r + 1, step 1) to its last (rank r - 1, step W - 1), each visitor adding its own, and the sum
-    comes home after the last step: W - 1 hops of dK / dV. With BACKWARD_OWN_SPLIT the own block's
-    earlier query rows run after the last step instead, while that sum travels home; its parts
-    then add up in float32."""
+    comes home after the last step: W - 1 hops of dK / dV."""
     kernel, ring, W = cfg.kernel, cfg.ring, cfg.world
     S = q.shape[2]
-    split = BACKWARD_OWN_SPLIT and W > 1
-    sched = (_ring_backward_schedule_of(cfg.layout, W, ring.rank, S, cfg.left, cfg.right) if split
-             else _ring_schedule(cfg, S))
+    sched = _ring_schedule(cfg, S)
     dq = _Sums(q, sched, kernel.acc_dtype) if cfg.need_dq else None
     travel = (k.dtype if dkv_travels_in_input_dtype(cfg.layout, W, S, cfg.left, cfg.right) else kernel.acc_dtype)
-    own_dtype = kernel.acc_dtype if split else travel
-    own_kv = kv = (k.contiguous(), v.contiguous())
+    kv = (k.contiguous(), v.contiguous())
     spare = None
     own = None  # this rank's parts of its own block's dK / dV
     dkv = None  # the visitors' sums of the block in hand (None at steps 0 and 1: none yet)
     dkv_handles = None
 
-    def zeros(dtype):
-        return (torch.zeros(k.shape, dtype=dtype, device=k.device), torch.zeros(v.shape, dtype=dtype, device=v.device))
-
-    def block_grads(step, block):
-        """(dk, dv, key slice) of each call of ``step`` on the K / V ``block``; dQ added."""
-        for c, actions in zip(sched.steps[step], sched.actions[step]):
-            rows, keys = slice(c.q0, c.q1), slice(c.k0, c.k1)
-            dq_b, dk_b, dv_b = kernel.backward(
-                dout[:, :, rows], q[:, :, rows], block[0][:, :, keys], block[1][:, :, keys], out[:, :, rows],
-                lse[:, :, rows], None if stats is None else stats[:, :, rows],
-                None if dlse is None else dlse[:, :, rows], c.wl, c.wr, cfg.need_dq, cfg.need_dkdv)
-            if dq is not None:
-                dq.add(actions, c.q0, dq_b)
-            if cfg.need_dkdv:
-                yield dk_b, dv_b, (c.k0, c.k1)
+    def zeros():
+        return (torch.zeros(k.shape, dtype=travel, device=k.device), torch.zeros(v.shape, dtype=travel, device=v.device))
 
     for step in range(W):
         kv_handles = None
         if step + 1 < W:
             spare = spare or (torch.empty_like(kv[0]), torch.empty_like(kv[1]))
             kv_handles = ring.exchange(kv, spare)
-        dtype = own_dtype if step == 0 else travel
         mine = None  # the block's sums with this step's parts added
-        for dk_b, dv_b, (k0, k1) in block_grads(step, kv):
-            if mine is None and dkv is None and (k0, k1) == (0, S) and dk_b.dtype == dtype:
-                mine = (dk_b, dv_b)  # the first parts, whole: taken as they are
-                continue
-            if mine is None:
-                if dkv is not None:
-                    # The visitors' sums arrived during the step before; the compute stream
-                    # waits for them only here, after this step's first kernel is queued.
-                    ring.wait(dkv_handles)
-                mine = dkv or zeros(dtype)
-            mine[0][:, :, k0:k1] += dk_b
-            mine[1][:, :, k0:k1] += dv_b
+        for c, actions in zip(sched.steps[step], sched.actions[step]):
+            rows, keys = slice(c.q0, c.q1), slice(c.k0, c.k1)
+            dq_b, dk_b, dv_b = kernel.backward(
+                dout[:, :, rows], q[:, :, rows], kv[0][:, :, keys], kv[1][:, :, keys], out[:, :, rows],
+                lse[:, :, rows], None if stats is None else stats[:, :, rows],
+                None if dlse is None else dlse[:, :, rows], c.wl, c.wr, cfg.need_dq, cfg.need_dkdv)
+            if dq is not None:
+                dq.add(actions, c.q0, dq_b)
+            if cfg.need_dkdv:
+                if mine is None and dkv is None and (c.k0, c.k1) == (0, S) and dk_b.dtype == travel:
+                    mine = (dk_b, dv_b)  # the first parts, whole: taken as they are
+                    continue
+                if mine is None:
+                    if dkv is not None:
+                        # The visitors' sums arrived during the step before; the compute stream
+                        # waits for them only here, after this step's first kernel is queued.
+                        ring.wait(dkv_handles)
+                    mine = dkv or zeros()
+                mine[0][:, :, keys] += dk_b
+                mine[1][:, :, keys] += dv_b
         if cfg.need_dkdv and step == 0:
             own = mine
         elif cfg.need_dkdv:
             if mine is None:  # no call on this block: pass the sums on as they came
                 if dkv is not None:
                     ring.wait(dkv_handles)
-                mine = dkv or zeros(travel)
+                mine = dkv or zeros()
             # On to the next rank (after the last step: the block's owner); the sums of the
             # next block arrive from the rank before.
             dkv = (torch.empty_like(mine[0]), torch.empty_like(mine[1]))
@@ -677,11 +645,6 @@ def _ring_backward(dout, q, k, v, out, lse, stats, dlse, cfg: Config):
         if kv_handles is not None:
             ring.wait(kv_handles)
             kv, spare = spare, (kv if step > 0 else None)
-    if split:
-        for dk_b, dv_b, (k0, k1) in block_grads(W, own_kv):
-            own = own or zeros(own_dtype)
-            own[0][:, :, k0:k1] += dk_b
-            own[1][:, :, k0:k1] += dv_b
     dk = dv = None
     if cfg.need_dkdv:
         if dkv is not None:  # the visitors' sums of this rank's own block
@@ -691,7 +654,7 @@ def _ring_backward(dout, q, k, v, out, lse, stats, dlse, cfg: Config):
             else:
                 own[0].add_(dkv[0])
                 own[1].add_(dkv[1])
-        dk, dv = own if own is not None else zeros(travel)
+        dk, dv = own if own is not None else zeros()
     return (dq.result() if dq is not None else None), dk, dv
 
 

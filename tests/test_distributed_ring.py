@@ -88,11 +88,6 @@ CASES = {
     "sinks_without_their_grad": _case(Hq=4, is_causal=True, method="ring", sinks="mixed", grads="qkv"),
     "sinks_float32": _case(Hq=4, Hkv=2, dtype="float32", is_causal=True, method="ring", sinks="mixed", grads="qkvs"),
 }
-# The backward with the own block in two parts (flash_cuda.ring.BACKWARD_OWN_SPLIT).
-for _name in ("zigzag_causal", "contiguous_causal", "zigzag_full", "contiguous_full", "gqa_ring_causal",
-              "window_causal_ring", "window_two_sided_ring", "dq_only", "float32", "sinks_large_window"):
-    CASES[f"own_split_{_name}"] = dict(CASES[_name], opts=dict(CASES[_name]["opts"], own_split=True))
-CASES["own_split_dkdv_only"] = _case(is_causal=True, grads="k", method="ring", own_split=True)
 
 
 def _full_inputs(case, world: int, seed: int):
@@ -160,7 +155,6 @@ def _run_case(name, case, world, rank):
         if t is not None and flag in case["grads"]:
             t.requires_grad_()
     opts = dict(case["opts"])
-    fcr.BACKWARD_OWN_SPLIT = opts.pop("own_split", False)  # read by the backward (below)
     if sl is not None:
         opts["sinks"] = sl
     res = fcd.ring_attention(ql, kl, vl, **opts)
@@ -185,7 +179,6 @@ def _run_case(name, case, world, rank):
             errors.update(_dsinks_errors(case, q, k, v, do, dlse, sinks, sl.grad, ref[5], layout))
         elif sl is not None and sl.grad is not None:
             errors["dsinks (not asked)"] = math.inf
-    fcr.BACKWARD_OWN_SPLIT = False
     # the whole sequence back: unshard inverts shard
     full_out = fcd.unshard(out.detach(), 2, layout=layout)
     errors["unshard(out)"] = _max_err(full_out, ref[0])

@@ -31,7 +31,6 @@ import torch.distributed as dist
 
 import flash_cuda
 from flash_cuda import distributed as fcd
-from flash_cuda import ring as fcr
 from flash_cuda.reference import attention_naive
 
 from spawn_ranks import run_cases, spawn_ranks
@@ -185,8 +184,7 @@ def _run_case(name, case, world, rank):
     return None if not problems else f"rank {rank}: " + "; ".join(problems)
 
 
-# The cases run again with the other transport of the collective input check, and with the
-# backward's own block in two parts.
+# The cases run again with the other transport of the collective input check.
 CHECK_CASES = ("bfloat16_d128_zigzag_causal", "bfloat16_d128_window_ring_lse", "float16_d64_softcap_lse")
 
 
@@ -221,11 +219,6 @@ def _worker(rank, world, store_path, out_dir):
                 results[f"disagreeing_shapes_{check}"] = _bad_inputs(rank, world, disagree=True)
         finally:
             fcd.CHECK_TRANSPORT = default
-        fcr.BACKWARD_OWN_SPLIT = True  # the backward's own block in two parts
-        try:
-            run_cases(results, {f"own_split_{n}": CASES[n] for n in CHECK_CASES}, _run_case, world, rank)
-        finally:
-            fcr.BACKWARD_OWN_SPLIT = False
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001
         results["setup"] = f"rank {rank}: {traceback.format_exc()}"
@@ -250,7 +243,7 @@ def results():
 @pytest.mark.parametrize("name", list(CASES) + [f"{c}_check_{n}" for c in fcd.CHECK_TRANSPORTS
                                                  if c != fcd.CHECK_TRANSPORT for n in CHECK_CASES]
                          + [f"{kind}_{c}" for kind in ("bad_shapes", "disagreeing_shapes")
-                            for c in fcd.CHECK_TRANSPORTS] + [f"own_split_{n}" for n in CHECK_CASES])
+                            for c in fcd.CHECK_TRANSPORTS])
 def test_ring_attention_gpu(results, name):
     problems = [r[name] for r in results if r.get(name)]
     missing = [i for i, r in enumerate(results) if name not in r]

@@ -22,11 +22,12 @@ For each cell (tokens per GPU x causal x mode), with B = 1, 16 heads, D = 128, b
   `hidden` = (compute + comm - ring) / comm, the share of the transfer time that overlaps
   compute (1.0: all of it).
 
---check gloo nccl measures the ring with each transport of the collective input check
-(flash_cuda.distributed.CHECK_TRANSPORT; a `check` column). --trace DIR records, per cell and
-rank, three synchronized calls under torch.profiler (DIR/trace_*.json, Chrome format) and prints
-rank 0's timeline summary per call: the host's time in the call, the GPU's busy span, its idle
-time inside the span, the NCCL kernels' time and the part of it under the attention kernels.
+--sm-margin 0 16 measures the ring with each number of SMs the forward's persistent kernels
+leave free for a transfer beside them (flash_cuda.ring.SM_MARGIN; an `sm_margin` column; compute
+is measured per margin). --trace DIR records, per cell and rank, three synchronized calls under
+torch.profiler (DIR/trace_*.json, Chrome format) and prints rank 0's timeline summary per call:
+the host's time in the call, the GPU's busy span, its idle time inside the span, the NCCL
+kernels' time and the part of it under the attention kernels.
 
 NCCL_NVLS_ENABLE=0 is set unless the environment sets it. Rank 0 prints a markdown table; with
 --out DIR it also writes DIR/ring_w<W>.csv and .md (bench/common.py's environment stamp).
@@ -206,8 +207,9 @@ def main():
     ap.add_argument("--method", choices=fcd.METHODS, default="ring")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--check", nargs="+", choices=fcd.CHECK_TRANSPORTS, default=[fcd.CHECK_TRANSPORT],
-                    help="transport(s) of the collective input check, each measured in turn")
+    ap.add_argument("--sm-margin", type=int, nargs="+", default=[fcr.SM_MARGIN],
+                    help="SMs the forward's kernels leave free beside a transfer (flash_cuda.ring.SM_MARGIN), "
+                         "each measured in turn")
     ap.add_argument("--trace", default=None, help="folder for torch.profiler traces of synchronized calls")
     ap.add_argument("--out", default=None, help="folder for ring_w<W>.csv / .md (rank 0)")
     args = ap.parse_args()
@@ -229,14 +231,15 @@ def main():
                         for _ in range(2))
                 opts = dict(is_causal=causal, layout=args.layout, method=args.method)
                 ring_step = make_step(lambda a, b, c: fcd.ring_attention(a, b, c, **opts), q, k, v, do, mode)
-                by_check = {}
-                for check in args.check:
-                    fcd.CHECK_TRANSPORT = check
-                    by_check[check] = (timed(ring_step, args.iters, args.warmup),
-                                       timed(synchronized(ring_step), args.iters, args.warmup))
+                by_variant = {}
+                for margin in args.sm_margin:
+                    fcr.SM_MARGIN = margin
+                    by_variant[margin] = (timed(ring_step, args.iters, args.warmup),
+                                                 timed(synchronized(ring_step), args.iters, args.warmup))
                     if args.trace:
                         os.makedirs(args.trace, exist_ok=True)
-                        name = f"trace_w{W}_{common.fmt_size(tokens)}_c{int(causal)}_{mode}_{check}_rank{rank}.json"
+                        name = (f"trace_w{W}_{common.fmt_size(tokens)}_c{int(causal)}_{mode}_margin{margin}"
+                                f"_rank{rank}.json")
                         trace = trace_calls(ring_step, os.path.join(args.trace, name))
                         if rank == 0:
                             import pandas as pd
@@ -248,11 +251,14 @@ def main():
                 cfg = fcr.Config(fcr.CudaBlocks(q, ScoreOptions(args.d ** -0.5), False, 0), fcr.Ring(None, W, rank),
                                  method, args.layout, -1, 0 if causal else -1, mode == "fwd_bwd",
                                  mode == "fwd_bwd")
-                hidden = comm_ms = compute_ms = float("nan")
+                comm_ms = float("nan")
+                compute = {m: float("nan") for m in args.sm_margin}
                 if method == "ring" and W > 1:
                     still = cfg._replace(ring=fcr.NoComm(W, rank))
-                    compute_ms = timed(make_step(lambda a, b, c: fcr.RingAttention.apply(a, b, c, still)[0],
-                                                 q, k, v, do, mode), args.iters, args.warmup)
+                    for margin in args.sm_margin:
+                        fcr.SM_MARGIN = margin
+                        compute[margin] = timed(make_step(lambda a, b, c: fcr.RingAttention.apply(a, b, c, still)[0],
+                                                          q, k, v, do, mode), args.iters, args.warmup)
                     comm_ms = timed(comm_only(cfg, k.contiguous(), v.contiguous(), mode), args.iters, args.warmup)
                 single_ms = float("nan")
                 if rank == 0:
@@ -266,17 +272,19 @@ def main():
                     del qf, kf, vf, dof
                 dist.barrier()
                 ideal = single_ms / W
-                for check, (ring_ms, ring_sync_ms) in by_check.items():
-                    hidden = float("nan")
+                for margin, (ring_ms, ring_sync_ms) in by_variant.items():
+                    compute_ms, hidden = compute[margin], float("nan")
                     if not math.isnan(comm_ms):
                         hidden = min(1.0, max(0.0, (compute_ms + comm_ms - ring_ms) / comm_ms))
                     rows.append(dict(tokens_per_gpu=tokens, seq=W * tokens, causal=int(causal), mode=mode,
-                                     method=method, check=check, ring_ms=ring_ms, ring_sync_ms=ring_sync_ms,
-                                     ideal_ms=ideal, efficiency=ideal / ring_ms, efficiency_sync=ideal / ring_sync_ms,
-                                     compute_ms=compute_ms, comm_ms=comm_ms, hidden=hidden))
+                                     method=method, sm_margin=margin, ring_ms=ring_ms,
+                                     ring_sync_ms=ring_sync_ms, ideal_ms=ideal, efficiency=ideal / ring_ms,
+                                     efficiency_sync=ideal / ring_sync_ms, compute_ms=compute_ms, comm_ms=comm_ms,
+                                     hidden=hidden))
                     if rank == 0:
                         r = rows[-1]
-                        print(f"W={W} tokens/GPU={tokens} causal={int(causal)} {mode} check={check}: ring "
+                        print(f"W={W} tokens/GPU={tokens} causal={int(causal)} {mode} "
+                              f"sm_margin={margin}: ring "
                               f"{ring_ms:.2f} ms (synchronized {ring_sync_ms:.2f}), ideal {ideal:.2f} ms (efficiency "
                               f"{r['efficiency']:.2f} / {r['efficiency_sync']:.2f}), compute {compute_ms:.2f} ms, "
                               f"comm {comm_ms:.2f} ms, hidden {hidden:.2f}", flush=True)

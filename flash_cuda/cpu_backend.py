@@ -25,7 +25,7 @@ class ReferenceBlocks:
         self.acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
         self.has_stats = False
 
-    def forward(self, q, k, v, wl, wr):
+    def forward(self, q, k, v, wl, wr, sm_margin=0):  # (sm_margin: a GPU launch's; unused here)
         out, lse = reference.attention_forward_blocked(q, k, v, scale=self.opts.scale, window_size=(wl, wr),
                                                        softcap=self.opts.softcap)
         return out, lse.to(self.acc_dtype), None

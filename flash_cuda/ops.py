@@ -88,10 +88,15 @@ def _is_empty_varlen(q: Tensor, k: Tensor, cu_seqlens_q: Tensor, max_seqlen_q: i
 # ---------------------------------------------------------------------------------------
 
 
-def fwd_impl(q, k, v, opts: ScoreOptions, tier, sinks: Optional[Tensor] = None):
+def fwd_impl(q, k, v, opts: ScoreOptions, tier, sinks: Optional[Tensor] = None, sm_margin: int = 0):
+    """sm_margin: SMs a persistent launch leaves free for kernels that run beside it (the ring's
+    transfers)."""
     if _is_empty(q, k):
         return empty_fwd(q, _dense_lse_shape(q), sinks)
-    return _ext.require().fwd(q, k, v, *opts.ext_args(), None, None, 0, 0, int(tier), **_sinks_kwargs(sinks))
+    kw = _sinks_kwargs(sinks)
+    if sm_margin:
+        kw["sm_margin"] = int(sm_margin)
+    return _ext.require().fwd(q, k, v, *opts.ext_args(), None, None, 0, 0, int(tier), **kw)
 
 
 # need_dq / need_dkdv: which gradients to compute (dK and dV come from the same products, so

@@ -236,8 +236,8 @@ class CudaBlocks:
     def _block_options(self, wl: int, wr: int) -> ScoreOptions:
         return ScoreOptions(self.opts.scale, wl, wr, self.opts.softcap)
 
-    def forward(self, q, k, v, wl, wr):
-        out, lse, aux = ops.fwd_impl(q, k, v, self._block_options(wl, wr), self.tier)
+    def forward(self, q, k, v, wl, wr, sm_margin=0):
+        out, lse, aux = ops.fwd_impl(q, k, v, self._block_options(wl, wr), self.tier, sm_margin=sm_margin)
         return out, lse, (aux if self.has_stats else None)
 
     def backward(self, dout, q, k, v, out, lse, stats, dlse, wl, wr, need_dq, need_dkdv):
@@ -550,6 +550,14 @@ def _first_hop(ring: Ring, send, recv, ready):
         return ring.exchange(send, recv)
 
 
+# The SMs the forward's persistent kernels leave free while a K / V transfer runs beside them
+# (bench/ring.py --sm-margin). A persistent CTA holds its SM to the end of its launch, so NCCL's
+# transfer kernel cannot start on a GPU it fills; but on two GPUs the first hop is issued late
+# anyway (the host's send follows the input check), and a margin paid for a whole step costs
+# more than the transfer it uncovers at 32k tokens per GPU: 0, measured in OPTIMIZATION.md.
+SM_MARGIN = 0
+
+
 def _ring_forward(q: Tensor, k: Tensor, v: Tensor, cfg: Config):
     kernel, ring, W = cfg.kernel, cfg.ring, cfg.world
     sched = _ring_schedule(cfg, q.shape[2])
@@ -568,9 +576,10 @@ def _ring_forward(q: Tensor, k: Tensor, v: Tensor, cfg: Config):
         if 0 < step < W - 1:
             spare = spare or (torch.empty_like(kv[0]), torch.empty_like(kv[1]))
             handles = ring.exchange(kv, spare)
+        margin = SM_MARGIN if step < W - 1 else 0  # a transfer runs beside every step but the last
         for c, actions in zip(sched.steps[step], sched.actions[step]):
             acc.add(actions, c.q0, *kernel.forward(q[:, :, c.q0:c.q1], kv[0][:, :, c.k0:c.k1],
-                                                   kv[1][:, :, c.k0:c.k1], c.wl, c.wr))
+                                                   kv[1][:, :, c.k0:c.k1], c.wl, c.wr, sm_margin=margin))
         if step == 0:
             # Step 0 attends the local block: the collective check is waited for while the GPU
             # runs it, and no rank sends anything before every rank has passed it.

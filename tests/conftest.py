@@ -215,7 +215,8 @@ class MockExtension:
         return dropout_keep_mask(B, Hq, Sq, k.shape[2], dropout_p, seed=seed, offset=offset, device=q.device)
 
     def fwd(self, q, k, v, scale, window_left, window_right, softcap, alibi_slopes, cu_seqlens_q,
-            cu_seqlens_k, max_seqlen_q, max_seqlen_k, tier, dropout_p=0.0, rng_state=None, sinks=None):
+            cu_seqlens_k, max_seqlen_q, max_seqlen_k, tier, dropout_p=0.0, rng_state=None, sinks=None,
+            sm_margin=0):
         args = (scale, window_left, window_right, softcap, alibi_slopes)
         varlen = self._check_common(q, k, v, *args, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                     max_seqlen_k, tier)
@@ -223,6 +224,7 @@ class MockExtension:
             assert sinks.dtype == torch.float32 and sinks.is_contiguous() and sinks.device == q.device
             assert tuple(sinks.shape) == (q.shape[1],), sinks.shape
         self.last_fwd_sinks = sinks
+        assert isinstance(sm_margin, int) and sm_margin >= 0, sm_margin  # (the binding's check)
         self.fwd_calls += 1
         self.last_fwd_args = dict(scale=scale, window=(window_left, window_right),
                                   softcap=softcap, alibi_slopes=alibi_slopes, tier=tier,

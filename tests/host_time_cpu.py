@@ -39,7 +39,8 @@ class NoOpExtension:
         self._fwd, self._bwd = {}, {}
 
     def fwd(self, q, k, v, scale, window_left, window_right, softcap, alibi_slopes, cu_seqlens_q,
-            cu_seqlens_k, max_seqlen_q, max_seqlen_k, tier, dropout_p=0.0, rng_state=None, sinks=None):
+            cu_seqlens_k, max_seqlen_q, max_seqlen_k, tier, dropout_p=0.0, rng_state=None, sinks=None,
+            sm_margin=0):
         key = (q.shape, q.dtype, cu_seqlens_q is None)
         res = self._fwd.get(key)
         if res is None:

@@ -284,9 +284,9 @@ def _bad_sinks(world, rank):
     calls = []
     real_forward = ReferenceBlocks.forward
 
-    def counted(self, *args):
+    def counted(self, *args, **kwargs):
         calls.append(1)
-        return real_forward(self, *args)
+        return real_forward(self, *args, **kwargs)
 
     cases = (("shape_everywhere", torch.zeros(3, dtype=torch.float64)),
              ("shape_2d_last", torch.zeros(1, 2, dtype=torch.float64) if last else good),

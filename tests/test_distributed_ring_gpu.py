@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 import flash_cuda
 from flash_cuda import distributed as fcd
+from flash_cuda import ring as fcr
 from flash_cuda.reference import attention_naive
 
 from spawn_ranks import run_cases, spawn_ranks
@@ -184,8 +185,8 @@ def _run_case(name, case, world, rank):
     return None if not problems else f"rank {rank}: " + "; ".join(problems)
 
 
-# The cases run again with the other transport of the collective input check.
-CHECK_CASES = ("bfloat16_d128_zigzag_causal", "bfloat16_d128_window_ring_lse", "float16_d64_softcap_lse")
+# The cases run again with flash_cuda.ring.SM_MARGIN set.
+MARGIN_CASES = ("bfloat16_d128_zigzag_causal", "bfloat16_d128_window_ring_lse", "float16_d64_softcap_lse")
 
 
 def _bad_inputs(rank, world, disagree):
@@ -209,16 +210,13 @@ def _worker(rank, world, store_path, out_dir):
         dist.init_process_group("nccl", init_method=f"file://{store_path}", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=300))
         run_cases(results, CASES, _run_case, world, rank)
-        default = fcd.CHECK_TRANSPORT
+        fcr.SM_MARGIN = 16  # the forward's steps beside a transfer on fewer SMs: the same results
         try:
-            for check in fcd.CHECK_TRANSPORTS:
-                fcd.CHECK_TRANSPORT = check
-                if check != default:
-                    run_cases(results, {f"{check}_check_{n}": CASES[n] for n in CHECK_CASES}, _run_case, world, rank)
-                results[f"bad_shapes_{check}"] = _bad_inputs(rank, world, disagree=False)
-                results[f"disagreeing_shapes_{check}"] = _bad_inputs(rank, world, disagree=True)
+            run_cases(results, {f"sm_margin_{n}": CASES[n] for n in MARGIN_CASES}, _run_case, world, rank)
         finally:
-            fcd.CHECK_TRANSPORT = default
+            fcr.SM_MARGIN = 0
+        results["bad_shapes"] = _bad_inputs(rank, world, disagree=False)
+        results["disagreeing_shapes"] = _bad_inputs(rank, world, disagree=True)
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001
         results["setup"] = f"rank {rank}: {traceback.format_exc()}"
@@ -240,10 +238,8 @@ def results():
     return out
 
 
-@pytest.mark.parametrize("name", list(CASES) + [f"{c}_check_{n}" for c in fcd.CHECK_TRANSPORTS
-                                                 if c != fcd.CHECK_TRANSPORT for n in CHECK_CASES]
-                         + [f"{kind}_{c}" for kind in ("bad_shapes", "disagreeing_shapes")
-                            for c in fcd.CHECK_TRANSPORTS])
+@pytest.mark.parametrize("name", list(CASES) + [f"sm_margin_{n}" for n in MARGIN_CASES]
+                         + ["bad_shapes", "disagreeing_shapes"])
 def test_ring_attention_gpu(results, name):
     problems = [r[name] for r in results if r.get(name)]
     missing = [i for i, r in enumerate(results) if name not in r]

@@ -261,6 +261,21 @@ def test_ws_forward_is_deterministic(schedule):
     assert all(torch.equal(runs[0], r) for r in runs[1:])
 
 
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+def test_ws_forward_sm_margin_is_bitwise(schedule, is_causal):
+    """sm_margin (the SMs a persistent launch leaves free: the ring's transfers run there) changes
+    only how many CTAs share the tiles, not a tile's arithmetic: the same bits from 1 CTA up to one
+    per SM; a negative margin is refused."""
+    q, k, v = make_inputs(2, 8, 4, 1500, 1500, 128, BF16, "cuda", seed=5)
+    args = (q, k, v, 0.1, -1, 0 if is_causal else -1, 0.0, None, None, None, 0, 0)
+    base = ws_fwd(*args)
+    for margin in (16, 131, 10_000):
+        out, lse, _ = ws_fwd(*args, sm_margin=margin)
+        assert torch.equal(out, base[0]) and torch.equal(lse, base[1]), f"sm_margin={margin}"
+    with pytest.raises(RuntimeError, match="sm_margin must be >= 0"):
+        ws_fwd(*args, sm_margin=-1)
+
+
 @pytest.mark.parametrize("D", [96, 80])
 def test_ws_forward_d96_value_layout(schedule, D):
     """At d 65..96 V lands as three 64-byte-swizzled 32-column slabs that P V reads with one

@@ -448,9 +448,12 @@ CallArgs check_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
 
 // out, lse, aux = fwd(q, k, v, scale, window_left, window_right, softcap, alibi_slopes,
 //                     cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, tier,
-//                     dropout_p=0, rng_state=None, sinks=None)
+//                     dropout_p=0, rng_state=None, sinks=None, sm_margin=0)
 // sinks: None, or float32 (Hq,), the attention sinks (include/params.h: FwdParams::sinks); the
 // backward needs nothing of them (P = exp(s - lse) with their lse, and delta is unchanged).
+// sm_margin: SMs a persistent launch leaves free, for work that must run beside it (the ring's
+// NCCL transfers: a persistent CTA holds its SM to the end, so a kernel queued after it would
+// otherwise wait for the whole launch).
 namespace {
 
 // fwd's body. empty_aux: what aux is where the call has no fp32 statistics (fwd: an empty
@@ -460,10 +463,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_impl(
     int64_t window_right, double softcap, const std::optional<at::Tensor>& alibi_slopes,
     const std::optional<at::Tensor>& cu_seqlens_q, const std::optional<at::Tensor>& cu_seqlens_k,
     int64_t max_seqlen_q, int64_t max_seqlen_k, int64_t tier, double dropout_p,
-    const std::optional<at::Tensor>& rng_state, const std::optional<at::Tensor>& sinks_in, bool empty_aux) {
+    const std::optional<at::Tensor>& rng_state, const std::optional<at::Tensor>& sinks_in, bool empty_aux,
+    int64_t sm_margin) {
   const auto [m, s, t] = check_call(q_in, k_in, v_in, scale, window_left, window_right, softcap, alibi_slopes,
                                     cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, tier, dropout_p);
   const at::Tensor sinks = check_sinks(sinks_in, q_in, s.Hq);
+  FLASH_CHECK(sm_margin >= 0, "flash_cuda: sm_margin must be >= 0, got ", sm_margin);
 
   at::Tensor out = at::empty_like(q_in);
   at::Tensor lse = at::empty(s.lse_shape(), q_in.options().dtype(at::kFloat));
@@ -488,6 +493,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_impl(
   if (aux.numel() > 0) p.softmax_stats = aux.data_ptr<float>();
   if (sinks.defined()) p.sinks = sinks.data_ptr<float>();
   set_dropout(p, dropout_p, rng_state, /*forward=*/true);
+  p.num_sms = static_cast<int>(std::max<int64_t>(1, p.num_sms - sm_margin));
   dispatch(p, t, q.options());
   return {out, lse, aux};
 }
@@ -499,9 +505,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd(
     int64_t window_right, double softcap, const std::optional<at::Tensor>& alibi_slopes,
     const std::optional<at::Tensor>& cu_seqlens_q, const std::optional<at::Tensor>& cu_seqlens_k,
     int64_t max_seqlen_q, int64_t max_seqlen_k, int64_t tier, double dropout_p,
-    const std::optional<at::Tensor>& rng_state, const std::optional<at::Tensor>& sinks) {
+    const std::optional<at::Tensor>& rng_state, const std::optional<at::Tensor>& sinks, int64_t sm_margin) {
   return fwd_impl(q, k, v, scale, window_left, window_right, softcap, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
-                  max_seqlen_q, max_seqlen_k, tier, dropout_p, rng_state, sinks, /*empty_aux=*/true);
+                  max_seqlen_q, max_seqlen_k, tier, dropout_p, rng_state, sinks, /*empty_aux=*/true, sm_margin);
 }
 
 // The options of a dense call without ALiBi slopes, sinks or dropout, as flash_cuda's Python layer
@@ -520,7 +526,7 @@ struct DirectPlan {
 std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_direct(const at::Tensor& q, const at::Tensor& k,
                                                           const at::Tensor& v, const DirectPlan& d) {
   return fwd_impl(q, k, v, d.scale, d.window_left, d.window_right, d.softcap, std::nullopt, std::nullopt,
-                  std::nullopt, 0, 0, d.tier, 0.0, std::nullopt, std::nullopt, /*empty_aux=*/false);
+                  std::nullopt, 0, 0, d.tier, 0.0, std::nullopt, std::nullopt, /*empty_aux=*/false, /*sm_margin=*/0);
 }
 
 // dq, dk, dv = bwd(dout, q, k, v, out, lse, aux, dlse, scale, window_left, window_right, softcap,
@@ -1216,7 +1222,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("v"), py::arg("scale"), py::arg("window_left"), py::arg("window_right"), py::arg("softcap"),
         py::arg("alibi_slopes"), py::arg("cu_seqlens_q"), py::arg("cu_seqlens_k"), py::arg("max_seqlen_q"),
         py::arg("max_seqlen_k"), py::arg("tier"), py::arg("dropout_p") = 0.0, py::arg("rng_state") = py::none(),
-        py::arg("sinks") = py::none());
+        py::arg("sinks") = py::none(), py::arg("sm_margin") = 0);
   m.def("bwd", &flash_cuda::bwd, "attention backward: (dq, dk, dv)", py::arg("dout"), py::arg("q"),
         py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("aux"), py::arg("dlse"),
         py::arg("scale"), py::arg("window_left"), py::arg("window_right"), py::arg("softcap"),

@@ -155,22 +155,24 @@ def test_fp8_options(case):
     _run(**{"page_size": 16, **case}, seed=len(str(case)))
 
 
-# The 32-keys-per-warp rung (FLASH_CUDA_DECODE_FP8_SUBN=32, an ablation build only): FP8 steps of
-# 128 keys (one 16-row slice) at d 64, the same rule as the default's; the launches take it.
+# FP8 steps of 32 keys per warp at d 64 (128-key steps: one 16-row slice), 16 at d 128; the
+# 16-keys-per-warp rung at d 64 (FLASH_CUDA_DECODE_FP8_SUBN=16, an ablation build only). The
+# results are checked by _run; the profile shows which configuration ran.
 @needs_fp8
-@pytest.mark.parametrize("D", [64])
+@pytest.mark.parametrize("D,sub_n,rung", [(64, 32, None), (128, 16, None), (64, 16, "16")])
 @pytest.mark.parametrize("case", [dict(), dict(page_size=16), dict(page_size=256, capacity=1024),
                                   dict(Sq=8, s_new=8, Hq=16, num_splits=3), dict(window_size=(100, 0), num_splits=1)])
-def test_fp8_wide_step_rung(monkeypatch, D, case):
+def test_fp8_keys_per_warp(monkeypatch, D, sub_n, rung, case):
     from flash_cuda import _ext
-    if not _ext.ablations():
-        pytest.skip("an ablation rung: this build has none (FLASH_CUDA_ABLATIONS=1 builds them)")
-    monkeypatch.setenv("FLASH_CUDA_DECODE_FP8_SUBN", "32")
+    if rung is not None:
+        if not _ext.ablations():
+            pytest.skip("an ablation rung: this build has none (FLASH_CUDA_ABLATIONS=1 builds them)")
+        monkeypatch.setenv("FLASH_CUDA_DECODE_FP8_SUBN", rung)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         _run(**{"D": D, **case}, seed=D + len(str(case)))
         torch.cuda.synchronize()
     names = [e.name for e in prof.events() if "decode_kernel" in e.name]
-    assert names and all(re.search(r"Fp8Config<[^>]*,\s*(\(int\))?32>", n) for n in names), names
+    assert names and all(re.search(rf"Fp8Config<[^>]*,\s*(\(int\))?{sub_n}>", n) for n in names), names
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or _fp8_capable(), reason="a GPU below compute capability 8.9")

@@ -217,18 +217,13 @@ struct ConfigPolicy {
                          HalfStepConfig<T, kHeadDim, kWarpsM>>>;
 };
 // FP8 caches: one config for every class (a device whose shared memory does not hold it has no
-// FP8 decode at that head dim: with_decode_config).
-template <typename T, int kHeadDim, int kWarpsM>
+// FP8 decode at that head dim: with_decode_config). At d = 64 a warp takes 32 keys per step: an
+// e4m3 row is 64 bytes, and 16 keys per warp left as many steps (and barriers) per byte of cache
+// as a 16-bit cache of half the head dim; at d = 128 the 32-key tile spills, so it keeps 16.
+// Ablation rung (FLASH_CUDA_ABLATIONS, FLASH_CUDA_DECODE_FP8_SUBN=16): 16 keys per warp at d = 64.
+template <typename T, int kHeadDim, int kWarpsM, int kSubN = kHeadDim == 64 ? 32 : 16>
 struct Fp8ConfigPolicy {
-  using Full = Fp8Config<T, kHeadDim, kWarpsM>;
-  using Compact = Full;
-};
-// Ablation rung (FLASH_CUDA_ABLATIONS, FLASH_CUDA_DECODE_FP8_SUBN=32; with_decode_config): FP8
-// steps of 32 keys per warp at d = 64, half the steps (and barriers) per byte of cache (at d = 128
-// its 16-row tile spills 4 bytes, so it is not built there).
-template <typename T, int kHeadDim, int kWarpsM>
-struct Fp8WideStepPolicy {
-  using Full = Fp8Config<T, kHeadDim, kWarpsM, 32>;
+  using Full = Fp8Config<T, kHeadDim, kWarpsM, kSubN>;
   using Compact = Full;
 };
 
@@ -1206,11 +1201,11 @@ R with_decode_config(const FwdParams& p, R none, F&& f) {
   };
   if constexpr (kFp8) {
     if constexpr (kAblations && kHeadDim == 64) {
-      if (ablation_int("FLASH_CUDA_DECODE_FP8_SUBN", 16) == 32) {
+      if (ablation_int("FLASH_CUDA_DECODE_FP8_SUBN", 32) == 16) {
         switch (decode::warps_m_for(p.sq * p.decode_heads)) {
-          case 1: return fits(decode::Fp8WideStepPolicy<T, kHeadDim, 1>{});
-          case 2: return fits(decode::Fp8WideStepPolicy<T, kHeadDim, 2>{});
-          default: return fits(decode::Fp8WideStepPolicy<T, kHeadDim, 4>{});
+          case 1: return fits(decode::Fp8ConfigPolicy<T, kHeadDim, 1, 16>{});
+          case 2: return fits(decode::Fp8ConfigPolicy<T, kHeadDim, 2, 16>{});
+          default: return fits(decode::Fp8ConfigPolicy<T, kHeadDim, 4, 16>{});
         }
       }
     }

@@ -557,11 +557,6 @@ def _first_hop(ring: Ring, send, recv, ready):
 # more than the transfer it uncovers at 32k tokens per GPU: 0, measured in OPTIMIZATION.md.
 SM_MARGIN = 0
 
-# Whether the forward's first hop is issued before the local block's kernels (the host then waits
-# for the input check first) rather than after them (the check's round trip runs under the local
-# block, the transfer starts once the host has sent it). Measured by bench/ring.py --hop-first.
-HOP_FIRST = False
-
 
 def _ring_forward(q: Tensor, k: Tensor, v: Tensor, cfg: Config):
     kernel, ring, W = cfg.kernel, cfg.ring, cfg.world
@@ -569,20 +564,15 @@ def _ring_forward(q: Tensor, k: Tensor, v: Tensor, cfg: Config):
     acc = _Accumulator(q, kernel, sched)
     kv = (k.contiguous(), v.contiguous())
     spare, ready = None, None  # the other half of the double buffer; the first hop's event
-    first = None  # the first hop's handles, where it is issued before the local block
     if W > 1:
         # Allocated before step 0's kernels are queued, so that the side stream's transfer into
         # them is ordered after every earlier use of their memory.
         spare = (torch.empty_like(kv[0]), torch.empty_like(kv[1]))
-        if HOP_FIRST:
-            if cfg.agreement is not None:
-                cfg.agreement.finish()
-            first = ring.exchange(kv, spare)
-        elif q.is_cuda:
+        if q.is_cuda:
             ready = torch.cuda.Event()
             ready.record()
     for step in range(W):
-        handles = first if step == 0 else None
+        handles = None
         if 0 < step < W - 1:
             spare = spare or (torch.empty_like(kv[0]), torch.empty_like(kv[1]))
             handles = ring.exchange(kv, spare)
@@ -590,7 +580,7 @@ def _ring_forward(q: Tensor, k: Tensor, v: Tensor, cfg: Config):
         for c, actions in zip(sched.steps[step], sched.actions[step]):
             acc.add(actions, c.q0, *kernel.forward(q[:, :, c.q0:c.q1], kv[0][:, :, c.k0:c.k1],
                                                    kv[1][:, :, c.k0:c.k1], c.wl, c.wr, sm_margin=margin))
-        if step == 0 and first is None:
+        if step == 0:
             # Step 0 attends the local block: the collective check is waited for while the GPU
             # runs it, and no rank sends anything before every rank has passed it.
             if cfg.agreement is not None:

@@ -90,11 +90,6 @@ CASES = {
 }
 
 
-# The forward's first transfer issued before the local block (flash_cuda.ring.HOP_FIRST).
-for _name in ("zigzag_causal", "contiguous_full", "window_causal_ring", "sinks_large_window"):
-    CASES[f"hop_first_{_name}"] = dict(CASES[_name], opts=dict(CASES[_name]["opts"], hop_first=True))
-
-
 def _full_inputs(case, world: int, seed: int):
     g = torch.Generator().manual_seed(seed)
     dt = getattr(torch, case["dtype"])
@@ -160,13 +155,9 @@ def _run_case(name, case, world, rank):
         if t is not None and flag in case["grads"]:
             t.requires_grad_()
     opts = dict(case["opts"])
-    fcr.HOP_FIRST = opts.pop("hop_first", False)  # read by the forward (below)
     if sl is not None:
         opts["sinks"] = sl
-    try:
-        res = fcd.ring_attention(ql, kl, vl, **opts)
-    finally:
-        fcr.HOP_FIRST = False
+    res = fcd.ring_attention(ql, kl, vl, **opts)
     out, lse = res if opts.get("return_lse") else (res, None)
     tol = TOL if case["dtype"] == "float64" else 2e-5
     errors = {}

@@ -29,7 +29,9 @@ PyTorch backend, and --provider fa4 FlashAttention-4 (`flash_attn.cute`, inputs 
 (B, S, H, D) layout), under the same range name, for side-by-side reports; --provider
 flash_cuda_fp8 the FP8 forward on the same inputs rounded to e4m3. --mode decode profiles
 one KV-cache decode step of flash_cuda (bench/decode.py's inputs: --seqlen cached keys, --batch,
---heads query heads, --ratio, --sq, --kv 16|fp8, --cache dense|pagedN).
+--heads query heads, --ratio, --sq, --kv 16|fp8, --cache dense|pagedN); with --provider sdpa (or
+an sdpa_* backend) SDPA's step as bench/decode.py times it: the dense 16-bit cache's first
+Sk + Sq rows, enable_gqa=True.
 """
 
 from __future__ import annotations
@@ -91,8 +93,9 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     args.S = C.parse_size(args.seqlen)
     if args.mode == "decode":
-        if args.provider != "flash_cuda":
-            p.error("--mode decode profiles flash_cuda only")
+        if args.provider != "flash_cuda" and not (args.provider.startswith("sdpa") and args.kv == "16"
+                                                  and args.cache == "dense"):
+            p.error("--mode decode profiles flash_cuda, or an sdpa provider on a dense 16-bit cache")
         args.B = args.batch or 64
         args.H = args.heads or 32
         if args.ratio < 1 or args.H % args.ratio:
@@ -189,11 +192,15 @@ def main(argv=None) -> int:
     if args.mode == "decode":
         import decode  # bench/decode.py: the decode step's inputs
         torch.manual_seed(args.seed)
-        step, _ = decode.make_step(dtype, D, H, H // args.ratio, B, S, args.sq, args.kv, args.cache)
-        print(f"config: decode dtype={args.dtype} B={B} Hq={H} Hkv={H // args.ratio} Sk={S} Sq={args.sq} D={D} "
-              f"kv={args.kv} cache={args.cache} (warmup {args.warmup}, profiled {args.iters} inside NVTX range "
-              f"'{RANGE_NAME}')")
-        return profile(step, args, lambda: None)
+        step, t = decode.make_step(dtype, D, H, H // args.ratio, B, S, args.sq, args.kv, args.cache)
+        if args.provider != "flash_cuda":
+            k, v = t.k_cache[:, :, :S + args.sq], t.v_cache[:, :, :S + args.sq]
+            step = lambda: F.scaled_dot_product_attention(t.q, k, v, enable_gqa=True)  # noqa: E731
+        print(f"config: decode provider={args.provider} dtype={args.dtype} B={B} Hq={H} Hkv={H // args.ratio} "
+              f"Sk={S} Sq={args.sq} D={D} kv={args.kv} cache={args.cache} (warmup {args.warmup}, profiled "
+              f"{args.iters} inside NVTX range '{RANGE_NAME}')")
+        with backend_context(args.provider):
+            return profile(step, args, lambda: None)
     gen = torch.Generator(device="cuda")
     gen.manual_seed(args.seed)
     shape = (B, S, H, D) if args.provider == "fa4" else (B, H, S, D)

@@ -597,9 +597,15 @@ def test_profile_decode_mode_names_its_report_and_refuses_other_providers():
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     assert "-o ncu_flash_cuda_decode_d128_s32768_c0_bf16_b64_kvfp8_paged16 " in proc.stdout
-    proc = subprocess.run([sys.executable, str(BENCH / "ncu_profile.py"), "--mode", "decode", "--provider", "fa4"],
-                          capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert proc.returncode == 2 and "--mode decode profiles flash_cuda only" in proc.stderr
+    proc = subprocess.run([sys.executable, str(BENCH / "ncu_profile.py"), "--print-ncu-cmd", "--mode", "decode",
+                           "--provider", "sdpa"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0 and "-o ncu_sdpa_decode_d128_s4096_c0_bf16_b64_kv16_dense " in proc.stdout, proc.stderr
+    expected = "--mode decode profiles flash_cuda, or an sdpa provider on a dense 16-bit cache"
+    for other in (["--provider", "fa4"], ["--provider", "sdpa", "--kv", "fp8"],
+                  ["--provider", "sdpa", "--cache", "paged16"]):
+        proc = subprocess.run([sys.executable, str(BENCH / "ncu_profile.py"), "--mode", "decode", *other],
+                              capture_output=True, text=True, timeout=120, cwd=ROOT)
+        assert proc.returncode == 2 and expected in proc.stderr, (other, proc.stderr)
 
 
 def test_host_overhead_help_and_no_gpu_message():

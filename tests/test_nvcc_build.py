@@ -62,6 +62,13 @@ SPILL_ALLOW = {
     **{(f"decode_{dt}_d128.cu", "sm_120"): "sm_120's ptxas, the 64-row decode tile" for dt in _DTS},
     ("simt_fwd_d32.cu", "sm_80"): "dropout's draws in the 128-register fp32 extended forward",
 }
+# Single kernels of a file, by a pattern of their mangled names, that spill on a target that never
+# launches them: the FP8 decode's 32 keys per warp at d = 64 runs on sm_90 alone (with_decode_config;
+# sm_120's ptxas spills its one-row-warp tile by 12 bytes).
+KERNEL_SPILL_ALLOW = {
+    **{(f"decode_fp8_{dt}_d64.cu", "sm_120"): (r"Fp8ConfigI\w+Li64ELi\dELi32EEE", "32 keys per warp: sm_90 only")
+       for dt in _DTS},
+}
 
 NVCC = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if os.path.exists("/usr/local/cuda/bin/nvcc") else None)
 
@@ -165,6 +172,9 @@ def test_no_spills(reports):
     for (name, arch), (rows, _) in sorted(reports.items()):
         assert rows, f"ptxas reported no kernel for {name} ({arch})"
         for kernel, stack, stores, loads in rows:
+            allowed = KERNEL_SPILL_ALLOW.get((name, arch))
+            if allowed and re.search(allowed[0], kernel):
+                continue
             if (stack or stores or loads) and (name, arch) not in SPILL_ALLOW:
                 bad.append(f"{name} [{arch}] {kernel}: stack {stack} B, spill stores {stores} B, loads {loads} B")
     assert not bad, "register spills / stack frames:\n" + "\n".join(bad)

@@ -217,10 +217,11 @@ struct ConfigPolicy {
                          HalfStepConfig<T, kHeadDim, kWarpsM>>>;
 };
 // FP8 caches: one config for every class (a device whose shared memory does not hold it has no
-// FP8 decode at that head dim: with_decode_config). At d = 64 a warp takes 32 keys per step: an
-// e4m3 row is 64 bytes, and 16 keys per warp left as many steps (and barriers) per byte of cache
-// as a 16-bit cache of half the head dim; at d = 128 the 32-key tile spills, so it keeps 16.
-// Ablation rung (FLASH_CUDA_ABLATIONS, FLASH_CUDA_DECODE_FP8_SUBN=16): 16 keys per warp at d = 64.
+// FP8 decode at that head dim: with_decode_config). At d = 64 a warp takes 32 keys per step on
+// sm_90: an e4m3 row is 64 bytes, and 16 keys per warp left as many steps (and barriers) per byte
+// of cache as a 16-bit cache of half the head dim. Elsewhere 16 (not measured there, and sm_120's
+// ptxas spills the 32-key tile of one row warp); at d = 128 the 32-key tile spills, so it keeps 16.
+// Ablation rung (FLASH_CUDA_ABLATIONS, FLASH_CUDA_DECODE_FP8_SUBN=16): 16 keys per warp on sm_90.
 template <typename T, int kHeadDim, int kWarpsM, int kSubN = kHeadDim == 64 ? 32 : 16>
 struct Fp8ConfigPolicy {
   using Full = Fp8Config<T, kHeadDim, kWarpsM, kSubN>;
@@ -1200,8 +1201,8 @@ R with_decode_config(const FwdParams& p, R none, F&& f) {
     return none;
   };
   if constexpr (kFp8) {
-    if constexpr (kAblations && kHeadDim == 64) {
-      if (ablation_int("FLASH_CUDA_DECODE_FP8_SUBN", 32) == 16) {
+    if constexpr (kHeadDim == 64) {
+      if (p.sm_arch != 90 || (kAblations && ablation_int("FLASH_CUDA_DECODE_FP8_SUBN", 32) == 16)) {
         switch (decode::warps_m_for(p.sq * p.decode_heads)) {
           case 1: return fits(decode::Fp8ConfigPolicy<T, kHeadDim, 1, 16>{});
           case 2: return fits(decode::Fp8ConfigPolicy<T, kHeadDim, 2, 16>{});

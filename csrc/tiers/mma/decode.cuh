@@ -81,6 +81,7 @@ struct Tile {
   static constexpr size_t kStageBytes = size_t(2) * kBlockN * kPitch * sizeof(T);  // K and V
   static constexpr int kStages = kStages_;
   static constexpr bool kHalfSteps = kStages == 1;
+  static constexpr bool kWarpRows = false;  // WarpRows (an ablation rung): KeyCopier's warp-owned rows
   static constexpr int kMergePitch = kHeadDim + 4;
   // Shared memory: Q, then the K / V ring, over which the warps merge their final O and (m, l),
   // fp32, once the keys are done; then one mbarrier per stage, on which the Hopper build's bulk
@@ -228,6 +229,18 @@ struct Fp8ConfigPolicy {
   using Compact = Full;
 };
 
+// Ablation rung (FLASH_CUDA_ABLATIONS, FLASH_CUDA_DECODE_WARP_ROWS=1; with_decode_config): 16-bit
+// caches with each warp copying its own keys' rows (KeyCopier::kOwned), waiting for them alone.
+template <typename Cfg>
+struct WarpRows : Cfg {
+  static constexpr bool kWarpRows = true;
+};
+template <typename T, int kHeadDim, int kWarpsM>
+struct WarpRowsPolicy {
+  using Full = WarpRows<typename ConfigPolicy<T, kHeadDim, kWarpsM>::Full>;
+  using Compact = WarpRows<typename ConfigPolicy<T, kHeadDim, kWarpsM>::Compact>;
+};
+
 template <typename T, int kHeadDim, int kWarpsM>
 constexpr bool kFitsEveryClass = ConfigPolicy<T, kHeadDim, kWarpsM>::Compact::kSmemBytes <= kSmemConsumer &&
                                  ConfigPolicy<T, kHeadDim, kWarpsM>::Full::kSmemBytes <= kSmemA100;
@@ -273,14 +286,20 @@ __device__ __forceinline__ void append_new_rows(const FwdParams& p, const CacheS
 template <typename Cfg>
 struct KeyCopier {
   static constexpr int kChunks = Cfg::kHeadDim / Cfg::kChunkElems;
-  static constexpr int kRowsPerPass = std::min(Cfg::kThreads / kChunks, Cfg::kBlockN);
-  static constexpr int kPasses = Cfg::kBlockN / kRowsPerPass;
+  // Warp-owned rows (Cfg::kWarpRows, one 16-row slice, whole steps): warp w copies the kSubN rows
+  // of each step that its own products read, so the key loop's wait for a step needs no other
+  // warp (decode_block: __syncwarp after the first step).
+  static constexpr int kWarpRowsPerPass = 32 / kChunks;
+  static constexpr bool kOwned = Cfg::kWarpRows && Cfg::kWarpsM == 1 && !Cfg::kHalfSteps && 32 % kChunks == 0 &&
+                                 Cfg::kSubN % kWarpRowsPerPass == 0;
+  static constexpr int kRowsPerPass = kOwned ? kWarpRowsPerPass : std::min(Cfg::kThreads / kChunks, Cfg::kBlockN);
+  static constexpr int kPasses = kOwned ? Cfg::kSubN / kRowsPerPass : Cfg::kBlockN / kRowsPerPass;
   static_assert(Cfg::kThreads % kChunks == 0 && Cfg::kBlockN % kRowsPerPass == 0, "whole rows, whole passes");
   int r_first, c;
   bool col_valid;
   __device__ __forceinline__ static KeyCopier make(const FwdParams& p) {
     KeyCopier k;
-    k.r_first = threadIdx.x / kChunks;
+    k.r_first = kOwned ? (threadIdx.x / 32) * Cfg::kSubN + (threadIdx.x % 32) / kChunks : threadIdx.x / kChunks;
     k.c = (threadIdx.x % kChunks) * Cfg::kChunkElems;
     k.col_valid = k.c < p.d;
     return k;
@@ -944,7 +963,11 @@ __device__ __forceinline__ void decode_block(const FwdParams& p, const PageMaps*
       if constexpr (kBulk || kBoxes) {
         if (is_bulk(nb)) sm90::mbarrier_wait(&smem.full[nb % Cfg::kStages], ((nb - nb_begin) / Cfg::kStages) % 2);
       }
-      __syncthreads();  // step nb landed for all; step nb - 1's stage is free
+      if (KeyCopier<Cfg>::kOwned && !kBulk && !kBoxes && nb > nb_begin) {
+        __syncwarp();  // this warp's rows of step nb landed; it alone read them in step nb - 1's stage
+      } else {
+        __syncthreads();  // step nb landed for all; step nb - 1's stage is free
+      }
       if (nb + Cfg::kStages - 1 < nb_end) load(nb + Cfg::kStages - 1);
       cp_async_commit();
       if constexpr (Cfg::kQInRegs) {
@@ -1216,6 +1239,15 @@ R with_decode_config(const FwdParams& p, R none, F&& f) {
       default: return fits(decode::Fp8ConfigPolicy<T, kHeadDim, 4>{});
     }
   } else {
+    if constexpr (kAblations) {
+      if (ablation_int("FLASH_CUDA_DECODE_WARP_ROWS", 0) == 1) {
+        switch (decode::warps_m_for(p.sq * p.decode_heads)) {
+          case 1: return fits(decode::WarpRowsPolicy<T, kHeadDim, 1>{});
+          case 2: return fits(decode::WarpRowsPolicy<T, kHeadDim, 2>{});
+          default: return fits(decode::WarpRowsPolicy<T, kHeadDim, 4>{});
+        }
+      }
+    }
     switch (decode::warps_m_for(p.sq * p.decode_heads)) {
       case 1: return fits(decode::ConfigPolicy<T, kHeadDim, 1>{});
       case 2: return fits(decode::ConfigPolicy<T, kHeadDim, 2>{});

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
 import platform
 import subprocess
 import time
@@ -44,8 +45,25 @@ def git_commit() -> str:
         return "unknown (git not available)"
 
 
+SOURCE_SUFFIXES = (".py", ".h", ".cuh", ".cu", ".cpp")
+
+
+def source_digest(root: Path = REPO_ROOT) -> str:
+    """The first 12 hex digits of a sha256 over the code a result ran: csrc/ and flash_cuda/'s
+    sources and bench/'s scripts, each by its path and bytes. It names the code where a copy's git
+    metadata does not (a tree copied without its history, or with an older one); at a commit,
+    `python3 bench/common.py --digest` prints it."""
+    files = sorted(f for d in ("csrc", "flash_cuda") for f in (root / d).rglob("*")
+                   if f.is_file() and f.suffix in SOURCE_SUFFIXES) + sorted((root / "bench").glob("*.py"))
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()[:12]
+
+
 def environment(**extra) -> dict:
-    """What a result depends on: date, host, GPU, torch / CUDA / cuDNN, the git commit, then `extra`."""
+    """What a result depends on: date, host, GPU, torch / CUDA / cuDNN, the git commit and the
+    sources' digest, then `extra`."""
     import torch
     gpu = "none (CUDA not available)"
     if torch.cuda.is_available():
@@ -56,7 +74,7 @@ def environment(**extra) -> dict:
             "host": f"{platform.node()}, python {platform.python_version()}", "gpu": gpu,
             "torch": f"{torch.__version__}, CUDA {torch.version.cuda}, cuDNN {cudnn}, "
                      f"tf32 matmul {torch.backends.cuda.matmul.allow_tf32}",
-            "git commit": git_commit(), **extra}
+            "git commit": git_commit(), "sources": source_digest(), **extra}
 
 
 def env_lines(env: dict) -> list[str]:
@@ -137,3 +155,10 @@ def write_results(out_dir, name: str, df: pd.DataFrame, title: str, env: dict, b
     write_csv(df, out_dir / f"{name}.csv", env)
     (out_dir / f"{name}.md").write_text("\n".join([f"# {title}", "", "```", *env_lines(env), "```", "", *body]) + "\n")
     print(f"\nwrote {out_dir / name}.csv and {name}.md")
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description="bench/'s shared helpers; --digest prints this tree's source digest")
+    ap.add_argument("--digest", action="store_true", help="print source_digest() of this checkout")
+    if ap.parse_args().digest:
+        print(source_digest())

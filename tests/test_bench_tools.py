@@ -376,6 +376,32 @@ def test_git_commit_format(common):
     assert re.fullmatch(r"[0-9a-f]{4,40}(\+dirty)?", commit) or commit.startswith("unknown")
 
 
+def test_source_digest_names_the_code(common, tmp_path):
+    """The digest follows the sources' paths and bytes (csrc/, flash_cuda/, bench/*.py) and nothing
+    else; the checkout's own is 12 hex digits, the same each time, and `--digest` prints it."""
+    import re
+    for rel, text in (("csrc/core/a.cuh", "int a;"), ("flash_cuda/b.py", "b = 1"), ("bench/c.py", "c = 1"),
+                      ("csrc/notes.md", "words"), ("tests/t.py", "t = 1")):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    base = common.source_digest(tmp_path)
+    (tmp_path / "csrc/notes.md").write_text("other words")
+    (tmp_path / "tests/t.py").write_text("t = 2")
+    assert common.source_digest(tmp_path) == base
+    for rel in ("csrc/core/a.cuh", "flash_cuda/b.py", "bench/c.py"):
+        before = (tmp_path / rel).read_text()
+        (tmp_path / rel).write_text(before + " ")
+        assert common.source_digest(tmp_path) != base, rel
+        (tmp_path / rel).write_text(before)
+    (tmp_path / "flash_cuda/b.py").rename(tmp_path / "flash_cuda/b2.py")
+    assert common.source_digest(tmp_path) != base
+    mine = common.source_digest()
+    assert re.fullmatch(r"[0-9a-f]{12}", mine) and common.source_digest() == mine
+    proc = subprocess.run([sys.executable, str(BENCH / "common.py"), "--digest"], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0 and proc.stdout.strip() == mine, proc.stderr
+
+
 def test_markdown_writer(common):
     import pandas as pd
     df = pd.DataFrame({"name": ["a", None], "x": [1.5, float("nan")], "n": [3, 4]})

@@ -155,13 +155,6 @@ def test_fp8_options(case):
     _run(**{"page_size": 16, **case}, seed=len(str(case)))
 
 
-def _sm_arch() -> int:
-    """The compute capability the library serves as (FLASH_CUDA_EMULATE_ARCH's where it is set)."""
-    emulated = int(os.environ.get("FLASH_CUDA_EMULATE_ARCH", "0") or 0)
-    major, minor = divmod(emulated, 10) if emulated else torch.cuda.get_device_capability()
-    return major * 10 + minor
-
-
 # FP8 steps of 32 keys per warp at d 64 on sm_90 (128-key steps: one 16-row slice), 16 elsewhere
 # and at d 128; the 16-keys-per-warp rung at d 64 (FLASH_CUDA_DECODE_FP8_SUBN=16, an ablation build
 # only). The results are checked by _run; the profile shows which configuration ran.
@@ -175,7 +168,7 @@ def test_fp8_keys_per_warp(monkeypatch, D, sub_n, rung, case):
         if not _ext.ablations():
             pytest.skip("an ablation rung: this build has none (FLASH_CUDA_ABLATIONS=1 builds them)")
         monkeypatch.setenv("FLASH_CUDA_DECODE_FP8_SUBN", rung)
-    if _sm_arch() != 90:
+    if hopper_skip_reason("32 keys per warp") is not None:  # (sm_90 alone, emulation included)
         sub_n = 16
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         _run(**{"D": D, **case}, seed=D + len(str(case)))

@@ -240,30 +240,34 @@ def test_decode_deep_ring_rung(monkeypatch, B, lens, page_size, num_splits):
     assert launches and all("DeepRingConfig" in name for name, _ in launches), launches
 
 
-# The warp-rows rung (FLASH_CUDA_DECODE_WARP_ROWS=1, an ablation build only): each warp copies the
-# key rows its own products read and waits for them alone; dense and paged caches (pages of 16 and
-# 256), a partial last step with new keys, splits, windows, softcap, fp16, the three head-dim
-# buckets, and Sq 8 (two 16-row slices: the CTA-wide wait, unchanged).
+# The warp-rows rung (FLASH_CUDA_DECODE_WARP_ROWS, an ablation build only): 1, each warp copies the
+# key rows its own products read and waits for them alone at every head dim (production: d 256); 0,
+# the CTA-wide wait per step at every head dim. Dense and paged caches (pages of 16 and 256), a
+# partial last step with new keys, splits, windows, softcap, fp16, the three head-dim buckets, and
+# Sq 8 (two 16-row slices: the CTA-wide wait, unchanged).
+@pytest.mark.parametrize("rung", ["1", "0"])
 @pytest.mark.parametrize("case", [
     dict(B=2, lens=(1500, 64), num_splits=0),
     dict(B=3, lens=(1400, 3, 777), num_splits=3, page_size=16),
     dict(B=2, lens=(1500, 200), num_splits=5, page_size=256, window_size=(300, 0)),
     dict(B=2, lens=(900, 1201), D=64, dtype=torch.float16, softcap=20.0),
     dict(B=2, lens=(700, 33), D=256, num_splits=2),
+    dict(B=3, lens=(1500, 5, 700), D=192, num_splits=0, page_size=16),
     dict(B=2, lens=(900, 1200), Sq=8, s_new=8, Hq=16, num_splits=2),
 ])
-def test_decode_warp_rows_rung(monkeypatch, case):
+def test_decode_warp_rows_rung(monkeypatch, case, rung):
     from flash_cuda import _ext
     if not _ext.ablations():
         pytest.skip("an ablation rung: this build has none (FLASH_CUDA_ABLATIONS=1 builds them)")
-    monkeypatch.setenv("FLASH_CUDA_DECODE_WARP_ROWS", "1")
+    monkeypatch.setenv("FLASH_CUDA_DECODE_WARP_ROWS", rung)
     page = case.get("page_size")
     kw = dict(Hq=8, Hkv=2, Sq=1, s_new=1, D=128, capacity=1536 if page is None else page * (1536 // page),
               is_causal=True, seed=len(case["lens"]) + case.get("num_splits", 0))
     kw.update(case)
     _, launches = _decode_launches(lambda: _run_case(**kw))
     names = [name for name, _ in launches]
-    assert names and all("WarpRows" in n for n in names), names
+    wrapper = "WarpRows" if rung == "1" else "CtaRows"
+    assert names and all(wrapper in n for n in names), names
 
 
 # The cluster-merge rung (FLASH_CUDA_DECODE_MERGE=cluster, an ablation build on Hopper only): the

@@ -81,7 +81,7 @@ struct Tile {
   static constexpr size_t kStageBytes = size_t(2) * kBlockN * kPitch * sizeof(T);  // K and V
   static constexpr int kStages = kStages_;
   static constexpr bool kHalfSteps = kStages == 1;
-  static constexpr bool kWarpRows = false;  // WarpRows (an ablation rung): KeyCopier's warp-owned rows
+  static constexpr bool kWarpRows = false;  // KeyCopier's warp-owned rows (Config at d = 256)
   static constexpr int kMergePitch = kHeadDim + 4;
   // Shared memory: Q, then the K / V ring, over which the warps merge their final O and (m, l),
   // fp32, once the keys are done; then one mbarrier per stage, on which the Hopper build's bulk
@@ -127,7 +127,12 @@ template <typename T, int kHeadDim, int kWarpsM>
 constexpr int kFullStages = static_cast<int>(
     std::min<size_t>(kMaxStages, std::max<size_t>(2, kRingBytes / Tile<T, kHeadDim, kWarpsM, 1>::kStageBytes)));
 template <typename T, int kHeadDim, int kWarpsM>
-struct Config : Tile<T, kHeadDim, kWarpsM, kFullStages<T, kHeadDim, kWarpsM>> {};
+struct Config : Tile<T, kHeadDim, kWarpsM, kFullStages<T, kHeadDim, kWarpsM>> {
+  // d = 256 (one 16-row slice, cp.async steps): each warp copies the key rows its own products read
+  // and waits for them alone (KeyCopier::kOwned), where a CTA-wide wait per step held the dense
+  // cache at 0.92-0.97 of this time (OPTIMIZATION.md step 66); flat at d = 64 / 128.
+  static constexpr bool kWarpRows = kHeadDim == 256;
+};
 
 // Ablation rung (FLASH_CUDA_ABLATIONS, FLASH_CUDA_DECODE_RING=deep; launch_decode): the full
 // tiles with a deeper ring where the grid leaves an SM fewer CTAs than the two-step ring was
@@ -229,16 +234,21 @@ struct Fp8ConfigPolicy {
   using Compact = Full;
 };
 
-// Ablation rung (FLASH_CUDA_ABLATIONS, FLASH_CUDA_DECODE_WARP_ROWS=1; with_decode_config): 16-bit
-// caches with each warp copying its own keys' rows (KeyCopier::kOwned), waiting for them alone.
+// Ablation rung (FLASH_CUDA_ABLATIONS, FLASH_CUDA_DECODE_WARP_ROWS=0 / 1; with_decode_config):
+// 16-bit caches with the CTA-wide wait per step at every head dim (CtaRows), or each warp copying
+// its own keys' rows at every head dim (WarpRows).
 template <typename Cfg>
 struct WarpRows : Cfg {
   static constexpr bool kWarpRows = true;
 };
-template <typename T, int kHeadDim, int kWarpsM>
-struct WarpRowsPolicy {
-  using Full = WarpRows<typename ConfigPolicy<T, kHeadDim, kWarpsM>::Full>;
-  using Compact = WarpRows<typename ConfigPolicy<T, kHeadDim, kWarpsM>::Compact>;
+template <typename Cfg>
+struct CtaRows : Cfg {
+  static constexpr bool kWarpRows = false;
+};
+template <template <typename> class Rows, typename T, int kHeadDim, int kWarpsM>
+struct RowsPolicy {
+  using Full = Rows<typename ConfigPolicy<T, kHeadDim, kWarpsM>::Full>;
+  using Compact = Rows<typename ConfigPolicy<T, kHeadDim, kWarpsM>::Compact>;
 };
 
 template <typename T, int kHeadDim, int kWarpsM>
@@ -1240,11 +1250,19 @@ R with_decode_config(const FwdParams& p, R none, F&& f) {
     }
   } else {
     if constexpr (kAblations) {
-      if (ablation_int("FLASH_CUDA_DECODE_WARP_ROWS", 0) == 1) {
+      const int warp_rows = ablation_int("FLASH_CUDA_DECODE_WARP_ROWS", -1);
+      if (warp_rows == 1) {
         switch (decode::warps_m_for(p.sq * p.decode_heads)) {
-          case 1: return fits(decode::WarpRowsPolicy<T, kHeadDim, 1>{});
-          case 2: return fits(decode::WarpRowsPolicy<T, kHeadDim, 2>{});
-          default: return fits(decode::WarpRowsPolicy<T, kHeadDim, 4>{});
+          case 1: return fits(decode::RowsPolicy<decode::WarpRows, T, kHeadDim, 1>{});
+          case 2: return fits(decode::RowsPolicy<decode::WarpRows, T, kHeadDim, 2>{});
+          default: return fits(decode::RowsPolicy<decode::WarpRows, T, kHeadDim, 4>{});
+        }
+      }
+      if (warp_rows == 0) {
+        switch (decode::warps_m_for(p.sq * p.decode_heads)) {
+          case 1: return fits(decode::RowsPolicy<decode::CtaRows, T, kHeadDim, 1>{});
+          case 2: return fits(decode::RowsPolicy<decode::CtaRows, T, kHeadDim, 2>{});
+          default: return fits(decode::RowsPolicy<decode::CtaRows, T, kHeadDim, 4>{});
         }
       }
     }

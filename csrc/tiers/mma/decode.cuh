@@ -251,6 +251,24 @@ struct RowsPolicy {
   using Compact = Rows<typename ConfigPolicy<T, kHeadDim, kWarpsM>::Compact>;
 };
 
+// A policy per row count: Family::At<kWarpsM> for 1, 2 or 4 16-row slices (with_decode_config
+// picks the slice count once for every family).
+template <typename T, int kHeadDim>
+struct Policies {
+  template <int kWarpsM>
+  using At = ConfigPolicy<T, kHeadDim, kWarpsM>;
+};
+template <template <typename> class Rows, typename T, int kHeadDim>
+struct RowsPolicies {
+  template <int kWarpsM>
+  using At = RowsPolicy<Rows, T, kHeadDim, kWarpsM>;
+};
+template <typename T, int kHeadDim, int... kSubN>  // (none: Fp8ConfigPolicy's keys per warp)
+struct Fp8Policies {
+  template <int kWarpsM>
+  using At = Fp8ConfigPolicy<T, kHeadDim, kWarpsM, kSubN...>;
+};
+
 template <typename T, int kHeadDim, int kWarpsM>
 constexpr bool kFitsEveryClass = ConfigPolicy<T, kHeadDim, kWarpsM>::Compact::kSmemBytes <= kSmemConsumer &&
                                  ConfigPolicy<T, kHeadDim, kWarpsM>::Full::kSmemBytes <= kSmemA100;
@@ -1233,44 +1251,28 @@ R with_decode_config(const FwdParams& p, R none, F&& f) {
     }
     return none;
   };
+  auto by_rows = [&](auto family) -> R {
+    using Family = decltype(family);
+    switch (decode::warps_m_for(p.sq * p.decode_heads)) {
+      case 1: return fits(typename Family::template At<1>{});
+      case 2: return fits(typename Family::template At<2>{});
+      default: return fits(typename Family::template At<4>{});
+    }
+  };
   if constexpr (kFp8) {
     if constexpr (kHeadDim == 64) {
       if (p.sm_arch != 90 || (kAblations && ablation_int("FLASH_CUDA_DECODE_FP8_SUBN", 32) == 16)) {
-        switch (decode::warps_m_for(p.sq * p.decode_heads)) {
-          case 1: return fits(decode::Fp8ConfigPolicy<T, kHeadDim, 1, 16>{});
-          case 2: return fits(decode::Fp8ConfigPolicy<T, kHeadDim, 2, 16>{});
-          default: return fits(decode::Fp8ConfigPolicy<T, kHeadDim, 4, 16>{});
-        }
+        return by_rows(decode::Fp8Policies<T, kHeadDim, 16>{});
       }
     }
-    switch (decode::warps_m_for(p.sq * p.decode_heads)) {
-      case 1: return fits(decode::Fp8ConfigPolicy<T, kHeadDim, 1>{});
-      case 2: return fits(decode::Fp8ConfigPolicy<T, kHeadDim, 2>{});
-      default: return fits(decode::Fp8ConfigPolicy<T, kHeadDim, 4>{});
-    }
+    return by_rows(decode::Fp8Policies<T, kHeadDim>{});
   } else {
     if constexpr (kAblations) {
       const int warp_rows = ablation_int("FLASH_CUDA_DECODE_WARP_ROWS", -1);
-      if (warp_rows == 1) {
-        switch (decode::warps_m_for(p.sq * p.decode_heads)) {
-          case 1: return fits(decode::RowsPolicy<decode::WarpRows, T, kHeadDim, 1>{});
-          case 2: return fits(decode::RowsPolicy<decode::WarpRows, T, kHeadDim, 2>{});
-          default: return fits(decode::RowsPolicy<decode::WarpRows, T, kHeadDim, 4>{});
-        }
-      }
-      if (warp_rows == 0) {
-        switch (decode::warps_m_for(p.sq * p.decode_heads)) {
-          case 1: return fits(decode::RowsPolicy<decode::CtaRows, T, kHeadDim, 1>{});
-          case 2: return fits(decode::RowsPolicy<decode::CtaRows, T, kHeadDim, 2>{});
-          default: return fits(decode::RowsPolicy<decode::CtaRows, T, kHeadDim, 4>{});
-        }
-      }
+      if (warp_rows == 1) return by_rows(decode::RowsPolicies<decode::WarpRows, T, kHeadDim>{});
+      if (warp_rows == 0) return by_rows(decode::RowsPolicies<decode::CtaRows, T, kHeadDim>{});
     }
-    switch (decode::warps_m_for(p.sq * p.decode_heads)) {
-      case 1: return fits(decode::ConfigPolicy<T, kHeadDim, 1>{});
-      case 2: return fits(decode::ConfigPolicy<T, kHeadDim, 2>{});
-      default: return fits(decode::ConfigPolicy<T, kHeadDim, 4>{});
-    }
+    return by_rows(decode::Policies<T, kHeadDim>{});
   }
 }
 

@@ -7,6 +7,7 @@
 // runs). Nothing here knows a tile, a bucket or a kernel.
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/CUDAGeneratorImpl.h>
+#include <ATen/cuda/EmptyTensor.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/extension.h>
 
@@ -266,6 +267,18 @@ void fill_fwd(FwdParams& p, const Shape& s, const MaskArgs& m, const at::Tensor&
   p.num_sms = prop->multiProcessorCount;
 }
 
+// A forward's outputs, straight from the CUDA caching allocator (at::detail::empty_*_cuda) rather
+// than through the dispatcher's empty / empty_like: a small call's host time is made of steps like
+// these (OPTIMIZATION.md step 67). output_like: t's sizes and, where t is dense, its strides (as
+// empty_like's preserve_format gives them; otherwise empty_like itself).
+at::Tensor output_like(const at::Tensor& t) {
+  if (!t.is_non_overlapping_and_dense()) return at::empty_like(t);
+  return at::detail::empty_strided_cuda(t.sizes(), t.strides(), t.scalar_type(), t.device());
+}
+at::Tensor float_output(at::IntArrayRef shape, const at::Tensor& like) {
+  return at::detail::empty_cuda(shape, at::kFloat, like.device(), std::nullopt);
+}
+
 // FLASH_CUDA_POISON_OUTPUTS=1 (set by the test suite) fills every output with NaN before
 // the kernels run, so an element a kernel forgets to write fails the comparison instead of
 // silently keeping whatever the caching allocator left there (often the right answer of an
@@ -470,8 +483,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_impl(
   const at::Tensor sinks = check_sinks(sinks_in, q_in, s.Hq);
   FLASH_CHECK(sm_margin >= 0, "flash_cuda: sm_margin must be >= 0, got ", sm_margin);
 
-  at::Tensor out = at::empty_like(q_in);
-  at::Tensor lse = at::empty(s.lse_shape(), q_in.options().dtype(at::kFloat));
+  at::Tensor out = output_like(q_in);
+  at::Tensor lse = float_output(s.lse_shape(), q_in);
   at::Tensor aux = (empty_aux || q_in.scalar_type() == at::kFloat) ? make_aux(s, q_in) : at::Tensor();
   if (s.empty()) {  // no query, or no key at all: every row is empty
     out.zero_();
@@ -788,9 +801,9 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache(
               "flash_cuda: bad scale, softcap or num_splits");
   const at::Tensor sinks = check_sinks(sinks_in, q_in, Hq);
 
-  at::Tensor out = at::empty_like(q_in);
+  at::Tensor out = output_like(q_in);
   // lse only when asked for (None otherwise): one allocation less on every decode step.
-  at::Tensor lse = return_lse ? at::empty({B, Hq, Sq}, q_in.options().dtype(at::kFloat)) : at::Tensor();
+  at::Tensor lse = return_lse ? float_output({B, Hq, Sq}, q_in) : at::Tensor();
   if (B == 0 || Sq == 0) return {out, lse};
   const c10::cuda::CUDAGuard guard(q_in.device());
   const at::Tensor q = aligned(scale < 0 ? q_in.neg() : q_in);

@@ -33,12 +33,17 @@ QUANTITIES = {
                   "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed"], "%", 1),
     "dram_gbs": (["dram__bytes.sum.per_second"], "rate", 1e-9),
     "l2_hit_pct": (["lts__t_sector_hit_rate.pct"], "%", 1),
+    # The SMs' read sectors at the L2 against the sectors read from DRAM: 1.0 for a kernel that asks
+    # for each byte it streams once (the decode's fill asked for 1.56x, cuDNN's 1.00x: the L2, not
+    # DRAM, was the bound; bench/results/decode-h200/producer-warp-ab.md).
+    "l2_read_sectors": (["lts__t_sectors_srcunit_tex_op_read.sum"], None, 1),
+    "dram_read_sectors": (["dram__sectors_read.sum"], None, 1),
     # Work issued, beside the time: two kernels at the same tensor-pipe share and stalls per
     # instruction differ by how many instructions carry the same products.
     "inst_m": (["smsp__inst_executed.sum", "sm__inst_executed.sum"], "inst", 1e-6),
     "issue_pct": ([f"smsp__issue_active.{_P}", f"sm__inst_issued.{_P}"], "%", 1),
 }
-NUMERIC_FIELDS = [q for q in QUANTITIES if q != "smem_total_b"] + ["tensor_pipe_pct", "smem_b"]
+NUMERIC_FIELDS = [q for q in QUANTITIES if q != "smem_total_b"] + ["tensor_pipe_pct", "smem_b", "l2_reads_per_dram"]
 # Tensor-pipe metrics are named by ncu version and MMA kind (hmma, gmma): the busiest one the report has.
 TENSOR_PIPE = r"^sm__(?:pipe|inst_executed_pipe)_tensor\w*\.avg\.pct_of_peak_sustained_(?:active|elapsed)$"
 # Warp-stall families in order of preference (group 1: the reason) and their unit.
@@ -127,6 +132,7 @@ def summarize_csv_text(text: str, per_launch: bool = False) -> list[dict]:
         k[q] = pick(long, names, kind, factor)
     k["tensor_pipe_pct"] = long[long.metric.str.match(TENSOR_PIPE)].groupby("id").number.max()
     k["smem_b"] = k[["smem_static_b", "smem_dynamic_b"]].sum(axis=1, min_count=1).fillna(k.smem_total_b)
+    k["l2_reads_per_dram"] = k.l2_read_sectors / k.dram_read_sectors.where(k.dram_read_sectors > 0)
     keys = ["name", "grid", "block"] + (["id"] if per_launch else [])
     k = k.reset_index()
     g = k.groupby(keys, sort=False)
@@ -170,11 +176,13 @@ def format_summary(groups: list[dict], name_width: int = 48) -> str:
     table = pd.DataFrame([(i, short_kernel_name(g["name"], name_width), g["launches"], duration(g["duration_us"]),
                            num(g["occupancy_pct"]), num(g["registers"], ".0f", ""), size(g["smem_b"]),
                            num(g["tensor_pipe_pct"]), num(g["fma_pipe_pct"]), num(g["dram_pct"]),
-                           num(g["dram_gbs"], ".0f", ""), num(g["l2_hit_pct"]), num(g["inst_m"], ".1f", " M"),
+                           num(g["dram_gbs"], ".0f", ""), num(g["l2_hit_pct"]),
+                           num(g["l2_reads_per_dram"], ".2f", "x"), num(g["inst_m"], ".1f", " M"),
                            num(g["issue_pct"])) for i, g in enumerate(groups, 1)],
                          columns=["#", "kernel", "n", "duration", "occupancy", "regs", "smem/block", "tensor pipe",
-                                  "fma pipe", "DRAM %", "DRAM GB/s", "L2 hit", "instructions", "issue"])
-    lines = [C.markdown(table, align=["---:", ":---"] + ["---:"] * 12), "", "Top warp stalls:"]
+                                  "fma pipe", "DRAM %", "DRAM GB/s", "L2 hit", "L2 reads / DRAM", "instructions",
+                                  "issue"])
+    lines = [C.markdown(table, align=["---:", ":---"] + ["---:"] * 13), "", "Top warp stalls:"]
     lines += [f"  [{i}] " + (", ".join(f"{k} {v:.2f}" for k, v in g["stalls"]) + f"  ({g['stall_unit']})"
                              if g["stalls"] else "n/a") for i, g in enumerate(groups, 1)]
     split = [(i, g) for i, g in enumerate(groups, 1) if {g["smem_static_b"], g["smem_dynamic_b"]} != {None}]

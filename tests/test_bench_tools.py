@@ -175,6 +175,21 @@ def test_instructions_and_issue_slots(ncu):
     assert "812.5 M" in ncu.format_summary([g])
 
 
+def test_l2_reads_per_dram_sector(ncu):
+    """The SMs' L2 read sectors over DRAM's read sectors: 1.5x where each sector is asked for 1.5 times;
+    n/a without a DRAM read (no division by zero)."""
+    header = RAW_HEADER[:12] + ["gpu__time_duration.sum", "lts__t_sectors_srcunit_tex_op_read.sum",
+                                "dram__sectors_read.sum"]
+    units = [""] * 12 + ["usecond", "sector", "sector"]
+    rows = [_row(0, FWD_NAME, "(1, 1, 1)", ["3.5", "402,700,000", "268,466,667"]),
+            _row(1, PRE_NAME, "(1, 1, 1)", ["1.0", "1,000", "0"])]
+    fwd, pre = ncu.summarize_csv_text(_csv_text([header, units] + rows, prefix=""))
+    assert fwd["l2_reads_per_dram"] == pytest.approx(1.5, rel=1e-6)
+    assert pre["l2_reads_per_dram"] is None
+    text = ncu.format_summary([fwd, pre])
+    assert "L2 reads / DRAM" in text and "1.50x" in text
+
+
 def test_alternative_metric_names(ncu):
     """Fallback candidates: pcsamp stall counts, tensor pipe _v2 spelling, nsecond."""
     header = RAW_HEADER[:12] + [

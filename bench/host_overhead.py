@@ -8,6 +8,7 @@ bound (short sequences, many small layers, decoding).
     python bench/host_overhead.py                  # B = H = 1, S = 128, D = 64, bf16, causal
     python bench/host_overhead.py --seqlen 512 --d 128 --calls 2000
     python bench/host_overhead.py --decode          # one new token against a KV cache
+    python bench/host_overhead.py --parts           # where a no_grad forward's host time goes
 
 ``--ablation NAME=VALUE`` (a build with the rungs: FLASH_CUDA_ABLATIONS=1) adds flash_cuda with that
 switch set as another provider, timed in the same process right after the default, e.g.
@@ -17,6 +18,13 @@ switch set as another provider, timed in the same process right after the defaul
 cache of ``--seqlen`` tokens with 8 KV heads, through attention_with_kvcache (with and without
 appending the new key), attention() on the cache's filled rows, and SDPA (enable_gqa) on the
 same rows.
+
+``--parts`` splits a ``torch.no_grad()`` forward (the shape above, and the decode shape's attention())
+into what it is made of: the whole call; the extension's entry alone (``fwd_direct`` with the signature's
+checked plan: the outputs' allocation, the binding and the launch); flash_cuda's Python layer alone (the
+same call with the extension's entry replaced by one returning ready outputs); and, as the host's own
+floor, two outputs allocated through torch (``empty_like``, ``empty``) and a one-kernel torch op
+(``x.zero_()``). Each is timed both as queued (the loop's time before the synchronize) and synchronized.
 
 Three modes are measured: the forward under torch.no_grad(), the forward with autograd recording
 its graph (inputs that require gradients; no backward: the graph is dropped), and forward + backward:
@@ -48,6 +56,9 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=50)
     ap.add_argument("--backward", choices=["sum", "dout"], default="sum")
     ap.add_argument("--decode", action="store_true", help="time a decode step against a KV cache")
+    ap.add_argument("--parts", action="store_true",
+                    help="split a no_grad forward's host time into the Python layer, the extension's entry and "
+                         "torch's own allocation and launch costs")
     ap.add_argument("--trace", action="store_true",
                     help="also list where each provider's host time goes: the CPU-side ops and CUDA runtime "
                          "calls of --calls calls (torch.profiler), per call")
@@ -68,6 +79,8 @@ def main(argv=None) -> int:
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
     if args.decode:
         return decode(args, torch, F, flash_cuda, dtype)
+    if args.parts:
+        return parts(args, torch, F, flash_cuda, dtype)
     shape = (args.batch, args.heads, args.seqlen, args.d)
     q, k, v = (torch.randn(shape, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
     dout = torch.randn(shape, device="cuda", dtype=dtype)
@@ -152,6 +165,74 @@ def trace(torch, title, step, args, rows: int = 14) -> None:
     print(f"  {'event':52s} {'calls/call':>10s} {'self us/call':>13s}")
     for e in events[:rows]:
         print(f"  {e.key[:52]:52s} {e.count / args.calls:10.2f} {e.self_cpu_time_total / args.calls:13.2f}")
+
+
+def queued_and_synced(torch, step, calls: int, warmup: int):
+    """(us per call until the last call is queued, us per call until the GPU finished them)."""
+    import time
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        step()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    t2 = time.perf_counter()
+    return (t1 - t0) / calls * 1e6, (t2 - t0) / calls * 1e6
+
+
+def parts(args, torch, F, flash_cuda, dtype) -> int:
+    """--parts: a no_grad forward's host time, part by part (module docstring)."""
+    from flash_cuda import _ext, interface
+    ext = _ext.require()
+    shape = (args.batch, args.heads, args.seqlen, args.d)
+    q1, k1, v1 = (torch.randn(shape, device="cuda", dtype=dtype) for _ in range(3))
+    q2 = torch.randn(args.batch, 32, 1, args.d, device="cuda", dtype=dtype)
+    k2, v2 = (torch.randn(args.batch, 8, args.seqlen, args.d, device="cuda", dtype=dtype) for _ in range(2))
+    cases = [(f"B={args.batch} H={args.heads} S={args.seqlen} D={args.d} causal={args.causal}", q1, k1, v1,
+              bool(args.causal)),
+             (f"decode shape: q (B, 32, 1, D), {args.seqlen} keys, 8 KV heads", q2, k2, v2, False)]
+    print(f"{args.dtype}, {args.calls} calls; us per call, queued / synchronized")
+    print("| call | part | queued | synchronized |\n|---|---|---:|---:|")
+    with torch.no_grad():
+        for title, q, k, v, causal in cases:
+            call = lambda: flash_cuda.attention(q, k, v, is_causal=causal)  # noqa: E731
+            call(), call()  # the second call takes the fast path and leaves its plan in interface._last_dense
+            plan = interface._last_dense[1]
+            if plan is None or plan.direct is None:
+                raise SystemExit("host_overhead.py --parts: this call has no direct plan (the fast path does not "
+                                 "take it)")
+            direct = plan.direct
+            ready = ext.fwd_direct(q, k, v, direct)
+
+            class Ready:  # the extension, except that fwd_direct returns outputs made before
+                def __getattr__(self, name):
+                    return getattr(ext, name)
+
+                def fwd_direct(self, *unused):
+                    return ready
+
+            x = torch.empty(16, device="cuda")
+            rows = {
+                "the whole call": call,
+                "the extension's entry alone": lambda: ext.fwd_direct(q, k, v, direct),
+                "torch: empty_like + empty": lambda: (torch.empty_like(q),
+                                                      torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)),
+                "torch: one kernel (x.zero_())": lambda: x.zero_(),
+                "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True),
+            }
+            for name, step in rows.items():
+                queued, synced = queued_and_synced(torch, step, args.calls, args.warmup)
+                print(f"| {title} | {name} | {queued:.2f} | {synced:.2f} |")
+            real = _ext.require
+            _ext.require = lambda: Ready()
+            try:
+                queued, synced = queued_and_synced(torch, call, args.calls, args.warmup)
+            finally:
+                _ext.require = real
+            print(f"| {title} | the Python layer alone (the entry returns ready outputs) | {queued:.2f} | {synced:.2f} |")
+    return 0
 
 
 def decode(args, torch, F, flash_cuda, dtype) -> int:

@@ -654,12 +654,29 @@ def test_host_overhead_help_and_no_gpu_message():
     proc = subprocess.run([sys.executable, str(BENCH / "host_overhead.py"), "--help"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    for opt in ("--seqlen", "--d", "--calls", "--backward"):
+    for opt in ("--seqlen", "--d", "--calls", "--backward", "--parts"):
         assert opt in proc.stdout
     if not torch.cuda.is_available():
         proc = subprocess.run([sys.executable, str(BENCH / "host_overhead.py")],
                               capture_output=True, text=True, timeout=120, cwd=ROOT)
         assert proc.returncode == 2 and "needs a CUDA GPU" in proc.stderr
+
+
+def test_host_overhead_parts_on_gpu():
+    """--parts: each case lists the whole call, the extension's entry, the Python layer and torch's floor."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    proc = subprocess.run([sys.executable, str(BENCH / "host_overhead.py"), "--parts", "--calls", "5",
+                           "--warmup", "1"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    assert len(rows) == 12, proc.stdout
+    for part in ("the whole call", "the extension's entry alone", "the Python layer alone", "x.zero_()", "sdpa"):
+        assert sum(part in r for r in rows) == 2, (part, proc.stdout)
+    for r in rows:
+        queued, synced = (float(c) for c in r.strip("| ").split(" | ")[-2:])
+        assert 0 < queued <= synced, r
 
 
 def test_decode_bench_help_and_no_gpu_message():

@@ -184,7 +184,7 @@ def queued_and_synced(torch, step, calls: int, warmup: int):
 
 def parts(args, torch, F, flash_cuda, dtype) -> int:
     """--parts: a no_grad forward's host time, part by part (module docstring)."""
-    from flash_cuda import _ext, interface
+    from flash_cuda import _ext, signature
     ext = _ext.require()
     shape = (args.batch, args.heads, args.seqlen, args.d)
     q1, k1, v1 = (torch.randn(shape, device="cuda", dtype=dtype) for _ in range(3))
@@ -198,8 +198,10 @@ def parts(args, torch, F, flash_cuda, dtype) -> int:
     with torch.no_grad():
         for title, q, k, v, causal in cases:
             call = lambda: flash_cuda.attention(q, k, v, is_causal=causal)  # noqa: E731
-            call(), call()  # the second call takes the fast path and leaves its plan in interface._last_dense
-            plan = interface._last_dense[1]
+            call()
+            # The checked plan that attention()'s fast path finds for this signature (the same lookup).
+            plan = signature.plan_attention(q, k, v, causal, None, (-1, -1), 0.0, None, False, False, "auto", 0.0,
+                                            None)
             if plan is None or plan.direct is None:
                 raise SystemExit("host_overhead.py --parts: this call has no direct plan (the fast path does not "
                                  "take it)")

@@ -114,6 +114,11 @@ def loop_ms(fn, iters: int) -> float:
 
 def host_us_per_call(step, calls: int, warmup: int) -> float:
     """Microseconds per call of `calls` calls synchronized once: the host's pace when the GPU work is tiny."""
+    return host_us_queued_and_synced(step, calls, warmup)[1]
+
+
+def host_us_queued_and_synced(step, calls: int, warmup: int):
+    """(us per call until the last of `calls` calls is queued, us per call until the GPU finished them)."""
     import torch
     for _ in range(warmup):
         step()
@@ -121,8 +126,9 @@ def host_us_per_call(step, calls: int, warmup: int) -> float:
     start = time.perf_counter()
     for _ in range(calls):
         step()
+    queued = time.perf_counter()
     torch.cuda.synchronize()
-    return (time.perf_counter() - start) / calls * 1e6
+    return (queued - start) / calls * 1e6, (time.perf_counter() - start) / calls * 1e6
 
 
 def fmt(series: pd.Series, spec: str) -> pd.Series:

@@ -167,21 +167,6 @@ def trace(torch, title, step, args, rows: int = 14) -> None:
         print(f"  {e.key[:52]:52s} {e.count / args.calls:10.2f} {e.self_cpu_time_total / args.calls:13.2f}")
 
 
-def queued_and_synced(torch, step, calls: int, warmup: int):
-    """(us per call until the last call is queued, us per call until the GPU finished them)."""
-    import time
-    for _ in range(warmup):
-        step()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        step()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    t2 = time.perf_counter()
-    return (t1 - t0) / calls * 1e6, (t2 - t0) / calls * 1e6
-
-
 def parts(args, torch, F, flash_cuda, dtype) -> int:
     """--parts: a no_grad forward's host time, part by part (module docstring)."""
     from flash_cuda import _ext, signature
@@ -225,12 +210,12 @@ def parts(args, torch, F, flash_cuda, dtype) -> int:
                 "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True),
             }
             for name, step in rows.items():
-                queued, synced = queued_and_synced(torch, step, args.calls, args.warmup)
+                queued, synced = C.host_us_queued_and_synced(step, args.calls, args.warmup)
                 print(f"| {title} | {name} | {queued:.2f} | {synced:.2f} |")
             real = _ext.require
             _ext.require = lambda: Ready()
             try:
-                queued, synced = queued_and_synced(torch, call, args.calls, args.warmup)
+                queued, synced = C.host_us_queued_and_synced(call, args.calls, args.warmup)
             finally:
                 _ext.require = real
             print(f"| {title} | the Python layer alone (the entry returns ready outputs) | {queued:.2f} | {synced:.2f} |")

@@ -245,10 +245,17 @@ def _describe(name: str, values) -> str:
     return str(tuple(values)) if len(values) > 1 else str(values[0])
 
 
-# The host-side group that carries the metadata check of an NCCL group, by the group's ranks:
-# gloo's all-gather of a few integers costs no device synchronization, so the GPU keeps the
-# queue of work the host enqueued ahead of it (an NCCL all-gather read back to the host would
-# stall it once per call).
+# How the metadata check of an NCCL group travels (bench/ring.py --check measures both):
+# * "gloo": a host-side gloo group of the same ranks (made once per group). Its all-gather of a
+#   few integers needs no device synchronization, but its round trip over the host's sockets
+#   takes a few hundred microseconds, and the ring's first transfer waits for it.
+# * "nccl": the group itself. The all-gather is queued on a side stream (so that it does not
+#   wait for kernels the call queues after it) and copied to pinned host memory there; the host
+#   waits for that stream alone. On a GPU free of earlier work it takes tens of microseconds; a
+#   persistent kernel already running holds every SM, and the all-gather waits for it.
+CHECK_TRANSPORTS = ("gloo", "nccl")
+CHECK_TRANSPORT = "gloo"
+
 _CHECK_GROUPS: dict = {}
 
 
@@ -256,6 +263,8 @@ def _check_group(group):
     """(group for the metadata all-gather, its tensors' device)."""
     if "nccl" not in str(dist.get_backend(group)):
         return group, torch.device("cpu")
+    if CHECK_TRANSPORT == "nccl":
+        return group, torch.device("cuda", torch.cuda.current_device())
     ranks = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
     if ranks not in _CHECK_GROUPS:
         # Made by the members alone (no other rank of the world takes part); the first call of
@@ -266,25 +275,44 @@ def _check_group(group):
 
 class _Agreement(NamedTuple):
     """The metadata all-gather in flight (_agree_start); finish() waits for it and raises on
-    every rank if one rank's inputs failed its local checks or the ranks disagree."""
+    every rank if one rank's inputs failed its local checks or the ranks disagree. ``every``
+    is on the host; ``done`` (a CUDA event, or None for a host-side group) is recorded after
+    the copy that fills it."""
     every: Tensor
     work: object
+    done: Optional[object]
     group: object
+    device: torch.device
     error: Optional[BaseException]
 
     def finish(self) -> None:
-        self.work.wait()
-        _agree_check(self.every, self.group, self.error)
+        if self.done is None:
+            self.work.wait()
+        else:
+            self.done.synchronize()
+        _agree_check(self.every, self.group, self.device, self.error)
 
 
 def _agree_start(meta: List[int], group, device, error: Optional[BaseException]) -> _Agreement:
-    """Starts the all-gather of the ranks' metadata. The ring's forward finishes it while the
-    GPU attends the local block (step 0 needs nothing from another rank) and before its first
-    transfer, so that a gloo round trip of a few hundred microseconds costs no GPU time."""
+    """Starts the all-gather of the ranks' metadata; the ring's forward finishes it before its
+    first transfer."""
     W = dist.get_world_size(group)
-    mine = torch.tensor(meta, dtype=torch.int64, device=device)
-    every = torch.empty(W * _META_LEN, dtype=torch.int64, device=device)
-    return _Agreement(every, ring.all_gather(every, mine, group=group, async_op=True), group, error)
+    if device.type == "cpu":
+        mine = torch.tensor(meta, dtype=torch.int64)
+        every = torch.empty(W * _META_LEN, dtype=torch.int64)
+        return _Agreement(every, ring.all_gather(every, mine, group=group, async_op=True), None, group, device,
+                          error)
+    side = ring.side_stream(device)
+    mine_host = torch.tensor(meta, dtype=torch.int64, pin_memory=True)
+    every = torch.empty(W * _META_LEN, dtype=torch.int64, pin_memory=True)
+    with torch.cuda.stream(side):
+        mine = mine_host.to(device, non_blocking=True)
+        every_dev = torch.empty(W * _META_LEN, dtype=torch.int64, device=device)
+        ring.all_gather(every_dev, mine, group=group, async_op=True).wait()  # the side stream waits
+        every.copy_(every_dev, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(side)
+    return _Agreement(every, None, done, group, device, error)
 
 
 def _all_gather_text(text: str, group, device) -> List[str]:
@@ -304,13 +332,13 @@ def _all_gather_text(text: str, group, device) -> List[str]:
     return [bytes(rows[r][:sizes[r]]).decode("utf-8", errors="replace") for r in range(W)]
 
 
-def _agree_check(every: Tensor, group, error: Optional[BaseException]) -> None:
+def _agree_check(every: Tensor, group, device: torch.device, error: Optional[BaseException]) -> None:
     W = dist.get_world_size(group)
     rows = every.view(W, _META_LEN).tolist()
     failed = [r for r in range(W) if rows[r][0] != 0]
     if failed:
         # Only now, as every rank knows that one failed, do they all exchange the messages.
-        messages = _all_gather_text("" if error is None else f"{type(error).__name__}: {error}", group, every.device)
+        messages = _all_gather_text("" if error is None else f"{type(error).__name__}: {error}", group, device)
         if error is not None:
             raise error
         details = "; ".join(f"rank {r}: {messages[r]}" for r in failed)

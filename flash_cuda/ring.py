@@ -557,6 +557,11 @@ def _first_hop(ring: Ring, send, recv, ready):
 # more than the transfer it uncovers at 32k tokens per GPU: 0, measured in OPTIMIZATION.md.
 SM_MARGIN = 0
 
+# Whether the forward's first hop is issued before the local block's kernels (the host then waits
+# for the input check first) rather than after them (the check's round trip runs under the local
+# block, and the transfer starts once the host has sent it). bench/ring.py --hop-first.
+HOP_FIRST = False
+
 
 def _ring_forward(q: Tensor, k: Tensor, v: Tensor, cfg: Config):
     kernel, ring, W = cfg.kernel, cfg.ring, cfg.world
@@ -564,6 +569,7 @@ def _ring_forward(q: Tensor, k: Tensor, v: Tensor, cfg: Config):
     acc = _Accumulator(q, kernel, sched)
     kv = (k.contiguous(), v.contiguous())
     spare, ready = None, None  # the other half of the double buffer; the first hop's event
+    first = None  # the first hop's handles, where it is issued before the local block
     if W > 1:
         # Allocated before step 0's kernels are queued, so that the side stream's transfer into
         # them is ordered after every earlier use of their memory.
@@ -571,8 +577,12 @@ def _ring_forward(q: Tensor, k: Tensor, v: Tensor, cfg: Config):
         if q.is_cuda:
             ready = torch.cuda.Event()
             ready.record()
+        if HOP_FIRST:
+            if cfg.agreement is not None:
+                cfg.agreement.finish()
+            first = _first_hop(ring, kv, spare, ready)
     for step in range(W):
-        handles = None
+        handles = first if step == 0 else None
         if 0 < step < W - 1:
             spare = spare or (torch.empty_like(kv[0]), torch.empty_like(kv[1]))
             handles = ring.exchange(kv, spare)
@@ -580,7 +590,7 @@ def _ring_forward(q: Tensor, k: Tensor, v: Tensor, cfg: Config):
         for c, actions in zip(sched.steps[step], sched.actions[step]):
             acc.add(actions, c.q0, *kernel.forward(q[:, :, c.q0:c.q1], kv[0][:, :, c.k0:c.k1],
                                                    kv[1][:, :, c.k0:c.k1], c.wl, c.wr, sm_margin=margin))
-        if step == 0:
+        if step == 0 and first is None:
             # Step 0 attends the local block: the collective check is waited for while the GPU
             # runs it, and no rank sends anything before every rank has passed it.
             if cfg.agreement is not None:

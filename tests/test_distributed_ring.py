@@ -310,6 +310,10 @@ def _bad_sinks(world, rank):
     return seen
 
 
+# The cases run again with flash_cuda.ring.HOP_FIRST set.
+HOP_FIRST_CASES = ("zigzag_causal", "window_two_sided_ring", "no_grad")
+
+
 def _worker(rank, world, store_path, out_dir):
     torch.set_num_threads(1)
     results = {}
@@ -317,6 +321,11 @@ def _worker(rank, world, store_path, out_dir):
         dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=60))
         run_cases(results, CASES, _run_case, world, rank)
+        fcr.HOP_FIRST = True  # the forward's first hop before the local block: the same results
+        try:
+            run_cases(results, {f"hop_first_{n}": CASES[n] for n in HOP_FIRST_CASES}, _run_case, world, rank)
+        finally:
+            fcr.HOP_FIRST = False
         for name, fn in (("ring_vs_allgather", _ring_vs_allgather), ("round_trip", _round_trip),
                          ("bad_shapes", _bad_shapes), ("bad_shapes_without_numpy", _bad_shapes_without_numpy),
                          ("bad_sinks", _bad_sinks)):
@@ -347,7 +356,8 @@ def results():
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES)
-@pytest.mark.parametrize("name", list(CASES) + ["ring_vs_allgather", "round_trip"])
+@pytest.mark.parametrize("name", list(CASES) + [f"hop_first_{n}" for n in HOP_FIRST_CASES]
+                         + ["ring_vs_allgather", "round_trip"])
 def test_against_reference(results, world, name):
     problems = [r[name] for r in results(world) if r.get(name)]
     assert not problems, "\n".join(problems)

@@ -185,8 +185,10 @@ def _run_case(name, case, world, rank):
     return None if not problems else f"rank {rank}: " + "; ".join(problems)
 
 
-# The cases run again with flash_cuda.ring.SM_MARGIN set.
+# The cases run again with flash_cuda.ring.SM_MARGIN set, and with each other way of starting a
+# call (the input check's transport, the first hop before the local block).
 MARGIN_CASES = ("bfloat16_d128_zigzag_causal", "bfloat16_d128_window_ring_lse", "float16_d64_softcap_lse")
+STARTS = {"nccl_check": ("nccl", False), "hop_first": ("gloo", True), "nccl_check_hop_first": ("nccl", True)}
 
 
 def _bad_inputs(rank, world, disagree):
@@ -217,6 +219,15 @@ def _worker(rank, world, store_path, out_dir):
             fcr.SM_MARGIN = 0
         results["bad_shapes"] = _bad_inputs(rank, world, disagree=False)
         results["disagreeing_shapes"] = _bad_inputs(rank, world, disagree=True)
+        defaults = fcd.CHECK_TRANSPORT, fcr.HOP_FIRST
+        for start, (check, hop_first) in STARTS.items():
+            fcd.CHECK_TRANSPORT, fcr.HOP_FIRST = check, hop_first
+            try:
+                run_cases(results, {f"{start}_{n}": CASES[n] for n in MARGIN_CASES}, _run_case, world, rank)
+                results[f"{start}_bad_shapes"] = _bad_inputs(rank, world, disagree=False)
+                results[f"{start}_disagreeing_shapes"] = _bad_inputs(rank, world, disagree=True)
+            finally:
+                fcd.CHECK_TRANSPORT, fcr.HOP_FIRST = defaults
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001
         results["setup"] = f"rank {rank}: {traceback.format_exc()}"
@@ -239,7 +250,9 @@ def results():
 
 
 @pytest.mark.parametrize("name", list(CASES) + [f"sm_margin_{n}" for n in MARGIN_CASES]
-                         + ["bad_shapes", "disagreeing_shapes"])
+                         + ["bad_shapes", "disagreeing_shapes"]
+                         + [f"{start}_{n}" for start in STARTS
+                            for n in MARGIN_CASES + ("bad_shapes", "disagreeing_shapes")])
 def test_ring_attention_gpu(results, name):
     problems = [r[name] for r in results if r.get(name)]
     missing = [i for i, r in enumerate(results) if name not in r]

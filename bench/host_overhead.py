@@ -10,6 +10,8 @@ bound (short sequences, many small layers, decoding).
     python bench/host_overhead.py --decode          # one new token against a KV cache
     python bench/host_overhead.py --parts           # where a no_grad forward's host time goes
 
+Each printed time is the median of ``--rounds`` rounds (3) that take every provider and mode in turn.
+
 ``--ablation NAME=VALUE`` (a build with the rungs: FLASH_CUDA_ABLATIONS=1) adds flash_cuda with that
 switch set as another provider, timed in the same process right after the default, e.g.
 ``--ablation FLASH_CUDA_WS_PERSISTENT=0``.
@@ -54,6 +56,9 @@ def main(argv=None) -> int:
     ap.add_argument("--causal", type=int, choices=[0, 1], default=1)
     ap.add_argument("--calls", type=int, default=500, help="timed calls per measurement")
     ap.add_argument("--warmup", type=int, default=50)
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="rounds over every provider and mode, interleaved; the median is printed (the first "
+                         "cell of a process otherwise pays the host's own warm-up)")
     ap.add_argument("--backward", choices=["sum", "dout"], default="sum")
     ap.add_argument("--decode", action="store_true", help="time a decode step against a KV cache")
     ap.add_argument("--parts", action="store_true",
@@ -91,9 +96,6 @@ def main(argv=None) -> int:
     }
     providers = with_ablation(args, providers, flash_cuda)
 
-    def timed(step) -> float:
-        return C.host_us_per_call(step, args.calls, args.warmup)
-
     print(f"B={args.batch} H={args.heads} S={args.seqlen} D={args.d} {args.dtype} causal={args.causal}, "
           f"{args.calls} calls, one synchronize, backward: {args.backward}")
     print(f"{'provider':12s} {'fwd us/call':>12s} {'fwd autograd':>13s} {'fwd+bwd us/call':>16s}")
@@ -109,15 +111,28 @@ def main(argv=None) -> int:
                 torch.autograd.grad(fn(), (q, k, v), dout)
         return fwd, fwd_bwd
 
-    for name, fn in providers.items():
-        fwd, fwd_bwd = steps(fn)
-        print(f"{name:12s} {timed(fwd):12.1f} {timed(fn):13.1f} {timed(fwd_bwd):16.1f}")
+    cells = {(name, i): step for name, fn in providers.items() for i, step in enumerate((steps(fn)[0], fn,
+                                                                                          steps(fn)[1]))}
+    us = interleaved(cells, args)
+    for name in providers:
+        print(f"{name:12s} {us[name, 0]:12.1f} {us[name, 1]:13.1f} {us[name, 2]:16.1f}")
     if args.trace:
         for name, fn in providers.items():
             fwd, fwd_bwd = steps(fn)
             trace(torch, f"{name}, forward under no_grad", fwd, args)
             trace(torch, f"{name}, forward + backward ({args.backward})", fwd_bwd, args)
     return 0
+
+
+def interleaved(cells: dict, args) -> dict:
+    """Host us per call of each cell: the median of --rounds rounds, each timing every cell once in turn."""
+    import statistics
+
+    times = {key: [] for key in cells}
+    for _ in range(max(1, args.rounds)):
+        for key, step in cells.items():
+            times[key].append(C.host_us_per_call(step, args.calls, args.warmup))
+    return {key: statistics.median(t) for key, t in times.items()}
 
 
 def with_ablation(args, providers, flash_cuda):
@@ -243,8 +258,9 @@ def decode(args, torch, F, flash_cuda, dtype) -> int:
     print(f"decode: B={B} Hq={Hq} Hkv={Hkv} cache={L} D={D} {args.dtype}, {args.calls} calls, one synchronize")
     print(f"{'provider':46s} {'us/call':>8s}")
     with torch.no_grad():
-        for name, fn in providers.items():
-            print(f"{name:46s} {C.host_us_per_call(fn, args.calls, args.warmup):8.1f}")
+        us = interleaved(providers, args)
+        for name in providers:
+            print(f"{name:46s} {us[name]:8.1f}")
         if args.trace:
             for name, fn in providers.items():
                 trace(torch, name, fn, args)

@@ -829,3 +829,21 @@ def test_fp8_provider_refuses_what_the_fp8_forward_lacks(run):
         with pytest.raises(NotImplementedError):
             M.fp8_fn(call)
         assert M.classify_error(NotImplementedError("x")).startswith("unsupported")
+
+
+@pytest.mark.parametrize("mode", ["calls", "decode"])
+def test_host_overhead_rounds_on_gpu(mode):
+    """Each provider's row holds one positive time per mode, the median of the interleaved rounds."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    extra = ["--decode"] if mode == "decode" else []
+    proc = subprocess.run([sys.executable, str(BENCH / "host_overhead.py"), *extra, "--calls", "5", "--warmup", "1",
+                           "--rounds", "2"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.splitlines()
+    rows = [line for line in lines[2:] if line.strip()]
+    assert len(rows) == (4 if mode == "decode" else 2), proc.stdout
+    for r in rows:
+        times = [float(x) for x in r.split()[-(1 if mode == "decode" else 3):]]
+        assert all(t > 0 for t in times), r

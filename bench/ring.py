@@ -22,9 +22,10 @@ For each cell (tokens per GPU x causal x mode), with B = 1, 16 heads, D = 128, b
   `hidden` = (compute + comm - ring) / comm, the share of the transfer time that overlaps
   compute (1.0: all of it).
 
---check gloo nccl and --hop-first 0 1 measure each way of starting a call (the input check's
-transport, the first hop before or after the local block; `check`, `hop_first` columns), with
-every --sm-margin. --sm-margin 0 16 measures the ring with each number of SMs the forward's persistent kernels
+--check gloo nccl, --hop-first 0 1 and --speculate 0 1 measure each way of starting a call (the
+input check's transport, the first hop before or after the local block, the first hop sent
+before the check returns; `check`, `hop_first`, `speculate` columns), with every --sm-margin.
+--sm-margin 0 16 measures the ring with each number of SMs the forward's persistent kernels
 leave free for a transfer beside them (flash_cuda.ring.SM_MARGIN; an `sm_margin` column; compute
 is measured per margin). --trace DIR records, per cell and rank, three synchronized calls under
 torch.profiler (DIR/trace_*.json, Chrome format) and prints rank 0's timeline summary per call:
@@ -141,7 +142,9 @@ def trace_calls(step, path: str, calls: int = 3) -> list:
             torch.cuda.synchronize()
     prof.export_chrome_trace(path)
     events = prof.events()
-    calls_ = [(e.time_range.start, e.time_range.end) for e in events if e.name == "ring_call"]
+    # the host's ranges only (the profiler also marks each range on the GPU's timeline)
+    calls_ = [(e.time_range.start, e.time_range.end) for e in events
+              if e.name == "ring_call" and e.device_type == torch.autograd.DeviceType.CPU]
     kernels = [(e.time_range.start, e.time_range.end, "nccl" in e.name.lower()) for e in events
                if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset"))]
     return summarize_trace(calls_, kernels)
@@ -217,6 +220,9 @@ def main():
                     help="how the input check travels (flash_cuda.distributed.CHECK_TRANSPORT), each measured in turn")
     ap.add_argument("--hop-first", type=int, nargs="+", choices=(0, 1), default=[int(fcr.HOP_FIRST)],
                     help="the forward's first hop before the local block (flash_cuda.ring.HOP_FIRST), each in turn")
+    ap.add_argument("--speculate", type=int, nargs="+", choices=(0, 1), default=[int(fcd.SPECULATE)],
+                    help="the first hop sent before the check returns once the group has agreed "
+                         "(flash_cuda.distributed.SPECULATE), each in turn")
     ap.add_argument("--trace", default=None, help="folder for torch.profiler traces of synchronized calls")
     ap.add_argument("--out", default=None, help="folder for ring_w<W>.csv / .md (rank 0)")
     args = ap.parse_args()
@@ -228,7 +234,7 @@ def main():
     dt = DTYPES[args.dtype]
     hkv = args.kv_heads or args.heads
     rows = []
-    defaults = fcd.CHECK_TRANSPORT, fcr.HOP_FIRST
+    defaults = fcd.CHECK_TRANSPORT, fcr.HOP_FIRST, fcd.SPECULATE
     for tokens in map(common.parse_size, args.tokens):
         for causal in map(bool, args.causal):
             for mode in args.mode:
@@ -240,14 +246,16 @@ def main():
                 opts = dict(is_causal=causal, layout=args.layout, method=args.method)
                 ring_step = make_step(lambda a, b, c: fcd.ring_attention(a, b, c, **opts), q, k, v, do, mode)
                 by_variant = {}
-                for check, hop_first, margin in itertools.product(args.check, args.hop_first, args.sm_margin):
-                    fcd.CHECK_TRANSPORT, fcr.HOP_FIRST, fcr.SM_MARGIN = check, bool(hop_first), margin
-                    by_variant[check, hop_first, margin] = (timed(ring_step, args.iters, args.warmup),
+                for check, hop_first, spec, margin in itertools.product(args.check, args.hop_first, args.speculate,
+                                                                         args.sm_margin):
+                    fcd.CHECK_TRANSPORT, fcr.HOP_FIRST, fcd.SPECULATE = check, bool(hop_first), bool(spec)
+                    fcr.SM_MARGIN = margin
+                    by_variant[check, hop_first, spec, margin] = (timed(ring_step, args.iters, args.warmup),
                                                             timed(synchronized(ring_step), args.iters, args.warmup))
                     if args.trace:
                         os.makedirs(args.trace, exist_ok=True)
-                        name = (f"trace_w{W}_{common.fmt_size(tokens)}_c{int(causal)}_{mode}_{check}_hop{hop_first}"
-                                f"_margin{margin}_rank{rank}.json")
+                        name = (f"trace_w{W}_{common.fmt_size(tokens)}_c{int(causal)}_{mode}_{check}"
+                                f"_hop{hop_first}_spec{spec}_margin{margin}_rank{rank}.json")
                         trace = trace_calls(ring_step, os.path.join(args.trace, name))
                         if rank == 0:
                             import pandas as pd
@@ -255,7 +263,7 @@ def main():
                             print(f"trace {name} (us):\n" + common.markdown(pd.DataFrame(trace), floatfmt=".1f"),
                                   flush=True)
                         dist.barrier()
-                fcd.CHECK_TRANSPORT, fcr.HOP_FIRST = defaults
+                fcd.CHECK_TRANSPORT, fcr.HOP_FIRST, fcd.SPECULATE = defaults
                 method = fcr.pick_method(args.method, args.heads, hkv, tokens, W)
                 cfg = fcr.Config(fcr.CudaBlocks(q, ScoreOptions(args.d ** -0.5), False, 0), fcr.Ring(None, W, rank),
                                  method, args.layout, -1, 0 if causal else -1, mode == "fwd_bwd",
@@ -281,12 +289,13 @@ def main():
                     del qf, kf, vf, dof
                 dist.barrier()
                 ideal = single_ms / W
-                for (check, hop_first, margin), (ring_ms, ring_sync_ms) in by_variant.items():
+                for (check, hop_first, spec, margin), (ring_ms, ring_sync_ms) in by_variant.items():
                     compute_ms, hidden = compute[margin], float("nan")
                     if not math.isnan(comm_ms):
                         hidden = min(1.0, max(0.0, (compute_ms + comm_ms - ring_ms) / comm_ms))
                     rows.append(dict(tokens_per_gpu=tokens, seq=W * tokens, causal=int(causal), mode=mode,
-                                     method=method, check=check, hop_first=hop_first, sm_margin=margin,
+                                     method=method, check=check, hop_first=hop_first, speculate=spec,
+                                     sm_margin=margin,
                                      ring_ms=ring_ms,
                                      ring_sync_ms=ring_sync_ms, ideal_ms=ideal, efficiency=ideal / ring_ms,
                                      efficiency_sync=ideal / ring_sync_ms, compute_ms=compute_ms, comm_ms=comm_ms,
@@ -294,7 +303,7 @@ def main():
                     if rank == 0:
                         r = rows[-1]
                         print(f"W={W} tokens/GPU={tokens} causal={int(causal)} {mode} check={check} "
-                              f"hop_first={hop_first} sm_margin={margin}: ring "
+                              f"hop_first={hop_first} speculate={spec} sm_margin={margin}: ring "
                               f"{ring_ms:.2f} ms (synchronized {ring_sync_ms:.2f}), ideal {ideal:.2f} ms (efficiency "
                               f"{r['efficiency']:.2f} / {r['efficiency_sync']:.2f}), compute {compute_ms:.2f} ms, "
                               f"comm {comm_ms:.2f} ms, hidden {hidden:.2f}", flush=True)

@@ -273,17 +273,42 @@ def _check_group(group):
     return _CHECK_GROUPS[ranks], torch.device("cpu")
 
 
+class _Agreed(NamedTuple):
+    """What every rank of a group agreed on in its last call: the metadata row, and the K / V
+    blocks' shape, dtype and device kind and the method, from which every rank alike knows
+    the size of the next call's first transfer before any check."""
+    meta: Tuple[int, ...]
+    kv_shape: Tuple[int, ...]
+    dtype: torch.dtype
+    cuda: bool
+    method: str
+
+
+# By the group's ranks. Set only from an all-gathered row that every rank reads alike, so that
+# every rank of a group holds the same entry and takes the same path in its next call.
+_AGREED: dict = {}
+
+# Whether a call whose group has agreed before sends its first K / V block before the check
+# returns (see ring_attention's body); bench/ring.py --speculate measures both.
+SPECULATE = True
+
+
 class _Agreement(NamedTuple):
     """The metadata all-gather in flight (_agree_start); finish() waits for it and raises on
-    every rank if one rank's inputs failed its local checks or the ranks disagree. ``every``
-    is on the host; ``done`` (a CUDA event, or None for a host-side group) is recorded after
-    the copy that fills it."""
+    every rank if one rank's inputs failed its local checks or the ranks disagree; else it
+    records the row as the group's agreed metadata (``key``, ``agreed``). ``every`` is on the
+    host; ``done`` (a CUDA event, or None for a host-side group) is recorded after the copy
+    that fills it. ``speculative``: the forward sends its first block before finishing (the
+    block's size is the agreed one, which the ranks' rows then confirm)."""
     every: Tensor
     work: object
     done: Optional[object]
     group: object
     device: torch.device
     error: Optional[BaseException]
+    key: Optional[tuple] = None
+    agreed: Optional[_Agreed] = None
+    speculative: bool = False
 
     def finish(self) -> None:
         if self.done is None:
@@ -291,17 +316,20 @@ class _Agreement(NamedTuple):
         else:
             self.done.synchronize()
         _agree_check(self.every, self.group, self.device, self.error)
+        if self.key is not None and self.agreed is not None:
+            _AGREED[self.key] = self.agreed
 
 
-def _agree_start(meta: List[int], group, device, error: Optional[BaseException]) -> _Agreement:
+def _agree_start(meta: List[int], group, device, error: Optional[BaseException], key=None,
+                 agreed: Optional[_Agreed] = None) -> _Agreement:
     """Starts the all-gather of the ranks' metadata; the ring's forward finishes it before its
-    first transfer."""
+    first transfer, or (speculative) before its second step."""
     W = dist.get_world_size(group)
     if device.type == "cpu":
         mine = torch.tensor(meta, dtype=torch.int64)
         every = torch.empty(W * _META_LEN, dtype=torch.int64)
         return _Agreement(every, ring.all_gather(every, mine, group=group, async_op=True), None, group, device,
-                          error)
+                          error, key, agreed)
     side = ring.side_stream(device)
     mine_host = torch.tensor(meta, dtype=torch.int64, pin_memory=True)
     every = torch.empty(W * _META_LEN, dtype=torch.int64, pin_memory=True)
@@ -312,7 +340,19 @@ def _agree_start(meta: List[int], group, device, error: Optional[BaseException])
         every.copy_(every_dev, non_blocking=True)
         done = torch.cuda.Event()
         done.record(side)
-    return _Agreement(every, None, done, group, device, error)
+    return _Agreement(every, None, done, group, device, error, key, agreed)
+
+
+def _placeholder_hop(group, world: int, rank: int, agreed: _Agreed) -> None:
+    """The first transfer of a call whose metadata is not the group's agreed one (new shapes or
+    options, or inputs that failed the local checks): every other rank whose metadata is the
+    agreed one sends and receives the agreed K / V blocks before it knows of this rank's
+    change, so this rank sends and receives blocks of that size too (placeholders, never read)
+    and none of them waits on a transfer that never comes."""
+    device = torch.device("cuda", torch.cuda.current_device()) if agreed.cuda else torch.device("cpu")
+    send = [torch.empty(agreed.kv_shape, dtype=agreed.dtype, device=device) for _ in range(2)]
+    recv = [torch.empty_like(t) for t in send]
+    ring.Ring.wait(ring.Ring(group, world, rank).exchange(send, recv))
 
 
 def _all_gather_text(text: str, group, device) -> List[str]:
@@ -441,15 +481,33 @@ def ring_attention(
     need_dkdv = error is None and grad and (k.requires_grad or v.requires_grad)
     meta = _metadata(error is None, q, k, local, is_causal, layout, method, return_lse, deterministic, need_dq,
                      need_dkdv, sinks is not None)
-    agreement = _agree_start(meta, *_check_group(group), error)
-    if error is not None:
+    chosen = None if error is not None else ring.pick_method(method, q.shape[1], k.shape[1], q.shape[2], world)
+    key = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
+    mine = None if error is not None else _Agreed(tuple(meta), tuple(k.shape), q.dtype, q.is_cuda, chosen)
+    # The check's round trip is the longest part of a short call's host time (a few hundred
+    # microseconds). Once a group has agreed, each rank expects its next call to match: the
+    # forward sends its first block at once, sized as agreed, and finishes the check while its
+    # own block is attended; a rank whose metadata changed sends placeholders of that size and
+    # waits for the check, which then stops every rank (disagreement) or lets the call start
+    # over (every rank changed alike). Every rank holds the same agreed entry, so every rank
+    # issues the same transfers.
+    agreed = _AGREED.get(key) if SPECULATE and world > 1 else None
+    if agreed is not None and agreed.method != "ring":
+        agreed = None
+    agreement = _agree_start(meta, *_check_group(group), error, key, mine)
+    if agreed is not None and mine == agreed:
+        agreement = agreement._replace(speculative=True)
+    elif agreed is not None:
+        _placeholder_hop(group, world, rank, agreed)
+        agreement.finish()  # raises on every rank unless every rank changed alike
+        agreement = None
+    elif error is not None:
         agreement.finish()  # raises on this rank; the others raise in theirs
 
     if q.is_cuda:
         kernel = ring.CudaBlocks(q, local, deterministic, 0)
     else:
         kernel = ReferenceBlocks(q, local)
-    chosen = ring.pick_method(method, q.shape[1], k.shape[1], q.shape[2], world)
     cfg = ring.Config(kernel, ring.Ring(group, world, rank), chosen, layout, local.window_left, local.window_right,
                       need_dq, need_dkdv, agreement)
     out, lse = ring.attention(q, k, v, cfg, sinks)

@@ -577,7 +577,11 @@ def _ring_forward(q: Tensor, k: Tensor, v: Tensor, cfg: Config):
         if q.is_cuda:
             ready = torch.cuda.Event()
             ready.record()
-        if HOP_FIRST:
+        if getattr(cfg.agreement, "speculative", False):
+            # Sized as the group agreed in its last call; the check is finished below, while
+            # the local block is attended (flash_cuda.distributed.ring_attention).
+            first = _first_hop(ring, kv, spare, ready)
+        elif HOP_FIRST:
             if cfg.agreement is not None:
                 cfg.agreement.finish()
             first = _first_hop(ring, kv, spare, ready)
@@ -597,6 +601,8 @@ def _ring_forward(q: Tensor, k: Tensor, v: Tensor, cfg: Config):
                 cfg.agreement.finish()
             if W > 1:
                 handles = _first_hop(ring, kv, spare, ready)
+        elif step == 0 and getattr(cfg.agreement, "speculative", False):
+            cfg.agreement.finish()  # before anything reads the received block
         if handles is not None:
             ring.wait(handles)
             # The block just attended becomes the next receive buffer, except the caller's own

@@ -259,6 +259,46 @@ def _bad_shapes(world, rank):
     return seen
 
 
+def _speculation(world, rank):
+    """The first transfer sent before the check returns (a group that agreed before): a repeated
+    call, a change made alike on every rank, a change on one rank, a failing local check, each
+    followed by the next. Returns, per call, the placeholder hops this rank sent, whether its
+    output equals the same call without speculation (distributed.SPECULATE off), or the error."""
+    seen = {}
+    hops = []
+    real_hop = fcd._placeholder_hop
+
+    def counted(*args):
+        hops.append(1)
+        return real_hop(*args)
+
+    gen = torch.Generator().manual_seed(7 + rank)
+    inputs = {n: [torch.randn(1, 2, n, 16, dtype=torch.float64, generator=gen) for _ in range(3)] for n in (8, 12)}
+    bad_rank = world - 1
+    calls = (("first", 8), ("again", 8), ("all_changed", 12), ("again_changed", 12),
+             ("one_changed", 8 if rank != bad_rank else 12), ("after", 8), ("head_dim", 8), ("last", 8))
+    fcd._placeholder_hop = counted
+    try:
+        for name, n in calls:
+            q, k, v = inputs[n]
+            if name == "head_dim" and rank == bad_rank:
+                k = torch.randn(1, 2, n, 12, dtype=torch.float64, generator=gen)
+            del hops[:]
+            try:
+                out = fcd.ring_attention(q, k, v, is_causal=True, method="ring")
+                fcd.SPECULATE = False
+                try:
+                    plain = fcd.ring_attention(q, k, v, is_causal=True, method="ring")
+                finally:
+                    fcd.SPECULATE = True
+                seen[name] = [len(hops), bool(torch.equal(out, plain))]
+            except Exception as exc:  # noqa: BLE001  (the test checks type and message)
+                seen[name] = [len(hops), type(exc).__name__, str(exc)]
+    finally:
+        fcd._placeholder_hop = real_hop
+    return seen
+
+
 def _bad_shapes_without_numpy(world, rank):
     """_bad_shapes where numpy is missing (Tensor.numpy raises as it does then): the ranks'
     messages still travel, and every rank raises its own error, not numpy's."""
@@ -328,7 +368,7 @@ def _worker(rank, world, store_path, out_dir):
             fcr.HOP_FIRST = False
         for name, fn in (("ring_vs_allgather", _ring_vs_allgather), ("round_trip", _round_trip),
                          ("bad_shapes", _bad_shapes), ("bad_shapes_without_numpy", _bad_shapes_without_numpy),
-                         ("bad_sinks", _bad_sinks)):
+                         ("bad_sinks", _bad_sinks), ("speculation", _speculation)):
             try:
                 results[name] = fn(world, rank)
             except Exception:  # noqa: BLE001
@@ -361,6 +401,35 @@ def results():
 def test_against_reference(results, world, name):
     problems = [r[name] for r in results(world) if r.get(name)]
     assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_first_transfer_before_the_check(results, world):
+    """A call like the group's last sends its first block at once; a changed rank sends
+    placeholders of the agreed size, so nobody waits on a transfer: a change made alike goes on,
+    one rank's change or bad input makes every rank raise, and the next call works."""
+    per_rank = [r["speculation"] for r in results(world)]
+    assert all(isinstance(p, dict) for p in per_rank), per_rank
+    bad = world - 1
+    for rank, seen in enumerate(per_rank):
+        # "one_changed" fails on every rank, so the group's agreed length stays 12 and "after"
+        # is a change made alike again
+        for name in ("first", "again", "all_changed", "again_changed", "after", "last"):
+            assert len(seen[name]) == 2, (rank, name, seen)
+            placeholders, equal = seen[name]
+            assert equal, (rank, name, seen)
+            changed = name in ("all_changed", "after")
+            assert placeholders == (1 if changed and world > 1 else 0), (rank, name, seen)
+        if world > 1:
+            placeholders, kind, msg = seen["one_changed"]
+            assert kind == "ValueError" and "disagree on q shape" in msg, (rank, seen)
+            # the agreed length is 12 there: the bad rank's call matches it, the others' changed
+            assert placeholders == (0 if rank == bad else 1), (rank, seen)
+        placeholders, kind, msg = seen["head_dim"]
+        if rank == bad:
+            assert kind == "ValueError" and "head dim" in msg and placeholders == (1 if world > 1 else 0), (rank, seen)
+        else:
+            assert kind == "RuntimeError" and f"rank(s) [{bad}]" in msg and placeholders == 0, (rank, seen)
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES)

@@ -186,9 +186,12 @@ def _run_case(name, case, world, rank):
 
 
 # The cases run again with flash_cuda.ring.SM_MARGIN set, and with each other way of starting a
-# call (the input check's transport, the first hop before the local block).
+# call (the input check's transport, the first hop before the local block, the first hop sent
+# before the check returns). The cases follow one another on one group, so that most calls
+# find an agreed entry of another shape (placeholder hops) and the repeated ones their own.
 MARGIN_CASES = ("bfloat16_d128_zigzag_causal", "bfloat16_d128_window_ring_lse", "float16_d64_softcap_lse")
-STARTS = {"nccl_check": ("nccl", False), "hop_first": ("gloo", True), "nccl_check_hop_first": ("nccl", True)}
+STARTS = {"nccl_check": ("nccl", False, True), "hop_first": ("gloo", True, False),
+          "nccl_check_hop_first": ("nccl", True, False), "no_speculation": ("gloo", False, False)}
 
 
 def _bad_inputs(rank, world, disagree):
@@ -219,15 +222,15 @@ def _worker(rank, world, store_path, out_dir):
             fcr.SM_MARGIN = 0
         results["bad_shapes"] = _bad_inputs(rank, world, disagree=False)
         results["disagreeing_shapes"] = _bad_inputs(rank, world, disagree=True)
-        defaults = fcd.CHECK_TRANSPORT, fcr.HOP_FIRST
-        for start, (check, hop_first) in STARTS.items():
-            fcd.CHECK_TRANSPORT, fcr.HOP_FIRST = check, hop_first
+        defaults = fcd.CHECK_TRANSPORT, fcr.HOP_FIRST, fcd.SPECULATE
+        for start, (check, hop_first, speculate) in STARTS.items():
+            fcd.CHECK_TRANSPORT, fcr.HOP_FIRST, fcd.SPECULATE = check, hop_first, speculate
             try:
                 run_cases(results, {f"{start}_{n}": CASES[n] for n in MARGIN_CASES}, _run_case, world, rank)
                 results[f"{start}_bad_shapes"] = _bad_inputs(rank, world, disagree=False)
                 results[f"{start}_disagreeing_shapes"] = _bad_inputs(rank, world, disagree=True)
             finally:
-                fcd.CHECK_TRANSPORT, fcr.HOP_FIRST = defaults
+                fcd.CHECK_TRANSPORT, fcr.HOP_FIRST, fcd.SPECULATE = defaults
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001
         results["setup"] = f"rank {rank}: {traceback.format_exc()}"

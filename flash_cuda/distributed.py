@@ -298,8 +298,7 @@ class _Agreement(NamedTuple):
     every rank if one rank's inputs failed its local checks or the ranks disagree; else it
     records the row as the group's agreed metadata (``key``, ``agreed``). ``every`` is on the
     host; ``done`` (a CUDA event, or None for a host-side group) is recorded after the copy
-    that fills it. ``speculative``: the forward sends its first block before finishing (the
-    block's size is the agreed one, which the ranks' rows then confirm)."""
+    that fills it."""
     every: Tensor
     work: object
     done: Optional[object]
@@ -308,7 +307,6 @@ class _Agreement(NamedTuple):
     error: Optional[BaseException]
     key: Optional[tuple] = None
     agreed: Optional[_Agreed] = None
-    speculative: bool = False
 
     def finish(self) -> None:
         if self.done is None:
@@ -341,6 +339,24 @@ def _agree_start(meta: List[int], group, device, error: Optional[BaseException],
         done = torch.cuda.Event()
         done.record(side)
     return _Agreement(every, None, done, group, device, error, key, agreed)
+
+
+class _LateAgreement:
+    """The check of a call that sends its first block before it (``speculative``): started by
+    the forward once its local block's kernels and the first transfer are queued, so that its
+    round trip runs under them, and finished before the received block is read."""
+    speculative = True
+
+    def __init__(self, start):
+        self._start, self._agreement = start, None
+
+    def start(self) -> None:
+        if self._agreement is None:
+            self._agreement = self._start()
+
+    def finish(self) -> None:
+        self.start()
+        self._agreement.finish()
 
 
 def _placeholder_hop(group, world: int, rank: int, agreed: _Agreed) -> None:
@@ -486,23 +502,24 @@ def ring_attention(
     mine = None if error is not None else _Agreed(tuple(meta), tuple(k.shape), q.dtype, q.is_cuda, chosen)
     # The check's round trip is the longest part of a short call's host time (a few hundred
     # microseconds). Once a group has agreed, each rank expects its next call to match: the
-    # forward sends its first block at once, sized as agreed, and finishes the check while its
-    # own block is attended; a rank whose metadata changed sends placeholders of that size and
+    # forward queues its own block's kernels and sends its first block, sized as agreed, then
+    # starts the check and finishes it while the GPU runs them; a rank whose metadata changed sends placeholders of that size and
     # waits for the check, which then stops every rank (disagreement) or lets the call start
     # over (every rank changed alike). Every rank holds the same agreed entry, so every rank
     # issues the same transfers.
     agreed = _AGREED.get(key) if SPECULATE and world > 1 else None
     if agreed is not None and agreed.method != "ring":
         agreed = None
-    agreement = _agree_start(meta, *_check_group(group), error, key, mine)
     if agreed is not None and mine == agreed:
-        agreement = agreement._replace(speculative=True)
-    elif agreed is not None:
-        _placeholder_hop(group, world, rank, agreed)
-        agreement.finish()  # raises on every rank unless every rank changed alike
-        agreement = None
-    elif error is not None:
-        agreement.finish()  # raises on this rank; the others raise in theirs
+        agreement = _LateAgreement(lambda: _agree_start(meta, *_check_group(group), error, key, mine))
+    else:
+        agreement = _agree_start(meta, *_check_group(group), error, key, mine)
+        if agreed is not None:
+            _placeholder_hop(group, world, rank, agreed)
+            agreement.finish()  # raises on every rank unless every rank changed alike
+            agreement = None
+        elif error is not None:
+            agreement.finish()  # raises on this rank; the others raise in theirs
 
     if q.is_cuda:
         kernel = ring.CudaBlocks(q, local, deterministic, 0)

@@ -570,6 +570,10 @@ def _ring_forward(q: Tensor, k: Tensor, v: Tensor, cfg: Config):
     kv = (k.contiguous(), v.contiguous())
     spare, ready = None, None  # the other half of the double buffer; the first hop's event
     first = None  # the first hop's handles, where it is issued before the local block
+    # Whether the first hop goes before the input check returns, sized as the group agreed in
+    # its last call (flash_cuda.distributed.ring_attention): the check is then started once
+    # the local block and the hop are queued and finished before the received block is read.
+    speculative = getattr(cfg.agreement, "speculative", False)
     if W > 1:
         # Allocated before step 0's kernels are queued, so that the side stream's transfer into
         # them is ordered after every earlier use of their memory.
@@ -577,12 +581,8 @@ def _ring_forward(q: Tensor, k: Tensor, v: Tensor, cfg: Config):
         if q.is_cuda:
             ready = torch.cuda.Event()
             ready.record()
-        if getattr(cfg.agreement, "speculative", False):
-            # Sized as the group agreed in its last call; the check is finished below, while
-            # the local block is attended (flash_cuda.distributed.ring_attention).
-            first = _first_hop(ring, kv, spare, ready)
-        elif HOP_FIRST:
-            if cfg.agreement is not None:
+        if HOP_FIRST:
+            if cfg.agreement is not None and not speculative:
                 cfg.agreement.finish()
             first = _first_hop(ring, kv, spare, ready)
     for step in range(W):
@@ -596,12 +596,13 @@ def _ring_forward(q: Tensor, k: Tensor, v: Tensor, cfg: Config):
                                                    kv[1][:, :, c.k0:c.k1], c.wl, c.wr, sm_margin=margin))
         if step == 0 and first is None:
             # Step 0 attends the local block: the collective check is waited for while the GPU
-            # runs it, and no rank sends anything before every rank has passed it.
-            if cfg.agreement is not None:
+            # runs it, and (unless speculative) no rank sends anything before every rank has
+            # passed it.
+            if cfg.agreement is not None and not speculative:
                 cfg.agreement.finish()
             if W > 1:
                 handles = _first_hop(ring, kv, spare, ready)
-        elif step == 0 and getattr(cfg.agreement, "speculative", False):
+        if step == 0 and speculative:
             cfg.agreement.finish()  # before anything reads the received block
         if handles is not None:
             ring.wait(handles)

@@ -22,9 +22,10 @@ For each cell (tokens per GPU x causal x mode), with B = 1, 16 heads, D = 128, b
   `hidden` = (compute + comm - ring) / comm, the share of the transfer time that overlaps
   compute (1.0: all of it).
 
---check gloo nccl, --hop-first 0 1 and --speculate 0 1 measure each way of starting a call (the
-input check's transport, the first hop before or after the local block, the first hop sent
-before the check returns; `check`, `hop_first`, `speculate` columns), with every --sm-margin.
+--check gloo nccl, --hop-first 0 1, --speculate 0 1 and --graphs 0 1 measure each way of starting
+a call (the input check's transport, the first hop before or after the local block, the first
+hop sent before the check returns, the speculative forward replayed from a CUDA graph; `check`,
+`hop_first`, `speculate`, `graphs` columns), with every --sm-margin.
 --sm-margin 0 16 measures the ring with each number of SMs the forward's persistent kernels
 leave free for a transfer beside them (flash_cuda.ring.SM_MARGIN; an `sm_margin` column; compute
 is measured per margin). --trace DIR records, per cell and rank, three synchronized calls under
@@ -223,6 +224,9 @@ def main():
     ap.add_argument("--speculate", type=int, nargs="+", choices=(0, 1), default=[int(fcd.SPECULATE)],
                     help="the first hop sent before the check returns once the group has agreed "
                          "(flash_cuda.distributed.SPECULATE), each in turn")
+    ap.add_argument("--graphs", type=int, nargs="+", choices=(0, 1), default=[int(fcr.GRAPHS)],
+                    help="speculative forwards replayed from a CUDA graph per shape (flash_cuda.ring.GRAPHS), "
+                         "each in turn")
     ap.add_argument("--trace", default=None, help="folder for torch.profiler traces of synchronized calls")
     ap.add_argument("--out", default=None, help="folder for ring_w<W>.csv / .md (rank 0)")
     args = ap.parse_args()
@@ -234,7 +238,7 @@ def main():
     dt = DTYPES[args.dtype]
     hkv = args.kv_heads or args.heads
     rows = []
-    defaults = fcd.CHECK_TRANSPORT, fcr.HOP_FIRST, fcd.SPECULATE
+    defaults = fcd.CHECK_TRANSPORT, fcr.HOP_FIRST, fcd.SPECULATE, fcr.GRAPHS
     for tokens in map(common.parse_size, args.tokens):
         for causal in map(bool, args.causal):
             for mode in args.mode:
@@ -246,16 +250,16 @@ def main():
                 opts = dict(is_causal=causal, layout=args.layout, method=args.method)
                 ring_step = make_step(lambda a, b, c: fcd.ring_attention(a, b, c, **opts), q, k, v, do, mode)
                 by_variant = {}
-                for check, hop_first, spec, margin in itertools.product(args.check, args.hop_first, args.speculate,
-                                                                         args.sm_margin):
+                for check, hop_first, spec, graphs, margin in itertools.product(
+                        args.check, args.hop_first, args.speculate, args.graphs, args.sm_margin):
                     fcd.CHECK_TRANSPORT, fcr.HOP_FIRST, fcd.SPECULATE = check, bool(hop_first), bool(spec)
-                    fcr.SM_MARGIN = margin
-                    by_variant[check, hop_first, spec, margin] = (timed(ring_step, args.iters, args.warmup),
+                    fcr.SM_MARGIN, fcr.GRAPHS = margin, bool(graphs)
+                    by_variant[check, hop_first, spec, graphs, margin] = (timed(ring_step, args.iters, args.warmup),
                                                             timed(synchronized(ring_step), args.iters, args.warmup))
                     if args.trace:
                         os.makedirs(args.trace, exist_ok=True)
                         name = (f"trace_w{W}_{common.fmt_size(tokens)}_c{int(causal)}_{mode}_{check}"
-                                f"_hop{hop_first}_spec{spec}_margin{margin}_rank{rank}.json")
+                                f"_hop{hop_first}_spec{spec}_graphs{graphs}_margin{margin}_rank{rank}.json")
                         trace = trace_calls(ring_step, os.path.join(args.trace, name))
                         if rank == 0:
                             import pandas as pd
@@ -263,7 +267,8 @@ def main():
                             print(f"trace {name} (us):\n" + common.markdown(pd.DataFrame(trace), floatfmt=".1f"),
                                   flush=True)
                         dist.barrier()
-                fcd.CHECK_TRANSPORT, fcr.HOP_FIRST, fcd.SPECULATE = defaults
+                fcd.CHECK_TRANSPORT, fcr.HOP_FIRST, fcd.SPECULATE, fcr.GRAPHS = defaults
+                fcr._GRAPHS.clear()
                 method = fcr.pick_method(args.method, args.heads, hkv, tokens, W)
                 cfg = fcr.Config(fcr.CudaBlocks(q, ScoreOptions(args.d ** -0.5), False, 0), fcr.Ring(None, W, rank),
                                  method, args.layout, -1, 0 if causal else -1, mode == "fwd_bwd",
@@ -289,13 +294,13 @@ def main():
                     del qf, kf, vf, dof
                 dist.barrier()
                 ideal = single_ms / W
-                for (check, hop_first, spec, margin), (ring_ms, ring_sync_ms) in by_variant.items():
+                for (check, hop_first, spec, graphs, margin), (ring_ms, ring_sync_ms) in by_variant.items():
                     compute_ms, hidden = compute[margin], float("nan")
                     if not math.isnan(comm_ms):
                         hidden = min(1.0, max(0.0, (compute_ms + comm_ms - ring_ms) / comm_ms))
                     rows.append(dict(tokens_per_gpu=tokens, seq=W * tokens, causal=int(causal), mode=mode,
                                      method=method, check=check, hop_first=hop_first, speculate=spec,
-                                     sm_margin=margin,
+                                     graphs=graphs, sm_margin=margin,
                                      ring_ms=ring_ms,
                                      ring_sync_ms=ring_sync_ms, ideal_ms=ideal, efficiency=ideal / ring_ms,
                                      efficiency_sync=ideal / ring_sync_ms, compute_ms=compute_ms, comm_ms=comm_ms,
@@ -303,7 +308,7 @@ def main():
                     if rank == 0:
                         r = rows[-1]
                         print(f"W={W} tokens/GPU={tokens} causal={int(causal)} {mode} check={check} "
-                              f"hop_first={hop_first} speculate={spec} sm_margin={margin}: ring "
+                              f"hop_first={hop_first} speculate={spec} graphs={graphs} sm_margin={margin}: ring "
                               f"{ring_ms:.2f} ms (synchronized {ring_sync_ms:.2f}), ideal {ideal:.2f} ms (efficiency "
                               f"{r['efficiency']:.2f} / {r['efficiency_sync']:.2f}), compute {compute_ms:.2f} ms, "
                               f"comm {comm_ms:.2f} ms, hidden {hidden:.2f}", flush=True)

@@ -54,9 +54,13 @@ used), gloo for CPU tensors, where the blocks run :mod:`flash_cuda.reference` (f
 float32), so that the whole algorithm is testable without a GPU. Nothing assumes one host, and
 no symmetric memory or multicast is used.
 
-Before anything is sent, the ranks exchange a small metadata tensor (shapes, dtype, device
-kind, options): a rank with bad inputs makes every rank raise a clear error instead of
-leaving the others waiting on a transfer that never comes.
+Every call, the ranks exchange a small metadata tensor (shapes, dtype, device kind, options):
+a rank with bad inputs makes every rank raise a clear error instead of leaving the others
+waiting on a transfer that never comes. The first call of a group waits for it before sending
+anything. Later calls with short local blocks send their first K / V block before it returns,
+sized as the group agreed in its last call (a rank whose inputs changed sends placeholders of
+that size), so that its round trip runs under the local block's kernels; nothing received is
+read, and nothing is returned, before every rank's metadata has been compared.
 
 This module is the public API and its checks; the algorithm (layouts, block plans, block
 kernels, merges, communication, the autograd Function) is :mod:`flash_cuda.ring`.
@@ -289,8 +293,22 @@ class _Agreed(NamedTuple):
 _AGREED: dict = {}
 
 # Whether a call whose group has agreed before sends its first K / V block before the check
-# returns (see ring_attention's body); bench/ring.py --speculate measures both.
+# returns (see ring_attention's body); bench/ring.py --speculate measures both. It pays where
+# the check's round trip (0.3-0.6 ms) is a large part of a call: local blocks of up to
+# SPECULATE_MAX_FLOPS (4 B Hq S_local^2 D, about 2 ms of attention). On 2 x H200 the 8k causal
+# forward gained, and at 32k tokens per GPU, where the first transfer then shares the SMs with a
+# long local block, the queued calls lost 3-5% (OPTIMIZATION.md, ring attention).
 SPECULATE = True
+SPECULATE_MAX_FLOPS = 1e12
+
+
+def _speculates(agreed: Optional["_Agreed"]) -> bool:
+    """Whether the next call of a group that agreed on ``agreed`` sends its first block early:
+    a function of the agreed entry alone, which every rank holds alike."""
+    if not SPECULATE or agreed is None or agreed.method != "ring":
+        return False
+    B, Hq, S, D = agreed.meta[1:5]
+    return 4 * B * Hq * S * S * D <= SPECULATE_MAX_FLOPS
 
 
 class _Agreement(NamedTuple):
@@ -507,8 +525,8 @@ def ring_attention(
     # waits for the check, which then stops every rank (disagreement) or lets the call start
     # over (every rank changed alike). Every rank holds the same agreed entry, so every rank
     # issues the same transfers.
-    agreed = _AGREED.get(key) if SPECULATE and world > 1 else None
-    if agreed is not None and agreed.method != "ring":
+    agreed = _AGREED.get(key) if world > 1 else None
+    if not _speculates(agreed):
         agreed = None
     if agreed is not None and mine == agreed:
         agreement = _LateAgreement(lambda: _agree_start(meta, *_check_group(group), error, key, mine))

@@ -13,6 +13,7 @@ alone.
 
 from __future__ import annotations
 
+import collections
 import functools
 import math
 from typing import List, NamedTuple, Optional, Sequence, Tuple
@@ -754,10 +755,72 @@ def _allgather_backward(dout, q, k, v, out, lse, stats, dlse, cfg: Config):
     return dq, dk, dv
 
 
+# Whether a speculative ring forward (flash_cuda.distributed.ring_attention: a group that agreed
+# in its last call, a short local block) is replayed from a CUDA graph of its steps, one per
+# shape: the host then issues three input copies, one replay and two output copies instead of
+# every launch and transfer (about 0.5 ms of host time at 8k tokens per GPU, most of it
+# torch.distributed's point-to-point issue). Off until measured: bench/ring.py --graphs.
+GRAPHS = False
+_GRAPHS: "collections.OrderedDict" = collections.OrderedDict()
+_GRAPHS_KEPT = 2
+
+
+class _GraphedForward:
+    """A ring forward captured once for one shape (inputs copied into its own buffers, outputs
+    copied out of them). Captured after an eager call of the same shape whose input check has
+    passed on every rank, so that every rank captures at the same call; every rank then holds
+    the same graphs, keyed alike, and replays them at the same calls."""
+
+    def __init__(self, q: Tensor, k: Tensor, v: Tensor, cfg: Config):
+        self.inputs = tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+        for mine, t in zip(self.inputs, (q, k, v)):
+            mine.copy_(t)
+        plain = cfg._replace(agreement=None)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.out, self.lse, self.stats = _ring_forward(*self.inputs, plain)
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, agreement):
+        for mine, t in zip(self.inputs, (q, k, v)):
+            mine.copy_(t)
+        self.graph.replay()
+        # The replay's first transfer is sized as agreed; its result leaves the graph's buffers
+        # only if every rank's inputs are the agreed ones.
+        agreement.finish()
+        return self.out.clone(), self.lse.clone(), None if self.stats is None else self.stats.clone()
+
+
+def _graph_key(q: Tensor, k: Tensor, cfg: Config) -> tuple:
+    kernel = cfg.kernel
+    return (tuple(q.shape), tuple(k.shape), q.dtype, q.device, cfg.layout, cfg.world, cfg.ring.rank,
+            id(cfg.ring.group), cfg.left, cfg.right, kernel.opts, kernel.tier, SM_MARGIN, HOP_FIRST)
+
+
+def _ring_forward_graphed(q: Tensor, k: Tensor, v: Tensor, cfg: Config):
+    """The ring forward of a speculative call, from its shape's CUDA graph where one is held;
+    else eagerly, and the graph captured after it (its check then passed on every rank)."""
+    key = _graph_key(q, k, cfg)
+    graphed = _GRAPHS.get(key)
+    if graphed is not None:
+        _GRAPHS.move_to_end(key)
+        return graphed(q, k, v, cfg.agreement)
+    result = _ring_forward(q, k, v, cfg)
+    # Captured on a side stream after the eager call's work (torch.cuda.graph's own), its
+    # transfers recorded, not run.
+    _GRAPHS[key] = _GraphedForward(q, k, v, cfg)
+    while len(_GRAPHS) > _GRAPHS_KEPT:
+        _GRAPHS.popitem(last=False)
+    return result
+
+
 def _forward(q: Tensor, k: Tensor, v: Tensor, cfg: Config):
     """(out, lse, stats) of ``cfg``'s method, without autograd."""
-    fwd = _ring_forward if cfg.method == "ring" else _allgather_forward
-    return fwd(q, k, v, cfg)
+    if cfg.method != "ring":
+        return _allgather_forward(q, k, v, cfg)
+    if (GRAPHS and q.is_cuda and cfg.world > 1 and getattr(cfg.agreement, "speculative", False)
+            and not torch.cuda.is_current_stream_capturing()):
+        return _ring_forward_graphed(q, k, v, cfg)
+    return _ring_forward(q, k, v, cfg)
 
 
 _LOG2E = 1.4426950408889634

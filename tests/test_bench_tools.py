@@ -701,7 +701,7 @@ def test_ring_bench_help_and_trace_summary():
     proc = subprocess.run([sys.executable, str(BENCH / "ring.py"), "--help"], capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0, proc.stderr
-    for opt in ("--sm-margin", "--trace", "--tokens", "--mode", "--check", "--hop-first", "--speculate"):
+    for opt in ("--sm-margin", "--trace", "--tokens", "--mode", "--check", "--hop-first", "--speculate", "--graphs"):
         assert opt in proc.stdout
     ring = _load("flash_cuda_bench_ring", BENCH / "ring.py")
     rows = ring.summarize_trace([(200, 230), (0, 25)],

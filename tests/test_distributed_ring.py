@@ -744,3 +744,22 @@ def test_merge_schedule(layout, world, window):
             for step, step_actions in zip(sched.steps, sched.actions):
                 for c, actions in zip(step, step_actions):
                     assert all(c.q0 <= a.r0 < a.r1 <= c.q1 for a in actions)
+
+
+def test_speculation_is_a_function_of_the_agreed_entry():
+    """Every rank decides from the group's agreed entry alone: short local blocks on the ring
+    method speculate; long ones (32k tokens per GPU), the all-gather method and the switch off do
+    not."""
+    def agreed(S, method="ring", B=1, H=16, D=128):
+        meta = (0, B, H, S, D) + (0,) * (fcd._META_LEN - 5)
+        return fcd._Agreed(meta, (B, H, S, D), torch.bfloat16, True, method)
+    assert fcd._speculates(agreed(8192))
+    assert not fcd._speculates(agreed(32768))
+    assert not fcd._speculates(agreed(8192, method="allgather"))
+    assert not fcd._speculates(None)
+    real = fcd.SPECULATE
+    fcd.SPECULATE = False
+    try:
+        assert not fcd._speculates(agreed(8192))
+    finally:
+        fcd.SPECULATE = real

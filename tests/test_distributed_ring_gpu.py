@@ -208,6 +208,63 @@ def _bad_inputs(rank, world, disagree):
         return None if any(e in str(exc) for e in expected) else f"rank {rank}: unexpected message {exc}"
 
 
+def _graphed(rank, world):
+    """flash_cuda.ring.GRAPHS: speculative forwards replayed from a CUDA graph per shape give the
+    eager forward's results bit for bit (new values in the same shape, with and without
+    gradients); a rank whose shape changes makes every rank raise, nobody waits, and the graphs
+    replay again afterwards."""
+    problems = []
+    g = torch.Generator(device="cuda").manual_seed(11 + rank)
+
+    def fresh(S=512):
+        return [torch.randn(1, 8, S, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3)]
+
+    def call(q, k, v, grad=False):
+        leaves = [t.detach().requires_grad_(grad) for t in (q, k, v)]
+        out, lse = fcd.ring_attention(*leaves, is_causal=True, method="ring", return_lse=True)
+        if not grad:
+            return out.detach(), lse.detach()
+        out.float().square().sum().backward()
+        return out.detach(), lse.detach(), *(t.grad for t in leaves)
+
+    def eager(*args, **kw):
+        fcr.GRAPHS = False
+        try:
+            return call(*args, **kw)
+        finally:
+            fcr.GRAPHS = True
+
+    fcr.GRAPHS = True
+    try:
+        x = fresh()
+        for i in range(4):  # agreement, capture, replays
+            if i == 3:
+                x = fresh()
+            got, want = call(*x), eager(*x)
+            if not all(torch.equal(a, b) for a, b in zip(got, want)):
+                problems.append(f"no_grad call {i} differs from the eager forward")
+        if not any(key[0] == tuple(x[0].shape) for key in fcr._GRAPHS):
+            problems.append("no graph was captured")
+        for i in range(3):
+            got, want = call(*x, grad=True), eager(*x, grad=True)
+            if not all(torch.equal(a, b) for a, b in zip(got, want)):
+                problems.append(f"call {i} with gradients differs from the eager one")
+        y = fresh(256 if rank == world - 1 else 512)
+        try:
+            call(*y)
+            problems.append("no error for disagreeing shapes")
+        except ValueError as exc:
+            if "disagree on q shape" not in str(exc):
+                problems.append(f"unexpected message {exc}")
+        got, want = call(*x), eager(*x)
+        if not all(torch.equal(a, b) for a, b in zip(got, want)):
+            problems.append("the call after the disagreement differs from the eager forward")
+    finally:
+        fcr.GRAPHS = False
+        fcr._GRAPHS.clear()
+    return None if not problems else f"rank {rank}: " + "; ".join(problems)
+
+
 def _worker(rank, world, store_path, out_dir):
     results = {}
     try:
@@ -222,6 +279,10 @@ def _worker(rank, world, store_path, out_dir):
             fcr.SM_MARGIN = 0
         results["bad_shapes"] = _bad_inputs(rank, world, disagree=False)
         results["disagreeing_shapes"] = _bad_inputs(rank, world, disagree=True)
+        try:
+            results["graphs"] = _graphed(rank, world)
+        except Exception:  # noqa: BLE001
+            results["graphs"] = f"rank {rank}: {traceback.format_exc()}"
         defaults = fcd.CHECK_TRANSPORT, fcr.HOP_FIRST, fcd.SPECULATE
         for start, (check, hop_first, speculate) in STARTS.items():
             fcd.CHECK_TRANSPORT, fcr.HOP_FIRST, fcd.SPECULATE = check, hop_first, speculate
@@ -253,7 +314,7 @@ def results():
 
 
 @pytest.mark.parametrize("name", list(CASES) + [f"sm_margin_{n}" for n in MARGIN_CASES]
-                         + ["bad_shapes", "disagreeing_shapes"]
+                         + ["bad_shapes", "disagreeing_shapes", "graphs"]
                          + [f"{start}_{n}" for start in STARTS
                             for n in MARGIN_CASES + ("bad_shapes", "disagreeing_shapes")])
 def test_ring_attention_gpu(results, name):

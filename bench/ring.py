@@ -268,7 +268,7 @@ def main():
                                   flush=True)
                         dist.barrier()
                 fcd.CHECK_TRANSPORT, fcr.HOP_FIRST, fcd.SPECULATE, fcr.GRAPHS = defaults
-                fcr._GRAPHS.clear()
+                fcr.drop_graphs()
                 method = fcr.pick_method(args.method, args.heads, hkv, tokens, W)
                 cfg = fcr.Config(fcr.CudaBlocks(q, ScoreOptions(args.d ** -0.5), False, 0), fcr.Ring(None, W, rank),
                                  method, args.layout, -1, 0 if causal else -1, mode == "fwd_bwd",

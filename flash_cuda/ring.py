@@ -790,6 +790,11 @@ class _GraphedForward:
         return self.out.clone(), self.lse.clone(), None if self.stats is None else self.stats.clone()
 
 
+def drop_graphs() -> None:
+    """Frees the CUDA graphs held by GRAPHS (and their buffers)."""
+    _GRAPHS.clear()
+
+
 def _graph_key(q: Tensor, k: Tensor, cfg: Config) -> tuple:
     kernel = cfg.kernel
     return (tuple(q.shape), tuple(k.shape), q.dtype, q.device, cfg.layout, cfg.world, cfg.ring.rank,

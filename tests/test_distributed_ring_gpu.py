@@ -261,7 +261,7 @@ def _graphed(rank, world):
             problems.append("the call after the disagreement differs from the eager forward")
     finally:
         fcr.GRAPHS = False
-        fcr._GRAPHS.clear()
+        fcr.drop_graphs()
     return None if not problems else f"rank {rank}: " + "; ".join(problems)
 
 

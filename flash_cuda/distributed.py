@@ -263,13 +263,12 @@ CHECK_TRANSPORT = "gloo"
 _CHECK_GROUPS: dict = {}
 
 
-def _check_group(group):
-    """(group for the metadata all-gather, its tensors' device)."""
+def _check_group(group, ranks: tuple):
+    """(group for the metadata all-gather, its tensors' device); ``ranks``: the group's."""
     if "nccl" not in str(dist.get_backend(group)):
         return group, torch.device("cpu")
     if CHECK_TRANSPORT == "nccl":
         return group, torch.device("cuda", torch.cuda.current_device())
-    ranks = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
     if ranks not in _CHECK_GROUPS:
         # Made by the members alone (no other rank of the world takes part); the first call of
         # ring_attention is collective over them anyway.
@@ -521,17 +520,17 @@ def ring_attention(
     # The check's round trip is the longest part of a short call's host time (a few hundred
     # microseconds). Once a group has agreed, each rank expects its next call to match: the
     # forward queues its own block's kernels and sends its first block, sized as agreed, then
-    # starts the check and finishes it while the GPU runs them; a rank whose metadata changed sends placeholders of that size and
-    # waits for the check, which then stops every rank (disagreement) or lets the call start
-    # over (every rank changed alike). Every rank holds the same agreed entry, so every rank
-    # issues the same transfers.
+    # starts the check and finishes it while the GPU runs them. A rank whose metadata changed
+    # sends placeholders of that size and waits for the check, which then stops every rank
+    # (disagreement) or lets the call start over (every rank changed alike). Every rank holds
+    # the same agreed entry, so every rank issues the same transfers.
     agreed = _AGREED.get(key) if world > 1 else None
     if not _speculates(agreed):
         agreed = None
     if agreed is not None and mine == agreed:
-        agreement = _LateAgreement(lambda: _agree_start(meta, *_check_group(group), error, key, mine))
+        agreement = _LateAgreement(lambda: _agree_start(meta, *_check_group(group, key), error, key, mine))
     else:
-        agreement = _agree_start(meta, *_check_group(group), error, key, mine)
+        agreement = _agree_start(meta, *_check_group(group, key), error, key, mine)
         if agreed is not None:
             _placeholder_hop(group, world, rank, agreed)
             agreement.finish()  # raises on every rank unless every rank changed alike

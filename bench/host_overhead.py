@@ -111,8 +111,10 @@ def main(argv=None) -> int:
                 torch.autograd.grad(fn(), (q, k, v), dout)
         return fwd, fwd_bwd
 
-    cells = {(name, i): step for name, fn in providers.items() for i, step in enumerate((steps(fn)[0], fn,
-                                                                                          steps(fn)[1]))}
+    cells = {}
+    for name, fn in providers.items():
+        fwd, fwd_bwd = steps(fn)
+        cells.update({(name, 0): fwd, (name, 1): fn, (name, 2): fwd_bwd})
     us = interleaved(cells, args)
     for name in providers:
         print(f"{name:12s} {us[name, 0]:12.1f} {us[name, 1]:13.1f} {us[name, 2]:16.1f}")

@@ -759,7 +759,9 @@ def _allgather_backward(dout, q, k, v, out, lse, stats, dlse, cfg: Config):
 # in its last call, a short local block) is replayed from a CUDA graph of its steps, one per
 # shape: the host then issues three input copies, one replay and two output copies instead of
 # every launch and transfer (about 0.5 ms of host time at 8k tokens per GPU, most of it
-# torch.distributed's point-to-point issue). Off until measured: bench/ring.py --graphs.
+# torch.distributed's point-to-point issue). Off by default: it pays where the host bounds a
+# synchronized call, and each graph holds its own copy of a shape's inputs, outputs and blocks
+# (OPTIMIZATION.md, item 36; bench/ring.py --graphs).
 GRAPHS = False
 _GRAPHS: "collections.OrderedDict" = collections.OrderedDict()
 _GRAPHS_KEPT = 2

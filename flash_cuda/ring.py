@@ -604,7 +604,15 @@ def _ring_forward(q: Tensor, k: Tensor, v: Tensor, cfg: Config):
             if W > 1:
                 handles = _first_hop(ring, kv, spare, ready)
         if step == 0 and speculative:
-            cfg.agreement.finish()  # before anything reads the received block
+            try:
+                cfg.agreement.finish()  # before anything reads the received block
+            except BaseException:
+                # Every rank sends and receives the first block (a changed rank placeholders of
+                # its size), so this hop completes: wait for it before its buffers go, or a
+                # CPU group's receive dropped while pending takes a later hop's message.
+                if handles is not None:
+                    ring.wait(handles)
+                raise
         if handles is not None:
             ring.wait(handles)
             # The block just attended becomes the next receive buffer, except the caller's own

@@ -18,6 +18,7 @@ import itertools
 import json
 import math
 import os
+import time
 import traceback
 from datetime import timedelta
 
@@ -270,6 +271,9 @@ def _speculation(world, rank):
 
     def counted(*args):
         hops.append(1)
+        # Late, so that a rank that sent its first block before the check sees the check fail
+        # while its receive is still pending: it must wait for the hop before it raises.
+        time.sleep(0.2)
         return real_hop(*args)
 
     gen = torch.Generator().manual_seed(7 + rank)
